@@ -1,0 +1,142 @@
+"""Config → a ready `Trainer`: the one place that reads the config and wires a run together.
+
+Order matters and is fixed: model → per-layer plan (checkpointing / offload) → parallel wrapping →
+optimizer → data → trainer. The memory features are applied to the bare model before data-parallel
+wrapping, so FSDP2 shards the same blocks the plan acted on.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from internlm_offload.config import ConfigError, ModelConfig, RunConfig
+from internlm_offload.data import StepLoader, StepSampler, Tokenizer, build_tokenizer
+from internlm_offload.engine.checkpoint import CheckpointManager
+from internlm_offload.engine.metrics import MetricsLog
+from internlm_offload.engine.runtime import RunContext, set_determinism
+from internlm_offload.engine.trainer import Trainer, TrainerSettings
+from internlm_offload.log import get_logger
+from internlm_offload.offload import LayerMode, LayerPlan, apply_activation_checkpointing, make_layer_plan
+from internlm_offload.optim import build_lr_scheduler
+from internlm_offload.registry import DATASETS, MODELS, OPTIMIZERS, PARALLEL, build
+
+logger = get_logger(__name__)
+
+DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
+
+
+def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
+    """Construct the model on `device`; weights are a pure function of the torch seed."""
+    if cfg.type == "hf_causal_lm":
+        kwargs: dict[str, Any] = {"path": cfg.hf_path, "config": cfg.hf_config}
+    else:
+        kwargs = dict(
+            num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+            num_kv_attention_heads=cfg.num_kv_attention_heads, vocab_size=cfg.vocab_size, mlp_ratio=cfg.mlp_ratio,
+            multiple_of=cfg.multiple_of, norm_eps=cfg.norm_eps, rope_base=cfg.rope_base,
+            tie_word_embeddings=cfg.tie_word_embeddings, init_std=cfg.init_std, attn_impl=cfg.attn_impl,
+        )  # fmt: skip
+    with torch.device(device):
+        model = build(MODELS, cfg.type, "model.type", **kwargs)
+    return model.to(DTYPES[cfg.dtype])
+
+
+def build_layer_plan(cfg: RunConfig, num_layers: int) -> LayerPlan:
+    offload = cfg.cpu_offloading
+    if offload.enable or cfg.selective_checkpoint_offload:
+        # Activation offload lands with its own issue; refuse rather than silently train without it.
+        raise ConfigError("cpu_offloading.enable / selective_checkpoint_offload: activation offload is not available yet")
+    try:
+        return make_layer_plan(
+            num_layers,
+            offload_layers=offload.num_layers,
+            checkpoint_ratio=cfg.model.checkpoint,
+            selective=cfg.selective_checkpoint,
+            selective_offload=cfg.selective_checkpoint_offload,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def apply_layer_plan(layers: nn.ModuleList, plan: LayerPlan) -> None:
+    apply_activation_checkpointing(layers, plan.layers_with(LayerMode.CHECKPOINT), selective=False)
+    apply_activation_checkpointing(layers, plan.layers_with(LayerMode.SELECTIVE), selective=True)
+
+
+def build_optimizer(cfg: RunConfig, model: nn.Module, device_type: str) -> torch.optim.Optimizer:
+    if cfg.swap_optimizer or cfg.hybrid_optimizer.enable or cfg.use_pinned_optimizer_offload:
+        raise ConfigError("swap_optimizer / hybrid_optimizer / use_pinned_optimizer_offload: not available yet")
+    adam = cfg.adam
+    return build(
+        OPTIMIZERS, "adamw", "optimizer", model, device_type=device_type, lr=adam.lr,
+        betas=(adam.adam_beta1, adam.adam_beta2), eps=adam.adam_eps, weight_decay=adam.weight_decay, fused=adam.fused,
+    )  # fmt: skip
+
+
+def check_vocab(model_vocab: int, tokenizer_vocab: int, tokenizer_name: str) -> None:
+    if tokenizer_vocab > model_vocab:
+        raise ConfigError(
+            f"model.vocab_size={model_vocab} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}, "
+            f"data.tokenizer={tokenizer_name!r}); set model.vocab_size >= {tokenizer_vocab}"
+        )
+
+
+def build_loader(cfg: RunConfig, ctx: RunContext, tokenizer: Tokenizer) -> StepLoader:
+    data = cfg.data
+    kwargs: dict[str, Any] = {"seq_len": data.seq_len, "tokenizer": tokenizer}
+    if data.type == "text":
+        kwargs["paths"] = data.paths
+    dataset = build(DATASETS, data.type, "data.type", **kwargs)
+    sampler = StepSampler(
+        len(dataset), micro_bsz=data.micro_bsz, micro_num=data.micro_num, rank=ctx.rank,
+        world_size=ctx.world_size, seed=data.seed, shuffle=data.shuffle,
+    )  # fmt: skip
+    return StepLoader(dataset, sampler)
+
+
+def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
+    """Build every component of the run described by `cfg`; writes nothing to disk."""
+    set_determinism(cfg.seed, cfg.deterministic, ctx.accelerator)
+    # 0. data first: a bad path or tokenizer fails before any model memory is allocated
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    if cfg.model.type == "internlm2":
+        check_vocab(cfg.model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
+    loader = build_loader(cfg, ctx, tokenizer)
+    # 1. model
+    model = build_model(cfg.model, ctx.device)
+    check_vocab(model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
+    layers: nn.ModuleList = model.layers
+    # 2.-3. per-layer plan, applied to the bare blocks
+    plan = build_layer_plan(cfg, len(layers))
+    logger.info("Layer plan (%d blocks):\n%s", len(layers), plan.table())
+    apply_layer_plan(layers, plan)
+    # 4. data parallelism
+    par = cfg.parallel
+    model = build(
+        PARALLEL, par.mode, "parallel.mode", model, ctx=ctx, layers=layers,
+        reshard_after_forward=par.reshard_after_forward, bucket_cap_mb=par.bucket_cap_mb,
+    )  # fmt: skip
+    # 5. optimizer and schedule
+    optimizer = build_optimizer(cfg, model, ctx.accelerator.name)
+    scheduler = build_lr_scheduler(
+        optimizer, base_lr=cfg.adam.lr, warmup_ratio=cfg.lr_scheduler.warmup_ratio,
+        total_steps=cfg.lr_scheduler.total_steps, eta_min=cfg.lr_scheduler.eta_min,
+    )  # fmt: skip
+    # 6. trainer
+    settings = TrainerSettings(
+        total_steps=cfg.data.total_steps, clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm,
+        checkpoint_every=cfg.ckpt.checkpoint_every, save_checkpoints=cfg.ckpt.enable_save_ckpt,
+        log_every=cfg.monitor.log_every, progress_bar=cfg.monitor.progress_bar,
+        config=cfg.model_dump(), config_fingerprint=cfg.fingerprint(),
+    )  # fmt: skip
+    return Trainer(
+        ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
+        checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
+        metrics=MetricsLog(work_dir / "metrics.jsonl") if ctx.is_main else None, settings=settings,
+    )  # fmt: skip
+
+
+def checkpoint_folder(cfg: RunConfig, work_dir: Path) -> Path:
+    return Path(cfg.ckpt.save_ckpt_folder) if cfg.ckpt.save_ckpt_folder else work_dir / "checkpoints"

@@ -1,0 +1,330 @@
+"""Run configuration: load a Python config file, fill defaults and derived values, validate.
+
+This module is the only place that knows the config schema. Config files are plain Python with
+literals only (mmengine `Config.fromfile`, `_base_` inheritance, `--cfg-options` overrides); the
+typed schema below (pydantic, unknown keys forbidden) checks every key, fills defaults and derives
+the values that depend on other keys or on the world size. Each field's description is the config
+reference: `python -m internlm_offload.tools.config_reference` renders docs/config_reference.md from it.
+
+Every problem is reported as one `ConfigError` line naming the key, the bad value and what is allowed.
+"""
+
+import ast
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message is one line meant for the user."""
+
+
+class Section(BaseModel):
+    """Base for every config section: strict types, unknown keys rejected."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+
+
+class ModelConfig(Section):
+    type: str = Field("internlm2", description="Registered model type: `internlm2` or `hf_causal_lm`.")
+    num_layers: int = Field(4, ge=1, description="Number of decoder blocks (`model.layers`).")
+    hidden_size: int = Field(128, ge=1, description="Model width.")
+    num_attention_heads: int = Field(4, ge=1, description="Query heads.")
+    num_kv_attention_heads: Optional[int] = Field(
+        None, ge=1, description="Key/value heads (grouped-query attention); default: `num_attention_heads`."
+    )
+    mlp_ratio: float = Field(8 / 3, gt=0, description="SwiGLU hidden size as a multiple of `hidden_size`.")
+    multiple_of: int = Field(64, ge=1, description="SwiGLU hidden size is rounded up to a multiple of this.")
+    vocab_size: int = Field(259, ge=1, description="Embedding rows; must be >= the tokenizer's vocabulary.")
+    dtype: Literal["torch.float32", "torch.bfloat16", "torch.float16"] = Field(
+        "torch.float32", description="Parameter and activation dtype (a string: config files hold no imports)."
+    )
+    checkpoint: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Activation checkpointing: fraction of the blocks recomputed in backward "
+        "(`True` = 1.0). Blocks `[cpu_offloading.num_layers, int(num_layers * checkpoint))` are checkpointed. "
+        "Saves their activations, costs about one extra forward of those blocks.",
+    )
+    norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
+    rope_base: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    tie_word_embeddings: bool = Field(False, description="Share the embedding and output-head weights.")
+    init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
+    attn_impl: Literal["auto", "sdpa", "flash"] = Field(
+        "auto", description="Attention kernel: `sdpa`, `flash` (flash-attn), `auto` (flash-attn on CUDA when installed)."
+    )
+    hf_path: Optional[str] = Field(None, description="`hf_causal_lm` only: local directory of a Hugging Face model.")
+    hf_config: Optional[dict] = Field(
+        None, description="`hf_causal_lm` only: a Hugging Face config dict (with `model_type`) to build from scratch."
+    )
+
+    @field_validator("checkpoint", mode="before")
+    @classmethod
+    def _bool_checkpoint(cls, value: Any) -> Any:
+        return float(value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _derive(self) -> "ModelConfig":
+        if self.num_kv_attention_heads is None:
+            self.num_kv_attention_heads = self.num_attention_heads
+        if self.type == "hf_causal_lm" and (self.hf_path is None) == (self.hf_config is None):
+            raise ValueError("model.type='hf_causal_lm' needs exactly one of model.hf_path and model.hf_config")
+        return self
+
+
+class DataConfig(Section):
+    type: str = Field("builtin", description="Registered dataset: `builtin` (text shipped with Python) or `text`.")
+    paths: list[str] = Field([], description="`text` only: `.txt`/`.jsonl` files or folders of them.")
+    tokenizer: str = Field("byte", description="`byte` (259 tokens) or a local Hugging Face tokenizer folder.")
+    seq_len: int = Field(128, ge=2, description="Tokens per sample.")
+    micro_bsz: int = Field(2, ge=1, description="Samples per micro-batch, per rank.")
+    micro_num: int = Field(1, ge=1, description="Micro-batches per step (gradient accumulation), per rank.")
+    global_bsz: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Samples per optimizer step over all ranks. When set, `micro_num` is derived as "
+        "`global_bsz / (micro_bsz * world_size)`, so runs on different world sizes see the same batches.",
+    )
+    total_steps: int = Field(100, ge=1, description="Optimizer steps to train.")
+    shuffle: bool = Field(True, description="Shuffle samples each epoch (seeded).")
+    seed: Optional[int] = Field(None, description="Sampler seed; default: the top-level `seed`.")
+
+    @field_validator("paths", mode="before")
+    @classmethod
+    def _tuple_paths(cls, value: Any) -> Any:
+        return list(value) if isinstance(value, tuple) else value
+
+
+class AdamConfig(Section):
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.01, ge=0, description="Decoupled weight decay, applied to matrices only.")
+    fused: Optional[bool] = Field(None, description="Fused AdamW kernel; default: on where the device has it.")
+
+
+class LrSchedulerConfig(Section):
+    warmup_ratio: float = Field(0.05, ge=0, le=1, description="Linear warmup over this fraction of the steps.")
+    eta_min: float = Field(1e-5, ge=0, description="Final learning rate of the cosine decay.")
+    total_steps: Optional[int] = Field(None, ge=1, description="Schedule length; default: `data.total_steps`.")
+
+
+class HybridZeroOptimizerConfig(Section):
+    clip_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables.")
+
+
+class ParallelConfig(Section):
+    mode: Literal["none", "ddp", "fsdp2"] = Field(
+        "none", description="`none` (one process), `ddp`, or `fsdp2` (`fully_shard` per block, then the root)."
+    )
+    reshard_after_forward: bool = Field(True, description="`fsdp2`: free unsharded params after forward (ZeRO-3).")
+    bucket_cap_mb: int = Field(25, ge=1, description="`ddp`: gradient bucket size.")
+
+
+class CkptConfig(Section):
+    save_ckpt_folder: Optional[str] = Field(None, description="Checkpoint folder; default `<work_dir>/checkpoints`.")
+    checkpoint_every: int = Field(0, ge=0, description="Save every N steps (0: only at the end).")
+    enable_save_ckpt: bool = Field(True, description="Write checkpoints at all.")
+    keep_last: int = Field(2, ge=0, description="Keep the newest N checkpoints (0 keeps all).")
+    load_ckpt_folder: Optional[str] = Field(
+        None, description="Start from this checkpoint (a `step_*` folder or a checkpoint folder's latest)."
+    )
+    auto_resume: bool = Field(False, description="Continue from the latest checkpoint in `save_ckpt_folder`.")
+
+
+class MonitorConfig(Section):
+    log_every: int = Field(1, ge=1, description="Log a line every N steps (metrics.jsonl gets every step).")
+    progress_bar: Literal["auto", "on", "off"] = Field("auto", description="`auto`: a bar on a TTY, log lines otherwise.")
+
+
+class CpuOffloadingConfig(Section):
+    enable: bool = Field(False, description="Offload saved activations of the first `num_layers` blocks to host.")
+    num_layers: int = Field(0, ge=0, description="Blocks whose activations go to host memory; < `model.num_layers`.")
+    mode: Literal["sync", "async"] = Field("async", description="`async` overlaps copies with compute.")
+    min_offload_bytes: int = Field(1024, ge=0, description="Smaller saved tensors stay on the device.")
+    prefetch_layers: int = Field(1, ge=1, description="Groups reloaded ahead during backward.")
+    pin_memory: bool = Field(True, description="Pinned host buffers where the device supports them.")
+
+
+class HybridOptimizerConfig(Section):
+    enable: bool = Field(False, description="Step `offload_fraction` of the parameters on the CPU.")
+    offload_fraction: float = Field(0.5, ge=0, le=1, description="Fraction of parameter elements stepped on the CPU.")
+    overlap_cpu_optimizer_d2h_h2d: bool = Field(True, description="Overlap grad D2H / param H2D with the CPU step.")
+    param_update_in_fp32: bool = Field(False, description="Keep fp32 master copies for the CPU-stepped params.")
+
+
+class RunConfig(Section):
+    """The whole resolved run configuration."""
+
+    JOB_NAME: str = Field("internlm2_tiny", min_length=1, description="Run name; default work dir `work_dirs/<JOB_NAME>`.")
+    seed: int = Field(1024, ge=0, description="Seeds model init, data order and every RNG.")
+    deterministic: bool = Field(True, description="Deterministic algorithms: bitwise-reproducible runs.")
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="Accelerator; `auto` picks cuda > npu > cpu.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    adam: AdamConfig = Field(default_factory=AdamConfig)
+    lr_scheduler: LrSchedulerConfig = Field(default_factory=LrSchedulerConfig)
+    hybrid_zero_optimizer: HybridZeroOptimizerConfig = Field(default_factory=HybridZeroOptimizerConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    ckpt: CkptConfig = Field(default_factory=CkptConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    cpu_offloading: CpuOffloadingConfig = Field(default_factory=CpuOffloadingConfig)
+    selective_checkpoint: bool = Field(
+        False, description="Checkpointed blocks keep matmul/attention outputs and recompute only cheap ops."
+    )
+    selective_checkpoint_offload: bool = Field(
+        False, description="Also offload what the selective policy keeps; needs `selective_checkpoint`."
+    )
+    swap_optimizer: bool = Field(False, description="Optimizer states live on the host, swapped in during `step()`.")
+    swap_optimizer_times: int = Field(16, ge=1, description="Chunks the swap optimizer steps the parameters in.")
+    use_pinned_optimizer_offload: bool = Field(False, description="One coalesced pinned host arena for optimizer states.")
+    hybrid_optimizer: HybridOptimizerConfig = Field(default_factory=HybridOptimizerConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        offload = self.cpu_offloading
+        if not offload.enable and offload.num_layers != 0:
+            raise ValueError(f"cpu_offloading.num_layers={offload.num_layers} needs cpu_offloading.enable=True")
+        if offload.num_layers >= self.model.num_layers:
+            raise ValueError(
+                f"cpu_offloading.num_layers={offload.num_layers} must be < model.num_layers={self.model.num_layers} "
+                "(the last block is never offloaded)"
+            )
+        if self.selective_checkpoint_offload and not self.selective_checkpoint:
+            raise ValueError("selective_checkpoint_offload=True needs selective_checkpoint=True")
+        if self.swap_optimizer and self.hybrid_optimizer.enable:
+            raise ValueError("swap_optimizer=True and hybrid_optimizer.enable=True exclude each other; choose one")
+        heads, kv_heads = self.model.num_attention_heads, self.model.num_kv_attention_heads
+        if self.model.hidden_size % heads or heads % kv_heads:
+            raise ValueError(
+                f"model.hidden_size={self.model.hidden_size} must be divisible by model.num_attention_heads={heads}, "
+                f"and that by model.num_kv_attention_heads={kv_heads}"
+            )
+        if self.data.type == "text" and not self.data.paths:
+            raise ValueError("data.type='text' needs data.paths (files or folders of .txt/.jsonl)")
+        return self
+
+    def checkpointed_layers(self) -> int:
+        """`int(num_layers * model.checkpoint)`: InternEvo's count of blocks under activation checkpointing."""
+        return int(self.model.num_layers * self.model.checkpoint)
+
+    def fingerprint(self) -> str:
+        """A short hash of the resolved config, recorded in metrics and checkpoints."""
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:12]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config_file(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Parse a config file with mmengine (`_base_` merged) and apply `--cfg-options` overrides."""
+    from mmengine.config import Config  # deferred: importing mmengine costs ~0.1 s
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config: file not found: {path}")
+    if path.suffix != ".py":
+        raise ConfigError(f"--config: {path} is not a Python config file (.py)")
+    _reject_imports(path)
+    try:
+        cfg = Config.fromfile(str(path))
+    except Exception as exc:  # mmengine raises many types; all mean "this file does not parse"
+        raise ConfigError(f"--config {path}: cannot parse: {_one_line(exc)}") from exc
+    if overrides:
+        cfg.merge_from_dict(overrides, allow_list_keys=True)
+    return cfg.to_dict()
+
+
+def _reject_imports(path: Path) -> None:
+    """Imports switch mmengine to its lazy mode, which breaks classic configs: forbid them up front."""
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except SyntaxError as exc:
+        raise ConfigError(f"--config {path}: syntax error at line {exc.lineno}: {exc.msg}") from exc
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            raise ConfigError(
+                f"{path} line {node.lineno}: import statements are not allowed in config files; "
+                'write values as literals (dtypes as strings, e.g. "torch.bfloat16")'
+            )
+
+
+def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
+    """Validate a raw config dict, fill defaults and derive the world-size dependent values."""
+    raw = {k: v for k, v in raw.items() if not _is_constant(k)}
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, raw)) from None
+    _derive_batch(cfg, world_size)
+    if cfg.lr_scheduler.total_steps is None:
+        cfg.lr_scheduler.total_steps = cfg.data.total_steps
+    if cfg.data.seed is None:
+        cfg.data.seed = cfg.seed
+    # A 1-process ddp/fsdp2 run is legal (handy to debug the wrappers); several processes need one.
+    if cfg.parallel.mode == "none" and world_size > 1:
+        raise ConfigError(f"parallel.mode='none' with world size {world_size}: use parallel.mode='ddp' or 'fsdp2'")
+    return cfg
+
+
+def _derive_batch(cfg: RunConfig, world_size: int) -> None:
+    data = cfg.data
+    if data.global_bsz is None:
+        data.global_bsz = data.micro_bsz * data.micro_num * world_size
+        return
+    per_step = data.micro_bsz * world_size
+    if data.global_bsz % per_step:
+        raise ConfigError(
+            f"data.global_bsz={data.global_bsz} is not divisible by data.micro_bsz * world_size = "
+            f"{data.micro_bsz} * {world_size}; choose a multiple of {per_step}"
+        )
+    data.micro_num = data.global_bsz // per_step
+
+
+def _is_constant(key: str) -> bool:
+    """UPPER_CASE top-level names are the config file's own constants (InternEvo style), not keys."""
+    return key.isupper() and key != "JOB_NAME"
+
+
+def _format_validation_error(exc: ValidationError, raw: dict[str, Any]) -> str:
+    errors = exc.errors()
+    line = _format_one_error(errors[0], raw)
+    if len(errors) > 1:
+        line += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return line
+
+
+def _format_one_error(err: dict[str, Any], raw: dict[str, Any]) -> str:
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        section = _schema_at(loc[:-1])
+        allowed = sorted(section.model_fields)
+        close = difflib.get_close_matches(loc[-1], allowed, n=1)
+        hint = f"; did you mean {'.'.join(loc[:-1] + close)!r}?" if close else f"; allowed keys: {', '.join(allowed)}"
+        return f"unknown config key {key!r}{hint}"
+    if kind == "value_error":
+        return str(err["ctx"]["error"])
+    message = err["msg"][0].lower() + err["msg"][1:]
+    return f"{key or 'config'}={err['input']!r}: {message}"
+
+
+def _schema_at(path: list[str]) -> type[Section]:
+    section: type[Section] = RunConfig
+    for name in path:
+        section = section.model_fields[name].annotation  # type: ignore[assignment]
+    return section
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) < 300 else text[:297] + "..."

@@ -1,0 +1,209 @@
+"""Checkpoints: model and optimizer through torch.distributed.checkpoint (DCP), plus the train state.
+
+Layout of one checkpoint, `<folder>/step_00000020/`:
+- DCP files (`.metadata`, `*.distcp`): model and optimizer state, resharded on load, so a checkpoint
+  written under FSDP2 loads under DDP or one process and back;
+- `train_state.pt`: step, tokens, sampler position, LR scheduler, the resolved config (plain types,
+  loads with `weights_only=True`);
+- `rng/rank_<r>.pt`: each rank's RNG states;
+- `manifest.json`, written last: step, world size, config fingerprint and the model's parameter shapes.
+
+A checkpoint is written into a hidden temporary folder and renamed into place only when complete,
+and the `latest` pointer moves after that; a crash mid-save never leaves a half checkpoint as
+latest, and an existing checkpoint is never overwritten.
+"""
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from internlm_offload.engine.runtime import RunContext, barrier
+from internlm_offload.log import get_logger
+
+logger = get_logger(__name__)
+
+MANIFEST = "manifest.json"
+TRAIN_STATE = "train_state.pt"
+LATEST = "latest"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, or was saved for another model."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def model_signature(model_state: dict[str, Any]) -> dict[str, list[int]]:
+    """Parameter name → global shape; identifies the model a checkpoint belongs to."""
+    return {name: list(t.shape) for name, t in sorted(model_state.items()) if isinstance(t, torch.Tensor)}
+
+
+class CheckpointManager:
+    """Saves and loads checkpoints in one folder; every rank calls `save`/`load` collectively."""
+
+    def __init__(self, folder: Path, ctx: RunContext, *, keep_last: int = 2) -> None:
+        self.folder = Path(folder)
+        self.ctx = ctx
+        self.keep_last = keep_last
+
+    # ------------------------------------------------------------------ discovery
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.folder)
+
+    # ------------------------------------------------------------------ save
+
+    def save(
+        self, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]
+    ) -> Path:
+        final = self.folder / step_dir_name(step)
+        if final.exists():
+            logger.warning("checkpoint %s already exists; not overwriting it", final)
+            return final
+        tmp = self.folder / f".tmp-{step_dir_name(step)}"
+        if self.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+            tmp.mkdir(parents=True)
+        barrier(self.ctx)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+        self._save_rng(tmp)
+        barrier(self.ctx)
+        if self.ctx.is_main:
+            torch.save(train_state, tmp / TRAIN_STATE)
+            manifest = {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "world_size": self.ctx.world_size,
+                "config_fingerprint": train_state.get("config_fingerprint"),
+                "torch_version": torch.__version__,
+                "model": model_signature(model_state),
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            os.replace(tmp, final)
+            self._point_latest(final)
+            self._prune()
+        barrier(self.ctx)
+        logger.info("Saved checkpoint %s", final)
+        return final
+
+    def _save_rng(self, folder: Path) -> None:
+        rng_dir = folder / "rng"
+        rng_dir.mkdir(exist_ok=True)
+        state = {
+            "python": random.getstate(),
+            "torch": torch.get_rng_state(),
+            "device": self.ctx.accelerator.rng_state(),
+        }
+        torch.save(state, rng_dir / f"rank_{self.ctx.rank}.pt")
+
+    def _point_latest(self, final: Path) -> None:
+        tmp_pointer = self.folder / f".{LATEST}.tmp"
+        tmp_pointer.write_text(final.name + "\n")
+        os.replace(tmp_pointer, self.folder / LATEST)
+
+    def _prune(self) -> None:
+        if self.keep_last <= 0:
+            return
+        for old in complete_checkpoints(self.folder)[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Load model, optimizer and RNG states in place; return the train state."""
+        path = resolve_checkpoint_path(Path(path))
+        manifest = read_manifest(path)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        check_signature(path, manifest["model"], model_signature(model_state))
+        state = {"model": model_state, "optim": optim_state}
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as exc:  # DCP raises CheckpointException, RuntimeError, KeyError, ... for bad files
+            raise CheckpointError(f"checkpoint {path} cannot be read: {' '.join(str(exc).split())[:300]}") from exc
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self._load_rng(path, saved_world_size=manifest["world_size"])
+        try:
+            train_state = torch.load(path / TRAIN_STATE, weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint {path}: {TRAIN_STATE} is unreadable: {exc}") from exc
+        logger.info("Loaded checkpoint %s (step %d)", path, manifest["step"])
+        return train_state
+
+    def _load_rng(self, path: Path, *, saved_world_size: int) -> None:
+        rng_file = path / "rng" / f"rank_{self.ctx.rank}.pt"
+        if saved_world_size != self.ctx.world_size or not rng_file.is_file():
+            logger.warning("RNG states not restored (saved on %d ranks, running on %d)", saved_world_size,
+                           self.ctx.world_size)  # fmt: skip
+            return
+        state = torch.load(rng_file, weights_only=True)
+        random.setstate(state["python"])
+        torch.set_rng_state(state["torch"])
+        self.ctx.accelerator.set_rng_state(state["device"])
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """Finished checkpoints (those with a manifest), oldest first."""
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.glob("step_*") if p.is_dir() and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete checkpoint; the `latest` pointer is a hint, the manifests decide."""
+    pointer = folder / LATEST
+    if pointer.is_file():
+        candidate = folder / pointer.read_text().strip()
+        if (candidate / MANIFEST).is_file():
+            return candidate
+    complete = complete_checkpoints(folder)
+    return complete[-1] if complete else None
+
+
+def resolve_checkpoint_path(path: Path) -> Path:
+    """Accept a `step_*` folder or a checkpoint folder (then its latest checkpoint)."""
+    if (path / MANIFEST).is_file():
+        return path
+    if path.is_dir():
+        latest = latest_checkpoint(path)
+        if latest is not None:
+            return latest
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST}) and holds none")
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({exc})") from exc
+    if manifest.get("format") != FORMAT_VERSION or "model" not in manifest:
+        raise CheckpointError(f"checkpoint {path}: unknown format {manifest.get('format')!r}")
+    return manifest
+
+
+def check_signature(path: Path, saved: dict[str, list[int]], current: dict[str, list[int]]) -> None:
+    """Refuse a checkpoint of another model, naming the first parameter that differs."""
+    for name in sorted(set(saved) | set(current)):
+        if name not in current:
+            raise CheckpointError(f"checkpoint {path} was saved for another model: it has {name!r}, this model does not")
+        if name not in saved:
+            raise CheckpointError(f"checkpoint {path} was saved for another model: it lacks {name!r}")
+        if saved[name] != current[name]:
+            raise CheckpointError(
+                f"checkpoint {path} was saved for another model: {name} has shape {saved[name]}, "
+                f"this model has {current[name]}"
+            )

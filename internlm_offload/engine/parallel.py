@@ -1,0 +1,54 @@
+"""Data-parallel wrappers: `none`, `ddp` and `fsdp2`, registered in PARALLEL.
+
+Each `apply_*` takes the model and plain arguments and returns the model to train. FSDP2 shards
+each decoder block as its own unit (so only one block's parameters are unsharded at a time), then the
+root for the embeddings, final norm and head.
+"""
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from internlm_offload.engine.runtime import RunContext
+from internlm_offload.log import get_logger
+from internlm_offload.registry import PARALLEL
+
+logger = get_logger(__name__)
+
+
+@PARALLEL.register_module(name="none")
+def apply_none(model: nn.Module, *, ctx: RunContext, **_: object) -> nn.Module:
+    return model
+
+
+@PARALLEL.register_module(name="ddp")
+def apply_ddp(model: nn.Module, *, ctx: RunContext, bucket_cap_mb: int = 25, **_: object) -> nn.Module:
+    device_ids = None if ctx.accelerator.name == "cpu" else [ctx.local_rank]
+    wrapped = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
+    logger.info("Applied DDP over %d ranks (bucket %d MB)", ctx.world_size, bucket_cap_mb)
+    return wrapped
+
+
+@PARALLEL.register_module(name="fsdp2")
+def apply_fsdp2(
+    model: nn.Module, *, ctx: RunContext, layers: nn.ModuleList, reshard_after_forward: bool = True, **_: object
+) -> nn.Module:
+    mesh = init_device_mesh(ctx.accelerator.name, (ctx.world_size,))
+    for block in layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    # The root keeps its params unsharded after forward: backward needs the head straight away.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    logger.info("Applied FSDP2 over %d ranks: %d blocks + root", ctx.world_size, len(layers))
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model under a DDP wrapper (FSDP2 modifies the model in place)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t

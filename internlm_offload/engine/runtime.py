@@ -1,0 +1,79 @@
+"""Process-level runtime facts (rank, world size, device) and the seeding/determinism switches.
+
+`RunContext` is created once by the entry point and passed explicitly; nothing here is global.
+"""
+
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from internlm_offload.device import Accelerator
+
+
+@dataclass(frozen=True)
+class RunContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    accelerator: Accelerator
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device(self.local_rank)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+
+def launched_by_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_runtime(accelerator: Accelerator) -> RunContext:
+    """Join the process group when launched by torchrun (gloo on cpu, nccl/hccl on accelerators)."""
+    if not launched_by_torchrun():
+        return RunContext(rank=0, local_rank=0, world_size=1, accelerator=accelerator)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    accelerator.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=accelerator.dist_backend)
+    return RunContext(rank=rank, local_rank=local_rank, world_size=world_size, accelerator=accelerator)
+
+
+def shutdown_runtime() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: RunContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
+
+
+def set_determinism(seed: int, deterministic: bool, accelerator: Accelerator) -> None:
+    """Seed every RNG from one seed; in deterministic mode also force deterministic kernels."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    accelerator.manual_seed_all(seed)
+    if not deterministic:
+        return
+    # cuBLAS needs a fixed workspace for reproducible GEMMs; must be set before the first cuBLAS call.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    # The uninitialised-memory fill kernels would race with side-stream copies into fresh buffers.
+    torch.utils.deterministic.fill_uninitialized_memory = False

@@ -1,0 +1,113 @@
+"""The command line entry point behind `train.py`: parse, validate, build, resume, train.
+
+Bad input (config, data, checkpoint) ends with one `error: ...` line on stderr and exit code 2,
+before anything is written to the work dir.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from internlm_offload.config import ConfigError, RunConfig, load_config_file, resolve_config
+from internlm_offload.data import DataError
+from internlm_offload.device import get_accelerator
+from internlm_offload.engine.checkpoint import CheckpointError, latest_checkpoint, resolve_checkpoint_path
+from internlm_offload.engine.runtime import barrier, env_world_size, init_runtime, shutdown_runtime
+from internlm_offload.log import get_logger, setup_logging
+from internlm_offload.registry import UnknownTypeError
+
+logger = get_logger(__name__)
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError, UnknownTypeError)
+EXIT_BAD_INPUT = 2
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from mmengine.config import DictAction
+
+    parser = argparse.ArgumentParser(description="Train an LLM from a Python config file.")
+    parser.add_argument("--config", required=True, help="Python config file (mmengine syntax, `_base_` allowed)")
+    parser.add_argument(
+        "--cfg-options", nargs="+", action=DictAction, default={},
+        help="override config keys, e.g. model.checkpoint=0.5 cpu_offloading.enable=True",
+    )  # fmt: skip
+    parser.add_argument("--work-dir", help="output folder (default: work_dirs/<JOB_NAME>)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    finally:
+        shutdown_runtime()
+
+
+def run(args: argparse.Namespace) -> int:
+    # Validate everything that needs no process group first: a bad config never starts workers.
+    cfg = resolve_config(load_config_file(args.config, args.cfg_options), world_size=env_world_size())
+    if args.print_config:
+        print(json.dumps(cfg.model_dump(), indent=2))
+        return 0
+    ctx = init_runtime(get_accelerator(cfg.device))
+    setup_logging(ctx.rank)
+    work_dir = Path(args.work_dir or Path("work_dirs") / cfg.JOB_NAME)
+    resume_path = find_resume_checkpoint(cfg, work_dir, resume=args.resume or cfg.ckpt.auto_resume)
+
+    from internlm_offload.builder import build_trainer, checkpoint_folder  # heavy imports after validation
+
+    if resume_path is None:
+        refuse_to_clobber(checkpoint_folder(cfg, work_dir))
+    trainer = build_trainer(cfg, ctx, work_dir)
+    if resume_path is not None:
+        trainer.resume_from(resume_path)
+    if ctx.is_main:
+        write_run_files(cfg, work_dir, fresh=resume_path is None)
+    barrier(ctx)
+    logger.info("Training %s: %d steps, work dir %s", cfg.JOB_NAME, cfg.data.total_steps, work_dir)
+    trainer.train()
+    logger.info("Done: %d steps, metrics in %s", trainer.step, work_dir / "metrics.jsonl")
+    return 0
+
+
+def find_resume_checkpoint(cfg: RunConfig, work_dir: Path, *, resume: bool) -> Path | None:
+    """`ckpt.load_ckpt_folder` wins; else with --resume / auto_resume the latest in the checkpoint folder."""
+    if cfg.ckpt.load_ckpt_folder:
+        return resolve_checkpoint_path(Path(cfg.ckpt.load_ckpt_folder))
+    if not resume:
+        return None
+    from internlm_offload.builder import checkpoint_folder
+
+    folder = checkpoint_folder(cfg, work_dir)
+    latest = latest_checkpoint(folder)
+    if latest is None:
+        logger.warning("--resume: no checkpoint in %s, starting from scratch", folder)
+    return latest
+
+
+def refuse_to_clobber(folder: Path) -> None:
+    """A fresh run must not mix its checkpoints with an earlier run's."""
+    latest = latest_checkpoint(folder)
+    if latest is not None:
+        raise CheckpointError(
+            f"{folder} already holds checkpoints (latest: {latest.name}); "
+            "pass --resume to continue that run, or choose another --work-dir"
+        )
+
+
+def write_run_files(cfg: RunConfig, work_dir: Path, *, fresh: bool) -> None:
+    """The resolved config (as JSON and as a loadable Python config); a fresh run starts a new metrics file."""
+    from mmengine.config import Config
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    resolved = cfg.model_dump()
+    (work_dir / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+    Config(resolved).dump(str(work_dir / "config.py"))
+    if fresh:
+        (work_dir / "metrics.jsonl").unlink(missing_ok=True)

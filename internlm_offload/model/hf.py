@@ -1,0 +1,118 @@
+"""A Hugging Face causal LM behind the same interface as InternLM2 (forward, layers, init_weights)."""
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from internlm_offload.log import get_logger
+from internlm_offload.registry import MODELS
+
+logger = get_logger(__name__)
+
+# Where common architectures keep their decoder layers: llama/mistral/qwen/internlm2, then gpt2-style.
+_LAYER_PATHS = ("model.layers", "transformer.h")
+
+
+def _zero_dropout(config: Any) -> list[str]:
+    """Set every float dropout probability on an HF config to 0 (runs must be reproducible); return the names."""
+    zeroed = []
+    for name, value in vars(config).items():
+        is_prob = "dropout" in name or name.endswith("pdrop")
+        if is_prob and isinstance(value, float) and value != 0.0:
+            setattr(config, name, 0.0)
+            zeroed.append(name)
+    return zeroed
+
+
+def _find_layers_path(model: nn.Module, num_layers: int | None) -> str:
+    """Dotted path of the decoder-layer ModuleList inside `model`."""
+    for path in _LAYER_PATHS:
+        try:
+            if isinstance(model.get_submodule(path), nn.ModuleList):
+                return path
+        except AttributeError:
+            continue
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            return path
+    raise ValueError(
+        f"cannot find the decoder layers of {type(model).__name__}: not at {' or '.join(_LAYER_PATHS)}, "
+        f"and no nn.ModuleList has config.num_hidden_layers={num_layers} entries"
+    )
+
+
+def _clear_hf_init_flags(model: nn.Module) -> None:
+    """Forget HF's `_is_hf_initialized` marks, which make a second init a silent no-op."""
+    for obj in (*model.modules(), *model.parameters(), *model.buffers()):
+        if hasattr(obj, "_is_hf_initialized"):
+            delattr(obj, "_is_hf_initialized")
+
+
+@MODELS.register_module(name="hf_causal_lm")
+class HFCausalLM(nn.Module):
+    """Wraps `AutoModelForCausalLM`, built from a local checkpoint (`path`) or a config dict (`config`)."""
+
+    def __init__(
+        self,
+        *,
+        path: str | None = None,
+        config: dict | None = None,
+        trust_remote_code: bool = False,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        super().__init__()
+        if (path is None) == (config is None):
+            raise ValueError(f"HFCausalLM needs exactly one of path= and config=; got path={path!r}, config={config!r}")
+        try:
+            from transformers import AutoConfig, AutoModelForCausalLM
+        except ImportError as e:
+            raise ImportError('HFCausalLM needs transformers: pip install "internlm_offload[hf]"') from e
+
+        if path is not None:
+            if not os.path.isdir(path):
+                raise ValueError(f"path={path!r} is not a local directory (HFCausalLM never downloads)")
+            hf_config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        else:
+            if "model_type" not in config:
+                raise ValueError(f"config={config!r} needs a 'model_type' key (e.g. 'llama')")
+            hf_config = AutoConfig.for_model(**config)
+        hf_config.use_cache = False
+        zeroed = _zero_dropout(hf_config)
+        if zeroed:
+            logger.info("set HF dropout to 0 for reproducibility: %s", ", ".join(zeroed))
+
+        if path is not None:
+            self.hf_model = AutoModelForCausalLM.from_pretrained(
+                path,
+                config=hf_config,
+                local_files_only=True,
+                trust_remote_code=trust_remote_code,
+                attn_implementation=attn_implementation,
+            )
+        else:
+            self.hf_model = AutoModelForCausalLM.from_config(
+                hf_config, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+            )
+        self.pretrained = path is not None
+        # A path string, not the ModuleList itself: a second reference would register the layers twice.
+        self._layers_path = _find_layers_path(self.hf_model, getattr(hf_config, "num_hidden_layers", None))
+        self.num_layers = len(self.layers)
+        self.vocab_size = self.hf_model.config.vocab_size
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers (checkpointing and offload wrap these)."""
+        return self.hf_model.get_submodule(self._layers_path)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) for input_ids (B, T)."""
+        return self.hf_model(input_ids=input_ids, use_cache=False).logits
+
+    def init_weights(self) -> None:
+        """Re-run HF's init from the current torch RNG when built from a config; keep pretrained weights as they are."""
+        if self.pretrained:
+            return
+        _clear_hf_init_flags(self.hf_model)
+        self.hf_model.init_weights()

@@ -1,0 +1,271 @@
+"""InternLM2-style decoder-only LM: RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases, no dropout."""
+
+import functools
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from internlm_offload.registry import MODELS
+
+ATTN_IMPLS = ("sdpa", "flash", "auto")
+
+
+@functools.cache
+def _flash_attn_func() -> Callable | None:
+    """Return `flash_attn.flash_attn_func`, or None when flash-attn is not importable."""
+    try:
+        from flash_attn import flash_attn_func
+    except Exception:  # a broken CUDA install raises more than ImportError
+        return None
+    return flash_attn_func
+
+
+def _rope_inv_freq(head_dim: int, base: float, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies 1 / base^(2i/d) for i in [0, d/2), in float32."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    return 1.0 / (base**exponents)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Map the two halves (x1, x2) of the last dim to (-x2, x1)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, T, H, D) by the per-position angles cos, sin (T, D)."""
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D) broadcasts over batch and heads
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 and cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight.float()).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        """Weight to ones."""
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary position embeddings."""
+
+    def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, attn_impl: str) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = hidden_size // n_heads
+        self.attn_impl = attn_impl
+        self.wq = nn.Linear(hidden_size, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, hidden_size, bias=False)
+
+    def _use_flash(self, x: torch.Tensor) -> bool:
+        """Whether this call goes to flash-attn (decided per call from the activation)."""
+        if self.attn_impl == "flash":
+            return True
+        if self.attn_impl == "sdpa":
+            return False
+        on_gpu_half = x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16)
+        return on_gpu_half and _flash_attn_func() is not None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KVH, D)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KVH, D)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self._use_flash(x):
+            # flash-attn takes (B, T, H, D) and handles fewer kv heads itself
+            out = _flash_attn_func()(q, k, v, causal=True)  # (B, T, H, D)
+        else:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H or KVH, T, D)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, D)
+            out = out.transpose(1, 2)  # (B, T, H, D)
+        return self.wo(out.reshape(B, T, C))  # (B, T, C)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        """normal(0, std) for wq, wk, wv; normal(0, out_std) for wo, which writes into the residual stream."""
+        for lin in (self.wq, self.wk, self.wv):
+            nn.init.normal_(lin.weight, mean=0.0, std=std)
+        nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        """normal(0, std) for w1, w3; normal(0, out_std) for w2, which writes into the residual stream."""
+        nn.init.normal_(self.w1.weight, mean=0.0, std=std)
+        nn.init.normal_(self.w3.weight, mean=0.0, std=std)
+        nn.init.normal_(self.w2.weight, mean=0.0, std=out_std)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then h + ffn(norm(h))."""
+
+    def __init__(
+        self, hidden_size: int, n_heads: int, n_kv_heads: int, intermediate_size: int, norm_eps: float, attn_impl: str
+    ) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(hidden_size, norm_eps)
+        self.attention = Attention(hidden_size, n_heads, n_kv_heads, attn_impl)
+        self.ffn_norm = RMSNorm(hidden_size, norm_eps)
+        self.feed_forward = FeedForward(hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        """Norms to ones, linears as in Attention/FeedForward.init_weights."""
+        self.attention_norm.reset_parameters()
+        self.attention.init_weights(std, out_std)
+        self.ffn_norm.reset_parameters()
+        self.feed_forward.init_weights(std, out_std)
+
+
+def _validate_args(**args: Any) -> None:
+    """Raise ValueError naming the first bad InternLM2 constructor argument and its value."""
+    int_args = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_attention_heads", "vocab_size", "multiple_of")
+    for name in int_args:
+        value = args[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    for name in ("mlp_ratio", "norm_eps", "rope_base", "init_std"):
+        value = args[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive number")
+    heads, kv_heads, hidden = args["num_attention_heads"], args["num_kv_attention_heads"], args["hidden_size"]
+    if heads % kv_heads != 0:
+        raise ValueError(f"num_attention_heads={heads} must be divisible by num_kv_attention_heads={kv_heads}")
+    if hidden % heads != 0:
+        raise ValueError(f"hidden_size={hidden} must be divisible by num_attention_heads={heads}")
+    if (hidden // heads) % 2 != 0:
+        raise ValueError(f"hidden_size={hidden} / num_attention_heads={heads} is odd; RoPE needs an even head_dim")
+    attn_impl = args["attn_impl"]
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl={attn_impl!r} must be one of {ATTN_IMPLS}")
+    if attn_impl == "flash" and _flash_attn_func() is None:
+        raise ValueError("attn_impl='flash' but flash_attn is not importable: pip install flash-attn, or use 'auto'")
+
+
+@MODELS.register_module(name="internlm2")
+class InternLM2(nn.Module):
+    """Decoder-only LM: tok_embeddings -> layers -> norm -> output."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        hidden_size: int,
+        num_attention_heads: int,
+        num_kv_attention_heads: int,
+        vocab_size: int,
+        mlp_ratio: float = 8 / 3,
+        multiple_of: int = 64,
+        norm_eps: float = 1e-6,
+        rope_base: float = 10000.0,
+        tie_word_embeddings: bool = False,
+        init_std: float = 0.02,
+        attn_impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        _validate_args(
+            num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+            num_kv_attention_heads=num_kv_attention_heads, vocab_size=vocab_size, multiple_of=multiple_of,
+            mlp_ratio=mlp_ratio, norm_eps=norm_eps, rope_base=rope_base, init_std=init_std, attn_impl=attn_impl,
+        )
+        head_dim = hidden_size // num_attention_heads
+
+        self.num_layers = num_layers
+        self.vocab_size = vocab_size
+        self.head_dim = head_dim
+        self.rope_base = rope_base
+        self.init_std = init_std
+        self.tie_word_embeddings = tie_word_embeddings
+        intermediate_size = multiple_of * math.ceil(int(hidden_size * mlp_ratio) / multiple_of)
+
+        # Built on meta so construction draws no random numbers: init_weights alone sets every weight, which
+        # makes a direct build equal a meta build + to_empty + init_weights under the same seed.
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            self.tok_embeddings = nn.Embedding(vocab_size, hidden_size)
+            self.layers = nn.ModuleList(
+                DecoderLayer(
+                    hidden_size, num_attention_heads, num_kv_attention_heads, intermediate_size, norm_eps, attn_impl
+                )
+                for _ in range(num_layers)
+            )
+            self.norm = RMSNorm(hidden_size, norm_eps)
+            self.output = nn.Linear(hidden_size, vocab_size, bias=False)
+            # Non-persistent: derived from config, so checkpoints hold only parameters.
+            self.register_buffer("inv_freq", _rope_inv_freq(head_dim, rope_base), persistent=False)
+        if tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.to_empty(device=device)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Set every weight from the current torch RNG (normal(0, init_std); residual outputs scaled) and reset RoPE."""
+        if self.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # to_empty from meta makes a new Parameter per module, which unties a shared weight
+            self.output.weight = self.tok_embeddings.weight
+        with torch.no_grad():
+            self.inv_freq.copy_(_rope_inv_freq(self.head_dim, self.rope_base, self.inv_freq.device))
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=self.init_std)
+        # GPT-2: shrink the projections that write into the residual stream so its variance stays flat in depth.
+        out_std = self.init_std / math.sqrt(2 * self.num_layers)
+        for layer in self.layers:
+            layer.init_weights(self.init_std, out_std)
+        self.norm.reset_parameters()
+        if not self.tie_word_embeddings:
+            nn.init.normal_(self.output.weight, mean=0.0, std=self.init_std)
+
+    def rope_cos_sin(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (T, head_dim), for positions 0..T-1: computed in float32, cast to `dtype`."""
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:  # model.to(bf16) casts buffers; bf16 frequencies skew long-T angles
+            inv_freq = _rope_inv_freq(self.head_dim, self.rope_base, inv_freq.device)
+        positions = torch.arange(seq_len, dtype=torch.float32, device=inv_freq.device)
+        freqs = torch.outer(positions, inv_freq)  # (T, D/2)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (T, D): rotate-half pairs dim i with i + D/2
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) for input_ids (B, T), in the model's dtype."""
+        h = self.tok_embeddings(input_ids)  # (B, T, C)
+        rope = self.rope_cos_sin(input_ids.shape[1], h.dtype)
+        for layer in self.layers:
+            h = layer(h, rope)
+        return self.output(self.norm(h))  # (B, T, V)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count (tied weights once); exclude_embeddings drops the tok_embeddings table."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.tok_embeddings.weight.numel()
+        return n

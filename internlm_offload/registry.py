@@ -1,0 +1,40 @@
+"""The registries that turn a config's `type="..."` into objects.
+
+Built on mmengine's `Registry` in a scope of our own ("internlm_offload"), so our names never collide
+with mmengine's root registries (which already hold torch.optim's `AdamW`, `Muon`, ...). Each registry
+lists the modules that register into it (`locations`); mmengine imports them on the first lookup, so no
+caller has to import a module only for its side effect.
+"""
+
+from typing import Any
+
+from mmengine.registry import Registry
+
+SCOPE = "internlm_offload"
+
+MODELS = Registry("model", scope=SCOPE, locations=["internlm_offload.model"])
+DATASETS = Registry("dataset", scope=SCOPE, locations=["internlm_offload.data"])
+OPTIMIZERS = Registry("optimizer", scope=SCOPE, locations=["internlm_offload.optim"])
+PARALLEL = Registry("parallel", scope=SCOPE, locations=["internlm_offload.engine.parallel"])
+
+
+class UnknownTypeError(KeyError):
+    """A config named a `type` that is not registered."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want the plain line
+        return str(self.args[0])
+
+
+def lookup(registry: Registry, type_name: str, key: str) -> Any:
+    """Return the object registered as `type_name`, or raise naming `key` and the registered names."""
+    registry.import_from_location()
+    obj = registry.get(type_name)
+    if obj is None:
+        names = ", ".join(sorted(registry.module_dict))
+        raise UnknownTypeError(f"{key}: unknown type {type_name!r}; registered {registry.name} types: {names}")
+    return obj
+
+
+def build(registry: Registry, type_name: str, key: str, /, *args: Any, **kwargs: Any) -> Any:
+    """Call the object registered as `type_name` (a class or a builder function) with the arguments."""
+    return lookup(registry, type_name, key)(*args, **kwargs)

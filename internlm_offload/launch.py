@@ -6,6 +6,7 @@ before anything is written to the work dir.
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        rank = os.environ.get("RANK", "0")
+        print(f"{'' if rank == '0' else f'[rank {rank}] '}error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     finally:
         shutdown_runtime()

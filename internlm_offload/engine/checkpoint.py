@@ -17,18 +17,23 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from internlm_offload.engine.runtime import RunContext, barrier
 from internlm_offload.log import get_logger
 
 logger = get_logger(__name__)
+
+# DCP warns on every call in a single process (no process group); that is a supported mode here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.pt"
@@ -130,8 +135,8 @@ class CheckpointManager:
         state = {"model": model_state, "optim": optim_state}
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as exc:  # DCP raises CheckpointException, RuntimeError, KeyError, ... for bad files
-            raise CheckpointError(f"checkpoint {path} cannot be read: {' '.join(str(exc).split())[:300]}") from exc
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            raise CheckpointError(f"checkpoint {path} cannot be read: {_first_cause(exc)}") from exc
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self._load_rng(path, saved_world_size=manifest["world_size"])
         try:
@@ -193,6 +198,15 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if manifest.get("format") != FORMAT_VERSION or "model" not in manifest:
         raise CheckpointError(f"checkpoint {path}: unknown format {manifest.get('format')!r}")
     return manifest
+
+
+def _first_cause(exc: BaseException) -> str:
+    """DCP wraps per-rank failures; name the underlying error in one short line."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        failure = next(iter(exc.failures.values()))
+        exc = failure[0] if isinstance(failure, tuple) else failure  # (exception, stack summary)
+    text = " ".join(f"{type(exc).__name__} {exc}".split())
+    return text[:300]
 
 
 def check_signature(path: Path, saved: dict[str, list[int]], current: dict[str, list[int]]) -> None:

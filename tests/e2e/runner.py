@@ -1,0 +1,39 @@
+"""Helpers to run `train.py` as users do: in a subprocess, alone or under torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "internlm2_tiny.py"
+# Small and fast: the tests check equality, not learning.
+FAST = ["data.seq_len=64", "data.micro_bsz=2", "data.micro_num=2", "monitor.progress_bar=off"]
+
+
+def train(
+    work_dir: Path, *options: str, nproc: int = 1, config: Path = TINY, resume: bool = False, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run train.py (torchrun when nproc > 1) with the FAST options plus `options`."""
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
+    else:
+        launcher = [sys.executable]
+    cmd = [*launcher, str(REPO / "train.py"), "--config", str(config), "--work-dir", str(work_dir)]
+    cmd += ["--cfg-options", *FAST, *options]
+    if resume:
+        cmd.append("--resume")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def metrics(work_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (work_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(work_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(work_dir)}

@@ -1,0 +1,134 @@
+"""Every kind of bad input ends with one `error:` line on stderr, exit code 2, and nothing written."""
+
+import hashlib
+import shutil
+
+import pytest
+from runner import REPO, TINY, train
+
+pytestmark = pytest.mark.e2e
+
+
+def assert_clean_error(proc, *fragments: str) -> str:
+    """Exit 2, exactly one `error:` line containing `fragments`, no traceback; returns the line."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def write_config(tmp_path, body: str):
+    path = tmp_path / "cfg.py"
+    path.write_text(f'_base_ = ["{REPO}/configs/internlm2_tiny.py"]\n{body}\n')
+    return path
+
+
+@pytest.mark.parametrize(
+    "options, fragments",
+    [
+        (["model.num_layer=3"], ["unknown config key 'model.num_layer'", "did you mean 'model.num_layers'"]),
+        (["modle.num_layers=3"], ["unknown config key 'modle'", "did you mean 'model'"]),
+        (["model.num_layers=abc"], ["model.num_layers='abc'", "valid integer"]),
+        (["model.checkpoint=1.5"], ["model.checkpoint=1.5", "less than or equal to 1"]),
+        (["model.dtype=torch.int8"], ["model.dtype='torch.int8'", "'torch.float32'"]),
+        (["parallel.mode=zero3"], ["parallel.mode='zero3'", "'fsdp2'"]),
+        (["cpu_offloading.num_layers=2"], ["cpu_offloading.num_layers=2 needs cpu_offloading.enable=True"]),
+        (["selective_checkpoint_offload=True"], ["needs selective_checkpoint=True"]),
+        (["swap_optimizer_times=0"], ["swap_optimizer_times=0", "greater than or equal to 1"]),
+        (["data.type=text", "data.paths=[/no/such/file.txt]"], ["data.paths", "/no/such/file.txt"]),
+        (["model.type=gpt9"], ["model.type", "'gpt9'", "internlm2"]),
+        (["model.vocab_size=100"], ["model.vocab_size=100", "259"]),
+    ],
+)
+def test_bad_config_values(tmp_path, options, fragments):
+    work_dir = tmp_path / "wd"
+    assert_clean_error(train(work_dir, *options, check=False), *fragments)
+    assert not work_dir.exists()
+
+
+def test_missing_config_file(tmp_path):
+    proc = train(tmp_path / "wd", config=tmp_path / "nope.py", check=False)
+    assert_clean_error(proc, "--config", "nope.py", "not found")
+
+
+def test_unparsable_config(tmp_path):
+    proc = train(tmp_path / "wd", config=write_config(tmp_path, "model = dict(num_layers=4"), check=False)
+    assert_clean_error(proc, "cfg.py", "syntax error")
+    assert not (tmp_path / "wd").exists()
+
+
+def test_import_in_config(tmp_path):
+    proc = train(tmp_path / "wd", config=write_config(tmp_path, "import torch\nx = 1"), check=False)
+    assert_clean_error(proc, "cfg.py line 2", "import statements are not allowed")
+
+
+def test_world_size_that_does_not_divide_the_batch(tmp_path):
+    proc = train(tmp_path / "wd", "parallel.mode=ddp", "data.global_bsz=6", nproc=2, check=False)
+    # torchrun reports a failed worker with its own exit code 1; each worker exits 2 with our line.
+    assert proc.returncode != 0
+    assert "(exitcode: 2)" in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error: data.global_bsz=6" in line]
+    assert errors and "choose a multiple of 4" in errors[0]
+    assert not (tmp_path / "wd").exists()
+
+
+def tree_digest(folder) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    work_dir = tmp_path_factory.mktemp("saved")
+    train(work_dir, "data.total_steps=2")
+    return work_dir
+
+
+def test_checkpoint_of_another_model_is_refused(saved_run, tmp_path):
+    ckpt = saved_run / "checkpoints"
+    before = tree_digest(ckpt)
+    proc = train(tmp_path / "wd", "model.hidden_size=64", f"ckpt.load_ckpt_folder={ckpt}", check=False)
+    assert_clean_error(proc, "saved for another model", "shape")
+    assert tree_digest(ckpt) == before
+
+
+def test_corrupt_checkpoint_is_refused_and_kept(saved_run, tmp_path):
+    work_dir = tmp_path / "wd"
+    shutil.copytree(saved_run, work_dir)
+    step_dir = work_dir / "checkpoints" / "step_00000002"
+    shard = next(step_dir.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])  # a torn write
+    before = tree_digest(work_dir / "checkpoints")
+    proc = train(work_dir, "data.total_steps=4", resume=True, check=False)
+    assert_clean_error(proc, "step_00000002", "cannot be read")
+    assert tree_digest(work_dir / "checkpoints") == before
+
+
+def test_checkpoint_path_that_does_not_exist(tmp_path):
+    proc = train(tmp_path / "wd", f"ckpt.load_ckpt_folder={tmp_path / 'gone'}", check=False)
+    assert_clean_error(proc, "checkpoint not found", "gone")
+    assert not (tmp_path / "wd").exists()
+
+
+def test_print_config_resolves_derived_values(tmp_path):
+    proc = train(tmp_path / "wd", "data.global_bsz=8", check=False)
+    assert proc.returncode == 0
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--config", str(TINY), "--print-config",
+         "--cfg-options", "data.global_bsz=16", "data.micro_bsz=4", "data.total_steps=7"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    resolved = json.loads(out.stdout)
+    assert resolved["data"]["micro_num"] == 4
+    assert resolved["lr_scheduler"]["total_steps"] == 7
+    assert resolved["model"]["num_kv_attention_heads"] == 2

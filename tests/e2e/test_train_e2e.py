@@ -1,0 +1,85 @@
+"""End to end through train.py: determinism, resume, parallel modes, the default config."""
+
+import math
+import shutil
+
+import pytest
+from runner import REPO, losses, metrics, train
+
+pytestmark = pytest.mark.e2e
+
+STEPS = ["data.total_steps=8", "data.global_bsz=8", "ckpt.checkpoint_every=4", "ckpt.keep_last=0"]
+LAYOUTS = {"none": 1, "ddp": 2, "fsdp2": 2}
+
+
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory):
+    """Each layout trained twice, 8 steps, checkpoints at 4 and 8 (shared by the tests below)."""
+    runs = {}
+    for mode, nproc in LAYOUTS.items():
+        for attempt in ("a", "b"):
+            work_dir = tmp_path_factory.mktemp(f"{mode}_{attempt}")
+            train(work_dir, *STEPS, f"parallel.mode={mode}", nproc=nproc)
+            runs[mode, attempt] = work_dir
+    return runs
+
+
+@pytest.mark.parametrize("mode", LAYOUTS)
+def test_same_config_twice_is_bitwise(full_runs, mode):
+    first, second = metrics(full_runs[mode, "a"]), metrics(full_runs[mode, "b"])
+    assert [r["step"] for r in first] == list(range(1, 9))
+    assert [(r["loss"], r["grad_norm"]) for r in first] == [(r["loss"], r["grad_norm"]) for r in second]
+
+
+@pytest.mark.parametrize("mode", LAYOUTS)
+def test_resume_is_bitwise(full_runs, tmp_path, mode):
+    """Stop after step 4 (its checkpoint), resume: steps 5..8 equal the uninterrupted run's."""
+    full = full_runs[mode, "a"]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "checkpoints" / "step_00000004", resumed / "checkpoints" / "step_00000004")
+    train(resumed, *STEPS, f"parallel.mode={mode}", nproc=LAYOUTS[mode], resume=True)
+    expected = [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in metrics(full) if r["step"] > 4]
+    got = [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in metrics(resumed)]
+    assert got == expected
+
+
+def test_layouts_agree_within_reduction_order(full_runs):
+    """Same global batch on 1 process, DDP and FSDP2: equal up to float summation order."""
+    base = losses(full_runs["none", "a"])
+    for mode in ("ddp", "fsdp2"):
+        other = losses(full_runs[mode, "a"])
+        assert other.keys() == base.keys()
+        for step, loss in base.items():
+            assert math.isclose(other[step], loss, rel_tol=1e-5), (mode, step, other[step], loss)
+
+
+def test_checkpoint_folder_layout(full_runs):
+    ckpt = full_runs["fsdp2", "a"] / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step_00000008"
+    for step in ("step_00000004", "step_00000008"):
+        assert {"manifest.json", "train_state.pt", ".metadata", "rng"} <= {p.name for p in (ckpt / step).iterdir()}
+        assert sorted(p.name for p in (ckpt / step / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+    assert not list(ckpt.glob(".tmp-*"))
+
+
+def test_default_config_trains_with_falling_loss(tmp_path):
+    """`make train`'s config, shortened: the loss falls clearly and the run writes its files."""
+    work_dir = tmp_path / "tiny"
+    proc = train(work_dir, "data.total_steps=60", config=REPO / "configs" / "internlm2_tiny.py")
+    records = metrics(work_dir)
+    first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    assert {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "step_time_s"} <= records[0].keys()
+    assert {"device_mem_bytes", "device_peak_mem_bytes", "host_rss_bytes"} <= records[0].keys()
+    assert (work_dir / "config.py").is_file() and (work_dir / "config.json").is_file()
+    assert "Layer plan" in proc.stderr
+
+
+def test_fresh_run_in_used_work_dir_is_refused_and_keeps_checkpoints(full_runs, tmp_path):
+    work_dir = tmp_path / "used"
+    shutil.copytree(full_runs["none", "a"], work_dir)
+    before = sorted(p.name for p in (work_dir / "checkpoints").iterdir())
+    proc = train(work_dir, *STEPS, check=False)
+    assert proc.returncode == 2
+    assert "already holds checkpoints" in proc.stderr and "--resume" in proc.stderr
+    assert sorted(p.name for p in (work_dir / "checkpoints").iterdir()) == before

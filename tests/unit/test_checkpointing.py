@@ -1,0 +1,98 @@
+"""Activation checkpointing (full and selective) changes memory, never the math."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from internlm_offload.model import InternLM2
+from internlm_offload.offload import apply_activation_checkpointing
+from internlm_offload.offload.checkpointing import EXPENSIVE_OPS
+
+L = 4
+
+
+def tiny_model() -> InternLM2:
+    torch.manual_seed(0)
+    return InternLM2(num_layers=L, hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=259)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 259, (2, 33), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def run(model: InternLM2) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], int]:
+    """Loss, logits, grads, and the bytes autograd saved for backward."""
+    saved_bytes = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved_bytes
+        saved_bytes += t.numel() * t.element_size()
+        return t
+
+    inputs, labels = batch()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), logits.detach(), grads, saved_bytes
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    return run(tiny_model())
+
+
+@pytest.mark.parametrize("ratio", [0.5, 1.0])
+@pytest.mark.parametrize("selective", [False, True], ids=["full", "selective"])
+def test_checkpointing_is_bitwise(baseline, ratio, selective):
+    model = tiny_model()
+    apply_activation_checkpointing(model.layers, range(int(L * ratio)), selective=selective)
+    loss, logits, grads, _ = run(model)
+    base_loss, base_logits, base_grads, _ = baseline
+    assert torch.equal(loss, base_loss)
+    assert torch.equal(logits, base_logits)
+    assert grads.keys() == base_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, base_grads[name]), name
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten calls: matmuls apart from the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmuls = 0
+        self.others = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in EXPENSIVE_OPS:
+            self.matmuls += 1
+        else:
+            self.others += 1
+        return func(*args, **(kwargs or {}))
+
+
+def profile(model: InternLM2) -> tuple[OpCounter, int]:
+    with OpCounter() as ops:
+        *_, saved_bytes = run(model)
+    return ops, saved_bytes
+
+
+def test_checkpointing_recomputes_what_the_policy_says():
+    """Full recomputes the matmuls too; selective keeps matmul/attention outputs, recomputes cheap ops."""
+    none_ops, none_bytes = profile(tiny_model())
+    full, selective = tiny_model(), tiny_model()
+    apply_activation_checkpointing(full.layers, range(L), selective=False)
+    apply_activation_checkpointing(selective.layers, range(L), selective=True)
+    full_ops, full_bytes = profile(full)
+    selective_ops, selective_bytes = profile(selective)
+    assert full_ops.matmuls > none_ops.matmuls
+    assert selective_ops.matmuls == none_ops.matmuls
+    # both recompute the cheap ops (SAC also adds bookkeeping ops, so the two do not order)
+    assert selective_ops.others > none_ops.others and full_ops.others > none_ops.others
+    # the checkpointed blocks' tensors leave autograd's graph (held by checkpoint, or not at all)
+    assert full_bytes < none_bytes and selective_bytes < none_bytes

@@ -104,9 +104,9 @@ class DataConfig(Section):
 
 class AdamConfig(Section):
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.95, ge=0, lt=1)
-    adam_eps: float = Field(1e-8, gt=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (first-moment decay).")
+    adam_beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2 (second-moment decay).")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     weight_decay: float = Field(0.01, ge=0, description="Decoupled weight decay, applied to matrices only.")
     fused: Optional[bool] = Field(None, description="Fused AdamW kernel; default: on where the device has it.")
 
@@ -239,15 +239,21 @@ def load_config_file(path: str | Path, overrides: dict[str, Any] | None = None) 
     except Exception as exc:  # mmengine raises many types; all mean "this file does not parse"
         raise ConfigError(f"--config {path}: cannot parse: {_one_line(exc)}") from exc
     if overrides:
-        cfg.merge_from_dict(overrides, allow_list_keys=True)
+        try:
+            cfg.merge_from_dict(overrides, allow_list_keys=True)
+        except (TypeError, KeyError, ValueError) as exc:  # e.g. `a.b=1` where `a` is not a dict
+            raise ConfigError(f"--cfg-options: {_one_line(exc)}") from None
     return cfg.to_dict()
 
 
 def _reject_imports(path: Path) -> None:
-    """Imports switch mmengine to its lazy mode, which breaks classic configs: forbid them up front."""
+    """Imports switch mmengine to its lazy mode, which breaks classic configs: forbid them up front.
+
+    Checks the file and, recursively, its `_base_` files, so a broken base is named as such.
+    """
     try:
-        tree = ast.parse(path.read_text(), filename=str(path))
-    except SyntaxError as exc:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except SyntaxError as exc:  # also raised for a file that is not valid UTF-8
         raise ConfigError(f"--config {path}: syntax error at line {exc.lineno}: {exc.msg}") from exc
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -255,6 +261,23 @@ def _reject_imports(path: Path) -> None:
                 f"{path} line {node.lineno}: import statements are not allowed in config files; "
                 'write values as literals (dtypes as strings, e.g. "torch.bfloat16")'
             )
+    for base in _base_files(tree, path):
+        if not base.is_file():
+            raise ConfigError(f"{path}: _base_ file not found: {base}")
+        _reject_imports(base)
+
+
+def _base_files(tree: ast.Module, path: Path) -> list[Path]:
+    """The `_base_` paths a config names (str or list), relative to the config file."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_base_" for t in node.targets):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                return []  # computed bases: leave them to mmengine
+            names = [value] if isinstance(value, str) else list(value)
+            return [path.parent / name for name in names if "::" not in name]
+    return []
 
 
 def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:

@@ -1,13 +1,33 @@
 """Accelerator layer: the one place that talks to `torch.cuda` / `torch.npu`.
 
 Trainer, offload and optimizer code ask an `Accelerator` for devices, process-group backends, host
-buffers and memory statistics, so the same code runs on cuda, npu (through `torch_npu`) and cpu.
-On cpu, "device memory" is the process's resident set (RSS) and its peak, read from /proc.
+buffers, memory statistics, streams and events, so the same code runs on cuda, npu (through
+`torch_npu`) and cpu. On cpu, "device memory" is the process's resident set (RSS) and its peak, read
+from /proc, and a side stream is a worker thread with a FIFO queue: copies submitted to it really run
+beside the main thread (torch releases the GIL), so a missing wait shows up as wrong data in cpu tests.
+
+Portable pattern (on cpu, work reaches a side stream only through `Stream.submit`):
+
+    copy_stream.wait_stream(acc.current_stream())  # the source is ready
+    acc.copy_async(host_buf, device_tensor, copy_stream)
+    done = copy_stream.record_event()
+    ...
+    done.wait()  # the current stream waits before it reuses or frees either buffer
 """
+
+from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+import queue
+import threading
+import time
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -15,11 +35,69 @@ import torch
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
 
+class StreamError(RuntimeError):
+    """Work queued on a cpu side stream failed; the original exception is `__cause__`."""
+
+
+class Stream(ABC):
+    """An in-order queue of device work that runs beside the host."""
+
+    @abstractmethod
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run `fn(*args, **kwargs)` on this stream."""
+
+    @abstractmethod
+    def wait_event(self, event: Event) -> None:
+        """Work submitted after this call starts only once `event` has completed."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until everything submitted so far has run."""
+
+    @abstractmethod
+    def _new_event(self) -> Event: ...
+
+    def wait_stream(self, other: Stream) -> None:
+        """Later work on this stream waits for everything submitted to `other` so far."""
+        self.wait_event(other.record_event())
+
+    def record_event(self, event: Event | None = None) -> Event:
+        """Record `event` (a new one when None) at this point of the stream and return it."""
+        event = self._new_event() if event is None else event
+        event.record(self)
+        return event
+
+    def close(self) -> None:
+        """Release what the stream holds (cpu: its worker thread); idempotent."""
+
+
+class Event(ABC):
+    """A marker in a stream; complete once the stream has run everything submitted before it."""
+
+    @abstractmethod
+    def record(self, stream: Stream | None = None) -> None:
+        """Mark the current end of `stream` (default: current); re-recording moves the mark."""
+
+    @abstractmethod
+    def wait(self, stream: Stream | None = None) -> None:
+        """Make `stream` (default: the current stream) wait for this event."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until the event is complete."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True once the event is complete; an event never recorded is complete."""
+
+
 @dataclass(frozen=True)
 class Accelerator:
     """A device type plus the torch module that drives it (`torch.cuda`, `torch.npu`, or none for cpu)."""
 
     name: str  # "cuda" | "npu" | "cpu"
+    # Per-instance cpu stream state; not part of equality, hashing or repr.
+    _streams: _StreamRegistry = field(default_factory=lambda: _StreamRegistry(), init=False, compare=False, repr=False)
 
     @property
     def module(self) -> Any:
@@ -43,8 +121,12 @@ class Accelerator:
             self.module.set_device(local_rank)
 
     def synchronize(self) -> None:
+        """Block until all streams are idle (cpu: every open side stream)."""
         if self.module is not None:
             self.module.synchronize()
+            return
+        for stream in self._streams.side_streams():
+            stream.synchronize()
 
     def manual_seed_all(self, seed: int) -> None:
         if self.module is not None:
@@ -79,6 +161,49 @@ class Accelerator:
         else:
             self.module.reset_peak_memory_stats()
 
+    def stream(self, delay_s: float = 0.0) -> Stream:
+        """A new side stream; on cpu each submitted task first sleeps `delay_s` (test hook for races)."""
+        if self.module is None:
+            return self._streams.new_stream(delay_s)
+        return _DeviceStream(self.module.Stream(), self.module)
+
+    def current_stream(self) -> Stream:
+        """The stream the caller's work runs on (cpu: the calling thread, unless inside `use_stream`)."""
+        if self.module is None:
+            return self._streams.current()
+        return _DeviceStream(self.module.current_stream(), self.module)
+
+    def event(self) -> Event:
+        """A new event; it counts as complete until first recorded."""
+        if self.module is None:
+            return _CpuEvent(self._streams)
+        return _DeviceEvent(self.module.Event())
+
+    @contextmanager
+    def use_stream(self, stream: Stream) -> Iterator[Stream]:
+        """Make `stream` current for the block.
+
+        On cpu this only changes the default of `current_stream()`, `Event.record()` and `Event.wait()`:
+        plain torch ops in the block still run on the calling thread at once; work goes to a side
+        stream only through `stream.submit`.
+        """
+        with self._streams.using(stream) if self.module is None else self.module.stream(stream.raw):
+            yield stream
+
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """Tell the caching allocator that `stream` uses `tensor` (cpu: nothing to do)."""
+        if self.module is not None:
+            tensor.record_stream(stream.raw)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
+        """`dst.copy_(src)` on `stream`; the caller orders it with events."""
+        stream.submit(dst.copy_, src, non_blocking=True)
+
+    def close_streams(self) -> None:
+        """Stop the worker threads of every cpu side stream this accelerator created."""
+        for stream in self._streams.side_streams():
+            stream.close()
+
 
 def get_accelerator(name: str = "auto") -> Accelerator:
     """Pick the accelerator: `auto` prefers cuda, then npu, then cpu; a named one must be available."""
@@ -107,11 +232,269 @@ def host_rss_bytes() -> int:
     return _proc_status_kib("VmRSS") * 1024
 
 
-def _proc_status_kib(field: str) -> int:
+# ---- cuda / npu: thin wrappers over `torch.<name>.Stream` / `torch.<name>.Event` -----------------
+
+
+class _DeviceStream(Stream):
+    def __init__(self, raw: Any, module: Any) -> None:
+        self.raw, self._module = raw, module
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        # Runs now on the host; the kernels fn launches are enqueued on this stream.
+        with self._module.stream(self.raw):
+            fn(*args, **kwargs)
+
+    def wait_event(self, event: Event) -> None:
+        self.raw.wait_event(event.raw)
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+    def _new_event(self) -> Event:
+        return _DeviceEvent(self._module.Event())
+
+
+class _DeviceEvent(Event):
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def record(self, stream: Stream | None = None) -> None:
+        self.raw.record(None if stream is None else stream.raw)
+
+    def wait(self, stream: Stream | None = None) -> None:
+        self.raw.wait(None if stream is None else stream.raw)
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+    def query(self) -> bool:
+        return bool(self.raw.query())
+
+
+# ---- cpu: a side stream is a worker thread; the main stream is the calling thread ----------------
+
+
+class _Mark:
+    """One `Event.record`: set when its stream reaches it, carrying the stream's failure if any."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self, done: bool = False) -> None:
+        self.done, self.error = threading.Event(), None
+        if done:
+            self.done.set()
+
+    def complete(self, error: BaseException | None) -> None:
+        self.error = error
+        self.done.set()
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class _StreamRegistry:
+    """Per-Accelerator cpu stream state: the main pseudo-stream, side streams, each thread's current stream."""
+
+    def __init__(self) -> None:
+        self.main = _CpuMainStream(self)
+        self._side: weakref.WeakSet[_CpuStream] = weakref.WeakSet()  # a dropped stream may be collected
+        self._lock = threading.Lock()
+        self._local = _ThreadStreams()
+        self._count = 0
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        # Threads and locks do not copy: a copied or unpickled Accelerator starts with no streams.
+        return (_StreamRegistry, ())
+
+    def new_stream(self, delay_s: float) -> _CpuStream:
+        with self._lock:
+            self._count += 1
+            stream = _CpuStream(self, f"cpu-stream-{self._count}", delay_s)
+            self._side.add(stream)
+        return stream
+
+    def side_streams(self) -> list[_CpuStream]:
+        with self._lock:
+            return [stream for stream in self._side if not stream.closed]
+
+    def current(self) -> Stream:
+        return self._local.stack[-1] if self._local.stack else self.main
+
+    @contextmanager
+    def using(self, stream: Stream) -> Iterator[None]:
+        self._local.stack.append(stream)
+        try:
+            yield
+        finally:
+            self._local.stack.pop()
+
+
+class _ThreadStreams(threading.local):
+    """Each thread's stack of `use_stream` blocks."""
+
+    def __init__(self) -> None:
+        self.stack: list[Stream] = []
+
+
+class _CpuEvent(Event):
+    def __init__(self, registry: _StreamRegistry) -> None:
+        self._registry = registry
+        self._mark = _Mark(done=True)  # like CUDA: an event never recorded counts as complete
+
+    def record(self, stream: Stream | None = None) -> None:
+        # A fresh mark per record: waits queued earlier keep the record they saw, as in CUDA.
+        mark = _Mark()
+        (self._registry.current() if stream is None else stream)._enqueue_mark(mark)
+        self._mark = mark
+
+    def wait(self, stream: Stream | None = None) -> None:
+        (self._registry.current() if stream is None else stream).wait_event(self)
+
+    def synchronize(self) -> None:
+        self._mark.wait()
+
+    def query(self) -> bool:
+        if not self._mark.done.is_set():
+            return False
+        self._mark.wait()  # raises when the stream failed before reaching the mark
+        return True
+
+
+class _CpuMainStream(Stream):
+    """The calling thread: its work is synchronous, so marks complete at once and waits block now."""
+
+    def __init__(self, registry: _StreamRegistry) -> None:
+        self._registry = registry
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        fn(*args, **kwargs)
+
+    def wait_event(self, event: Event) -> None:
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        pass  # everything submitted to the calling thread has already run
+
+    def _new_event(self) -> Event:
+        return _CpuEvent(self._registry)
+
+    def _enqueue_mark(self, mark: _Mark) -> None:
+        mark.complete(None)
+
+
+class _CpuStream(Stream):
+    """A side stream: one daemon worker thread, started on first use, runs tasks in FIFO order.
+
+    After a task raises, the stream is poisoned: queued tasks are skipped, queued marks complete with
+    the error, and every later call raises a `StreamError` whose `__cause__` is the original exception.
+    """
+
+    def __init__(self, registry: _StreamRegistry, name: str, delay_s: float = 0.0) -> None:
+        self._registry, self.name, self.delay_s = registry, name, delay_s
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.closed = False
+        self._failure: BaseException | None = None
+        # A forgotten stream stops its worker once collected (queued tasks keep it alive until they ran).
+        weakref.finalize(self, self._tasks.put, None)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self._put(partial(self._run_task, fn, args, kwargs))
+
+    def wait_event(self, event: Event) -> None:
+        # Bind the event's latest record now; a wait on a failed stream's mark poisons this one too.
+        self._put(partial(self._guard, event._mark.wait))
+
+    def synchronize(self) -> None:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(f"a task on {self.name} waits for its own stream: it would never finish")
+        with self._lock:
+            idle = self._thread is None or self.closed
+        if not idle:
+            mark = _Mark()
+            self._enqueue_mark(mark)
+            mark.wait()
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            thread = self._thread
+        if thread is not None:
+            self._tasks.put(None)  # after the tasks already queued
+            thread.join()
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the worker thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _new_event(self) -> Event:
+        return _CpuEvent(self._registry)
+
+    def _enqueue_mark(self, mark: _Mark) -> None:
+        # Marks run even on a poisoned stream, so whoever waits on them wakes up and sees the error.
+        self._put(lambda: mark.complete(self._error()), check_failed=False)
+
+    def _put(self, task: Callable[[], None], check_failed: bool = True) -> None:
+        with self._lock:
+            if self.closed:
+                raise RuntimeError(f"{self.name} is closed; create a new one with Accelerator.stream()")
+            if check_failed:
+                self._raise_if_failed()
+            if self._thread is None:
+                self._thread = threading.Thread(target=_drain, args=(self._tasks,), name=self.name, daemon=True)
+                self._thread.start()
+            self._tasks.put(task)
+
+    def _run_task(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        if self._failure is None:
+            time.sleep(self.delay_s)
+        # Inside a task the current stream is this one, as inside `torch.cuda.stream(s)`.
+        with self._registry.using(self):
+            self._guard(fn, *args, **kwargs)
+
+    def _guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        if self._failure is not None:
+            return  # poisoned: skip
+        try:
+            fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001  kept and re-raised on the host
+            self._failure = exc
+
+    def _error(self) -> StreamError | None:
+        if self._failure is None:
+            return None
+        error = StreamError(f"a task on {self.name} failed: {self._failure!r}")
+        error.__cause__ = self._failure
+        return error
+
+    def _raise_if_failed(self) -> None:
+        error = self._error()
+        if error is not None:
+            raise error
+
+
+def _drain(tasks: queue.SimpleQueue) -> None:
+    """Worker loop of a cpu side stream: run tasks in order until a None arrives."""
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        task()
+        del task  # drop the closure (and the stream it holds) before blocking again
+
+
+def _proc_status_kib(key: str) -> int:
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith(field + ":"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1])
     except OSError:
         pass

@@ -28,7 +28,8 @@ class UnknownTypeError(KeyError):
 def lookup(registry: Registry, type_name: str, key: str) -> Any:
     """Return the object registered as `type_name`, or raise naming `key` and the registered names."""
     registry.import_from_location()
-    obj = registry.get(type_name)
+    # Not `registry.get`: it falls back to importing any dotted path, so "json" would build a module.
+    obj = registry.module_dict.get(type_name)
     if obj is None:
         names = ", ".join(sorted(registry.module_dict))
         raise UnknownTypeError(f"{key}: unknown type {type_name!r}; registered {registry.name} types: {names}")

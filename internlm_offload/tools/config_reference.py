@@ -25,7 +25,13 @@ PROG = "python -m internlm_offload.tools.config_reference"
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config_reference.md"
 
 # (annotated_types class name, attribute, symbol) for the numeric and length constraints we render.
-BOUNDS = (("Ge", "ge", ">="), ("Gt", "gt", ">"), ("Le", "le", "<="), ("Lt", "lt", "<"), ("MinLen", "min_length", "len >="))
+BOUNDS = (
+    ("Ge", "ge", ">="),
+    ("Gt", "gt", ">"),
+    ("Le", "le", "<="),
+    ("Lt", "lt", "<"),
+    ("MinLen", "min_length", "len >="),
+)
 
 INTRO = """\
 # Config reference

@@ -83,3 +83,15 @@ def test_fresh_run_in_used_work_dir_is_refused_and_keeps_checkpoints(full_runs, 
     assert proc.returncode == 2
     assert "already holds checkpoints" in proc.stderr and "--resume" in proc.stderr
     assert sorted(p.name for p in (work_dir / "checkpoints").iterdir()) == before
+
+
+@pytest.mark.parametrize("mode", ["none", "fsdp2"])
+def test_hugging_face_model_trains_with_the_same_keys(tmp_path, mode):
+    """A Hugging Face llama built from a config dict, checkpointed blocks, alone and under FSDP2."""
+    config = REPO / "configs" / "hf_llama_tiny.py"
+    options = ["data.total_steps=4", "model.checkpoint=0.5", f"parallel.mode={mode}"]
+    proc = train(tmp_path, *options, config=config, nproc=LAYOUTS[mode])
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert "Applied full activation checkpointing to 2 of 4 blocks" in proc.stderr

@@ -1,0 +1,460 @@
+"""Activation offload: the saved tensors of selected decoder blocks go to host memory in forward and
+come back for backward.
+
+One *group* per block. Saved-tensor hooks are pushed in a forward pre-hook of each block and popped
+in an always-called forward post-hook, so an exception in forward never leaves a hook installed.
+
+Schedule (`mode="async"`, the device-side picture; the CPU accelerator emulates streams with threads):
+- forward, block i: each saved activation storage is copied D2H on the `d2h` stream as soon as it is
+  saved (after the compute stream's event at that point). At the end of block i+1 the compute stream
+  waits for group i's copies and drops its device references: at most two groups' sources are held
+  at once (double buffering), and a source is released only after its copy finished.
+- backward: the first unpack of group g waits for g's reload (started ahead on the `h2d` stream) and
+  starts reloading groups g-1 .. g-prefetch_layers. When every tensor of a group has been unpacked the
+  device copies are dropped; the host copies live as long as autograd's graph does (so
+  `retain_graph=True` works: a second backward reloads again).
+`mode="sync"` copies in the calling thread at save and at unpack: no overlap, the simplest path, and
+the one to pick where async pinned copies are unreliable (NPU).
+
+Memory saved vs time paid: every offloaded block frees its saved activations (about
+`34 * B * T * C` bytes per block in fp32 for this model family) at the price of one D2H and one H2D
+copy of them; with async copies the transfer hides behind the next block's compute when PCIe/host
+bandwidth keeps up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from internlm_offload.device import Accelerator, Event, Stream, get_accelerator
+from internlm_offload.log import get_logger
+
+logger = get_logger(__name__)
+
+NO_OFFLOAD_ATTR = "_internlm_offload_skip"
+
+
+def mark_not_offload(*tensors: torch.Tensor) -> None:
+    """Keep these tensors on the device even when a block that saves them is offloaded."""
+    for t in tensors:
+        setattr(t, NO_OFFLOAD_ATTR, True)
+
+
+def no_offload() -> contextlib.AbstractContextManager:
+    """A region whose saved tensors stay on the device (innermost saved-tensor hooks win)."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+class HostPool:
+    """Reusable host buffers keyed by byte size (pinned where the device supports it)."""
+
+    def __init__(self, accelerator: Accelerator, pin_memory: bool) -> None:
+        self.accelerator = accelerator
+        self.pin_memory = pin_memory
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.allocated_bytes = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        bucket = self.free.get(nbytes)
+        if bucket:
+            return bucket.pop()
+        self.allocated_bytes += nbytes
+        return self.accelerator.host_empty((nbytes,), torch.uint8, pinned=self.pin_memory)
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        for buf in buffers:
+            self.free.setdefault(buf.numel(), []).append(buf)
+
+    def clear(self) -> None:
+        self.free.clear()
+        self.allocated_bytes = 0
+
+
+@dataclass
+class _Slot:
+    """One offloaded storage: its host copy, and the device bytes while they are needed."""
+
+    host: torch.Tensor  # uint8, nbytes
+    source: torch.Tensor | None  # device uint8 view of the storage, held until the D2H copy finished
+    reloaded: torch.Tensor | None = None  # device uint8 copy during backward
+
+
+@dataclass
+class _Group:
+    """The offloaded storages of one block in one forward pass."""
+
+    index: int
+    device: torch.device
+    # The groups backward reaches right after this one (lower indices), for prefetching. Strong
+    # references point downward only, so groups never form a cycle and die as soon as autograd drops them.
+    earlier: list[_Group]
+    slots: dict[int, _Slot] = field(default_factory=dict)  # storage data_ptr → slot
+    param_ptrs: set[int] | None = None
+    d2h_done: Event | None = None
+    h2d_done: Event | None = None
+    packed: int = 0
+    unpacked: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What autograd holds for an offloaded tensor: enough to rebuild it from its group's storage."""
+
+    group: _Group
+    key: int
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    requires_grad: bool
+
+
+@dataclass
+class _Resident:
+    """A saved tensor that stays on the device; wrapped only to account for its lifetime."""
+
+    tensor: torch.Tensor
+    nbytes: int
+    unpacked: bool = False
+
+
+class _Forward:
+    """The groups of one forward pass; several may be alive at once (gradient accumulation)."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.groups: list[_Group | None] = [None] * num_groups
+        self.pending_release: list[_Group] = []
+
+
+class ActivationOffloader:
+    """Saved-tensor hooks that offload the activations of `layers[:num_layers]`; see the module doc."""
+
+    def __init__(
+        self,
+        layers: nn.ModuleList,
+        num_layers: int,
+        *,
+        mode: str = "async",
+        min_offload_bytes: int = 1024,
+        prefetch_layers: int = 1,
+        pin_memory: bool = True,
+        accelerator: Accelerator | None = None,
+    ) -> None:
+        _validate(len(layers), num_layers, mode, min_offload_bytes, prefetch_layers)
+        self.layers = layers
+        self.num_layers = num_layers
+        self.mode = mode
+        self.min_offload_bytes = min_offload_bytes
+        self.prefetch_layers = prefetch_layers
+        self.accelerator = accelerator or get_accelerator("auto")
+        self.pool = HostPool(self.accelerator, pin_memory)
+        self.d2h: Stream | None = self.accelerator.stream() if mode == "async" else None
+        self.h2d: Stream | None = self.accelerator.stream() if mode == "async" else None
+        self._forward: _Forward | None = None
+        self._hook_stack: list[contextlib.AbstractContextManager] = []
+        self._handles: list[RemovableHandle] = []
+        self._stats = _Stats()
+        self._install()
+
+    # ------------------------------------------------------------------ hooks around blocks
+
+    def _install(self) -> None:
+        for i, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
+            self._handles.append(layer.register_forward_hook(self._make_post_hook(i), always_call=True))
+
+    def _make_pre_hook(self, index: int):
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            if not torch.is_grad_enabled():
+                return  # no-grad / eval forward: nothing is saved, nothing to do
+            if index == 0 or self._forward is None:
+                self._start_forward()
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._make_pack(index, module), self._unpack)
+            hooks.__enter__()
+            self._hook_stack.append(hooks)
+
+        return pre_hook
+
+    def _make_post_hook(self, index: int):
+        def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not self._hook_stack:
+                return
+            self._hook_stack.pop().__exit__(None, None, None)
+            forward = self._forward
+            if forward is None:
+                return
+            group = forward.groups[index] if index < self.num_layers else None
+            if group is not None and self.d2h is not None:
+                group.d2h_done = self.d2h.record_event()
+            # Double buffering: the previous group's copies had a whole block to finish. Sources are
+            # held at least to the end of their own block: a freed storage's address could otherwise be
+            # reused by a new tensor of the same block and mistaken for an already offloaded storage.
+            for older in forward.pending_release:
+                self._release_sources(older)
+            forward.pending_release = []
+            if group is not None and self.d2h is None:
+                self._release_sources(group)  # sync: the copies are done
+            elif group is not None:
+                forward.pending_release = [group]
+            if index == len(self.layers) - 1:
+                self._end_forward()
+
+        return post_hook
+
+    def _start_forward(self) -> None:
+        self._forward = _Forward(self.num_layers)
+        self._stats.start_forward()
+
+    def _end_forward(self) -> None:
+        forward = self._forward
+        if forward is not None:
+            for group in forward.pending_release:
+                self._release_sources(group)
+            forward.pending_release = []
+        self._forward = None
+
+    # ------------------------------------------------------------------ pack (forward)
+
+    def _make_pack(self, index: int, module: nn.Module):
+        offloaded = index < self.num_layers
+
+        def pack(t: torch.Tensor) -> Any:
+            nbytes = t.numel() * t.element_size()
+            if not offloaded or not self._should_offload(t, nbytes, module, index):
+                self._stats.add_resident(nbytes)
+                return _Resident(t, nbytes)
+            return self._offload(t, index, module)
+
+        return pack
+
+    def _should_offload(self, t: torch.Tensor, nbytes: int, module: nn.Module, index: int) -> bool:
+        if type(t) is not torch.Tensor or nbytes < self.min_offload_bytes or nbytes == 0:
+            return False  # parameters, fake/functional tensors during tracing, tiny tensors
+        if getattr(t, NO_OFFLOAD_ATTR, False) or self._is_host(t):
+            return False
+        group = self._group(index, t.device)
+        if group.param_ptrs is None:
+            # Refreshed per forward: FSDP2 re-allocates unsharded parameter storages every all-gather.
+            group.param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        return t.untyped_storage().data_ptr() not in group.param_ptrs
+
+    def _is_host(self, t: torch.Tensor) -> bool:
+        if self.accelerator.name == "cpu":
+            return False  # every tensor is "device" memory in the cpu emulation
+        return t.device.type == "cpu"
+
+    def _group(self, index: int, device: torch.device) -> _Group:
+        assert self._forward is not None, "pack outside a forward"
+        groups = self._forward.groups
+        if groups[index] is None:
+            earlier = [g for g in reversed(groups[max(0, index - self.prefetch_layers) : index]) if g is not None]
+            groups[index] = _Group(index, device, earlier)
+        return groups[index]
+
+    def _offload(self, t: torch.Tensor, index: int, module: nn.Module) -> _Saved:
+        group = self._group(index, t.device)
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in group.slots:
+            source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            slot = _Slot(host=self.pool.take(source.numel()), source=source)
+            group.slots[key] = slot
+            group.nbytes += source.numel()
+            self._stats.add_host_copy(source.numel())
+            self._copy_out(slot)
+            # The host copy lives as long as the group, i.e. as long as autograd's graph needs it.
+            weakref.finalize(group, self.pool.give_back, [slot.host])
+        group.packed += 1
+        self._stats.offloaded_bytes += t.numel() * t.element_size()
+        return _Saved(group, key, t.dtype, t.size(), t.stride(), t.storage_offset(), t.requires_grad)
+
+    def _copy_out(self, slot: _Slot) -> None:
+        if self.d2h is None:
+            start = time.perf_counter()
+            slot.host.copy_(slot.source)
+            self._stats.d2h_s += time.perf_counter() - start
+            return
+        # The copy stream must see the activation as it is now on the compute stream.
+        self.d2h.wait_stream(self.accelerator.current_stream())
+        self.d2h.submit(self._timed_copy, slot.host, slot.source, "d2h_s")
+
+    def _timed_copy(self, dst: torch.Tensor, src: torch.Tensor, counter: str) -> None:
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        setattr(self._stats, counter, getattr(self._stats, counter) + time.perf_counter() - start)
+
+    def _release_sources(self, group: _Group) -> None:
+        """Drop the device copies of a group once its D2H copies finished."""
+        if group.d2h_done is not None:
+            self._timed_wait(group.d2h_done)
+        for slot in group.slots.values():
+            slot.source = None
+        self._stats.release(group.nbytes)
+
+    # ------------------------------------------------------------------ unpack (backward)
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, _Resident):
+            if not saved.unpacked:
+                saved.unpacked = True
+                self._stats.release_resident(saved.nbytes)
+            return saved.tensor
+        group = saved.group
+        self._ensure_reloaded(group)
+        for ahead in group.earlier:
+            self._start_reload(ahead)
+        slot = group.slots[saved.key]
+        assert slot.reloaded is not None
+        tensor = torch.empty(0, dtype=saved.dtype, device=slot.reloaded.device)
+        tensor.set_(slot.reloaded.untyped_storage(), saved.offset, saved.size, saved.stride)
+        group.unpacked += 1
+        if group.unpacked == group.packed:
+            # Every saved tensor of the group is back with autograd: our device references can go.
+            for s in group.slots.values():
+                s.reloaded = None
+            group.unpacked = 0
+            group.h2d_done = None
+            self._stats.release(group.nbytes)
+        return tensor
+
+    def _start_reload(self, group: _Group) -> None:
+        if group.h2d_done is not None or all(s.reloaded is not None for s in group.slots.values()):
+            return
+        for slot in group.slots.values():
+            # Allocated on the compute stream, so the caching allocator orders its reuse after this point.
+            slot.reloaded = torch.empty(slot.host.numel(), dtype=torch.uint8, device=group.device)
+        self._stats.reload(group.nbytes)
+        if self.h2d is None:
+            start = time.perf_counter()
+            for slot in group.slots.values():
+                slot.reloaded.copy_(slot.host)
+            self._stats.h2d_s += time.perf_counter() - start
+            return
+        self.h2d.wait_stream(self.accelerator.current_stream())
+        for slot in group.slots.values():
+            self.h2d.submit(self._timed_copy, slot.reloaded, slot.host, "h2d_s")
+        group.h2d_done = self.h2d.record_event()
+
+    def _ensure_reloaded(self, group: _Group) -> None:
+        self._start_reload(group)
+        if group.h2d_done is not None:
+            self._timed_wait(group.h2d_done)
+
+    def _timed_wait(self, event: Event) -> None:
+        start = time.perf_counter()
+        event.wait()  # the compute stream waits; on cpu this blocks the caller
+        self._stats.wait_s += time.perf_counter() - start
+
+    # ------------------------------------------------------------------ public surface
+
+    def stats(self) -> dict[str, float]:
+        return self._stats.as_dict()
+
+    def remove(self) -> None:
+        """Uninstall every hook; the blocks behave exactly as before."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        while self._hook_stack:
+            self._hook_stack.pop().__exit__(None, None, None)
+        self._forward = None
+        for stream in (self.d2h, self.h2d):
+            if stream is not None:
+                stream.synchronize()
+                stream.close()
+        self.pool.clear()
+
+
+@dataclass
+class _Stats:
+    """Saved-activation byte accounting of the last forward, plus copy and wait times."""
+
+    offloaded_bytes: int = 0  # bytes of the saved tensors that went to the host (as autograd counts them)
+    host_bytes: int = 0  # bytes actually copied: each storage once
+    resident_bytes: int = 0
+    live_resident_bytes: int = 0  # resident bytes autograd has not handed back to backward yet
+    peak_resident_bytes: int = 0
+    in_flight_bytes: int = 0  # offloaded sources not yet released, or reloaded groups
+    d2h_s: float = 0.0
+    h2d_s: float = 0.0
+    wait_s: float = 0.0
+
+    def start_forward(self) -> None:
+        self.offloaded_bytes = self.host_bytes = self.resident_bytes = self.live_resident_bytes = 0
+        self.peak_resident_bytes = self.in_flight_bytes = 0
+        self.d2h_s = self.h2d_s = self.wait_s = 0.0
+
+    def add_resident(self, nbytes: int) -> None:
+        self.resident_bytes += nbytes
+        self.live_resident_bytes += nbytes
+        self._update_peak()
+
+    def release_resident(self, nbytes: int) -> None:
+        self.live_resident_bytes -= nbytes
+
+    def add_host_copy(self, nbytes: int) -> None:
+        """A storage starts its trip to the host; its device bytes stay until the group is released."""
+        self.host_bytes += nbytes
+        self.in_flight_bytes += nbytes
+        self._update_peak()
+
+    def release(self, nbytes: int) -> None:
+        self.in_flight_bytes -= nbytes
+
+    def reload(self, nbytes: int) -> None:
+        self.in_flight_bytes += nbytes
+        self._update_peak()
+
+    def _update_peak(self) -> None:
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.live_resident_bytes + self.in_flight_bytes)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "offloaded_bytes": self.offloaded_bytes,
+            "host_bytes": self.host_bytes,
+            "resident_bytes": self.resident_bytes,
+            "peak_resident_bytes": self.peak_resident_bytes,
+            "d2h_s": self.d2h_s,
+            "h2d_s": self.h2d_s,
+            "wait_s": self.wait_s,
+        }
+
+
+def _validate(total: int, num_layers: int, mode: str, min_offload_bytes: int, prefetch_layers: int) -> None:
+    if not 0 <= num_layers < total:
+        raise ValueError(f"num_layers={num_layers} must be in [0, {total}): the last block is never offloaded")
+    if mode not in ("sync", "async"):
+        raise ValueError(f"mode={mode!r} must be 'sync' or 'async'")
+    if min_offload_bytes < 0:
+        raise ValueError(f"min_offload_bytes={min_offload_bytes} must be >= 0")
+    if prefetch_layers < 1:
+        raise ValueError(f"prefetch_layers={prefetch_layers} must be >= 1")
+
+
+def offload_layers(
+    layers: nn.ModuleList,
+    num_layers: int,
+    *,
+    mode: str = "async",
+    min_offload_bytes: int = 1024,
+    prefetch_layers: int = 1,
+    pin_memory: bool = True,
+    accelerator: Accelerator | None = None,
+) -> ActivationOffloader:
+    """Offload the saved activations of `layers[:num_layers]`; returns the handle (`stats()`, `remove()`)."""
+    handle = ActivationOffloader(
+        layers, num_layers, mode=mode, min_offload_bytes=min_offload_bytes,
+        prefetch_layers=prefetch_layers, pin_memory=pin_memory, accelerator=accelerator,
+    )  # fmt: skip
+    if num_layers:
+        logger.info("Applied %s activation offload to %d of %d blocks", mode, num_layers, len(layers))
+    return handle

@@ -1,0 +1,258 @@
+"""Activation offload is byte transport: losses, logits and grads are bitwise those of no offload."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from internlm_offload.device import Accelerator
+from internlm_offload.model import InternLM2
+from internlm_offload.offload import apply_activation_checkpointing, make_layer_plan
+from internlm_offload.offload.activation import mark_not_offload, no_offload, offload_layers
+from internlm_offload.offload.plan import LayerMode
+
+L = 4
+
+
+def tiny_model() -> InternLM2:
+    torch.manual_seed(0)
+    return InternLM2(num_layers=L, hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=259)
+
+
+def batches(micro_num: int, seq_len: int = 32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 259, (2, seq_len + 1), generator=g) for _ in range(micro_num)]
+
+
+def step(model: nn.Module, micro_num: int = 1, seq_len: int = 32):
+    """Gradient accumulation over `micro_num` micro-batches; returns losses, last logits, grads."""
+    losses, logits = [], None
+    for tokens in batches(micro_num, seq_len):
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) / micro_num
+        loss.backward()
+        losses.append(loss.detach())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return torch.stack(losses), logits.detach(), grads
+
+
+def assert_bitwise(got, expected) -> None:
+    assert torch.equal(got[0], expected[0]), "loss"
+    assert torch.equal(got[1], expected[1]), "logits"
+    for name, grad in expected[2].items():
+        assert torch.equal(got[2][name], grad), name
+
+
+def planned_model(num_offload: int, ratio: float, selective: bool, mode: str):
+    model = tiny_model()
+    plan = make_layer_plan(L, offload_layers=num_offload, checkpoint_ratio=ratio, selective=selective)
+    apply_activation_checkpointing(model.layers, plan.layers_with(LayerMode.CHECKPOINT), selective=False)
+    apply_activation_checkpointing(model.layers, plan.layers_with(LayerMode.SELECTIVE), selective=True)
+    return model, offload_layers(model.layers, num_offload, mode=mode)
+
+
+@pytest.fixture(scope="module")
+def baselines():
+    return {micro_num: step(tiny_model(), micro_num) for micro_num in (1, 4)}
+
+
+MATRIX = list(itertools.product([1, L // 2, L - 1], ["sync", "async"], [0.0, 0.5, 1.0], [False, True], [1, 4]))
+
+
+@pytest.mark.parametrize("num_offload, mode, ratio, selective, micro_num", MATRIX)
+def test_bitwise_alignment_matrix(baselines, num_offload, mode, ratio, selective, micro_num):
+    model, handle = planned_model(num_offload, ratio, selective, mode)
+    assert_bitwise(step(model, micro_num), baselines[micro_num])
+    assert handle.stats()["offloaded_bytes"] > 0
+    handle.remove()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_saved_bytes_are_accounted_for(mode):
+    """offloaded + resident == the saved bytes without offload; more offload, lower peak."""
+    base_model = tiny_model()
+    reference = offload_layers(base_model.layers, 0)
+    step(base_model)
+    total = reference.stats()["resident_bytes"]
+    assert reference.stats()["offloaded_bytes"] == 0 and reference.stats()["peak_resident_bytes"] == total
+    peaks = []
+    for n in range(1, L):
+        model = tiny_model()
+        handle = offload_layers(model.layers, n, mode=mode)
+        step(model)
+        stats = handle.stats()
+        assert stats["offloaded_bytes"] + stats["resident_bytes"] == total
+        peaks.append(stats["peak_resident_bytes"])
+    assert total > peaks[0] > peaks[1] > peaks[2] - total // L  # offloading frees memory, roughly per block
+    assert peaks[0] < total and peaks[1] < peaks[0]
+
+
+class SavesViews(nn.Module):
+    """Saves x, x.t(), x[:k] and x.view(-1) of one storage (elementwise products keep them all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x @ self.w  # (16, 16), a fresh storage
+        a = x * x  # saves x
+        b = (x.t() * x.t()).t()  # saves x.t()
+        c = x[:8] * x[:8]  # saves x[:8]
+        d = (x.view(-1) * x.view(-1)).view(16, 16)  # saves x.view(-1)
+        return a + b + torch.cat([c, c]) + d
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_each_storage_is_offloaded_once_and_views_reload_bitwise(mode):
+    def run(offload: bool):
+        torch.manual_seed(0)
+        layers = nn.ModuleList([SavesViews(), SavesViews()])
+        handle = offload_layers(layers, 1, mode=mode, min_offload_bytes=0) if offload else None
+        x = torch.randn(16, 16, requires_grad=True)
+        layers[1](layers[0](x)).sum().backward()
+        return handle, x.grad, [p.grad for p in layers.parameters()]
+
+    handle, x_grad, grads = run(True)
+    _, base_x_grad, base_grads = run(False)
+    assert torch.equal(x_grad, base_x_grad)
+    assert all(torch.equal(g, b) for g, b in zip(grads, base_grads))
+    stats = handle.stats()
+    # One host copy per storage: the block input (saved by the matmul) and x, although the four
+    # products save x, x.t(), x[:8] and x.view(-1) twice each (both operands of a mul are saved).
+    assert stats["host_bytes"] == 2 * 16 * 16 * 4
+    assert stats["offloaded_bytes"] == 16 * 16 * 4 * (1 + 2 + 2 + 2) + 8 * 16 * 4 * 2
+
+
+def test_parameters_small_and_marked_tensors_stay():
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(64, 64), nn.Linear(64, 64)])
+    handle = offload_layers(layers, 1, mode="sync", min_offload_bytes=0)
+    x = torch.randn(4, 64, requires_grad=True)
+    y = layers[0](x)  # saves x (input) and the weight (a parameter): only x may go
+    layers[1](y).sum().backward()
+    assert handle.stats()["host_bytes"] == x.numel() * 4
+    # marked and tiny tensors stay
+    handle.remove()
+    handle = offload_layers(layers, 1, mode="sync", min_offload_bytes=10**9)
+    layers[1](layers[0](x)).sum().backward()
+    assert handle.stats()["offloaded_bytes"] == 0
+    handle.remove()
+    handle = offload_layers(layers, 1, mode="sync", min_offload_bytes=0)
+    mark_not_offload(x)
+    layers[1](layers[0](x)).sum().backward()
+    assert handle.stats()["offloaded_bytes"] == 0
+    handle.remove()
+
+
+class KeepsRegion(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with no_offload():  # a region inside a block whose saved tensors stay on the device
+            return super().forward(x)
+
+
+def test_no_offload_region_inside_a_block():
+    layers = nn.ModuleList([KeepsRegion(64, 64), nn.Linear(64, 64)])
+    handle = offload_layers(layers, 1, mode="sync", min_offload_bytes=0)
+    x = torch.randn(4, 64, requires_grad=True)
+    layers[1](layers[0](x)).sum().backward()
+    assert handle.stats()["offloaded_bytes"] == 0 and handle.stats()["resident_bytes"] > 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_lifecycle_edge_cases_leave_no_state(baselines, mode):
+    model = tiny_model()
+    handle = offload_layers(model.layers, 2, mode=mode)
+    tokens = batches(1)[0]
+    with torch.no_grad():
+        model(tokens[:, :-1])  # no-grad forward in train mode
+    model.eval()
+    model(tokens[:, :-1]).sum()  # eval forward with grad, never backpropagated
+    model.train()
+    model(tokens[:, :-1])  # forward never followed by backward
+    with pytest.raises(RuntimeError, match="boom"):
+        hook = model.layers[1].register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
+        try:
+            model(tokens[:, :-1])  # an exception in the middle of forward
+        finally:
+            hook.remove()
+    assert not handle._hook_stack  # no saved-tensor hooks left installed
+    model.zero_grad(set_to_none=True)
+    assert_bitwise(step(model), baselines[1])
+    handle.remove()
+    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in model.layers)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_forwards_before_one_backward_and_retain_graph(mode):
+    def run(offload: bool):
+        model = tiny_model()
+        handle = offload_layers(model.layers, 2, mode=mode) if offload else None
+        first, second = batches(2)
+        loss = sum(F.cross_entropy(model(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten()) for t in (first, second))
+        loss.backward(retain_graph=True)
+        loss.backward()  # the host copies are still there: a second backward reloads again
+        return [p.grad for p in model.parameters()], handle
+
+    grads, _ = run(True)
+    base, _ = run(False)
+    assert all(torch.equal(g, b) for g, b in zip(grads, base))
+
+
+def test_host_buffers_are_reused_and_sequence_lengths_may_vary():
+    model = tiny_model()
+    handle = offload_layers(model.layers, 2, mode="async")
+    step(model)
+    step(model)
+    allocated = handle.pool.allocated_bytes
+    step(model)
+    assert handle.pool.allocated_bytes == allocated  # steady state: no new host allocation
+    model.zero_grad(set_to_none=True)
+    short = step(model, seq_len=16)
+    plain = tiny_model()
+    assert_bitwise(short, step(plain, seq_len=16))
+
+
+def test_remove_restores_the_layers(baselines):
+    model = tiny_model()
+    handle = offload_layers(model.layers, 3)
+    handle.remove()
+    assert_bitwise(step(model), baselines[1])
+    assert handle.stats()["offloaded_bytes"] == 0
+
+
+@pytest.mark.parametrize("bad", [dict(num_layers=L), dict(num_layers=-1), dict(mode="fast"),
+                                 dict(min_offload_bytes=-1), dict(prefetch_layers=0)])  # fmt: skip
+def test_bad_arguments(bad):
+    kwargs = {"num_layers": 1, **bad}
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        offload_layers(tiny_model().layers, kwargs.pop("num_layers"), **kwargs)
+
+
+# ---------------------------------------------------------------------------- races on the cpu streams
+
+
+def delayed_handle(model: InternLM2, delay_s: float):
+    handle = offload_layers(model.layers, 3, mode="async", accelerator=Accelerator("cpu"))
+    handle.d2h.close()
+    handle.h2d.close()
+    handle.d2h = handle.accelerator.stream(delay_s=delay_s)  # injected copy latency
+    handle.h2d = handle.accelerator.stream(delay_s=delay_s)
+    return handle
+
+
+def test_schedule_is_correct_under_slow_copies(baselines):
+    model = tiny_model()
+    delayed_handle(model, 0.005)
+    assert_bitwise(step(model), baselines[1])
+
+
+def test_dropping_the_reload_wait_is_caught(baselines):
+    """Without the wait before use, backward reads reload buffers the slow copy has not filled yet."""
+    model = tiny_model()
+    handle = delayed_handle(model, 0.02)
+    handle._timed_wait = lambda event: None  # the bug: skip waiting for copies
+    got = step(model)
+    assert not all(torch.equal(got[2][n], g) for n, g in baselines[1][2].items())

@@ -74,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     barrier(ctx)
     logger.info("Training %s: %d steps, work dir %s", cfg.JOB_NAME, cfg.data.total_steps, work_dir)
     trainer.train()
+    # Every rank leaves together: tearing down gloo while a peer is still inside a collective aborts it.
+    barrier(ctx)
     logger.info("Done: %d steps, metrics in %s", trainer.step, work_dir / "metrics.jsonl")
     return 0
 

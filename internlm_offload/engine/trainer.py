@@ -7,7 +7,7 @@ and the optimizer it is given.
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ class Trainer:
     checkpoints: CheckpointManager
     metrics: MetricsLog | None  # rank 0 only
     settings: TrainerSettings
+    extra_metrics: list[Callable[[], dict[str, float]]]  # figures of the memory features, if any
     # training state (checkpointed)
     step: int
     tokens_seen: int
@@ -66,6 +67,7 @@ class Trainer:
         checkpoints: CheckpointManager,
         metrics: MetricsLog | None,
         settings: TrainerSettings,
+        extra_metrics: list[Callable[[], dict[str, float]]] | None = None,
     ) -> None:
         self.ctx = ctx
         self.model = model
@@ -75,6 +77,7 @@ class Trainer:
         self.checkpoints = checkpoints
         self.metrics = metrics
         self.settings = settings
+        self.extra_metrics = extra_metrics or []
         self.step = 0
         self.tokens_seen = 0
         self._last_saved_step = -1
@@ -168,6 +171,8 @@ class Trainer:
                     "tokens": self.tokens_seen, "tokens_per_s": tokens_per_step / step_time,
                     "step_time_s": step_time, **memory_record(self.ctx.accelerator),
                 }  # fmt: skip
+                for source in self.extra_metrics:
+                    record.update(source())
                 if self.metrics is not None:
                     self.metrics.write(record)
                 progress.update(self.step, record)

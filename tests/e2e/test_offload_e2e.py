@@ -17,7 +17,7 @@ def loss_compare(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("mode", ["none", "fsdp2"])
+@pytest.mark.parametrize("mode", ["none", "ddp", "fsdp2"])
 def test_offload_configs_align_bitwise_with_baseline(tmp_path, mode):
     nproc = 1 if mode == "none" else 2
     base = tmp_path / "base"

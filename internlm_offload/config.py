@@ -18,9 +18,6 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
-
-
 class ConfigError(ValueError):
     """A config file or override is invalid; the message is one line meant for the user."""
 

@@ -5,7 +5,6 @@ each decoder block as its own unit (so only one block's parameters are unsharded
 root for the embeddings, final norm and head.
 """
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -42,13 +41,3 @@ def apply_fsdp2(
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
     logger.info("Applied FSDP2 over %d ranks: %d blocks + root", ctx.world_size, len(layers))
     return model
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model under a DDP wrapper (FSDP2 modifies the model in place)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t

@@ -62,11 +62,6 @@ class CheckpointManager:
         self.ctx = ctx
         self.keep_last = keep_last
 
-    # ------------------------------------------------------------------ discovery
-
-    def latest(self) -> Path | None:
-        return latest_checkpoint(self.folder)
-
     # ------------------------------------------------------------------ save
 
     def save(

@@ -206,21 +206,13 @@ class ActivationOffloader:
             elif group is not None:
                 forward.pending_release = [group]
             if index == len(self.layers) - 1:
-                self._end_forward()
+                self._forward = None  # the last block is never offloaded: nothing is pending here
 
         return post_hook
 
     def _start_forward(self) -> None:
         self._forward = _Forward(self.num_layers)
         self._stats.start_forward()
-
-    def _end_forward(self) -> None:
-        forward = self._forward
-        if forward is not None:
-            for group in forward.pending_release:
-                self._release_sources(group)
-            forward.pending_release = []
-        self._forward = None
 
     # ------------------------------------------------------------------ pack (forward)
 
@@ -232,7 +224,7 @@ class ActivationOffloader:
             if not offloaded or not self._should_offload(t, nbytes, module, index):
                 self._stats.add_resident(nbytes)
                 return _Resident(t, nbytes)
-            return self._offload(t, index, module)
+            return self._offload(t, index)
 
         return pack
 
@@ -260,7 +252,7 @@ class ActivationOffloader:
             groups[index] = _Group(index, device, earlier)
         return groups[index]
 
-    def _offload(self, t: torch.Tensor, index: int, module: nn.Module) -> _Saved:
+    def _offload(self, t: torch.Tensor, index: int) -> _Saved:
         group = self._group(index, t.device)
         storage = t.untyped_storage()
         key = storage.data_ptr()

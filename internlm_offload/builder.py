@@ -5,6 +5,7 @@ optimizer → data → trainer. The memory features are applied to the bare mode
 wrapping, so FSDP2 shards the same blocks the plan acted on.
 """
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,13 @@ from internlm_offload.log import get_logger
 from internlm_offload.offload import LayerMode, LayerPlan, apply_activation_checkpointing, make_layer_plan
 from internlm_offload.offload.activation import ActivationOffloader, offload_layers
 from internlm_offload.optim import build_lr_scheduler
+from internlm_offload.optim.memory import (
+    HYBRID_CPU_BYTES,
+    SWAP_STATE_BYTES,
+    HostMemoryError,
+    check_host_memory,
+    trainable_elements,
+)
 from internlm_offload.registry import DATASETS, MODELS, OPTIMIZERS, PARALLEL, build
 
 logger = get_logger(__name__)
@@ -82,14 +90,42 @@ def apply_layer_plan(
     )  # fmt: skip
 
 
-def build_optimizer(cfg: RunConfig, model: nn.Module, device_type: str) -> torch.optim.Optimizer:
-    if cfg.swap_optimizer or cfg.hybrid_optimizer.enable or cfg.use_pinned_optimizer_offload:
-        raise ConfigError("swap_optimizer / hybrid_optimizer / use_pinned_optimizer_offload: not available yet")
+def build_optimizer(cfg: RunConfig, model: nn.Module, accelerator: Accelerator) -> torch.optim.Optimizer:
+    """AdamW, or its offloading variants: the swap optimizer or the hybrid CPU/device optimizer."""
     adam = cfg.adam
-    return build(
-        OPTIMIZERS, "adamw", "optimizer", model, device_type=device_type, lr=adam.lr,
-        betas=(adam.adam_beta1, adam.adam_beta2), eps=adam.adam_eps, weight_decay=adam.weight_decay, fused=adam.fused,
+    common = dict(
+        lr=adam.lr, betas=(adam.adam_beta1, adam.adam_beta2), eps=adam.adam_eps,
+        weight_decay=adam.weight_decay, fused=adam.fused,
     )  # fmt: skip
+    if cfg.swap_optimizer:
+        check_optimizer_host_memory(cfg, model)
+        return build(
+            OPTIMIZERS, "swap_adamw", "swap_optimizer", model, accelerator=accelerator,
+            swap_optimizer_times=cfg.swap_optimizer_times, use_host_arena=cfg.use_pinned_optimizer_offload, **common,
+        )  # fmt: skip
+    if cfg.hybrid_optimizer.enable:
+        check_optimizer_host_memory(cfg, model)
+        hybrid = cfg.hybrid_optimizer
+        return build(
+            OPTIMIZERS, "hybrid_adamw", "hybrid_optimizer", model, accelerator=accelerator,
+            offload_fraction=hybrid.offload_fraction, overlap_cpu_optimizer_d2h_h2d=hybrid.overlap_cpu_optimizer_d2h_h2d,
+            param_update_in_fp32=hybrid.param_update_in_fp32, **common,
+        )  # fmt: skip
+    return build(OPTIMIZERS, "adamw", "optimizer", model, device_type=accelerator.name, **common)
+
+
+def check_optimizer_host_memory(cfg: RunConfig, model: nn.Module) -> None:
+    """Refuse before training when the host cannot hold the offloaded optimizer states."""
+    elements = trainable_elements(model)
+    if cfg.swap_optimizer:
+        required, what = elements * SWAP_STATE_BYTES, "swap_optimizer (AdamW states on the host)"
+    else:
+        fraction = cfg.hybrid_optimizer.offload_fraction
+        required, what = int(elements * fraction) * HYBRID_CPU_BYTES, "hybrid_optimizer (CPU-stepped params)"
+    try:
+        check_host_memory(required, what, world_local=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except HostMemoryError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_vocab(model_vocab: int, tokenizer_vocab: int, tokenizer_name: str) -> None:
@@ -136,7 +172,7 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
         reshard_after_forward=par.reshard_after_forward, bucket_cap_mb=par.bucket_cap_mb,
     )  # fmt: skip
     # 5. optimizer and schedule
-    optimizer = build_optimizer(cfg, model, ctx.accelerator.name)
+    optimizer = build_optimizer(cfg, model, ctx.accelerator)
     scheduler = build_lr_scheduler(
         optimizer, base_lr=cfg.adam.lr, warmup_ratio=cfg.lr_scheduler.warmup_ratio,
         total_steps=cfg.lr_scheduler.total_steps, eta_min=cfg.lr_scheduler.eta_min,
@@ -152,13 +188,18 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
         ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
         checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
         metrics=MetricsLog(work_dir / "metrics.jsonl") if ctx.is_main else None, settings=settings,
-        extra_metrics=[offload_metrics(offloader)] if offloader is not None else [],
+        extra_metrics=extra_metric_sources(offloader, optimizer),
     )  # fmt: skip
 
 
-def offload_metrics(offloader: ActivationOffloader):
-    """Per-step activation offload figures for metrics.jsonl, prefixed `act_offload_`."""
-    return lambda: {f"act_offload_{key}": value for key, value in offloader.stats().items()}
+def extra_metric_sources(offloader: ActivationOffloader | None, optimizer: torch.optim.Optimizer) -> list:
+    """Figures of the memory features for metrics.jsonl: `act_offload_*` and `optim_*`."""
+    sources = []
+    if offloader is not None:
+        sources.append(lambda: {f"act_offload_{key}": value for key, value in offloader.stats().items()})
+    if hasattr(optimizer, "memory_stats"):
+        sources.append(lambda: {f"optim_{key}": value for key, value in optimizer.memory_stats().items()})
+    return sources
 
 
 def checkpoint_folder(cfg: RunConfig, work_dir: Path) -> Path:

@@ -199,6 +199,10 @@ class RunConfig(Section):
             raise ValueError("selective_checkpoint_offload=True needs selective_checkpoint=True")
         if self.swap_optimizer and self.hybrid_optimizer.enable:
             raise ValueError("swap_optimizer=True and hybrid_optimizer.enable=True exclude each other; choose one")
+        if self.use_pinned_optimizer_offload and not self.swap_optimizer:
+            raise ValueError(
+                "use_pinned_optimizer_offload=True is the host arena of the swap optimizer; it needs swap_optimizer=True"
+            )
         heads, kv_heads = self.model.num_attention_heads, self.model.num_kv_attention_heads
         if self.model.hidden_size % heads or heads % kv_heads:
             raise ValueError(

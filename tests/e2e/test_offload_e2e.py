@@ -1,5 +1,6 @@
 """Activation offload configs against the baseline, end to end: `loss_compare --exact` must pass."""
 
+import shutil
 import subprocess
 import sys
 
@@ -8,7 +9,12 @@ from runner import REPO, metrics, train
 
 pytestmark = pytest.mark.e2e
 
-OFFLOAD_CONFIGS = ["internlm2_tiny_act_offload.py", "internlm2_tiny_ckpt_offload.py"]
+OFFLOAD_CONFIGS = [
+    "internlm2_tiny_act_offload.py",
+    "internlm2_tiny_ckpt_offload.py",
+    "internlm2_tiny_swap.py",
+    "internlm2_tiny_all_offload.py",
+]
 STEPS = ["data.total_steps=20", "ckpt.enable_save_ckpt=False", "data.global_bsz=8"]
 
 
@@ -25,12 +31,15 @@ def test_offload_configs_align_bitwise_with_baseline(tmp_path, mode):
     for name in OFFLOAD_CONFIGS:
         run = tmp_path / name
         proc = train(run, *STEPS, f"parallel.mode={mode}", nproc=nproc, config=REPO / "configs" / name)
-        assert "offload" in proc.stderr  # the plan table names the offloaded blocks
+        record = metrics(run)[-1]
+        if "swap" in name or "all" in name:
+            assert record["optim_device_state_bytes"] == 0 and record["optim_host_state_bytes"] > 0
+        if "act" in name or "ckpt" in name or "all" in name:
+            assert "offload" in proc.stderr and record["act_offload_offloaded_bytes"] > 0
         compared = loss_compare(str(base), str(run), "--exact", "--quiet")
         assert compared.returncode == 0, compared.stdout
         compared = loss_compare(str(base), str(run), "--exact", "--quiet", "--metric", "grad_norm")
         assert compared.returncode == 0, compared.stdout
-        assert metrics(run)[-1]["act_offload_offloaded_bytes"] > 0
 
 
 def test_loss_compare_catches_a_changed_run(tmp_path):
@@ -39,3 +48,19 @@ def test_loss_compare_catches_a_changed_run(tmp_path):
     train(base, "data.total_steps=3", "ckpt.enable_save_ckpt=False")
     train(other, "data.total_steps=3", "ckpt.enable_save_ckpt=False", "adam.lr=0.0031")
     assert loss_compare(str(base), str(other), "--exact", "--quiet").returncode == 1
+
+
+@pytest.mark.parametrize("mode", ["none", "fsdp2"])
+def test_swap_resume_with_other_chunking_is_bitwise(tmp_path, mode):
+    """Checkpoint at step 4 with swap_optimizer_times=4, resume with 2: steps 5..8 equal the full run."""
+    nproc = 1 if mode == "none" else 2
+    config = REPO / "configs" / "internlm2_tiny_swap.py"
+    common = ["data.total_steps=8", "ckpt.checkpoint_every=4", "ckpt.keep_last=0", f"parallel.mode={mode}",
+              "data.global_bsz=8"]  # fmt: skip
+    full = tmp_path / "full"
+    train(full, *common, nproc=nproc, config=config)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "checkpoints" / "step_00000004", resumed / "checkpoints" / "step_00000004")
+    train(resumed, *common, "swap_optimizer_times=2", nproc=nproc, config=config, resume=True)
+    expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(full) if r["step"] > 4]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(resumed)] == expected

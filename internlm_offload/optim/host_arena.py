@@ -1,0 +1,57 @@
+"""A coalesced host arena: one aligned host buffer that holds many tensors as views.
+
+One large (pinned, on accelerators) allocation instead of thousands of small ones: pinning is an
+expensive driver call per buffer, and per-tensor pageable copies are slower than pinned ones. The
+arena is allocated once, its views are reused across steps, and `release()` frees it explicitly.
+"""
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from internlm_offload.device import Accelerator
+
+ALIGNMENT = 512  # bytes; keeps every view aligned for vectorised copies and DMA
+
+
+class HostArena:
+    """Host memory for tensors of the given shapes and dtypes, as views of one buffer."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        specs: Sequence[tuple[torch.Size | tuple[int, ...], torch.dtype]],
+        *,
+        pinned: bool = True,
+    ) -> None:
+        self.offsets: list[int] = []
+        total = 0
+        for shape, dtype in specs:
+            total = _align(total)
+            self.offsets.append(total)
+            total += math.prod(shape) * _itemsize(dtype)
+        self.specs = list(specs)
+        self.nbytes = _align(total)
+        self.buffer: torch.Tensor | None = accelerator.host_empty((self.nbytes,), torch.uint8, pinned=pinned)
+
+    def view(self, index: int) -> torch.Tensor:
+        """The tensor at slot `index` (uninitialised until written)."""
+        if self.buffer is None:
+            raise RuntimeError("HostArena.view after release()")
+        shape, dtype = self.specs[index]
+        start = self.offsets[index]
+        nbytes = math.prod(shape) * _itemsize(dtype)
+        return self.buffer[start : start + nbytes].view(dtype).view(shape)
+
+    def release(self) -> None:
+        """Free the buffer; views taken earlier keep their memory alive until dropped."""
+        self.buffer = None
+
+
+def _align(offset: int) -> int:
+    return (offset + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -170,6 +170,7 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
     model = build(
         PARALLEL, par.mode, "parallel.mode", model, ctx=ctx, layers=layers,
         reshard_after_forward=par.reshard_after_forward, bucket_cap_mb=par.bucket_cap_mb,
+        cpu_offload=par.fsdp_cpu_offload,
     )  # fmt: skip
     # 5. optimizer and schedule
     optimizer = build_optimizer(cfg, model, ctx.accelerator)

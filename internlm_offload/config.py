@@ -124,6 +124,11 @@ class ParallelConfig(Section):
     )
     reshard_after_forward: bool = Field(True, description="`fsdp2`: free unsharded params after forward (ZeRO-3).")
     bucket_cap_mb: int = Field(25, ge=1, description="`ddp`: gradient bucket size.")
+    fsdp_cpu_offload: bool = Field(
+        False,
+        description="`fsdp2`: FSDP2's CPUOffloadPolicy: sharded params, grads and optimizer states stay on the host "
+        "and the optimizer steps on the CPU (most device memory saved, slowest). Excludes the swap and hybrid optimizers.",
+    )
 
 
 class CkptConfig(Section):
@@ -207,6 +212,13 @@ class RunConfig(Section):
             raise ValueError("selective_checkpoint_offload=True needs selective_checkpoint=True")
         if self.swap_optimizer and self.hybrid_optimizer.enable:
             raise ValueError("swap_optimizer=True and hybrid_optimizer.enable=True exclude each other; choose one")
+        if self.parallel.fsdp_cpu_offload and self.parallel.mode != "fsdp2":
+            raise ValueError(f"parallel.fsdp_cpu_offload=True needs parallel.mode='fsdp2', got {self.parallel.mode!r}")
+        if self.parallel.fsdp_cpu_offload and (self.swap_optimizer or self.hybrid_optimizer.enable):
+            raise ValueError(
+                "parallel.fsdp_cpu_offload=True already keeps the optimizer states on the host; "
+                "it excludes swap_optimizer and hybrid_optimizer.enable"
+            )
         if self.use_pinned_optimizer_offload and not self.swap_optimizer:
             raise ValueError(
                 "use_pinned_optimizer_offload=True is the host arena of the swap optimizer; it needs swap_optimizer=True"

@@ -7,7 +7,7 @@ root for the embeddings, final norm and head.
 
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from internlm_offload.engine.runtime import RunContext
@@ -32,12 +32,20 @@ def apply_ddp(model: nn.Module, *, ctx: RunContext, bucket_cap_mb: int = 25, **_
 
 @PARALLEL.register_module(name="fsdp2")
 def apply_fsdp2(
-    model: nn.Module, *, ctx: RunContext, layers: nn.ModuleList, reshard_after_forward: bool = True, **_: object
+    model: nn.Module,
+    *,
+    ctx: RunContext,
+    layers: nn.ModuleList,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+    **_: object,
 ) -> nn.Module:
     mesh = init_device_mesh(ctx.accelerator.name, (ctx.world_size,))
+    policy = CPUOffloadPolicy(pin_memory=ctx.accelerator.supports_pinned_memory) if cpu_offload else OffloadPolicy()
     for block in layers:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
     # The root keeps its params unsharded after forward: backward needs the head straight away.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    logger.info("Applied FSDP2 over %d ranks: %d blocks + root", ctx.world_size, len(layers))
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, offload_policy=policy)
+    offload = " with CPU offload policy" if cpu_offload else ""
+    logger.info("Applied FSDP2 over %d ranks%s: %d blocks + root", ctx.world_size, offload, len(layers))
     return model

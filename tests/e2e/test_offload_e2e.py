@@ -64,3 +64,13 @@ def test_swap_resume_with_other_chunking_is_bitwise(tmp_path, mode):
     train(resumed, *common, "swap_optimizer_times=2", nproc=nproc, config=config, resume=True)
     expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(full) if r["step"] > 4]
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(resumed)] == expected
+
+
+def test_fsdp2_cpu_offload_policy_aligns_with_fsdp2(tmp_path):
+    """FSDP2's own CPUOffloadPolicy (params, grads, states on the host) changes no bits on CPU."""
+    base, offloaded = tmp_path / "base", tmp_path / "policy"
+    options = ["data.total_steps=4", "ckpt.enable_save_ckpt=False", "parallel.mode=fsdp2"]
+    train(base, *options, nproc=2)
+    proc = train(offloaded, *options, "parallel.fsdp_cpu_offload=True", nproc=2)
+    assert "with CPU offload policy" in proc.stderr
+    assert loss_compare(str(base), str(offloaded), "--exact", "--quiet").returncode == 0

@@ -22,6 +22,7 @@ from internlm_offload.engine.trainer import Trainer, TrainerSettings
 from internlm_offload.log import get_logger
 from internlm_offload.offload import LayerMode, LayerPlan, apply_activation_checkpointing, make_layer_plan
 from internlm_offload.offload.activation import ActivationOffloader, offload_layers
+from internlm_offload.offload.selective_offload import SelectiveOffloadStats, apply_selective_offload
 from internlm_offload.optim import build_lr_scheduler
 from internlm_offload.optim.memory import (
     HYBRID_CPU_BYTES,
@@ -55,9 +56,6 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
 
 def build_layer_plan(cfg: RunConfig, num_layers: int) -> LayerPlan:
     offload = cfg.cpu_offloading
-    if cfg.selective_checkpoint_offload:
-        # Refuse rather than silently train without it.
-        raise ConfigError("selective_checkpoint_offload=True is not available yet; use cpu_offloading.num_layers")
     try:
         return make_layer_plan(
             num_layers,
@@ -72,10 +70,20 @@ def build_layer_plan(cfg: RunConfig, num_layers: int) -> LayerPlan:
 
 def apply_layer_plan(
     layers: nn.ModuleList, plan: LayerPlan, cfg: CpuOffloadingConfig, accelerator: Accelerator
-) -> ActivationOffloader | None:
-    """Checkpoint and offload the blocks as planned; returns the offload handle, if any."""
+) -> tuple[ActivationOffloader | None, SelectiveOffloadStats | None]:
+    """Checkpoint and offload the blocks as planned; returns the handles of the offloads in use."""
     apply_activation_checkpointing(layers, plan.layers_with(LayerMode.CHECKPOINT), selective=False)
     apply_activation_checkpointing(layers, plan.layers_with(LayerMode.SELECTIVE), selective=True)
+    selective_offloaded = plan.layers_with(LayerMode.SELECTIVE_OFFLOAD)
+    selective_stats = None
+    if selective_offloaded:
+        selective_stats = apply_selective_offload(layers, selective_offloaded, accelerator=accelerator, mode=cfg.mode)
+    return apply_activation_offload(layers, plan, cfg, accelerator), selective_stats
+
+
+def apply_activation_offload(
+    layers: nn.ModuleList, plan: LayerPlan, cfg: CpuOffloadingConfig, accelerator: Accelerator
+) -> ActivationOffloader | None:
     num_offload = len(plan.layers_with(LayerMode.OFFLOAD))
     if not cfg.enable or num_offload == 0:
         return None  # exactly no change to the model
@@ -164,7 +172,7 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
     # 2.-3. per-layer plan, applied to the bare blocks
     plan = build_layer_plan(cfg, len(layers))
     logger.info("Layer plan (%d blocks):\n%s", len(layers), plan.table())
-    offloader = apply_layer_plan(layers, plan, cfg.cpu_offloading, ctx.accelerator)
+    offloader, selective_stats = apply_layer_plan(layers, plan, cfg.cpu_offloading, ctx.accelerator)
     # 4. data parallelism
     par = cfg.parallel
     model = build(
@@ -189,15 +197,19 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
         ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
         checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
         metrics=MetricsLog(work_dir / "metrics.jsonl") if ctx.is_main else None, settings=settings,
-        extra_metrics=extra_metric_sources(offloader, optimizer),
+        extra_metrics=extra_metric_sources(offloader, selective_stats, optimizer),
     )  # fmt: skip
 
 
-def extra_metric_sources(offloader: ActivationOffloader | None, optimizer: torch.optim.Optimizer) -> list:
-    """Figures of the memory features for metrics.jsonl: `act_offload_*` and `optim_*`."""
+def extra_metric_sources(
+    offloader: ActivationOffloader | None, selective: SelectiveOffloadStats | None, optimizer: torch.optim.Optimizer
+) -> list:
+    """Figures of the memory features for metrics.jsonl: `act_offload_*`, `sc_offload_*` and `optim_*`."""
     sources = []
     if offloader is not None:
         sources.append(lambda: {f"act_offload_{key}": value for key, value in offloader.stats().items()})
+    if selective is not None:
+        sources.append(lambda: {f"sc_offload_{key}": value for key, value in selective.as_dict().items()})
     if hasattr(optimizer, "memory_stats"):
         sources.append(lambda: {f"optim_{key}": value for key, value in optimizer.memory_stats().items()})
     return sources

@@ -168,14 +168,17 @@ class ActivationOffloader:
     # ------------------------------------------------------------------ hooks around blocks
 
     def _install(self) -> None:
+        # Our saved-tensor hooks must be the OUTER ones: activation checkpointing (torch's composable
+        # `checkpoint`, which enters its hooks in a pre-hook and leaves them in a prepended post-hook)
+        # must stay innermost in the blocks it wraps, or its tensors would be saved through us instead.
         for i, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
+            self._handles.append(layer.register_forward_pre_hook(self._make_pre_hook(i), prepend=True))
             self._handles.append(layer.register_forward_hook(self._make_post_hook(i), always_call=True))
 
     def _make_pre_hook(self, index: int):
         def pre_hook(module: nn.Module, args: Any) -> None:
-            if not torch.is_grad_enabled():
-                return  # no-grad / eval forward: nothing is saved, nothing to do
+            if not torch.is_grad_enabled() or _in_backward():
+                return  # no-grad forward (nothing is saved) or a checkpoint's recompute (it saves its own way)
             if index == 0 or self._forward is None:
                 self._start_forward()
             hooks = torch.autograd.graph.saved_tensors_hooks(self._make_pack(index, module), self._unpack)
@@ -186,7 +189,7 @@ class ActivationOffloader:
 
     def _make_post_hook(self, index: int):
         def post_hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self._hook_stack:
+            if not self._hook_stack or _in_backward():
                 return
             self._hook_stack.pop().__exit__(None, None, None)
             forward = self._forward
@@ -419,6 +422,11 @@ class _Stats:
             "h2d_s": self.h2d_s,
             "wait_s": self.wait_s,
         }
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward (where checkpointed blocks recompute)."""
+    return torch._C._current_graph_task_id() != -1  # the same test torch.utils.checkpoint uses
 
 
 def _validate(total: int, num_layers: int, mode: str, min_offload_bytes: int, prefetch_layers: int) -> None:

@@ -32,7 +32,7 @@ def test_lookup_returns_registered_object(registry: Registry, name: str, expecte
 UNKNOWN = [
     (MODELS, "model.type", "llama", "model types: hf_causal_lm, internlm2"),
     (DATASETS, "data.type", "parquet", "dataset types: builtin, text"),
-    (OPTIMIZERS, "optimizer.type", "sgd", "optimizer types: adamw, swap_adamw"),
+    (OPTIMIZERS, "optimizer.type", "sgd", "optimizer types: adamw, hybrid_adamw, swap_adamw"),
     (PARALLEL, "parallel.mode", "tp", "parallel types: ddp, fsdp2, none"),
 ]
 
@@ -78,7 +78,7 @@ def test_no_collision_with_mmengine_root_optimizers() -> None:
     assert ROOT_OPTIMIZERS.get("AdamW") is torch.optim.AdamW
     assert ROOT_OPTIMIZERS.get("adamw") is None  # our name did not leak into the root
     assert OPTIMIZERS.get("AdamW") is None  # and the root's names do not leak into ours
-    with pytest.raises(UnknownTypeError, match="registered optimizer types: adamw, swap_adamw$"):
+    with pytest.raises(UnknownTypeError, match="registered optimizer types: adamw, hybrid_adamw, swap_adamw$"):
         lookup(OPTIMIZERS, "AdamW", "optimizer.type")
 
 

@@ -1,0 +1,99 @@
+"""Selective checkpointing with the kept outputs on the host: bitwise, and the matmuls are not rerun."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from internlm_offload.device import Accelerator
+from internlm_offload.model import InternLM2
+from internlm_offload.offload.activation import offload_layers
+from internlm_offload.offload.checkpointing import EXPENSIVE_OPS
+from internlm_offload.offload.selective_offload import apply_selective_offload
+
+L = 4
+CPU = Accelerator("cpu")
+
+
+def tiny_model() -> InternLM2:
+    torch.manual_seed(0)
+    return InternLM2(num_layers=L, hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=259)
+
+
+def step(model: nn.Module, micro_num: int = 1):
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(micro_num):
+        tokens = torch.randint(0, 259, (2, 33), generator=g)
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()) / micro_num
+        loss.backward()
+        losses.append(loss.detach())
+    return torch.stack(losses), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same(got, expected) -> None:
+    assert torch.equal(got[0], expected[0])
+    for name, grad in expected[1].items():
+        assert torch.equal(got[1][name], grad), name
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("micro_num", [1, 4])
+def test_bitwise_against_no_checkpointing(mode, micro_num):
+    # (retain_graph=True is not covered: torch's composable checkpoint itself refuses a second recompute)
+    model = tiny_model()
+    stats = apply_selective_offload(model.layers, [0, 1, 2], accelerator=CPU, mode=mode)
+    assert_same(step(model, micro_num), step(tiny_model(), micro_num))
+    assert stats.offloaded_bytes > 0 and stats.h2d_s > 0
+
+
+def test_combined_with_activation_offload_of_earlier_blocks():
+    model = tiny_model()
+    apply_selective_offload(model.layers, [1, 2], accelerator=CPU, mode="async")
+    handle = offload_layers(model.layers, 1, mode="async", accelerator=CPU)
+    assert_same(step(model, 2), step(tiny_model(), 2))
+    assert handle.stats()["offloaded_bytes"] > 0
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.expensive = 0
+        self.cheap = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in EXPENSIVE_OPS:
+            self.expensive += 1
+        else:
+            self.cheap += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_expensive_ops_are_replayed_not_rerun():
+    plain, offloaded = tiny_model(), tiny_model()
+    apply_selective_offload(offloaded.layers, range(L), accelerator=CPU, mode="sync")
+    with OpCounter() as plain_ops:
+        step(plain)
+    with OpCounter() as offloaded_ops:
+        step(offloaded)
+    assert offloaded_ops.expensive == plain_ops.expensive  # matmuls and attention ran once
+    assert offloaded_ops.cheap > plain_ops.cheap  # norms, activations, RoPE were recomputed
+
+
+class MutatesMatmulOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.w
+        y.mul_(2)  # in place on a recorded output: the host copy would be stale
+        return y.relu()
+
+
+def test_in_place_change_of_a_recorded_output_is_refused():
+    layers = nn.ModuleList([MutatesMatmulOutput(), nn.Identity()])
+    apply_selective_offload(layers, [0], accelerator=CPU, mode="sync")
+    with pytest.raises(RuntimeError, match="modified in place"):
+        layers[0](torch.randn(4, 8, requires_grad=True))

@@ -33,7 +33,11 @@ class HostArena:
             total += math.prod(shape) * _itemsize(dtype)
         self.specs = list(specs)
         self.nbytes = _align(total)
-        self.buffer: torch.Tensor | None = accelerator.host_empty((self.nbytes,), torch.uint8, pinned=pinned)
+        # Over-allocate and start at the first aligned byte: offsets are relative to the buffer, and a
+        # plain allocation is only guaranteed 64-byte alignment.
+        raw = accelerator.host_empty((self.nbytes + ALIGNMENT,), torch.uint8, pinned=pinned)
+        shift = -raw.data_ptr() % ALIGNMENT
+        self.buffer: torch.Tensor | None = raw[shift : shift + self.nbytes]
 
     def view(self, index: int) -> torch.Tensor:
         """The tensor at slot `index` (uninitialised until written)."""

@@ -122,14 +122,14 @@ class SwapAdamW(torch.optim.AdamW):
         # AdamW keeps `step` on the param's device only for fused/capturable kernels; else on the host.
         return bool(group["fused"] or group["capturable"])
 
-    def _host_buffer(self, param: torch.Tensor, key: str) -> torch.Tensor:
-        """Zeroed host storage for one state tensor of `param` (an arena view or its own buffer)."""
+    def _host_buffer(self, param: torch.Tensor, key: str, *, zero: bool) -> torch.Tensor:
+        """Host storage for one state tensor of `param` (an arena view or its own buffer)."""
         local = _local(param)
         if self._arena is not None and (id(param), key) in self._arena_slots:
             host = self._arena.view(self._arena_slots[id(param), key])
         else:
             host = self.accelerator.host_empty(local.shape, local.dtype, pinned=self.pin_memory)
-        return _wrap_like(host.zero_(), param)
+        return _wrap_like(host.zero_() if zero else host, param)
 
     def _init_host_state(self, param: torch.Tensor, group: dict[str, Any]) -> None:
         """AdamW's lazy state init, with the tensors on the host."""
@@ -140,7 +140,7 @@ class SwapAdamW(torch.optim.AdamW):
         else:
             state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
         for key in SWAPPED_KEYS[: 3 if group["amsgrad"] else 2]:
-            state[key] = self._host_buffer(param, key)
+            state[key] = self._host_buffer(param, key, zero=True)
 
     def _maybe_build_arena(self) -> None:
         if not self.use_host_arena or self._arena is not None:
@@ -228,6 +228,9 @@ class SwapAdamW(torch.optim.AdamW):
         # Allocated on the compute stream: the allocator orders any reuse after this point.
         device_states = {k: _wrap_like(torch.empty_like(_local(state[k]), device=device), state[k])
                          if k != "step" else torch.empty_like(state[k], device=device) for k in keys}  # fmt: skip
+        # The new buffers may reuse memory a param stepped earlier in this step just released (after the
+        # compute stream waited for its copy-out): the copy-in must not start before that point.
+        self._h2d.wait_stream(self.accelerator.current_stream())
         for key, dst in device_states.items():
             self.accelerator.copy_async(_local(dst), _local(state[key]), self._h2d)
         self._device_state_bytes += nbytes
@@ -265,8 +268,18 @@ class SwapAdamW(torch.optim.AdamW):
 
     # ------------------------------------------------------------------ state dict and memory
 
+    def state_dict(self) -> dict[str, Any]:
+        self._finish_copies()
+        return super().state_dict()
+
+    def _finish_copies(self) -> None:
+        """`step()` returns with its last copy-outs only ordered on the device; readers of the host
+        states (state_dict, load_state_dict, memory_stats) wait for them here."""
+        self._d2h.synchronize()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load AdamW's layout (ours or a plain AdamW's) and move every state into host buffers."""
+        self._finish_copies()
         super().load_state_dict(state_dict)
         self._maybe_build_arena()
         for group in self.param_groups:
@@ -276,7 +289,7 @@ class SwapAdamW(torch.optim.AdamW):
                     continue
                 for key in SWAPPED_KEYS:
                     if key in state:
-                        host = self._host_buffer(p, key)
+                        host = self._host_buffer(p, key, zero=False)  # may alias state[key]: no zeroing
                         _local(host).copy_(_local(state[key]))
                         state[key] = host
                 if self._swaps_step(group):
@@ -284,6 +297,7 @@ class SwapAdamW(torch.optim.AdamW):
                     state["step"] = host_step.copy_(state["step"])
 
     def memory_stats(self) -> dict[str, int]:
+        self._finish_copies()
         host = sum(_nbytes(t) for s in self.state.values() for t in s.values() if isinstance(t, torch.Tensor))
         return {
             "device_state_bytes": self._device_state_bytes,

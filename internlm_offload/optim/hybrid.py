@@ -27,6 +27,13 @@ from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import fused_supported, param_groups
 from internlm_offload.registry import OPTIMIZERS
 
+try:
+    from torch.distributed.tensor import DTensor
+
+    _DTENSOR: tuple[type, ...] = (DTensor,)
+except ImportError:  # torch built without distributed: no DTensor params to meet
+    _DTENSOR = ()
+
 logger = get_logger(__name__)
 
 # Group keys that select a kernel or name params rather than set a hyper-parameter: each sub-optimizer
@@ -37,13 +44,21 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 @dataclass
 class _HostSlot:
-    """One CPU-stepped param: its host master copy and the host buffers its grad and update travel through."""
+    """One CPU-stepped param: its host master copy and the host buffers its grad and update travel through.
 
-    param: torch.Tensor  # the model's param, on the device
+    For a DTensor param (FSDP2) the host buffers hold this rank's shard: `local(param)` / `local(param.grad)`.
+    """
+
+    param: torch.Tensor  # the model's param, on the device (a DTensor under FSDP2)
     master: torch.Tensor  # host copy the CPU optimizer updates (fp32 when updated in fp32)
     grad: torch.Tensor  # host grad in the master dtype; `master.grad` during the CPU step
     staging: torch.Tensor | None  # host buffer in the param dtype when it differs from the master's
     has_grad: bool = False  # whether `param.grad` existed at the start of the current step
+
+    @property
+    def local_param(self) -> torch.Tensor:
+        """The device tensor the master mirrors: the param, or its local shard (an alias) for a DTensor."""
+        return _local(self.param.detach())
 
     @property
     def landing(self) -> torch.Tensor:
@@ -113,11 +128,23 @@ class HybridDeviceOptimizer(Optimizer):
     Checkpoints: `state_dict()` has the layout of one `torch.optim.AdamW` holding every param (state
     keyed by param index, plain hyper-parameters in the groups, no classes), so it loads with
     `torch.load(weights_only=True)` and into a plain AdamW, and any AdamW state dict loads here,
-    whatever `offload_fraction` either side used. Masters are not in it: after loading model weights
-    without optimizer state, call `sync_from_model()`. Loading copies into the live state tensors and
-    updates our param groups in place; kernel keys there (`fused`, `foreach`, ...) are informational,
-    each sub-optimizer keeps its own. `optimizer.state` is a live view of the sub-optimizers' state, so
-    there is one copy of every state tensor and nothing to keep in sync.
+    whatever `offload_fraction` either side used. Masters are not in it: the first `step()` and the
+    first after `load_state_dict()` refresh them from the params (`torch.distributed.checkpoint`'s
+    `set_state_dict` loads the optimizer before the model), keeping an fp32 master that still rounds
+    to its param. After loading model weights alone mid-run, call `sync_from_model()`. Loading copies
+    into the live state tensors and updates our param groups in place; kernel keys there (`fused`,
+    `foreach`, ...) are informational, each sub-optimizer keeps its own. `optimizer.state` is a live
+    view of the sub-optimizers' state, so there is one copy of every state tensor and nothing to keep
+    in sync.
+
+    DTensor params (FSDP2 `fully_shard`): placement uses the global element counts, so every rank
+    CPU-steps the same params; the CPU side keeps host copies of this rank's shards (`to_local()`)
+    and its grads' shards, the device side steps the DTensors. `optimizer.state[p]` of a CPU-stepped
+    DTensor param holds local (plain) tensors; `state_dict()` wraps them as DTensors laid out like the
+    param (mesh, placements, global shape), as a plain AdamW over the DTensors would have them, so
+    `get_state_dict` / `dcp.save` / `dcp.load` / `set_state_dict` save and reshard them, and
+    `load_state_dict()` takes each DTensor state's local shard. `step()` with zero grads and lr 0 (how
+    `set_state_dict` creates missing states) leaves the params unchanged.
 
     Args:
         params: params or param-group dicts, as for any torch optimizer.
@@ -168,6 +195,8 @@ class HybridDeviceOptimizer(Optimizer):
         self._device_masters: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._states_offloaded = False
         self._peak_device_state_bytes = 0
+        # The params may change before the first step (weights loaded after building): refresh then.
+        self._masters_stale = True
 
         all_params = [p for group in self.param_groups for p in group["params"]]
         offloaded = {id(p) for p, cpu in zip(all_params, offload_mask(all_params, offload_fraction)) if cpu}
@@ -196,15 +225,16 @@ class HybridDeviceOptimizer(Optimizer):
         return [self._cpu_unit(cls, groups, kwargs) for groups in plan]
 
     def _host_slot(self, param: torch.Tensor) -> _HostSlot:
+        local = _local(param.detach())  # this rank's shard of a DTensor param
         master_dtype = self._master_dtype(param)
-        master = self._acc.host_empty(param.shape, master_dtype, pinned=self.pin_cpu_params)
-        master.copy_(param.detach())
+        master = self._acc.host_empty(local.shape, master_dtype, pinned=self.pin_cpu_params)
+        master.copy_(local)
         staging = None
         if master_dtype != param.dtype:
             # Serves both copies, so it is pinned when either direction asks for it.
             pinned = self.pin_cpu_grads or self.pin_cpu_params
-            staging = self._acc.host_empty(param.shape, param.dtype, pinned=pinned)
-        grad = self._acc.host_empty(param.shape, master_dtype, pinned=self.pin_cpu_grads and staging is None)
+            staging = self._acc.host_empty(local.shape, param.dtype, pinned=pinned)
+        grad = self._acc.host_empty(local.shape, master_dtype, pinned=self.pin_cpu_grads and staging is None)
         return _HostSlot(param, master, grad, staging)
 
     def _cpu_unit(
@@ -270,6 +300,8 @@ class HybridDeviceOptimizer(Optimizer):
                 loss = closure()
         if self._states_offloaded:
             raise RuntimeError("optimizer states are offloaded; call reload_optimizer_states() before step()")
+        if self._masters_stale:
+            self._refresh_masters(keep_if_rounds_to_param=True)
         self._sync_param_groups()
         compute = self._acc.current_stream()
         # Grads are final, and the old params no longer read, only once the compute stream gets here.
@@ -297,12 +329,7 @@ class HybridDeviceOptimizer(Optimizer):
     @torch.no_grad()
     def sync_from_model(self) -> None:
         """Refresh every master copy from the model's params (after loading weights without optimizer state)."""
-        self._h2d_stream.synchronize()  # an H2D copy of the last step may still read a master
-        for unit in self._cpu_units:
-            for slot in unit.slots:
-                slot.master.copy_(slot.param.detach())
-        for param, master in self._device_masters:
-            master.copy_(param.detach())
+        self._refresh_masters(keep_if_rounds_to_param=False)
 
     def offload_optimizer_states(self) -> None:
         """Move the device sub-optimizer's state tensors to host memory (frees it between phases)."""
@@ -311,9 +338,10 @@ class HybridDeviceOptimizer(Optimizer):
         for state in self._device_optimizer.state.values():
             for name, value in state.items():
                 if torch.is_tensor(value):
-                    host = self._acc.host_empty(value.shape, value.dtype, pinned=True)
-                    host.copy_(value)  # blocking: done before the device tensor is dropped
-                    state[name] = host
+                    local = _local(value)
+                    host = self._acc.host_empty(local.shape, local.dtype, pinned=True)
+                    host.copy_(local)  # blocking: done before the device tensor is dropped
+                    state[name] = _laid_out_like(host, value)
         self._states_offloaded = True
 
     def reload_optimizer_states(self) -> None:
@@ -329,10 +357,14 @@ class HybridDeviceOptimizer(Optimizer):
         self._states_offloaded = False
 
     def state_dict(self) -> dict[str, Any]:
-        """The state dict of one `torch.optim.AdamW` over all params; tensors alias the live state, as in torch."""
+        """The state dict of one `torch.optim.AdamW` over all params; tensors alias the live state, as in torch.
+
+        CPU-side states of DTensor params come as DTensors laid out like the param (aliasing the host shards).
+        """
         state_dict = super().state_dict()  # reads the live view in `self.state`
+        params = [p for group in self.param_groups for p in group["params"]]
         # Own the per-param dicts: editing the result must not rebind our state.
-        state_dict["state"] = {index: dict(s) for index, s in state_dict["state"].items()}
+        state_dict["state"] = {index: self._exported(params[index], s) for index, s in state_dict["state"].items()}
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -344,6 +376,9 @@ class HybridDeviceOptimizer(Optimizer):
             raise ValueError("loaded state dict's param groups do not match this optimizer's (count or sizes)")
         was_offloaded = self._states_offloaded
         self.reload_optimizer_states()
+        # The model's weights are loaded with (`set_state_dict`: after) the optimizer: the next step
+        # refreshes the masters from them.
+        self._masters_stale = True
         saved_ids = [index for g in saved_groups for index in g["params"]]
         for index, param in zip(saved_ids, (p for g in groups for p in g["params"])):
             self._load_param_state(param, state_dict["state"].get(index, {}))
@@ -370,7 +405,7 @@ class HybridDeviceOptimizer(Optimizer):
             for slot in unit.slots:
                 slot.has_grad = slot.param.grad is not None
                 if slot.has_grad:
-                    self._acc.copy_async(slot.landing, slot.param.grad, self._d2h_stream)
+                    self._acc.copy_async(slot.landing, _local(slot.param.grad), self._d2h_stream)
             unit.grads_ready = self._d2h_stream.record_event()
 
     def _step_device(self) -> None:
@@ -401,13 +436,46 @@ class HybridDeviceOptimizer(Optimizer):
             if slot.has_grad:
                 # Cast on the host so the H2D copy moves the param dtype's bytes, not fp32.
                 source = slot.master if slot.staging is None else slot.staging.copy_(slot.master)
-                self._acc.copy_async(slot.param.detach(), source, self._h2d_stream)
+                self._acc.copy_async(slot.local_param, source, self._h2d_stream)
 
     def _wait_for_params(self, compute: Stream) -> None:
         """The compute stream waits for the H2D copies: the next forward must read the updated params."""
         compute.wait_stream(self._h2d_stream)
 
     # ---- state internals ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _refresh_masters(self, keep_if_rounds_to_param: bool) -> None:
+        """Copy the params into the masters; optionally keep a higher-precision master that rounds to its param.
+
+        Keeping it makes the refresh a no-op for params nobody changed, so a run that reloads its own
+        optimizer state mid-run keeps its fp32 masters; any param changed since (a loaded checkpoint)
+        restarts from the param's value (the fp32 masters' extra bits are not in checkpoints).
+        """
+        self._h2d_stream.synchronize()  # an H2D copy of the last step may still read a master
+        for unit in self._cpu_units:
+            for slot in unit.slots:
+                if slot.staging is None:  # same dtype: the copy is exact
+                    slot.master.copy_(slot.local_param)
+                    continue
+                slot.staging.copy_(slot.local_param)  # D2H in the param dtype
+                if not (keep_if_rounds_to_param and torch.equal(slot.master.to(slot.staging.dtype), slot.staging)):
+                    slot.master.copy_(slot.staging)
+        for param, master in self._device_masters:
+            local_param, local_master = _local(param.detach()), _local(master)
+            if not (keep_if_rounds_to_param and torch.equal(local_master.to(local_param.dtype), local_param)):
+                local_master.copy_(local_param)
+        self._masters_stale = False
+
+    def _exported(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """A param's state for `state_dict()`: host shards of a DTensor param wrapped in the param's layout."""
+        if not isinstance(param, _DTENSOR):
+            return dict(state)
+        _, key = self._route[id(param)]
+        return {
+            name: _laid_out_like(value, param) if _is_shard_state(value, key) else value
+            for name, value in state.items()
+        }  # fmt: skip
 
     def _live_state(self, param: torch.Tensor, create: bool = True) -> dict[str, Any] | None:
         route = self._route.get(id(param))
@@ -423,6 +491,8 @@ class HybridDeviceOptimizer(Optimizer):
             del live[name]  # e.g. max_exp_avg_sq when the checkpoint ran without amsgrad
         group = _group_of(optimizer, key)
         for name, value in saved.items():
+            if isinstance(value, _DTENSOR) and not isinstance(key, _DTENSOR):
+                value = self._local_shard(param, key, name, value)
             current = live.get(name)
             if torch.is_tensor(value) and torch.is_tensor(current) and current.shape == value.shape:
                 current.copy_(value)  # into the live buffer: nothing keeps a stale reference
@@ -430,6 +500,17 @@ class HybridDeviceOptimizer(Optimizer):
                 live[name] = _placed(value, key, name, group)
             else:
                 live[name] = deepcopy(value)
+
+    @staticmethod
+    def _local_shard(param: torch.Tensor, key: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a DTensor state loaded for a CPU-stepped param (its host key holds the shard)."""
+        local = value.to_local()
+        if local.dim() and local.shape != key.shape:
+            raise ValueError(
+                f"state {name!r} of a {tuple(param.shape)} param: local shard {tuple(local.shape)} does not match "
+                f"this rank's param shard {tuple(key.shape)}; lay it out like the param (dcp.load does)"
+            )
+        return local
 
     def _device_state_bytes(self) -> int:
         states = 0 if self._states_offloaded else _state_bytes(self._device_optimizer)
@@ -467,6 +548,25 @@ def _default_device_cls(accelerator: Accelerator) -> Callable[..., Optimizer]:
     return torch.optim.AdamW
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (an alias of its storage), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, _DTENSOR) else tensor
+
+
+def _laid_out_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`local` as the shard of a DTensor with `like`'s mesh, placements and global shape (an alias); plain if plain."""
+    if not isinstance(like, _DTENSOR):
+        return local
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+def _is_shard_state(value: Any, key: torch.Tensor) -> bool:
+    """A per-element state of a host shard (exp_avg, ...), not a scalar like `step`."""
+    return torch.is_tensor(value) and not isinstance(value, _DTENSOR) and value.dim() > 0 and value.shape == key.shape
+
+
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in _NOT_PROPAGATED}
 
@@ -478,15 +578,20 @@ def _group_of(optimizer: Optimizer, key: torch.Tensor) -> dict[str, Any]:
 def _placed(value: torch.Tensor, key: torch.Tensor, name: str, group: dict[str, Any]) -> torch.Tensor:
     """A copy of a state value where `group`'s optimizer keeps it (torch's rule, as in `load_state_dict`)."""
     if name == "step":
+        value = _local(value)  # a scalar: every rank holds the same one
         # Fused and capturable kernels keep `step` on the param's device; the others on the host.
         if group.get("fused") or group.get("capturable"):
             return value.to(device=key.device, dtype=torch.float32, copy=True)
         return value.to(device="cpu", copy=True)
     dtype = key.dtype if key.is_floating_point() else value.dtype
+    if isinstance(value, _DTENSOR):  # a device-side DTensor key (reload_optimizer_states, a missing state)
+        return _laid_out_like(_local(value).to(device=_local(key).device, dtype=dtype, copy=True), value)
     return value.to(device=key.device, dtype=dtype, copy=True)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds: a DTensor counts its local shard."""
+    tensor = _local(tensor)
     return tensor.numel() * tensor.element_size()
 
 

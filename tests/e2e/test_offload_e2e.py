@@ -13,6 +13,7 @@ OFFLOAD_CONFIGS = [
     "internlm2_tiny_act_offload.py",
     "internlm2_tiny_ckpt_offload.py",
     "internlm2_tiny_swap.py",
+    "internlm2_tiny_hybrid.py",
     "internlm2_tiny_all_offload.py",
 ]
 STEPS = ["data.total_steps=20", "ckpt.enable_save_ckpt=False", "data.global_bsz=8"]
@@ -34,6 +35,8 @@ def test_offload_configs_align_bitwise_with_baseline(tmp_path, mode):
         record = metrics(run)[-1]
         if "swap" in name or "all" in name:
             assert record["optim_device_state_bytes"] == 0 and record["optim_host_state_bytes"] > 0
+        if "hybrid" in name:
+            assert record["optim_host_state_bytes"] > 0
         if "act" in name or "ckpt" in name or "all" in name:
             assert "offload" in proc.stderr and record["act_offload_offloaded_bytes"] > 0
         compared = loss_compare(str(base), str(run), "--exact", "--quiet")
@@ -50,18 +53,26 @@ def test_loss_compare_catches_a_changed_run(tmp_path):
     assert loss_compare(str(base), str(other), "--exact", "--quiet").returncode == 1
 
 
-@pytest.mark.parametrize("mode", ["none", "fsdp2"])
-def test_swap_resume_with_other_chunking_is_bitwise(tmp_path, mode):
-    """Checkpoint at step 4 with swap_optimizer_times=4, resume with 2: steps 5..8 equal the full run."""
+@pytest.mark.parametrize(
+    "mode, config_name, other",
+    [
+        ("none", "internlm2_tiny_swap.py", "swap_optimizer_times=2"),
+        ("fsdp2", "internlm2_tiny_swap.py", "swap_optimizer_times=2"),
+        ("none", "internlm2_tiny_hybrid.py", "hybrid_optimizer.offload_fraction=1.0"),
+        ("fsdp2", "internlm2_tiny_hybrid.py", "hybrid_optimizer.offload_fraction=1.0"),
+    ],
+)
+def test_optimizer_offload_resume_with_other_settings_is_bitwise(tmp_path, mode, config_name, other):
+    """Checkpoint at step 4, resume with another chunking / fraction: steps 5..8 equal the full run."""
     nproc = 1 if mode == "none" else 2
-    config = REPO / "configs" / "internlm2_tiny_swap.py"
+    config = REPO / "configs" / config_name
     common = ["data.total_steps=8", "ckpt.checkpoint_every=4", "ckpt.keep_last=0", f"parallel.mode={mode}",
               "data.global_bsz=8"]  # fmt: skip
     full = tmp_path / "full"
     train(full, *common, nproc=nproc, config=config)
     resumed = tmp_path / "resumed"
     shutil.copytree(full / "checkpoints" / "step_00000004", resumed / "checkpoints" / "step_00000004")
-    train(resumed, *common, "swap_optimizer_times=2", nproc=nproc, config=config, resume=True)
+    train(resumed, *common, other, nproc=nproc, config=config, resume=True)
     expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(full) if r["step"] > 4]
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(resumed)] == expected
 

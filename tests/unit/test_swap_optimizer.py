@@ -1,0 +1,731 @@
+"""Unit tests for `SwapAdamW`: AdamW with host-resident states swapped through the device inside `step()`.
+
+Everything runs on the cpu backend, where "device" states are ordinary tensors allocated inside `step()`,
+host states come from `Accelerator.host_empty` (shared-memory buffers) and the H2D / D2H copies run on
+side-stream worker threads. The reference is always `torch.optim.AdamW` with the same arguments, and
+equality is `torch.equal` (bitwise), never a tolerance.
+"""
+
+import copy
+import io
+import math
+import os
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import internlm_offload.optim.swap as swap_mod
+from internlm_offload.device import Accelerator
+from internlm_offload.optim.swap import SWAPPED_KEYS, SwapAdamW, _Staged
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def one_intra_op_thread() -> Iterator[None]:
+    """Elementwise kernels give the same bits on any thread count; one thread keeps a loaded 2-core box fast
+    (torch's fused cpu AdamW spins its OpenMP team and can take seconds per run under contention)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def acc() -> Iterator[Accelerator]:
+    accelerator = Accelerator("cpu")
+    yield accelerator
+    accelerator.close_streams()
+
+
+# ---------------------------------------------------------------- model and grads
+
+# role: "train" (grad every step), "frozen" (requires_grad=False), "sometimes" (grad None on steps 1, 4, 7, ...),
+# "late" (grad None on steps 0..4: its state is created lazily mid-run).
+SHAPES = [((1,), "train"), ((7,), "train"), ((1023,), "train"), ((4097,), "train"), ((33, 17), "train"),
+          ((5,), "frozen"), ((64,), "sometimes"), ((300,), "late")]  # fmt: skip
+
+
+def make_params(shapes: list, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for shape, role in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen), requires_grad=role != "frozen")
+        p.role = role
+        params.append(p)
+    return params
+
+
+def clone_params(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    out = []
+    for p in params:
+        q = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+        q.role = p.role
+        out.append(q)
+    return out
+
+
+def set_grads(params: list[torch.nn.Parameter], step: int) -> None:
+    """Deterministic grads for `step`, the same for every copy of the params."""
+    for i, p in enumerate(params):
+        none = (
+            p.role == "frozen"
+            or (p.role == "sometimes" and step % 3 == 1)
+            or (p.role == "late" and step < 5)
+        )  # fmt: skip
+        if none:
+            p.grad = None
+        else:
+            gen = torch.Generator().manual_seed(10_000 * step + i)
+            p.grad = torch.randn(p.shape, generator=gen) * (1.0 + i)
+
+
+def groups_for(params: list[torch.nn.Parameter], two_groups: bool) -> list:
+    if not two_groups:
+        return params
+    half = len(params) // 2
+    return [{"params": params[:half], "lr": 2e-2, "weight_decay": 0.2},
+            {"params": params[half:], "lr": 3e-3, "weight_decay": 0.0}]  # fmt: skip
+
+
+def run_steps(opt: torch.optim.Optimizer, params: list, start: int, stop: int, sched: object = None) -> None:
+    for step in range(start, stop):
+        set_grads(params, step)
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def assert_same(ref_opt: torch.optim.Optimizer, ref_params: list, opt: torch.optim.Optimizer, params: list) -> None:
+    """Params and every state tensor (step included) bitwise equal, with equal keys, dtypes and shapes."""
+    for i, (rp, p) in enumerate(zip(ref_params, params, strict=True)):
+        assert torch.equal(rp.detach(), p.detach()), f"param {i} ({tuple(p.shape)}, {p.role}) differs"
+        ref_state, state = ref_opt.state.get(rp, {}), opt.state.get(p, {})
+        assert set(state) == set(ref_state), f"param {i}: state keys {sorted(state)} != {sorted(ref_state)}"
+        for key, ref in ref_state.items():
+            got = state[key]
+            assert got.dtype == ref.dtype and got.shape == ref.shape and got.device == ref.device, (i, key)
+            assert torch.equal(got, ref), f"param {i} ({tuple(p.shape)}, {p.role}): state {key!r} differs"
+
+
+def adamw_keys(amsgrad: bool) -> set[str]:
+    return {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if amsgrad else set())
+
+
+def _foreach_on_cpu_works() -> bool:
+    try:
+        p = torch.nn.Parameter(torch.ones(3))
+        p.grad = torch.ones(3)
+        torch.optim.AdamW([p], foreach=True).step()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+FOREACH_OK = _foreach_on_cpu_works()
+
+CASES = {
+    "weight_decay": dict(lr=1e-2, weight_decay=0.1),
+    "amsgrad": dict(lr=1e-2, weight_decay=0.05, amsgrad=True),
+    "maximize": dict(lr=1e-2, weight_decay=0.05, maximize=True),
+    "betas_eps": dict(lr=5e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0),
+    "fused": dict(lr=1e-2, weight_decay=0.1, fused=True),
+    "fused_amsgrad_maximize": dict(lr=1e-2, weight_decay=0.1, fused=True, amsgrad=True, maximize=True),
+    "foreach": dict(lr=1e-2, weight_decay=0.1, foreach=True),
+    "foreach_amsgrad": dict(lr=1e-2, weight_decay=0.1, foreach=True, amsgrad=True),
+    "two_groups": dict(lr=1e-2, weight_decay=0.1),
+    "two_groups_fused": dict(lr=1e-2, weight_decay=0.1, fused=True),
+    "lambda_lr": dict(lr=1e-2, weight_decay=0.1),
+    "lambda_lr_fused_amsgrad": dict(lr=1e-2, weight_decay=0.1, fused=True, amsgrad=True),
+}
+if not FOREACH_OK:  # torch refused foreach=True on cpu: nothing to compare against
+    CASES = {k: v for k, v in CASES.items() if "foreach" not in k}
+
+
+def build_pair(
+    acc: Accelerator, shapes: list, kwargs: dict, times: int, two_groups: bool = False, lambda_lr: bool = False,
+    **swap_kwargs: object,
+) -> tuple:  # fmt: skip
+    ref_params = make_params(shapes)
+    params = clone_params(ref_params)
+    ref = torch.optim.AdamW(groups_for(ref_params, two_groups), **kwargs)
+    opt = SwapAdamW(groups_for(params, two_groups), swap_optimizer_times=times, accelerator=acc, **kwargs,
+                    **swap_kwargs)  # fmt: skip
+    ref_sched = sched = None
+    if lambda_lr:
+        ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, lambda s: 0.9**s + 0.05)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s + 0.05)
+    return ref, ref_params, ref_sched, opt, params, sched
+
+
+# ---------------------------------------------------------------- parity with torch AdamW
+
+
+def test_foreach_is_accepted_on_cpu() -> None:
+    # Documents why the foreach cases run (or were dropped).
+    assert FOREACH_OK, "torch refused foreach=True on cpu; the foreach parity cases are dropped"
+
+
+@pytest.mark.parametrize("times", [1, 3, 16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity_with_adamw_50_steps(acc: Accelerator, case: str, times: int) -> None:
+    kwargs = CASES[case]
+    ref, ref_params, ref_sched, opt, params, sched = build_pair(
+        acc, SHAPES, kwargs, times, two_groups="two_groups" in case, lambda_lr="lambda_lr" in case
+    )
+    for step in range(50):
+        set_grads(ref_params, step)
+        set_grads(params, step)
+        ref.step()
+        opt.step()
+        if sched is not None:
+            ref_sched.step()
+            sched.step()
+        if step in (0, 5, 24):  # early divergence is easier to read than a final one
+            assert_same(ref, ref_params, opt, params)
+    assert_same(ref, ref_params, opt, params)
+    # Every trainable param that ever had a grad has AdamW's exact keys; the frozen one has no state.
+    for p in params:
+        if p.role == "frozen":
+            assert not opt.state.get(p)
+        else:
+            assert set(opt.state[p]) == adamw_keys(kwargs.get("amsgrad", False))
+    if sched is not None:
+        assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
+        assert opt.param_groups[0]["lr"] != kwargs["lr"]  # the scheduler really changed it
+
+
+def test_parity_large_odd_param(acc: Accelerator) -> None:
+    shapes = [((1_000_001,), "train"), ((7,), "train"), ((4097,), "sometimes")]
+    kwargs = dict(lr=1e-2, weight_decay=0.1, amsgrad=True)
+    ref, ref_params, _, opt, params, _ = build_pair(acc, shapes, kwargs, times=3)
+    run_steps(ref, ref_params, 0, 50)
+    run_steps(opt, params, 0, 50)
+    assert_same(ref, ref_params, opt, params)
+    # The big param is larger than the budget on its own, so it was swapped in alone.
+    big = 3 * 4 * 1_000_001
+    assert opt.memory_stats()["peak_device_state_bytes"] == big
+
+
+def test_closure_loss_is_returned_and_step_matches(acc: Accelerator) -> None:
+    ref, ref_params, _, opt, params, _ = build_pair(acc, SHAPES, dict(lr=1e-2), times=2)
+    for step in range(3):
+        for o, ps in ((ref, ref_params), (opt, params)):
+            def closure(ps: list = ps, step: int = step) -> torch.Tensor:
+                set_grads(ps, step)
+                return torch.tensor(float(step))
+
+            assert o.step(closure).item() == float(step)
+    assert_same(ref, ref_params, opt, params)
+
+
+def test_two_instances_coexist(acc: Accelerator) -> None:
+    """State is per instance: two optimizers stepped alternately in one process both match AdamW."""
+    pairs = [build_pair(acc, SHAPES, dict(lr=1e-2, fused=f), times=t) for f, t in ((None, 4), (True, 2))]
+    for step in range(6):
+        for ref, ref_params, _, opt, params, _ in pairs:
+            run_steps(ref, ref_params, step, step + 1)
+            run_steps(opt, params, step, step + 1)
+    for ref, ref_params, _, opt, params, _ in pairs:
+        assert_same(ref, ref_params, opt, params)
+
+
+# ---------------------------------------------------------------- state placement between steps
+
+
+@pytest.mark.parametrize("fused", [None, True])
+def test_states_are_separate_host_buffers_between_steps(acc: Accelerator, fused: bool | None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    params = make_params(SHAPES)
+    opt = SwapAdamW(params, lr=1e-2, fused=fused, amsgrad=True, swap_optimizer_times=4, accelerator=acc)
+    seen: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+    original = SwapAdamW._update
+
+    def recording_update(self: SwapAdamW, staged: _Staged) -> None:
+        host = self.state[staged.param]
+        for key, dev in staged.device_states.items():
+            assert dev is not host[key], key
+            assert dev.untyped_storage().data_ptr() != host[key].untyped_storage().data_ptr(), key
+        seen.append((staged.param, dict(staged.device_states)))
+        original(self, staged)
+
+    monkeypatch.setattr(SwapAdamW, "_update", recording_update)
+    host_ptrs = None
+    for step in range(4):
+        seen.clear()
+        run_steps(opt, params, step, step + 1)
+        assert opt.memory_stats()["device_state_bytes"] == 0
+        # The device copies were used and dropped: only `seen` keeps them alive now.
+        assert seen and all(set(dev) == set(SWAPPED_KEYS) | ({"step"} if fused else set()) for _, dev in seen)
+        for p, dev in seen:
+            for key, dev_t in dev.items():
+                host_t = opt.state[p][key]
+                assert host_t is not dev_t
+                assert host_t.untyped_storage().data_ptr() != dev_t.untyped_storage().data_ptr()
+                assert torch.equal(host_t, dev_t), "the copy-out landed in the host buffer"
+        for p in params:
+            if p.role != "frozen" and opt.state.get(p):
+                assert set(opt.state[p]) == adamw_keys(True)
+                assert all(t.device.type == "cpu" for t in opt.state[p].values())
+                if p.numel() * 4 >= 4096:  # big enough for the cpu host tier: a shared-memory mapping
+                    assert opt.state[p]["exp_avg"].untyped_storage().filename is not None
+        # The host buffers are allocated once and reused in place.
+        ptrs = {(id(p), k): t.data_ptr() for p in params for k, t in opt.state.get(p, {}).items()
+                if p.role == "train"}  # fmt: skip
+        if host_ptrs is not None:
+            assert ptrs == host_ptrs
+        host_ptrs = ptrs
+    del seen
+
+
+def test_memory_stats_between_steps(acc: Accelerator) -> None:
+    params = make_params(SHAPES)
+    opt = SwapAdamW(params, lr=1e-2, swap_optimizer_times=3, accelerator=acc)
+    assert opt.memory_stats() == {"device_state_bytes": 0, "peak_device_state_bytes": 0, "host_state_bytes": 0}
+    run_steps(opt, params, 0, 6)
+    stats = opt.memory_stats()
+    assert stats["device_state_bytes"] == 0
+    assert stats["peak_device_state_bytes"] > 0
+    with_state = [p for p in params if opt.state.get(p)]
+    # exp_avg + exp_avg_sq (fp32) plus the 4-byte host `step` of each param that has state
+    assert stats["host_state_bytes"] == sum(8 * p.numel() + 4 for p in with_state)
+
+
+def test_offload_and_reload_are_noops(acc: Accelerator) -> None:
+    params = make_params(SHAPES)
+    opt = SwapAdamW(params, lr=1e-2, fused=True, swap_optimizer_times=3, accelerator=acc)
+    run_steps(opt, params, 0, 3)
+    before = {(id(p), k): (t, t.clone()) for p in params for k, t in opt.state.get(p, {}).items()}
+    stats = opt.memory_stats()
+    assert opt.offload_optimizer_states() is False
+    assert opt.reload_optimizer_states() is False
+    assert opt.memory_stats() == stats
+    after = {(id(p), k): t for p in params for k, t in opt.state.get(p, {}).items()}
+    assert after.keys() == before.keys()
+    for key, (obj, value) in before.items():
+        assert after[key] is obj and torch.equal(after[key], value)
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_bad_swap_optimizer_times(acc: Accelerator, bad: int) -> None:
+    with pytest.raises(ValueError, match="swap_optimizer_times"):
+        SwapAdamW(make_params(SHAPES), swap_optimizer_times=bad, accelerator=acc)
+
+
+# ---------------------------------------------------------------- device memory bound
+
+BOUND_SHAPES = [((n,), "train") for n in (3, 5000, 17, 1, 120_000, 640, 33, 70_001, 2, 9000,
+                                          4097, 250, 31_000, 8, 1023, 55_555, 12, 600, 2048, 15)]  # fmt: skip
+
+
+class LiveDeviceBytes:
+    """An independent ledger: bytes of the device-state tensors `_copy_in` created that are still alive."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.live = self.peak = 0
+        self._lock = threading.Lock()
+        original = SwapAdamW._copy_in
+
+        def counting_copy_in(opt: SwapAdamW, param: torch.Tensor, group: dict, nbytes: int) -> _Staged:
+            staged = original(opt, param, group, nbytes)
+            for t in staged.device_states.values():
+                n = t.numel() * t.element_size()
+                with self._lock:
+                    self.live += n
+                weakref.finalize(t, self._free, n)
+            with self._lock:
+                self.peak = max(self.peak, self.live)
+            return staged
+
+        monkeypatch.setattr(SwapAdamW, "_copy_in", counting_copy_in)
+
+    def _free(self, n: int) -> None:
+        with self._lock:
+            self.live -= n
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(fused=True, amsgrad=True)], ids=["plain", "fused_amsgrad"])
+def test_peak_device_state_bytes_bounded(acc: Accelerator, kwargs: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    per_elem = 12 if kwargs.get("amsgrad") else 8
+    step_bytes = 4 if kwargs.get("fused") else 0  # fused keeps `step` on the device, so it is swapped too
+    sizes = [math.prod(s) for s, _ in BOUND_SHAPES]
+    total = sum(per_elem * n + step_bytes for n in sizes)
+    largest = max(per_elem * n + step_bytes for n in sizes)
+    peaks = {}
+    for times in (1, 2, 4, 16):
+        ledger = LiveDeviceBytes(monkeypatch)
+        params = make_params(BOUND_SHAPES)
+        opt = SwapAdamW(params, lr=1e-2, swap_optimizer_times=times, accelerator=acc, **kwargs)
+        for step in range(3):
+            ledger.peak = 0
+            run_steps(opt, params, step, step + 1)
+            peak = opt.memory_stats()["peak_device_state_bytes"]
+            assert peak <= math.ceil(total / times) + largest, (times, peak)
+            # tighter, as documented: the budget, or one parameter's states when it alone is larger
+            assert peak <= max(math.ceil(total / times), largest), (times, peak)
+            assert ledger.peak == peak, "the optimizer's own ledger disagrees with the tensors alive"
+            assert ledger.live == 0 and opt.memory_stats()["device_state_bytes"] == 0
+        peaks[times] = peak
+        monkeypatch.undo()
+    assert peaks[1] == total
+    assert peaks[1] >= peaks[2] >= peaks[4] >= peaks[16]
+    assert peaks[16] < peaks[1] / 2  # it really chunks
+
+
+# ---------------------------------------------------------------- state_dict layout
+
+
+def _walk(obj: object, path: str = "") -> Iterator[tuple[str, object]]:
+    yield path, obj
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk(k, f"{path}.key")
+            yield from _walk(v, f"{path}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{path}[{i}]")
+
+
+def _roundtrip(sd: dict) -> dict:
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("kwargs", [dict(lr=1e-2), dict(lr=1e-2, fused=True, amsgrad=True)], ids=["plain", "fused"])
+def test_state_dict_is_adamw_layout(acc: Accelerator, kwargs: dict) -> None:
+    ref, ref_params, _, opt, params, _ = build_pair(acc, SHAPES, kwargs, times=3, two_groups=True)
+    run_steps(ref, ref_params, 0, 7)
+    run_steps(opt, params, 0, 7)
+    sd, ref_sd = opt.state_dict(), ref.state_dict()
+    for path, value in _walk(sd):
+        assert value is None or isinstance(value, (torch.Tensor, int, float, bool, str, dict, list, tuple)), path
+        assert not callable(value) or isinstance(value, torch.Tensor), path
+    assert sd.keys() == ref_sd.keys() == {"state", "param_groups"}
+    assert sd["param_groups"] == ref_sd["param_groups"]  # same keys, same values
+    assert sd["state"].keys() == ref_sd["state"].keys()
+    loaded = _roundtrip(sd)
+    for idx, state in ref_sd["state"].items():
+        assert loaded["state"][idx].keys() == state.keys()
+        for key, value in state.items():
+            assert torch.equal(loaded["state"][idx][key], value), (idx, key)
+            assert loaded["state"][idx][key].dtype == value.dtype
+
+
+@pytest.mark.parametrize("kwargs", [dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, fused=True, amsgrad=True)],
+                         ids=["plain", "fused_amsgrad"])  # fmt: skip
+@pytest.mark.parametrize("direction", ["swap_to_adamw", "adamw_to_swap"])
+def test_state_dict_interchangeable_with_adamw(acc: Accelerator, kwargs: dict, direction: str) -> None:
+    """A plain AdamW continues from SwapAdamW's state_dict and vice versa, bitwise as if uninterrupted."""
+    ref_params = make_params(SHAPES)
+    ref = torch.optim.AdamW(ref_params, **kwargs)
+    run_steps(ref, ref_params, 0, 20)
+
+    first_params = make_params(SHAPES)
+    first_cls, second_cls = (SwapAdamW, torch.optim.AdamW) if direction == "swap_to_adamw" else \
+        (torch.optim.AdamW, SwapAdamW)  # fmt: skip
+    extra = lambda cls: dict(accelerator=acc, swap_optimizer_times=5) if cls is SwapAdamW else {}  # noqa: E731
+    first = first_cls(first_params, **kwargs, **extra(first_cls))
+    run_steps(first, first_params, 0, 10)
+    params = clone_params(first_params)
+    second = second_cls(params, **kwargs, **extra(second_cls))
+    second.load_state_dict(first.state_dict())
+    del first  # nothing of it may be needed any more
+    run_steps(second, params, 10, 20)
+    assert_same(ref, ref_params, second, params)
+
+
+# ---------------------------------------------------------------- checkpoint round trip
+
+
+@pytest.mark.parametrize("fused", [None, True])
+@pytest.mark.parametrize("times_after,arena_after", [(3, False), (1, False), (7, True)])
+def test_checkpoint_round_trip_with_other_chunking(acc: Accelerator, tmp_path: Path, fused: bool | None,
+                                                   times_after: int, arena_after: bool) -> None:  # fmt: skip
+    kwargs = dict(lr=1e-2, weight_decay=0.1, amsgrad=True, fused=fused)
+    straight_params = make_params(SHAPES)
+    straight = SwapAdamW(straight_params, swap_optimizer_times=16, accelerator=acc, **kwargs)
+    run_steps(straight, straight_params, 0, 20)
+    ref_params = make_params(SHAPES)
+    ref = torch.optim.AdamW(ref_params, **kwargs)
+    run_steps(ref, ref_params, 0, 20)
+    assert_same(ref, ref_params, straight, straight_params)
+
+    params = make_params(SHAPES)
+    opt = SwapAdamW(params, swap_optimizer_times=16, accelerator=acc, **kwargs)
+    run_steps(opt, params, 0, 10)
+    torch.save({"optim": opt.state_dict(), "params": [p.detach() for p in params]}, tmp_path / "ckpt.pt")
+    del opt
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    resumed_params = make_params(SHAPES)
+    with torch.no_grad():
+        for p, saved in zip(resumed_params, ckpt["params"], strict=True):
+            p.copy_(saved)
+    resumed = SwapAdamW(resumed_params, swap_optimizer_times=times_after, use_host_arena=arena_after,
+                        accelerator=acc, **kwargs)  # fmt: skip
+    resumed.load_state_dict(ckpt["optim"])
+    assert resumed.memory_stats()["device_state_bytes"] == 0
+    run_steps(resumed, resumed_params, 10, 20)
+    assert_same(straight, straight_params, resumed, resumed_params)
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_loaded_state_is_really_used(acc: Accelerator, arena: bool) -> None:
+    params = make_params(SHAPES)
+    opt = SwapAdamW(params, lr=1e-2, swap_optimizer_times=4, accelerator=acc)
+    run_steps(opt, params, 0, 10)
+    sd = _roundtrip(opt.state_dict())
+    saved = [p.detach().clone() for p in params]
+
+    def resume(state_dict: dict) -> tuple[SwapAdamW, list]:
+        ps = clone_params(params)
+        with torch.no_grad():
+            for p, s in zip(ps, saved, strict=True):
+                p.copy_(s)
+        o = SwapAdamW(ps, lr=1e-2, swap_optimizer_times=2, use_host_arena=arena, accelerator=acc)
+        o.load_state_dict(state_dict)
+        return o, ps
+
+    base, base_params = resume(copy.deepcopy(sd))
+    perturbed_sd = copy.deepcopy(sd)
+    perturbed_sd["state"][2]["exp_avg"] += 0.5  # param 2: the 1023-element one
+    perturbed, perturbed_params = resume(perturbed_sd)
+    # After the load the optimizer owns its states: changing the dict it was given changes nothing.
+    perturbed_sd["state"][3]["exp_avg"] += 0.5
+    # ... while writing the optimizer's own state (in place) is seen by the next step.
+    mutated, mutated_params = resume(copy.deepcopy(sd))
+    mutated.state[mutated_params[4]]["exp_avg_sq"].mul_(4.0)
+    for o, ps in ((base, base_params), (perturbed, perturbed_params), (mutated, mutated_params)):
+        run_steps(o, ps, 10, 11)
+    diff = [i for i, (a, b) in enumerate(zip(base_params, perturbed_params)) if not torch.equal(a, b)]
+    assert diff == [2]
+    diff = [i for i, (a, b) in enumerate(zip(base_params, mutated_params)) if not torch.equal(a, b)]
+    assert diff == [4]
+
+
+def test_reload_own_state_dict_with_arena_keeps_states(acc: Accelerator) -> None:
+    """`opt.load_state_dict(opt.state_dict())` (DCP's in-place load path does the same) must be a no-op."""
+    params = make_params(SHAPES)
+    opt = SwapAdamW(params, lr=1e-2, swap_optimizer_times=4, use_host_arena=True, accelerator=acc)
+    run_steps(opt, params, 0, 3)
+    before = {(id(p), k): t.clone() for p in params for k, t in opt.state.get(p, {}).items()}
+    opt.load_state_dict(opt.state_dict())
+    after = {(id(p), k): t for p in params for k, t in opt.state.get(p, {}).items()}
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_reload_own_state_dict_without_arena_keeps_states(acc: Accelerator) -> None:
+    params = make_params(SHAPES)
+    opt = SwapAdamW(params, lr=1e-2, fused=True, swap_optimizer_times=4, accelerator=acc)
+    run_steps(opt, params, 0, 3)
+    before = {(id(p), k): t.clone() for p in params for k, t in opt.state.get(p, {}).items()}
+    opt.load_state_dict(opt.state_dict())
+    after = {(id(p), k): t for p in params for k, t in opt.state.get(p, {}).items()}
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+# ---------------------------------------------------------------- host arena
+
+
+@pytest.mark.parametrize("kwargs", [dict(lr=1e-2), dict(lr=1e-2, fused=True, amsgrad=True, weight_decay=0.1)],
+                         ids=["plain", "fused_amsgrad"])  # fmt: skip
+def test_host_arena_parity_one_buffer_no_new_allocations(acc: Accelerator, kwargs: dict,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    shapes = [s for s in SHAPES if s[1] != "late"]  # every trainable param gets its state at step 0
+    ref, ref_params, _, opt, params, _ = build_pair(acc, shapes, kwargs, times=3, use_host_arena=True)
+    calls = []
+    original = Accelerator.host_empty
+
+    def counting_host_empty(self: Accelerator, *args: object, **kw: object) -> torch.Tensor:
+        calls.append(args)
+        return original(self, *args, **kw)
+
+    monkeypatch.setattr(Accelerator, "host_empty", counting_host_empty)
+    for step in range(8):
+        if step == 1:
+            calls.clear()
+        run_steps(ref, ref_params, step, step + 1)
+        run_steps(opt, params, step, step + 1)
+        if step == 0:
+            assert calls, "the first step allocates the arena"
+    assert calls == [], "host memory allocated after the first step"
+    assert_same(ref, ref_params, opt, params)
+    swapped = [opt.state[p][k] for p in params if opt.state.get(p) for k in SWAPPED_KEYS if k in opt.state[p]]
+    assert len(swapped) == (3 if kwargs.get("amsgrad") else 2) * sum(p.requires_grad for p in params)
+    base = opt._arena.buffer.untyped_storage().data_ptr()
+    assert {t.untyped_storage().data_ptr() for t in swapped} == {base}
+    ranges = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in swapped)
+    assert all(end <= start for (_, end), (start, _) in zip(ranges, ranges[1:])), "arena views overlap"
+
+
+def test_without_arena_no_host_allocation_after_first_step(acc: Accelerator, monkeypatch: pytest.MonkeyPatch) -> None:
+    shapes = [s for s in SHAPES if s[1] != "late"]
+    params = make_params(shapes)
+    opt = SwapAdamW(params, lr=1e-2, fused=True, swap_optimizer_times=3, accelerator=acc)
+    calls = []
+    original = Accelerator.host_empty
+    monkeypatch.setattr(Accelerator, "host_empty", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
+    run_steps(opt, params, 0, 1)
+    n_trainable = sum(p.requires_grad for p in params)
+    assert len(calls) == 3 * n_trainable  # exp_avg, exp_avg_sq and the fused `step`, once each
+    calls.clear()
+    run_steps(opt, params, 1, 5)
+    assert calls == []
+
+
+# ---------------------------------------------------------------- races
+
+
+RACE_SHAPES = [((4096,), "train"), ((3000,), "train"), ((5000,), "train"), ((777,), "train")]
+
+
+def _delay_streams(opt: SwapAdamW, acc: Accelerator, h2d_s: float, d2h_s: float) -> None:
+    opt._h2d.close()
+    opt._d2h.close()
+    opt._h2d = acc.stream(delay_s=h2d_s)
+    opt._d2h = acc.stream(delay_s=d2h_s)
+
+
+@pytest.fixture
+def poisoned_empty_like(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh "device" buffers start as NaN (like reused allocator memory), never as lucky zeros.
+
+    Patches `torch.empty_like` for the whole test (swap.py allocates its device states with it); the
+    AdamW reference is unaffected since it never reads uninitialised memory."""
+    real = torch.empty_like
+
+    def poisoned(*args: object, **kwargs: object) -> torch.Tensor:
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
+
+    monkeypatch.setattr(swap_mod.torch, "empty_like", poisoned)
+
+
+@pytest.mark.parametrize("fused", [None, True])
+def test_delayed_streams_still_bitwise(acc: Accelerator, fused: bool | None, poisoned_empty_like: None) -> None:
+    kwargs = dict(lr=1e-2, weight_decay=0.1, fused=fused, amsgrad=True)
+    ref, ref_params, _, opt, params, _ = build_pair(acc, SHAPES, kwargs, times=3)
+    _delay_streams(opt, acc, 0.002, 0.002)
+    run_steps(ref, ref_params, 0, 5)
+    run_steps(opt, params, 0, 5)
+    assert_same(ref, ref_params, opt, params)
+
+
+def test_skipping_copy_in_wait_breaks_results(acc: Accelerator, poisoned_empty_like: None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Control: the wait before the update is what makes the delayed run correct."""
+    kwargs = dict(lr=1e-2, weight_decay=0.1)
+    ref, ref_params, _, opt, params, _ = build_pair(acc, RACE_SHAPES, kwargs, times=2)
+    _delay_streams(opt, acc, 0.02, 0.0)
+    original = SwapAdamW._copy_in
+
+    def copy_in_without_wait(self: SwapAdamW, *args: object) -> _Staged:
+        staged = original(self, *args)
+        staged.copied_in = self.accelerator.event()  # never recorded: already complete
+        return staged
+
+    monkeypatch.setattr(SwapAdamW, "_copy_in", copy_in_without_wait)
+    run_steps(ref, ref_params, 0, 3)
+    run_steps(opt, params, 0, 3)
+    opt._h2d.synchronize()
+    assert not any(torch.equal(a, b) for a, b in zip(ref_params, params))
+
+
+def test_skipping_copy_out_wait_breaks_results(acc: Accelerator, poisoned_empty_like: None,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Control: without waiting for the D2H copies, the next step reads stale host states."""
+    kwargs = dict(lr=1e-2, weight_decay=0.1)
+    ref, ref_params, _, opt, params, _ = build_pair(acc, RACE_SHAPES, kwargs, times=2)
+    _delay_streams(opt, acc, 0.0, 0.02)
+    original = SwapAdamW._copy_out
+
+    def copy_out_without_event(self: SwapAdamW, staged: _Staged) -> None:
+        original(self, staged)
+        staged.copied_out = self.accelerator.event()  # never recorded: already complete
+
+    monkeypatch.setattr(SwapAdamW, "_copy_out", copy_out_without_event)
+    run_steps(ref, ref_params, 0, 3)
+    run_steps(opt, params, 0, 3)
+    opt._d2h.synchronize()
+    assert not all(torch.equal(a, b) for a, b in zip(ref_params, params))
+
+
+# ---------------------------------------------------------------- FSDP2 (two gloo processes)
+
+FSDP_SCRIPT = r'''
+import os
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from internlm_offload.device import Accelerator
+from internlm_offload.optim.swap import SwapAdamW
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+mesh = init_device_mesh("cpu", (2,))
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+ref_model, model = build(), build()
+initial = {id(p): p.to_local().clone() for p in model.parameters()}
+ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+opt = SwapAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True, swap_optimizer_times=3,
+                accelerator=Accelerator("cpu"))
+for step in range(5):
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(4, 13, generator=gen), torch.randn(4, 5, generator=gen)
+    for m, o in ((ref_model, ref), (model, opt)):
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+        o.zero_grad()
+
+pairs = list(zip(ref_model.parameters(), model.parameters(), strict=True))
+assert len(pairs) == 4
+for rp, p in pairs:
+    assert isinstance(p, DTensor) and isinstance(rp, DTensor)
+    assert torch.equal(rp.to_local(), p.to_local()), "param differs"
+    assert not torch.equal(p.to_local(), initial[id(p)]), "param never updated"
+    state, ref_state = opt.state[p], ref.state[rp]
+    assert set(state) == set(ref_state) == {"step", "exp_avg", "exp_avg_sq"}, set(state)
+    for key in ("exp_avg", "exp_avg_sq"):
+        t = state[key]
+        assert isinstance(t, DTensor), key
+        assert t.placements == p.placements and t.device_mesh == p.device_mesh, (t.placements, p.placements)
+        assert t.shape == p.shape and t.to_local().shape == p.to_local().shape
+        assert torch.equal(t.to_local(), ref_state[key].to_local()), key
+    assert torch.equal(state["step"], ref_state["step"]) and state["step"].item() == 5
+assert opt.memory_stats()["device_state_bytes"] == 0
+print(f"FSDP2-OK rank={rank}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_fsdp2_two_ranks_bitwise_with_dtensor_states(tmp_path: Path) -> None:
+    script = tmp_path / "fsdp2_swap.py"
+    script.write_text(FSDP_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "FSDP2-OK rank=0" in proc.stdout and "FSDP2-OK rank=1" in proc.stdout

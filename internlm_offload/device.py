@@ -2,9 +2,11 @@
 
 Trainer, offload and optimizer code ask an `Accelerator` for devices, process-group backends, host
 buffers, memory statistics, streams and events, so the same code runs on cuda, npu (through
-`torch_npu`) and cpu. On cpu, "device memory" is the process's resident set (RSS) and its peak, read
-from /proc, and a side stream is a worker thread with a FIFO queue: copies submitted to it really run
-beside the main thread (torch releases the GIL), so a missing wait shows up as wrong data in cpu tests.
+`torch_npu`) and cpu. On cpu, "device memory" is the process's anonymous resident memory (`RssAnon` in
+/proc/self/status) and host buffers from `host_empty` live in unlinked /dev/shm files (`RssShmem`), so
+moving data to the host shows up as a drop in "device memory" as on a GPU. A side stream is a worker
+thread with a FIFO queue: copies submitted to it really run beside the main thread (torch releases the
+GIL), so a missing wait shows up as wrong data in cpu tests.
 
 Portable pattern (on cpu, work reaches a side stream only through `Stream.submit`):
 
@@ -20,12 +22,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import queue
+import tempfile
 import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -33,6 +36,13 @@ from typing import Any
 import torch
 
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+
+# The cpu backend's host tier: a tmpfs directory (module global so tests can point it elsewhere).
+SHM_DIR = "/dev/shm"
+# Smaller host buffers use ordinary memory: a mapping costs at least a page and one of the process's maps.
+SHM_MIN_BYTES = 4096
+# Share of SHM_DIR left free for others (DataLoader workers, torch.multiprocessing): beyond it, ordinary memory.
+SHM_RESERVE_FRACTION = 0.25
 
 
 class StreamError(RuntimeError):
@@ -140,17 +150,30 @@ class Accelerator:
             self.module.set_rng_state(state)
 
     def host_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
-        """A host buffer, page-locked when asked for and the device supports it."""
+        """An uninitialised host buffer: page-locked when asked for and supported; on cpu in shared memory.
+
+        On cpu the buffer is mapped from an unlinked file in `SHM_DIR`, so its pages count as `RssShmem`,
+        not as the `RssAnon` that `memory_allocated()` reports. It is an ordinary cpu tensor except that
+        it cannot be resized past its size and stays shared with children forked after its creation.
+        Buffers under `SHM_MIN_BYTES`, and every buffer when `SHM_DIR` is missing, not writable or would
+        keep less than `SHM_RESERVE_FRACTION` of its space free, use ordinary memory.
+        """
+        if self.module is None:
+            return _shm_empty(torch.Size(shape), dtype)
         return torch.empty(shape, dtype=dtype, pin_memory=pinned and self.supports_pinned_memory)
 
     def memory_allocated(self) -> int:
-        """Bytes held on the device now (cpu: process RSS)."""
+        """Bytes held on the device now (cpu: anonymous resident memory, `RssAnon`; the host tier is excluded)."""
         if self.module is None:
-            return _proc_status_kib("VmRSS") * 1024
+            return rss_anon_bytes()
         return int(self.module.memory_allocated())
 
     def max_memory_allocated(self) -> int:
-        """Peak bytes held on the device since the last reset (cpu: peak RSS)."""
+        """Peak bytes held on the device since the last reset.
+
+        cpu: the peak of the whole resident set (`VmHWM`), host tier and mapped files included; the kernel
+        keeps no peak of `RssAnon` alone, so a peak of "device memory" on cpu needs sampling `memory_allocated()`.
+        """
         if self.module is None:
             return _proc_status_kib("VmHWM") * 1024
         return int(self.module.max_memory_allocated())
@@ -230,6 +253,16 @@ def is_available(name: str) -> bool:
 def host_rss_bytes() -> int:
     """Resident host memory of this process (independent of the accelerator)."""
     return _proc_status_kib("VmRSS") * 1024
+
+
+def rss_anon_bytes() -> int:
+    """Anonymous resident memory of this process: the cpu backend's "device memory"."""
+    return _proc_status_kib("RssAnon") * 1024
+
+
+def rss_shmem_bytes() -> int:
+    """Resident shared memory of this process: the cpu backend's host tier (from `host_empty`)."""
+    return _proc_status_kib("RssShmem") * 1024
 
 
 # ---- cuda / npu: thin wrappers over `torch.<name>.Stream` / `torch.<name>.Event` -----------------
@@ -488,6 +521,39 @@ def _drain(tasks: queue.SimpleQueue) -> None:
             return
         task()
         del task  # drop the closure (and the stream it holds) before blocking again
+
+
+# ---- cpu host tier: buffers mapped from unlinked files in SHM_DIR ------------------------------------
+
+
+def _shm_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous cpu tensor on a shared-memory storage, or an ordinary one when that is not possible."""
+    nbytes = shape.numel() * dtype.itemsize
+    storage = _shm_storage(nbytes) if nbytes >= SHM_MIN_BYTES else None
+    if storage is None:
+        return torch.empty(shape, dtype=dtype)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
+def _shm_storage(nbytes: int) -> torch.UntypedStorage | None:
+    """`nbytes` of storage mapped from a fresh file in SHM_DIR, unlinked at once; None when that fails."""
+    try:
+        fs = os.statvfs(SHM_DIR)
+        if (fs.f_bavail * fs.f_frsize - nbytes) < SHM_RESERVE_FRACTION * fs.f_blocks * fs.f_frsize:
+            return None
+        fd, path = tempfile.mkstemp(prefix="internlm_offload-", dir=SHM_DIR)
+    except OSError:
+        return None
+    try:
+        # Reserve the pages now: on a full tmpfs a first touch of a sparse mapping would raise SIGBUS.
+        os.posix_fallocate(fd, 0, nbytes)
+        return torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+    except (OSError, RuntimeError):
+        return None
+    finally:
+        os.close(fd)  # the mapping keeps the pages; once unlinked they go with the last mapping
+        with suppress(OSError):
+            os.unlink(path)
 
 
 def _proc_status_kib(key: str) -> int:

@@ -1,0 +1,240 @@
+"""Optimizer offload on cpu: step time, optimizer state on the "device" and bitwise params per configuration.
+
+    python -m internlm_offload.bench.optimizer [--quick] [--out bench_results/optimizer.json]
+
+Every configuration owns an identically seeded copy of the params and gets the same grads before every
+step; configurations step round-robin (rotating the start) in one process. On cpu the "device" and the
+host are the same RAM: `host_empty` buffers live in /dev/shm (`RssShmem`), the rest is `RssAnon`, and every
+H2D/D2H copy is a memcpy (see docs/benchmarks_optimizer.md). Not imported by the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from internlm_offload import device
+from internlm_offload.device import Accelerator, rss_anon_bytes
+from internlm_offload.optim.hybrid import HybridDeviceOptimizer
+from internlm_offload.optim.swap import SwapAdamW
+
+HYPER = {"lr": 1e-3, "weight_decay": 1e-2}
+QUICK = {"elements": 300_000, "tensors": 12, "repeats": 3, "warmup": 1}
+Factory = Callable[[list[torch.Tensor], Accelerator], torch.optim.Optimizer]
+
+
+def _swap(times: int, arena: bool = False) -> Factory:
+    return lambda params, acc: SwapAdamW(params, fused=True, swap_optimizer_times=times, use_host_arena=arena,
+                                         accelerator=acc, **HYPER)  # fmt: skip
+
+
+def _hybrid(fraction: float, overlap: bool = True) -> Factory:
+    return lambda params, acc: HybridDeviceOptimizer(params, offload_fraction=fraction, accelerator=acc,
+                                                     overlap_cpu_optimizer_d2h_h2d=overlap, **HYPER)  # fmt: skip
+
+
+CONFIGS: dict[str, Factory] = {
+    "baseline_adamw_fused": lambda params, acc: torch.optim.AdamW(params, fused=True, **HYPER),
+    "swap_t1": _swap(1),
+    "swap_t4": _swap(4),
+    "swap_t16": _swap(16),
+    "swap_t4_arena": _swap(4, arena=True),
+    "hybrid_f0.5": _hybrid(0.5),
+    "hybrid_f1.0": _hybrid(1.0),
+    "hybrid_f0.5_no_overlap": _hybrid(0.5, overlap=False),
+}
+
+
+@dataclass
+class Case:
+    """One configuration: its own params and optimizer, and what its steps measured."""
+
+    name: str
+    params: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    rss_anon_delta: int = 0
+    times: list[float] = field(default_factory=list)
+    faults: list[int] = field(default_factory=list)  # minor page faults per timed step (all threads)
+
+
+def tensor_sizes(elements: int, tensors: int, seed: int = 0) -> list[int]:
+    """`tensors` odd sizes, log-uniform over ~3 decades, summing to about `elements`."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.exp(torch.rand(tensors, generator=gen, dtype=torch.float64) * 7.0)
+    return [max(1, round(w)) | 1 for w in (weights / weights.sum() * elements).tolist()]
+
+
+def seeded(sizes: list[int], seed: int) -> list[torch.Tensor]:
+    """One normal fp32 tensor per size, from a fixed seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen) for n in sizes]
+
+
+def _malloc_trim() -> None:
+    """Give freed heap pages back to the OS so `RssAnon` counts live memory only (no-op without glibc)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def build_case(name: str, init: list[torch.Tensor], grads: list[torch.Tensor], acc: Accelerator) -> Case:
+    """Fresh params and optimizer, plus a first step (states allocated); records the `RssAnon` growth."""
+    gc.collect()
+    _malloc_trim()
+    before = rss_anon_bytes()
+    params = [t.clone().requires_grad_() for t in init]
+    for p in params:
+        p.grad = torch.empty_like(p)
+    case = Case(name, params, CONFIGS[name](params, acc))
+    step(case, grads, acc)
+    gc.collect()
+    _malloc_trim()
+    case.rss_anon_delta = rss_anon_bytes() - before
+    return case
+
+
+def step(case: Case, grads: list[torch.Tensor], acc: Accelerator) -> tuple[float, int]:
+    """Reset the grads (untimed), then one `optimizer.step()` until every stream is idle; (seconds, faults)."""
+    for p, g in zip(case.params, grads, strict=True):
+        p.grad.copy_(g)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
+    case.optimizer.step()
+    acc.synchronize()  # SwapAdamW's last copy-outs run on a side stream after step() returns
+    seconds = time.perf_counter() - start
+    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+
+
+def time_cases(cases: list[Case], grads: list[torch.Tensor], args: argparse.Namespace, acc: Accelerator) -> None:
+    """Warm-up, then timed steps, round-robin with a rotating start."""
+    for rep in range(args.warmup + args.repeats):
+        k = rep % len(cases)
+        for case in cases[k:] + cases[:k]:
+            seconds, faults = step(case, grads, acc)
+            if rep >= args.warmup:
+                case.times.append(seconds)
+                case.faults.append(faults)
+
+
+def memory(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The optimizer's `memory_stats()`; a plain AdamW keeps every state on the device all the time."""
+    if hasattr(optimizer, "memory_stats"):
+        return optimizer.memory_stats()
+    states = sum(t.nbytes for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    return {"device_state_bytes": states, "peak_device_state_bytes": states, "host_state_bytes": 0}
+
+
+def summarize(case: Case, base: Case) -> dict[str, Any]:
+    """The JSON record of one configuration."""
+    median = statistics.median(case.times)
+    deciles = statistics.quantiles(case.times, n=10, method="inclusive") if len(case.times) > 1 else [median] * 9
+    return {
+        "name": case.name, "step_s_median": median, "step_s_p10": deciles[0], "step_s_p90": deciles[-1],
+        "step_s": case.times, "ratio": median / statistics.median(base.times),
+        **memory(case.optimizer), "rss_anon_delta_bytes": case.rss_anon_delta,
+        "minor_faults_per_step": statistics.median(case.faults),
+        "bitwise_equal": all(torch.equal(p, b) for p, b in zip(case.params, base.params, strict=True)),
+    }  # fmt: skip
+
+
+def environment(args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
+    """What the numbers depend on: versions, threads, cores, sizes, host tier."""
+    return {
+        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+        "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "elements": sum(sizes),
+        "tensors": len(sizes), "min_tensor": min(sizes), "max_tensor": max(sizes), "dtype": "float32",
+        "repeats": args.repeats, "warmup": args.warmup, "steps_per_config": 1 + args.warmup + args.repeats,
+        "hyper": HYPER, "shm_dir": device.SHM_DIR, "shm_writable": os.access(device.SHM_DIR, os.W_OK),
+        "loadavg_1m_at_end": os.getloadavg()[0],  # other processes on the box skew the times
+    }  # fmt: skip
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    """Step time ratio against peak device optimizer state, one labelled point per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    same_x: dict[int, int] = {}  # labels of points at the same memory are stacked, not overlaid
+    for rec in sorted(records, key=lambda r: -r["ratio"]):  # the upper point of a stack gets the upper label
+        x, y = rec["peak_device_state_bytes"] / 2**20, rec["ratio"]
+        k = same_x[rec["peak_device_state_bytes"]] = same_x.get(rec["peak_device_state_bytes"], -1) + 1
+        ax.scatter(x, y, color="tab:blue" if rec["bitwise_equal"] else "tab:red")
+        ax.annotate(rec["name"], (x, y), textcoords="offset points", xytext=(4, 4 - 11 * k), fontsize=8)
+    ax.set(xlabel="peak optimizer state on the device during step (MiB)", ylabel="median step time / baseline")
+    ax.set_title("Optimizer offload on cpu (red: params differ from baseline)", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_table(records: list[dict[str, Any]]) -> None:
+    """The summary on stdout, one line per configuration (memory in MiB)."""
+    print(f"{'config':<24}{'median ms':>10}{'p10':>8}{'p90':>8}{'ratio':>7}{'peak dev':>10}{'host':>8}"
+          f"{'anon':>8}{'faults':>8}  bitwise")  # fmt: skip
+    for r in records:
+        ms = "".join(f"{r[k] * 1e3:>{w}.1f}" for k, w in (("step_s_median", 10), ("step_s_p10", 8), ("step_s_p90", 8)))
+        mib = [r[k] / 2**20 for k in ("peak_device_state_bytes", "host_state_bytes", "rss_anon_delta_bytes")]
+        print(f"{r['name']:<24}{ms}{r['ratio']:>7.2f}{mib[0]:>10.1f}{mib[1]:>8.1f}{mib[2]:>8.1f}"
+              f"{r['minor_faults_per_step']:>8.0f}  {r['bitwise_equal']}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options; `--quick` gives tiny defaults (for tests), explicit flags still win."""
+    p = argparse.ArgumentParser(prog="python -m internlm_offload.bench.optimizer", description=__doc__.split("\n")[0])
+    p.add_argument("--elements", type=int, default=24_000_000, help="fp32 elements in all params together")
+    p.add_argument("--tensors", type=int, default=100, help="number of param tensors")
+    p.add_argument("--repeats", type=int, default=20, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration after the first")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--out", type=Path, default=Path("bench_results/optimizer.json"))
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
+    args = p.parse_args(argv)
+    if args.quick:
+        p.set_defaults(**QUICK)
+        args = p.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0 or args.tensors < 1 or args.elements < args.tensors:
+        p.error("need --repeats >= 1, --warmup >= 0, --tensors >= 1 and --elements >= --tensors")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every configuration, write the JSON and a PNG beside it, print a table; 1 if any is not bitwise."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    acc = Accelerator("cpu")
+    sizes = tensor_sizes(args.elements, args.tensors)
+    init, grads = seeded(sizes, seed=1), seeded(sizes, seed=2)
+    try:
+        cases = [build_case(name, init, grads, acc) for name in CONFIGS]
+        time_cases(cases, grads, args, acc)
+        records = [summarize(case, cases[0]) for case in cases]
+    finally:
+        acc.close_streams()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"env": environment(args, sizes), "results": records}, indent=2))
+    plot(records, args.out.with_suffix(".png"))
+    print_table(records)
+    return 0 if all(r["bitwise_equal"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""The activation benchmark runs end to end at tiny sizes: every configuration, bitwise grads, JSON and PNG."""
+
+import json
+from pathlib import Path
+
+from internlm_offload.bench import activation as bench
+
+EXPECTED = {
+    "baseline", "full_ckpt", "selective_ckpt",
+    "offload_sync_2", "offload_sync_4", "offload_sync_7",
+    "offload_async_2", "offload_async_4", "offload_async_7",
+}  # fmt: skip
+
+
+def test_quick_run_writes_json_and_png(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "res" / "activation.json"
+    returned = bench.main(["--quick", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(returned))
+    records = {rec["name"]: rec for rec in data["results"]}
+    assert set(records) == EXPECTED
+    assert all(rec["bitwise_equal"] for rec in records.values()), "a configuration changed the gradients"
+    assert records["baseline"]["ratio"] == 1.0
+    for name, rec in records.items():
+        assert len(rec["step_s"]) == bench.QUICK["repeats"] and rec["step_s_median"] > 0
+        assert (rec["offloader"] is not None) == name.startswith("offload_")
+    offloaded = [records[f"offload_sync_{n}"]["offloader"]["offloaded_bytes"] for n in (2, 4, 7)]
+    assert 0 < offloaded[0] < offloaded[1] < offloaded[2]
+    assert records["offload_async_4"]["offloader"]["offloaded_bytes"] == offloaded[1]
+    fwd = "forward_peak_rss_anon_delta_bytes"
+    assert records["offload_sync_7"][fwd] < records["baseline"][fwd], "offload freed no anonymous memory"
+    assert data["env"]["model"]["layers"] == 8 and data["env"]["torch"]
+    png = out.with_suffix(".png")
+    assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "offload_async_7" in capsys.readouterr().out
+
+
+def test_offload_counts_follow_the_layer_count(tmp_path: Path) -> None:
+    args = bench.parse_args(["--quick", "--layers", "4", "--out", str(tmp_path / "a.json")])
+    cases = bench.make_cases(args, bench.Accelerator("cpu"))
+    for case in cases:
+        if case.handle is not None:
+            case.handle.remove()
+    names = [case.name for case in cases]
+    assert names == ["baseline", "full_ckpt", "selective_ckpt", "offload_sync_2", "offload_async_2"]

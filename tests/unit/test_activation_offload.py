@@ -269,3 +269,37 @@ def test_checkpointing_stays_effective_beside_offload(mode):
         handle.remove()
     # blocks 1-3 checkpointed: autograd keeps (almost) nothing of them, so far fewer resident bytes
     assert resident[1.0] < resident[0.0] / 4
+
+
+class SavesTwo(nn.Module):
+    """Saves exactly two distinct storages of the input's size: its input (sin) and `h` (cos)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.sin()
+        return h.cos()
+
+
+@pytest.mark.parametrize(
+    "mode, prefetch, expected_groups",
+    [
+        ("async", 1, 2),  # forward: the running block + the previous one in flight; backward: in use + 1 ahead
+        ("async", 2, 3),  # backward: in use + 2 ahead
+        ("sync", 1, 2),  # forward: only the running block; backward: in use + 1 ahead
+    ],
+)
+def test_peak_resident_matches_the_plan(mode, prefetch, expected_groups):
+    """5 blocks, 4 offloaded, 1 resident: the peak is set by the groups in flight, as the schedule says."""
+    layers = nn.ModuleList([SavesTwo() for _ in range(5)])
+    handle = offload_layers(layers, 4, mode=mode, prefetch_layers=prefetch, min_offload_bytes=0)
+    x = torch.randn(64, 64, requires_grad=True)
+    h = x
+    for layer in layers:
+        h = layer(h)
+    h.sum().backward()
+    block = 2 * x.numel() * 4  # two saved storages per block
+    stats = handle.stats()
+    assert stats["resident_bytes"] == block and stats["offloaded_bytes"] == 4 * block
+    assert stats["peak_resident_bytes"] == expected_groups * block
+    # nothing left in the offloader between steps
+    assert handle._stats.in_flight_bytes == 0 and handle._stats.live_resident_bytes == 0
+    assert handle._forward is None and not handle._hook_stack

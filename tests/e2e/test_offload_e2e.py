@@ -85,3 +85,20 @@ def test_fsdp2_cpu_offload_policy_aligns_with_fsdp2(tmp_path):
     proc = train(offloaded, *options, "parallel.fsdp_cpu_offload=True", nproc=2)
     assert "with CPU offload policy" in proc.stderr
     assert loss_compare(str(base), str(offloaded), "--exact", "--quiet").returncode == 0
+
+
+@pytest.mark.parametrize("mode", ["none", "fsdp2"])
+def test_hugging_face_model_with_every_offload_aligns(tmp_path, mode):
+    """The HF wrapper's decoder layers take the same plan: offload, selective+offload, swap optimizer."""
+    nproc = 1 if mode == "none" else 2
+    config = REPO / "configs" / "hf_llama_tiny.py"
+    options = ["data.total_steps=5", "ckpt.enable_save_ckpt=False", f"parallel.mode={mode}", "data.global_bsz=8"]
+    offload = ["cpu_offloading.enable=True", "cpu_offloading.num_layers=2", "model.checkpoint=0.75",
+               "selective_checkpoint=True", "selective_checkpoint_offload=True", "swap_optimizer=True"]  # fmt: skip
+    base, run = tmp_path / "base", tmp_path / "offload"
+    train(base, *options, nproc=nproc, config=config)
+    proc = train(run, *options, *offload, nproc=nproc, config=config)
+    assert "selective+offload" in proc.stderr
+    assert loss_compare(str(base), str(run), "--exact", "--quiet").returncode == 0
+    record = metrics(run)[-1]
+    assert record["act_offload_offloaded_bytes"] > 0 and record["sc_offload_offloaded_bytes"] > 0

@@ -729,3 +729,11 @@ def test_fsdp2_two_ranks_bitwise_with_dtensor_states(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "FSDP2-OK rank=0" in proc.stdout and "FSDP2-OK rank=1" in proc.stdout
+
+
+def test_host_memory_preflight_refuses_what_does_not_fit() -> None:
+    from internlm_offload.optim.memory import HostMemoryError, check_host_memory
+
+    check_host_memory(10 * 2**30, "swap_optimizer", available=64 * 2**30, world_local=2)  # fits
+    with pytest.raises(HostMemoryError, match=r"needs 20.00 GiB .*\(2 process\(es\) x 10.00 GiB\) but only 16.00 GiB"):
+        check_host_memory(10 * 2**30, "swap_optimizer", available=16 * 2**30, world_local=2)

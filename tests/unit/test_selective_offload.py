@@ -4,12 +4,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_counter import OpCounter
 
 from internlm_offload.device import Accelerator
 from internlm_offload.model import InternLM2
 from internlm_offload.offload.activation import offload_layers
-from internlm_offload.offload.checkpointing import EXPENSIVE_OPS
 from internlm_offload.offload.selective_offload import apply_selective_offload
 
 L = 4
@@ -54,20 +53,6 @@ def test_combined_with_activation_offload_of_earlier_blocks():
     handle = offload_layers(model.layers, 1, mode="async", accelerator=CPU)
     assert_same(step(model, 2), step(tiny_model(), 2))
     assert handle.stats()["offloaded_bytes"] > 0
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.expensive = 0
-        self.cheap = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in EXPENSIVE_OPS:
-            self.expensive += 1
-        else:
-            self.cheap += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_expensive_ops_are_replayed_not_rerun():

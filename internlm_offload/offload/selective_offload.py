@@ -52,13 +52,20 @@ class SelectiveOffloadStats:
 
 
 @dataclass
-class _Entry:
-    """One recorded op output (a tensor or None per output slot) on its way to and from the host."""
+class _Recorded:
+    """One recorded output tensor on its way to and from the host."""
 
-    hosts: list[torch.Tensor | None]
-    sources: list[torch.Tensor | None]  # device tensors, held until the copy-out finished
-    versions: list[int]
-    devices: list[torch.device | None]
+    host: torch.Tensor
+    source: torch.Tensor | None  # the device tensor, held until the copy-out finished
+    version: int
+    device: torch.device
+
+
+@dataclass
+class _Entry:
+    """The outputs of one recorded op (None for non-tensor outputs) and their pytree structure."""
+
+    outputs: list[_Recorded | None]
     structure: Any
 
 
@@ -81,22 +88,20 @@ class _Offloader:
 
     def store(self, cache: _BlockCache, out: Any) -> None:
         flat, structure = tree_flatten(out)
-        hosts, sources, versions, devices = [], [], [], []
         if self.d2h is not None:
             self.d2h.wait_stream(self.accelerator.current_stream())  # the output is ready
-        for t in flat:
-            if not isinstance(t, torch.Tensor):
-                hosts.append(None), sources.append(None), versions.append(0), devices.append(None)
-                continue
-            host = self.accelerator.host_empty(t.shape, t.dtype, pinned=True)
-            self._copy(host, t, self.d2h, "d2h_s")
-            # `t` itself, not `t.detach()`: below autograd a detached alias gets its own version counter,
-            # which would hide an in-place change of the output.
-            hosts.append(host), sources.append(t), versions.append(t._version), devices.append(t.device)
-            self.stats.offloaded_bytes += t.numel() * t.element_size()
-        cache.entries.append(_Entry(hosts, sources, versions, devices, structure))
+        outputs = [self._record(t) if isinstance(t, torch.Tensor) else None for t in flat]
+        cache.entries.append(_Entry(outputs, structure))
         if self.d2h is not None:
             cache.copied_out = self.d2h.record_event()
+
+    def _record(self, t: torch.Tensor) -> _Recorded:
+        host = self.accelerator.host_empty(t.shape, t.dtype, pinned=True)
+        self._copy(host, t, self.d2h, "d2h_s")
+        self.stats.offloaded_bytes += t.numel() * t.element_size()
+        # `t` itself, not `t.detach()`: below autograd a detached alias gets its own version counter,
+        # which would hide an in-place change of the output.
+        return _Recorded(host, t, t._version, t.device)
 
     def release(self, cache: _BlockCache) -> None:
         """After the block's forward: wait for its copies, then drop the device outputs."""
@@ -104,27 +109,22 @@ class _Offloader:
             start = time.perf_counter()
             cache.copied_out.wait()
             self.stats.wait_s += time.perf_counter() - start
-        for entry in cache.entries:
-            for source, version in zip(entry.sources, entry.versions):
-                if source is not None and source._version != version:
-                    raise RuntimeError(
-                        "selective_checkpoint_offload: the output of an expensive op was modified in place after "
-                        "it was recorded; turn selective_checkpoint_offload off for this model"
-                    )
-            entry.sources = [None] * len(entry.sources)
+        recorded = [r for entry in cache.entries for r in entry.outputs if r is not None and r.source is not None]
+        for r in recorded:
+            if r.source._version != r.version:
+                raise RuntimeError(
+                    "selective_checkpoint_offload: the output of an expensive op was modified in place after "
+                    "it was recorded; turn selective_checkpoint_offload off for this model"
+                )
+            r.source = None
 
     def load(self, cache: _BlockCache) -> Any:
         """The next recorded output, back on the device (a fresh copy: backward may keep it)."""
         entry = cache.entries[cache.replay_index]
         cache.replay_index += 1
-        restored = []
-        for host, device in zip(entry.hosts, entry.devices):
-            if host is None:
-                restored.append(None)
-                continue
-            start = time.perf_counter()
-            restored.append(host.to(device, copy=True))
-            self.stats.h2d_s += time.perf_counter() - start
+        start = time.perf_counter()
+        restored = [None if r is None else r.host.to(r.device, copy=True) for r in entry.outputs]
+        self.stats.h2d_s += time.perf_counter() - start
         return tree_unflatten(restored, entry.structure)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream | None, counter: str) -> None:

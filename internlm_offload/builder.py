@@ -16,7 +16,9 @@ from internlm_offload.config import ConfigError, CpuOffloadingConfig, ModelConfi
 from internlm_offload.data import StepLoader, StepSampler, Tokenizer, build_tokenizer
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.checkpoint import CheckpointManager
+from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
+from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
 from internlm_offload.engine.runtime import RunContext, set_determinism
 from internlm_offload.engine.trainer import Trainer, TrainerSettings
 from internlm_offload.log import get_logger
@@ -35,13 +37,15 @@ from internlm_offload.registry import DATASETS, MODELS, OPTIMIZERS, PARALLEL, bu
 
 logger = get_logger(__name__)
 
-DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
-
-
 def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
-    """Construct the model on `device`; weights are a pure function of the torch seed."""
+    """Construct the model in fp32 on `device`; weights are a pure function of the torch seed.
+
+    The precision policy (`cast_model`) then decides which copy is cast to the compute dtype.
+    """
     if cfg.type == "hf_causal_lm":
-        kwargs: dict[str, Any] = {"path": cfg.hf_path, "config": cfg.hf_config}
+        kwargs: dict[str, Any] = dict(
+            path=cfg.hf_path, config=cfg.hf_config, trust_remote_code=cfg.trust_remote_code, attn_impl=cfg.attn_impl
+        )
     else:
         kwargs = dict(
             num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
@@ -50,8 +54,12 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
             tie_word_embeddings=cfg.tie_word_embeddings, init_std=cfg.init_std, attn_impl=cfg.attn_impl,
         )  # fmt: skip
     with torch.device(device):
-        model = build(MODELS, cfg.type, "model.type", **kwargs)
-    return model.to(DTYPES[cfg.dtype])
+        if cfg.type != "hf_causal_lm":
+            return build(MODELS, cfg.type, "model.type", **kwargs)
+        try:
+            return build(MODELS, cfg.type, "model.type", **kwargs)
+        except ValueError as exc:  # the HF wrapper names the model.* key and the fix
+            raise ConfigError(" ".join(str(exc).split())) from None
 
 
 def build_layer_plan(cfg: RunConfig, num_layers: int) -> LayerPlan:
@@ -98,8 +106,13 @@ def apply_activation_offload(
     )  # fmt: skip
 
 
-def build_optimizer(cfg: RunConfig, model: nn.Module, accelerator: Accelerator) -> torch.optim.Optimizer:
-    """AdamW, or its offloading variants: the swap optimizer or the hybrid CPU/device optimizer."""
+def build_optimizer(
+    cfg: RunConfig, model: nn.Module, accelerator: Accelerator, *, host_params: bool = False
+) -> torch.optim.Optimizer:
+    """AdamW, or its offloading variants, over `model`'s parameters (the fp32 masters where they exist).
+
+    `host_params`: the parameters are host-resident masters, swapped in with the states.
+    """
     adam = cfg.adam
     common = dict(
         lr=adam.lr, betas=(adam.adam_beta1, adam.adam_beta2), eps=adam.adam_eps,
@@ -109,7 +122,8 @@ def build_optimizer(cfg: RunConfig, model: nn.Module, accelerator: Accelerator) 
         check_optimizer_host_memory(cfg, model)
         return build(
             OPTIMIZERS, "swap_adamw", "swap_optimizer", model, accelerator=accelerator,
-            swap_optimizer_times=cfg.swap_optimizer_times, use_host_arena=cfg.use_pinned_optimizer_offload, **common,
+            swap_optimizer_times=cfg.swap_optimizer_times, use_host_arena=cfg.use_pinned_optimizer_offload,
+            swap_params=host_params, **common,
         )  # fmt: skip
     if cfg.hybrid_optimizer.enable:
         check_optimizer_host_memory(cfg, model)
@@ -165,9 +179,14 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
     if cfg.model.type == "internlm2":
         check_vocab(cfg.model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
     loader = build_loader(cfg, ctx, tokenizer)
-    # 1. model
+    # 1. model, built in fp32; the precision policy keeps fp32 masters apart or casts it whole
     model = build_model(cfg.model, ctx.device)
     check_vocab(model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
+    policy = PrecisionPolicy.from_config(cfg.model.dtype, cfg.mixed_precision.master_weights)
+    # The swap optimizer swaps the masters with its states: they then live in (pinned) host memory.
+    host_empty = ctx.accelerator.host_empty if cfg.swap_optimizer else None
+    masters = cast_model(model, policy, fsdp=cfg.parallel.mode == "fsdp2", host_empty=host_empty)
+    logger.info("Precision: %s", policy.describe())
     layers: nn.ModuleList = model.layers
     # 2.-3. per-layer plan, applied to the bare blocks
     plan = build_layer_plan(cfg, len(layers))
@@ -178,10 +197,13 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
     model = build(
         PARALLEL, par.mode, "parallel.mode", model, ctx=ctx, layers=layers,
         reshard_after_forward=par.reshard_after_forward, bucket_cap_mb=par.bucket_cap_mb,
-        cpu_offload=par.fsdp_cpu_offload,
+        cpu_offload=par.fsdp_cpu_offload, mixed_precision=policy.fsdp_mixed_precision(),
     )  # fmt: skip
-    # 5. optimizer and schedule
-    optimizer = build_optimizer(cfg, model, ctx.accelerator)
+    # 5. optimizer and schedule, over the parameters that hold the fp32 masters
+    if masters is None:
+        optimizer = build_optimizer(cfg, model, ctx.accelerator)
+    else:
+        optimizer = build_optimizer(cfg, masters.module, ctx.accelerator, host_params=masters.on_host)
     scheduler = build_lr_scheduler(
         optimizer, base_lr=cfg.adam.lr, warmup_ratio=cfg.lr_scheduler.warmup_ratio,
         total_steps=cfg.lr_scheduler.total_steps, eta_min=cfg.lr_scheduler.eta_min,
@@ -191,13 +213,23 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
         total_steps=cfg.data.total_steps, clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm,
         checkpoint_every=cfg.ckpt.checkpoint_every, save_checkpoints=cfg.ckpt.enable_save_ckpt,
         log_every=cfg.monitor.log_every, progress_bar=cfg.monitor.progress_bar,
-        config=cfg.model_dump(), config_fingerprint=cfg.fingerprint(),
+        config=cfg.model_dump(), config_fingerprint=cfg.fingerprint(), max_skipped_steps=cfg.max_skipped_steps,
     )  # fmt: skip
     return Trainer(
         ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
         checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
         metrics=MetricsLog(work_dir / "metrics.jsonl") if ctx.is_main else None, settings=settings,
-        extra_metrics=extra_metric_sources(offloader, selective_stats, optimizer),
+        extra_metrics=extra_metric_sources(offloader, selective_stats, optimizer), masters=masters,
+        scaler=build_loss_scaler(cfg) if policy.loss_scaling else None,
+    )  # fmt: skip
+
+
+def build_loss_scaler(cfg: RunConfig) -> DynamicLossScaler:
+    scaler = cfg.grad_scaler
+    return DynamicLossScaler(
+        scale=scaler.fp16.initial_scale, min_scale=scaler.fp16.min_scale, max_scale=scaler.max_scale,
+        growth_factor=scaler.growth_factor, backoff_factor=scaler.backoff_factor,
+        growth_interval=scaler.fp16.growth_interval, hysteresis=scaler.hysteresis,
     )  # fmt: skip
 
 

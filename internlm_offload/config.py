@@ -40,7 +40,11 @@ class ModelConfig(Section):
     multiple_of: int = Field(64, ge=1, description="SwiGLU hidden size is rounded up to a multiple of this.")
     vocab_size: int = Field(259, ge=1, description="Embedding rows; must be >= the tokenizer's vocabulary.")
     dtype: Literal["torch.float32", "torch.bfloat16", "torch.float16"] = Field(
-        "torch.float32", description="Parameter and activation dtype (a string: config files hold no imports)."
+        "torch.float32",
+        description="Compute dtype of the forward and backward (a string: config files hold no imports). With "
+        "`mixed_precision.master_weights` (the default) the optimizer steps fp32 master weights with fp32 states "
+        "and gradients are accumulated and clipped in fp32, as in InternEvo; `torch.float16` adds dynamic loss "
+        "scaling (`grad_scaler`).",
     )
     checkpoint: float = Field(
         0.0,
@@ -54,8 +58,14 @@ class ModelConfig(Section):
     rope_base: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     tie_word_embeddings: bool = Field(False, description="Share the embedding and output-head weights.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
-    attn_impl: Literal["auto", "sdpa", "flash"] = Field(
-        "auto", description="Attention kernel: `sdpa`, `flash` (flash-attn), `auto` (flash-attn on CUDA when installed)."
+    attn_impl: Literal["auto", "sdpa", "flash", "eager"] = Field(
+        "auto",
+        description="Attention kernel: `sdpa`, `flash` (flash-attn; `flash_attention_2` for `hf_causal_lm`), "
+        "`eager` (`hf_causal_lm` only), `auto` (internlm2: flash-attn on CUDA when installed; hf_causal_lm: sdpa, "
+        "or eager where the architecture refuses sdpa, logged).",
+    )
+    trust_remote_code: bool = Field(
+        False, description="`hf_causal_lm` only: run the model code shipped in `hf_path` (InternLM2 checkpoints need it)."
     )
     hf_path: Optional[str] = Field(None, description="`hf_causal_lm` only: local directory of a Hugging Face model.")
     hf_config: Optional[dict] = Field(
@@ -73,6 +83,8 @@ class ModelConfig(Section):
             self.num_kv_attention_heads = self.num_attention_heads
         if self.type == "hf_causal_lm" and (self.hf_path is None) == (self.hf_config is None):
             raise ValueError("model.type='hf_causal_lm' needs exactly one of model.hf_path and model.hf_config")
+        if self.type != "hf_causal_lm" and self.attn_impl == "eager":
+            raise ValueError(f"model.attn_impl='eager' is for model.type='hf_causal_lm'; {self.type} has sdpa and flash")
         return self
 
 
@@ -131,6 +143,29 @@ class ParallelConfig(Section):
     )
 
 
+class LoadCkptInfo(Section):
+    path: str = Field(description="A run's checkpoint folder (its latest checkpoint is taken) or one `step_*` folder.")
+    content: list[Literal["model", "all"]] = Field(
+        ["model"],
+        description='`("model",)`: weights only; the run starts at step 1 with a fresh optimizer, schedule and data '
+        'order. `("all",)`: a full resume (step, optimizer, schedule, data position).',
+    )
+    ckpt_type: Literal["internevo"] = Field(
+        "internevo", description="Checkpoint format: `internevo`, this trainer's own (DCP) checkpoints."
+    )
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _tuple_content(cls, value: Any) -> Any:
+        return list(value) if isinstance(value, tuple) else value
+
+    @model_validator(mode="after")
+    def _one_content(self) -> "LoadCkptInfo":
+        if len(self.content) != 1:
+            raise ValueError(f'ckpt.load_ckpt_info.content={tuple(self.content)!r}: use ("model",) or ("all",)')
+        return self
+
+
 class CkptConfig(Section):
     save_ckpt_folder: Optional[str] = Field(None, description="Checkpoint folder; default `<work_dir>/checkpoints`.")
     checkpoint_every: int = Field(0, ge=0, description="Save every N steps (0: only at the end).")
@@ -140,6 +175,15 @@ class CkptConfig(Section):
         None, description="Start from this checkpoint (a `step_*` folder or a checkpoint folder's latest)."
     )
     auto_resume: bool = Field(False, description="Continue from the latest checkpoint in `save_ckpt_folder`.")
+    load_ckpt_info: Optional[LoadCkptInfo] = Field(
+        None, description="Start from another run's checkpoint: `dict(path=..., content=(\"model\",), ckpt_type=\"internevo\")`."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "CkptConfig":
+        if self.load_ckpt_info is not None and self.load_ckpt_folder is not None:
+            raise ValueError("ckpt.load_ckpt_folder and ckpt.load_ckpt_info exclude each other; keep one")
+        return self
 
 
 class MonitorConfig(Section):
@@ -161,6 +205,41 @@ class HybridOptimizerConfig(Section):
     offload_fraction: float = Field(0.5, ge=0, le=1, description="Fraction of parameter elements stepped on the CPU.")
     overlap_cpu_optimizer_d2h_h2d: bool = Field(True, description="Overlap grad D2H / param H2D with the CPU step.")
     param_update_in_fp32: bool = Field(False, description="Keep fp32 master copies for the CPU-stepped params.")
+
+
+class MixedPrecisionConfig(Section):
+    master_weights: bool = Field(
+        True,
+        description="With a bf16/fp16 `model.dtype`: keep fp32 master weights (and fp32 AdamW states), accumulate "
+        "and clip gradients in fp32 (~16 B/param with AdamW). `False` is pure low precision: params, grads and "
+        "states in `model.dtype` (~8 B/param), which saves memory but loses small updates (fine-tuning learning "
+        "rates stall in bf16).",
+    )
+
+
+class Fp16ScaleConfig(Section):
+    initial_scale: float = Field(2.0**16, gt=0, description="fp16: the initial loss scale.")
+    min_scale: float = Field(1.0, gt=0, description="fp16: the loss scale never backs off below this.")
+    growth_interval: int = Field(1000, ge=1, description="fp16: grow the scale after this many steps without overflow.")
+
+
+class GradScalerConfig(Section):
+    fp16: Fp16ScaleConfig = Field(default_factory=Fp16ScaleConfig)
+    growth_factor: float = Field(2.0, gt=1, description="fp16: multiply the scale by this after `growth_interval` good steps.")
+    backoff_factor: float = Field(0.5, gt=0, lt=1, description="fp16: multiply the scale by this on an overflow.")
+    max_scale: float = Field(2.0**24, gt=0, description="fp16: the loss scale never grows above this.")
+    hysteresis: int = Field(
+        2, ge=1, description="fp16: overflows tolerated (steps still skipped) before the first back-off."
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "GradScalerConfig":
+        lo, hi, init = self.fp16.min_scale, self.max_scale, self.fp16.initial_scale
+        if not lo <= init <= hi:
+            raise ValueError(
+                f"grad_scaler: need fp16.min_scale <= fp16.initial_scale <= max_scale, got {lo} <= {init} <= {hi}"
+            )
+        return self
 
 
 class RunConfig(Section):
@@ -197,6 +276,15 @@ class RunConfig(Section):
         False, description="Keep the swap optimizer's host states in one coalesced (pinned) arena; needs `swap_optimizer`."
     )
     hybrid_optimizer: HybridOptimizerConfig = Field(default_factory=HybridOptimizerConfig)
+    mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig)
+    grad_scaler: GradScalerConfig = Field(default_factory=GradScalerConfig)
+    max_skipped_steps: int = Field(
+        20,
+        ge=1,
+        description="Non-finite guard: a step whose loss or gradient norm is not finite skips the update (fp16 "
+        "overflows included); after this many consecutive skipped steps the run stops with exit code 3 and no "
+        "checkpoint of the bad state.",
+    )
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":

@@ -1,7 +1,8 @@
 """The command line entry point behind `train.py`: parse, validate, build, resume, train.
 
-Bad input (config, data, checkpoint) ends with one `error: ...` line on stderr and exit code 2,
-before anything is written to the work dir.
+Exit codes: 0 done; 2 bad input (config, data, checkpoint): one `error: ...` line on stderr, before
+anything is written to the work dir; 3 the run diverged (too many consecutive non-finite steps): one
+`error: ...` line, no checkpoint of the bad state.
 """
 
 import argparse
@@ -22,6 +23,7 @@ logger = get_logger(__name__)
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, UnknownTypeError)
 EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,15 +42,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from internlm_offload.engine.trainer import TrainingDiverged
+
     args = parse_args(argv)
     try:
         return run(args)
     except USER_ERRORS as exc:
-        rank = os.environ.get("RANK", "0")
-        print(f"{'' if rank == '0' else f'[rank {rank}] '}error: {exc}", file=sys.stderr)
+        report_error(exc)
         return EXIT_BAD_INPUT
+    except TrainingDiverged as exc:
+        report_error(exc)
+        return EXIT_DIVERGED
     finally:
         shutdown_runtime()
+
+
+def report_error(exc: BaseException) -> None:
+    rank = os.environ.get("RANK", "0")
+    print(f"{'' if rank == '0' else f'[rank {rank}] '}error: {exc}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(ctx.rank)
     work_dir = Path(args.work_dir or Path("work_dirs") / cfg.JOB_NAME)
     resume_path = find_resume_checkpoint(cfg, work_dir, resume=args.resume or cfg.ckpt.auto_resume)
+    weights_path = find_weights_checkpoint(cfg) if resume_path is None else None
 
     from internlm_offload.builder import build_trainer, checkpoint_folder  # heavy imports after validation
 
@@ -69,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     trainer = build_trainer(cfg, ctx, work_dir)
     if resume_path is not None:
         trainer.resume_from(resume_path)
+    elif weights_path is not None:
+        trainer.load_weights_from(weights_path)
     if ctx.is_main:
         write_run_files(cfg, work_dir, fresh=resume_path is None)
     barrier(ctx)
@@ -81,18 +95,36 @@ def run(args: argparse.Namespace) -> int:
 
 
 def find_resume_checkpoint(cfg: RunConfig, work_dir: Path, *, resume: bool) -> Path | None:
-    """`ckpt.load_ckpt_folder` wins; else with --resume / auto_resume the latest in the checkpoint folder."""
+    """A resume of this run (--resume / auto_resume: the latest in the checkpoint folder) wins, then
+    `ckpt.load_ckpt_folder` or `ckpt.load_ckpt_info` with `content=("all",)`."""
+    if resume:
+        latest = _latest_own_checkpoint(cfg, work_dir)
+        if latest is not None:
+            return latest
+    info = cfg.ckpt.load_ckpt_info
+    if info is not None and info.content == ["all"]:
+        return resolve_checkpoint_path(Path(info.path))
     if cfg.ckpt.load_ckpt_folder:
         return resolve_checkpoint_path(Path(cfg.ckpt.load_ckpt_folder))
-    if not resume:
+    if resume:
+        from internlm_offload.builder import checkpoint_folder
+
+        logger.warning("--resume: no checkpoint in %s, starting from scratch", checkpoint_folder(cfg, work_dir))
+    return None
+
+
+def find_weights_checkpoint(cfg: RunConfig) -> Path | None:
+    """`ckpt.load_ckpt_info` with `content=("model",)`: the checkpoint whose weights start this run."""
+    info = cfg.ckpt.load_ckpt_info
+    if info is None or info.content != ["model"]:
         return None
+    return resolve_checkpoint_path(Path(info.path))
+
+
+def _latest_own_checkpoint(cfg: RunConfig, work_dir: Path) -> Path | None:
     from internlm_offload.builder import checkpoint_folder
 
-    folder = checkpoint_folder(cfg, work_dir)
-    latest = latest_checkpoint(folder)
-    if latest is None:
-        logger.warning("--resume: no checkpoint in %s, starting from scratch", folder)
-    return latest
+    return latest_checkpoint(checkpoint_folder(cfg, work_dir))
 
 
 def refuse_to_clobber(folder: Path) -> None:

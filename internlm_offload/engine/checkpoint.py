@@ -25,7 +25,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from internlm_offload.engine.runtime import RunContext, barrier
 from internlm_offload.log import get_logger
@@ -140,6 +145,21 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path}: {TRAIN_STATE} is unreadable: {exc}") from exc
         logger.info("Loaded checkpoint %s (step %d)", path, manifest["step"])
         return train_state
+
+    def load_model(self, path: Path, *, model: nn.Module) -> Path:
+        """Load only the weights of a checkpoint (any world size and parallel mode: DCP reshards them)."""
+        path = resolve_checkpoint_path(Path(path))
+        manifest = read_manifest(path)
+        model_state = get_model_state_dict(model)
+        check_signature(path, manifest["model"], model_signature(model_state))
+        state = {"model": model_state}
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            raise CheckpointError(f"checkpoint {path} cannot be read: {_first_cause(exc)}") from exc
+        set_model_state_dict(model, state["model"])
+        logger.info("Loaded the weights of %s (step %d); starting a new run at step 1", path, manifest["step"])
+        return path
 
     def _load_rng(self, path: Path, *, saved_world_size: int) -> None:
         rng_file = path / "rng" / f"rank_{self.ctx.rank}.pt"

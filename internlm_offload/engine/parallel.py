@@ -7,7 +7,7 @@ root for the embeddings, final norm and head.
 
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from internlm_offload.engine.runtime import RunContext
@@ -38,14 +38,17 @@ def apply_fsdp2(
     layers: nn.ModuleList,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    mixed_precision: MixedPrecisionPolicy | None = None,
     **_: object,
 ) -> nn.Module:
+    """`mixed_precision`: fp32 shards stay the masters; all-gathers cast, reduce-scatters stay fp32."""
     mesh = init_device_mesh(ctx.accelerator.name, (ctx.world_size,))
     policy = CPUOffloadPolicy(pin_memory=ctx.accelerator.supports_pinned_memory) if cpu_offload else OffloadPolicy()
+    shard = dict(mesh=mesh, offload_policy=policy, mp_policy=mixed_precision or MixedPrecisionPolicy())
     for block in layers:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **shard)
     # The root keeps its params unsharded after forward: backward needs the head straight away.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, offload_policy=policy)
+    fully_shard(model, reshard_after_forward=False, **shard)
     offload = " with CPU offload policy" if cpu_offload else ""
     logger.info("Applied FSDP2 over %d ranks%s: %d blocks + root", ctx.world_size, offload, len(layers))
     return model

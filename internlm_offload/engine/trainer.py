@@ -6,6 +6,7 @@ and the optimizer it is given.
 """
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,11 +21,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from internlm_offload.data import StepLoader
 from internlm_offload.engine.checkpoint import CheckpointManager
+from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog, Progress, memory_record
+from internlm_offload.engine.precision import MasterWeights
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.log import get_logger
 
 logger = get_logger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient norm; the message is one line."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,15 @@ class TrainerSettings:
     progress_bar: str
     config: dict[str, Any]  # the resolved config, stored in every checkpoint
     config_fingerprint: str
+    max_skipped_steps: int = 20  # consecutive non-finite steps before the run stops
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # global token-mean loss
+    grad_norm: float  # before clipping, after loss-scale removal
+    skipped: bool  # non-finite loss or grad norm: the update was not applied
+    aux_loss: float | None = None  # MoE router load-balancing loss (weighted), mean over micro-batches
 
 
 class Trainer:
@@ -52,9 +68,13 @@ class Trainer:
     metrics: MetricsLog | None  # rank 0 only
     settings: TrainerSettings
     extra_metrics: list[Callable[[], dict[str, float]]]  # figures of the memory features, if any
+    masters: MasterWeights | None  # explicit fp32 masters (low precision outside FSDP2)
+    scaler: DynamicLossScaler | None  # fp16 loss scaling
     # training state (checkpointed)
     step: int
     tokens_seen: int
+    skipped_steps: int
+    consecutive_skips: int
 
     def __init__(
         self,
@@ -68,6 +88,8 @@ class Trainer:
         metrics: MetricsLog | None,
         settings: TrainerSettings,
         extra_metrics: list[Callable[[], dict[str, float]]] | None = None,
+        masters: MasterWeights | None = None,
+        scaler: DynamicLossScaler | None = None,
     ) -> None:
         self.ctx = ctx
         self.model = model
@@ -78,9 +100,18 @@ class Trainer:
         self.metrics = metrics
         self.settings = settings
         self.extra_metrics = extra_metrics or []
+        self.masters = masters
+        self.scaler = scaler
         self.step = 0
         self.tokens_seen = 0
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
         self._last_saved_step = -1
+
+    @property
+    def state_module(self) -> nn.Module:
+        """The module whose parameters the optimizer steps and checkpoints hold: the fp32 masters if any."""
+        return self.masters.module if self.masters is not None else self.model
 
     # ------------------------------------------------------------------ state
 
@@ -93,60 +124,129 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "config": self.settings.config,
             "config_fingerprint": self.settings.config_fingerprint,
+            "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,
+            "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
     def resume_from(self, path: Path) -> None:
-        state = self.checkpoints.load(path, model=self.model, optimizer=self.optimizer)
+        state = self.checkpoints.load(path, model=self.state_module, optimizer=self.optimizer)
+        if self.masters is not None:
+            self.masters.copy_to_model()
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.loader.load_state_dict(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.skipped_steps = state.get("skipped_steps", 0)
+        self.consecutive_skips = state.get("consecutive_skips", 0)
+        if self.scaler is not None and state.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
         self._last_saved_step = self.step
         if self.metrics is not None:
             self.metrics.truncate_after(self.step)
         if state.get("config_fingerprint") != self.settings.config_fingerprint:
             logger.warning("resuming with a config that differs from the checkpoint's")
 
+    def load_weights_from(self, path: Path) -> None:
+        """Start this run from another run's weights: step 0, fresh optimizer, schedule and data order."""
+        self.checkpoints.load_model(path, model=self.state_module)
+        if self.masters is not None:
+            self.masters.copy_to_model()
+
     def save_checkpoint(self) -> None:
-        self.checkpoints.save(self.step, model=self.model, optimizer=self.optimizer, train_state=self.train_state())
+        if self.consecutive_skips:
+            # The state after a skipped step is suspect; keep the last good checkpoints rather than prune them.
+            logger.warning("step %d: not saving a checkpoint after a skipped (non-finite) step", self.step)
+            return
+        if hasattr(self.optimizer, "finish_copies"):
+            self.optimizer.finish_copies()  # host-resident masters/states may still be landing
+        if not all_finite(self.state_module.parameters(), distributed=self.ctx.distributed):
+            raise TrainingDiverged(
+                f"step {self.step}: the weights hold non-finite values; no checkpoint written, the last good one "
+                f"stays in {self.checkpoints.folder}"
+            )
+        self.checkpoints.save(
+            self.step, model=self.state_module, optimizer=self.optimizer, train_state=self.train_state()
+        )
         self._last_saved_step = self.step
 
     # ------------------------------------------------------------------ one step
 
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, token_scale: float) -> torch.Tensor:
-        """Loss of one micro-batch, backpropagated with its share of the step's token mean."""
+    def forward_backward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, token_weight: float, aux_weight: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Loss sum (and MoE aux loss) of one micro-batch; backpropagates their weighted sum.
+
+        A model returns logits, or `(logits, aux_loss)` with its auxiliary loss already coefficient-weighted.
+        """
         input_ids = input_ids.to(self.ctx.device, non_blocking=True)
         labels = labels.to(self.ctx.device, non_blocking=True)
-        logits = self.model(input_ids)  # (B, T, V)
+        out = self.model(input_ids)
+        logits, aux_loss = out if isinstance(out, tuple) else (out, None)  # logits: (B, T, V)
         loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-        (loss_sum * token_scale).backward()
-        return loss_sum.detach()
+        objective = loss_sum * token_weight
+        if aux_loss is not None:
+            aux_loss = aux_loss.float()
+            objective = objective + aux_loss * aux_weight
+        objective.backward()
+        return loss_sum.detach(), None if aux_loss is None else aux_loss.detach()
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """One optimizer step over this rank's micro-batches; returns (global mean loss, grad norm)."""
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """One optimizer step over this rank's micro-batches; skipped when the loss or grad norm is not finite."""
         tokens_per_rank = sum(labels.numel() for _, labels in micro_batches)
-        # Each rank scales by its own token count; DDP/FSDP2 then average over ranks: a global token mean.
-        token_scale = 1.0 / tokens_per_rank
+        loss_scale = self.scaler.scale if self.scaler is not None else 1.0
+        # Each rank weighs by its own token count; the gradient reduction then averages over ranks: a global
+        # token mean. The aux loss (a per-micro-batch mean) is averaged over micro-batches. fp16 multiplies
+        # both by the loss scale, removed again before clipping.
+        token_weight, aux_weight = loss_scale / tokens_per_rank, loss_scale / len(micro_batches)
+        sync_in_backward = self.masters is None or self.masters.grad_sync_in_backward()
         loss_sum = torch.zeros((), device=self.ctx.device, dtype=torch.float32)
+        aux_sum = None
         for i, (input_ids, labels) in enumerate(micro_batches):
-            with gradient_sync(self.model, enabled=i == len(micro_batches) - 1):
-                loss_sum += self.forward_backward(input_ids, labels, token_scale)
-        grad_norm = self.clip_gradients()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_sum / tokens_per_rank
+            with gradient_sync(self.model, enabled=sync_in_backward and i == len(micro_batches) - 1):
+                micro_loss, micro_aux = self.forward_backward(input_ids, labels, token_weight, aux_weight)
+            loss_sum += micro_loss
+            if micro_aux is not None:
+                aux_sum = micro_aux if aux_sum is None else aux_sum + micro_aux
+            if self.masters is not None:
+                self.masters.accumulate_grads()  # fp32 accumulation over micro-batches
+        if self.masters is not None:
+            self.masters.reduce_grads(self.ctx.distributed)
+        losses = [loss_sum / tokens_per_rank] + ([aux_sum / len(micro_batches)] if aux_sum is not None else [])
+        loss = torch.stack(losses)
         if self.ctx.distributed:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        return loss.item(), grad_norm  # .item(): the one host sync per step
+        norm = self.clip_gradients(unscale=1.0 / loss_scale)
+        values = torch.cat([loss, norm.to(loss.device, torch.float32).reshape(1)]).tolist()  # the one host sync
+        loss_value, norm_value, aux_value = values[0], values[-1], values[1] if len(values) == 3 else None
+        skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()  # as InternEvo: the schedule advances with successful updates only
+            if self.masters is not None:
+                self.masters.after_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.masters is not None:
+            self.masters.release_grads()
+        if self.scaler is not None:
+            self.scaler.update(overflow=skipped)
+        return StepResult(loss_value, norm_value, skipped, aux_value)
 
-    def clip_gradients(self) -> float:
+    def clip_gradients(self, unscale: float = 1.0) -> torch.Tensor:
+        """Remove the loss scale, clip to the configured norm; returns the norm before clipping (a tensor)."""
         max_norm = self.settings.clip_grad_norm or float("inf")  # inf: scale 1.0, grads unchanged
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if self.masters is not None:
+            grads = self.masters.grads()
+        else:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if unscale != 1.0:
+            torch._foreach_mul_(grads, unscale)  # a power of two: exact
+        norm = torch.nn.utils.get_total_norm(grads)
+        # clip_grad_norm_'s own rule and kernels, applied to the grad tensors (masters' grads need not be `.grad`)
+        torch.nn.utils.clip_grads_with_norm_([_GradHolder(g) for g in grads], max_norm, norm)
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor over the shards
             norm = norm.full_tensor()
-        return norm.item()
+        return norm
 
     # ------------------------------------------------------------------ loop
 
@@ -162,26 +262,55 @@ class Trainer:
                 self.ctx.accelerator.reset_peak_memory_stats()
                 start = time.perf_counter()
                 lr = self.optimizer.param_groups[0]["lr"]
-                loss, grad_norm = self.train_step(micro_batches)
+                loss_scale = self.scaler.scale if self.scaler is not None else None
+                result = self.train_step(micro_batches)
                 step_time = time.perf_counter() - start
                 self.step += 1
                 self.tokens_seen += tokens_per_step
+                self._count_skip(result)
                 record = {
-                    "step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                    "step": self.step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
                     "tokens": self.tokens_seen, "tokens_per_s": tokens_per_step / step_time,
-                    "step_time_s": step_time, **memory_record(self.ctx.accelerator),
+                    "step_time_s": step_time, "skipped": result.skipped, "skipped_steps": self.skipped_steps,
+                    **({"loss_scale": loss_scale} if loss_scale is not None else {}),
+                    **({"moe_aux_loss": result.aux_loss} if result.aux_loss is not None else {}),
+                    **memory_record(self.ctx.accelerator),
                 }  # fmt: skip
                 for source in self.extra_metrics:
                     record.update(source())
                 if self.metrics is not None:
                     self.metrics.write(record)
                 progress.update(self.step, record)
+                self._stop_if_diverged(result)
                 if self._checkpoint_due():
                     self.save_checkpoint()
         finally:
             progress.close()
         if settings.save_checkpoints and self._last_saved_step != self.step:
             self.save_checkpoint()
+
+    def _count_skip(self, result: StepResult) -> None:
+        if not result.skipped:
+            self.consecutive_skips = 0
+            return
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        logger.warning(
+            "step %d: non-finite loss=%s or grad_norm=%s; update skipped (%d in a row)",
+            self.step, result.loss, result.grad_norm, self.consecutive_skips,
+        )  # fmt: skip
+
+    def _stop_if_diverged(self, result: StepResult) -> None:
+        limit = self.settings.max_skipped_steps
+        if self.consecutive_skips < limit:
+            return
+        last_good = self._last_saved_step if self._last_saved_step >= 0 else None
+        kept = f"last checkpoint kept: step {last_good}" if last_good is not None else "no checkpoint written"
+        raise TrainingDiverged(
+            f"step {self.step}: {limit} consecutive steps with a non-finite loss or gradient norm "
+            f"(last loss={result.loss}, grad_norm={result.grad_norm}); the run diverged, {kept}. "
+            "Lower adam.lr, or raise max_skipped_steps"
+        )
 
     def _batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
         while self.step < self.settings.total_steps:
@@ -190,6 +319,24 @@ class Trainer:
     def _checkpoint_due(self) -> bool:
         every = self.settings.checkpoint_every
         return self.settings.save_checkpoints and every > 0 and self.step % every == 0
+
+
+class _GradHolder:
+    """Presents a gradient tensor as a parameter's `.grad` to torch's clipping utilities."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
+
+
+def all_finite(tensors: Iterator[torch.Tensor], *, distributed: bool) -> bool:
+    """Whether every element of every tensor (this rank's shard of a DTensor) is finite, on all ranks."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    finite = torch.stack([t.detach().isfinite().all() for t in local]).all().to(torch.int32)
+    if distributed:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite.item())
 
 
 def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:

@@ -50,9 +50,36 @@ def _clear_hf_init_flags(model: nn.Module) -> None:
             delattr(obj, "_is_hf_initialized")
 
 
+# model.attn_impl -> transformers' attn_implementation; `auto` tries sdpa, then eager.
+ATTN_IMPLS = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}
+
+
+def _router_aux_coef(config: Any) -> float | None:
+    """The load-balancing loss coefficient of a mixture-of-experts config (Mixtral, Qwen2/3-MoE), else None."""
+    if not hasattr(config, "output_router_logits"):
+        return None
+    return float(getattr(config, "router_aux_loss_coef", 0.0)) or None
+
+
+def _build_hf_model(path: str | None, hf_config: Any, trust_remote_code: bool, attn: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    common = dict(trust_remote_code=trust_remote_code, attn_implementation=attn)
+    if path is None:
+        return AutoModelForCausalLM.from_config(hf_config, **common)
+    # fp32 whatever the checkpoint's dtype: the precision policy decides what is cast (masters stay fp32).
+    return AutoModelForCausalLM.from_pretrained(
+        path, config=hf_config, local_files_only=True, dtype=torch.float32, **common
+    )
+
+
 @MODELS.register_module(name="hf_causal_lm")
 class HFCausalLM(nn.Module):
-    """Wraps `AutoModelForCausalLM`, built from a local checkpoint (`path`) or a config dict (`config`)."""
+    """Wraps `AutoModelForCausalLM`, built from a local checkpoint (`path`) or a config dict (`config`).
+
+    `forward` returns the logits, or `(logits, aux_loss)` for a mixture-of-experts model: its router
+    load-balancing loss already multiplied by the model's own `router_aux_loss_coef`.
+    """
 
     def __init__(
         self,
@@ -60,13 +87,15 @@ class HFCausalLM(nn.Module):
         path: str | None = None,
         config: dict | None = None,
         trust_remote_code: bool = False,
-        attn_implementation: str = "sdpa",
+        attn_impl: str = "auto",
     ) -> None:
         super().__init__()
         if (path is None) == (config is None):
             raise ValueError(f"HFCausalLM needs exactly one of path= and config=; got path={path!r}, config={config!r}")
+        if attn_impl != "auto" and attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl={attn_impl!r} must be 'auto' or one of {sorted(ATTN_IMPLS)}")
         try:
-            from transformers import AutoConfig, AutoModelForCausalLM
+            from transformers import AutoConfig
         except ImportError as e:
             raise ImportError('HFCausalLM needs transformers: pip install "internlm_offload[hf]"') from e
 
@@ -83,32 +112,50 @@ class HFCausalLM(nn.Module):
         if zeroed:
             logger.info("set HF dropout to 0 for reproducibility: %s", ", ".join(zeroed))
 
-        if path is not None:
-            self.hf_model = AutoModelForCausalLM.from_pretrained(
-                path,
-                config=hf_config,
-                local_files_only=True,
-                trust_remote_code=trust_remote_code,
-                attn_implementation=attn_implementation,
-            )
-        else:
-            self.hf_model = AutoModelForCausalLM.from_config(
-                hf_config, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
-            )
+        self.aux_loss_coef = _router_aux_coef(hf_config)
+        if self.aux_loss_coef is not None:
+            hf_config.output_router_logits = True  # the router's load-balancing loss is part of training
+            logger.info("MoE model: router aux loss weighted by router_aux_loss_coef=%g", self.aux_loss_coef)
+        self.hf_model = self._build(path, hf_config, trust_remote_code, attn_impl)
+        self.attn_impl = self.hf_model.config._attn_implementation
         self.pretrained = path is not None
         # A path string, not the ModuleList itself: a second reference would register the layers twice.
         self._layers_path = _find_layers_path(self.hf_model, getattr(hf_config, "num_hidden_layers", None))
         self.num_layers = len(self.layers)
         self.vocab_size = self.hf_model.config.vocab_size
 
+    @staticmethod
+    def _build(path: str | None, hf_config: Any, trust_remote_code: bool, attn_impl: str) -> nn.Module:
+        if attn_impl != "auto":
+            try:
+                return _build_hf_model(path, hf_config, trust_remote_code, ATTN_IMPLS[attn_impl])
+            except ValueError as exc:
+                if "attention implementation" not in str(exc):
+                    raise
+                raise ValueError(
+                    f"model.attn_impl={attn_impl!r}: {hf_config.model_type} refuses it in transformers "
+                    f"({' '.join(str(exc).split())[:160]}); use 'auto' or 'eager'"
+                ) from None
+        try:
+            return _build_hf_model(path, hf_config, trust_remote_code, "sdpa")
+        except ValueError as exc:  # transformers refuses sdpa for some architectures (Gemma2)
+            if "attention implementation" not in str(exc):
+                raise
+            logger.warning("%s does not support sdpa attention; using eager (model.attn_impl='auto')",
+                           hf_config.model_type)  # fmt: skip
+            return _build_hf_model(path, hf_config, trust_remote_code, "eager")
+
     @property
     def layers(self) -> nn.ModuleList:
         """The decoder layers (checkpointing and offload wrap these)."""
         return self.hf_model.get_submodule(self._layers_path)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, V) for input_ids (B, T)."""
-        return self.hf_model(input_ids=input_ids, use_cache=False).logits
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits (B, T, V) for input_ids (B, T); with an MoE model also its weighted router aux loss."""
+        out = self.hf_model(input_ids=input_ids, use_cache=False)
+        if self.aux_loss_coef is None:
+            return out.logits
+        return out.logits, out.aux_loss * self.aux_loss_coef
 
     def init_weights(self) -> None:
         """Re-run HF's init from the current torch RNG when built from a config; keep pretrained weights as they are."""

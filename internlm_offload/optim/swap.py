@@ -17,6 +17,12 @@ The update itself is torch's own AdamW kernel (`torch.optim.adam.adam` with the 
 `decoupled_weight_decay=True`), one parameter at a time, so params and states are bitwise those of
 `torch.optim.AdamW` with the same arguments.
 
+With `swap_params=True` the parameters themselves live on the host too (fp32 master weights of a
+low-precision model, as ZeRO-Offload keeps them): each parameter then carries `main_grad`, its
+gradient on the device, and may carry `model_param`, the device tensor (e.g. the bf16 weight the model
+computes with) that receives the updated value in its own dtype. The parameter is swapped in and out
+with its states, so between steps the device holds neither masters nor states.
+
 Memory saved vs time paid: the device holds `1 / swap_optimizer_times` of the optimizer states (8 bytes
 per fp32 parameter, 12 with amsgrad) instead of all of them; each step moves every state twice over the
 host link. More chunks: less device memory, smaller copies that overlap less well.
@@ -42,6 +48,7 @@ from internlm_offload.registry import OPTIMIZERS
 logger = get_logger(__name__)
 
 SWAPPED_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+PARAM = "param"  # key of a host-resident parameter's device copy while it is staged
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -69,6 +76,7 @@ class _Staged:
     """One parameter's states on the device for the duration of its update."""
 
     param: torch.Tensor
+    grad: torch.Tensor
     group: dict[str, Any]
     device_states: dict[str, torch.Tensor]
     nbytes: int
@@ -81,7 +89,8 @@ class SwapAdamW(torch.optim.AdamW):
 
     Extra args: `swap_optimizer_times` (chunks the step's device memory is divided into),
     `pin_memory` (None: pinned where the device supports it), `use_host_arena` (all states in one
-    coalesced host buffer), `accelerator` (default: detected).
+    coalesced host buffer), `swap_params` (the params are host tensors with a device `main_grad`; see the
+    module docstring), `accelerator` (default: detected).
     """
 
     def __init__(
@@ -99,6 +108,7 @@ class SwapAdamW(torch.optim.AdamW):
         swap_optimizer_times: int = 16,
         pin_memory: bool | None = None,
         use_host_arena: bool = False,
+        swap_params: bool = False,
         accelerator: Accelerator | None = None,
     ) -> None:
         if swap_optimizer_times < 1:
@@ -109,6 +119,7 @@ class SwapAdamW(torch.optim.AdamW):
         self.accelerator = accelerator or get_accelerator("auto")
         self.pin_memory = self.accelerator.supports_pinned_memory if pin_memory is None else pin_memory
         self.use_host_arena = use_host_arena
+        self.swap_params = swap_params
         self._arena: HostArena | None = None
         self._arena_slots: dict[tuple[int, str], int] = {}
         self._h2d = self.accelerator.stream()
@@ -191,19 +202,26 @@ class SwapAdamW(torch.optim.AdamW):
         work = []
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
+                grad = self._grad(p)
+                if grad is None:
                     continue
-                if p.grad.is_sparse:
+                if grad.is_sparse:
                     raise RuntimeError("SwapAdamW does not support sparse gradients")
                 if not self.state[p]:
                     self._init_host_state(p, group)
                 work.append((p, group))
         return work
 
+    def _grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient to apply: `main_grad` (on the device) for a host-resident parameter."""
+        if self.swap_params:
+            return getattr(param, "main_grad", None)
+        return param.grad
+
     def _state_bytes(self, param: torch.Tensor, group: dict[str, Any]) -> int:
         state = self.state[param]
         keys = [k for k in SWAPPED_KEYS if k in state] + (["step"] if self._swaps_step(group) else [])
-        return sum(_nbytes(state[k]) for k in keys)
+        return sum(_nbytes(state[k]) for k in keys) + (_nbytes(param) if self.swap_params else 0)
 
     def _admit(self, upcoming: deque, staged: deque, copying_out: deque, budget: int) -> None:
         """Start copy-ins while the device budget allows; free finished copy-outs to make room."""
@@ -224,26 +242,31 @@ class SwapAdamW(torch.optim.AdamW):
     def _copy_in(self, param: torch.Tensor, group: dict[str, Any], nbytes: int) -> _Staged:
         state = self.state[param]
         keys = [k for k in SWAPPED_KEYS if k in state] + (["step"] if self._swaps_step(group) else [])
-        device = _local(param).device
+        grad = self._grad(param)
+        device = _local(grad).device
         # Allocated on the compute stream: the allocator orders any reuse after this point.
         device_states = {k: _wrap_like(torch.empty_like(_local(state[k]), device=device), state[k])
                          if k != "step" else torch.empty_like(state[k], device=device) for k in keys}  # fmt: skip
+        sources = {k: state[k] for k in keys}
+        if self.swap_params:
+            device_states[PARAM], sources[PARAM] = torch.empty_like(param, device=device), param
         # The new buffers may reuse memory a param stepped earlier in this step just released (after the
         # compute stream waited for its copy-out): the copy-in must not start before that point.
         self._h2d.wait_stream(self.accelerator.current_stream())
         for key, dst in device_states.items():
-            self.accelerator.copy_async(_local(dst), _local(state[key]), self._h2d)
+            self.accelerator.copy_async(_local(dst), _local(sources[key]), self._h2d)
         self._device_state_bytes += nbytes
         self._peak_device_state_bytes = max(self._peak_device_state_bytes, self._device_state_bytes)
-        return _Staged(param, group, device_states, nbytes, copied_in=self._h2d.record_event())
+        return _Staged(param, grad, group, device_states, nbytes, copied_in=self._h2d.record_event())
 
     def _update(self, staged: _Staged) -> None:
         """torch's AdamW kernel on one parameter, with the group's flags."""
         p, group, states = staged.param, staged.group, staged.device_states
         host = self.state[p]
         beta1, beta2 = group["betas"]
+        target = states[PARAM] if self.swap_params else p
         adam(
-            [p], [p.grad], [states["exp_avg"]], [states["exp_avg_sq"]],
+            [target], [staged.grad], [states["exp_avg"]], [states["exp_avg_sq"]],
             [states["max_exp_avg_sq"]] if group["amsgrad"] else [],
             [states["step"] if "step" in states else host["step"]],
             amsgrad=group["amsgrad"], has_complex=torch.is_complex(p), beta1=beta1, beta2=beta2,
@@ -252,12 +275,16 @@ class SwapAdamW(torch.optim.AdamW):
             fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
             found_inf=getattr(self, "found_inf", None), decoupled_weight_decay=group["decoupled_weight_decay"],
         )  # fmt: skip
+        model_param = getattr(p, "model_param", None) if self.swap_params else None
+        if model_param is not None:
+            model_param.copy_(target)  # rounds into the model's dtype, on the compute stream
 
     def _copy_out(self, staged: _Staged) -> None:
         self._d2h.wait_stream(self.accelerator.current_stream())  # the update is done
         host = self.state[staged.param]
         for key, src in staged.device_states.items():
-            self.accelerator.copy_async(_local(host[key]), _local(src), self._d2h)
+            dst = staged.param.detach() if key == PARAM else host[key]  # written on a copy thread
+            self.accelerator.copy_async(_local(dst), _local(src), self._d2h)
         staged.copied_out = self._d2h.record_event()
 
     def _release(self, staged: _Staged) -> None:
@@ -269,17 +296,17 @@ class SwapAdamW(torch.optim.AdamW):
     # ------------------------------------------------------------------ state dict and memory
 
     def state_dict(self) -> dict[str, Any]:
-        self._finish_copies()
+        self.finish_copies()
         return super().state_dict()
 
-    def _finish_copies(self) -> None:
+    def finish_copies(self) -> None:
         """`step()` returns with its last copy-outs only ordered on the device; readers of the host
         states (state_dict, load_state_dict, memory_stats) wait for them here."""
         self._d2h.synchronize()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load AdamW's layout (ours or a plain AdamW's) and move every state into host buffers."""
-        self._finish_copies()
+        self.finish_copies()
         super().load_state_dict(state_dict)
         self._maybe_build_arena()
         for group in self.param_groups:
@@ -297,13 +324,16 @@ class SwapAdamW(torch.optim.AdamW):
                     state["step"] = host_step.copy_(state["step"])
 
     def memory_stats(self) -> dict[str, int]:
-        self._finish_copies()
+        self.finish_copies()
         host = sum(_nbytes(t) for s in self.state.values() for t in s.values() if isinstance(t, torch.Tensor))
-        return {
+        stats = {
             "device_state_bytes": self._device_state_bytes,
             "peak_device_state_bytes": self._peak_device_state_bytes,
             "host_state_bytes": host,
         }
+        if self.swap_params:
+            stats["host_param_bytes"] = sum(_nbytes(p) for g in self.param_groups for p in g["params"])
+        return stats
 
     def offload_optimizer_states(self) -> bool:
         """States already live on the host between steps: nothing to move. Returns False (no-op)."""
@@ -326,11 +356,13 @@ def build_swap_adamw(
     fused: bool | None = None,
     swap_optimizer_times: int = 16,
     use_host_arena: bool = False,
+    swap_params: bool = False,
 ) -> SwapAdamW:
     """SwapAdamW over the model with the same groups (and fused default) as the baseline AdamW."""
     if fused is None:
         fused = fused_supported(accelerator.name)
     return SwapAdamW(
         param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused,
-        swap_optimizer_times=swap_optimizer_times, use_host_arena=use_host_arena, accelerator=accelerator,
+        swap_optimizer_times=swap_optimizer_times, use_host_arena=use_host_arena, swap_params=swap_params,
+        accelerator=accelerator,
     )  # fmt: skip

@@ -737,3 +737,36 @@ def test_host_memory_preflight_refuses_what_does_not_fit() -> None:
     check_host_memory(10 * 2**30, "swap_optimizer", available=64 * 2**30, world_local=2)  # fits
     with pytest.raises(HostMemoryError, match=r"needs 20.00 GiB .*\(2 process\(es\) x 10.00 GiB\) but only 16.00 GiB"):
         check_host_memory(10 * 2**30, "swap_optimizer", available=16 * 2**30, world_local=2)
+
+
+# ---------------------------------------------------------------- host-resident params (fp32 masters)
+
+
+@pytest.mark.parametrize("times", [1, 3])
+def test_swapped_masters_match_adamw_on_device_masters_and_write_the_model(acc, times):
+    """`swap_params`: fp32 masters on the host, grads in `main_grad`, updates rounded into `model_param`."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(33, 17), (7,), (4097,)]
+    reference = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    masters = []
+    for ref in reference:
+        host = torch.nn.Parameter(acc.host_empty(ref.shape, torch.float32).copy_(ref.detach()))
+        host.model_param = ref.detach().to(torch.bfloat16)
+        masters.append(host)
+    expected = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, fused=True)
+    swapped = SwapAdamW(masters, lr=1e-2, weight_decay=0.1, fused=True, swap_optimizer_times=times,
+                        swap_params=True, accelerator=acc)  # fmt: skip
+    for _ in range(5):
+        for ref, master in zip(reference, masters):
+            grad = torch.randn(ref.shape, generator=gen)
+            ref.grad, master.main_grad = grad, grad.clone()
+        expected.step()
+        swapped.step()
+        swapped.finish_copies()
+        for ref, master in zip(reference, masters):
+            assert torch.equal(master, ref) and master.grad is None
+            assert torch.equal(master.model_param, ref.detach().to(torch.bfloat16))
+    stats = swapped.memory_stats()
+    assert stats["device_state_bytes"] == 0 and stats["host_param_bytes"] == sum(m.numel() * 4 for m in masters)
+    for ref, master in zip(reference, masters):
+        assert torch.equal(swapped.state[master]["exp_avg_sq"], expected.state[ref]["exp_avg_sq"])

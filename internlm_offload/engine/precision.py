@@ -1,0 +1,212 @@
+"""Mixed precision: one policy for the model wrapper and the optimizers, and explicit fp32 masters.
+
+InternEvo's meaning of `model.dtype`: the dtype forward and backward compute in. With master weights
+(the default) the optimizer steps fp32 copies of the parameters with fp32 states, and gradients are
+accumulated over micro-batches, reduced and clipped in fp32. How the masters are held depends on the
+parallel mode:
+- `fsdp2`: FSDP2's `MixedPrecisionPolicy` does it. The sharded parameters stay fp32 (they are the
+  masters, in the optimizer and in checkpoints), all-gathers cast them to the compute dtype, gradients
+  are reduce-scattered and accumulated in fp32.
+- `none` / `ddp`: `MasterWeights` below. The model's parameters are cast to the compute dtype; an
+  fp32 copy of the model (same parameter names) holds the masters that the optimizer steps and that
+  checkpoints store. After each micro-batch the low-precision grads are added into fp32 master grads
+  (one flat buffer per step); under DDP that buffer is all-reduced in fp32 once per step (DDP itself
+  then never communicates). After a step the masters are rounded into the model's parameters.
+  With `on_host` (the swap optimizer) the masters live in host memory: their device gradient is
+  `master.main_grad` instead of `.grad`, each carries `model_param`, and the swap optimizer swaps
+  them in with their states and writes the rounded result into the model itself. Between steps the
+  device then holds only the low-precision parameters.
+
+Pure low precision (`master_weights=False`) casts the whole model, grads and states included.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from internlm_offload.log import get_logger
+
+logger = get_logger(__name__)
+
+DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """The dtypes of a run: what forward/backward compute in, and whether fp32 masters exist."""
+
+    compute_dtype: torch.dtype
+    master_weights: bool = True
+
+    @classmethod
+    def from_config(cls, dtype: str, master_weights: bool) -> PrecisionPolicy:
+        return cls(DTYPES[dtype], master_weights)
+
+    @property
+    def low_precision(self) -> bool:
+        return self.compute_dtype != torch.float32
+
+    @property
+    def uses_masters(self) -> bool:
+        """Whether an fp32 master copy exists apart from the compute dtype."""
+        return self.low_precision and self.master_weights
+
+    @property
+    def loss_scaling(self) -> bool:
+        """fp16's 5 exponent bits underflow small gradients: scale the loss (bf16 shares fp32's range)."""
+        return self.compute_dtype == torch.float16
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype the optimizer's parameters and states are kept in."""
+        return torch.float32 if self.uses_masters else self.compute_dtype
+
+    def fsdp_mixed_precision(self):  # -> MixedPrecisionPolicy | None
+        """FSDP2's policy: fp32 shards as masters, compute-dtype all-gathers, fp32 reduce-scatter."""
+        if not self.uses_masters:
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        # No input casting: activations already flow in the compute dtype, and the cast's profiler op would
+        # run inside selective checkpointing's recompute but not its forward (torch's SAC then refuses).
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+    def describe(self) -> str:
+        name = str(self.compute_dtype).removeprefix("torch.")
+        if not self.low_precision:
+            return "float32"
+        return f"{name} compute, fp32 master weights" if self.master_weights else f"pure {name} (no master weights)"
+
+
+class MasterWeights:
+    """fp32 masters for a low-precision model outside FSDP2 (module docstring).
+
+    `module` is an fp32 copy of the model with the same parameter names: build the optimizer over its
+    parameters and save/load it in checkpoints. The trainer calls `accumulate_grads()` after each
+    micro-batch's backward, `reduce_grads()` once before clipping, `grads()` to clip, and
+    `after_step()` after a successful optimizer step (`copy_to_model()` after loading the masters).
+
+    `host_empty(shape, dtype)`: where given, the masters are placed in host buffers from it (`on_host`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        compute_dtype: torch.dtype,
+        host_empty: Callable[[torch.Size, torch.dtype], torch.Tensor] | None = None,
+    ) -> None:
+        self.on_host = host_empty is not None
+        # fp32 copy with the same names; tied weights stay tied; built before any hook is attached. On the
+        # host, deepcopy's memo hands it the host copies, so the masters never exist twice on the device.
+        memo = {id(p): _host_parameter(p, host_empty) for p in model.parameters()} if self.on_host else {}
+        self.module = copy.deepcopy(model, memo)
+        model.to(compute_dtype)
+        named_model = dict(model.named_parameters())
+        self._pairs = [(named_model[name], master) for name, master in self.module.named_parameters()]
+        self._trainable = [(p, m) for p, m in self._pairs if m.requires_grad]
+        self._numel = sum(m.numel() for _, m in self._trainable)
+        self._flat_grads: torch.Tensor | None = None
+        self._grad_views: list[torch.Tensor] = []
+        if self.on_host:
+            for param, master in self._pairs:
+                master.model_param = param  # the swap optimizer rounds its update into it
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        return [m for _, m in self._pairs]
+
+    @torch.no_grad()
+    def accumulate_grads(self) -> None:
+        """Add the model's low-precision grads into the fp32 master grads and free the former."""
+        if self._flat_grads is None:
+            self._start_flat_grads()
+        for (param, _), grad in zip(self._trainable, self._grad_views):
+            if param.grad is not None:
+                grad.add_(param.grad)
+                param.grad = None
+
+    def _start_flat_grads(self) -> None:
+        # One buffer per step, so DDP's reduction is a single fp32 all-reduce; freed after the step.
+        device = self._trainable[0][0].device  # the model's device, where the grads are produced
+        self._flat_grads = torch.zeros(self._numel, dtype=torch.float32, device=device)
+        self._grad_views, offset = [], 0
+        for _, master in self._trainable:
+            view = self._flat_grads[offset : offset + master.numel()].view_as(master)
+            if self.on_host:
+                master.main_grad = view  # a host tensor cannot hold a device `.grad`
+            else:
+                master.grad = view
+            self._grad_views.append(view)
+            offset += master.numel()
+
+    def grads(self) -> list[torch.Tensor]:
+        """This step's fp32 master gradients (on the device), e.g. to clip them."""
+        if self._flat_grads is None:
+            self._start_flat_grads()
+        return list(self._grad_views)
+
+    @torch.no_grad()
+    def reduce_grads(self, distributed: bool) -> None:
+        """Average the fp32 master grads over the ranks (DDP with masters never reduces in backward)."""
+        if self._flat_grads is None:
+            self._start_flat_grads()
+        if distributed:
+            dist.all_reduce(self._flat_grads, op=dist.ReduceOp.AVG)
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """Round the masters into the model's compute-dtype parameters."""
+        params, masters = zip(*self._pairs)
+        if self.on_host:
+            for param, master in self._pairs:
+                param.copy_(master)  # host to device: one copy per tensor
+        else:
+            torch._foreach_copy_(list(params), list(masters))
+
+    def after_step(self) -> None:
+        """After a successful optimizer step: the model's parameters take the new masters' values."""
+        if not self.on_host:  # on the host the swap optimizer already wrote each one as it was updated
+            self.copy_to_model()
+
+    def release_grads(self) -> None:
+        """Drop the step's fp32 grad buffer (the optimizer's `zero_grad(set_to_none=True)` drops the views)."""
+        for _, master in self._trainable:
+            master.grad = None
+            if self.on_host:
+                master.main_grad = None
+        self._flat_grads = None
+        self._grad_views = []
+
+    def grad_sync_in_backward(self) -> bool:
+        """DDP must not all-reduce the low-precision grads: the fp32 master grads are reduced instead."""
+        return False
+
+
+def _host_parameter(param: nn.Parameter, host_empty: Callable) -> nn.Parameter:
+    host = host_empty(param.shape, torch.float32)
+    with torch.no_grad():
+        host.copy_(param)
+    return nn.Parameter(host, requires_grad=param.requires_grad)
+
+
+def cast_model(
+    model: nn.Module, policy: PrecisionPolicy, *, fsdp: bool, host_empty: Callable | None = None
+) -> MasterWeights | None:
+    """Apply the policy to a freshly built fp32 model; returns the masters where this module keeps them.
+
+    `host_empty`: keep the masters in host buffers from it (the swap optimizer swaps them with its states).
+    """
+    if not policy.low_precision:
+        return None
+    if policy.uses_masters:
+        if fsdp:
+            return None  # FSDP2's MixedPrecisionPolicy: the fp32 shards are the masters
+        return MasterWeights(model, policy.compute_dtype, host_empty)
+    model.to(policy.compute_dtype)
+    return None

@@ -1,0 +1,63 @@
+"""`tools.export`: a checkpoint's weights as consolidated safetensors, and as a loadable HF folder."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from runner import REPO, train
+
+from internlm_offload.tools.export import load_weights
+
+pytestmark = pytest.mark.e2e
+
+
+def export(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "internlm_offload.tools.export", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+
+
+def test_fsdp2_checkpoint_exports_to_a_folder_transformers_loads(tmp_path):
+    run = tmp_path / "run"
+    train(run, "data.total_steps=2", "parallel.mode=fsdp2", "model.dtype=torch.bfloat16", nproc=2,
+          config=REPO / "configs" / "hf_llama_tiny.py")  # fmt: skip
+    out = tmp_path / "hf"
+    proc = export(run / "checkpoints", out, "--hf")
+    assert proc.returncode == 0, proc.stderr
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32)
+    weights = load_weights(run / "checkpoints" / "step_00000002")  # the fp32 masters, resharded to one process
+    loaded = model.state_dict()
+    assert len(loaded) == len(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(loaded[name.removeprefix("hf_model.")], tensor), name
+    assert all(t.dtype == torch.float32 for t in weights.values())
+
+
+def test_internlm2_checkpoint_exports_safetensors_in_bf16(tmp_path):
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    train(run, "data.total_steps=2")
+    out = tmp_path / "weights.safetensors"
+    assert export(run / "checkpoints", out, "--dtype", "bfloat16").returncode == 0
+    tensors = load_file(out)
+    weights = load_weights(run / "checkpoints" / "step_00000002")
+    assert tensors.keys() == weights.keys()
+    assert all(torch.equal(tensors[k], weights[k].to(torch.bfloat16)) for k in weights)
+
+
+@pytest.mark.parametrize("case", ["missing", "not_safetensors", "hf_on_internlm2"])
+def test_bad_export_input_is_one_line_exit_2(tmp_path, case):
+    if case == "missing":
+        proc = export(tmp_path / "nope", tmp_path / "w.safetensors")
+        part = "checkpoint not found"
+    else:
+        run = tmp_path / "run"
+        train(run, "data.total_steps=1")
+        if case == "not_safetensors":
+            proc, part = export(run / "checkpoints", tmp_path / "w.bin"), "must end in .safetensors"
+        else:
+            proc, part = export(run / "checkpoints", tmp_path / "hf", "--hf"), "--hf needs a run of model.type"
+    assert proc.returncode == 2 and part in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

@@ -18,6 +18,7 @@ from internlm_offload.device import Accelerator
 from internlm_offload.engine.checkpoint import CheckpointManager
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
+from internlm_offload.engine.parallel import materialize_shards
 from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
 from internlm_offload.engine.runtime import RunContext, set_determinism
 from internlm_offload.engine.trainer import Trainer, TrainerSettings
@@ -60,6 +61,23 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
             return build(MODELS, cfg.type, "model.type", **kwargs)
         except ValueError as exc:  # the HF wrapper names the model.* key and the fix
             raise ConfigError(" ".join(str(exc).split())) from None
+
+
+def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
+    """Meta build + per-shard init: FSDP2, our own decoder (its init_weights works on shards), untied
+    embeddings (materializing unties them), and fp32 params (the init happens before any cast)."""
+    model = cfg.model
+    return (
+        cfg.parallel.mode == "fsdp2" and cfg.parallel.meta_init and model.type == "internlm2"
+        and not model.tie_word_embeddings and policy.param_dtype == torch.float32
+    )  # fmt: skip
+
+
+def log_build_memory(ctx: RunContext) -> None:
+    mib = 2**20
+    acc = ctx.accelerator
+    logger.info("Model built: %.1f MiB of device memory on this rank (peak %.1f MiB)",
+                acc.memory_allocated() / mib, acc.max_memory_allocated() / mib)  # fmt: skip
 
 
 def build_layer_plan(cfg: RunConfig, num_layers: int) -> LayerPlan:
@@ -179,10 +197,12 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
     if cfg.model.type == "internlm2":
         check_vocab(cfg.model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
     loader = build_loader(cfg, ctx, tokenizer)
-    # 1. model, built in fp32; the precision policy keeps fp32 masters apart or casts it whole
-    model = build_model(cfg.model, ctx.device)
-    check_vocab(model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
+    # 1. model, built in fp32 (on meta when FSDP2 materializes shards later); the precision policy keeps
+    # fp32 masters apart or casts it whole
     policy = PrecisionPolicy.from_config(cfg.model.dtype, cfg.mixed_precision.master_weights)
+    meta = builds_on_meta(cfg, policy)
+    model = build_model(cfg.model, torch.device("meta") if meta else ctx.device)
+    check_vocab(model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
     # The swap optimizer swaps the masters with its states: they then live in (pinned) host memory.
     host_empty = ctx.accelerator.host_empty if cfg.swap_optimizer else None
     masters = cast_model(model, policy, fsdp=cfg.parallel.mode == "fsdp2", host_empty=host_empty)
@@ -199,6 +219,9 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
         reshard_after_forward=par.reshard_after_forward, bucket_cap_mb=par.bucket_cap_mb,
         cpu_offload=par.fsdp_cpu_offload, mixed_precision=policy.fsdp_mixed_precision(),
     )  # fmt: skip
+    if meta:
+        materialize_shards(model, ctx, seed=cfg.seed)
+    log_build_memory(ctx)
     # 5. optimizer and schedule, over the parameters that hold the fp32 masters
     if masters is None:
         optimizer = build_optimizer(cfg, model, ctx.accelerator)

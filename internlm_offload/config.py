@@ -141,6 +141,12 @@ class ParallelConfig(Section):
         description="`fsdp2`: FSDP2's CPUOffloadPolicy: sharded params, grads and optimizer states stay on the host "
         "and the optimizer steps on the CPU (most device memory saved, slowest). Excludes the swap and hybrid optimizers.",
     )
+    meta_init: bool = Field(
+        True,
+        description="`fsdp2` with `internlm2` (untied embeddings, fp32 or fp32-master params): build on the meta "
+        "device, shard, then materialize and initialize only this rank's shards, so a model larger than one "
+        "rank's memory can start. Other cases build the whole model first.",
+    )
 
 
 class LoadCkptInfo(Section):

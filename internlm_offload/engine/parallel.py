@@ -5,6 +5,7 @@ each decoder block as its own unit (so only one block's parameters are unsharded
 root for the embeddings, final norm and head.
 """
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -52,3 +53,25 @@ def apply_fsdp2(
     offload = " with CPU offload policy" if cpu_offload else ""
     logger.info("Applied FSDP2 over %d ranks%s: %d blocks + root", ctx.world_size, offload, len(layers))
     return model
+
+
+def materialize_shards(model: nn.Module, ctx: RunContext, *, seed: int) -> None:
+    """Allocate a meta-built, FSDP2-sharded model on the device and initialize only this rank's shards.
+
+    One rank draws exactly today's weights (the same generator, the same order). Several ranks: on
+    devices where DTensor has its own RNG (cuda, npu) the shards come from one global, seeded stream;
+    elsewhere (cpu) DTensor draws each shard from the process generator, which is re-seeded per rank so
+    that shards differ from each other. Both are deterministic run to run.
+    """
+    from torch.distributed.tensor._random import is_rng_supported_mesh
+
+    model.to_empty(device=ctx.device)
+    params = list(model.parameters())
+    mesh = getattr(params[0], "device_mesh", None) if params else None
+    if ctx.world_size > 1 and mesh is not None and not is_rng_supported_mesh(mesh):
+        torch.manual_seed(seed + 7919 * ctx.rank)
+    with torch.no_grad():
+        model.init_weights()
+    if ctx.world_size > 1:
+        torch.manual_seed(seed)  # the rest of the run draws as if the model had been built whole
+    logger.info("Materialized and initialized this rank's shards (meta build)")

@@ -13,10 +13,16 @@ FAST = ["data.seq_len=64", "data.micro_bsz=2", "data.micro_num=2", "monitor.prog
 
 
 def train(
-    work_dir: Path, *options: str, nproc: int = 1, config: Path = TINY, resume: bool = False, check: bool = True
+    work_dir: Path,
+    *options: str,
+    nproc: int = 1,
+    config: Path = TINY,
+    resume: bool = False,
+    check: bool = True,
+    torchrun: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run train.py (torchrun when nproc > 1) with the FAST options plus `options`."""
-    if nproc > 1:
+    """Run train.py (under torchrun when nproc > 1 or asked) with the FAST options plus `options`."""
+    if nproc > 1 or torchrun:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
     else:
         launcher = [sys.executable]

@@ -43,11 +43,16 @@ def test_resume_is_bitwise(full_runs, tmp_path, mode):
     assert got == expected
 
 
-def test_layouts_agree_within_reduction_order(full_runs):
-    """Same global batch on 1 process, DDP and FSDP2: equal up to float summation order."""
+def test_layouts_agree_within_reduction_order(full_runs, tmp_path):
+    """Same global batch on 1 process, DDP and FSDP2: equal up to float summation order.
+
+    FSDP2 builds whole here: its meta build initializes each rank's shards from its own stream on cpu.
+    """
     base = losses(full_runs["none", "a"])
-    for mode in ("ddp", "fsdp2"):
-        other = losses(full_runs[mode, "a"])
+    whole_fsdp2 = tmp_path / "fsdp2_whole"
+    train(whole_fsdp2, *STEPS, "parallel.mode=fsdp2", "parallel.meta_init=False", nproc=2)
+    for mode, work_dir in (("ddp", full_runs["ddp", "a"]), ("fsdp2", whole_fsdp2)):
+        other = losses(work_dir)
         assert other.keys() == base.keys()
         for step, loss in base.items():
             assert math.isclose(other[step], loss, rel_tol=1e-5), (mode, step, other[step], loss)
@@ -95,3 +100,15 @@ def test_hugging_face_model_trains_with_the_same_keys(tmp_path, mode):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[-1]["loss"] < records[0]["loss"]
     assert "Applied full activation checkpointing to 2 of 4 blocks" in proc.stderr
+
+
+def test_meta_build_on_one_rank_draws_todays_weights(tmp_path):
+    """FSDP2 on one rank: the meta build + shard init gives bitwise the curve of the whole build."""
+    runs = {}
+    for meta in (True, False):
+        runs[meta] = tmp_path / f"meta_{meta}"
+        proc = train(runs[meta], "data.total_steps=3", "ckpt.enable_save_ckpt=False", "parallel.mode=fsdp2",
+                     f"parallel.meta_init={meta}", torchrun=True)  # fmt: skip
+        assert ("Materialized and initialized this rank's shards" in proc.stderr) == meta
+        assert "Model built:" in proc.stderr
+    assert metrics(runs[True]) and [r["loss"] for r in metrics(runs[True])] == [r["loss"] for r in metrics(runs[False])]

@@ -26,7 +26,8 @@ from internlm_offload.log import get_logger
 from internlm_offload.offload import LayerMode, LayerPlan, apply_activation_checkpointing, make_layer_plan
 from internlm_offload.offload.activation import ActivationOffloader, offload_layers
 from internlm_offload.offload.selective_offload import SelectiveOffloadStats, apply_selective_offload
-from internlm_offload.optim import build_lr_scheduler
+from internlm_offload.optim import build_lr_scheduler, param_groups
+from internlm_offload.optim.hybrid import offload_mask
 from internlm_offload.optim.memory import (
     HYBRID_CPU_BYTES,
     SWAP_STATE_BYTES,
@@ -61,6 +62,19 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
             return build(MODELS, cfg.type, "model.type", **kwargs)
         except ValueError as exc:  # the HF wrapper names the model.* key and the fix
             raise ConfigError(" ".join(str(exc).split())) from None
+
+
+def host_master_names(cfg: RunConfig, model: nn.Module) -> set[str] | None:
+    """Names of the fp32 masters kept in host memory: all (None) for the swap optimizer, the CPU share
+    (placed as the hybrid optimizer places it) for the hybrid one, none otherwise."""
+    if cfg.swap_optimizer:
+        return None
+    if not cfg.hybrid_optimizer.enable:
+        return set()
+    names = {id(p): name for name, p in model.named_parameters()}
+    ordered = [p for group in param_groups(model, cfg.adam.weight_decay) for p in group["params"]]
+    mask = offload_mask(ordered, cfg.hybrid_optimizer.offload_fraction)
+    return {names[id(p)] for p, on_cpu in zip(ordered, mask) if on_cpu}
 
 
 def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
@@ -203,9 +217,13 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
     meta = builds_on_meta(cfg, policy)
     model = build_model(cfg.model, torch.device("meta") if meta else ctx.device)
     check_vocab(model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
-    # The swap optimizer swaps the masters with its states: they then live in (pinned) host memory.
-    host_empty = ctx.accelerator.host_empty if cfg.swap_optimizer else None
-    masters = cast_model(model, policy, fsdp=cfg.parallel.mode == "fsdp2", host_empty=host_empty)
+    # The swap optimizer swaps the masters with its states, the hybrid one steps its CPU share on the host:
+    # those masters then live in (pinned) host memory only.
+    host_names = host_master_names(cfg, model)
+    host_empty = ctx.accelerator.host_empty if host_names is None or host_names else None
+    masters = cast_model(
+        model, policy, fsdp=cfg.parallel.mode == "fsdp2", host_empty=host_empty, host_names=host_names
+    )
     logger.info("Precision: %s", policy.describe())
     layers: nn.ModuleList = model.layers
     # 2.-3. per-layer plan, applied to the bare blocks

@@ -12,10 +12,11 @@ parallel mode:
   checkpoints store. After each micro-batch the low-precision grads are added into fp32 master grads
   (one flat buffer per step); under DDP that buffer is all-reduced in fp32 once per step (DDP itself
   then never communicates). After a step the masters are rounded into the model's parameters.
-  With `on_host` (the swap optimizer) the masters live in host memory: their device gradient is
-  `master.main_grad` instead of `.grad`, each carries `model_param`, and the swap optimizer swaps
-  them in with their states and writes the rounded result into the model itself. Between steps the
-  device then holds only the low-precision parameters.
+  Masters may live in host memory: all of them for the swap optimizer (which swaps them in with
+  their states), the CPU share for the hybrid optimizer (which steps them there). A host master's
+  device gradient is `master.main_grad` instead of `.grad`, it carries `model_param`, and the
+  optimizer writes the rounded update into the model itself. With the swap optimizer the device then
+  holds only the low-precision parameters between steps.
 
 Pure low precision (`master_weights=False`) casts the whole model, grads and states included.
 """
@@ -92,7 +93,8 @@ class MasterWeights:
     micro-batch's backward, `reduce_grads()` once before clipping, `grads()` to clip, and
     `after_step()` after a successful optimizer step (`copy_to_model()` after loading the masters).
 
-    `host_empty(shape, dtype)`: where given, the masters are placed in host buffers from it (`on_host`).
+    `host_empty(shape, dtype)`: where given, the masters named in `host_names` (all when None) are
+    placed in host buffers from it.
     """
 
     def __init__(
@@ -100,11 +102,16 @@ class MasterWeights:
         model: nn.Module,
         compute_dtype: torch.dtype,
         host_empty: Callable[[torch.Size, torch.dtype], torch.Tensor] | None = None,
+        host_names: set[str] | None = None,
     ) -> None:
-        self.on_host = host_empty is not None
-        # fp32 copy with the same names; tied weights stay tied; built before any hook is attached. On the
-        # host, deepcopy's memo hands it the host copies, so the masters never exist twice on the device.
-        memo = {id(p): _host_parameter(p, host_empty) for p in model.parameters()} if self.on_host else {}
+        named = dict(model.named_parameters())
+        if host_empty is None:
+            host_names = set()
+        elif host_names is None:
+            host_names = set(named)
+        # fp32 copy with the same names; tied weights stay tied; built before any hook is attached. For host
+        # masters deepcopy's memo hands it the host copies, so they never exist twice on the device.
+        memo = {id(named[name]): _host_parameter(named[name], host_empty) for name in host_names}
         self.module = copy.deepcopy(model, memo)
         model.to(compute_dtype)
         named_model = dict(model.named_parameters())
@@ -113,9 +120,16 @@ class MasterWeights:
         self._numel = sum(m.numel() for _, m in self._trainable)
         self._flat_grads: torch.Tensor | None = None
         self._grad_views: list[torch.Tensor] = []
-        if self.on_host:
-            for param, master in self._pairs:
-                master.model_param = param  # the swap optimizer rounds its update into it
+        hosted = {id(memo[id(named[name])]) for name in host_names}
+        self._on_host = [id(master) in hosted for _, master in self._pairs]
+        for (param, master), on_host in zip(self._pairs, self._on_host):
+            if on_host:
+                master.model_param = param  # the offload optimizer rounds its update into it
+
+    @property
+    def on_host(self) -> bool:
+        """Whether every master lives in host memory."""
+        return all(self._on_host)
 
     @property
     def masters(self) -> list[torch.Tensor]:
@@ -138,7 +152,7 @@ class MasterWeights:
         self._grad_views, offset = [], 0
         for _, master in self._trainable:
             view = self._flat_grads[offset : offset + master.numel()].view_as(master)
-            if self.on_host:
+            if getattr(master, "model_param", None) is not None:
                 master.main_grad = view  # a host tensor cannot hold a device `.grad`
             else:
                 master.grad = view
@@ -162,23 +176,31 @@ class MasterWeights:
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Round the masters into the model's compute-dtype parameters."""
-        params, masters = zip(*self._pairs)
-        if self.on_host:
-            for param, master in self._pairs:
+        self._copy_to_model(on_host=True)
+        self._copy_to_model(on_host=False)
+
+    def _copy_to_model(self, *, on_host: bool) -> None:
+        pairs = [pair for pair, hosted in zip(self._pairs, self._on_host) if hosted == on_host]
+        if not pairs:
+            return
+        if on_host:
+            for param, master in pairs:
                 param.copy_(master)  # host to device: one copy per tensor
         else:
-            torch._foreach_copy_(list(params), list(masters))
+            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
+    @torch.no_grad()
     def after_step(self) -> None:
-        """After a successful optimizer step: the model's parameters take the new masters' values."""
-        if not self.on_host:  # on the host the swap optimizer already wrote each one as it was updated
-            self.copy_to_model()
+        """After a successful optimizer step: the model's parameters take the new masters' values.
+
+        The optimizer already wrote those of host masters, each as it was updated."""
+        self._copy_to_model(on_host=False)
 
     def release_grads(self) -> None:
         """Drop the step's fp32 grad buffer (the optimizer's `zero_grad(set_to_none=True)` drops the views)."""
         for _, master in self._trainable:
             master.grad = None
-            if self.on_host:
+            if getattr(master, "model_param", None) is not None:
                 master.main_grad = None
         self._flat_grads = None
         self._grad_views = []
@@ -196,17 +218,22 @@ def _host_parameter(param: nn.Parameter, host_empty: Callable) -> nn.Parameter:
 
 
 def cast_model(
-    model: nn.Module, policy: PrecisionPolicy, *, fsdp: bool, host_empty: Callable | None = None
+    model: nn.Module,
+    policy: PrecisionPolicy,
+    *,
+    fsdp: bool,
+    host_empty: Callable | None = None,
+    host_names: set[str] | None = None,
 ) -> MasterWeights | None:
     """Apply the policy to a freshly built fp32 model; returns the masters where this module keeps them.
 
-    `host_empty`: keep the masters in host buffers from it (the swap optimizer swaps them with its states).
+    `host_empty`: keep the masters named in `host_names` (all when None) in host buffers from it.
     """
     if not policy.low_precision:
         return None
     if policy.uses_masters:
         if fsdp:
             return None  # FSDP2's MixedPrecisionPolicy: the fp32 shards are the masters
-        return MasterWeights(model, policy.compute_dtype, host_empty)
+        return MasterWeights(model, policy.compute_dtype, host_empty, host_names)
     model.to(policy.compute_dtype)
     return None

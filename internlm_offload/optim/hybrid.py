@@ -5,6 +5,11 @@ elements, keep their master copy, grad buffer and optimizer states in host memor
 a CPU optimizer; the rest are stepped on the device. Per step only grads go D2H and updated params go
 H2D (the param dtype's bytes each way); the states never move.
 
+Host-resident params (fp32 master weights of a low-precision model): a param that carries
+`model_param` lives in host memory already; its gradient is `main_grad` (on the device) and its
+updated value goes H2D into `model_param`, cast to that tensor's dtype on the host. The CPU optimizer
+steps the param itself, so no second master copy exists. Such params must fall in the CPU share.
+
 Device memory saved vs time paid: every offloaded element frees its device optimizer states (8 B for
 fp32 AdamW, +4 B with amsgrad, +4 B fp32 master when `param_update_in_fp32`) and costs host memory for
 the master copy, a grad buffer and the states, plus one D2H and one H2D copy and a CPU AdamW pass
@@ -54,16 +59,24 @@ class _HostSlot:
     grad: torch.Tensor  # host grad in the master dtype; `master.grad` during the CPU step
     staging: torch.Tensor | None  # host buffer in the param dtype when it differs from the master's
     has_grad: bool = False  # whether `param.grad` existed at the start of the current step
+    resident: bool = False  # the param lives on the host and is its own master (module docstring)
 
     @property
     def local_param(self) -> torch.Tensor:
-        """The device tensor the master mirrors: the param, or its local shard (an alias) for a DTensor."""
-        return _local(self.param.detach())
+        """The device tensor the master mirrors: the param, or its local shard (an alias) for a DTensor;
+        for a host-resident param, the device tensor that receives its value."""
+        return self.param.model_param.detach() if self.resident else _local(self.param.detach())
+
+    @property
+    def device_grad(self) -> torch.Tensor | None:
+        """`main_grad` for a host-resident param; its `.grad` when DCP's state init sets zero grads."""
+        main_grad = getattr(self.param, "main_grad", None) if self.resident else None
+        return self.param.grad if main_grad is None else main_grad
 
     @property
     def landing(self) -> torch.Tensor:
-        """Where the D2H grad copy lands: copies stay in the param dtype (half the bytes for bf16)."""
-        return self.grad if self.staging is None else self.staging
+        """Where the D2H grad copy lands: copies stay in the grad's dtype (half the bytes for bf16 grads)."""
+        return self.grad if self.staging is None or self.resident else self.staging
 
     def nbytes(self) -> int:
         return sum(_nbytes(t) for t in (self.master, self.grad, self.staging) if t is not None)
@@ -200,6 +213,9 @@ class HybridDeviceOptimizer(Optimizer):
 
         all_params = [p for group in self.param_groups for p in group["params"]]
         offloaded = {id(p) for p, cpu in zip(all_params, offload_mask(all_params, offload_fraction)) if cpu}
+        if any(_resident(p) and id(p) not in offloaded for p in all_params):
+            raise ValueError("a host-resident param (one with `model_param`) falls outside the CPU share of "
+                             f"offload_fraction={offload_fraction}: place exactly the CPU share on the host")  # fmt: skip
         cpu_cls = cpu_optimizer_cls or functools.partial(torch.optim.AdamW, fused=True)
         self._cpu_units = self._build_cpu_units(cpu_cls, offloaded, kwargs)
         gpu_cls = gpu_optimizer_cls or _default_device_cls(self._acc)
@@ -225,6 +241,12 @@ class HybridDeviceOptimizer(Optimizer):
         return [self._cpu_unit(cls, groups, kwargs) for groups in plan]
 
     def _host_slot(self, param: torch.Tensor) -> _HostSlot:
+        if _resident(param):
+            # The param is the master; grads land in fp32, updates leave in the model param's dtype.
+            host = param.detach()
+            grad = self._acc.host_empty(host.shape, host.dtype, pinned=self.pin_cpu_grads)
+            staging = self._acc.host_empty(host.shape, param.model_param.dtype, pinned=self.pin_cpu_params)
+            return _HostSlot(param, host, grad, staging, resident=True)
         local = _local(param.detach())  # this rank's shard of a DTensor param
         master_dtype = self._master_dtype(param)
         master = self._acc.host_empty(local.shape, master_dtype, pinned=self.pin_cpu_params)
@@ -403,9 +425,10 @@ class HybridDeviceOptimizer(Optimizer):
     def _start_grad_copies(self) -> None:
         for unit in self._cpu_units:
             for slot in unit.slots:
-                slot.has_grad = slot.param.grad is not None
+                grad = slot.device_grad
+                slot.has_grad = grad is not None
                 if slot.has_grad:
-                    self._acc.copy_async(slot.landing, _local(slot.param.grad), self._d2h_stream)
+                    self._acc.copy_async(slot.landing, _local(grad), self._d2h_stream)
             unit.grads_ready = self._d2h_stream.record_event()
 
     def _step_device(self) -> None:
@@ -427,7 +450,7 @@ class HybridDeviceOptimizer(Optimizer):
 
     def _step_cpu_unit(self, unit: _CpuUnit) -> None:
         for slot in unit.slots:
-            if slot.has_grad and slot.staging is not None:
+            if slot.has_grad and slot.landing is not slot.grad:
                 slot.grad.copy_(slot.staging)  # upcast on the host
             slot.master.grad = slot.grad if slot.has_grad else None
         unit.optimizer.step()
@@ -455,6 +478,8 @@ class HybridDeviceOptimizer(Optimizer):
         self._h2d_stream.synchronize()  # an H2D copy of the last step may still read a master
         for unit in self._cpu_units:
             for slot in unit.slots:
+                if slot.resident:  # the param is its own master: nothing to refresh
+                    continue
                 if slot.staging is None:  # same dtype: the copy is exact
                     slot.master.copy_(slot.local_param)
                     continue
@@ -546,6 +571,11 @@ def _default_device_cls(accelerator: Accelerator) -> Callable[..., Optimizer]:
     if fused_supported(accelerator.name):
         return functools.partial(torch.optim.AdamW, fused=True)
     return torch.optim.AdamW
+
+
+def _resident(param: torch.Tensor) -> bool:
+    """A host-resident param: it carries the device tensor its updates go to (`model_param`)."""
+    return getattr(param, "model_param", None) is not None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -213,10 +213,10 @@ class SwapAdamW(torch.optim.AdamW):
         return work
 
     def _grad(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The gradient to apply: `main_grad` (on the device) for a host-resident parameter."""
-        if self.swap_params:
-            return getattr(param, "main_grad", None)
-        return param.grad
+        """The gradient to apply: `main_grad` (on the device) for a host-resident parameter; its `.grad`
+        when DCP's state init steps with zero grads set on the params."""
+        main_grad = getattr(param, "main_grad", None) if self.swap_params else None
+        return param.grad if main_grad is None else main_grad
 
     def _state_bytes(self, param: torch.Tensor, group: dict[str, Any]) -> int:
         state = self.state[param]

@@ -1,6 +1,7 @@
 """Mixed precision, the non-finite guard and model-only loads, end to end through train.py."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -159,3 +160,20 @@ def test_model_only_load_starts_a_fresh_run_from_trained_weights(tmp_path, sourc
     assert [r["step"] for r in loaded] == [1, 2, 3]
     assert [r["lr"] for r in loaded] == [r["lr"] for r in fresh]  # a new schedule from its start
     assert loaded[0]["loss"] < metrics(source)[-1]["loss"] + 0.3 < fresh[0]["loss"]
+
+
+@pytest.mark.parametrize(
+    "config_name, other",
+    [("internlm2_tiny_hybrid.py", "hybrid_optimizer.offload_fraction=1.0"),
+     ("internlm2_tiny_swap.py", "swap_optimizer_times=2")],
+)  # fmt: skip
+def test_bf16_offload_optimizer_resume_with_other_settings_is_bitwise(tmp_path, config_name, other):
+    """Host-resident masters (hybrid CPU share, swap) checkpoint and reload exactly, into another placement."""
+    config = REPO / "configs" / config_name
+    common = ["data.total_steps=8", "ckpt.checkpoint_every=4", "ckpt.keep_last=0", "model.dtype=torch.bfloat16"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    train(full, *common, config=config)
+    shutil.copytree(full / "checkpoints" / "step_00000004", resumed / "checkpoints" / "step_00000004")
+    train(resumed, *common, other, config=config, resume=True)
+    expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(full) if r["step"] > 4]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(resumed)] == expected

@@ -144,3 +144,33 @@ def test_bad_precision_and_load_keys_are_one_line(raw, part):
 def test_load_ckpt_info_defaults_to_model_only():
     cfg = resolve_config({"ckpt": {"load_ckpt_info": {"path": "runs/a", "content": ("model",)}}})
     assert cfg.ckpt.load_ckpt_info.content == ["model"] and cfg.ckpt.load_ckpt_info.ckpt_type == "internevo"
+
+
+def test_only_the_named_masters_live_on_the_host():
+    model = tiny_model()
+    hosted = []
+
+    def host_empty(shape, dtype):
+        hosted.append(torch.empty(shape, dtype=dtype))
+        return hosted[-1]
+
+    names = {"layers.0.attention.wq.weight", "norm.weight"}
+    masters = MasterWeights(model, torch.bfloat16, host_empty, names)
+    assert not masters.on_host and len(hosted) == 2
+    by_name = dict(masters.module.named_parameters())
+    for name, master in by_name.items():
+        on_host = any(master.data_ptr() == h.data_ptr() for h in hosted)
+        assert on_host == (name in names) == hasattr(master, "model_param"), name
+    grads = masters.grads()
+    assert by_name["norm.weight"].main_grad is not None and by_name["norm.weight"].grad is None
+    assert by_name["tok_embeddings.weight"].grad is not None and not hasattr(by_name["tok_embeddings.weight"], "main_grad")
+    with torch.no_grad():
+        for master in by_name.values():
+            master.add_(1.0)
+    masters.after_step()  # device masters only: the optimizer writes host ones itself
+    params = dict(model.named_parameters())
+    assert torch.equal(params["tok_embeddings.weight"], by_name["tok_embeddings.weight"].to(torch.bfloat16))
+    assert not torch.equal(params["norm.weight"], by_name["norm.weight"].to(torch.bfloat16))
+    masters.copy_to_model()  # after a load: all of them
+    assert torch.equal(params["norm.weight"], by_name["norm.weight"].to(torch.bfloat16))
+    assert len(grads) == len(by_name)

@@ -60,8 +60,13 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
             return build(MODELS, cfg.type, "model.type", **kwargs)
         try:
             return build(MODELS, cfg.type, "model.type", **kwargs)
-        except ValueError as exc:  # the HF wrapper names the model.* key and the fix
-            raise ConfigError(" ".join(str(exc).split())) from None
+        except ValueError as exc:  # the HF wrapper names its argument (model.<name>) and the fix
+            message = " ".join(str(exc).split())
+            if message.startswith(("hf_path", "hf_config", "attn_impl")):
+                message = f"model.{message}"  # the wrapper's messages start with its argument: a model.* key
+            elif not message.startswith("model."):
+                message = f"model.type='hf_causal_lm': {message}"
+            raise ConfigError(message) from None
 
 
 def host_master_names(cfg: RunConfig, model: nn.Module) -> set[str] | None:

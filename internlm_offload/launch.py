@@ -2,7 +2,9 @@
 
 Exit codes: 0 done; 2 bad input (config, data, checkpoint): one `error: ...` line on stderr, before
 anything is written to the work dir; 3 the run diverged (too many consecutive non-finite steps): one
-`error: ...` line, no checkpoint of the bad state.
+`error: ...` line, no checkpoint of the bad state; 130 a second Ctrl-C (no checkpoint, no traceback).
+A first SIGTERM or Ctrl-C finishes the current step, writes a checkpoint and exits 0: `--resume`
+continues the same curve bitwise.
 """
 
 import argparse
@@ -14,7 +16,12 @@ from pathlib import Path
 from internlm_offload.config import ConfigError, RunConfig, load_config_file, resolve_config
 from internlm_offload.data import DataError
 from internlm_offload.device import get_accelerator
-from internlm_offload.engine.checkpoint import CheckpointError, latest_checkpoint, resolve_checkpoint_path
+from internlm_offload.engine.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    read_train_state,
+    resolve_checkpoint_path,
+)
 from internlm_offload.engine.runtime import barrier, env_world_size, init_runtime, shutdown_runtime
 from internlm_offload.log import get_logger, setup_logging
 from internlm_offload.registry import UnknownTypeError
@@ -24,6 +31,7 @@ logger = get_logger(__name__)
 USER_ERRORS = (ConfigError, DataError, CheckpointError, UnknownTypeError)
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as exc:
         report_error(exc)
         return EXIT_DIVERGED
+    except KeyboardInterrupt:
+        report_error(RuntimeError("interrupted (second Ctrl-C): stopped at once, no checkpoint of this step"))
+        return EXIT_INTERRUPTED
     finally:
         shutdown_runtime()
 
@@ -71,7 +82,11 @@ def run(args: argparse.Namespace) -> int:
     ctx = init_runtime(get_accelerator(cfg.device))
     setup_logging(ctx.rank)
     work_dir = Path(args.work_dir or Path("work_dirs") / cfg.JOB_NAME)
+    if work_dir.exists() and not work_dir.is_dir():
+        raise ConfigError(f"--work-dir {work_dir} is a file; give a folder (it is created when missing)")
     resume_path = find_resume_checkpoint(cfg, work_dir, resume=args.resume or cfg.ckpt.auto_resume)
+    if resume_path is not None:
+        check_same_precision(cfg, resume_path)
     weights_path = find_weights_checkpoint(cfg) if resume_path is None else None
 
     from internlm_offload.builder import build_trainer, checkpoint_folder  # heavy imports after validation
@@ -90,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
     trainer.train()
     # Every rank leaves together: tearing down gloo while a peer is still inside a collective aborts it.
     barrier(ctx)
+    if trainer.stopped_by is not None:
+        logger.warning("Stopped by %s after step %d; checkpoint written: continue with --resume",
+                       trainer.stopped_by, trainer.step)  # fmt: skip
+        return 0
     logger.info("Done: %d steps, metrics in %s", trainer.step, work_dir / "metrics.jsonl")
     return 0
 
@@ -111,6 +130,19 @@ def find_resume_checkpoint(cfg: RunConfig, work_dir: Path, *, resume: bool) -> P
 
         logger.warning("--resume: no checkpoint in %s, starting from scratch", checkpoint_folder(cfg, work_dir))
     return None
+
+
+def check_same_precision(cfg: RunConfig, path: Path) -> None:
+    """A full resume continues the same numerics: refuse another dtype or master-weight setting."""
+    saved = read_train_state(path)["config"]
+    mine = (cfg.model.dtype, cfg.mixed_precision.master_weights)
+    theirs = (saved["model"]["dtype"], saved.get("mixed_precision", {}).get("master_weights", True))
+    if mine != theirs:
+        raise CheckpointError(
+            f"checkpoint {path} was written with model.dtype={theirs[0]} (master_weights={theirs[1]}); this run "
+            f"has model.dtype={mine[0]} (master_weights={mine[1]}). Resume with the checkpoint's settings, or start "
+            'a new run from its weights: ckpt.load_ckpt_info=dict(path=..., content=("model",))'
+        )
 
 
 def find_weights_checkpoint(cfg: RunConfig) -> Path | None:

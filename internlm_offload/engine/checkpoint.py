@@ -139,10 +139,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} cannot be read: {_first_cause(exc)}") from exc
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self._load_rng(path, saved_world_size=manifest["world_size"])
-        try:
-            train_state = torch.load(path / TRAIN_STATE, weights_only=True)
-        except Exception as exc:
-            raise CheckpointError(f"checkpoint {path}: {TRAIN_STATE} is unreadable: {exc}") from exc
+        train_state = read_train_state(path)
         logger.info("Loaded checkpoint %s (step %d)", path, manifest["step"])
         return train_state
 
@@ -203,6 +200,14 @@ def resolve_checkpoint_path(path: Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
     raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST}) and holds none")
+
+
+def read_train_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's train state (step, sampler, schedule, the resolved config); plain types only."""
+    try:
+        return torch.load(path / TRAIN_STATE, weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path}: {TRAIN_STATE} is unreadable: {exc}") from exc
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from internlm_offload.data import StepLoader
 from internlm_offload.engine.checkpoint import CheckpointManager
+from internlm_offload.engine.interrupts import GracefulStop
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog, Progress, memory_record
 from internlm_offload.engine.precision import MasterWeights
@@ -55,6 +56,7 @@ class StepResult:
     grad_norm: float  # before clipping, after loss-scale removal
     skipped: bool  # non-finite loss or grad norm: the update was not applied
     aux_loss: float | None = None  # MoE router load-balancing loss (weighted), mean over micro-batches
+    stop: bool = False  # some rank received SIGTERM/SIGINT: checkpoint after this step and return
 
 
 class Trainer:
@@ -106,7 +108,9 @@ class Trainer:
         self.tokens_seen = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0
+        self.stopped_by: str | None = None  # the signal that stopped `train()` early, if any
         self._last_saved_step = -1
+        self._stop = GracefulStop()
 
     @property
     def state_module(self) -> nn.Module:
@@ -213,12 +217,16 @@ class Trainer:
         if self.masters is not None:
             self.masters.reduce_grads(self.ctx.distributed)
         losses = [loss_sum / tokens_per_rank] + ([aux_sum / len(micro_batches)] if aux_sum is not None else [])
-        loss = torch.stack(losses)
+        # Stop requests ride on the loss all-reduce: every rank sees the same (averaged) flag, so all stop
+        # after the same step. The flag goes first so that the loss stays at index 1.
+        stop_flag = torch.tensor(float(self._stop.requested), device=self.ctx.device)
+        loss = torch.stack([stop_flag, *losses])
         if self.ctx.distributed:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         norm = self.clip_gradients(unscale=1.0 / loss_scale)
         values = torch.cat([loss, norm.to(loss.device, torch.float32).reshape(1)]).tolist()  # the one host sync
-        loss_value, norm_value, aux_value = values[0], values[-1], values[1] if len(values) == 3 else None
+        stop, loss_value, norm_value = values[0] > 0, values[1], values[-1]
+        aux_value = values[2] if len(values) == 4 else None
         skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
         if not skipped:
             self.optimizer.step()
@@ -230,7 +238,7 @@ class Trainer:
             self.masters.release_grads()
         if self.scaler is not None:
             self.scaler.update(overflow=skipped)
-        return StepResult(loss_value, norm_value, skipped, aux_value)
+        return StepResult(loss_value, norm_value, skipped, aux_value, stop)
 
     def clip_gradients(self, unscale: float = 1.0) -> torch.Tensor:
         """Remove the loss scale, clip to the configured norm; returns the norm before clipping (a tensor)."""
@@ -258,36 +266,43 @@ class Trainer:
         )  # fmt: skip
         tokens_per_step = self.loader.tokens_per_step_global
         try:
-            for micro_batches in self._batches():
-                self.ctx.accelerator.reset_peak_memory_stats()
-                start = time.perf_counter()
-                lr = self.optimizer.param_groups[0]["lr"]
-                loss_scale = self.scaler.scale if self.scaler is not None else None
-                result = self.train_step(micro_batches)
-                step_time = time.perf_counter() - start
-                self.step += 1
-                self.tokens_seen += tokens_per_step
-                self._count_skip(result)
-                record = {
-                    "step": self.step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
-                    "tokens": self.tokens_seen, "tokens_per_s": tokens_per_step / step_time,
-                    "step_time_s": step_time, "skipped": result.skipped, "skipped_steps": self.skipped_steps,
-                    **({"loss_scale": loss_scale} if loss_scale is not None else {}),
-                    **({"moe_aux_loss": result.aux_loss} if result.aux_loss is not None else {}),
-                    **memory_record(self.ctx.accelerator),
-                }  # fmt: skip
-                for source in self.extra_metrics:
-                    record.update(source())
-                if self.metrics is not None:
-                    self.metrics.write(record)
-                progress.update(self.step, record)
-                self._stop_if_diverged(result)
-                if self._checkpoint_due():
-                    self.save_checkpoint()
+            with self._stop:
+                self._train_loop(progress, tokens_per_step)
         finally:
             progress.close()
         if settings.save_checkpoints and self._last_saved_step != self.step:
             self.save_checkpoint()
+
+    def _train_loop(self, progress: Progress, tokens_per_step: int) -> None:
+        for micro_batches in self._batches():
+            self.ctx.accelerator.reset_peak_memory_stats()
+            start = time.perf_counter()
+            lr = self.optimizer.param_groups[0]["lr"]
+            loss_scale = self.scaler.scale if self.scaler is not None else None
+            result = self.train_step(micro_batches)
+            step_time = time.perf_counter() - start
+            self.step += 1
+            self.tokens_seen += tokens_per_step
+            self._count_skip(result)
+            record = {
+                "step": self.step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
+                "tokens": self.tokens_seen, "tokens_per_s": tokens_per_step / step_time,
+                "step_time_s": step_time, "skipped": result.skipped, "skipped_steps": self.skipped_steps,
+                **({"loss_scale": loss_scale} if loss_scale is not None else {}),
+                **({"moe_aux_loss": result.aux_loss} if result.aux_loss is not None else {}),
+                **memory_record(self.ctx.accelerator),
+            }  # fmt: skip
+            for source in self.extra_metrics:
+                record.update(source())
+            if self.metrics is not None:
+                self.metrics.write(record)
+            progress.update(self.step, record)
+            self._stop_if_diverged(result)
+            if self._checkpoint_due():
+                self.save_checkpoint()
+            if result.stop:
+                self.stopped_by = self._stop.signal_name or "a signal on another rank"
+                return
 
     def _count_skip(self, result: StepResult) -> None:
         if not result.skipped:

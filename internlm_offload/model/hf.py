@@ -73,6 +73,44 @@ def _build_hf_model(path: str | None, hf_config: Any, trust_remote_code: bool, a
     )
 
 
+def _load_hf_config(path: str | None, config: dict | None, trust_remote_code: bool) -> Any:
+    """The transformers config of a local folder or a dict; ValueError in one line naming the bad input."""
+    from transformers import AutoConfig
+
+    if path is not None:
+        if not os.path.isdir(path):
+            raise ValueError(f"hf_path={path!r} is not a local directory (nothing is downloaded)")
+        try:
+            return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError) as exc:
+            hint = "" if trust_remote_code else "; if the folder ships its own modelling code set trust_remote_code=True"
+            raise ValueError(f"hf_path={path!r}: transformers cannot read its config ({_short(exc)}){hint}") from None
+    if "model_type" not in config:
+        raise ValueError(f"hf_config needs a 'model_type' key (e.g. 'llama'); got keys {sorted(config)}")
+    try:
+        return AutoConfig.for_model(**config)
+    except ValueError:
+        import transformers
+
+        raise ValueError(
+            f"hf_config.model_type={config['model_type']!r} is not a model type transformers "
+            f"{transformers.__version__} knows (e.g. 'llama', 'qwen2', 'mistral', 'gemma2', 'mixtral')"
+        ) from None
+
+
+def _check_pad_token(hf_config: Any) -> None:
+    """An embedding's padding_idx must be a row of it (Phi-3's pad id fails in a shrunk vocabulary)."""
+    pad, vocab = getattr(hf_config, "pad_token_id", None), getattr(hf_config, "vocab_size", None)
+    if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
+        raise ValueError(f"hf_config.pad_token_id={pad} is outside the vocabulary (vocab_size={vocab}); "
+                         "set pad_token_id below vocab_size, or None")  # fmt: skip
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) < 200 else text[:197] + "..."
+
+
 @MODELS.register_module(name="hf_causal_lm")
 class HFCausalLM(nn.Module):
     """Wraps `AutoModelForCausalLM`, built from a local checkpoint (`path`) or a config dict (`config`).
@@ -95,18 +133,12 @@ class HFCausalLM(nn.Module):
         if attn_impl != "auto" and attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={attn_impl!r} must be 'auto' or one of {sorted(ATTN_IMPLS)}")
         try:
-            from transformers import AutoConfig
+            import transformers  # noqa: F401
         except ImportError as e:
             raise ImportError('HFCausalLM needs transformers: pip install "internlm_offload[hf]"') from e
 
-        if path is not None:
-            if not os.path.isdir(path):
-                raise ValueError(f"path={path!r} is not a local directory (HFCausalLM never downloads)")
-            hf_config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-        else:
-            if "model_type" not in config:
-                raise ValueError(f"config={config!r} needs a 'model_type' key (e.g. 'llama')")
-            hf_config = AutoConfig.for_model(**config)
+        hf_config = _load_hf_config(path, config, trust_remote_code)
+        _check_pad_token(hf_config)
         hf_config.use_cache = False
         zeroed = _zero_dropout(hf_config)
         if zeroed:

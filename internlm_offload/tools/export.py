@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from internlm_offload.engine.checkpoint import TRAIN_STATE, CheckpointError, resolve_checkpoint_path
+from internlm_offload.engine.checkpoint import CheckpointError, read_train_state, resolve_checkpoint_path
 
 MODEL_PREFIX = "model."
 HF_PREFIX = "hf_model."
@@ -44,7 +44,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 def run_config(path: Path) -> dict:
     """The resolved config the checkpoint was written with."""
-    return torch.load(path / TRAIN_STATE, weights_only=True)["config"]
+    return read_train_state(path)["config"]
 
 
 def export_safetensors(weights: dict[str, torch.Tensor], out: Path, dtype: torch.dtype, source: Path) -> None:

@@ -137,3 +137,39 @@ def test_print_config_resolves_derived_values(tmp_path):
     assert resolved["data"]["micro_num"] == 4
     assert resolved["lr_scheduler"]["total_steps"] == 7
     assert resolved["model"]["num_kv_attention_heads"] == 2
+
+
+
+
+@pytest.mark.parametrize(
+    "body, fragments",
+    [
+        ('model = dict(_delete_=True, type="hf_causal_lm", hf_path="/no/such/model")',
+         ["model.hf_path='/no/such/model' is not a local directory"]),
+        ('model = dict(_delete_=True, type="hf_causal_lm", hf_config=dict(model_type="nosuchmodel"))',
+         ["model.hf_config.model_type='nosuchmodel' is not a model type transformers"]),
+        ('model = dict(_delete_=True, type="hf_causal_lm", hf_config=dict(model_type="phi3", vocab_size=259, '
+         'hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, pad_token_id=32000))',
+         ["model.hf_config.pad_token_id=32000 is outside the vocabulary (vocab_size=259)"]),
+    ],
+)  # fmt: skip
+def test_bad_hugging_face_model_is_one_line(tmp_path, body, fragments):
+    work_dir = tmp_path / "wd"
+    assert_clean_error(train(work_dir, config=write_config(tmp_path, body), check=False), *fragments)
+    assert not work_dir.exists()
+
+
+def test_work_dir_that_is_a_file_is_one_line(tmp_path):
+    work_file = tmp_path / "wd"
+    work_file.write_text("not a folder")
+    assert_clean_error(train(work_file, check=False), "--work-dir", "is a file")
+    assert work_file.read_text() == "not a folder"
+
+
+def test_resume_with_another_dtype_is_one_line_and_keeps_the_run(tmp_path):
+    work_dir = tmp_path / "wd"
+    train(work_dir, "data.total_steps=2")
+    before = (work_dir / "metrics.jsonl").read_text()
+    proc = train(work_dir, "data.total_steps=4", "model.dtype=torch.bfloat16", resume=True, check=False)
+    assert_clean_error(proc, "model.dtype=torch.float32", "this run has model.dtype=torch.bfloat16", "load_ckpt_info")
+    assert (work_dir / "metrics.jsonl").read_text() == before

@@ -177,3 +177,51 @@ def test_bf16_offload_optimizer_resume_with_other_settings_is_bitwise(tmp_path, 
     train(resumed, *common, other, config=config, resume=True)
     expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(full) if r["step"] > 4]
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(resumed)] == expected
+
+
+@pytest.mark.parametrize("signum, nproc", [(signal.SIGTERM, 1), (signal.SIGINT, 1), (signal.SIGTERM, 2)])
+def test_sigterm_or_ctrl_c_checkpoints_exits_0_and_resumes_bitwise(tmp_path, signum, nproc):
+    """Preemption: the signal finishes the step, writes a checkpoint, exits 0; --resume gives the full curve."""
+    options = ["data.total_steps=60", "ckpt.checkpoint_every=1000", "ckpt.keep_last=0", "monitor.progress_bar=off"]
+    if nproc > 1:
+        options.append("parallel.mode=ddp")
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    train(full, *options, nproc=nproc)
+    proc = _spawn_run(stopped, options, nproc)
+    deadline = time.monotonic() + 300
+    while not ((stopped / "metrics.jsonl").is_file() and len(metrics(stopped)) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
+        time.sleep(0.01)
+    # torchrun forwards SIGTERM to its workers; a terminal's Ctrl-C reaches the whole process group.
+    proc.send_signal(signum)
+    stderr = proc.communicate(timeout=300)[1]
+    if nproc == 1:
+        assert proc.returncode == 0, stderr[-3000:]
+        assert "Traceback" not in stderr and f"Stopped by {signal.Signals(signum).name}" in stderr
+    stopped_at = len(metrics(stopped))
+    assert 3 <= stopped_at < 60
+    assert (stopped / "checkpoints" / f"step_{stopped_at:08d}").is_dir()
+    train(stopped, *options, nproc=nproc, resume=True)
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(stopped)] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in metrics(full)
+    ]
+
+
+def _spawn_run(work_dir, options, nproc):
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]  # fmt: skip
+    cmd = [*launcher, str(REPO / "train.py"), "--config", str(TINY), "--work-dir", str(work_dir),
+           "--cfg-options", "data.seq_len=64", "data.micro_bsz=2", *options]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_second_ctrl_c_exits_at_once_without_a_traceback(tmp_path):
+    from internlm_offload.engine.interrupts import GracefulStop
+
+    with GracefulStop() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested and stop.signal_name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

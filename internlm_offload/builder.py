@@ -260,6 +260,7 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
         checkpoint_every=cfg.ckpt.checkpoint_every, save_checkpoints=cfg.ckpt.enable_save_ckpt,
         log_every=cfg.monitor.log_every, progress_bar=cfg.monitor.progress_bar,
         config=cfg.model_dump(), config_fingerprint=cfg.fingerprint(), max_skipped_steps=cfg.max_skipped_steps,
+        label_smoothing=cfg.loss.label_smoothing,
     )  # fmt: skip
     return Trainer(
         ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,

@@ -16,7 +16,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from internlm_offload.internevo import Translation, translate
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message is one line meant for the user."""
@@ -185,12 +187,6 @@ class CkptConfig(Section):
         None, description="Start from another run's checkpoint: `dict(path=..., content=(\"model\",), ckpt_type=\"internevo\")`."
     )
 
-    @model_validator(mode="after")
-    def _one_source(self) -> "CkptConfig":
-        if self.load_ckpt_info is not None and self.load_ckpt_folder is not None:
-            raise ValueError("ckpt.load_ckpt_folder and ckpt.load_ckpt_info exclude each other; keep one")
-        return self
-
 
 class MonitorConfig(Section):
     log_every: int = Field(1, ge=1, description="Log a line every N steps (metrics.jsonl gets every step).")
@@ -211,6 +207,12 @@ class HybridOptimizerConfig(Section):
     offload_fraction: float = Field(0.5, ge=0, le=1, description="Fraction of parameter elements stepped on the CPU.")
     overlap_cpu_optimizer_d2h_h2d: bool = Field(True, description="Overlap grad D2H / param H2D with the CPU step.")
     param_update_in_fp32: bool = Field(False, description="Keep fp32 master copies for the CPU-stepped params.")
+
+
+class LossConfig(Section):
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=1, description="Cross-entropy label smoothing (InternEvo's `loss.label_smoothing`)."
+    )
 
 
 class MixedPrecisionConfig(Section):
@@ -283,6 +285,7 @@ class RunConfig(Section):
     )
     hybrid_optimizer: HybridOptimizerConfig = Field(default_factory=HybridOptimizerConfig)
     mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
     grad_scaler: GradScalerConfig = Field(default_factory=GradScalerConfig)
     max_skipped_steps: int = Field(
         20,
@@ -291,6 +294,18 @@ class RunConfig(Section):
         "overflows included); after this many consecutive skipped steps the run stops with exit code 3 and no "
         "checkpoint of the bad state.",
     )
+
+    _migration: Translation | None = PrivateAttr(default=None)
+
+    def migration_notes(self) -> tuple[list[str], list[str]]:
+        """What the InternEvo key translation did to this config: (info lines, warnings) for the start-up log."""
+        t = self._migration
+        if t is None:
+            return [], []
+        notes = [f"InternEvo key: {line}" for line in t.mapped]
+        if t.ignored:
+            notes.append(f"InternEvo keys without effect here, ignored: {', '.join(t.ignored)}")
+        return notes, list(t.warnings)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
@@ -396,12 +411,22 @@ def _base_files(tree: ast.Module, path: Path) -> list[Path]:
 
 
 def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
-    """Validate a raw config dict, fill defaults and derive the world-size dependent values."""
+    """Validate a raw config dict, fill defaults and derive the world-size dependent values.
+
+    InternEvo keys are translated first (`internevo.py`); every problem of the config (settings that
+    cannot be honoured here, schema errors) comes in one report.
+    """
     raw = {k: v for k, v in raw.items() if not _is_constant(k)}
+    translation = translate(raw, world_size)
+    raw = translation.config
+    problems = list(translation.refused)
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, raw)) from None
+        problems += [_format_one_error(err, raw) for err in exc.errors()]
+    if problems:
+        raise ConfigError(_report(problems))
+    cfg._migration = translation
     _derive_batch(cfg, world_size)
     if cfg.lr_scheduler.total_steps is None:
         cfg.lr_scheduler.total_steps = cfg.data.total_steps
@@ -432,12 +457,11 @@ def _is_constant(key: str) -> bool:
     return key.isupper() and key != "JOB_NAME"
 
 
-def _format_validation_error(exc: ValidationError, raw: dict[str, Any]) -> str:
-    errors = exc.errors()
-    line = _format_one_error(errors[0], raw)
-    if len(errors) > 1:
-        line += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    return line
+def _report(problems: list[str]) -> str:
+    """One problem: one line. Several: a count, then one indented line each."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems in the config:\n" + "\n".join(f"  - {p}" for p in problems)
 
 
 def _format_one_error(err: dict[str, Any], raw: dict[str, Any]) -> str:

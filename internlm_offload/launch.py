@@ -81,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     ctx = init_runtime(get_accelerator(cfg.device))
     setup_logging(ctx.rank)
+    notes, warnings = cfg.migration_notes()
+    for line in notes:
+        logger.info(line)
+    for line in warnings:
+        logger.warning(line)
     work_dir = Path(args.work_dir or Path("work_dirs") / cfg.JOB_NAME)
     if work_dir.exists() and not work_dir.is_dir():
         raise ConfigError(f"--work-dir {work_dir} is a file; give a folder (it is created when missing)")

@@ -48,6 +48,7 @@ class TrainerSettings:
     config: dict[str, Any]  # the resolved config, stored in every checkpoint
     config_fingerprint: str
     max_skipped_steps: int = 20  # consecutive non-finite steps before the run stops
+    label_smoothing: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,10 @@ class Trainer:
         labels = labels.to(self.ctx.device, non_blocking=True)
         out = self.model(input_ids)
         logits, aux_loss = out if isinstance(out, tuple) else (out, None)  # logits: (B, T, V)
-        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+            label_smoothing=self.settings.label_smoothing,
+        )  # fmt: skip
         objective = loss_sum * token_weight
         if aux_loss is not None:
             aux_loss = aux_loss.float()

@@ -251,11 +251,6 @@ ERRORS = {
     ),
     "literal, parallel mode": ({"parallel": dict(mode="tp")}, 1, ["parallel.mode='tp'", "'none', 'ddp' or 'fsdp2'"]),
     "literal, device": ({"device": "tpu"}, 1, ["device='tpu'", "'auto', 'cpu', 'cuda' or 'npu'"]),
-    "two problems": (
-        {"model": dict(num_layers=0, hidden_size=0)},
-        1,
-        ["model.num_layers=0", "(and 1 more problem)"],
-    ),
     "offload layers without enable": (
         {"cpu_offloading": dict(num_layers=1)},
         1,
@@ -558,3 +553,12 @@ def test_import_in_a_base_is_rejected_up_front(tmp_path: Path) -> None:
     child = write(tmp_path / "child.py", '_base_ = ["./base.py"]\n')
     with pytest.raises(ConfigError, match=r"base\.py line 1: import statements are not allowed"):
         load_config_file(child)
+
+
+def test_every_problem_of_a_config_in_one_report() -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_config({"model": dict(num_layers=0, hidden_size=0), "parallel": dict(tensor=dict(size=2))})
+    lines = str(info.value).splitlines()
+    assert lines[0] == "3 problems in the config:"
+    assert any("parallel.tensor.size=2" in line for line in lines)
+    assert any("model.num_layers=0" in line for line in lines) and any("model.hidden_size=0" in line for line in lines)

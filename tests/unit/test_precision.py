@@ -126,7 +126,6 @@ def test_internevo_grad_scaler_section_resolves():
     [
         ({"grad_scaler": {"fp16": {"initial_scale": 0.5}}}, "fp16.min_scale <= fp16.initial_scale"),
         ({"grad_scaler": {"backoff_factor": 1.5}}, "grad_scaler.backoff_factor=1.5"),
-        ({"ckpt": {"load_ckpt_folder": "a", "load_ckpt_info": {"path": "b"}}}, "exclude each other"),
         ({"ckpt": {"load_ckpt_info": {"path": "b", "content": ("optimizer",)}}}, "content"),
         ({"ckpt": {"load_ckpt_info": {"path": "b", "ckpt_type": "hf"}}}, "ckpt_type='hf'"),
         ({"ckpt": {"load_ckpt_info": {"path": "b", "content": ("model", "all")}}}, 'use ("model",) or ("all",)'),

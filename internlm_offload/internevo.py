@@ -1,0 +1,249 @@
+"""InternEvo config keys → this trainer's schema, applied to the raw config before validation.
+
+Users bring InternEvo configs (`configs/7B_sft.py` and friends) as they are. Every InternEvo key has one
+of three fates here, listed in docs/migrating.md:
+- mapped: same semantics under this trainer's key (`model.layer_norm_epsilon` → `model.norm_eps`,
+  `parallel.weight.size` → FSDP2, `local:` paths, ...);
+- ignored: no effect on the run here (alerts, tensorboard, communication overlap flags, ...); listed
+  in one info line at start;
+- refused: honouring it would change the run (tensor or pipeline parallelism, boto3 storage, a beta2
+  schedule, ...); every refusal of a config is reported together, naming the key and what to change.
+Keys this trainer does not know at all are left alone: the schema refuses them as typos.
+
+`config.py` stays the schema; this module only rewrites the raw dict.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+MISSING = object()
+
+# model_type → this trainer's model (same architecture: RMSNorm, RoPE, GQA, SwiGLU, no biases).
+MODEL_TYPES = {"INTERNLM2_PUBLIC": "internlm2", "INTERNLM2": "internlm2", "INTERNLM3": "internlm2", "LLAMA2": "internlm2"}
+MOE_MODEL_TYPES = ("INTERNLM_MoE", "QWEN2MOE", "MIXTRALMOE", "QWEN3MOE")
+
+# Keys that change nothing here, by section ("" is the top level).
+IGNORED = {
+    "": {"cudnn_deterministic", "cudnn_benchmark", "generation", "use_fp32_norm"},
+    "model": {"embed_split_hidden", "parallel_output", "qk_interleaved", "enable_qkv_fusion", "use_flash_attn",
+              "max_position_embeddings"},
+    "data": {"empty_cache_and_diag_interval", "diag_outlier_ratio", "use_packed_dataset", "tokenizer_path"},
+    "ckpt": {"async_upload", "async_upload_tmp_folder", "oss_snapshot_freq", "stop_file_path"},
+    "hybrid_zero_optimizer": {"overlap_sync_grad", "overlap_sync_param", "reduce_bucket_size"},
+    "monitor": {"alert", "tensorboard"},
+    "loss": {"op_type"},
+}  # fmt: skip
+
+
+@dataclass
+class Translation:
+    """The rewritten config and what happened to the InternEvo keys."""
+
+    config: dict[str, Any]
+    ignored: list[str] = field(default_factory=list)
+    mapped: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def translate(raw: dict[str, Any], world_size: int = 1) -> Translation:
+    """Rewrite InternEvo keys of a raw config (not modified) onto this trainer's schema."""
+    t = Translation(copy.deepcopy(raw))
+    _ignore(t)
+    _model(t)
+    _data(t)
+    _optimizer(t)
+    _ckpt(t)
+    _parallel(t, world_size)
+    return t
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _pop(t: Translation, section: str, key: str) -> Any:
+    container = t.config if not section else t.config.get(section)
+    if not isinstance(container, dict) or key not in container:
+        return MISSING
+    return container.pop(key)
+
+
+def _set(t: Translation, section: str, key: str, value: Any) -> None:
+    t.config.setdefault(section, {})[key] = value
+
+
+def _ignore(t: Translation) -> None:
+    for section, keys in IGNORED.items():
+        for key in sorted(keys):
+            if _pop(t, section, key) is not MISSING:
+                t.ignored.append(f"{section}.{key}" if section else key)
+    if t.config.get("loss") == {}:
+        del t.config["loss"]
+
+
+def _refuse_unless(t: Translation, name: str, value: Any, allowed: Any, fix: str) -> None:
+    if value is not MISSING and value != allowed and not (isinstance(allowed, tuple) and value in allowed):
+        t.refused.append(f"{name}={value!r}: {fix}")
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def _model(t: Translation) -> None:
+    model_type = _pop(t, "", "model_type")
+    if model_type in MOE_MODEL_TYPES:
+        t.refused.append(
+            f"model_type={model_type!r}: no InternEvo MoE model here; train an HF MoE model "
+            "(model.type='hf_causal_lm', e.g. configs/hf_mixtral_tiny.py)"
+        )
+    elif model_type is not MISSING:
+        if model_type not in MODEL_TYPES:
+            t.refused.append(f"model_type={model_type!r}: supported here: {', '.join(MODEL_TYPES)}")
+        else:
+            _set(t, "model", "type", MODEL_TYPES[model_type])
+            t.mapped.append(f"model_type={model_type!r} -> model.type='internlm2'")
+    model = t.config.get("model", {})
+    if not isinstance(model, dict):
+        return
+    _refuse_unless(t, "model.num_chunks", _pop(t, "model", "num_chunks"), 1,
+                   "interleaved pipeline chunks need pipeline parallelism; set 1")  # fmt: skip
+    _refuse_unless(t, "model.norm_type", _pop(t, "model", "norm_type"), "rmsnorm", "only rmsnorm here")
+    _refuse_unless(t, "model.apply_post_layer_norm", _pop(t, "model", "apply_post_layer_norm"), False,
+                   "the decoder here is pre-norm; set False")  # fmt: skip
+    _refuse_unless(t, "model.no_bias", _pop(t, "model", "no_bias"), True,
+                   "the decoder here has no biases (InternLM v1's qkv bias is not built); set True")  # fmt: skip
+    _refuse_unless(t, "model.embed_grad_scale", _pop(t, "model", "embed_grad_scale"), (1, 1.0),
+                   "embedding gradient scaling is not implemented; set 1")  # fmt: skip
+    eps = _pop(t, "model", "layer_norm_epsilon")
+    if eps is not MISSING:
+        model["norm_eps"] = float(eps)
+        t.mapped.append("model.layer_norm_epsilon -> model.norm_eps")
+    dtype = model.get("dtype")
+    if dtype in ("torch.half", "torch.tf32"):
+        model["dtype"] = "torch.float16" if dtype == "torch.half" else "torch.float32"
+        t.mapped.append(f"model.dtype={dtype!r} -> {model['dtype']!r}")
+    for key in ("mlp_ratio", "rope_base"):
+        if isinstance(model.get(key), int) and not isinstance(model.get(key), bool):
+            model[key] = float(model[key])
+
+
+def _data(t: Translation) -> None:
+    data = t.config.get("data")
+    if not isinstance(data, dict):
+        return
+    if "train_folder" in data and data["train_folder"] is None:
+        del data["train_folder"]
+        data.setdefault("type", "builtin")
+        t.warnings.append("data.train_folder=None: training on the builtin corpus (InternEvo would use random tokens)")
+    for key, empty in (("rampup_batch_size", ("", None)), ("skip_batches", ("", None))):
+        _refuse_unless(t, f"data.{key}", _pop(t, "data", key), empty, "not supported here; remove it")
+    for key in ("valid_folder", "valid_every", "valid_micro_num", "pack_sample_into_one", "min_length"):
+        value = _pop(t, "data", key)
+        if value is MISSING:
+            continue
+        if key == "valid_folder" and value is not None:
+            t.refused.append(f"data.valid_folder={value!r}: InternEvo's tokenized data is not read here yet; "
+                             "remove it")  # fmt: skip
+        elif key == "pack_sample_into_one" and value is False:
+            t.warnings.append("data.pack_sample_into_one=False: samples are packed into one sequence here "
+                              "(attention may cross document boundaries)")  # fmt: skip
+        else:
+            t.ignored.append(f"data.{key}")
+    if "train_folder" in data:
+        t.refused.append(f"data.train_folder={data.pop('train_folder')!r}: InternEvo's tokenized .bin data is not "
+                         "read here yet; use data.type='text' with data.paths")  # fmt: skip
+
+
+def _optimizer(t: Translation) -> None:
+    beta2_c = _pop(t, "adam", "adam_beta2_c")
+    scheduler = _pop(t, "", "beta2_scheduler")
+    c = scheduler.get("c", 0) if isinstance(scheduler, dict) else (0 if scheduler is MISSING else scheduler)
+    for name, value in (("adam.adam_beta2_c", beta2_c), ("beta2_scheduler.c", c)):
+        _refuse_unless(t, name, value, (0, 0.0), "the beta2 schedule is not implemented; set 0 (constant beta2)")
+    if scheduler is not MISSING:
+        t.ignored.append("beta2_scheduler (c=0: constant beta2)")
+    _refuse_unless(t, "lr_scheduler.init_steps", _pop(t, "lr_scheduler", "init_steps"), 0,
+                   "a delayed schedule start is not implemented; set 0")  # fmt: skip
+    _refuse_unless(t, "lr_scheduler.last_epoch", _pop(t, "lr_scheduler", "last_epoch"), -1,
+                   "resume sets the schedule's position from the checkpoint; set -1")  # fmt: skip
+    sched, data = t.config.get("lr_scheduler", {}), t.config.get("data", {})
+    if isinstance(sched, dict) and isinstance(data, dict):
+        total, steps = sched.get("total_steps"), data.get("total_steps")
+        if total is not None and steps is not None and total != steps:
+            t.warnings.append(f"lr_scheduler.total_steps={total} != data.total_steps={steps}: the schedule "
+                              f"{'will not finish' if total > steps else 'ends early'} in this run")  # fmt: skip
+
+
+def _ckpt(t: Translation) -> None:
+    ckpt = t.config.get("ckpt")
+    if not isinstance(ckpt, dict):
+        return
+    for key in ("save_ckpt_folder", "load_ckpt_folder"):
+        ckpt[key] = _storage_path(t, f"ckpt.{key}", ckpt.get(key))
+    info = ckpt.get("load_ckpt_info")
+    if isinstance(info, dict):
+        info["path"] = _storage_path(t, "ckpt.load_ckpt_info.path", info.get("path"))
+    folder = ckpt.get("load_ckpt_folder")
+    if isinstance(folder, dict):  # InternEvo's older dict form of load_ckpt_info
+        ckpt["load_ckpt_info"] = ckpt.get("load_ckpt_info") or folder
+        folder = None
+    if ckpt.get("auto_resume") is True and (info or folder):
+        # InternEvo: with auto_resume the latest checkpoint of save_ckpt_folder wins and these are not loaded.
+        t.mapped.append("ckpt.auto_resume=True: ckpt.load_ckpt_info / load_ckpt_folder not loaded (InternEvo's rule)")
+        ckpt.pop("load_ckpt_info", None)
+        folder = None
+    elif ckpt.get("load_ckpt_info") and folder:
+        t.mapped.append("ckpt.load_ckpt_info given: the legacy ckpt.load_ckpt_folder is not loaded")
+        folder = None
+    ckpt["load_ckpt_folder"] = folder
+    for key in [k for k, v in ckpt.items() if v is None]:
+        del ckpt[key]
+
+
+def _storage_path(t: Translation, name: str, value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    if value.startswith("local:"):
+        return value.removeprefix("local:")
+    if ":" in value.split("/")[0]:
+        t.refused.append(f"{name}={value!r}: only local paths (optionally 'local:') are supported here")
+    return value
+
+
+def _parallel(t: Translation, world_size: int) -> None:
+    parallel = t.config.get("parallel")
+    if not isinstance(parallel, dict) or "mode" in parallel:
+        return
+    internevo_keys = {"zero1", "tensor", "pipeline", "weight", "sequence_2D", "expert", "expert_weight"}
+    if not internevo_keys & parallel.keys():
+        return
+    tensor, pipeline, weight = (_size(parallel.pop(key, None)) for key in ("tensor", "pipeline", "weight"))
+    zero1 = parallel.pop("zero1", None)
+    seq2d = parallel.pop("sequence_2D", None)
+    parallel.pop("expert", None), parallel.pop("expert_weight", None)
+    if tensor > 1:
+        t.refused.append(f"parallel.tensor.size={tensor}: no tensor parallelism here; set 1 (FSDP2 shards instead)")
+    if pipeline > 1:
+        t.refused.append(f"parallel.pipeline.size={pipeline}: no pipeline parallelism here; set 1")
+    if weight > world_size:
+        t.refused.append(f"parallel.weight.size={weight} is larger than the world size {world_size}; set at most "
+                         f"{world_size} (weight parallelism maps onto FSDP2 over all ranks)")  # fmt: skip
+    if isinstance(seq2d, dict) and seq2d.get("enable"):
+        t.refused.append("parallel.sequence_2D.enable=True: no sequence parallelism here; set False")
+    fsdp = isinstance(zero1, dict) and bool(zero1.get("fsdp"))
+    if weight > 1 or fsdp:
+        parallel["mode"] = "fsdp2"
+    elif world_size > 1:
+        parallel["mode"] = "ddp"  # ZeRO-1 sharding of the optimizer states is not done here: all ranks hold them
+    else:
+        parallel["mode"] = "none"
+    t.mapped.append(f"parallel (zero1/tensor/pipeline/weight) -> parallel.mode={parallel['mode']!r}")
+
+
+def _size(section: Any) -> int:
+    if isinstance(section, dict):
+        return int(section.get("size", 1))
+    return int(section) if isinstance(section, int) else 1

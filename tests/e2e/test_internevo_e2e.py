@@ -1,0 +1,24 @@
+"""An InternEvo config, shrunk in size only, trains here through train.py."""
+
+import pytest
+from runner import REPO, metrics, train
+
+pytestmark = pytest.mark.e2e
+
+SHRUNK = REPO / "tests" / "data" / "internevo_7b_sft_shrunk.py"
+
+
+def test_internevo_config_trains_three_steps_and_says_what_it_mapped(tmp_path):
+    proc = train(tmp_path, "data.seq_len=64", config=SHRUNK)
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+    assert "InternEvo key: model.layer_norm_epsilon -> model.norm_eps" in proc.stderr
+    assert "InternEvo keys without effect here, ignored:" in proc.stderr
+    assert "WARNING internlm_offload.launch: data.train_folder=None" in proc.stderr
+
+
+def test_label_smoothing_changes_the_loss(tmp_path):
+    plain, smoothed = tmp_path / "plain", tmp_path / "smoothed"
+    options = ["data.total_steps=1", "ckpt.enable_save_ckpt=False"]
+    train(plain, *options)
+    train(smoothed, *options, "loss.label_smoothing=0.1")
+    assert metrics(smoothed)[0]["loss"] > metrics(plain)[0]["loss"]

@@ -1,0 +1,91 @@
+"""InternEvo key translation: mapped, ignored and refused keys, one report for every problem."""
+
+from pathlib import Path
+
+import pytest
+
+from internlm_offload.config import ConfigError, load_config_file, resolve_config
+from internlm_offload.internevo import translate
+
+SHRUNK = Path(__file__).resolve().parents[1] / "data" / "internevo_7b_sft_shrunk.py"
+
+
+def test_internevo_config_resolves_with_its_meaning():
+    cfg = resolve_config(load_config_file(SHRUNK))
+    assert cfg.model.type == "internlm2" and cfg.model.norm_eps == 1e-5 and cfg.model.rope_base == 1e6
+    assert cfg.model.dtype == "torch.bfloat16" and cfg.mixed_precision.master_weights
+    assert cfg.ckpt.save_ckpt_folder == "llm_ckpts" and cfg.ckpt.auto_resume
+    assert cfg.ckpt.load_ckpt_info is None and cfg.ckpt.load_ckpt_folder is None  # auto_resume wins (InternEvo)
+    assert cfg.parallel.mode == "none" and cfg.data.type == "builtin"
+    notes, warnings = cfg.migration_notes()
+    assert any("monitor.alert" in line and "hybrid_zero_optimizer.overlap_sync_grad" in line for line in notes)
+    assert any("train_folder=None" in line for line in warnings)
+
+
+def test_shipped_isp_parallel_settings_are_all_named_in_one_report():
+    raw = load_config_file(SHRUNK)
+    raw["parallel"] = dict(zero1=dict(size=-1), tensor=dict(size=2, mode="isp"), pipeline=dict(size=1),
+                           weight=dict(size=4, overlap=True), sequence_2D=dict(enable=True))  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        resolve_config(raw, world_size=1)
+    report = str(info.value)
+    assert report.startswith("3 problems in the config:")
+    for part in ("parallel.tensor.size=2", "parallel.weight.size=4", "parallel.sequence_2D.enable=True"):
+        assert part in report
+
+
+@pytest.mark.parametrize(
+    "parallel, world_size, mode",
+    [(dict(zero1=dict(size=-1)), 2, "ddp"), (dict(weight=dict(size=2)), 2, "fsdp2"),
+     (dict(zero1=dict(size=-1, fsdp=True)), 4, "fsdp2"), (dict(zero1=dict(size=1)), 1, "none")],
+)  # fmt: skip
+def test_parallel_sections_map_onto_a_mode(parallel, world_size, mode):
+    assert translate({"parallel": parallel}, world_size).config["parallel"] == {"mode": mode}
+
+
+def test_local_prefixes_and_model_only_load_without_auto_resume():
+    raw = {"ckpt": dict(save_ckpt_folder="local:runs/a", load_ckpt_folder="local:old/",
+                        load_ckpt_info=dict(path="local:runs/pre", content=("model",)), auto_resume=False)}  # fmt: skip
+    ckpt = translate(raw).config["ckpt"]
+    assert ckpt == {"save_ckpt_folder": "runs/a", "auto_resume": False,
+                    "load_ckpt_info": {"path": "runs/pre", "content": ("model",)}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "raw, part",
+    [
+        ({"model_type": "QWEN2MOE"}, "no InternEvo MoE model here"),
+        ({"model_type": "GPT9"}, "model_type='GPT9'"),
+        ({"adam": dict(adam_beta2_c=0.5)}, "adam.adam_beta2_c=0.5"),
+        ({"model": dict(num_chunks=2)}, "model.num_chunks=2"),
+        ({"model": dict(norm_type="layernorm")}, "model.norm_type='layernorm'"),
+        ({"data": dict(rampup_batch_size="192 24 8")}, "data.rampup_batch_size"),
+        ({"ckpt": dict(save_ckpt_folder="boto3:s3://bucket/x")}, "only local paths"),
+        ({"parallel": dict(pipeline=dict(size=2))}, "parallel.pipeline.size=2"),
+    ],
+)
+def test_settings_that_would_change_the_run_are_refused(raw, part):
+    with pytest.raises(ConfigError) as info:
+        resolve_config(raw)
+    assert part in str(info.value)
+
+
+def test_typos_are_still_refused_with_a_hint_from_the_same_section():
+    with pytest.raises(ConfigError) as info:
+        resolve_config({"model": dict(norm_eps=1e-5, num_layer=3)})
+    assert "did you mean 'model.num_layers'" in str(info.value)
+
+
+def test_schedule_length_mismatch_warns():
+    cfg = resolve_config({"data": dict(total_steps=10), "lr_scheduler": dict(total_steps=50000)})
+    assert any("will not finish" in line for line in cfg.migration_notes()[1])
+
+
+def test_label_smoothing_reaches_the_schema():
+    assert resolve_config({"loss": dict(label_smoothing=0.1, op_type="flash_vocab_parallel")}).loss.label_smoothing == 0.1
+
+
+def test_load_ckpt_info_wins_over_the_legacy_folder_as_in_internevo():
+    cfg = resolve_config({"ckpt": {"load_ckpt_folder": "a", "load_ckpt_info": {"path": "b"}}})
+    assert cfg.ckpt.load_ckpt_folder is None and cfg.ckpt.load_ckpt_info.path == "b"
+    assert any("legacy ckpt.load_ckpt_folder is not loaded" in line for line in cfg.migration_notes()[0])

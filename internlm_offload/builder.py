@@ -56,11 +56,11 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
             tie_word_embeddings=cfg.tie_word_embeddings, init_std=cfg.init_std, attn_impl=cfg.attn_impl,
         )  # fmt: skip
     with torch.device(device):
-        if cfg.type != "hf_causal_lm":
-            return build(MODELS, cfg.type, "model.type", **kwargs)
         try:
             return build(MODELS, cfg.type, "model.type", **kwargs)
         except ValueError as exc:  # the HF wrapper names its argument (model.<name>) and the fix
+            if cfg.type != "hf_causal_lm":
+                raise
             message = " ".join(str(exc).split())
             if message.startswith(("hf_path", "hf_config", "attn_impl")):
                 message = f"model.{message}"  # the wrapper's messages start with its argument: a model.* key

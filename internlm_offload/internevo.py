@@ -80,8 +80,6 @@ def _ignore(t: Translation) -> None:
         for key in sorted(keys):
             if _pop(t, section, key) is not MISSING:
                 t.ignored.append(f"{section}.{key}" if section else key)
-    if t.config.get("loss") == {}:
-        del t.config["loss"]
 
 
 def _refuse_unless(t: Translation, name: str, value: Any, allowed: Any, fix: str) -> None:

@@ -121,19 +121,19 @@ def run(args: argparse.Namespace) -> int:
 def find_resume_checkpoint(cfg: RunConfig, work_dir: Path, *, resume: bool) -> Path | None:
     """A resume of this run (--resume / auto_resume: the latest in the checkpoint folder) wins, then
     `ckpt.load_ckpt_folder` or `ckpt.load_ckpt_info` with `content=("all",)`."""
-    if resume:
-        latest = _latest_own_checkpoint(cfg, work_dir)
-        if latest is not None:
-            return latest
+    from internlm_offload.builder import checkpoint_folder
+
+    own = checkpoint_folder(cfg, work_dir)
+    latest = latest_checkpoint(own) if resume else None
+    if latest is not None:
+        return latest
     info = cfg.ckpt.load_ckpt_info
     if info is not None and info.content == ["all"]:
         return resolve_checkpoint_path(Path(info.path))
     if cfg.ckpt.load_ckpt_folder:
         return resolve_checkpoint_path(Path(cfg.ckpt.load_ckpt_folder))
     if resume:
-        from internlm_offload.builder import checkpoint_folder
-
-        logger.warning("--resume: no checkpoint in %s, starting from scratch", checkpoint_folder(cfg, work_dir))
+        logger.warning("--resume: no checkpoint in %s, starting from scratch", own)
     return None
 
 
@@ -157,11 +157,6 @@ def find_weights_checkpoint(cfg: RunConfig) -> Path | None:
         return None
     return resolve_checkpoint_path(Path(info.path))
 
-
-def _latest_own_checkpoint(cfg: RunConfig, work_dir: Path) -> Path | None:
-    from internlm_offload.builder import checkpoint_folder
-
-    return latest_checkpoint(checkpoint_folder(cfg, work_dir))
 
 
 def refuse_to_clobber(folder: Path) -> None:

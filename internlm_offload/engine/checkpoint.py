@@ -129,14 +129,9 @@ class CheckpointManager:
     def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load model, optimizer and RNG states in place; return the train state."""
         path = resolve_checkpoint_path(Path(path))
-        manifest = read_manifest(path)
         model_state, optim_state = get_state_dict(model, optimizer)
-        check_signature(path, manifest["model"], model_signature(model_state))
         state = {"model": model_state, "optim": optim_state}
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-            raise CheckpointError(f"checkpoint {path} cannot be read: {_first_cause(exc)}") from exc
+        manifest = read_into(path, state)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self._load_rng(path, saved_world_size=manifest["world_size"])
         train_state = read_train_state(path)
@@ -146,14 +141,8 @@ class CheckpointManager:
     def load_model(self, path: Path, *, model: nn.Module) -> Path:
         """Load only the weights of a checkpoint (any world size and parallel mode: DCP reshards them)."""
         path = resolve_checkpoint_path(Path(path))
-        manifest = read_manifest(path)
-        model_state = get_model_state_dict(model)
-        check_signature(path, manifest["model"], model_signature(model_state))
-        state = {"model": model_state}
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-            raise CheckpointError(f"checkpoint {path} cannot be read: {_first_cause(exc)}") from exc
+        state = {"model": get_model_state_dict(model)}
+        manifest = read_into(path, state)
         set_model_state_dict(model, state["model"])
         logger.info("Loaded the weights of %s (step %d); starting a new run at step 1", path, manifest["step"])
         return path
@@ -200,6 +189,18 @@ def resolve_checkpoint_path(path: Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
     raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST}) and holds none")
+
+
+def read_into(path: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """Refuse a checkpoint of another model, then fill `state` (its "model" entry and any others) from it
+    in place, resharded by DCP; returns the manifest."""
+    manifest = read_manifest(path)
+    check_signature(path, manifest["model"], model_signature(state["model"]))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint {path} cannot be read: {_first_cause(exc)}") from exc
+    return manifest
 
 
 def read_train_state(path: Path) -> dict[str, Any]:

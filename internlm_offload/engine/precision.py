@@ -111,8 +111,8 @@ class MasterWeights:
             host_names = set(named)
         # fp32 copy with the same names; tied weights stay tied; built before any hook is attached. For host
         # masters deepcopy's memo hands it the host copies, so they never exist twice on the device.
-        memo = {id(named[name]): _host_parameter(named[name], host_empty) for name in host_names}
-        self.module = copy.deepcopy(model, memo)
+        hosted = {id(named[name]): _host_parameter(named[name], host_empty) for name in host_names}
+        self.module = copy.deepcopy(model, dict(hosted))
         model.to(compute_dtype)
         named_model = dict(model.named_parameters())
         self._pairs = [(named_model[name], master) for name, master in self.module.named_parameters()]
@@ -120,8 +120,8 @@ class MasterWeights:
         self._numel = sum(m.numel() for _, m in self._trainable)
         self._flat_grads: torch.Tensor | None = None
         self._grad_views: list[torch.Tensor] = []
-        hosted = {id(memo[id(named[name])]) for name in host_names}
-        self._on_host = [id(master) in hosted for _, master in self._pairs]
+        host_ids = {id(master) for master in hosted.values()}
+        self._on_host = [id(master) in host_ids for _, master in self._pairs]
         for (param, master), on_host in zip(self._pairs, self._on_host):
             if on_host:
                 master.model_param = param  # the offload optimizer rounds its update into it
@@ -130,10 +130,6 @@ class MasterWeights:
     def on_host(self) -> bool:
         """Whether every master lives in host memory."""
         return all(self._on_host)
-
-    @property
-    def masters(self) -> list[torch.Tensor]:
-        return [m for _, m in self._pairs]
 
     @torch.no_grad()
     def accumulate_grads(self) -> None:
@@ -204,10 +200,6 @@ class MasterWeights:
                 master.main_grad = None
         self._flat_grads = None
         self._grad_views = []
-
-    def grad_sync_in_backward(self) -> bool:
-        """DDP must not all-reduce the low-precision grads: the fp32 master grads are reduced instead."""
-        return False
 
 
 def _host_parameter(param: nn.Parameter, host_empty: Callable) -> nn.Parameter:

@@ -58,6 +58,7 @@ class StepResult:
     skipped: bool  # non-finite loss or grad norm: the update was not applied
     aux_loss: float | None = None  # MoE router load-balancing loss (weighted), mean over micro-batches
     stop: bool = False  # some rank received SIGTERM/SIGINT: checkpoint after this step and return
+    loss_scale: float | None = None  # fp16: the loss scale this step used
 
 
 class Trainer:
@@ -207,7 +208,8 @@ class Trainer:
         # token mean. The aux loss (a per-micro-batch mean) is averaged over micro-batches. fp16 multiplies
         # both by the loss scale, removed again before clipping.
         token_weight, aux_weight = loss_scale / tokens_per_rank, loss_scale / len(micro_batches)
-        sync_in_backward = self.masters is None or self.masters.grad_sync_in_backward()
+        # With explicit masters DDP must not all-reduce the low-precision grads: the fp32 buffer is reduced instead.
+        sync_in_backward = self.masters is None
         loss_sum = torch.zeros((), device=self.ctx.device, dtype=torch.float32)
         aux_sum = None
         for i, (input_ids, labels) in enumerate(micro_batches):
@@ -242,7 +244,8 @@ class Trainer:
             self.masters.release_grads()
         if self.scaler is not None:
             self.scaler.update(overflow=skipped)
-        return StepResult(loss_value, norm_value, skipped, aux_value, stop)
+        used_scale = loss_scale if self.scaler is not None else None
+        return StepResult(loss_value, norm_value, skipped, aux_value, stop, used_scale)
 
     def clip_gradients(self, unscale: float = 1.0) -> torch.Tensor:
         """Remove the loss scale, clip to the configured norm; returns the norm before clipping (a tensor)."""
@@ -282,7 +285,6 @@ class Trainer:
             self.ctx.accelerator.reset_peak_memory_stats()
             start = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
-            loss_scale = self.scaler.scale if self.scaler is not None else None
             result = self.train_step(micro_batches)
             step_time = time.perf_counter() - start
             self.step += 1
@@ -292,7 +294,7 @@ class Trainer:
                 "step": self.step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
                 "tokens": self.tokens_seen, "tokens_per_s": tokens_per_step / step_time,
                 "step_time_s": step_time, "skipped": result.skipped, "skipped_steps": self.skipped_steps,
-                **({"loss_scale": loss_scale} if loss_scale is not None else {}),
+                **({"loss_scale": result.loss_scale} if result.loss_scale is not None else {}),
                 **({"moe_aux_loss": result.aux_loss} if result.aux_loss is not None else {}),
                 **memory_record(self.ctx.accelerator),
             }  # fmt: skip

@@ -14,6 +14,8 @@ import torch.nn as nn
 
 from internlm_offload.config import ConfigError, CpuOffloadingConfig, ModelConfig, RunConfig
 from internlm_offload.data import StepLoader, StepSampler, Tokenizer, build_tokenizer
+from internlm_offload.data.validation import find_validation_sets
+from internlm_offload.engine.evaluation import Evaluator
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.checkpoint import CheckpointManager
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
@@ -195,33 +197,61 @@ def check_vocab(model_vocab: int, tokenizer_vocab: int, tokenizer_name: str) -> 
         )
 
 
-def build_loader(cfg: RunConfig, ctx: RunContext, tokenizer: Tokenizer) -> StepLoader:
+def build_loader(cfg: RunConfig, ctx: RunContext, tokenizer: Tokenizer | None) -> StepLoader:
     data = cfg.data
-    kwargs: dict[str, Any] = {"seq_len": data.seq_len, "tokenizer": tokenizer}
+    kwargs: dict[str, Any] = {"seq_len": data.seq_len}
+    samples_per_micro_batch = data.micro_bsz
+    if data.type == "internevo":
+        kwargs.update(
+            micro_bsz=data.micro_bsz, train_folder=data.train_folder,
+            pack_sample_into_one=data.pack_sample_into_one, min_length=data.min_length,
+        )  # fmt: skip
+        samples_per_micro_batch = 1  # a sample is one pack: the whole micro-batch
+    else:
+        kwargs["tokenizer"] = tokenizer
     if data.type == "text":
         kwargs["paths"] = data.paths
     dataset = build(DATASETS, data.type, "data.type", **kwargs)
     sampler = StepSampler(
-        len(dataset), micro_bsz=data.micro_bsz, micro_num=data.micro_num, rank=ctx.rank,
+        len(dataset), micro_bsz=samples_per_micro_batch, micro_num=data.micro_num, rank=ctx.rank,
         world_size=ctx.world_size, seed=data.seed, shuffle=data.shuffle,
     )  # fmt: skip
     return StepLoader(dataset, sampler)
+
+
+def build_evaluator(cfg: RunConfig, ctx: RunContext) -> Evaluator | None:
+    data = cfg.data
+    if data.valid_folder is None:
+        return None
+    sets = find_validation_sets(data.valid_folder, seq_len=data.seq_len, min_length=data.min_length)
+    evaluator = Evaluator(
+        sets, rank=ctx.rank, world_size=ctx.world_size, micro_bsz=data.micro_bsz,
+        valid_micro_num=data.valid_micro_num, device=ctx.device, distributed=ctx.distributed,
+    )  # fmt: skip
+    for name in evaluator.empty_sets:
+        logger.warning("validation set %r has fewer documents than data-parallel ranks; skipped", name)
+    return evaluator
 
 
 def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
     """Build every component of the run described by `cfg`; writes nothing to disk."""
     set_determinism(cfg.seed, cfg.deterministic, ctx.accelerator)
     # 0. data first: a bad path or tokenizer fails before any model memory is allocated
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
-    if cfg.model.type == "internlm2":
+    pretokenized = cfg.data.type == "internevo"
+    tokenizer = None if pretokenized else build_tokenizer(cfg.data.tokenizer)
+    if cfg.model.type == "internlm2" and tokenizer is not None:
         check_vocab(cfg.model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
     loader = build_loader(cfg, ctx, tokenizer)
+    evaluator = build_evaluator(cfg, ctx)
     # 1. model, built in fp32 (on meta when FSDP2 materializes shards later); the precision policy keeps
     # fp32 masters apart or casts it whole
     policy = PrecisionPolicy.from_config(cfg.model.dtype, cfg.mixed_precision.master_weights)
     meta = builds_on_meta(cfg, policy)
     model = build_model(cfg.model, torch.device("meta") if meta else ctx.device)
-    check_vocab(model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
+    if tokenizer is not None:
+        check_vocab(model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
+    else:  # tokenized data: its ids are checked against the model's vocabulary as packs are built
+        loader.dataset.vocab_size = model.vocab_size
     # The swap optimizer swaps the masters with its states, the hybrid one steps its CPU share on the host:
     # those masters then live in (pinned) host memory only.
     host_names = host_master_names(cfg, model)
@@ -260,14 +290,15 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
         checkpoint_every=cfg.ckpt.checkpoint_every, save_checkpoints=cfg.ckpt.enable_save_ckpt,
         log_every=cfg.monitor.log_every, progress_bar=cfg.monitor.progress_bar,
         config=cfg.model_dump(), config_fingerprint=cfg.fingerprint(), max_skipped_steps=cfg.max_skipped_steps,
-        label_smoothing=cfg.loss.label_smoothing,
+        label_smoothing=cfg.loss.label_smoothing, valid_every=cfg.data.valid_every,
+        skip_batches=tuple(cfg.data.skip_ranges()),
     )  # fmt: skip
     return Trainer(
         ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
         checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
         metrics=MetricsLog(work_dir / "metrics.jsonl") if ctx.is_main else None, settings=settings,
         extra_metrics=extra_metric_sources(offloader, selective_stats, optimizer), masters=masters,
-        scaler=build_loss_scaler(cfg) if policy.loss_scaling else None,
+        scaler=build_loss_scaler(cfg) if policy.loss_scaling else None, evaluator=evaluator,
     )  # fmt: skip
 
 

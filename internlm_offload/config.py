@@ -91,7 +91,11 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    type: str = Field("builtin", description="Registered dataset: `builtin` (text shipped with Python) or `text`.")
+    type: str = Field(
+        "builtin",
+        description="Registered dataset: `builtin` (text shipped with Python), `text` (`paths`), or `internevo` "
+        "(InternEvo's tokenized `.bin`/`.bin.meta` folders; `builtin` becomes `internevo` when `train_folder` is set).",
+    )
     paths: list[str] = Field([], description="`text` only: `.txt`/`.jsonl` files or folders of them.")
     tokenizer: str = Field("byte", description="`byte` (259 tokens) or a local Hugging Face tokenizer folder.")
     seq_len: int = Field(128, ge=2, description="Tokens per sample.")
@@ -106,11 +110,82 @@ class DataConfig(Section):
     total_steps: int = Field(100, ge=1, description="Optimizer steps to train.")
     shuffle: bool = Field(True, description="Shuffle samples each epoch (seeded).")
     seed: Optional[int] = Field(None, description="Sampler seed; default: the top-level `seed`.")
+    train_folder: Optional[str] = Field(
+        None,
+        description="`internevo`: folder searched recursively for InternEvo-tokenized `.bin` files (JSON lines "
+        '`{"tokens": [...]}`) with their `.bin.meta` indexes. Token ids <= 0 carry no loss, as in InternEvo.',
+    )
+    pack_sample_into_one: Optional[bool] = Field(
+        None,
+        description="`internevo`: `False` (default, InternEvo's) packs `seq_len * micro_bsz` tokens per micro-batch "
+        "as one row with documents kept apart (attention never crosses a document, positions restart); `True` cuts "
+        "the document stream into `micro_bsz` rows of `seq_len`. `builtin`/`text` always pack into one.",
+    )
+    min_length: int = Field(0, ge=0, description="`internevo`: drop documents shorter than this many tokens.")
+    skip_batches: str = Field(
+        "",
+        description='Batches to draw and discard, by 0-based index in the data stream: "3-5,8" (InternEvo\'s '
+        "format, ranges inclusive and ascending). The run still makes `total_steps` optimizer steps.",
+    )
+    valid_folder: Optional[str] = Field(
+        None,
+        description="InternEvo-tokenized validation data: each folder below it holding `.bin` files is one set, "
+        "named after the folder. Documents are cut to `seq_len`, split over the ranks, not packed.",
+    )
+    valid_every: int = Field(0, ge=0, description="Validate after every N-th step (needs `valid_folder`); 0: never.")
+    valid_micro_num: int = Field(
+        1,
+        ge=1,
+        description="Validation batch: `valid_micro_num * micro_bsz` documents per rank; the tail of a set that "
+        "does not fill a batch on every rank is skipped (InternEvo's rule).",
+    )
 
     @field_validator("paths", mode="before")
     @classmethod
     def _tuple_paths(cls, value: Any) -> Any:
         return list(value) if isinstance(value, tuple) else value
+
+    @field_validator("skip_batches", mode="before")
+    @classmethod
+    def _int_skip_batches(cls, value: Any) -> Any:
+        # `--cfg-options data.skip_batches=8` arrives as an int
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _derive(self) -> "DataConfig":
+        if self.train_folder is not None and self.type == "builtin":  # builtin = "no data given"
+            self.type = "internevo"
+        if self.type == "internevo":
+            if self.train_folder is None:
+                raise ValueError("data.type='internevo' needs data.train_folder (a folder of .bin/.bin.meta files)")
+            if self.pack_sample_into_one is None:
+                self.pack_sample_into_one = False
+        else:
+            if self.train_folder is not None:
+                raise ValueError(f"data.train_folder is read by data.type='internevo', not {self.type!r}")
+            if self.pack_sample_into_one is False:
+                raise ValueError(
+                    f"data.pack_sample_into_one=False (documents kept apart) needs data.type='internevo'; "
+                    f"{self.type!r} packs documents into one stream"
+                )
+            self.pack_sample_into_one = True
+        if self.valid_every and self.valid_folder is None:
+            raise ValueError(f"data.valid_every={self.valid_every} needs data.valid_folder")
+        self.skip_ranges()  # validates the string
+        return self
+
+    def skip_ranges(self) -> list[tuple[int, int]]:
+        """`skip_batches` as ascending inclusive (first, last) ranges."""
+        ranges: list[tuple[int, int]] = []
+        for part in filter(None, (p.strip() for p in self.skip_batches.split(","))):
+            first, _, last = part.partition("-")
+            if not (first.isdigit() and (last.isdigit() or not last)):
+                raise ValueError(f"data.skip_batches={self.skip_batches!r}: {part!r} is not N or N-M (e.g. \"3-5,8\")")
+            lo, hi = int(first), int(last or first)
+            if hi < lo or (ranges and lo <= ranges[-1][1]):
+                raise ValueError(f"data.skip_batches={self.skip_batches!r}: ranges must be ascending and not overlap")
+            ranges.append((lo, hi))
+        return ranges
 
 
 class AdamConfig(Section):

@@ -24,6 +24,7 @@ MISSING = object()
 # model_type → this trainer's model (same architecture: RMSNorm, RoPE, GQA, SwiGLU, no biases).
 MODEL_TYPES = {"INTERNLM2_PUBLIC": "internlm2", "INTERNLM2": "internlm2", "INTERNLM3": "internlm2", "LLAMA2": "internlm2"}
 MOE_MODEL_TYPES = ("INTERNLM_MoE", "QWEN2MOE", "MIXTRALMOE", "QWEN3MOE")
+MOE_MODEL_KEYS = {"num_experts", "top_k", "num_shared_experts", "first_k_dense_replace"}
 
 # Keys that change nothing here, by section ("" is the top level).
 IGNORED = {
@@ -82,6 +83,16 @@ def _ignore(t: Translation) -> None:
                 t.ignored.append(f"{section}.{key}" if section else key)
 
 
+def _drop_moe_keys(config: dict[str, Any]) -> None:
+    config.pop("moe", None)
+    for section, is_moe in (("model", lambda k: k.startswith("moe_") or k in MOE_MODEL_KEYS),
+                            ("loss", lambda k: k.startswith("moe_"))):  # fmt: skip
+        part = config.get(section)
+        if isinstance(part, dict):
+            for key in [k for k in part if is_moe(k)]:
+                del part[key]
+
+
 def _refuse_unless(t: Translation, name: str, value: Any, allowed: Any, fix: str) -> None:
     if value is not MISSING and value != allowed and not (isinstance(allowed, tuple) and value in allowed):
         t.refused.append(f"{name}={value!r}: {fix}")
@@ -97,6 +108,7 @@ def _model(t: Translation) -> None:
             f"model_type={model_type!r}: no InternEvo MoE model here; train an HF MoE model "
             "(model.type='hf_causal_lm', e.g. configs/hf_mixtral_tiny.py)"
         )
+        _drop_moe_keys(t.config)  # part of the refused feature: one line in the report, not one per key
     elif model_type is not MISSING:
         if model_type not in MODEL_TYPES:
             t.refused.append(f"model_type={model_type!r}: supported here: {', '.join(MODEL_TYPES)}")
@@ -136,23 +148,17 @@ def _data(t: Translation) -> None:
         del data["train_folder"]
         data.setdefault("type", "builtin")
         t.warnings.append("data.train_folder=None: training on the builtin corpus (InternEvo would use random tokens)")
-    for key, empty in (("rampup_batch_size", ("", None)), ("skip_batches", ("", None))):
-        _refuse_unless(t, f"data.{key}", _pop(t, "data", key), empty, "not supported here; remove it")
-    for key in ("valid_folder", "valid_every", "valid_micro_num", "pack_sample_into_one", "min_length"):
-        value = _pop(t, "data", key)
-        if value is MISSING:
-            continue
-        if key == "valid_folder" and value is not None:
-            t.refused.append(f"data.valid_folder={value!r}: InternEvo's tokenized data is not read here yet; "
-                             "remove it")  # fmt: skip
-        elif key == "pack_sample_into_one" and value is False:
-            t.warnings.append("data.pack_sample_into_one=False: samples are packed into one sequence here "
-                              "(attention may cross document boundaries)")  # fmt: skip
-        else:
-            t.ignored.append(f"data.{key}")
-    if "train_folder" in data:
-        t.refused.append(f"data.train_folder={data.pop('train_folder')!r}: InternEvo's tokenized .bin data is not "
-                         "read here yet; use data.type='text' with data.paths")  # fmt: skip
+        if data.get("pack_sample_into_one") is False:
+            del data["pack_sample_into_one"]
+            t.warnings.append("data.pack_sample_into_one=False: the builtin corpus is packed into one stream")
+    _refuse_unless(t, "data.rampup_batch_size", _pop(t, "data", "rampup_batch_size"), ("", None),
+                   "batch-size ramp-up is not supported here; remove it")  # fmt: skip
+    if data.get("skip_batches") is None:
+        data.pop("skip_batches", None)
+    if "valid_folder" in data and data["valid_folder"] is None:
+        del data["valid_folder"]
+        if data.pop("valid_every", 0):
+            t.warnings.append("data.valid_folder=None: no validation (InternEvo would validate on random tokens)")
 
 
 def _optimizer(t: Translation) -> None:
@@ -181,9 +187,21 @@ def _ckpt(t: Translation) -> None:
         return
     for key in ("save_ckpt_folder", "load_ckpt_folder"):
         ckpt[key] = _storage_path(t, f"ckpt.{key}", ckpt.get(key))
+    universal = ckpt.pop("universal_ckpt", None)
+    if universal is not None:
+        t.ignored.append("ckpt.universal_ckpt (DCP checkpoints here load at any world size)")
+    _refuse_unless(t, "ckpt.enable_internevo2hf_ckpt", ckpt.pop("enable_internevo2hf_ckpt", MISSING), False,
+                   "export with `python -m internlm_offload.tools.export CKPT OUT --hf` (hf_causal_lm runs)")  # fmt: skip
     info = ckpt.get("load_ckpt_info")
+    if isinstance(info, dict) and info.get("path") is None:
+        del ckpt["load_ckpt_info"]  # nothing to load (InternEvo's own "train from scratch" form)
+        info = None
     if isinstance(info, dict):
         info["path"] = _storage_path(t, "ckpt.load_ckpt_info.path", info.get("path"))
+        if info.get("ckpt_type") == "hf":
+            t.refused.append(f"ckpt.load_ckpt_info.ckpt_type='hf': start from Hugging Face weights with "
+                             f"model.type='hf_causal_lm' and model.hf_path={info['path']!r}")  # fmt: skip
+            info["ckpt_type"] = "internevo"
     folder = ckpt.get("load_ckpt_folder")
     if isinstance(folder, dict):  # InternEvo's older dict form of load_ckpt_info
         ckpt["load_ckpt_info"] = ckpt.get("load_ckpt_info") or folder

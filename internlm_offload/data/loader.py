@@ -1,18 +1,29 @@
-"""Turn a step's sample indices into stacked tensors; in-process, since the data already lives in memory."""
+"""Turn a step's sample indices into stacked tensors, in-process (samples are in memory or mmapped)."""
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from internlm_offload.data.packed import PackedDataset
 from internlm_offload.data.sampler import StepSampler
+
+MicroBatch = tuple[Tensor, ...]  # (input_ids, labels) or (input_ids, labels, position_ids), each (rows, T)
+
+
+class Dataset(Protocol):
+    """What the loader needs: samples of (input_ids, labels[, position_ids]), each (T,) or (rows, T)."""
+
+    tokens_per_sample: int
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> MicroBatch: ...
 
 
 class StepLoader:
-    """Yield one training step at a time: micro_num (input_ids, labels) pairs of shape (micro_bsz, seq_len)."""
+    """Yield one training step at a time: micro_num micro-batches, the sampler's micro_bsz samples each."""
 
-    def __init__(self, dataset: PackedDataset, sampler: StepSampler) -> None:
+    def __init__(self, dataset: Dataset, sampler: StepSampler) -> None:
         if sampler.num_samples != len(dataset):
             raise ValueError(f"sampler covers {sampler.num_samples} samples but the dataset has {len(dataset)}")
         self.dataset = dataset
@@ -21,16 +32,21 @@ class StepLoader:
     @property
     def tokens_per_step_global(self) -> int:
         """Tokens trained on by all ranks together in one step."""
-        return self.sampler.global_batch_size * self.dataset.seq_len
+        return self.sampler.global_batch_size * self.dataset.tokens_per_sample
 
-    def next_step(self) -> list[tuple[Tensor, Tensor]]:
+    @property
+    def batches_drawn(self) -> int:
+        """Steps' worth of batches taken from the stream so far (the index of the next one)."""
+        return self.sampler.consumed_samples // self.sampler.global_batch_size
+
+    def next_step(self) -> list[MicroBatch]:
         """Return this rank's micro-batches for the next step."""
         return [self._collate(indices) for indices in self.sampler.next_step()]
 
-    def _collate(self, indices: list[int]) -> tuple[Tensor, Tensor]:
-        """Stack the samples at `indices` into (input_ids, labels)."""
+    def _collate(self, indices: list[int]) -> MicroBatch:
+        """Stack the samples at `indices` row-wise, field by field."""
         samples = [self.dataset[i] for i in indices]
-        return torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+        return tuple(torch.cat([field.view(-1, field.shape[-1]) for field in fields]) for fields in zip(*samples))
 
     def state_dict(self) -> dict[str, int]:
         """Return the sampler's position."""

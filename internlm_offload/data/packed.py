@@ -25,6 +25,10 @@ class PackedDataset:
                 f"but the documents give only {self.tokens.numel()} tokens"
             )
 
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.seq_len
+
     def __len__(self) -> int:
         """Return the number of samples (the incomplete tail is dropped)."""
         return self._num_samples

@@ -20,7 +20,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from internlm_offload.data import StepLoader
+from internlm_offload.data.loader import MicroBatch
+from internlm_offload.data.tokenized import IGNORE_INDEX
 from internlm_offload.engine.checkpoint import CheckpointManager
+from internlm_offload.engine.evaluation import Evaluator
 from internlm_offload.engine.interrupts import GracefulStop
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog, Progress, memory_record
@@ -49,6 +52,8 @@ class TrainerSettings:
     config_fingerprint: str
     max_skipped_steps: int = 20  # consecutive non-finite steps before the run stops
     label_smoothing: float = 0.0
+    valid_every: int = 0  # validate after every N-th step; 0: never
+    skip_batches: tuple[tuple[int, int], ...] = ()  # inclusive ranges of data-stream batch indices to discard
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class Trainer:
     extra_metrics: list[Callable[[], dict[str, float]]]  # figures of the memory features, if any
     masters: MasterWeights | None  # explicit fp32 masters (low precision outside FSDP2)
     scaler: DynamicLossScaler | None  # fp16 loss scaling
+    evaluator: Evaluator | None  # validation sets, if any
     # training state (checkpointed)
     step: int
     tokens_seen: int
@@ -94,6 +100,7 @@ class Trainer:
         extra_metrics: list[Callable[[], dict[str, float]]] | None = None,
         masters: MasterWeights | None = None,
         scaler: DynamicLossScaler | None = None,
+        evaluator: Evaluator | None = None,
     ) -> None:
         self.ctx = ctx
         self.model = model
@@ -106,6 +113,7 @@ class Trainer:
         self.extra_metrics = extra_metrics or []
         self.masters = masters
         self.scaler = scaler
+        self.evaluator = evaluator
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0
@@ -179,15 +187,16 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def forward_backward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, token_weight: float, aux_weight: float
+        self, micro_batch: MicroBatch, token_weight: float, aux_weight: float
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Loss sum (and MoE aux loss) of one micro-batch; backpropagates their weighted sum.
 
-        A model returns logits, or `(logits, aux_loss)` with its auxiliary loss already coefficient-weighted.
+        A micro-batch is (input_ids, labels) or, with packed documents kept apart, (input_ids, labels,
+        position_ids). A model returns logits, or `(logits, aux_loss)` with its auxiliary loss already
+        coefficient-weighted. Labels of -100 carry no loss.
         """
-        input_ids = input_ids.to(self.ctx.device, non_blocking=True)
-        labels = labels.to(self.ctx.device, non_blocking=True)
-        out = self.model(input_ids)
+        input_ids, labels, *positions = (t.to(self.ctx.device, non_blocking=True) for t in micro_batch)
+        out = self.model(input_ids, *positions)
         logits, aux_loss = out if isinstance(out, tuple) else (out, None)  # logits: (B, T, V)
         loss_sum = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
@@ -200,21 +209,22 @@ class Trainer:
         objective.backward()
         return loss_sum.detach(), None if aux_loss is None else aux_loss.detach()
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
         """One optimizer step over this rank's micro-batches; skipped when the loss or grad norm is not finite."""
-        tokens_per_rank = sum(labels.numel() for _, labels in micro_batches)
+        # Labels are still on the host: counting them costs no device sync.
+        tokens_per_rank = max(1, sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches))
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0
-        # Each rank weighs by its own token count; the gradient reduction then averages over ranks: a global
-        # token mean. The aux loss (a per-micro-batch mean) is averaged over micro-batches. fp16 multiplies
+        # Each rank weighs by its own count of labelled tokens; the gradient reduction then averages over
+        # ranks: a global token mean when ranks hold equally many labelled tokens (always, without -100 labels). The aux loss (a per-micro-batch mean) is averaged over micro-batches. fp16 multiplies
         # both by the loss scale, removed again before clipping.
         token_weight, aux_weight = loss_scale / tokens_per_rank, loss_scale / len(micro_batches)
         # With explicit masters DDP must not all-reduce the low-precision grads: the fp32 buffer is reduced instead.
         sync_in_backward = self.masters is None
         loss_sum = torch.zeros((), device=self.ctx.device, dtype=torch.float32)
         aux_sum = None
-        for i, (input_ids, labels) in enumerate(micro_batches):
+        for i, micro_batch in enumerate(micro_batches):
             with gradient_sync(self.model, enabled=sync_in_backward and i == len(micro_batches) - 1):
-                micro_loss, micro_aux = self.forward_backward(input_ids, labels, token_weight, aux_weight)
+                micro_loss, micro_aux = self.forward_backward(micro_batch, token_weight, aux_weight)
             loss_sum += micro_loss
             if micro_aux is not None:
                 aux_sum = micro_aux if aux_sum is None else aux_sum + micro_aux
@@ -300,6 +310,8 @@ class Trainer:
             }  # fmt: skip
             for source in self.extra_metrics:
                 record.update(source())
+            if self._validation_due():
+                record.update(self.validate())
             if self.metrics is not None:
                 self.metrics.write(record)
             progress.update(self.step, record)
@@ -333,9 +345,26 @@ class Trainer:
             "Lower adam.lr, or raise max_skipped_steps"
         )
 
-    def _batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _batches(self) -> Iterator[list[MicroBatch]]:
         while self.step < self.settings.total_steps:
-            yield self.loader.next_step()
+            index = self.loader.batches_drawn
+            batch = self.loader.next_step()
+            if any(first <= index <= last for first, last in self.settings.skip_batches):
+                if self.ctx.is_main:
+                    logger.info("data.skip_batches: batch %d discarded", index)
+                continue
+            yield batch
+
+    def validate(self) -> dict[str, float]:
+        """Loss and perplexity on the validation sets (every rank takes part), logged on the main rank."""
+        result = self.evaluator.evaluate(self.model)
+        if self.ctx.is_main:
+            logger.info("step %d: %s", self.step, ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
+        return result
+
+    def _validation_due(self) -> bool:
+        every = self.settings.valid_every
+        return self.evaluator is not None and every > 0 and self.step % every == 0
 
     def _checkpoint_due(self) -> bool:
         every = self.settings.checkpoint_every

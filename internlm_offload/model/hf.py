@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from internlm_offload.log import get_logger
+from internlm_offload.model.internlm2 import document_mask
 from internlm_offload.registry import MODELS
 
 logger = get_logger(__name__)
@@ -182,9 +183,20 @@ class HFCausalLM(nn.Module):
         """The decoder layers (checkpointing and offload wrap these)."""
         return self.hf_model.get_submodule(self._layers_path)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits (B, T, V) for input_ids (B, T); with an MoE model also its weighted router aux loss."""
-        out = self.hf_model(input_ids=input_ids, use_cache=False)
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits (B, T, V) for input_ids (B, T); with an MoE model also its weighted router aux loss.
+
+        `position_ids` (B, T) restarting at 0 keeps packed documents apart: flash_attention_2 reads the
+        boundaries from the positions itself, sdpa and eager get a 4-D additive block-causal mask.
+        """
+        kwargs: dict[str, torch.Tensor] = {}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+            if "flash" not in self.attn_impl:
+                kwargs["attention_mask"] = _document_mask(position_ids, self.hf_model.dtype)
+        out = self.hf_model(input_ids=input_ids, use_cache=False, **kwargs)
         if self.aux_loss_coef is None:
             return out.logits
         return out.logits, out.aux_loss * self.aux_loss_coef
@@ -195,3 +207,9 @@ class HFCausalLM(nn.Module):
             return
         _clear_hf_init_flags(self.hf_model)
         self.hf_model.init_weights()
+
+
+def _document_mask(position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, T, T) additive mask: 0 where a token may attend (same document, not later), dtype-min elsewhere."""
+    allowed = document_mask(position_ids)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from internlm_offload.offload.activation import mark_not_offload
 from internlm_offload.registry import MODELS
 
 ATTN_IMPLS = ("sdpa", "flash", "auto")
@@ -23,6 +24,51 @@ def _flash_attn_func() -> Callable | None:
     return flash_attn_func
 
 
+@functools.cache
+def _flash_attn_varlen_func() -> Callable | None:
+    """Return `flash_attn.flash_attn_varlen_func` (packed documents), or None."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:
+        return None
+    return flash_attn_varlen_func
+
+
+class Documents:
+    """Where the documents of packed rows begin, from `position_ids` (B, T) that restart at 0 per document.
+
+    Each attention path derives what it needs once per forward: SDPA a mask, flash-attn varlen the
+    document starts.
+    """
+
+    def __init__(self, position_ids: torch.Tensor) -> None:
+        self.position_ids = position_ids
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """(B, 1, T, T), True where a token may attend: same document, not later."""
+        mask = document_mask(self.position_ids)
+        mark_not_offload(mask)  # every block saves the same mask: keep one copy on the device
+        return mask
+
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 offsets of every document of the flattened batch, then the total token count."""
+        starts = (self.position_ids == 0).flatten()
+        starts[:: self.position_ids.shape[-1]] = True  # every row begins a sequence
+        # nonzero synchronizes with the host, once per forward
+        total = starts.new_tensor([starts.numel()], dtype=torch.long)
+        return torch.cat([starts.nonzero().flatten(), total]).to(torch.int32)
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) block-causal mask of packed rows: True where a token may attend."""
+    doc = (position_ids == 0).cumsum(-1)  # (B, T): document number within the row
+    T = position_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
 def _rope_inv_freq(head_dim: int, base: float, device: torch.device | None = None) -> torch.Tensor:
     """Inverse frequencies 1 / base^(2i/d) for i in [0, d/2), in float32."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
@@ -36,8 +82,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, T, H, D) by the per-position angles cos, sin (T, D)."""
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D) broadcasts over batch and heads
+    """Rotate x (B, T, H, D) by the per-position angles cos, sin: (T, D), or (B, T, D) for per-row positions."""
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B or 1, T, 1, D) broadcasts over heads
     return x * cos + rotate_half(x) * sin
 
 
@@ -82,19 +130,29 @@ class Attention(nn.Module):
         on_gpu_half = x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16)
         return on_gpu_half and _flash_attn_func() is not None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: Documents | None = None
+    ) -> torch.Tensor:
         B, T, C = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KVH, D)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KVH, D)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self._use_flash(x):
+        if self._use_flash(x) and documents is not None:
+            # varlen over the flattened batch; T bounds every document's length (no host sync for the max)
+            cu = documents.cu_seqlens
+            flat = (t.flatten(0, 1) for t in (q, k, v))  # (B*T, H or KVH, D)
+            out = _flash_attn_varlen_func()(*flat, cu, cu, T, T, causal=True).view(B, T, self.n_heads, self.head_dim)
+        elif self._use_flash(x):
             # flash-attn takes (B, T, H, D) and handles fewer kv heads itself
             out = _flash_attn_func()(q, k, v, causal=True)  # (B, T, H, D)
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H or KVH, T, D)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, D)
+            if documents is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, D)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask, enable_gqa=True)
             out = out.transpose(1, 2)  # (B, T, H, D)
         return self.wo(out.reshape(B, T, C))  # (B, T, C)
 
@@ -136,8 +194,10 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(hidden_size, norm_eps)
         self.feed_forward = FeedForward(hidden_size, intermediate_size)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: Documents | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -245,22 +305,35 @@ class InternLM2(nn.Module):
         if not self.tie_word_embeddings:
             nn.init.normal_(self.output.weight, mean=0.0, std=self.init_std)
 
-    def rope_cos_sin(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each (T, head_dim), for positions 0..T-1: computed in float32, cast to `dtype`."""
+    def rope_cos_sin(
+        self, seq_len: int, dtype: torch.dtype, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for positions 0..T-1, each (T, head_dim), or for `position_ids` (B, T), each (B, T, head_dim).
+
+        Computed in float32, cast to `dtype`.
+        """
         inv_freq = self.inv_freq
         if inv_freq.dtype != torch.float32:  # model.to(bf16) casts buffers; bf16 frequencies skew long-T angles
             inv_freq = _rope_inv_freq(self.head_dim, self.rope_base, inv_freq.device)
-        positions = torch.arange(seq_len, dtype=torch.float32, device=inv_freq.device)
-        freqs = torch.outer(positions, inv_freq)  # (T, D/2)
-        angles = torch.cat((freqs, freqs), dim=-1)  # (T, D): rotate-half pairs dim i with i + D/2
+        if position_ids is None:
+            positions = torch.arange(seq_len, dtype=torch.float32, device=inv_freq.device)
+        else:
+            positions = position_ids.to(inv_freq.device, torch.float32)
+        freqs = positions[..., None] * inv_freq  # (..., T, D/2)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (..., T, D): rotate-half pairs dim i with i + D/2
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, V) for input_ids (B, T), in the model's dtype."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) for input_ids (B, T), in the model's dtype.
+
+        `position_ids` (B, T) packs several documents per row: positions restart at 0 where a document
+        begins, and attention never crosses into another document.
+        """
         h = self.tok_embeddings(input_ids)  # (B, T, C)
-        rope = self.rope_cos_sin(input_ids.shape[1], h.dtype)
+        rope = self.rope_cos_sin(input_ids.shape[1], h.dtype, position_ids)
+        documents = None if position_ids is None else Documents(position_ids)
         for layer in self.layers:
-            h = layer(h, rope)
+            h = layer(h, rope, documents)
         return self.output(self.norm(h))  # (B, T, V)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

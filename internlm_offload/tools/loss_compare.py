@@ -61,6 +61,8 @@ def _parse_jsonl(path: Path, lines: list[str], metric: str) -> list[tuple[int, i
         step = obj.get("step")
         if isinstance(step, bool) or not isinstance(step, int):
             raise LossCompareError(f"{path}:{lineno}: 'step' missing or not an int: {step!r}")
+        if metric not in obj and metric != "loss":
+            continue  # sparse metrics (valid_loss) exist only at the steps that measured them
         if metric not in obj:
             raise LossCompareError(f"{path}:{lineno}: record for step {step} has no key {metric!r}")
         records.append((lineno, step, _to_float(obj[metric], f"{path}: step {step}", metric)))

@@ -6,6 +6,9 @@ from runner import REPO, metrics, train
 pytestmark = pytest.mark.e2e
 
 SHRUNK = REPO / "tests" / "data" / "internevo_7b_sft_shrunk.py"
+# The key sets of InternEvo's other shipped dense configs, shrunk in size only.
+SHIPPED = ["internevo_7b_internlm2_shrunk.py", "internevo_8b_internlm3_shrunk.py", "internevo_7b_llama2_shrunk.py",
+           "internevo_7b_isp_sft_shrunk.py"]  # fmt: skip
 
 
 def test_internevo_config_trains_three_steps_and_says_what_it_mapped(tmp_path):
@@ -22,3 +25,10 @@ def test_label_smoothing_changes_the_loss(tmp_path):
     train(plain, *options)
     train(smoothed, *options, "loss.label_smoothing=0.1")
     assert metrics(smoothed)[0]["loss"] > metrics(plain)[0]["loss"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_each_shipped_internevo_config_trains_three_steps(tmp_path, name):
+    train(tmp_path, "data.seq_len=64", "data.total_steps=3", config=REPO / "tests" / "data" / name)
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3] and all(r["loss"] == r["loss"] for r in records)

@@ -89,3 +89,59 @@ def test_load_ckpt_info_wins_over_the_legacy_folder_as_in_internevo():
     cfg = resolve_config({"ckpt": {"load_ckpt_folder": "a", "load_ckpt_info": {"path": "b"}}})
     assert cfg.ckpt.load_ckpt_folder is None and cfg.ckpt.load_ckpt_info.path == "b"
     assert any("legacy ckpt.load_ckpt_folder is not loaded" in line for line in cfg.migration_notes()[0])
+
+
+def test_tokenized_folders_select_internevo_data_with_its_defaults():
+    raw = load_config_file(SHRUNK)
+    raw["data"].update(train_folder="/data/train", valid_folder="/data/valid", skip_batches="3-5,8")
+    cfg = resolve_config(raw)
+    data = cfg.data
+    assert data.type == "internevo" and data.pack_sample_into_one is False  # InternEvo's default
+    assert data.valid_folder == "/data/valid" and data.valid_every == raw["data"]["valid_every"]
+    assert data.skip_ranges() == [(3, 5), (8, 8)]
+
+
+def test_no_validation_folder_turns_valid_every_off_with_a_warning():
+    raw = load_config_file(SHRUNK)
+    raw["data"].update(valid_folder=None, valid_every=50)
+    cfg = resolve_config(raw)
+    assert cfg.data.valid_every == 0
+    assert any("valid_folder=None: no validation" in line for line in cfg.migration_notes()[1])
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (dict(skip_batches="5-3"), "data.skip_batches='5-3': ranges must be ascending"),
+        (dict(skip_batches="1,x"), "data.skip_batches='1,x': 'x' is not N or N-M"),
+        (dict(valid_every=2), "data.valid_every=2 needs data.valid_folder"),
+        (dict(type="text", paths=["a.txt"], train_folder="/d"), "data.train_folder is read by data.type='internevo'"),
+        (dict(pack_sample_into_one=False), "data.pack_sample_into_one=False (documents kept apart) needs"),
+        (dict(type="internevo"), "data.type='internevo' needs data.train_folder"),
+    ],
+)
+def test_bad_data_settings_are_one_line_each(data, message):
+    with pytest.raises(ConfigError) as info:
+        resolve_config({"data": data})
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_internevo_moe_config_is_refused_in_one_line_naming_the_alternative():
+    raw = load_config_file(SHRUNK)
+    raw["model_type"] = "INTERNLM_MoE"
+    raw["model"].update(num_experts=4, moe_use_residual=False, moe_type="GShard")
+    raw["moe"] = dict(top_k=2, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4, noisy_gate_policy=None,
+                      drop_tokens=True, use_rts=True, use_fused_gating=False)  # fmt: skip
+    raw["loss"]["moe_loss_coeff"] = 0.1
+    with pytest.raises(ConfigError) as info:
+        resolve_config(raw)
+    report = str(info.value)
+    assert "\n" not in report and "model_type='INTERNLM_MoE'" in report and "hf_causal_lm" in report
+
+
+def test_hf_weights_through_load_ckpt_info_are_refused_with_the_hf_route():
+    raw = load_config_file(SHRUNK)
+    raw["ckpt"].update(auto_resume=False, load_ckpt_info=dict(path="local:/w/internlm3", content=("model",),
+                                                            ckpt_type="hf"))  # fmt: skip
+    with pytest.raises(ConfigError, match="model.type='hf_causal_lm' and model.hf_path='/w/internlm3'"):
+        resolve_config(raw)

@@ -31,7 +31,7 @@ def test_lookup_returns_registered_object(registry: Registry, name: str, expecte
 
 UNKNOWN = [
     (MODELS, "model.type", "llama", "model types: hf_causal_lm, internlm2"),
-    (DATASETS, "data.type", "parquet", "dataset types: builtin, text"),
+    (DATASETS, "data.type", "parquet", "dataset types: builtin, internevo, text"),
     (OPTIMIZERS, "optimizer.type", "sgd", "optimizer types: adamw, hybrid_adamw, swap_adamw"),
     (PARALLEL, "parallel.mode", "tp", "parallel types: ddp, fsdp2, none"),
 ]

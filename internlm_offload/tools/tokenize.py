@@ -1,0 +1,61 @@
+"""Tokenize .txt/.jsonl documents into InternEvo's `.bin` + `.bin.meta` format (what `data.train_folder` reads).
+
+    python -m internlm_offload.tools.tokenize INPUT [INPUT ...] OUT_DIR [--tokenizer byte|HF_DIR] [--no-eos]
+
+INPUT files and folders are read as `data.paths` reads them (a .txt file is one document, a .jsonl line
+with a "text" field is one). Each input file becomes `OUT_DIR/<name>.bin` with its `.bin.meta`; every
+document gets the tokenizer's eos appended unless `--no-eos`. Exit codes: 0 written, 2 bad input.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from internlm_offload.data.corpus import DataError, read_documents
+from internlm_offload.data.tokenized import write_bin_file
+from internlm_offload.data.tokenizer import build_tokenizer
+
+
+def tokenize_files(inputs: list[str], out_dir: Path, tokenizer_name: str, add_eos: bool) -> list[Path]:
+    """Write one .bin/.bin.meta pair per input file; returns the .bin paths."""
+    tokenizer = build_tokenizer(tokenizer_name)
+    files = [f for path in inputs for f in _files(Path(path))]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for file in files:
+        eos = [tokenizer.eos_id] if add_eos else []
+        documents = [tokenizer.encode(text) + eos for text in read_documents([str(file)])]
+        target = out_dir / f"{file.stem}.bin"
+        write_bin_file(target, documents)
+        written.append(target)
+    return written
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.suffix in (".txt", ".jsonl"))
+    return [path]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("inputs", nargs="+", help=".txt/.jsonl files or folders of them")
+    parser.add_argument("out_dir", type=Path, help="folder for the .bin/.bin.meta files")
+    parser.add_argument("--tokenizer", default="byte", help="'byte' or a local Hugging Face tokenizer folder")
+    parser.add_argument("--no-eos", action="store_true", help="do not append eos to each document")
+    args = parser.parse_args(argv)
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        print(f"error: OUT_DIR {args.out_dir} is a file", file=sys.stderr)
+        return 2
+    try:
+        written = tokenize_files(args.inputs, args.out_dir, args.tokenizer, add_eos=not args.no_eos)
+    except DataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

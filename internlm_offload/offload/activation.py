@@ -53,25 +53,41 @@ def no_offload() -> contextlib.AbstractContextManager:
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
+@dataclass
+class _PendingReload:
+    """The H2D copy that may still read a group's host buffers; None once the compute stream waited on it."""
+
+    event: Event | None = None
+
+
 class HostPool:
-    """Reusable host buffers keyed by byte size (pinned where the device supports it)."""
+    """Reusable host buffers keyed by byte size (pinned where the device supports it).
+
+    A buffer may come back while a copy still reads it (a prefetched group that backward never used):
+    it then carries that copy's event, and the compute stream waits on it before the buffer is handed
+    out again, so the next offload's copy (ordered after the compute stream) cannot overwrite it early.
+    """
 
     def __init__(self, accelerator: Accelerator, pin_memory: bool) -> None:
         self.accelerator = accelerator
         self.pin_memory = pin_memory
-        self.free: dict[int, list[torch.Tensor]] = {}
+        self.free: dict[int, list[tuple[torch.Tensor, Event | None]]] = {}
         self.allocated_bytes = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
         bucket = self.free.get(nbytes)
         if bucket:
-            return bucket.pop()
+            buffer, reader = bucket.pop()
+            if reader is not None:
+                reader.wait()
+            return buffer
         self.allocated_bytes += nbytes
         return self.accelerator.host_empty((nbytes,), torch.uint8, pinned=self.pin_memory)
 
-    def give_back(self, buffers: list[torch.Tensor]) -> None:
+    def give_back(self, buffers: list[torch.Tensor], pending: _PendingReload | None = None) -> None:
+        reader = pending.event if pending is not None else None
         for buf in buffers:
-            self.free.setdefault(buf.numel(), []).append(buf)
+            self.free.setdefault(buf.numel(), []).append((buf, reader))
 
     def clear(self) -> None:
         self.free.clear()
@@ -100,6 +116,8 @@ class _Group:
     param_ptrs: set[int] | None = None
     d2h_done: Event | None = None
     h2d_done: Event | None = None
+    # Shared with the finalizer that returns the host buffers (which must not hold the group itself).
+    pending: _PendingReload = field(default_factory=_PendingReload)
     packed: int = 0
     unpacked: int = 0
     nbytes: int = 0
@@ -226,7 +244,10 @@ class ActivationOffloader:
             nbytes = t.numel() * t.element_size()
             if not offloaded or not self._should_offload(t, nbytes, module, index):
                 self._stats.add_resident(nbytes)
-                return _Resident(t, nbytes)
+                # Detached: a saved *output* of a node would otherwise hold its own grad_fn, a cycle through
+                # C++ that the garbage collector cannot break, leaking the whole graph (and every offloaded
+                # host buffer) whenever backward does not run through all of it (autograd.grad on a subset).
+                return _Resident(t.detach(), nbytes)
             return self._offload(t, index)
 
         return pack
@@ -267,7 +288,7 @@ class ActivationOffloader:
             self._stats.add_host_copy(source.numel())
             self._copy_out(slot)
             # The host copy lives as long as the group, i.e. as long as autograd's graph needs it.
-            weakref.finalize(group, self.pool.give_back, [slot.host])
+            weakref.finalize(group, self.pool.give_back, [slot.host], group.pending)
         group.packed += 1
         self._stats.offloaded_bytes += t.numel() * t.element_size()
         return _Saved(group, key, t.dtype, t.size(), t.stride(), t.storage_offset(), t.requires_grad)
@@ -337,12 +358,17 @@ class ActivationOffloader:
         self.h2d.wait_stream(self.accelerator.current_stream())
         for slot in group.slots.values():
             self.h2d.submit(self._timed_copy, slot.reloaded, slot.host, "h2d_s")
+            # Backward may never consume a prefetch: the allocator must not reuse the destination while the
+            # copy still writes it, even if the compute stream never waits on this group.
+            self.accelerator.record_stream(slot.reloaded, self.h2d)
         group.h2d_done = self.h2d.record_event()
+        group.pending.event = group.h2d_done
 
     def _ensure_reloaded(self, group: _Group) -> None:
         self._start_reload(group)
         if group.h2d_done is not None:
             self._timed_wait(group.h2d_done)
+            group.pending.event = None  # consumed: later users are ordered after the compute stream
 
     def _timed_wait(self, event: Event) -> None:
         start = time.perf_counter()

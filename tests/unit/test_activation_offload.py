@@ -303,3 +303,61 @@ def test_peak_resident_matches_the_plan(mode, prefetch, expected_groups):
     # nothing left in the offloader between steps
     assert handle._stats.in_flight_bytes == 0 and handle._stats.live_resident_bytes == 0
     assert handle._forward is None and not handle._hook_stack
+
+
+def _unconsumed_prefetch(handle, model: InternLM2) -> None:
+    """Backward over layer 2's parameters only: it prefetches group 1 and never reads it."""
+    tokens = batches(1)[0]
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    torch.autograd.grad(loss, list(model.layers[2].parameters()))
+
+
+def test_every_reload_destination_is_recorded_on_the_copy_stream(monkeypatch):
+    model = tiny_model()
+    handle = offload_layers(model.layers, 3, mode="async", accelerator=Accelerator("cpu"))
+    recorded = []
+    monkeypatch.setattr(Accelerator, "record_stream", lambda self, t, s: recorded.append((t.data_ptr(), s)))
+    _unconsumed_prefetch(handle, model)
+    assert recorded and all(s is handle.h2d for _, s in recorded)
+    assert handle.stats()["offloaded_bytes"] > 0
+
+
+def test_a_partial_backward_frees_the_graph_and_returns_every_host_buffer():
+    """autograd.grad over one block's parameters leaves the rest of the graph unexecuted; it must still die."""
+    import gc
+
+    model = tiny_model()
+    handle = offload_layers(model.layers, 3, mode="async", accelerator=Accelerator("cpu"))
+    _unconsumed_prefetch(handle, model)
+    gc.collect()
+    pooled = sum(buf.numel() for bucket in handle.pool.free.values() for buf, _ in bucket)
+    assert handle.pool.allocated_bytes > 0 and pooled == handle.pool.allocated_bytes
+
+
+def test_a_host_buffer_is_not_reused_while_an_unconsumed_prefetch_reads_it():
+    model = tiny_model()
+    handle = delayed_handle(model, 0.05)
+    in_flight: set[int] = set()
+    submit, copy, take = handle.h2d.submit, handle._timed_copy, handle.pool.take
+
+    def tracked_submit(fn, dst, src, counter):
+        in_flight.add(src.data_ptr())
+        submit(fn, dst, src, counter)
+
+    def tracked_copy(dst, src, counter):
+        copy(dst, src, counter)
+        in_flight.discard(src.data_ptr())
+
+    handed_out_busy = []
+
+    def checked_take(nbytes):
+        buffer = take(nbytes)
+        handed_out_busy.append(buffer.data_ptr() in in_flight)
+        return buffer
+
+    handle.h2d.submit, handle._timed_copy, handle.pool.take = tracked_submit, tracked_copy, checked_take
+    _unconsumed_prefetch(handle, model)
+    assert in_flight, "the scenario must leave a prefetch in flight"
+    handed_out_busy.clear()
+    step(model)  # the next forward takes the returned buffers from the pool
+    assert len(handed_out_busy) > 10 and not any(handed_out_busy)

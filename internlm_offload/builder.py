@@ -26,7 +26,7 @@ from internlm_offload.engine.runtime import RunContext, set_determinism
 from internlm_offload.engine.trainer import Trainer, TrainerSettings
 from internlm_offload.log import get_logger
 from internlm_offload.offload import LayerMode, LayerPlan, apply_activation_checkpointing, make_layer_plan
-from internlm_offload.offload.activation import ActivationOffloader, offload_layers
+from internlm_offload.offload.activation import ActivationOffloader, copy_mode, offload_layers
 from internlm_offload.offload.selective_offload import SelectiveOffloadStats, apply_selective_offload
 from internlm_offload.optim import build_lr_scheduler, param_groups
 from internlm_offload.optim.hybrid import offload_mask
@@ -122,25 +122,26 @@ def apply_layer_plan(
     apply_activation_checkpointing(layers, plan.layers_with(LayerMode.CHECKPOINT), selective=False)
     apply_activation_checkpointing(layers, plan.layers_with(LayerMode.SELECTIVE), selective=True)
     selective_offloaded = plan.layers_with(LayerMode.SELECTIVE_OFFLOAD)
+    mode = copy_mode(cfg.mode, accelerator.name)
     selective_stats = None
     if selective_offloaded:
-        selective_stats = apply_selective_offload(layers, selective_offloaded, accelerator=accelerator, mode=cfg.mode)
-    return apply_activation_offload(layers, plan, cfg, accelerator), selective_stats
+        selective_stats = apply_selective_offload(layers, selective_offloaded, accelerator=accelerator, mode=mode)
+    return apply_activation_offload(layers, plan, cfg, mode, accelerator), selective_stats
 
 
 def apply_activation_offload(
-    layers: nn.ModuleList, plan: LayerPlan, cfg: CpuOffloadingConfig, accelerator: Accelerator
+    layers: nn.ModuleList, plan: LayerPlan, cfg: CpuOffloadingConfig, mode: str, accelerator: Accelerator
 ) -> ActivationOffloader | None:
     num_offload = len(plan.layers_with(LayerMode.OFFLOAD))
     if not cfg.enable or num_offload == 0:
         return None  # exactly no change to the model
-    if cfg.mode == "sync":
+    if mode == "sync":
         logger.warning(
             "cpu_offloading.mode='sync': copies run on the compute stream; each offloaded block pays its full "
             "D2H (forward) and H2D (backward) transfer time (ms-swift measured ~2.5x slower steps on NPU)"
         )
     return offload_layers(
-        layers, num_offload, mode=cfg.mode, min_offload_bytes=cfg.min_offload_bytes,
+        layers, num_offload, mode=mode, min_offload_bytes=cfg.min_offload_bytes,
         prefetch_layers=cfg.prefetch_layers, pin_memory=cfg.pin_memory, accelerator=accelerator,
     )  # fmt: skip
 

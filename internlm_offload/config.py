@@ -271,7 +271,11 @@ class MonitorConfig(Section):
 class CpuOffloadingConfig(Section):
     enable: bool = Field(False, description="Offload saved activations of the first `num_layers` blocks to host.")
     num_layers: int = Field(0, ge=0, description="Blocks whose activations go to host memory; < `model.num_layers`.")
-    mode: Literal["sync", "async"] = Field("async", description="`async` overlaps copies with compute.")
+    mode: Literal["auto", "sync", "async"] = Field(
+        "auto",
+        description="`async` overlaps copies with compute on side streams; `sync` copies on the compute stream. "
+        "`auto`: `async`, except `sync` on NPU, where async copies from pinned memory are unreliable.",
+    )
     min_offload_bytes: int = Field(1024, ge=0, description="Smaller saved tensors stay on the device.")
     prefetch_layers: int = Field(1, ge=1, description="Groups reloaded ahead during backward.")
     pin_memory: bool = Field(True, description="Pinned host buffers where the device supports them.")

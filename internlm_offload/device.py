@@ -109,6 +109,16 @@ class Accelerator:
     # Per-instance cpu stream state; not part of equality, hashing or repr.
     _streams: _StreamRegistry = field(default_factory=lambda: _StreamRegistry(), init=False, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.name == "npu" and not hasattr(torch, "npu"):
+            # torch.npu exists only once torch_npu is imported: import it here rather than fail on first use
+            try:
+                import torch_npu  # noqa: F401
+            except ImportError:
+                raise ValueError("Accelerator('npu') needs torch_npu: pip install torch_npu") from None
+        if self.name != "cpu" and not hasattr(torch, self.name):
+            raise ValueError(f"Accelerator({self.name!r}): torch has no {self.name!r} device module; use cuda, npu or cpu")
+
     @property
     def module(self) -> Any:
         """`torch.cuda` / `torch.npu`; None on cpu."""

@@ -22,7 +22,8 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import suppress
+from collections.abc import Callable
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ class Case:
     num_layers: int  # blocks checkpointed or offloaded
     model: InternLM2
     handle: ActivationOffloader | None = None
+    context: Callable[[], AbstractContextManager] | None = None  # wraps forward (save_on_cpu)
     times: list[float] = field(default_factory=list)
     stats: list[dict[str, float]] = field(default_factory=list)
     bitwise_equal: bool = True
@@ -101,13 +103,32 @@ def make_cases(args: argparse.Namespace, acc: Accelerator) -> list[Case]:
         for n in (n for n in OFFLOAD_LAYERS if n < args.layers):
             cases.append(Case(f"offload_{mode}_{n}", n, build_model(args)))
             cases[-1].handle = offload_layers(cases[-1].model.layers, n, mode=mode, accelerator=acc)
+    cases.append(Case("save_on_cpu", args.layers, build_model(args), context=lambda: save_on_cpu(acc)))
     return cases
+
+
+def save_on_cpu(acc: Accelerator) -> AbstractContextManager:
+    """torch's `save_on_cpu(pin_memory=True)`: every saved tensor copied to a new host tensor, synchronously.
+
+    Where pinned memory cannot exist (cpu), the same allocate-and-copy per saved tensor goes to the host
+    tier, which is what `save_on_cpu` does there apart from the pinning (without it, it copies nothing).
+    """
+    if acc.supports_pinned_memory:
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        host = acc.host_empty(t.shape, t.dtype, pinned=False)
+        host.copy_(t)
+        return host
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda host: host)
 
 
 def step(case: Case, tokens: torch.Tensor, acc: Accelerator, sampler: PeakSampler | None = None) -> float:
     """Forward + backward of one batch; returns the seconds it took."""
     start = time.perf_counter()
-    logits = case.model(tokens[:, :-1])
+    with case.context() if case.context is not None else suppress():
+        logits = case.model(tokens[:, :-1])
     loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     if sampler is not None:
         sampler.split()

@@ -143,6 +143,9 @@ class _Resident:
     tensor: torch.Tensor
     nbytes: int
     unpacked: bool = False
+    # Saved by the first block above the offloaded ones: the groups to start reloading when backward
+    # reaches it, so that the first offloaded block's copy overlaps this block's backward.
+    prefetch: list[_Group] = field(default_factory=list)
 
 
 class _Forward:
@@ -175,6 +178,14 @@ class ActivationOffloader:
         self.prefetch_layers = prefetch_layers
         self.accelerator = accelerator or get_accelerator("auto")
         self.pool = HostPool(self.accelerator, pin_memory)
+        # A copy to or from pageable host memory with non_blocking=True blocks the host on cuda: only a
+        # pinned buffer makes the copy truly asynchronous.
+        self.non_blocking = pin_memory and self.accelerator.supports_pinned_memory
+        if mode == "async" and self.accelerator.supports_pinned_memory and not pin_memory:
+            logger.warning(
+                "activation offload: mode='async' with pin_memory=False copies from pageable memory, which blocks "
+                "the host on %s; async gains nothing over sync. Set pin_memory=True", self.accelerator.name,
+            )  # fmt: skip
         self.d2h: Stream | None = self.accelerator.stream() if mode == "async" else None
         self.h2d: Stream | None = self.accelerator.stream() if mode == "async" else None
         self._forward: _Forward | None = None
@@ -239,6 +250,7 @@ class ActivationOffloader:
 
     def _make_pack(self, index: int, module: nn.Module):
         offloaded = index < self.num_layers
+        prefetches = index == self.num_layers and self.h2d is not None
 
         def pack(t: torch.Tensor) -> Any:
             nbytes = t.numel() * t.element_size()
@@ -247,10 +259,17 @@ class ActivationOffloader:
                 # Detached: a saved *output* of a node would otherwise hold its own grad_fn, a cycle through
                 # C++ that the garbage collector cannot break, leaking the whole graph (and every offloaded
                 # host buffer) whenever backward does not run through all of it (autograd.grad on a subset).
-                return _Resident(t.detach(), nbytes)
+                return _Resident(t.detach(), nbytes, prefetch=self._groups_below(index) if prefetches else [])
             return self._offload(t, index)
 
         return pack
+
+    def _groups_below(self, index: int) -> list[_Group]:
+        """The offloaded groups backward reaches right after block `index`, nearest first."""
+        if self._forward is None:
+            return []
+        groups = self._forward.groups[max(0, index - self.prefetch_layers) : index]
+        return [g for g in reversed(groups) if g is not None]
 
     def _should_offload(self, t: torch.Tensor, nbytes: int, module: nn.Module, index: int) -> bool:
         if type(t) is not torch.Tensor or nbytes < self.min_offload_bytes or nbytes == 0:
@@ -305,7 +324,7 @@ class ActivationOffloader:
 
     def _timed_copy(self, dst: torch.Tensor, src: torch.Tensor, counter: str) -> None:
         start = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
+        dst.copy_(src, non_blocking=self.non_blocking)
         setattr(self._stats, counter, getattr(self._stats, counter) + time.perf_counter() - start)
 
     def _release_sources(self, group: _Group) -> None:
@@ -320,6 +339,8 @@ class ActivationOffloader:
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, _Resident):
+            for group in saved.prefetch:
+                self._start_reload(group)
             if not saved.unpacked:
                 saved.unpacked = True
                 self._stats.release_resident(saved.nbytes)
@@ -464,6 +485,13 @@ def _validate(total: int, num_layers: int, mode: str, min_offload_bytes: int, pr
         raise ValueError(f"min_offload_bytes={min_offload_bytes} must be >= 0")
     if prefetch_layers < 1:
         raise ValueError(f"prefetch_layers={prefetch_layers} must be >= 1")
+
+
+def copy_mode(requested: str, device_type: str) -> str:
+    """`auto` → `async`, except `sync` on NPU (async pinned copies are unreliable there); else as requested."""
+    if requested != "auto":
+        return requested
+    return "sync" if device_type == "npu" else "async"
 
 
 def offload_layers(

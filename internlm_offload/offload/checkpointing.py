@@ -9,6 +9,7 @@ Uses torch's composable `checkpoint`, which works through hooks: parameter names
 checkpoints load across plans and FSDP2 can shard the same blocks afterwards.
 """
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -37,8 +38,31 @@ EXPENSIVE_OPS = frozenset(
 )
 
 
+# Attention kernels of optional extras, as (op namespace, op name): flash-attn registers torch ops when it is
+# imported, torch_npu its fused attention. Looked up when the first block runs, after those imports.
+OPTIONAL_EXPENSIVE_OPS = (
+    ("flash_attn", "_flash_attn_forward"),
+    ("flash_attn", "_flash_attn_varlen_forward"),
+    ("npu", "npu_fusion_attention"),
+    ("npu", "npu_fusion_attention_v2"),
+)
+
+
+@functools.cache
+def expensive_ops() -> frozenset:
+    """EXPENSIVE_OPS plus the attention ops of flash-attn and torch_npu that are registered now."""
+    found = set()
+    for namespace, name in OPTIONAL_EXPENSIVE_OPS:
+        try:
+            packet = getattr(getattr(torch.ops, namespace), name)
+        except (AttributeError, RuntimeError):  # not installed / not registered
+            continue
+        found.update(getattr(packet, overload) for overload in packet.overloads())
+    return EXPENSIVE_OPS | frozenset(found)
+
+
 def _selective_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in EXPENSIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in expensive_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_context_fn() -> tuple[object, object]:
@@ -60,4 +84,4 @@ def apply_activation_checkpointing(
         logger.info("Applied %s activation checkpointing to %d of %d blocks", kind, len(indices), len(layers))
 
 
-__all__ = ["apply_activation_checkpointing", "selective_context_fn", "EXPENSIVE_OPS"]
+__all__ = ["apply_activation_checkpointing", "selective_context_fn", "EXPENSIVE_OPS", "expensive_ops"]

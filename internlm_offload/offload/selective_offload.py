@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from internlm_offload.device import Accelerator, Event, Stream
 from internlm_offload.log import get_logger
-from internlm_offload.offload.checkpointing import EXPENSIVE_OPS
+from internlm_offload.offload.checkpointing import expensive_ops
 
 logger = get_logger(__name__)
 
@@ -151,7 +151,7 @@ class _RecordMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func in EXPENSIVE_OPS:
+        if func in expensive_ops():
             self.offloader.store(self.cache, out)
         return out
 
@@ -174,7 +174,7 @@ class _ReplayMode(TorchDispatchMode):
         return super().__enter__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func in EXPENSIVE_OPS:
+        if func in expensive_ops():
             return self.offloader.load(self.cache)
         return func(*args, **(kwargs or {}))
 

@@ -361,3 +361,36 @@ def test_a_host_buffer_is_not_reused_while_an_unconsumed_prefetch_reads_it():
     handed_out_busy.clear()
     step(model)  # the next forward takes the returned buffers from the pool
     assert len(handed_out_busy) > 10 and not any(handed_out_busy)
+
+
+class _PinnableCpu(Accelerator):
+    """The cpu backend, reporting pinned-memory support like cuda does (to exercise that branch)."""
+
+    @property
+    def supports_pinned_memory(self) -> bool:
+        return True
+
+
+def test_unpinned_buffers_copy_blocking_and_async_says_so(caplog):
+    model = tiny_model()
+    with caplog.at_level("WARNING"):
+        handle = offload_layers(model.layers, 2, mode="async", pin_memory=False, accelerator=_PinnableCpu("cpu"))
+    assert handle.non_blocking is False and "pin_memory=False copies from pageable memory" in caplog.text
+    pinned_cpu = offload_layers(tiny_model().layers, 2, mode="async", accelerator=Accelerator("cpu"))
+    assert pinned_cpu.non_blocking is False  # no pinned memory without a device
+
+
+def test_the_first_offloaded_block_in_backward_is_prefetched():
+    """Its reload starts while the block above it runs backward, not when backward first needs it."""
+    model = tiny_model()
+    handle = offload_layers(model.layers, 3, mode="async", accelerator=Accelerator("cpu"))
+    started_ahead = {}
+    ensure = handle._ensure_reloaded
+
+    def spy(group):
+        started_ahead.setdefault(group.index, group.h2d_done is not None)
+        ensure(group)
+
+    handle._ensure_reloaded = spy
+    step(model)
+    assert started_ahead == {2: True, 1: True, 0: True}

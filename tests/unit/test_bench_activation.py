@@ -8,7 +8,7 @@ from internlm_offload.bench import activation as bench
 EXPECTED = {
     "baseline", "full_ckpt", "selective_ckpt",
     "offload_sync_2", "offload_sync_4", "offload_sync_7",
-    "offload_async_2", "offload_async_4", "offload_async_7",
+    "offload_async_2", "offload_async_4", "offload_async_7", "save_on_cpu",
 }  # fmt: skip
 
 
@@ -29,6 +29,7 @@ def test_quick_run_writes_json_and_png(tmp_path: Path, capsys) -> None:
     assert records["offload_async_4"]["offloader"]["offloaded_bytes"] == offloaded[1]
     fwd = "forward_peak_rss_anon_delta_bytes"
     assert records["offload_sync_7"][fwd] < records["baseline"][fwd], "offload freed no anonymous memory"
+    assert records["save_on_cpu"][fwd] < records["baseline"][fwd], "save_on_cpu's copies stayed anonymous"
     assert data["env"]["model"]["layers"] == 8 and data["env"]["torch"]
     png = out.with_suffix(".png")
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -42,4 +43,4 @@ def test_offload_counts_follow_the_layer_count(tmp_path: Path) -> None:
         if case.handle is not None:
             case.handle.remove()
     names = [case.name for case in cases]
-    assert names == ["baseline", "full_ckpt", "selective_ckpt", "offload_sync_2", "offload_async_2"]
+    assert names == ["baseline", "full_ckpt", "selective_ckpt", "offload_sync_2", "offload_async_2", "save_on_cpu"]

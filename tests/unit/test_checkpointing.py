@@ -79,3 +79,20 @@ def test_checkpointing_recomputes_what_the_policy_says():
     assert selective_ops.cheap > none_ops.cheap and full_ops.cheap > none_ops.cheap
     # the checkpointed blocks' tensors leave autograd's graph (held by checkpoint, or not at all)
     assert full_bytes < none_bytes and selective_bytes < none_bytes
+
+
+def test_flash_attn_and_npu_attention_ops_are_kept_when_registered():
+    """flash-attn and torch_npu register their attention as torch ops; the selective policy keeps them."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from internlm_offload.offload import checkpointing
+
+    lib = torch.library.Library("flash_attn", "FRAGMENT")  # what importing flash-attn registers
+    lib.define("_flash_attn_forward(Tensor q) -> Tensor")
+    checkpointing.expensive_ops.cache_clear()
+    try:
+        op = torch.ops.flash_attn._flash_attn_forward.default
+        assert checkpointing._selective_policy(None, op) == CheckpointPolicy.MUST_SAVE
+        assert checkpointing._selective_policy(None, torch.ops.aten.silu.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    finally:
+        checkpointing.expensive_ops.cache_clear()

@@ -290,3 +290,20 @@ def test_device_wrappers_forward_to_the_torch_module(monkeypatch: pytest.MonkeyP
     with acc.use_stream(side) as current:
         assert current is side
     assert log == [("enter", side.raw), ("exit", side.raw)]
+
+
+def test_accelerator_names_are_checked_and_npu_imports_torch_npu_itself():
+    import importlib.util
+
+    with pytest.raises(ValueError, match=r"Accelerator\('tpu'\): torch has no 'tpu' device module"):
+        Accelerator("tpu")
+    if importlib.util.find_spec("torch_npu") is None:  # this machine: a clear error instead of AttributeError
+        with pytest.raises(ValueError, match="needs torch_npu"):
+            Accelerator("npu")
+
+
+def test_copy_mode_auto_is_async_except_on_npu():
+    from internlm_offload.offload.activation import copy_mode
+
+    assert [copy_mode("auto", d) for d in ("cuda", "cpu", "npu")] == ["async", "async", "sync"]
+    assert copy_mode("async", "npu") == "async" and copy_mode("sync", "cuda") == "sync"

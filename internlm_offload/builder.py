@@ -27,7 +27,7 @@ from internlm_offload.engine.trainer import Trainer, TrainerSettings
 from internlm_offload.log import get_logger
 from internlm_offload.offload import LayerMode, LayerPlan, apply_activation_checkpointing, make_layer_plan
 from internlm_offload.offload.activation import ActivationOffloader, copy_mode, offload_layers
-from internlm_offload.offload.selective_offload import SelectiveOffloadStats, apply_selective_offload
+from internlm_offload.offload.selective_offload import SelectiveOffloader, apply_selective_offload
 from internlm_offload.optim import build_lr_scheduler, param_groups
 from internlm_offload.optim.hybrid import offload_mask
 from internlm_offload.optim.memory import (
@@ -117,16 +117,18 @@ def build_layer_plan(cfg: RunConfig, num_layers: int) -> LayerPlan:
 
 def apply_layer_plan(
     layers: nn.ModuleList, plan: LayerPlan, cfg: CpuOffloadingConfig, accelerator: Accelerator
-) -> tuple[ActivationOffloader | None, SelectiveOffloadStats | None]:
+) -> tuple[ActivationOffloader | None, SelectiveOffloader | None]:
     """Checkpoint and offload the blocks as planned; returns the handles of the offloads in use."""
     apply_activation_checkpointing(layers, plan.layers_with(LayerMode.CHECKPOINT), selective=False)
     apply_activation_checkpointing(layers, plan.layers_with(LayerMode.SELECTIVE), selective=True)
     selective_offloaded = plan.layers_with(LayerMode.SELECTIVE_OFFLOAD)
     mode = copy_mode(cfg.mode, accelerator.name)
-    selective_stats = None
+    selective_offloader = None
     if selective_offloaded:
-        selective_stats = apply_selective_offload(layers, selective_offloaded, accelerator=accelerator, mode=mode)
-    return apply_activation_offload(layers, plan, cfg, mode, accelerator), selective_stats
+        selective_offloader = apply_selective_offload(
+            layers, selective_offloaded, accelerator=accelerator, mode=mode, pin_memory=cfg.pin_memory
+        )
+    return apply_activation_offload(layers, plan, cfg, mode, accelerator), selective_offloader
 
 
 def apply_activation_offload(
@@ -265,7 +267,7 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
     # 2.-3. per-layer plan, applied to the bare blocks
     plan = build_layer_plan(cfg, len(layers))
     logger.info("Layer plan (%d blocks):\n%s", len(layers), plan.table())
-    offloader, selective_stats = apply_layer_plan(layers, plan, cfg.cpu_offloading, ctx.accelerator)
+    offloader, selective_offloader = apply_layer_plan(layers, plan, cfg.cpu_offloading, ctx.accelerator)
     # 4. data parallelism
     par = cfg.parallel
     model = build(
@@ -298,8 +300,9 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
         ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
         checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
         metrics=MetricsLog(work_dir / "metrics.jsonl") if ctx.is_main else None, settings=settings,
-        extra_metrics=extra_metric_sources(offloader, selective_stats, optimizer), masters=masters,
+        extra_metrics=extra_metric_sources(offloader, selective_offloader, optimizer), masters=masters,
         scaler=build_loss_scaler(cfg) if policy.loss_scaling else None, evaluator=evaluator,
+        closers=closers(offloader, selective_offloader, optimizer, ctx.accelerator),
     )  # fmt: skip
 
 
@@ -313,7 +316,7 @@ def build_loss_scaler(cfg: RunConfig) -> DynamicLossScaler:
 
 
 def extra_metric_sources(
-    offloader: ActivationOffloader | None, selective: SelectiveOffloadStats | None, optimizer: torch.optim.Optimizer
+    offloader: ActivationOffloader | None, selective: SelectiveOffloader | None, optimizer: torch.optim.Optimizer
 ) -> list:
     """Figures of the memory features for metrics.jsonl: `act_offload_*`, `sc_offload_*` and `optim_*`."""
     sources = []
@@ -324,6 +327,16 @@ def extra_metric_sources(
     if hasattr(optimizer, "memory_stats"):
         sources.append(lambda: {f"optim_{key}": value for key, value in optimizer.memory_stats().items()})
     return sources
+
+
+def closers(
+    offloader: ActivationOffloader | None, selective: SelectiveOffloader | None, optimizer: torch.optim.Optimizer,
+    accelerator: Accelerator,
+) -> list:  # fmt: skip
+    """What `Trainer.close()` runs, in order: hooks and pools first, then every copy stream of the run."""
+    found = [offloader.remove if offloader is not None else None, selective.close if selective is not None else None,
+             getattr(optimizer, "finish_copies", None), accelerator.close_streams]  # fmt: skip
+    return [close for close in found if close is not None]
 
 
 def checkpoint_folder(cfg: RunConfig, work_dir: Path) -> Path:

@@ -107,7 +107,10 @@ def run(args: argparse.Namespace) -> int:
         write_run_files(cfg, work_dir, fresh=resume_path is None)
     barrier(ctx)
     logger.info("Training %s: %d steps, work dir %s", cfg.JOB_NAME, cfg.data.total_steps, work_dir)
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
     # Every rank leaves together: tearing down gloo while a peer is still inside a collective aborts it.
     barrier(ctx)
     if trainer.stopped_by is not None:

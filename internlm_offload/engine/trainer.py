@@ -101,6 +101,7 @@ class Trainer:
         masters: MasterWeights | None = None,
         scaler: DynamicLossScaler | None = None,
         evaluator: Evaluator | None = None,
+        closers: list[Callable[[], None]] | None = None,
     ) -> None:
         self.ctx = ctx
         self.model = model
@@ -114,6 +115,7 @@ class Trainer:
         self.masters = masters
         self.scaler = scaler
         self.evaluator = evaluator
+        self._closers = list(closers or [])
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0
@@ -183,6 +185,15 @@ class Trainer:
             self.step, model=self.state_module, optimizer=self.optimizer, train_state=self.train_state()
         )
         self._last_saved_step = self.step
+
+    def close(self) -> None:
+        """Release what the run's components hold (offload hooks, copy streams, host buffers); idempotent.
+
+        The trainer cannot train afterwards. `launch` calls it whether the run ended or failed.
+        """
+        closers, self._closers = self._closers, []
+        for close in closers:
+            close()
 
     # ------------------------------------------------------------------ one step
 

@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from internlm_offload.device import Accelerator, Event, Stream, get_accelerator
 from internlm_offload.log import get_logger
+from internlm_offload.offload.host_pool import HostPool, PendingCopy
 
 logger = get_logger(__name__)
 
@@ -51,47 +52,6 @@ def mark_not_offload(*tensors: torch.Tensor) -> None:
 def no_offload() -> contextlib.AbstractContextManager:
     """A region whose saved tensors stay on the device (innermost saved-tensor hooks win)."""
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-
-
-@dataclass
-class _PendingReload:
-    """The H2D copy that may still read a group's host buffers; None once the compute stream waited on it."""
-
-    event: Event | None = None
-
-
-class HostPool:
-    """Reusable host buffers keyed by byte size (pinned where the device supports it).
-
-    A buffer may come back while a copy still reads it (a prefetched group that backward never used):
-    it then carries that copy's event, and the compute stream waits on it before the buffer is handed
-    out again, so the next offload's copy (ordered after the compute stream) cannot overwrite it early.
-    """
-
-    def __init__(self, accelerator: Accelerator, pin_memory: bool) -> None:
-        self.accelerator = accelerator
-        self.pin_memory = pin_memory
-        self.free: dict[int, list[tuple[torch.Tensor, Event | None]]] = {}
-        self.allocated_bytes = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        bucket = self.free.get(nbytes)
-        if bucket:
-            buffer, reader = bucket.pop()
-            if reader is not None:
-                reader.wait()
-            return buffer
-        self.allocated_bytes += nbytes
-        return self.accelerator.host_empty((nbytes,), torch.uint8, pinned=self.pin_memory)
-
-    def give_back(self, buffers: list[torch.Tensor], pending: _PendingReload | None = None) -> None:
-        reader = pending.event if pending is not None else None
-        for buf in buffers:
-            self.free.setdefault(buf.numel(), []).append((buf, reader))
-
-    def clear(self) -> None:
-        self.free.clear()
-        self.allocated_bytes = 0
 
 
 @dataclass
@@ -117,7 +77,7 @@ class _Group:
     d2h_done: Event | None = None
     h2d_done: Event | None = None
     # Shared with the finalizer that returns the host buffers (which must not hold the group itself).
-    pending: _PendingReload = field(default_factory=_PendingReload)
+    pending: PendingCopy = field(default_factory=PendingCopy)
     packed: int = 0
     unpacked: int = 0
     nbytes: int = 0

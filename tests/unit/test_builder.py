@@ -38,3 +38,32 @@ def test_plan_applies_every_mode():
     assert [m.value for m in plan.modes] == ["offload", "selective+offload", "selective+offload", "selective+offload"]
     offloader, selective = apply_layer_plan(model.layers, plan, cfg.cpu_offloading, Accelerator("cpu"))
     assert offloader is not None and offloader.num_layers == 1 and selective is not None
+
+
+def test_trainer_close_releases_hooks_streams_and_host_buffers(tmp_path):
+    """Activation offload, selective offload and the swap optimizer in one run: close() leaves nothing behind."""
+
+    from internlm_offload.builder import build_trainer
+    from internlm_offload.config import resolve_config
+    from internlm_offload.device import Accelerator
+    from internlm_offload.engine.runtime import RunContext
+
+    cfg = resolve_config({
+        "model": dict(num_layers=4, hidden_size=64, num_attention_heads=4, checkpoint=0.75),
+        "cpu_offloading": dict(enable=True, num_layers=1), "selective_checkpoint": True,
+        "selective_checkpoint_offload": True, "swap_optimizer": True,
+        "data": dict(seq_len=32, total_steps=1), "ckpt": dict(enable_save_ckpt=False),
+        "monitor": dict(progress_bar="off"),
+    })  # fmt: skip
+    accelerator = Accelerator("cpu")
+    ctx = RunContext(rank=0, local_rank=0, world_size=1, accelerator=accelerator)
+    trainer = build_trainer(cfg, ctx, tmp_path)
+    trainer.train()
+    layers = trainer.model.layers
+    assert layers[0]._forward_hooks and trainer.metrics is not None
+    streams = accelerator._streams.side_streams()
+    assert streams and any(s._thread is not None and s._thread.is_alive() for s in streams)
+    trainer.close()
+    assert not layers[0]._forward_hooks and not layers[0]._forward_pre_hooks  # the offloader's hooks
+    assert all(s.closed and (s._thread is None or not s._thread.is_alive()) for s in streams)
+    trainer.close()  # idempotent

@@ -42,9 +42,9 @@ def assert_same(got, expected) -> None:
 def test_bitwise_against_no_checkpointing(mode, micro_num):
     # (retain_graph=True is not covered: torch's composable checkpoint itself refuses a second recompute)
     model = tiny_model()
-    stats = apply_selective_offload(model.layers, [0, 1, 2], accelerator=CPU, mode=mode)
+    handle = apply_selective_offload(model.layers, [0, 1, 2], accelerator=CPU, mode=mode)
     assert_same(step(model, micro_num), step(tiny_model(), micro_num))
-    assert stats.offloaded_bytes > 0 and stats.h2d_s > 0
+    assert handle.stats.offloaded_bytes > 0 and handle.stats.h2d_s > 0
 
 
 def test_combined_with_activation_offload_of_earlier_blocks():
@@ -82,3 +82,54 @@ def test_in_place_change_of_a_recorded_output_is_refused():
     apply_selective_offload(layers, [0], accelerator=CPU, mode="sync")
     with pytest.raises(RuntimeError, match="modified in place"):
         layers[0](torch.randn(4, 8, requires_grad=True))
+
+
+def test_no_host_memory_is_allocated_after_the_first_step(monkeypatch):
+    model = tiny_model()
+    handle = apply_selective_offload(model.layers, [0, 1, 2], accelerator=CPU, mode="async")
+    step(model)
+    calls = []
+    host_empty = Accelerator.host_empty
+    monkeypatch.setattr(Accelerator, "host_empty", lambda self, *a, **k: calls.append(a) or host_empty(self, *a, **k))
+    step(model)
+    step(model)
+    assert calls == [] and handle.as_dict()["host_bytes"] > 0
+
+
+def _delayed(handle, delay_s: float):
+    for name in ("d2h", "h2d"):
+        getattr(handle, name).close()
+        setattr(handle, name, CPU.stream(delay_s=delay_s))  # injected copy latency
+
+
+def test_slow_copies_stay_bitwise_and_dropping_the_load_wait_is_caught():
+    model = tiny_model()
+    handle = apply_selective_offload(model.layers, [0, 1, 2], accelerator=CPU, mode="async")
+    _delayed(handle, 0.01)
+    expected = step(tiny_model())
+    assert_same(step(model), expected)
+    handle._timed_wait = lambda event: None  # the bug: replay before the copies back landed
+    _delayed(handle, 0.05)
+    model.zero_grad(set_to_none=True)
+    got = step(model)
+    assert not all(torch.equal(got[1][name], grad) for name, grad in expected[1].items())
+
+
+def test_backward_prefetches_the_next_block_and_forward_releases_one_block_late():
+    model = tiny_model()
+    handle = apply_selective_offload(model.layers, [0, 1, 2], accelerator=CPU, mode="async")
+    started_before_replay, released_at_forward_end = [], []
+    begin, release = handle.begin_replay, handle._release
+
+    def spy_begin(cache):
+        started_before_replay.append(cache.load_started)
+        begin(cache)
+
+    def spy_release(cache):
+        released_at_forward_end.append(cache is handle._unreleased)
+        release(cache)
+
+    handle.begin_replay, handle._release = spy_begin, spy_release
+    step(model)
+    assert started_before_replay == [False, True, True]  # block 2 first; 1 and 0 were prefetched
+    assert released_at_forward_end and all(released_at_forward_end)  # always the previous block's outputs

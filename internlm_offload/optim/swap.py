@@ -301,7 +301,7 @@ class SwapAdamW(torch.optim.AdamW):
 
     def finish_copies(self) -> None:
         """`step()` returns with its last copy-outs only ordered on the device; readers of the host
-        states (state_dict, load_state_dict, memory_stats) wait for them here."""
+        states' values (state_dict, load_state_dict, checkpoints) wait for them here."""
         self._d2h.synchronize()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -324,7 +324,7 @@ class SwapAdamW(torch.optim.AdamW):
                     state["step"] = host_step.copy_(state["step"])
 
     def memory_stats(self) -> dict[str, int]:
-        self.finish_copies()
+        """Byte counts only (sizes, not values): no wait for the write-back still running (metrics read it every step)."""
         host = sum(_nbytes(t) for s in self.state.values() for t in s.values() if isinstance(t, torch.Tensor))
         stats = {
             "device_state_bytes": self._device_state_bytes,

@@ -297,6 +297,20 @@ def test_memory_stats_between_steps(acc: Accelerator) -> None:
     assert stats["host_state_bytes"] == sum(8 * p.numel() + 4 for p in with_state)
 
 
+def test_memory_stats_do_not_wait_for_the_write_back(acc: Accelerator) -> None:
+    """metrics.jsonl reads memory_stats() every step: it must not be a host sync on the copy stream."""
+    params = make_params(SHAPES)
+    opt = SwapAdamW(params, lr=1e-2, accelerator=acc)
+    run_steps(opt, params, 0, 2)
+    waits = []
+    sync = opt._d2h.synchronize
+    opt._d2h.synchronize = lambda: waits.append(1) or sync()
+    stats = opt.memory_stats()
+    assert waits == [] and stats["host_state_bytes"] > 0
+    opt.state_dict()  # reading the values does wait
+    assert waits == [1]
+
+
 def test_offload_and_reload_are_noops(acc: Accelerator) -> None:
     params = make_params(SHAPES)
     opt = SwapAdamW(params, lr=1e-2, fused=True, swap_optimizer_times=3, accelerator=acc)

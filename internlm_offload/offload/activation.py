@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from internlm_offload.device import Accelerator, Event, Stream, get_accelerator
+from internlm_offload.device import Accelerator, CopyTimer, Event, Stream, get_accelerator
 from internlm_offload.log import get_logger
 from internlm_offload.offload.host_pool import HostPool, PendingCopy
 
@@ -148,6 +148,8 @@ class ActivationOffloader:
             )  # fmt: skip
         self.d2h: Stream | None = self.accelerator.stream() if mode == "async" else None
         self.h2d: Stream | None = self.accelerator.stream() if mode == "async" else None
+        self._d2h_timer, self._h2d_timer = CopyTimer(self.accelerator), CopyTimer(self.accelerator)
+        self._timer_base = (0.0, 0.0)
         self._forward: _Forward | None = None
         self._hook_stack: list[contextlib.AbstractContextManager] = []
         self._handles: list[RemovableHandle] = []
@@ -205,6 +207,7 @@ class ActivationOffloader:
     def _start_forward(self) -> None:
         self._forward = _Forward(self.num_layers)
         self._stats.start_forward()
+        self._timer_base = (self._d2h_timer.seconds(), self._h2d_timer.seconds())
 
     # ------------------------------------------------------------------ pack (forward)
 
@@ -280,12 +283,10 @@ class ActivationOffloader:
             return
         # The copy stream must see the activation as it is now on the compute stream.
         self.d2h.wait_stream(self.accelerator.current_stream())
-        self.d2h.submit(self._timed_copy, slot.host, slot.source, "d2h_s")
+        self._d2h_timer.run(self.d2h, self._copy, slot.host, slot.source)
 
-    def _timed_copy(self, dst: torch.Tensor, src: torch.Tensor, counter: str) -> None:
-        start = time.perf_counter()
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=self.non_blocking)
-        setattr(self._stats, counter, getattr(self._stats, counter) + time.perf_counter() - start)
 
     def _release_sources(self, group: _Group) -> None:
         """Drop the device copies of a group once its D2H copies finished."""
@@ -338,7 +339,7 @@ class ActivationOffloader:
             return
         self.h2d.wait_stream(self.accelerator.current_stream())
         for slot in group.slots.values():
-            self.h2d.submit(self._timed_copy, slot.reloaded, slot.host, "h2d_s")
+            self._h2d_timer.run(self.h2d, self._copy, slot.reloaded, slot.host)
             # Backward may never consume a prefetch: the allocator must not reuse the destination while the
             # copy still writes it, even if the compute stream never waits on this group.
             self.accelerator.record_stream(slot.reloaded, self.h2d)
@@ -359,7 +360,12 @@ class ActivationOffloader:
     # ------------------------------------------------------------------ public surface
 
     def stats(self) -> dict[str, float]:
-        return self._stats.as_dict()
+        """Byte accounting of the last forward; copy and wait seconds since it started."""
+        stats = self._stats.as_dict()
+        if self.d2h is not None:  # async: the copies' own time on their streams (not their enqueue)
+            stats["d2h_s"] = self._d2h_timer.seconds() - self._timer_base[0]
+            stats["h2d_s"] = self._h2d_timer.seconds() - self._timer_base[1]
+        return stats
 
     def remove(self) -> None:
         """Uninstall every hook; the blocks behave exactly as before."""

@@ -38,7 +38,7 @@ from torch.distributed._composable import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from internlm_offload.device import Accelerator, Event, Stream
+from internlm_offload.device import Accelerator, CopyTimer, Event, Stream
 from internlm_offload.log import get_logger
 from internlm_offload.offload.checkpointing import expensive_ops
 from internlm_offload.offload.host_pool import HostPool, PendingCopy
@@ -108,12 +108,16 @@ class SelectiveOffloader:
         self.non_blocking = pin_memory and accelerator.supports_pinned_memory  # pageable copies block the host
         self.d2h: Stream | None = accelerator.stream() if mode == "async" else None
         self.h2d: Stream | None = accelerator.stream() if mode == "async" else None
+        self._timers = {"d2h_s": CopyTimer(accelerator), "h2d_s": CopyTimer(accelerator)}  # async copies
         self._last: weakref.ref[_BlockCache] | None = None  # the last cache of the running forward
         self._unreleased: _BlockCache | None = None  # async: its copies are still running
 
     def as_dict(self) -> dict[str, float]:
         """The statistics, for metrics.jsonl (`sc_offload_*`)."""
-        return {**self.stats.as_dict(), "host_bytes": self.pool.allocated_bytes}
+        stats = {**self.stats.as_dict(), "host_bytes": self.pool.allocated_bytes}
+        if self.d2h is not None:  # the copies' own time on their streams, not their enqueue
+            stats.update({counter: timer.seconds() for counter, timer in self._timers.items()})
+        return stats
 
     def close(self) -> None:
         """Finish and stop the copy streams and drop the pooled host buffers (the run is over)."""
@@ -205,7 +209,7 @@ class SelectiveOffloader:
             return
         self.h2d.wait_stream(self.accelerator.current_stream())
         for r in recorded:
-            self.h2d.submit(self._timed_copy, r.loaded, r.host, "h2d_s")
+            self._timers["h2d_s"].run(self.h2d, self._copy_now, r.loaded, r.host)
             # The replay may never come (a partial backward): no reuse while the copy still writes.
             self.accelerator.record_stream(r.loaded, self.h2d)
         cache.loaded = self.h2d.record_event()
@@ -236,12 +240,10 @@ class SelectiveOffloader:
             dst.copy_(src)
             setattr(self.stats, counter, getattr(self.stats, counter) + time.perf_counter() - start)
         else:
-            stream.submit(self._timed_copy, dst, src, counter)
+            self._timers[counter].run(stream, self._copy_now, dst, src)
 
-    def _timed_copy(self, dst: torch.Tensor, src: torch.Tensor, counter: str) -> None:
-        start = time.perf_counter()
+    def _copy_now(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=self.non_blocking)
-        setattr(self.stats, counter, getattr(self.stats, counter) + time.perf_counter() - start)
 
     def _timed_wait(self, event: Event) -> None:
         start = time.perf_counter()

@@ -338,14 +338,14 @@ def test_a_host_buffer_is_not_reused_while_an_unconsumed_prefetch_reads_it():
     model = tiny_model()
     handle = delayed_handle(model, 0.05)
     in_flight: set[int] = set()
-    submit, copy, take = handle.h2d.submit, handle._timed_copy, handle.pool.take
+    run, copy, take = handle._h2d_timer.run, handle._copy, handle.pool.take
 
-    def tracked_submit(fn, dst, src, counter):
+    def tracked_run(stream, fn, dst, src):
         in_flight.add(src.data_ptr())
-        submit(fn, dst, src, counter)
+        run(stream, tracked_copy, dst, src)
 
-    def tracked_copy(dst, src, counter):
-        copy(dst, src, counter)
+    def tracked_copy(dst, src):
+        copy(dst, src)
         in_flight.discard(src.data_ptr())
 
     handed_out_busy = []
@@ -355,7 +355,7 @@ def test_a_host_buffer_is_not_reused_while_an_unconsumed_prefetch_reads_it():
         handed_out_busy.append(buffer.data_ptr() in in_flight)
         return buffer
 
-    handle.h2d.submit, handle._timed_copy, handle.pool.take = tracked_submit, tracked_copy, checked_take
+    handle._h2d_timer.run, handle.pool.take = tracked_run, checked_take
     _unconsumed_prefetch(handle, model)
     assert in_flight, "the scenario must leave a prefetch in flight"
     handed_out_busy.clear()

@@ -307,3 +307,51 @@ def test_copy_mode_auto_is_async_except_on_npu():
 
     assert [copy_mode("auto", d) for d in ("cuda", "cpu", "npu")] == ["async", "async", "sync"]
     assert copy_mode("async", "npu") == "async" and copy_mode("sync", "cuda") == "sync"
+
+
+class _TimingEvent:
+    """A device timing event on a fake clock: `record` stamps the device time."""
+
+    def __init__(self, clock: SimpleNamespace, enable_timing: bool = False) -> None:
+        self.clock, self.stamp, self.done = clock, None, True
+
+    def record(self, raw: object = None) -> None:
+        self.stamp, self.done = self.clock.now, self.clock.complete
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: "_TimingEvent") -> float:
+        return (end.stamp - self.stamp) * 1e3  # milliseconds, as torch.cuda.Event.elapsed_time
+
+
+def test_copy_timer_reads_device_time_and_never_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from internlm_offload.device import CopyTimer
+
+    clock = SimpleNamespace(now=0.0, complete=True)
+    fake = SimpleNamespace(Stream=object, Event=lambda enable_timing=False: _TimingEvent(clock, enable_timing),
+                           current_stream=object, stream=lambda raw: contextmanager(lambda: iter([None]))())  # fmt: skip
+    monkeypatch.setattr(torch, "fakedev", fake, raising=False)
+    timer, side = CopyTimer(Accelerator("fakedev")), Accelerator("fakedev").stream()
+
+    def copy() -> None:  # enqueued at once on the host; the device clock says it took 2.5 s
+        clock.now += 2.5
+
+    timer.run(side, copy)
+    assert timer.seconds() == 2.5
+    clock.complete = False
+    timer.run(side, copy)
+    assert timer.seconds() == 2.5  # still running: not counted, not waited for
+    timer._pending[0][1].done = True
+    assert timer.seconds() == 5.0
+
+
+def test_copy_timer_on_cpu_times_the_work_in_the_worker() -> None:
+    from internlm_offload.device import CopyTimer
+
+    acc = Accelerator("cpu")
+    timer, side = CopyTimer(acc), acc.stream()
+    timer.run(side, time.sleep, 0.05)
+    side.synchronize()
+    assert 0.05 <= timer.seconds() < 1.0
+    side.close()

@@ -164,8 +164,8 @@ def build_optimizer(
         check_optimizer_host_memory(cfg, model)
         return build(
             OPTIMIZERS, "swap_adamw", "swap_optimizer", model, accelerator=accelerator,
-            swap_optimizer_times=cfg.swap_optimizer_times, use_host_arena=cfg.use_pinned_optimizer_offload,
-            swap_params=host_params, **common,
+            swap_optimizer_times=cfg.swap_optimizer_times,
+            use_pinned_optimizer_offload=cfg.use_pinned_optimizer_offload, swap_params=host_params, **common,
         )  # fmt: skip
     if cfg.hybrid_optimizer.enable:
         check_optimizer_host_memory(cfg, model)
@@ -270,11 +270,13 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
     offloader, selective_offloader = apply_layer_plan(layers, plan, cfg.cpu_offloading, ctx.accelerator)
     # 4. data parallelism
     par = cfg.parallel
-    model = build(
-        PARALLEL, par.mode, "parallel.mode", model, ctx=ctx, layers=layers,
-        reshard_after_forward=par.reshard_after_forward, bucket_cap_mb=par.bucket_cap_mb,
-        cpu_offload=par.fsdp_cpu_offload, mixed_precision=policy.fsdp_mixed_precision(),
-    )  # fmt: skip
+    mode_args: dict[str, dict[str, Any]] = {
+        "none": {},
+        "ddp": dict(bucket_cap_mb=par.bucket_cap_mb),
+        "fsdp2": dict(layers=layers, reshard_after_forward=par.reshard_after_forward,
+                      cpu_offload=par.fsdp_cpu_offload, mixed_precision=policy.fsdp_mixed_precision()),
+    }  # fmt: skip
+    model = build(PARALLEL, par.mode, "parallel.mode", model, ctx=ctx, **mode_args[par.mode])
     if meta:
         materialize_shards(model, ctx, seed=cfg.seed)
     log_build_memory(ctx)
@@ -335,7 +337,7 @@ def closers(
 ) -> list:  # fmt: skip
     """What `Trainer.close()` runs, in order: hooks and pools first, then every copy stream of the run."""
     found = [offloader.remove if offloader is not None else None, selective.close if selective is not None else None,
-             getattr(optimizer, "finish_copies", None), accelerator.close_streams]  # fmt: skip
+             getattr(optimizer, "close", None), accelerator.close_streams]  # fmt: skip
     return [close for close in found if close is not None]
 
 

@@ -117,7 +117,9 @@ class Accelerator:
             except ImportError:
                 raise ValueError("Accelerator('npu') needs torch_npu: pip install torch_npu") from None
         if self.name != "cpu" and not hasattr(torch, self.name):
-            raise ValueError(f"Accelerator({self.name!r}): torch has no {self.name!r} device module; use cuda, npu or cpu")
+            raise ValueError(
+                f"Accelerator({self.name!r}): torch has no {self.name!r} device module; use cuda, npu or cpu"
+            )
 
     @property
     def module(self) -> Any:

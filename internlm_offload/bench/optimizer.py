@@ -37,8 +37,9 @@ Factory = Callable[[list[torch.Tensor], Accelerator], torch.optim.Optimizer]
 
 
 def _swap(times: int, arena: bool = False) -> Factory:
-    return lambda params, acc: SwapAdamW(params, fused=True, swap_optimizer_times=times, use_host_arena=arena,
-                                         accelerator=acc, **HYPER)  # fmt: skip
+    return lambda params, acc: SwapAdamW(
+        params, fused=True, swap_optimizer_times=times, use_pinned_optimizer_offload=arena, accelerator=acc, **HYPER
+    )
 
 
 def _hybrid(fraction: float, overlap: bool = True) -> Factory:

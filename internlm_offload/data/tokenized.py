@@ -52,7 +52,9 @@ class BinFile:
         try:
             tokens = json.loads(line)["tokens"]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-            raise DataError(f'{self.path}: the line at byte {offset} is not a JSON object with a "tokens" list') from None
+            raise DataError(
+                f'{self.path}: the line at byte {offset} is not a JSON object with a "tokens" list'
+            ) from None
         if len(tokens) != self.lengths[index]:
             raise DataError(
                 f"{self.path}: the line at byte {offset} has {len(tokens)} tokens but the .meta says "

@@ -21,10 +21,8 @@ class Evaluator:
         self.sets = list(sets)
         self.device = device
         self.distributed = distributed
-        self._batches = {
-            s.name: s.rank_batches(rank=rank, world_size=world_size, micro_bsz=micro_bsz, valid_micro_num=valid_micro_num)
-            for s in self.sets
-        }
+        sizes = dict(rank=rank, world_size=world_size, micro_bsz=micro_bsz, valid_micro_num=valid_micro_num)
+        self._batches = {s.name: s.rank_batches(**sizes) for s in self.sets}
 
     @property
     def empty_sets(self) -> list[str]:

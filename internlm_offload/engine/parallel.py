@@ -19,12 +19,12 @@ logger = get_logger(__name__)
 
 
 @PARALLEL.register_module(name="none")
-def apply_none(model: nn.Module, *, ctx: RunContext, **_: object) -> nn.Module:
+def apply_none(model: nn.Module, *, ctx: RunContext) -> nn.Module:
     return model
 
 
 @PARALLEL.register_module(name="ddp")
-def apply_ddp(model: nn.Module, *, ctx: RunContext, bucket_cap_mb: int = 25, **_: object) -> nn.Module:
+def apply_ddp(model: nn.Module, *, ctx: RunContext, bucket_cap_mb: int = 25) -> nn.Module:
     device_ids = None if ctx.accelerator.name == "cpu" else [ctx.local_rank]
     wrapped = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
     logger.info("Applied DDP over %d ranks (bucket %d MB)", ctx.world_size, bucket_cap_mb)
@@ -40,7 +40,6 @@ def apply_fsdp2(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     mixed_precision: MixedPrecisionPolicy | None = None,
-    **_: object,
 ) -> nn.Module:
     """`mixed_precision`: fp32 shards stay the masters; all-gathers cast, reduce-scatters stay fp32."""
     mesh = init_device_mesh(ctx.accelerator.name, (ctx.world_size,))

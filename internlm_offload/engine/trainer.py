@@ -226,7 +226,8 @@ class Trainer:
         tokens_per_rank = max(1, sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches))
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         # Each rank weighs by its own count of labelled tokens; the gradient reduction then averages over
-        # ranks: a global token mean when ranks hold equally many labelled tokens (always, without -100 labels). The aux loss (a per-micro-batch mean) is averaged over micro-batches. fp16 multiplies
+        # ranks: a global token mean when ranks hold equally many labelled tokens (always, without -100
+        # labels). The aux loss (a per-micro-batch mean) is averaged over micro-batches. fp16 multiplies
         # both by the loss scale, removed again before clipping.
         token_weight, aux_weight = loss_scale / tokens_per_rank, loss_scale / len(micro_batches)
         # With explicit masters DDP must not all-reduce the low-precision grads: the fp32 buffer is reduced instead.

@@ -30,14 +30,8 @@ from torch.optim import Optimizer
 from internlm_offload.device import Accelerator, Event, Stream, get_accelerator
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import fused_supported, param_groups
+from internlm_offload.optim.dtensor import is_dtensor, laid_out_like, local_nbytes, local_shard
 from internlm_offload.registry import OPTIMIZERS
-
-try:
-    from torch.distributed.tensor import DTensor
-
-    _DTENSOR: tuple[type, ...] = (DTensor,)
-except ImportError:  # torch built without distributed: no DTensor params to meet
-    _DTENSOR = ()
 
 logger = get_logger(__name__)
 
@@ -65,7 +59,7 @@ class _HostSlot:
     def local_param(self) -> torch.Tensor:
         """The device tensor the master mirrors: the param, or its local shard (an alias) for a DTensor;
         for a host-resident param, the device tensor that receives its value."""
-        return self.param.model_param.detach() if self.resident else _local(self.param.detach())
+        return self.param.model_param.detach() if self.resident else local_shard(self.param.detach())
 
     @property
     def device_grad(self) -> torch.Tensor | None:
@@ -79,7 +73,7 @@ class _HostSlot:
         return self.grad if self.staging is None or self.resident else self.staging
 
     def nbytes(self) -> int:
-        return sum(_nbytes(t) for t in (self.master, self.grad, self.staging) if t is not None)
+        return sum(local_nbytes(t) for t in (self.master, self.grad, self.staging) if t is not None)
 
 
 @dataclass
@@ -247,7 +241,7 @@ class HybridDeviceOptimizer(Optimizer):
             grad = self._acc.host_empty(host.shape, host.dtype, pinned=self.pin_cpu_grads)
             staging = self._acc.host_empty(host.shape, param.model_param.dtype, pinned=self.pin_cpu_params)
             return _HostSlot(param, host, grad, staging, resident=True)
-        local = _local(param.detach())  # this rank's shard of a DTensor param
+        local = local_shard(param.detach())  # this rank's shard of a DTensor param
         master_dtype = self._master_dtype(param)
         master = self._acc.host_empty(local.shape, master_dtype, pinned=self.pin_cpu_params)
         master.copy_(local)
@@ -337,6 +331,12 @@ class HybridDeviceOptimizer(Optimizer):
         self._wait_for_params(compute)
         return loss
 
+    def close(self) -> None:
+        """Finish and stop the copy streams (cpu: their worker threads); the optimizer cannot step afterwards."""
+        for stream in (self._d2h_stream, self._h2d_stream):
+            stream.synchronize()
+            stream.close()
+
     def memory_stats(self) -> dict[str, int]:
         """Optimizer bytes on the device now, their peak during the last step, and bytes in host memory."""
         host = sum(_state_bytes(u.optimizer) + sum(s.nbytes() for s in u.slots) for u in self._cpu_units)
@@ -360,10 +360,10 @@ class HybridDeviceOptimizer(Optimizer):
         for state in self._device_optimizer.state.values():
             for name, value in state.items():
                 if torch.is_tensor(value):
-                    local = _local(value)
+                    local = local_shard(value)
                     host = self._acc.host_empty(local.shape, local.dtype, pinned=True)
                     host.copy_(local)  # blocking: done before the device tensor is dropped
-                    state[name] = _laid_out_like(host, value)
+                    state[name] = laid_out_like(host, value)
         self._states_offloaded = True
 
     def reload_optimizer_states(self) -> None:
@@ -428,7 +428,7 @@ class HybridDeviceOptimizer(Optimizer):
                 grad = slot.device_grad
                 slot.has_grad = grad is not None
                 if slot.has_grad:
-                    self._acc.copy_async(slot.landing, _local(grad), self._d2h_stream)
+                    self._acc.copy_async(slot.landing, local_shard(grad), self._d2h_stream)
             unit.grads_ready = self._d2h_stream.record_event()
 
     def _step_device(self) -> None:
@@ -487,18 +487,18 @@ class HybridDeviceOptimizer(Optimizer):
                 if not (keep_if_rounds_to_param and torch.equal(slot.master.to(slot.staging.dtype), slot.staging)):
                     slot.master.copy_(slot.staging)
         for param, master in self._device_masters:
-            local_param, local_master = _local(param.detach()), _local(master)
+            local_param, local_master = local_shard(param.detach()), local_shard(master)
             if not (keep_if_rounds_to_param and torch.equal(local_master.to(local_param.dtype), local_param)):
                 local_master.copy_(local_param)
         self._masters_stale = False
 
     def _exported(self, param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
         """A param's state for `state_dict()`: host shards of a DTensor param wrapped in the param's layout."""
-        if not isinstance(param, _DTENSOR):
+        if not is_dtensor(param):
             return dict(state)
         _, key = self._route[id(param)]
         return {
-            name: _laid_out_like(value, param) if _is_shard_state(value, key) else value
+            name: laid_out_like(value, param) if _is_shard_state(value, key) else value
             for name, value in state.items()
         }  # fmt: skip
 
@@ -516,7 +516,7 @@ class HybridDeviceOptimizer(Optimizer):
             del live[name]  # e.g. max_exp_avg_sq when the checkpoint ran without amsgrad
         group = _group_of(optimizer, key)
         for name, value in saved.items():
-            if isinstance(value, _DTENSOR) and not isinstance(key, _DTENSOR):
+            if is_dtensor(value) and not is_dtensor(key):
                 value = self._local_shard(param, key, name, value)
             current = live.get(name)
             if torch.is_tensor(value) and torch.is_tensor(current) and current.shape == value.shape:
@@ -539,7 +539,9 @@ class HybridDeviceOptimizer(Optimizer):
 
     def _device_state_bytes(self) -> int:
         states = 0 if self._states_offloaded else _state_bytes(self._device_optimizer)
-        masters = sum(_nbytes(m) + (_nbytes(m.grad) if m.grad is not None else 0) for _, m in self._device_masters)
+        masters = sum(
+            local_nbytes(m) + (local_nbytes(m.grad) if m.grad is not None else 0) for _, m in self._device_masters
+        )
         return int(states + masters)
 
 
@@ -578,23 +580,9 @@ def _resident(param: torch.Tensor) -> bool:
     return getattr(param, "model_param", None) is not None
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (an alias of its storage), or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, _DTENSOR) else tensor
-
-
-def _laid_out_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`local` as the shard of a DTensor with `like`'s mesh, placements and global shape (an alias); plain if plain."""
-    if not isinstance(like, _DTENSOR):
-        return local
-    return DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-    )
-
-
 def _is_shard_state(value: Any, key: torch.Tensor) -> bool:
     """A per-element state of a host shard (exp_avg, ...), not a scalar like `step`."""
-    return torch.is_tensor(value) and not isinstance(value, _DTENSOR) and value.dim() > 0 and value.shape == key.shape
+    return torch.is_tensor(value) and not is_dtensor(value) and value.dim() > 0 and value.shape == key.shape
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
@@ -608,25 +596,19 @@ def _group_of(optimizer: Optimizer, key: torch.Tensor) -> dict[str, Any]:
 def _placed(value: torch.Tensor, key: torch.Tensor, name: str, group: dict[str, Any]) -> torch.Tensor:
     """A copy of a state value where `group`'s optimizer keeps it (torch's rule, as in `load_state_dict`)."""
     if name == "step":
-        value = _local(value)  # a scalar: every rank holds the same one
+        value = local_shard(value)  # a scalar: every rank holds the same one
         # Fused and capturable kernels keep `step` on the param's device; the others on the host.
         if group.get("fused") or group.get("capturable"):
             return value.to(device=key.device, dtype=torch.float32, copy=True)
         return value.to(device="cpu", copy=True)
     dtype = key.dtype if key.is_floating_point() else value.dtype
-    if isinstance(value, _DTENSOR):  # a device-side DTensor key (reload_optimizer_states, a missing state)
-        return _laid_out_like(_local(value).to(device=_local(key).device, dtype=dtype, copy=True), value)
+    if is_dtensor(value):  # a device-side DTensor key (reload_optimizer_states, a missing state)
+        return laid_out_like(local_shard(value).to(device=local_shard(key).device, dtype=dtype, copy=True), value)
     return value.to(device=key.device, dtype=dtype, copy=True)
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    """Bytes this rank holds: a DTensor counts its local shard."""
-    tensor = _local(tensor)
-    return tensor.numel() * tensor.element_size()
-
-
 def _state_bytes(optimizer: Optimizer) -> int:
-    return sum(_nbytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+    return sum(local_nbytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
 
 
 @OPTIMIZERS.register_module(name="hybrid_adamw")

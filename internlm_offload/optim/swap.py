@@ -42,6 +42,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from internlm_offload.device import Accelerator, Event, get_accelerator
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import fused_supported, param_groups
+from internlm_offload.optim.dtensor import laid_out_like, local_nbytes, local_shard
 from internlm_offload.optim.host_arena import HostArena
 from internlm_offload.registry import OPTIMIZERS
 
@@ -49,26 +50,6 @@ logger = get_logger(__name__)
 
 SWAPPED_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 PARAM = "param"  # key of a host-resident parameter's device copy while it is staged
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _wrap_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`local` as a DTensor with `like`'s mesh and placements when `like` is one, so DCP can reshard."""
-    if not hasattr(like, "to_local"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                              stride=like.stride())  # fmt: skip
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    local = _local(t)
-    return local.numel() * local.element_size()
 
 
 @dataclass
@@ -87,9 +68,9 @@ class _Staged:
 class SwapAdamW(torch.optim.AdamW):
     """Drop-in `torch.optim.AdamW` with host-resident states; see the module docstring.
 
-    Extra args: `swap_optimizer_times` (chunks the step's device memory is divided into),
-    `pin_memory` (None: pinned where the device supports it), `use_host_arena` (all states in one
-    coalesced host buffer), `swap_params` (the params are host tensors with a device `main_grad`; see the
+    Extra args (InternEvo's key names): `swap_optimizer_times` (chunks the step's device memory is
+    divided into), `pin_memory` (None: pinned where the device supports it),
+    `use_pinned_optimizer_offload` (all states in one coalesced host buffer), `swap_params` (the params are host tensors with a device `main_grad`; see the
     module docstring), `accelerator` (default: detected).
     """
 
@@ -107,7 +88,7 @@ class SwapAdamW(torch.optim.AdamW):
         fused: bool | None = None,
         swap_optimizer_times: int = 16,
         pin_memory: bool | None = None,
-        use_host_arena: bool = False,
+        use_pinned_optimizer_offload: bool = False,
         swap_params: bool = False,
         accelerator: Accelerator | None = None,
     ) -> None:
@@ -118,7 +99,7 @@ class SwapAdamW(torch.optim.AdamW):
         self.swap_optimizer_times = swap_optimizer_times
         self.accelerator = accelerator or get_accelerator("auto")
         self.pin_memory = self.accelerator.supports_pinned_memory if pin_memory is None else pin_memory
-        self.use_host_arena = use_host_arena
+        self.use_pinned_optimizer_offload = use_pinned_optimizer_offload
         self.swap_params = swap_params
         self._arena: HostArena | None = None
         self._arena_slots: dict[tuple[int, str], int] = {}
@@ -135,12 +116,12 @@ class SwapAdamW(torch.optim.AdamW):
 
     def _host_buffer(self, param: torch.Tensor, key: str, *, zero: bool) -> torch.Tensor:
         """Host storage for one state tensor of `param` (an arena view or its own buffer)."""
-        local = _local(param)
+        local = local_shard(param)
         if self._arena is not None and (id(param), key) in self._arena_slots:
             host = self._arena.view(self._arena_slots[id(param), key])
         else:
             host = self.accelerator.host_empty(local.shape, local.dtype, pinned=self.pin_memory)
-        return _wrap_like(host.zero_() if zero else host, param)
+        return laid_out_like(host.zero_() if zero else host, param)
 
     def _init_host_state(self, param: torch.Tensor, group: dict[str, Any]) -> None:
         """AdamW's lazy state init, with the tensors on the host."""
@@ -154,7 +135,7 @@ class SwapAdamW(torch.optim.AdamW):
             state[key] = self._host_buffer(param, key, zero=True)
 
     def _maybe_build_arena(self) -> None:
-        if not self.use_host_arena or self._arena is not None:
+        if not self.use_pinned_optimizer_offload or self._arena is not None:
             return
         specs, slots = [], {}
         for group in self.param_groups:
@@ -163,7 +144,7 @@ class SwapAdamW(torch.optim.AdamW):
                 if p.requires_grad:
                     for key in keys:
                         slots[id(p), key] = len(specs)
-                        specs.append((_local(p).shape, _local(p).dtype))
+                        specs.append((local_shard(p).shape, local_shard(p).dtype))
         self._arena = HostArena(self.accelerator, specs, pinned=self.pin_memory)
         self._arena_slots = slots
         logger.info("Optimizer host arena: %d states in one %.1f MB buffer", len(specs), self._arena.nbytes / 2**20)
@@ -221,7 +202,7 @@ class SwapAdamW(torch.optim.AdamW):
     def _state_bytes(self, param: torch.Tensor, group: dict[str, Any]) -> int:
         state = self.state[param]
         keys = [k for k in SWAPPED_KEYS if k in state] + (["step"] if self._swaps_step(group) else [])
-        return sum(_nbytes(state[k]) for k in keys) + (_nbytes(param) if self.swap_params else 0)
+        return sum(local_nbytes(state[k]) for k in keys) + (local_nbytes(param) if self.swap_params else 0)
 
     def _admit(self, upcoming: deque, staged: deque, copying_out: deque, budget: int) -> None:
         """Start copy-ins while the device budget allows; free finished copy-outs to make room."""
@@ -243,9 +224,9 @@ class SwapAdamW(torch.optim.AdamW):
         state = self.state[param]
         keys = [k for k in SWAPPED_KEYS if k in state] + (["step"] if self._swaps_step(group) else [])
         grad = self._grad(param)
-        device = _local(grad).device
+        device = local_shard(grad).device
         # Allocated on the compute stream: the allocator orders any reuse after this point.
-        device_states = {k: _wrap_like(torch.empty_like(_local(state[k]), device=device), state[k])
+        device_states = {k: laid_out_like(torch.empty_like(local_shard(state[k]), device=device), state[k])
                          if k != "step" else torch.empty_like(state[k], device=device) for k in keys}  # fmt: skip
         sources = {k: state[k] for k in keys}
         if self.swap_params:
@@ -254,7 +235,7 @@ class SwapAdamW(torch.optim.AdamW):
         # compute stream waited for its copy-out): the copy-in must not start before that point.
         self._h2d.wait_stream(self.accelerator.current_stream())
         for key, dst in device_states.items():
-            self.accelerator.copy_async(_local(dst), _local(sources[key]), self._h2d)
+            self.accelerator.copy_async(local_shard(dst), local_shard(sources[key]), self._h2d)
         self._device_state_bytes += nbytes
         self._peak_device_state_bytes = max(self._peak_device_state_bytes, self._device_state_bytes)
         return _Staged(param, grad, group, device_states, nbytes, copied_in=self._h2d.record_event())
@@ -284,7 +265,7 @@ class SwapAdamW(torch.optim.AdamW):
         host = self.state[staged.param]
         for key, src in staged.device_states.items():
             dst = staged.param.detach() if key == PARAM else host[key]  # written on a copy thread
-            self.accelerator.copy_async(_local(dst), _local(src), self._d2h)
+            self.accelerator.copy_async(local_shard(dst), local_shard(src), self._d2h)
         staged.copied_out = self._d2h.record_event()
 
     def _release(self, staged: _Staged) -> None:
@@ -298,6 +279,12 @@ class SwapAdamW(torch.optim.AdamW):
     def state_dict(self) -> dict[str, Any]:
         self.finish_copies()
         return super().state_dict()
+
+    def close(self) -> None:
+        """Finish the copies and stop the copy streams (cpu: their worker threads); no step afterwards."""
+        for stream in (self._h2d, self._d2h):
+            stream.synchronize()
+            stream.close()
 
     def finish_copies(self) -> None:
         """`step()` returns with its last copy-outs only ordered on the device; readers of the host
@@ -317,22 +304,22 @@ class SwapAdamW(torch.optim.AdamW):
                 for key in SWAPPED_KEYS:
                     if key in state:
                         host = self._host_buffer(p, key, zero=False)  # may alias state[key]: no zeroing
-                        _local(host).copy_(_local(state[key]))
+                        local_shard(host).copy_(local_shard(state[key]))
                         state[key] = host
                 if self._swaps_step(group):
                     host_step = self.accelerator.host_empty((), state["step"].dtype, pinned=self.pin_memory)
                     state["step"] = host_step.copy_(state["step"])
 
     def memory_stats(self) -> dict[str, int]:
-        """Byte counts only (sizes, not values): no wait for the write-back still running (metrics read it every step)."""
-        host = sum(_nbytes(t) for s in self.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        """Byte counts (sizes, not values): no wait for a write-back still running; metrics read them every step."""
+        host = sum(local_nbytes(t) for s in self.state.values() for t in s.values() if isinstance(t, torch.Tensor))
         stats = {
             "device_state_bytes": self._device_state_bytes,
             "peak_device_state_bytes": self._peak_device_state_bytes,
             "host_state_bytes": host,
         }
         if self.swap_params:
-            stats["host_param_bytes"] = sum(_nbytes(p) for g in self.param_groups for p in g["params"])
+            stats["host_param_bytes"] = sum(local_nbytes(p) for g in self.param_groups for p in g["params"])
         return stats
 
     def offload_optimizer_states(self) -> bool:
@@ -355,7 +342,7 @@ def build_swap_adamw(
     weight_decay: float,
     fused: bool | None = None,
     swap_optimizer_times: int = 16,
-    use_host_arena: bool = False,
+    use_pinned_optimizer_offload: bool = False,
     swap_params: bool = False,
 ) -> SwapAdamW:
     """SwapAdamW over the model with the same groups (and fused default) as the baseline AdamW."""
@@ -363,6 +350,6 @@ def build_swap_adamw(
         fused = fused_supported(accelerator.name)
     return SwapAdamW(
         param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused,
-        swap_optimizer_times=swap_optimizer_times, use_host_arena=use_host_arena, swap_params=swap_params,
+        swap_optimizer_times=swap_optimizer_times, use_pinned_optimizer_offload=use_pinned_optimizer_offload, swap_params=swap_params,
         accelerator=accelerator,
     )  # fmt: skip

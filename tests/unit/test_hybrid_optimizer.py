@@ -581,6 +581,8 @@ def main(ckpt_dir):
         set_state_dict(fresh_model, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         train(fresh_model, fresh_opt, 3, start=5)
         resumed.append(locals_of(fresh_model))
+        if hasattr(fresh_opt, "close"):
+            fresh_opt.close()
 
     train(model, opt, 3, start=5)
     train(ref_model, ref, 3, start=5)
@@ -598,6 +600,7 @@ def main(ckpt_dir):
     train(ref_model, ref, 1, start=8)
     check(same(locals_of(model), locals_of(ref_model)), "params after an offload and reload of the states")
     print(f"HYBRID-FSDP2-OK rank={dist.get_rank()}", flush=True)
+    opt.close()  # no copy-stream worker left running at interpreter shutdown
     dist.destroy_process_group()
 
 

@@ -94,3 +94,11 @@ def test_registering_a_root_name_in_our_registry_does_not_collide() -> None:
     finally:
         OPTIMIZERS._module_dict.pop("AdamW", None)
     assert OPTIMIZERS.get("AdamW") is None
+
+
+@pytest.mark.parametrize("wrapper, stray", [(apply_none, "bucket_cap_mb"), (apply_ddp, "layers"),
+                                            (apply_fsdp2, "bucket_cap_mb")])  # fmt: skip
+def test_parallel_wrappers_take_exact_arguments(wrapper, stray):
+    """An argument meant for another mode is an error, not silently dropped."""
+    with pytest.raises(TypeError, match=stray):
+        wrapper(torch.nn.Linear(2, 2), ctx=None, **{stray: 1})

@@ -482,7 +482,7 @@ def test_checkpoint_round_trip_with_other_chunking(acc: Accelerator, tmp_path: P
     with torch.no_grad():
         for p, saved in zip(resumed_params, ckpt["params"], strict=True):
             p.copy_(saved)
-    resumed = SwapAdamW(resumed_params, swap_optimizer_times=times_after, use_host_arena=arena_after,
+    resumed = SwapAdamW(resumed_params, swap_optimizer_times=times_after, use_pinned_optimizer_offload=arena_after,
                         accelerator=acc, **kwargs)  # fmt: skip
     resumed.load_state_dict(ckpt["optim"])
     assert resumed.memory_stats()["device_state_bytes"] == 0
@@ -503,7 +503,7 @@ def test_loaded_state_is_really_used(acc: Accelerator, arena: bool) -> None:
         with torch.no_grad():
             for p, s in zip(ps, saved, strict=True):
                 p.copy_(s)
-        o = SwapAdamW(ps, lr=1e-2, swap_optimizer_times=2, use_host_arena=arena, accelerator=acc)
+        o = SwapAdamW(ps, lr=1e-2, swap_optimizer_times=2, use_pinned_optimizer_offload=arena, accelerator=acc)
         o.load_state_dict(state_dict)
         return o, ps
 
@@ -527,7 +527,7 @@ def test_loaded_state_is_really_used(acc: Accelerator, arena: bool) -> None:
 def test_reload_own_state_dict_with_arena_keeps_states(acc: Accelerator) -> None:
     """`opt.load_state_dict(opt.state_dict())` (DCP's in-place load path does the same) must be a no-op."""
     params = make_params(SHAPES)
-    opt = SwapAdamW(params, lr=1e-2, swap_optimizer_times=4, use_host_arena=True, accelerator=acc)
+    opt = SwapAdamW(params, lr=1e-2, swap_optimizer_times=4, use_pinned_optimizer_offload=True, accelerator=acc)
     run_steps(opt, params, 0, 3)
     before = {(id(p), k): t.clone() for p in params for k, t in opt.state.get(p, {}).items()}
     opt.load_state_dict(opt.state_dict())
@@ -554,7 +554,7 @@ def test_reload_own_state_dict_without_arena_keeps_states(acc: Accelerator) -> N
 def test_host_arena_parity_one_buffer_no_new_allocations(acc: Accelerator, kwargs: dict,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     shapes = [s for s in SHAPES if s[1] != "late"]  # every trainable param gets its state at step 0
-    ref, ref_params, _, opt, params, _ = build_pair(acc, shapes, kwargs, times=3, use_host_arena=True)
+    ref, ref_params, _, opt, params, _ = build_pair(acc, shapes, kwargs, times=3, use_pinned_optimizer_offload=True)
     calls = []
     original = Accelerator.host_empty
 

@@ -240,6 +240,14 @@ class Accelerator:
             stream.close()
 
 
+def finish_and_close(*streams: Stream | None) -> None:
+    """Wait for the work submitted to each stream (raising a cpu worker's failure), then close it; None is skipped."""
+    for stream in streams:
+        if stream is not None:
+            stream.synchronize()
+            stream.close()
+
+
 class CopyTimer:
     """Seconds a stream spent running the work handed to `run`, summed.
 

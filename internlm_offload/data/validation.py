@@ -15,9 +15,6 @@ from torch import Tensor
 
 from internlm_offload.data.corpus import DataError
 from internlm_offload.data.tokenized import IGNORE_INDEX, BinFile, find_bin_files, open_bin_file
-from internlm_offload.log import get_logger
-
-logger = get_logger(__name__)
 
 
 @dataclass

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from internlm_offload.data.tokenized import IGNORE_INDEX
 from internlm_offload.data.validation import ValidationSet
 
 
@@ -58,7 +59,7 @@ class Evaluator:
             out = model(input_ids)
             logits = out[0] if isinstance(out, tuple) else out
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-            acc += torch.stack([loss.double(), (labels != -100).sum().double()])
+            acc += torch.stack([loss.double(), (labels != IGNORE_INDEX).sum().double()])
         return acc
 
 

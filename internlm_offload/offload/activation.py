@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from internlm_offload.device import Accelerator, CopyTimer, Event, Stream, get_accelerator
+from internlm_offload.device import Accelerator, CopyTimer, Event, Stream, finish_and_close, get_accelerator
 from internlm_offload.log import get_logger
 from internlm_offload.offload.host_pool import HostPool, PendingCopy
 
@@ -375,10 +375,7 @@ class ActivationOffloader:
         while self._hook_stack:
             self._hook_stack.pop().__exit__(None, None, None)
         self._forward = None
-        for stream in (self.d2h, self.h2d):
-            if stream is not None:
-                stream.synchronize()
-                stream.close()
+        finish_and_close(self.d2h, self.h2d)
         self.pool.clear()
 
 

@@ -38,7 +38,7 @@ from torch.distributed._composable import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from internlm_offload.device import Accelerator, CopyTimer, Event, Stream
+from internlm_offload.device import Accelerator, CopyTimer, Event, Stream, finish_and_close
 from internlm_offload.log import get_logger
 from internlm_offload.offload.checkpointing import expensive_ops
 from internlm_offload.offload.host_pool import HostPool, PendingCopy
@@ -122,10 +122,7 @@ class SelectiveOffloader:
     def close(self) -> None:
         """Finish and stop the copy streams and drop the pooled host buffers (the run is over)."""
         self._flush()
-        for stream in (self.d2h, self.h2d):
-            if stream is not None:
-                stream.synchronize()
-                stream.close()
+        finish_and_close(self.d2h, self.h2d)
         self.pool.clear()
 
     # ------------------------------------------------------------------ forward

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from internlm_offload.device import Accelerator, Event, Stream, get_accelerator
+from internlm_offload.device import Accelerator, Event, Stream, finish_and_close, get_accelerator
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import fused_supported, param_groups
 from internlm_offload.optim.dtensor import is_dtensor, laid_out_like, local_nbytes, local_shard
@@ -333,9 +333,7 @@ class HybridDeviceOptimizer(Optimizer):
 
     def close(self) -> None:
         """Finish and stop the copy streams (cpu: their worker threads); the optimizer cannot step afterwards."""
-        for stream in (self._d2h_stream, self._h2d_stream):
-            stream.synchronize()
-            stream.close()
+        finish_and_close(self._d2h_stream, self._h2d_stream)
 
     def memory_stats(self) -> dict[str, int]:
         """Optimizer bytes on the device now, their peak during the last step, and bytes in host memory."""

@@ -39,7 +39,7 @@ import torch
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from internlm_offload.device import Accelerator, Event, get_accelerator
+from internlm_offload.device import Accelerator, Event, finish_and_close, get_accelerator
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import fused_supported, param_groups
 from internlm_offload.optim.dtensor import laid_out_like, local_nbytes, local_shard
@@ -282,9 +282,7 @@ class SwapAdamW(torch.optim.AdamW):
 
     def close(self) -> None:
         """Finish the copies and stop the copy streams (cpu: their worker threads); no step afterwards."""
-        for stream in (self._h2d, self._d2h):
-            stream.synchronize()
-            stream.close()
+        finish_and_close(self._h2d, self._d2h)
 
     def finish_copies(self) -> None:
         """`step()` returns with its last copy-outs only ordered on the device; readers of the host

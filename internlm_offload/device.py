@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
@@ -108,6 +108,7 @@ class Accelerator:
     name: str  # "cuda" | "npu" | "cpu"
     # Per-instance cpu stream state; not part of equality, hashing or repr.
     _streams: _StreamRegistry = field(default_factory=lambda: _StreamRegistry(), init=False, compare=False, repr=False)
+    _blocks: _BlockCache = field(default_factory=lambda: _BlockCache(), init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.name == "npu" and not hasattr(torch, "npu"):
@@ -174,6 +175,35 @@ class Accelerator:
             return _shm_empty(torch.Size(shape), dtype)
         return torch.empty(shape, dtype=dtype, pin_memory=pinned and self.supports_pinned_memory)
 
+    def current_device(self) -> torch.device:
+        """The device this process computes on now (`set_device`'s)."""
+        return torch.device("cpu") if self.module is None else torch.device(self.name, self.module.current_device())
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of uninitialised memory on the current device, as a flat uint8 tensor.
+
+        Give it back with `free_device_buffer` only once every stream that used it is done (the caller
+        waited on their events). On a device this is the caching allocator. On cpu freed blocks are kept
+        and handed to the next request of the same size at once, as the caching allocator does: a
+        missing wait before a free then shows up as overwritten data in cpu tests, and steady-state
+        steps map no fresh pages.
+        """
+        if self.module is None:
+            return self._blocks.take(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.current_device())
+
+    def free_device_buffer(self, buffer: torch.Tensor) -> None:
+        """Return a `device_buffer` for reuse (on a device the caching allocator reclaims it once dropped)."""
+        if self.module is None:
+            self._blocks.give_back(buffer)
+
+    def empty_cache(self) -> None:
+        """Release cached free device memory (cpu: the blocks `free_device_buffer` kept)."""
+        if self.module is None:
+            self._blocks.clear()
+        else:
+            self.module.empty_cache()
+
     def memory_allocated(self) -> int:
         """Bytes held on the device now (cpu: anonymous resident memory, `RssAnon`; the host tier is excluded)."""
         if self.module is None:
@@ -230,14 +260,24 @@ class Accelerator:
         if self.module is not None:
             tensor.record_stream(stream.raw)
 
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
-        """`dst.copy_(src)` on `stream`; the caller orders it with events."""
-        stream.submit(dst.copy_, src, non_blocking=True)
+    def copy_async(
+        self, dst: torch.Tensor | Sequence[torch.Tensor], src: torch.Tensor | Sequence[torch.Tensor], stream: Stream
+    ) -> None:
+        """`dst.copy_(src)` on `stream`, or pairwise for two sequences (one stream task); the caller orders it with events."""
+        if isinstance(dst, torch.Tensor):
+            stream.submit(dst.copy_, src, non_blocking=True)
+        elif dst:
+            stream.submit(_copy_pairs, list(dst), list(src))
 
     def close_streams(self) -> None:
         """Stop the worker threads of every cpu side stream this accelerator created."""
         for stream in self._streams.side_streams():
             stream.close()
+
+
+def _copy_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    for dst, src in zip(dsts, srcs, strict=True):
+        dst.copy_(src, non_blocking=True)
 
 
 def finish_and_close(*streams: Stream | None) -> None:
@@ -578,13 +618,51 @@ class _CpuStream(Stream):
 
 
 def _drain(tasks: queue.SimpleQueue) -> None:
-    """Worker loop of a cpu side stream: run tasks in order until a None arrives."""
+    """Worker loop of a cpu side stream: run tasks in order until a None arrives.
+    """
     while True:
         task = tasks.get()
         if task is None:
             return
         task()
         del task  # drop the closure (and the stream it holds) before blocking again
+
+
+class _BlockCache:
+    """The cpu backend's stand-in for the caching allocator: freed `device_buffer`s, reused at once.
+
+    A request takes the smallest cached block of at least its size (at most twice it) and gets a view
+    of its first bytes; giving the view back returns the whole block.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return (_BlockCache, ())  # cached blocks do not travel with a copied Accelerator
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fitting = [size for size, blocks in self._free.items() if blocks and nbytes <= size <= 2 * nbytes]
+            if fitting:
+                return self._free[min(fitting)].pop()[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        storage = buffer.untyped_storage()
+        block = torch.empty(0, dtype=torch.uint8).set_(storage)
+        with self._lock:
+            self._free.setdefault(storage.nbytes(), []).append(block)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+    @property
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return sum(size * len(blocks) for size, blocks in self._free.items())
 
 
 # ---- cpu host tier: buffers mapped from unlinked files in SHM_DIR ------------------------------------

@@ -198,13 +198,14 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def forward_backward(
-        self, micro_batch: MicroBatch, token_weight: float, aux_weight: float
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, micro_batch: MicroBatch, token_weight: float, aux_weight: float,
+        on_backward_start: Callable[[], None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """Loss sum (and MoE aux loss) of one micro-batch; backpropagates their weighted sum.
 
         A micro-batch is (input_ids, labels) or, with packed documents kept apart, (input_ids, labels,
         position_ids). A model returns logits, or `(logits, aux_loss)` with its auxiliary loss already
-        coefficient-weighted. Labels of -100 carry no loss.
+        coefficient-weighted. Labels of -100 carry no loss. `on_backward_start` runs once backward begins.
         """
         input_ids, labels, *positions = (t.to(self.ctx.device, non_blocking=True) for t in micro_batch)
         out = self.model(input_ids, *positions)
@@ -217,6 +218,8 @@ class Trainer:
         if aux_loss is not None:
             aux_loss = aux_loss.float()
             objective = objective + aux_loss * aux_weight
+        if on_backward_start is not None:
+            objective.register_hook(lambda _: on_backward_start())  # the first grad backward computes
         objective.backward()
         return loss_sum.detach(), None if aux_loss is None else aux_loss.detach()
 
@@ -235,8 +238,11 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.ctx.device, dtype=torch.float32)
         aux_sum = None
         for i, micro_batch in enumerate(micro_batches):
-            with gradient_sync(self.model, enabled=sync_in_backward and i == len(micro_batches) - 1):
-                micro_loss, micro_aux = self.forward_backward(micro_batch, token_weight, aux_weight)
+            last = i == len(micro_batches) - 1
+            # SwapAdamW copies its first chunk of states in while the last backward runs.
+            prefetch = getattr(self.optimizer, "prefetch", None) if last else None
+            with gradient_sync(self.model, enabled=sync_in_backward and last):
+                micro_loss, micro_aux = self.forward_backward(micro_batch, token_weight, aux_weight, prefetch)
             loss_sum += micro_loss
             if micro_aux is not None:
                 aux_sum = micro_aux if aux_sum is None else aux_sum + micro_aux

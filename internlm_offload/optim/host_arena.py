@@ -24,13 +24,11 @@ class HostArena:
         specs: Sequence[tuple[torch.Size | tuple[int, ...], torch.dtype]],
         *,
         pinned: bool = True,
+        alignment: int = ALIGNMENT,
     ) -> None:
-        self.offsets: list[int] = []
-        total = 0
-        for shape, dtype in specs:
-            total = _align(total)
-            self.offsets.append(total)
-            total += math.prod(shape) * _itemsize(dtype)
+        if ALIGNMENT % alignment:
+            raise ValueError(f"alignment={alignment} must divide {ALIGNMENT}")
+        self.offsets, total = aligned_offsets(specs, alignment)
         self.specs = list(specs)
         self.nbytes = _align(total)
         # Over-allocate and start at the first aligned byte: offsets are relative to the buffer, and a
@@ -38,6 +36,12 @@ class HostArena:
         raw = accelerator.host_empty((self.nbytes + ALIGNMENT,), torch.uint8, pinned=pinned)
         shift = -raw.data_ptr() % ALIGNMENT
         self.buffer: torch.Tensor | None = raw[shift : shift + self.nbytes]
+
+    def span(self, start: int, nbytes: int) -> torch.Tensor:
+        """Bytes `[start, start + nbytes)` of the buffer, as a flat uint8 view."""
+        if self.buffer is None:
+            raise RuntimeError("HostArena.span after release()")
+        return self.buffer[start : start + nbytes]
 
     def view(self, index: int) -> torch.Tensor:
         """The tensor at slot `index` (uninitialised until written)."""
@@ -53,8 +57,20 @@ class HostArena:
         self.buffer = None
 
 
-def _align(offset: int) -> int:
-    return (offset + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+def aligned_offsets(
+    specs: Sequence[tuple[torch.Size | tuple[int, ...], torch.dtype]], alignment: int
+) -> tuple[list[int], int]:
+    """Byte offsets of tensors packed in order, each starting on a multiple of `alignment`; and the end."""
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        total = _align(total, alignment)
+        offsets.append(total)
+        total += math.prod(shape) * _itemsize(dtype)
+    return offsets, total
+
+
+def _align(offset: int, alignment: int = ALIGNMENT) -> int:
+    return (offset + alignment - 1) // alignment * alignment
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -1,21 +1,28 @@
 """SwapAdamW: AdamW whose states live on the host between steps and visit the device inside `step()`.
 
 What it may touch: its own `state` (host tensors between steps), the params and grads it is given
-(updated in place on the device, as AdamW does), and the accelerator layer for streams and host
-memory. It never reads a config.
+(updated in place on the device, as AdamW does), and the accelerator layer for streams, device
+buffers and host memory. It never reads a config.
+
+Layout: the trainable params are cut, in order and never across a param group, into chunks of about
+half the step's device budget (`budget = ceil(total state bytes / swap_optimizer_times)`); a param is
+never split, so one larger than half the budget is a chunk of its own. A chunk's states sit at
+64-byte-aligned offsets of one flat device buffer, and with `use_pinned_optimizer_offload=True` at the
+same offsets of one pinned host slab (the arena), so a chunk moves in one copy each way. Without it
+each state is its own pageable host tensor and moves by itself (InternEvo/NeMo's per-tensor path).
 
 Schedule of one `step()` (device picture; the cpu backend runs the same schedule on worker threads):
-- the copy-in stream first waits for the compute stream, so no H2D copy lands in memory that backward
-  is still using, and no state is read before backward finished;
-- parameters are taken in order; the states of the next ones are copied in (H2D) while the current one
-  is stepped, and the states of stepped ones are copied out (D2H) behind it;
-- the device holds at most `budget = ceil(total state bytes / swap_optimizer_times)` bytes of state at
-  a time (at least one parameter's, if a single one is larger): a device buffer is freed only after the
-  compute stream waited for its copy-out, and the copy-in of the next parameter is admitted only when
-  the budget allows it.
-The update itself is torch's own AdamW kernel (`torch.optim.adam.adam` with the group's flags and
-`decoupled_weight_decay=True`), one parameter at a time, so params and states are bitwise those of
-`torch.optim.AdamW` with the same arguments.
+- chunks are taken in order; the next chunk's copy-in (H2D) runs while the current one is stepped,
+  and stepped chunks are copied out (D2H) behind it; `prefetch()`, called before the last backward,
+  starts the first chunk's copy-in while backward still runs;
+- every copy-in first makes the copy stream wait for the compute stream: its device buffer may be
+  memory the compute stream used a moment ago (freed after the compute stream waited for a copy-out);
+- the device holds at most `budget` bytes of state (at least one chunk): a chunk's buffer is freed only
+  after the compute stream waited for its copy-out, and the next copy-in is admitted only when the
+  budget allows it.
+The update is torch's own AdamW kernel (`torch.optim.adam.adam` with the group's flags and
+`decoupled_weight_decay=True`) over a chunk's params at once; the kernels are elementwise, so params
+and states are bitwise those of `torch.optim.AdamW` with the same arguments.
 
 With `swap_params=True` the parameters themselves live on the host too (fp32 master weights of a
 low-precision model, as ZeRO-Offload keeps them): each parameter then carries `main_grad`, its
@@ -32,7 +39,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,35 +51,59 @@ from internlm_offload.device import Accelerator, Event, finish_and_close, get_ac
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import fused_supported, param_groups
 from internlm_offload.optim.dtensor import laid_out_like, local_nbytes, local_shard
-from internlm_offload.optim.host_arena import HostArena
+from internlm_offload.optim.host_arena import HostArena, aligned_offsets
 from internlm_offload.registry import OPTIMIZERS
 
 logger = get_logger(__name__)
 
 SWAPPED_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-PARAM = "param"  # key of a host-resident parameter's device copy while it is staged
+PARAM = "param"  # slot of a host-resident parameter in a chunk
+SLOT_ALIGNMENT = 64  # bytes between a chunk's tensors: a cache line, enough for vectorised kernels
 
 
-@dataclass
-class _Staged:
-    """One parameter's states on the device for the duration of its update."""
+@dataclass(eq=False)
+class _Slot:
+    """One tensor of a chunk: a state of a param (or the param itself) at `offset` bytes into the chunk."""
 
     param: torch.Tensor
-    grad: torch.Tensor
+    key: str
+    offset: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """Consecutive params of one group whose states move and are stepped together."""
+
     group: dict[str, Any]
-    device_states: dict[str, torch.Tensor]
-    nbytes: int
-    copied_in: Event | None = None
-    copied_out: Event | None = None
+    params: list[torch.Tensor]
+    slots: list[_Slot]  # the states first (contiguous in the arena), then host-resident params
+    nbytes: int  # device bytes, padding included
+    arena_start: int | None = None  # where the states start in the arena; None: per-tensor host buffers
+    states_nbytes: int = 0  # bytes from the first to the end of the last state slot
+    device: torch.Tensor | None = field(default=None, repr=False)  # flat buffer while staged
+    stepped: list[torch.Tensor] = field(default_factory=list, repr=False)  # params updated this step
+    copied_in: Event | None = field(default=None, repr=False)
+    copied_out: Event | None = field(default=None, repr=False)
+
+    def view(self, slot: _Slot) -> torch.Tensor:
+        """The slot's tensor in the device buffer."""
+        assert self.device is not None
+        return self.device[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
 class SwapAdamW(torch.optim.AdamW):
     """Drop-in `torch.optim.AdamW` with host-resident states; see the module docstring.
 
-    Extra args (InternEvo's key names): `swap_optimizer_times` (chunks the step's device memory is
-    divided into), `pin_memory` (None: pinned where the device supports it),
-    `use_pinned_optimizer_offload` (all states in one coalesced host buffer), `swap_params` (the params are host tensors with a device `main_grad`; see the
-    module docstring), `accelerator` (default: detected).
+    Extra args (InternEvo's key names): `swap_optimizer_times` (the step's device memory is
+    `1/times` of the states), `use_pinned_optimizer_offload` (all states in one coalesced pinned host
+    slab, a chunk per copy; else per-tensor pageable host buffers), `swap_params` (the params are host
+    tensors with a device `main_grad`; see the module docstring), `accelerator` (default: detected).
     """
 
     def __init__(
@@ -87,7 +119,6 @@ class SwapAdamW(torch.optim.AdamW):
         foreach: bool | None = None,
         fused: bool | None = None,
         swap_optimizer_times: int = 16,
-        pin_memory: bool | None = None,
         use_pinned_optimizer_offload: bool = False,
         swap_params: bool = False,
         accelerator: Accelerator | None = None,
@@ -98,56 +129,106 @@ class SwapAdamW(torch.optim.AdamW):
                          maximize=maximize, foreach=foreach, fused=fused)  # fmt: skip
         self.swap_optimizer_times = swap_optimizer_times
         self.accelerator = accelerator or get_accelerator("auto")
-        self.pin_memory = self.accelerator.supports_pinned_memory if pin_memory is None else pin_memory
         self.use_pinned_optimizer_offload = use_pinned_optimizer_offload
         self.swap_params = swap_params
+        self._chunks: list[_Chunk] | None = None
+        self._layout_key: tuple | None = None
+        self._budget = 0
         self._arena: HostArena | None = None
-        self._arena_slots: dict[tuple[int, str], int] = {}
+        self._arena_offsets: dict[tuple[int, str], int] = {}
+        self._prefetched: _Chunk | None = None
         self._h2d = self.accelerator.stream()
         self._d2h = self.accelerator.stream()
         self._device_state_bytes = 0
         self._peak_device_state_bytes = 0
 
-    # ------------------------------------------------------------------ host state
+    # ------------------------------------------------------------------ layout
 
     def _swaps_step(self, group: dict[str, Any]) -> bool:
         # AdamW keeps `step` on the param's device only for fused/capturable kernels; else on the host.
         return bool(group["fused"] or group["capturable"])
 
-    def _host_buffer(self, param: torch.Tensor, key: str, *, zero: bool) -> torch.Tensor:
-        """Host storage for one state tensor of `param` (an arena view or its own buffer)."""
+    def _keys(self, group: dict[str, Any]) -> list[str]:
+        """The per-param tensors that travel: AdamW's states, `step` where the kernel reads it on the device."""
+        return list(SWAPPED_KEYS[: 3 if group["amsgrad"] else 2]) + (["step"] if self._swaps_step(group) else [])
+
+    def _ensure_layout(self) -> None:
+        """Cut the params into chunks (and allocate the arena) once; again only if the groups' flags changed."""
+        key = tuple((g["amsgrad"], self._swaps_step(g), tuple(map(id, g["params"]))) for g in self.param_groups)
+        if key == self._layout_key:
+            return
+        self._finish_pending()
+        per_param = [(p, g, self._slot_specs(p, g)) for g in self.param_groups for p in g["params"] if p.requires_grad]
+        total = sum(_padded(shape.numel() * dtype.itemsize) for _, _, specs in per_param for _, shape, dtype in specs)
+        self._budget = max(1, math.ceil(total / self.swap_optimizer_times))
+        self._chunks = _cut_chunks(per_param, target=max(1, self._budget // 2))
+        self._build_arena()
+        self._layout_key = key
+        self._adopt_states()
+
+    def _slot_specs(self, param: torch.Tensor, group: dict[str, Any]) -> list[tuple[str, torch.Size, torch.dtype]]:
         local = local_shard(param)
-        if self._arena is not None and (id(param), key) in self._arena_slots:
-            host = self._arena.view(self._arena_slots[id(param), key])
+        specs = [(k, torch.Size(()) if k == "step" else local.shape,
+                  _get_scalar_dtype(is_fused=group["fused"]) if k == "step" else local.dtype)
+                 for k in self._keys(group)]  # fmt: skip
+        return specs + ([(PARAM, local.shape, local.dtype)] if self.swap_params else [])
+
+    def _build_arena(self) -> None:
+        old = self._arena
+        self._arena, self._arena_offsets = None, {}
+        if not self.use_pinned_optimizer_offload:
+            return
+        specs, owners = [], []
+        for chunk in self._chunks:
+            for slot in chunk.slots:
+                if slot.key != PARAM:
+                    specs.append((slot.shape, slot.dtype))
+                    owners.append(slot)
+        arena = HostArena(self.accelerator, specs, pinned=self.accelerator.supports_pinned_memory,
+                          alignment=SLOT_ALIGNMENT)  # fmt: skip
+        for slot, offset in zip(owners, arena.offsets):
+            self._arena_offsets[id(slot.param), slot.key] = offset
+        for chunk in self._chunks:
+            states = [s for s in chunk.slots if s.key != PARAM]
+            if states:
+                chunk.arena_start = self._arena_offsets[id(states[0].param), states[0].key] - states[0].offset
+                chunk.states_nbytes = states[-1].offset + states[-1].nbytes
+        self._arena = arena
+        logger.info("Optimizer host arena: %d states in one %.1f MB buffer", len(specs), arena.nbytes / 2**20)
+        if old is not None:
+            old.release()
+
+    def _host_buffer(self, param: torch.Tensor, key: str, like: torch.Tensor) -> torch.Tensor:
+        """Host storage for one state tensor of `param`: its arena view, or a pageable buffer of its own."""
+        local = local_shard(like)
+        offset = self._arena_offsets.get((id(param), key))
+        if offset is not None:
+            host = self._arena.span(offset, local.numel() * local.element_size()).view(local.dtype).view(local.shape)
         else:
-            host = self.accelerator.host_empty(local.shape, local.dtype, pinned=self.pin_memory)
-        return laid_out_like(host.zero_() if zero else host, param)
+            host = self.accelerator.host_empty(local.shape, local.dtype, pinned=False)
+        return host if key == "step" else laid_out_like(host, param)
+
+    def _adopt_states(self) -> None:
+        """Move every existing state tensor into its host buffer (after a load or a new layout)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                for key in [k for k in self._keys(group) if state and k in state]:
+                    value = state[key]
+                    host = self._host_buffer(p, key, value if key != "step" else value.reshape(()))
+                    if host.data_ptr() != local_shard(value).data_ptr() or key == "step":
+                        local_shard(host).copy_(local_shard(value))
+                    state[key] = host
 
     def _init_host_state(self, param: torch.Tensor, group: dict[str, Any]) -> None:
         """AdamW's lazy state init, with the tensors on the host."""
         state = self.state[param]
-        if self._swaps_step(group):
-            state["step"] = self.accelerator.host_empty((), _get_scalar_dtype(is_fused=group["fused"]),
-                                                        pinned=self.pin_memory).zero_()  # fmt: skip
-        else:
+        if not self._swaps_step(group):
             state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-        for key in SWAPPED_KEYS[: 3 if group["amsgrad"] else 2]:
-            state[key] = self._host_buffer(param, key, zero=True)
-
-    def _maybe_build_arena(self) -> None:
-        if not self.use_pinned_optimizer_offload or self._arena is not None:
-            return
-        specs, slots = [], {}
-        for group in self.param_groups:
-            keys = SWAPPED_KEYS[: 3 if group["amsgrad"] else 2]
-            for p in group["params"]:
-                if p.requires_grad:
-                    for key in keys:
-                        slots[id(p), key] = len(specs)
-                        specs.append((local_shard(p).shape, local_shard(p).dtype))
-        self._arena = HostArena(self.accelerator, specs, pinned=self.pin_memory)
-        self._arena_slots = slots
-        logger.info("Optimizer host arena: %d states in one %.1f MB buffer", len(specs), self._arena.nbytes / 2**20)
+        for key in self._keys(group):
+            like = torch.empty((), dtype=_get_scalar_dtype(is_fused=group["fused"])) if key == "step" else param
+            state[key] = self._host_buffer(param, key, like)
+            local_shard(state[key]).zero_()
 
     # ------------------------------------------------------------------ step
 
@@ -157,21 +238,20 @@ class SwapAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._maybe_build_arena()
-        work = self._params_to_step()
-        total = sum(self._state_bytes(p, g) for p, g in work)
-        budget = max(1, math.ceil(total / self.swap_optimizer_times))
-        compute = self.accelerator.current_stream()
-        self._h2d.wait_stream(compute)  # backward has finished with the grads and the memory
-        self._peak_device_state_bytes = 0
-        staged: deque[_Staged] = deque()
-        copying_out: deque[_Staged] = deque()
-        upcoming = deque(work)
-        for _ in range(len(work)):
-            self._admit(upcoming, staged, copying_out, budget)
+        self._ensure_layout()
+        active = self._init_missing_states()
+        staged: deque[_Chunk] = deque()
+        if self._prefetched is not None:
+            staged.append(self._prefetched)
+            self._prefetched = None
+        self._peak_device_state_bytes = self._device_state_bytes
+        copying_out: deque[_Chunk] = deque()
+        upcoming = deque(c for c in self._chunks if c not in staged and any(p in active for p in c.params))
+        while staged or upcoming:
+            self._admit(upcoming, staged, copying_out, active)
             current = staged.popleft()
-            current.copied_in.wait()  # compute waits for this parameter's states
-            self._update(current)
+            current.copied_in.wait()  # compute waits for this chunk's states
+            self._update(current, active)
             self._copy_out(current)
             copying_out.append(current)
         while copying_out:
@@ -179,8 +259,22 @@ class SwapAdamW(torch.optim.AdamW):
         assert self._device_state_bytes == 0
         return loss
 
-    def _params_to_step(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
-        work = []
+    def prefetch(self) -> None:
+        """Start the first chunk's copy-in now, so it overlaps the rest of backward (a no-op until states exist).
+
+        Call it before the last backward of a step; `step()` picks the chunk up. The states are only
+        read, so grads need not be ready; anything that changes the host states first (a load) drops it.
+        """
+        if self._chunks is None or self._prefetched is not None or not self._chunks:
+            return
+        self._ensure_layout()
+        first = self._chunks[0]
+        if any(self.state.get(p) for p in first.params):
+            self._prefetched = self._copy_in(first)
+
+    def _init_missing_states(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Each param to step now, with its grad; creates missing host states (zeros) first."""
+        active, fresh = {}, []
         for group in self.param_groups:
             for p in group["params"]:
                 grad = self._grad(p)
@@ -188,10 +282,15 @@ class SwapAdamW(torch.optim.AdamW):
                     continue
                 if grad.is_sparse:
                     raise RuntimeError("SwapAdamW does not support sparse gradients")
+                active[p] = grad
                 if not self.state[p]:
-                    self._init_host_state(p, group)
-                work.append((p, group))
-        return work
+                    fresh.append((p, group))
+        if fresh:
+            # A copy-out of the last step may still write these (arena) bytes, a prefetch read them.
+            self._finish_pending()
+            for p, group in fresh:
+                self._init_host_state(p, group)
+        return active
 
     def _grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """The gradient to apply: `main_grad` (on the device) for a host-resident parameter; its `.grad`
@@ -199,20 +298,12 @@ class SwapAdamW(torch.optim.AdamW):
         main_grad = getattr(param, "main_grad", None) if self.swap_params else None
         return param.grad if main_grad is None else main_grad
 
-    def _state_bytes(self, param: torch.Tensor, group: dict[str, Any]) -> int:
-        state = self.state[param]
-        keys = [k for k in SWAPPED_KEYS if k in state] + (["step"] if self._swaps_step(group) else [])
-        return sum(local_nbytes(state[k]) for k in keys) + (local_nbytes(param) if self.swap_params else 0)
-
-    def _admit(self, upcoming: deque, staged: deque, copying_out: deque, budget: int) -> None:
+    def _admit(self, upcoming: deque, staged: deque, copying_out: deque, active: Collection[torch.Tensor]) -> None:
         """Start copy-ins while the device budget allows; free finished copy-outs to make room."""
         while upcoming:
-            param, group = upcoming[0]
-            need = self._state_bytes(param, group)
-            fits = self._device_state_bytes + need <= budget
+            fits = self._device_state_bytes + upcoming[0].nbytes <= self._budget
             if fits or self._device_state_bytes == 0:
-                staged.append(self._copy_in(param, group, need))
-                upcoming.popleft()
+                staged.append(self._copy_in(upcoming.popleft(), active))
             elif copying_out:
                 self._release(copying_out.popleft())
             elif staged:
@@ -220,59 +311,83 @@ class SwapAdamW(torch.optim.AdamW):
             else:
                 raise AssertionError("device state accounting out of sync")
 
-    def _copy_in(self, param: torch.Tensor, group: dict[str, Any], nbytes: int) -> _Staged:
-        state = self.state[param]
-        keys = [k for k in SWAPPED_KEYS if k in state] + (["step"] if self._swaps_step(group) else [])
-        grad = self._grad(param)
-        device = local_shard(grad).device
-        # Allocated on the compute stream: the allocator orders any reuse after this point.
-        device_states = {k: laid_out_like(torch.empty_like(local_shard(state[k]), device=device), state[k])
-                         if k != "step" else torch.empty_like(state[k], device=device) for k in keys}  # fmt: skip
-        sources = {k: state[k] for k in keys}
-        if self.swap_params:
-            device_states[PARAM], sources[PARAM] = torch.empty_like(param, device=device), param
-        # The new buffers may reuse memory a param stepped earlier in this step just released (after the
-        # compute stream waited for its copy-out): the copy-in must not start before that point.
+    def _copy_in(self, chunk: _Chunk, active: Collection[torch.Tensor] | None = None) -> _Chunk:
+        """Start moving the chunk's states in (those of `active` params only, when given per tensor)."""
+        chunk.device = self.accelerator.device_buffer(chunk.nbytes)
+        # The buffer may be memory the compute stream just released (after it waited for a copy-out):
+        # the copy-in must not start before that point.
         self._h2d.wait_stream(self.accelerator.current_stream())
-        for key, dst in device_states.items():
-            self.accelerator.copy_async(local_shard(dst), local_shard(sources[key]), self._h2d)
-        self._device_state_bytes += nbytes
+        self.accelerator.copy_async(*zip(*self._copies(chunk, params=active)), self._h2d)
+        chunk.copied_in = self._h2d.record_event()
+        self._device_state_bytes += chunk.nbytes
         self._peak_device_state_bytes = max(self._peak_device_state_bytes, self._device_state_bytes)
-        return _Staged(param, grad, group, device_states, nbytes, copied_in=self._h2d.record_event())
+        return chunk
 
-    def _update(self, staged: _Staged) -> None:
-        """torch's AdamW kernel on one parameter, with the group's flags."""
-        p, group, states = staged.param, staged.group, staged.device_states
-        host = self.state[p]
+    def _copies(
+        self, chunk: _Chunk, params: Collection[torch.Tensor] | None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device, host) pairs moving the chunk: one for all the states in the arena, else one per state
+        tensor of `params` (None: every param); and one per host-resident param of `params`."""
+        pairs = []
+        if chunk.arena_start is not None:
+            span = self._arena.span(chunk.arena_start, chunk.states_nbytes)
+            pairs.append((chunk.device[: chunk.states_nbytes], span))
+        wanted = None if params is None else {id(p) for p in params}
+        for slot in chunk.slots:
+            in_arena = slot.key != PARAM and chunk.arena_start is not None
+            if in_arena or (wanted is not None and id(slot.param) not in wanted):
+                continue
+            host = slot.param.detach() if slot.key == PARAM else self.state[slot.param].get(slot.key)
+            if host is not None:  # no state yet: nothing to move
+                pairs.append((chunk.view(slot), local_shard(host)))
+        return pairs
+
+    def _update(self, chunk: _Chunk, active: dict[torch.Tensor, torch.Tensor]) -> None:
+        """torch's AdamW kernel on the chunk's params that have grads, with the group's flags."""
+        group = chunk.group
+        views = {(id(s.param), s.key): chunk.view(s) for s in chunk.slots}
+        chunk.stepped = [p for p in chunk.params if p in active]
+        if not chunk.stepped:
+            return
+        targets = [views[id(p), PARAM] if self.swap_params else local_shard(p) for p in chunk.stepped]
+        states = {key: [views[id(p), key] for p in chunk.stepped] for key in self._keys(group)}
+        steps = states.get("step") or [self.state[p]["step"] for p in chunk.stepped]
         beta1, beta2 = group["betas"]
-        target = states[PARAM] if self.swap_params else p
         adam(
-            [target], [staged.grad], [states["exp_avg"]], [states["exp_avg_sq"]],
-            [states["max_exp_avg_sq"]] if group["amsgrad"] else [],
-            [states["step"] if "step" in states else host["step"]],
-            amsgrad=group["amsgrad"], has_complex=torch.is_complex(p), beta1=beta1, beta2=beta2,
+            targets, [local_shard(active[p]) for p in chunk.stepped], states["exp_avg"], states["exp_avg_sq"],
+            states.get("max_exp_avg_sq", []), steps, amsgrad=group["amsgrad"],
+            has_complex=any(torch.is_complex(p) for p in chunk.stepped), beta1=beta1, beta2=beta2,
             lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
             foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
             fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
             found_inf=getattr(self, "found_inf", None), decoupled_weight_decay=group["decoupled_weight_decay"],
         )  # fmt: skip
-        model_param = getattr(p, "model_param", None) if self.swap_params else None
-        if model_param is not None:
-            model_param.copy_(target)  # rounds into the model's dtype, on the compute stream
+        for p, target in zip(chunk.stepped, targets):
+            model_param = getattr(p, "model_param", None) if self.swap_params else None
+            if model_param is not None:
+                model_param.copy_(target)  # rounds into the model's dtype, on the compute stream
 
-    def _copy_out(self, staged: _Staged) -> None:
+    def _copy_out(self, chunk: _Chunk) -> None:
         self._d2h.wait_stream(self.accelerator.current_stream())  # the update is done
-        host = self.state[staged.param]
-        for key, src in staged.device_states.items():
-            dst = staged.param.detach() if key == PARAM else host[key]  # written on a copy thread
-            self.accelerator.copy_async(local_shard(dst), local_shard(src), self._d2h)
-        staged.copied_out = self._d2h.record_event()
+        device_views, hosts = zip(*self._copies(chunk, params=chunk.stepped))
+        self.accelerator.copy_async(hosts, device_views, self._d2h)  # written on a copy thread
+        chunk.copied_out = self._d2h.record_event()
 
-    def _release(self, staged: _Staged) -> None:
-        """Free a parameter's device states once their copy-out finished."""
-        staged.copied_out.wait()
-        staged.device_states.clear()
-        self._device_state_bytes -= staged.nbytes
+    def _release(self, chunk: _Chunk) -> None:
+        """Free a chunk's device buffer once its copy-out finished."""
+        chunk.copied_out.wait()
+        self.accelerator.free_device_buffer(chunk.device)
+        chunk.device = None
+        self._device_state_bytes -= chunk.nbytes
+
+    def _finish_pending(self) -> None:
+        """Wait for the copies in flight and drop a prefetched chunk (its device copy may be stale)."""
+        if self._prefetched is not None:
+            self._prefetched.copied_in.wait()
+            self._prefetched.copied_out = self._prefetched.copied_in
+            self._release(self._prefetched)
+            self._prefetched = None
+        self.finish_copies()
 
     # ------------------------------------------------------------------ state dict and memory
 
@@ -291,22 +406,15 @@ class SwapAdamW(torch.optim.AdamW):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load AdamW's layout (ours or a plain AdamW's) and move every state into host buffers."""
-        self.finish_copies()
+        self._finish_pending()
         super().load_state_dict(state_dict)
-        self._maybe_build_arena()
+        self._layout_key = None  # the groups' flags may have changed with the load
+        self._ensure_layout()
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
-                if not state:
-                    continue
-                for key in SWAPPED_KEYS:
-                    if key in state:
-                        host = self._host_buffer(p, key, zero=False)  # may alias state[key]: no zeroing
-                        local_shard(host).copy_(local_shard(state[key]))
-                        state[key] = host
-                if self._swaps_step(group):
-                    host_step = self.accelerator.host_empty((), state["step"].dtype, pinned=self.pin_memory)
-                    state["step"] = host_step.copy_(state["step"])
+                if state and not self._swaps_step(group):
+                    state["step"] = state["step"].to("cpu", copy=True)
 
     def memory_stats(self) -> dict[str, int]:
         """Byte counts (sizes, not values): no wait for a write-back still running; metrics read them every step."""
@@ -327,6 +435,39 @@ class SwapAdamW(torch.optim.AdamW):
     def reload_optimizer_states(self) -> bool:
         """States come to the device only inside `step()`. Returns False (no-op)."""
         return False
+
+
+def _cut_chunks(per_param: list[tuple[torch.Tensor, dict, list]], target: int) -> list[_Chunk]:
+    """Consecutive params of one group, up to `target` device bytes per chunk (a larger param alone)."""
+    chunks: list[_Chunk] = []
+    pending: list[tuple[torch.Tensor, list]] = []
+    group: dict | None = None
+    pending_bytes = 0
+    for param, param_group, specs in per_param:
+        # Every slot starts aligned, so a chunk's size is the sum of its slots' padded sizes.
+        size = sum(_padded(shape.numel() * dtype.itemsize) for _, shape, dtype in specs)
+        if pending and (param_group is not group or pending_bytes + size > target):
+            chunks.append(_layout_chunk(group, pending))
+            pending, pending_bytes = [], 0
+        group = param_group
+        pending.append((param, specs))
+        pending_bytes += size
+    if pending:
+        chunks.append(_layout_chunk(group, pending))
+    return chunks
+
+
+def _padded(nbytes: int) -> int:
+    return (nbytes + SLOT_ALIGNMENT - 1) // SLOT_ALIGNMENT * SLOT_ALIGNMENT
+
+
+def _layout_chunk(group: dict, members: list[tuple[torch.Tensor, list]]) -> _Chunk:
+    """Offsets of the members' tensors in one buffer: every state first, then the host-resident params."""
+    entries = [(p, k, shape, dtype) for p, specs in members for k, shape, dtype in specs if k != PARAM]
+    entries += [(p, k, shape, dtype) for p, specs in members for k, shape, dtype in specs if k == PARAM]
+    offsets, end = aligned_offsets([(shape, dtype) for _, _, shape, dtype in entries], SLOT_ALIGNMENT)
+    slots = [_Slot(p, k, off, torch.Size(shape), dtype) for (p, k, shape, dtype), off in zip(entries, offsets)]
+    return _Chunk(group, [p for p, _ in members], slots, _padded(end))
 
 
 @OPTIMIZERS.register_module(name="swap_adamw")

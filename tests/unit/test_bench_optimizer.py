@@ -21,7 +21,9 @@ def test_quick_run_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFix
         assert len(rec["step_s"]) == bench.QUICK["repeats"]
         assert 0 < rec["step_s_p10"] <= rec["step_s_median"] <= rec["step_s_p90"]
     peak = {name: rec["peak_device_state_bytes"] for name, rec in records.items()}
-    assert peak["swap_t16"] <= peak["swap_t4"] < peak["swap_t1"] == peak["baseline_adamw_fused"] > 0
+    assert peak["swap_t16"] <= peak["swap_t4"] < peak["swap_t1"]
+    # t1 holds every state at once, as the baseline does, plus the chunks' alignment padding
+    assert 0 < peak["baseline_adamw_fused"] <= peak["swap_t1"] < 1.01 * peak["baseline_adamw_fused"]
     assert peak["hybrid_f1.0"] == 0 < peak["hybrid_f0.5"] == peak["hybrid_f0.5_no_overlap"]
     assert records["baseline_adamw_fused"]["host_state_bytes"] == 0 < records["swap_t4"]["host_state_bytes"]
     env = data["env"]

@@ -67,3 +67,26 @@ def test_trainer_close_releases_hooks_streams_and_host_buffers(tmp_path):
     assert not layers[0]._forward_hooks and not layers[0]._forward_pre_hooks  # the offloader's hooks
     assert all(s.closed and (s._thread is None or not s._thread.is_alive()) for s in streams)
     trainer.close()  # idempotent
+
+
+def test_swap_optimizer_prefetches_once_per_step_inside_the_last_backward(tmp_path, monkeypatch):
+    """The trainer starts SwapAdamW's first copy-in when the last micro-batch's backward begins."""
+    from internlm_offload.builder import build_trainer
+    from internlm_offload.engine.runtime import RunContext
+    from internlm_offload.optim.swap import SwapAdamW
+
+    calls = []
+    prefetch = SwapAdamW.prefetch
+    # A graph task id other than -1: the call runs inside autograd's backward.
+    monkeypatch.setattr(SwapAdamW, "prefetch", lambda self: calls.append(torch._C._current_graph_task_id()) or
+                        prefetch(self))  # fmt: skip
+    cfg = resolve_config({
+        "model": dict(num_layers=2, hidden_size=64, num_attention_heads=4), "swap_optimizer": True,
+        "data": dict(seq_len=32, micro_num=2, total_steps=3), "ckpt": dict(enable_save_ckpt=False),
+        "monitor": dict(progress_bar="off"),
+    })  # fmt: skip
+    accelerator = Accelerator("cpu")
+    trainer = build_trainer(cfg, RunContext(rank=0, local_rank=0, world_size=1, accelerator=accelerator), tmp_path)
+    trainer.train()
+    trainer.close()
+    assert len(calls) == 3 and all(task != -1 for task in calls), calls

@@ -22,7 +22,7 @@ import torch
 
 import internlm_offload.optim.swap as swap_mod
 from internlm_offload.device import Accelerator
-from internlm_offload.optim.swap import SWAPPED_KEYS, SwapAdamW, _Staged
+from internlm_offload.optim.swap import SLOT_ALIGNMENT, SWAPPED_KEYS, SwapAdamW, _Chunk
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,6 +112,11 @@ def assert_same(ref_opt: torch.optim.Optimizer, ref_params: list, opt: torch.opt
             got = state[key]
             assert got.dtype == ref.dtype and got.shape == ref.shape and got.device == ref.device, (i, key)
             assert torch.equal(got, ref), f"param {i} ({tuple(p.shape)}, {p.role}): state {key!r} differs"
+
+
+def padded(nbytes: int) -> int:
+    """Device bytes of one state tensor: every tensor of a chunk starts on a SLOT_ALIGNMENT boundary."""
+    return -(-nbytes // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
 
 
 def adamw_keys(amsgrad: bool) -> set[str]:
@@ -209,7 +214,7 @@ def test_parity_large_odd_param(acc: Accelerator) -> None:
     run_steps(opt, params, 0, 50)
     assert_same(ref, ref_params, opt, params)
     # The big param is larger than the budget on its own, so it was swapped in alone.
-    big = 3 * 4 * 1_000_001
+    big = 3 * padded(4 * 1_000_001)
     assert opt.memory_stats()["peak_device_state_bytes"] == big
 
 
@@ -247,13 +252,14 @@ def test_states_are_separate_host_buffers_between_steps(acc: Accelerator, fused:
     seen: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
     original = SwapAdamW._update
 
-    def recording_update(self: SwapAdamW, staged: _Staged) -> None:
-        host = self.state[staged.param]
-        for key, dev in staged.device_states.items():
-            assert dev is not host[key], key
-            assert dev.untyped_storage().data_ptr() != host[key].untyped_storage().data_ptr(), key
-        seen.append((staged.param, dict(staged.device_states)))
-        original(self, staged)
+    def recording_update(self: SwapAdamW, chunk: _Chunk, active: dict) -> None:
+        original(self, chunk, active)
+        for p in chunk.stepped:
+            dev = {s.key: chunk.view(s) for s in chunk.slots if s.param is p}
+            for key, dev_t in dev.items():
+                assert dev_t.untyped_storage().data_ptr() != self.state[p][key].untyped_storage().data_ptr(), key
+            # Cloned now: the device buffer goes back to the cache and serves a later chunk.
+            seen.append((p, {key: t.clone() for key, t in dev.items()}))
 
     monkeypatch.setattr(SwapAdamW, "_update", recording_update)
     host_ptrs = None
@@ -261,7 +267,7 @@ def test_states_are_separate_host_buffers_between_steps(acc: Accelerator, fused:
         seen.clear()
         run_steps(opt, params, step, step + 1)
         assert opt.memory_stats()["device_state_bytes"] == 0
-        # The device copies were used and dropped: only `seen` keeps them alive now.
+        # The device copies were cloned right after their update, before any copy-out.
         assert seen and all(set(dev) == set(SWAPPED_KEYS) | ({"step"} if fused else set()) for _, dev in seen)
         for p, dev in seen:
             for key, dev_t in dev.items():
@@ -339,38 +345,31 @@ BOUND_SHAPES = [((n,), "train") for n in (3, 5000, 17, 1, 120_000, 640, 33, 70_0
 
 
 class LiveDeviceBytes:
-    """An independent ledger: bytes of the device-state tensors `_copy_in` created that are still alive."""
+    """An independent ledger: bytes of the device buffers taken from the accelerator and not yet given back."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.live = self.peak = 0
-        self._lock = threading.Lock()
-        original = SwapAdamW._copy_in
+        take, give_back = Accelerator.device_buffer, Accelerator.free_device_buffer
 
-        def counting_copy_in(opt: SwapAdamW, param: torch.Tensor, group: dict, nbytes: int) -> _Staged:
-            staged = original(opt, param, group, nbytes)
-            for t in staged.device_states.values():
-                n = t.numel() * t.element_size()
-                with self._lock:
-                    self.live += n
-                weakref.finalize(t, self._free, n)
-            with self._lock:
-                self.peak = max(self.peak, self.live)
-            return staged
+        def counting_take(acc: Accelerator, nbytes: int) -> torch.Tensor:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            return take(acc, nbytes)
 
-        monkeypatch.setattr(SwapAdamW, "_copy_in", counting_copy_in)
+        def counting_give_back(acc: Accelerator, buffer: torch.Tensor) -> None:
+            self.live -= buffer.numel()
+            give_back(acc, buffer)
 
-    def _free(self, n: int) -> None:
-        with self._lock:
-            self.live -= n
+        monkeypatch.setattr(Accelerator, "device_buffer", counting_take)
+        monkeypatch.setattr(Accelerator, "free_device_buffer", counting_give_back)
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(fused=True, amsgrad=True)], ids=["plain", "fused_amsgrad"])
 def test_peak_device_state_bytes_bounded(acc: Accelerator, kwargs: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    per_elem = 12 if kwargs.get("amsgrad") else 8
-    step_bytes = 4 if kwargs.get("fused") else 0  # fused keeps `step` on the device, so it is swapped too
-    sizes = [math.prod(s) for s, _ in BOUND_SHAPES]
-    total = sum(per_elem * n + step_bytes for n in sizes)
-    largest = max(per_elem * n + step_bytes for n in sizes)
+    n_states = 3 if kwargs.get("amsgrad") else 2
+    step_bytes = padded(4) if kwargs.get("fused") else 0  # fused keeps `step` on the device: swapped too
+    per_param = [n_states * padded(4 * math.prod(s)) + step_bytes for s, _ in BOUND_SHAPES]
+    total, largest = sum(per_param), max(per_param)
     peaks = {}
     for times in (1, 2, 4, 16):
         ledger = LiveDeviceBytes(monkeypatch)
@@ -610,17 +609,12 @@ def _delay_streams(opt: SwapAdamW, acc: Accelerator, h2d_s: float, d2h_s: float)
 
 @pytest.fixture
 def poisoned_empty_like(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fresh "device" buffers start as NaN (like reused allocator memory), never as lucky zeros.
+    """Every device buffer handed out starts as NaN bytes (never lucky zeros or the right old values).
 
-    Patches `torch.empty_like` for the whole test (swap.py allocates its device states with it); the
-    AdamW reference is unaffected since it never reads uninitialised memory."""
-    real = torch.empty_like
-
-    def poisoned(*args: object, **kwargs: object) -> torch.Tensor:
-        t = real(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
-
-    monkeypatch.setattr(swap_mod.torch, "empty_like", poisoned)
+    Freed buffers still go back to the accelerator's cache and are handed out again at once, so a copy
+    that runs late lands in memory another chunk uses, as with the caching allocator."""
+    take = Accelerator.device_buffer
+    monkeypatch.setattr(Accelerator, "device_buffer", lambda acc, nbytes: take(acc, nbytes).fill_(0xFF))
 
 
 @pytest.mark.parametrize("fused", [None, True])
@@ -641,10 +635,10 @@ def test_skipping_copy_in_wait_breaks_results(acc: Accelerator, poisoned_empty_l
     _delay_streams(opt, acc, 0.02, 0.0)
     original = SwapAdamW._copy_in
 
-    def copy_in_without_wait(self: SwapAdamW, *args: object) -> _Staged:
-        staged = original(self, *args)
-        staged.copied_in = self.accelerator.event()  # never recorded: already complete
-        return staged
+    def copy_in_without_wait(self: SwapAdamW, *args: object) -> _Chunk:
+        chunk = original(self, *args)
+        chunk.copied_in = self.accelerator.event()  # never recorded: already complete
+        return chunk
 
     monkeypatch.setattr(SwapAdamW, "_copy_in", copy_in_without_wait)
     run_steps(ref, ref_params, 0, 3)
@@ -661,9 +655,9 @@ def test_skipping_copy_out_wait_breaks_results(acc: Accelerator, poisoned_empty_
     _delay_streams(opt, acc, 0.0, 0.02)
     original = SwapAdamW._copy_out
 
-    def copy_out_without_event(self: SwapAdamW, staged: _Staged) -> None:
-        original(self, staged)
-        staged.copied_out = self.accelerator.event()  # never recorded: already complete
+    def copy_out_without_event(self: SwapAdamW, chunk: _Chunk) -> None:
+        original(self, chunk)
+        chunk.copied_out = self.accelerator.event()  # never recorded: already complete
 
     monkeypatch.setattr(SwapAdamW, "_copy_out", copy_out_without_event)
     run_steps(ref, ref_params, 0, 3)
@@ -784,3 +778,70 @@ def test_swapped_masters_match_adamw_on_device_masters_and_write_the_model(acc, 
     assert stats["device_state_bytes"] == 0 and stats["host_param_bytes"] == sum(m.numel() * 4 for m in masters)
     for ref, master in zip(reference, masters):
         assert torch.equal(swapped.state[master]["exp_avg_sq"], expected.state[ref]["exp_avg_sq"])
+
+
+# ---------------------------------------------------------------- prefetch and device buffers
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_prefetch_before_step_stays_bitwise(acc: Accelerator, poisoned_empty_like: None, arena: bool,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """`prefetch()` (the trainer calls it before the last backward) copies the first chunk in early.
+
+    The "late" param gets its first grad at step 5: its zeroed state must replace the stale prefetched
+    copy (host buffers start as NaN bytes here, as uninitialised memory may)."""
+    host_empty = Accelerator.host_empty
+
+    def nan_host_empty(*args: object, **kwargs: object) -> torch.Tensor:
+        t = host_empty(*args, **kwargs)
+        t.reshape(-1).view(torch.uint8).fill_(0xFF)
+        return t
+
+    monkeypatch.setattr(Accelerator, "host_empty", nan_host_empty)
+    kwargs = dict(lr=1e-2, weight_decay=0.1, fused=True, amsgrad=True)
+    shapes = [((300,), "late")] + [s for s in SHAPES if s[1] != "late"]  # the late param in the first chunk
+    ref, ref_params, _, opt, params, _ = build_pair(acc, shapes, kwargs, times=2, use_pinned_optimizer_offload=arena)
+    _delay_streams(opt, acc, 0.002, 0.002)
+    prefetched = []
+    for step in range(8):
+        opt.prefetch()
+        opt._h2d.synchronize()  # the early copy has landed: a stale one cannot be fixed by luck
+        prefetched.append(opt._prefetched is not None)
+        run_steps(ref, ref_params, step, step + 1)
+        run_steps(opt, params, step, step + 1)
+    assert prefetched == [False] + [True] * 7  # nothing to prefetch before the states exist
+    assert_same(ref, ref_params, opt, params)
+
+
+def test_load_state_dict_drops_a_prefetched_chunk(acc: Accelerator) -> None:
+    """A load after `prefetch()` changes the host states: the step must not use the stale device copy."""
+    ref, ref_params, _, opt, params, _ = build_pair(acc, SHAPES, dict(lr=1e-2), times=2)
+    run_steps(ref, ref_params, 0, 4)
+    other = SwapAdamW(clone_params(params), lr=1e-2, swap_optimizer_times=2, accelerator=acc)
+    run_steps(other, list(other.param_groups[0]["params"]), 0, 4)
+    run_steps(opt, params, 0, 1)  # states exist: prefetch has something to copy
+    with torch.no_grad():
+        for p, q in zip(params, other.param_groups[0]["params"]):
+            p.copy_(q)
+    opt.prefetch()
+    assert opt._prefetched is not None
+    opt.load_state_dict(other.state_dict())
+    assert opt._prefetched is None and opt.memory_stats()["device_state_bytes"] == 0
+    run_steps(ref, ref_params, 4, 6)
+    run_steps(opt, params, 4, 6)
+    assert_same(ref, ref_params, opt, params)
+
+
+def test_no_device_allocation_after_the_first_step(acc: Accelerator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk buffers come back from the accelerator's cache: steady-state steps map no fresh memory."""
+    params = make_params([s for s in SHAPES if s[1] != "late"])
+    opt = SwapAdamW(params, lr=1e-2, swap_optimizer_times=3, accelerator=acc)
+    run_steps(opt, params, 0, 1)
+    fresh = []
+    real_empty = torch.empty
+    # (giving a buffer back wraps its block in an empty tensor: no memory)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (a != (0,) and fresh.append(a)) or real_empty(*a, **k))
+    run_steps(opt, params, 1, 4)
+    monkeypatch.undo()
+    assert fresh == []
+    assert acc._blocks.cached_bytes >= opt.memory_stats()["peak_device_state_bytes"]

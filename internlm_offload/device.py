@@ -22,6 +22,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import queue
+import sys
+from collections import Counter
 import tempfile
 import threading
 import time
@@ -256,9 +258,12 @@ class Accelerator:
             yield stream
 
     def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
-        """Tell the caching allocator that `stream` uses `tensor` (cpu: nothing to do)."""
+        """Tell the caching allocator that `stream` uses `tensor`: its memory is not reused before the
+        stream's work queued so far has run (cpu: the stream keeps it alive until it is next idle)."""
         if self.module is not None:
             tensor.record_stream(stream.raw)
+        elif isinstance(stream, _CpuStream):
+            stream.keep_until_idle(tensor)
 
     def copy_async(
         self, dst: torch.Tensor | Sequence[torch.Tensor], src: torch.Tensor | Sequence[torch.Tensor], stream: Stream
@@ -532,6 +537,7 @@ class _CpuStream(Stream):
         self._registry, self.name, self.delay_s = registry, name, delay_s
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._kept: list[torch.Tensor] = []  # record_stream'ed tensors, released when the stream is idle
         self._thread: threading.Thread | None = None
         self.closed = False
         self._failure: BaseException | None = None
@@ -540,6 +546,11 @@ class _CpuStream(Stream):
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         self._put(partial(self._run_task, fn, args, kwargs))
+
+    def keep_until_idle(self, tensor: torch.Tensor) -> None:
+        """Hold `tensor` until the stream has run everything queued (what `record_stream` promises)."""
+        with self._lock:
+            self._kept.append(tensor)
 
     def wait_event(self, event: Event) -> None:
         # Bind the event's latest record now; a wait on a failed stream's mark poisons this one too.
@@ -585,15 +596,17 @@ class _CpuStream(Stream):
             if check_failed:
                 self._raise_if_failed()
             if self._thread is None:
-                self._thread = threading.Thread(target=_drain, args=(self._tasks,), name=self.name, daemon=True)
+                self._thread = threading.Thread(target=_drain, args=(self._tasks, self._lock, self._kept),
+                                                name=self.name, daemon=True)  # fmt: skip
                 self._thread.start()
             self._tasks.put(task)
 
     def _run_task(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        if self._failure is None:
+        if self.delay_s and self._failure is None:
             time.sleep(self.delay_s)
         # Inside a task the current stream is this one, as inside `torch.cuda.stream(s)`.
         with self._registry.using(self):
+            self._guard(_check_alive, self.name, fn, args, kwargs)
             self._guard(fn, *args, **kwargs)
 
     def _guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
@@ -617,15 +630,89 @@ class _CpuStream(Stream):
             raise error
 
 
-def _drain(tasks: queue.SimpleQueue) -> None:
-    """Worker loop of a cpu side stream: run tasks in order until a None arrives.
-    """
+def _drain(tasks: queue.SimpleQueue, lock: threading.Lock, kept: list[torch.Tensor]) -> None:
+    """Worker loop of a cpu side stream: run tasks in order until a None arrives; drop `kept` when idle."""
     while True:
         task = tasks.get()
         if task is None:
             return
         task()
         del task  # drop the closure (and the stream it holds) before blocking again
+        with lock:  # submitters append under the same lock: nothing queued since the check is dropped
+            if tasks.empty():
+                kept.clear()
+
+
+def _check_alive(stream_name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """Raise if a tensor this task uses is held by nothing but the task: the program freed it.
+
+    On a device the caching allocator could already have handed that memory to someone else (the
+    task would read or write a stranger's data): the program must keep a reference until the
+    stream's event completed, or `record_stream` it.
+    """
+    orphan = _orphan(fn, args, kwargs)
+    if orphan is not None:
+        raise RuntimeError(
+            f"a tensor ({tuple(orphan.shape)}, {orphan.dtype}) queued on {stream_name} was freed by the program "
+            "before the stream used it; keep a reference until the stream's event completes, or record_stream it"
+        )
+
+
+def _orphan(fn: Callable[..., Any], args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A cpu tensor of the task whose storage nothing outside the task refers to, if any.
+
+    A storage is alive when a tensor object the task does not hold points to it (each tensor object
+    is one reference to its storage), or when something besides the task refers to one of the task's
+    tensor objects (counted with `sys.getrefcount`, less the task's own references and this function's).
+    """
+    found = list(_tensors(getattr(fn, "__self__", None), args, kwargs))
+    occurrences = Counter(map(id, found))
+    # A view keeps its base alive: the base counts as held by the task (with no reference of the task's own).
+    bases = [t._base for t in found if t._base is not None]
+    own = {**{id(t): _OWN_BASE_REFS for t in bases}, **{key: n + _OWN_REFS for key, n in occurrences.items()}}
+    unique = {id(t): t for t in found + bases if t.device.type == "cpu" and t.untyped_storage().nbytes()}
+    del found, bases
+    by_storage: dict[int, list[int]] = {}
+    for key in unique:
+        by_storage.setdefault(unique[key].untyped_storage().data_ptr(), []).append(key)
+    for keys in by_storage.values():
+        # +1: the storage object `untyped_storage()` makes for the call
+        if torch._C._storage_Use_Count(unique[keys[0]].untyped_storage()._cdata) > 1 + len(keys):
+            continue
+        if any(sys.getrefcount(unique[key]) > own[key] for key in keys):
+            continue
+        return unique[keys[0]]
+    return None
+
+
+def _own_refs(base: bool) -> int:
+    """References `_orphan` holds to a task tensor, or to the base of a task's view (calibrated once: they
+    depend on the interpreter and on torch keeping a view's base wrapper alive)."""
+    probe = torch.zeros(2)
+    task_args = (probe[:1],) if base else (probe,)
+    del probe
+
+    def measure() -> int:  # holds it as `_orphan` does: in a dict, then getrefcount's argument
+        held = task_args[0]._base if base else task_args[0]
+        unique = {id(held): held}
+        del held
+        return sys.getrefcount(unique[next(iter(unique))])
+
+    return measure() - (0 if base else 1)  # less the task's own reference (`task_args`)
+
+
+_OWN_REFS, _OWN_BASE_REFS = _own_refs(base=False), _own_refs(base=True)
+
+
+def _tensors(*objects: Any) -> Iterator[torch.Tensor]:
+    """The tensors among `objects`, one level into tuples, lists and dicts."""
+    for obj in objects:
+        items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else (obj,)
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (tuple, list)):
+                yield from (t for t in item if isinstance(t, torch.Tensor))
 
 
 class _BlockCache:

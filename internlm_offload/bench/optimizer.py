@@ -2,6 +2,11 @@
 
     python -m internlm_offload.bench.optimizer [--quick] [--out bench_results/optimizer.json]
 
+Three parts, one process: the offload configurations against fused AdamW; CPU AdamW throughput
+(for-loop, foreach, fused, the hybrid optimizer's CPU path, DeepSpeedCPUAdam where it imports); and
+the state round trip (offload + reload) of many small tensors through a coalesced arena vs one copy
+per tensor.
+
 Every configuration owns an identically seeded copy of the params and gets the same grads before every
 step; configurations step round-robin (rotating the start) in one process. On cpu the "device" and the
 host are the same RAM: `host_empty` buffers live in /dev/shm (`RssShmem`), the rest is `RssAnon`, and every
@@ -28,11 +33,12 @@ import torch
 
 from internlm_offload import device
 from internlm_offload.device import Accelerator, rss_anon_bytes
+from internlm_offload.optim.host_arena import HostArena, aligned_offsets
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer
-from internlm_offload.optim.swap import SwapAdamW
+from internlm_offload.optim.swap import SLOT_ALIGNMENT, SwapAdamW
 
 HYPER = {"lr": 1e-3, "weight_decay": 1e-2}
-QUICK = {"elements": 300_000, "tensors": 12, "repeats": 3, "warmup": 1}
+QUICK = {"elements": 300_000, "tensors": 12, "repeats": 3, "warmup": 1, "round_trip_tensors": 40}
 Factory = Callable[[list[torch.Tensor], Accelerator], torch.optim.Optimizer]
 
 
@@ -57,6 +63,33 @@ CONFIGS: dict[str, Factory] = {
     "hybrid_f1.0": _hybrid(1.0),
     "hybrid_f0.5_no_overlap": _hybrid(0.5, overlap=False),
 }
+
+
+def _deepspeed_cpu_adam(params: list[torch.Tensor], acc: Accelerator) -> torch.optim.Optimizer:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # optional; builds its C++ op on first use
+
+    return DeepSpeedCPUAdam(params, adamw_mode=True, **HYPER)
+
+
+CPU_ADAMW: dict[str, Factory] = {
+    "for_loop": lambda params, acc: torch.optim.AdamW(params, foreach=False, fused=False, **HYPER),
+    "foreach": lambda params, acc: torch.optim.AdamW(params, foreach=True, **HYPER),
+    "fused": lambda params, acc: torch.optim.AdamW(params, fused=True, **HYPER),
+    # HybridDeviceOptimizer with every param on the CPU: its CPU step plus the grad and param copies.
+    "hybrid_cpu_path": _hybrid(1.0),
+    "deepspeed_cpu_adam": _deepspeed_cpu_adam,
+}
+
+
+def deepspeed_status() -> str | None:
+    """None when DeepSpeedCPUAdam builds and steps here; otherwise why not, in one line."""
+    try:
+        p = torch.zeros(8, requires_grad=True)
+        p.grad = torch.ones(8)
+        _deepspeed_cpu_adam([p], Accelerator("cpu")).step()
+    except Exception as exc:  # noqa: BLE001  ImportError, or a failed JIT build of its C++ op
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    return None
 
 
 @dataclass
@@ -92,7 +125,9 @@ def _malloc_trim() -> None:
         pass
 
 
-def build_case(name: str, init: list[torch.Tensor], grads: list[torch.Tensor], acc: Accelerator) -> Case:
+def build_case(
+    name: str, init: list[torch.Tensor], grads: list[torch.Tensor], acc: Accelerator, factories: dict | None = None
+) -> Case:
     """Fresh params and optimizer, plus a first step (states allocated); records the `RssAnon` growth."""
     gc.collect()
     _malloc_trim()
@@ -100,7 +135,7 @@ def build_case(name: str, init: list[torch.Tensor], grads: list[torch.Tensor], a
     params = [t.clone().requires_grad_() for t in init]
     for p in params:
         p.grad = torch.empty_like(p)
-    case = Case(name, params, CONFIGS[name](params, acc))
+    case = Case(name, params, (factories or CONFIGS)[name](params, acc))
     step(case, grads, acc)
     gc.collect()
     _malloc_trim()
@@ -149,6 +184,59 @@ def summarize(case: Case, base: Case) -> dict[str, Any]:
         **memory(case.optimizer), "rss_anon_delta_bytes": case.rss_anon_delta,
         "minor_faults_per_step": statistics.median(case.faults),
         "bitwise_equal": all(torch.equal(p, b) for p, b in zip(case.params, base.params, strict=True)),
+    }  # fmt: skip
+
+
+def throughput(case: Case, base: Case) -> dict[str, Any]:
+    """The JSON record of one CPU AdamW: elements per second, and the traffic it implies at 28 B/element."""
+    median = statistics.median(case.times)
+    elements = sum(p.numel() for p in case.params)
+    return {
+        "name": case.name, "step_s_median": median, "step_s": case.times, "elements_per_s": elements / median,
+        "gb_per_s_at_28_bytes": 28 * elements / median / 1e9, "vs_fused": median / statistics.median(base.times),
+        "bitwise_equal_to_fused": all(torch.equal(p, b) for p, b in zip(case.params, base.params, strict=True)),
+    }  # fmt: skip
+
+
+def round_trip(tensors: int, repeats: int, acc: Accelerator) -> dict[str, Any]:
+    """Offload + reload of two fp32 states for each of `tensors` params: one copy per tensor vs one arena span.
+
+    The device side is the same in both: the states as aligned views of one flat buffer (as SwapAdamW
+    stages them). Per-tensor: a host buffer per state and one copy per tensor each way (all in one
+    stream task, so the stream's per-task cost on cpu is not counted); arena: one host slab laid out
+    like the device buffer, one copy each way. Timed alternately.
+    """
+    sizes = [n for n in tensor_sizes(1000 * tensors, tensors, seed=3) for _ in range(2)]  # exp_avg, exp_avg_sq
+    specs = [((n,), torch.float32) for n in sizes]
+    offsets, end = aligned_offsets(specs, SLOT_ALIGNMENT)
+    device_flat = torch.randn(end // 4 + 1).view(torch.uint8)[:end]
+    device = [device_flat[o : o + 4 * n].view(torch.float32) for o, n in zip(offsets, sizes)]
+    per_tensor = [acc.host_empty((n,), torch.float32, pinned=False) for n in sizes]
+    arena = HostArena(acc, specs, pinned=acc.supports_pinned_memory, alignment=SLOT_ALIGNMENT)
+    span = arena.span(0, end)
+    stream = acc.stream()
+    modes = {
+        "per_tensor": lambda: acc.copy_async(per_tensor, device, stream),
+        "arena": lambda: acc.copy_async(span, device_flat, stream),
+    }
+    reloads = {
+        "per_tensor": lambda: acc.copy_async(device, per_tensor, stream),
+        "arena": lambda: acc.copy_async(device_flat, span, stream),
+    }
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    for rep in range(repeats + 1):
+        for name in modes if rep % 2 else reversed(list(modes)):
+            start = time.perf_counter()
+            modes[name]()
+            reloads[name]()
+            stream.synchronize()
+            if rep:  # the first round is warm-up
+                times[name].append(time.perf_counter() - start)
+    stream.close()
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "tensors": tensors, "state_tensors": len(sizes), "state_bytes": 4 * sum(sizes),
+        "round_trip_s": times, "median_s": medians, "arena_speedup": medians["per_tensor"] / medians["arena"],
     }  # fmt: skip
 
 
@@ -204,6 +292,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tensors", type=int, default=100, help="number of param tensors")
     p.add_argument("--repeats", type=int, default=20, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration after the first")
+    p.add_argument("--round-trip-tensors", type=int, default=2000, help="params in the offload+reload comparison")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--out", type=Path, default=Path("bench_results/optimizer.json"))
     p.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
@@ -224,17 +313,41 @@ def main(argv: list[str] | None = None) -> int:
     acc = Accelerator("cpu")
     sizes = tensor_sizes(args.elements, args.tensors)
     init, grads = seeded(sizes, seed=1), seeded(sizes, seed=2)
+    deepspeed_missing = deepspeed_status()
+    adamw_names = [n for n in CPU_ADAMW if n != "deepspeed_cpu_adam" or deepspeed_missing is None]
     try:
         cases = [build_case(name, init, grads, acc) for name in CONFIGS]
         time_cases(cases, grads, args, acc)
         records = [summarize(case, cases[0]) for case in cases]
+        del cases
+        adamw_cases = [build_case(name, init, grads, acc, CPU_ADAMW) for name in adamw_names]
+        time_cases(adamw_cases, grads, args, acc)
+        fused = next(c for c in adamw_cases if c.name == "fused")
+        adamw = [throughput(case, fused) for case in adamw_cases]
+        del adamw_cases
+        trip = round_trip(args.round_trip_tensors, args.repeats, acc)
     finally:
         acc.close_streams()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"env": environment(args, sizes), "results": records}, indent=2))
+    report = {"env": environment(args, sizes), "results": records, "cpu_adamw": adamw,
+              "deepspeed_cpu_adam": deepspeed_missing or "measured", "arena_round_trip": trip}  # fmt: skip
+    args.out.write_text(json.dumps(report, indent=2))
     plot(records, args.out.with_suffix(".png"))
     print_table(records)
+    print_throughput(adamw, deepspeed_missing)
+    print(f"offload+reload of {trip['state_tensors']} state tensors ({trip['state_bytes'] / 2**20:.1f} MiB): "
+          f"per-tensor {trip['median_s']['per_tensor'] * 1e3:.2f} ms, arena {trip['median_s']['arena'] * 1e3:.2f} ms, "
+          f"arena {trip['arena_speedup']:.1f}x faster")  # fmt: skip
     return 0 if all(r["bitwise_equal"] for r in records) else 1
+
+
+def print_throughput(records: list[dict[str, Any]], deepspeed_missing: str | None) -> None:
+    print(f"\n{'cpu adamw':<24}{'median ms':>10}{'Melem/s':>10}{'GB/s@28B':>10}{'vs fused':>10}")
+    for r in records:
+        print(f"{r['name']:<24}{r['step_s_median'] * 1e3:>10.1f}{r['elements_per_s'] / 1e6:>10.0f}"
+              f"{r['gb_per_s_at_28_bytes']:>10.1f}{r['vs_fused']:>10.2f}")  # fmt: skip
+    if deepspeed_missing:
+        print(f"{'deepspeed_cpu_adam':<24}not measured: {deepspeed_missing}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ the master copy, a grad buffer and the states, plus one D2H and one H2D copy and
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from internlm_offload.device import Accelerator, Event, Stream, finish_and_close
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import fused_supported, param_groups
 from internlm_offload.optim.dtensor import is_dtensor, laid_out_like, local_nbytes, local_shard
+from internlm_offload.optim.host_arena import HostArena
 from internlm_offload.registry import OPTIMIZERS
 
 logger = get_logger(__name__)
@@ -39,6 +41,10 @@ logger = get_logger(__name__)
 # keeps its own (the CPU and device kernels may differ), so they are never propagated.
 _NOT_PROPAGATED = frozenset({"params", "param_names", "foreach", "fused", "capturable", "differentiable"})
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+# With overlap the CPU share is stepped in this many pieces (fewer when it has fewer params), each as
+# soon as its own grads have landed: enough to hide all but the first piece's copy, few enough that a
+# CPU optimizer's per-step overhead stays small.
+CPU_STEP_PIECES = 8
 
 
 @dataclass
@@ -111,15 +117,20 @@ class HybridDeviceOptimizer(Optimizer):
 
     Step schedule (`overlap_cpu_optimizer_d2h_h2d=True`):
     1. the copy streams wait for the compute stream, then every CPU param's grad goes D2H on the
-       `d2h` stream, one event per param;
-    2. the device sub-optimizer steps on the compute stream while those copies run;
-    3. per param: the host waits for that param's event, its CPU optimizer steps, and the updated
-       master goes H2D on the `h2d` stream (cast to the param dtype on the host first), overlapping
-       the next param's CPU step; with one CPU optimizer per param, a step never waits for the
-       grads of later params (a group usually holds most params, so group granularity would leave
-       little to overlap);
-    4. the compute stream waits for `h2d` before `step()` returns: the next forward sees new params.
-    Without overlap, one CPU optimizer mirrors the param groups and waits for all grads at once.
+       `d2h` stream, one event per piece (the CPU share is cut into up to `CPU_STEP_PIECES` pieces of
+       consecutive params of one group, a CPU optimizer each);
+    2. a host worker thread takes the pieces in order: it waits for the piece's grads, steps its CPU
+       optimizer and sends the updated masters H2D on the `h2d` stream (cast to the param dtype on
+       the host first), overlapping the next piece's copies;
+    3. meanwhile the calling thread steps the device sub-optimizer on the compute stream (on a
+       device its kernels run while the host steps; on the cpu backend the two run side by side);
+    4. `step()` joins the worker, and the compute stream waits for `h2d` before `step()` returns: the
+       next forward sees new params.
+    Without overlap, one CPU optimizer mirrors the param groups and steps after the device one,
+    once all grads have landed.
+
+    Host memory: the masters, grad landing buffers and staging buffers are views of one slab per
+    pinnedness (`HostArena`), not a pinned allocation each (pinning rounds every allocation up).
 
     Numerics: on the cpu backend (both sides fused AdamW on cpu) params and states are bitwise equal
     to `torch.optim.AdamW(fused=True)` over the same params, and, with `param_update_in_fp32`, to that
@@ -164,7 +175,8 @@ class HybridDeviceOptimizer(Optimizer):
             device masters for device params: +4 B/element there) and update those.
         pin_cpu_grads: page-lock the host buffer grads land in (async D2H; counts against memlock).
         pin_cpu_params: page-lock the host buffer updates leave from (async H2D).
-        overlap_cpu_optimizer_d2h_h2d: one CPU optimizer per param, pipelined with the copies.
+        overlap_cpu_optimizer_d2h_h2d: the CPU share in pieces, stepped on a host thread while the
+            device steps, pipelined with the copies.
         accelerator: where the device params live (default: `get_accelerator()`).
         **kwargs: hyper-parameters (lr, betas, eps, weight_decay, amsgrad, maximize, ...): the defaults
             of the param groups, passed to both sub-optimizers.
@@ -197,6 +209,8 @@ class HybridDeviceOptimizer(Optimizer):
         self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
         self._d2h_stream: Stream = self._acc.stream()
         self._h2d_stream: Stream = self._acc.stream()
+        self._host_arenas: list[HostArena] = []
+        self._cpu_worker: ThreadPoolExecutor | None = None  # started by the first overlapped step
         # id(model param) -> (sub-optimizer, the tensor it steps for that param).
         self._route: dict[int, tuple[Optimizer, torch.Tensor]] = {}
         self._device_masters: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -227,31 +241,51 @@ class HybridDeviceOptimizer(Optimizer):
         super().add_param_group(param_group)
 
     def _build_cpu_units(self, cls: Callable[..., Optimizer], offloaded: set[int], kwargs: dict) -> list[_CpuUnit]:
-        slots = [[self._host_slot(p) for p in g["params"] if id(p) in offloaded] for g in self.param_groups]
-        if self.overlap_cpu_optimizer_d2h_h2d:
-            plan = [[(gid, [slot])] for gid, group_slots in enumerate(slots) for slot in group_slots]
+        slots = self._host_slots([p for g in self.param_groups for p in g["params"] if id(p) in offloaded])
+        grouped = [[slots[id(p)] for p in g["params"] if id(p) in offloaded] for g in self.param_groups]
+        if not self.overlap_cpu_optimizer_d2h_h2d:
+            plan = [list(enumerate(grouped))] if slots else []
         else:
-            plan = [list(enumerate(slots))] if any(slots) else []
+            plan = _pieces(grouped, sum(local_shard(s.master).numel() for s in slots.values()) / CPU_STEP_PIECES)
         return [self._cpu_unit(cls, groups, kwargs) for groups in plan]
 
-    def _host_slot(self, param: torch.Tensor) -> _HostSlot:
+    def _host_slots(self, params: list[torch.Tensor]) -> dict[int, _HostSlot]:
+        """Each CPU-stepped param's host buffers, as views of one slab per pinnedness."""
+        wanted = [self._buffer_specs(p) for p in params]
+        for pinned in (True, False):
+            specs = [(shape, dtype) for spec in wanted for shape, dtype, pin in spec.values() if pin is pinned]
+            self._host_arenas.append(HostArena(self._acc, specs, pinned=pinned))
+        views, taken = [], {True: 0, False: 0}
+        arenas = {True: self._host_arenas[-2], False: self._host_arenas[-1]}
+        for spec in wanted:
+            views.append({})
+            for role, (_, _, pinned) in spec.items():
+                views[-1][role] = arenas[pinned].view(taken[pinned])
+                taken[pinned] += 1
+        return {id(p): self._host_slot(p, v) for p, v in zip(params, views)}
+
+    def _buffer_specs(self, param: torch.Tensor) -> dict[str, tuple[torch.Size, torch.dtype, bool]]:
+        """The host buffers a CPU-stepped param needs: role -> (shape, dtype, pinned)."""
         if _resident(param):
             # The param is the master; grads land in fp32, updates leave in the model param's dtype.
             host = param.detach()
-            grad = self._acc.host_empty(host.shape, host.dtype, pinned=self.pin_cpu_grads)
-            staging = self._acc.host_empty(host.shape, param.model_param.dtype, pinned=self.pin_cpu_params)
-            return _HostSlot(param, host, grad, staging, resident=True)
+            return {"grad": (host.shape, host.dtype, self.pin_cpu_grads),
+                    "staging": (host.shape, param.model_param.dtype, self.pin_cpu_params)}  # fmt: skip
         local = local_shard(param.detach())  # this rank's shard of a DTensor param
         master_dtype = self._master_dtype(param)
-        master = self._acc.host_empty(local.shape, master_dtype, pinned=self.pin_cpu_params)
-        master.copy_(local)
-        staging = None
-        if master_dtype != param.dtype:
+        specs = {"master": (local.shape, master_dtype, self.pin_cpu_params)}
+        converted = master_dtype != param.dtype
+        if converted:
             # Serves both copies, so it is pinned when either direction asks for it.
-            pinned = self.pin_cpu_grads or self.pin_cpu_params
-            staging = self._acc.host_empty(local.shape, param.dtype, pinned=pinned)
-        grad = self._acc.host_empty(local.shape, master_dtype, pinned=self.pin_cpu_grads and staging is None)
-        return _HostSlot(param, master, grad, staging)
+            specs["staging"] = (local.shape, param.dtype, self.pin_cpu_grads or self.pin_cpu_params)
+        specs["grad"] = (local.shape, master_dtype, self.pin_cpu_grads and not converted)
+        return specs
+
+    def _host_slot(self, param: torch.Tensor, views: dict[str, torch.Tensor]) -> _HostSlot:
+        if _resident(param):
+            return _HostSlot(param, param.detach(), views["grad"], views["staging"], resident=True)
+        views["master"].copy_(local_shard(param.detach()))
+        return _HostSlot(param, views["master"], views["grad"], views.get("staging"))
 
     def _cpu_unit(
         self, cls: Callable[..., Optimizer], groups: list[tuple[int, list[_HostSlot]]], kwargs: dict
@@ -324,16 +358,26 @@ class HybridDeviceOptimizer(Optimizer):
         self._d2h_stream.wait_stream(compute)
         self._h2d_stream.wait_stream(compute)
         self._start_grad_copies()
-        self._step_device()
-        for unit in self._cpu_units:
-            self._wait_for_grads(unit)
-            self._step_cpu_unit(unit)
+        if self.overlap_cpu_optimizer_d2h_h2d and self._cpu_units:
+            if self._cpu_worker is None:
+                self._cpu_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybrid-cpu-step")
+            cpu_steps = self._cpu_worker.submit(self._step_cpu_units)
+            self._step_device()
+            cpu_steps.result()  # re-raises a failure of the CPU side
+        else:
+            self._step_device()
+            self._step_cpu_units()
         self._wait_for_params(compute)
         return loss
 
     def close(self) -> None:
-        """Finish and stop the copy streams (cpu: their worker threads); the optimizer cannot step afterwards."""
+        """Stop the CPU-step thread, finish and stop the copy streams (cpu: their worker threads) and free
+        the host slabs; the optimizer cannot step afterwards."""
+        if self._cpu_worker is not None:
+            self._cpu_worker.shutdown()
         finish_and_close(self._d2h_stream, self._h2d_stream)
+        for arena in self._host_arenas:
+            arena.release()
 
     def memory_stats(self) -> dict[str, int]:
         """Optimizer bytes on the device now, their peak during the last step, and bytes in host memory."""
@@ -440,6 +484,12 @@ class HybridDeviceOptimizer(Optimizer):
             if master.grad is not None:
                 param.copy_(master)
             master.grad = None
+
+    @torch.no_grad()  # grad mode is per thread: the worker needs its own
+    def _step_cpu_units(self) -> None:
+        for unit in self._cpu_units:
+            self._wait_for_grads(unit)
+            self._step_cpu_unit(unit)
 
     def _wait_for_grads(self, unit: _CpuUnit) -> None:
         """Block the host until the unit's grads have landed: the CPU step reads them next."""
@@ -565,6 +615,21 @@ class _StateView(Mapping):
         return isinstance(param, torch.Tensor) and id(param) in self._owner._route and bool(
             self._owner._live_state(param, create=False)
         )
+
+
+def _pieces(grouped: list[list[_HostSlot]], target: float) -> list[list[tuple[int, list[_HostSlot]]]]:
+    """Consecutive slots of one group, about `target` elements per piece (a larger param alone)."""
+    pieces: list[list[tuple[int, list[_HostSlot]]]] = []
+    for gid, group_slots in enumerate(grouped):
+        size = None  # a group starts a new piece
+        for slot in group_slots:
+            numel = local_shard(slot.master).numel()
+            if size is None or (size > 0 and size + numel > target):
+                pieces.append([(gid, [])])
+                size = 0
+            pieces[-1][0][1].append(slot)
+            size += numel
+    return pieces
 
 
 def _default_device_cls(accelerator: Accelerator) -> Callable[..., Optimizer]:

@@ -355,3 +355,37 @@ def test_copy_timer_on_cpu_times_the_work_in_the_worker() -> None:
     side.synchronize()
     assert 0.05 <= timer.seconds() < 1.0
     side.close()
+
+
+# ---------------------------------------------------------------- freed-before-use checker
+
+
+def _copy_from_a_dropped_source(acc: Accelerator, stream, dst: torch.Tensor, *, view: bool, record: bool) -> None:
+    src = torch.randn(1000)
+    acc.copy_async(dst[:500] if view else dst, src[:500] if view else src, stream)
+    if record:
+        acc.record_stream(src, stream)  # the promise a device program makes instead of keeping `src`
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_a_copy_whose_source_was_freed_raises(view: bool) -> None:
+    acc = Accelerator("cpu")
+    stream, dst = acc.stream(delay_s=0.02), torch.empty(1000)
+    _copy_from_a_dropped_source(acc, stream, dst, view=view, record=False)
+    with pytest.raises(StreamError, match="freed by the program before the stream used it"):
+        stream.synchronize()
+    acc.close_streams()
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_a_kept_or_recorded_source_is_fine(view: bool) -> None:
+    acc = Accelerator("cpu")
+    stream, dst = acc.stream(delay_s=0.02), torch.empty(1000)
+    _copy_from_a_dropped_source(acc, stream, dst, view=view, record=True)
+    src = torch.randn(1000)
+    acc.copy_async([dst[:10], dst[10:20]], [src[:10], src[10:20]], stream)  # kept by the caller
+    stream.synchronize()
+    assert torch.equal(dst[10:20], src[10:20])
+    assert stream._kept == []  # record_stream's hold ends once the stream is idle
+    acc.close_streams()
+

@@ -108,7 +108,13 @@ def test_slow_copies_stay_bitwise_and_dropping_the_load_wait_is_caught():
     _delayed(handle, 0.01)
     expected = step(tiny_model())
     assert_same(step(model), expected)
-    handle._timed_wait = lambda event: None  # the bug: replay before the copies back landed
+    load = handle.load
+
+    def load_without_wait(cache):
+        cache.loaded = None  # the bug: replay before the copies back landed
+        return load(cache)
+
+    handle.load = load_without_wait
     _delayed(handle, 0.05)
     model.zero_grad(set_to_none=True)
     got = step(model)

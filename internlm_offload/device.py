@@ -43,6 +43,10 @@ BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 SHM_DIR = "/dev/shm"
 # Smaller host buffers use ordinary memory: a mapping costs at least a page and one of the process's maps.
 SHM_MIN_BYTES = 4096
+# cuda: pinned buffers from this size up are registered ordinary memory (exact size); smaller ones come
+# from the caching host allocator, whose power-of-two rounding costs little there.
+REGISTER_MIN_BYTES = 1 << 20
+PAGE_BYTES = 4096
 # Share of SHM_DIR left free for others (DataLoader workers, torch.multiprocessing): beyond it, ordinary memory.
 SHM_RESERVE_FRACTION = 0.25
 
@@ -172,10 +176,18 @@ class Accelerator:
         it cannot be resized past its size and stays shared with children forked after its creation.
         Buffers under `SHM_MIN_BYTES`, and every buffer when `SHM_DIR` is missing, not writable or would
         keep less than `SHM_RESERVE_FRACTION` of its space free, use ordinary memory.
+
+        On cuda a pinned buffer of `REGISTER_MIN_BYTES` or more is ordinary memory registered with the
+        driver (`cudaHostRegister`, released with the storage): the caching host allocator behind
+        `pin_memory=True` rounds every block up to a power of two, which would pin up to twice the bytes.
         """
         if self.module is None:
             return _shm_empty(torch.Size(shape), dtype)
-        return torch.empty(shape, dtype=dtype, pin_memory=pinned and self.supports_pinned_memory)
+        pinned = pinned and self.supports_pinned_memory
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if pinned and nbytes >= REGISTER_MIN_BYTES and hasattr(self.module, "cudart"):
+            return _registered_empty(self.module.cudart(), torch.Size(shape), dtype)
+        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
 
     def current_device(self) -> torch.device:
         """The device this process computes on now (`set_device`'s)."""
@@ -753,6 +765,23 @@ class _BlockCache:
 
 
 # ---- cpu host tier: buffers mapped from unlinked files in SHM_DIR ------------------------------------
+
+
+def _registered_empty(cudart: Any, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Page-aligned ordinary host memory registered with the driver (page-locked), unregistered with its storage.
+
+    The registered pages lie wholly inside this allocation, so no other buffer shares them.
+    """
+    nbytes = shape.numel() * dtype.itemsize
+    span = -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+    raw = torch.empty(span + PAGE_BYTES, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE_BYTES
+    pages = raw[start : start + span]
+    code = int(cudart.cudaHostRegister(pages.data_ptr(), span, 0))
+    if code != 0:
+        raise RuntimeError(f"cudaHostRegister of {span} bytes failed with error {code}")
+    weakref.finalize(raw.untyped_storage(), cudart.cudaHostUnregister, pages.data_ptr())
+    return pages[:nbytes].view(dtype).view(shape)
 
 
 def _shm_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -240,6 +240,31 @@ def round_trip(tensors: int, repeats: int, acc: Accelerator) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def copy_floor(cases: list[Case], grads: list[torch.Tensor], repeats: int, acc: Accelerator) -> dict[str, Any]:
+    """What swapping costs at least here: the states' bytes copied in and out on the calling thread.
+
+    Alternates one baseline step with one plain copy of every swapped state (exp_avg and exp_avg_sq,
+    8 bytes per param) host -> device -> host; the floor ratio is (step + copies) / step: SwapAdamW
+    moves exactly those bytes, so no schedule does better on a machine where copies and the update
+    share the memory bandwidth.
+    """
+    base = cases[0]
+    states = 2 * sum(p.numel() for p in base.params)
+    device_states = torch.zeros(states)
+    host_states = acc.host_empty((states,), torch.float32, pinned=False).copy_(device_states)
+    copies: list[float] = []
+    steps: list[float] = []
+    for _ in range(repeats + 1):
+        steps.append(step(base, grads, acc)[0])
+        start = time.perf_counter()
+        device_states.copy_(host_states)
+        host_states.copy_(device_states)
+        copies.append(time.perf_counter() - start)
+    copy_s, step_s = statistics.median(copies[1:]), statistics.median(steps[1:])
+    return {"state_bytes": 4 * states, "copy_in_out_s": copy_s, "baseline_step_s": step_s,
+            "floor_ratio": (step_s + copy_s) / step_s, "copy_gb_per_s": 2 * 4 * states / copy_s / 1e9}  # fmt: skip
+
+
 def environment(args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
     """What the numbers depend on: versions, threads, cores, sizes, host tier."""
     return {
@@ -319,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [build_case(name, init, grads, acc) for name in CONFIGS]
         time_cases(cases, grads, args, acc)
         records = [summarize(case, cases[0]) for case in cases]
+        floor = copy_floor(cases, grads, args.repeats, acc)
         del cases
         adamw_cases = [build_case(name, init, grads, acc, CPU_ADAMW) for name in adamw_names]
         time_cases(adamw_cases, grads, args, acc)
@@ -329,11 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         acc.close_streams()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"env": environment(args, sizes), "results": records, "cpu_adamw": adamw,
+    report = {"env": environment(args, sizes), "results": records, "swap_copy_floor": floor, "cpu_adamw": adamw,
               "deepspeed_cpu_adam": deepspeed_missing or "measured", "arena_round_trip": trip}  # fmt: skip
     args.out.write_text(json.dumps(report, indent=2))
     plot(records, args.out.with_suffix(".png"))
     print_table(records)
+    print(f"swap's copy floor: {floor['state_bytes'] / 2**20:.0f} MiB in and out {floor['copy_in_out_s'] * 1e3:.1f} ms "
+          f"({floor['copy_gb_per_s']:.1f} GB/s moved) against a {floor['baseline_step_s'] * 1e3:.1f} ms step: "
+          f"ratio >= {floor['floor_ratio']:.2f}")  # fmt: skip
     print_throughput(adamw, deepspeed_missing)
     print(f"offload+reload of {trip['state_tensors']} state tensors ({trip['state_bytes'] / 2**20:.1f} MiB): "
           f"per-tensor {trip['median_s']['per_tensor'] * 1e3:.2f} ms, arena {trip['median_s']['arena'] * 1e3:.2f} ms, "

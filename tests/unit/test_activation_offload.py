@@ -411,3 +411,20 @@ def test_the_first_offloaded_block_in_backward_is_prefetched():
     handle._ensure_reloaded = spy
     step(model)
     assert started_ahead == {2: True, 1: True, 0: True}
+
+
+def test_async_offload_never_blocks_the_host_inside_hooks(monkeypatch):
+    """On a device every wait in forward and backward must be a stream wait: count the host waits."""
+    from fake_device import fake_accelerator
+
+    acc, host_waits = fake_accelerator(monkeypatch)
+    model = tiny_model()
+    handle = offload_layers(model.layers, 3, mode="async", accelerator=acc)
+    handle._is_host = lambda t: False  # the cpu tensors stand for device memory here
+    for _ in range(2):
+        step(model)
+    assert handle.stats()["offloaded_bytes"] > 0
+    assert host_waits == {}
+    handle._copy_out = lambda slot, copy_out=handle._copy_out: copy_out(slot) or handle.d2h.synchronize()
+    step(model)  # control: a host wait in a hook is counted
+    assert host_waits["stream.synchronize"] > 0

@@ -389,3 +389,31 @@ def test_a_kept_or_recorded_source_is_fine(view: bool) -> None:
     assert stream._kept == []  # record_stream's hold ends once the stream is idle
     acc.close_streams()
 
+
+
+def test_large_pinned_buffers_are_registered_at_their_exact_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda: big pinned buffers are page-aligned ordinary memory, registered once and unregistered with
+    their storage, instead of the caching host allocator's power-of-two blocks."""
+    import gc
+
+    import internlm_offload.device as device_mod
+
+    calls: list = []
+    cudart = SimpleNamespace(cudaHostRegister=lambda ptr, size, flags: calls.append(("register", ptr, size)) or 0,
+                             cudaHostUnregister=lambda ptr: calls.append(("unregister", ptr)) or 0)  # fmt: skip
+    fake = SimpleNamespace(cudart=lambda: cudart)
+    monkeypatch.setattr(torch, "fakedev", fake, raising=False)
+    acc = Accelerator("fakedev")
+    nbytes = device_mod.REGISTER_MIN_BYTES + 12  # not a power of two, not a page multiple
+    host = acc.host_empty((nbytes // 4,), torch.float32)
+    (kind, ptr, size), = calls
+    assert kind == "register" and ptr == host.data_ptr() and ptr % device_mod.PAGE_BYTES == 0
+    assert nbytes <= size < nbytes + device_mod.PAGE_BYTES  # pinned bytes ~ logical bytes, not 2x
+    host.fill_(1.0)
+    view = host[5:]
+    del host
+    gc.collect()
+    assert len(calls) == 1, "unregistered while a view still uses the memory"
+    del view
+    gc.collect()
+    assert calls[-1] == ("unregister", ptr)

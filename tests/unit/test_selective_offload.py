@@ -139,3 +139,20 @@ def test_backward_prefetches_the_next_block_and_forward_releases_one_block_late(
     step(model)
     assert started_before_replay == [False, True, True]  # block 2 first; 1 and 0 were prefetched
     assert released_at_forward_end and all(released_at_forward_end)  # always the previous block's outputs
+
+
+def test_async_selective_offload_never_blocks_the_host_inside_hooks(monkeypatch):
+    """On a device every wait in forward and backward must be a stream wait: count the host waits."""
+    from fake_device import fake_accelerator
+
+    acc, host_waits = fake_accelerator(monkeypatch)
+    model = tiny_model()
+    handle = apply_selective_offload(model.layers, [0, 1, 2], accelerator=acc, mode="async")
+    for _ in range(2):
+        step(model)
+    assert handle.as_dict()["host_bytes"] > 0
+    assert host_waits == {}
+    load = handle.load
+    handle.load = lambda cache: handle.h2d.synchronize() or load(cache)
+    step(model)  # control: a host wait in a hook is counted
+    assert host_waits["stream.synchronize"] > 0

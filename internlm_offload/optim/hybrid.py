@@ -44,7 +44,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # With overlap the CPU share is stepped in this many pieces (fewer when it has fewer params), each as
 # soon as its own grads have landed: enough to hide all but the first piece's copy, few enough that a
 # CPU optimizer's per-step overhead stays small.
-CPU_STEP_PIECES = 8
+CPU_STEP_PIECES = 4
 
 
 @dataclass

@@ -269,6 +269,22 @@ class Accelerator:
         with self._streams.using(stream) if self.module is None else self.module.stream(stream.raw):
             yield stream
 
+    @contextmanager
+    def check_ordering(self) -> Iterator[Any]:
+        """cpu only, for tests: raise `OrderingError` when a side-stream task is submitted before its stream
+        waited for the compute work that last touched its memory (see `device_check`)."""
+        from internlm_offload.device_check import ComputeLedger
+
+        if self.module is not None:
+            raise RuntimeError("check_ordering() checks the cpu emulation; a device orders its streams itself")
+        ledger = ComputeLedger()
+        self._streams.ledger = ledger
+        try:
+            with ledger:
+                yield ledger
+        finally:
+            self._streams.ledger = None
+
     def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
         """Tell the caching allocator that `stream` uses `tensor`: its memory is not reused before the
         stream's work queued so far has run (cpu: the stream keeps it alive until it is next idle)."""
@@ -457,6 +473,7 @@ class _StreamRegistry:
         self._lock = threading.Lock()
         self._local = _ThreadStreams()
         self._count = 0
+        self.ledger: Any = None  # a device_check.ComputeLedger while `check_ordering()` runs
 
     def __reduce__(self) -> tuple[type, tuple]:
         # Threads and locks do not copy: a copied or unpickled Accelerator starts with no streams.
@@ -496,12 +513,15 @@ class _CpuEvent(Event):
     def __init__(self, registry: _StreamRegistry) -> None:
         self._registry = registry
         self._mark = _Mark(done=True)  # like CUDA: an event never recorded counts as complete
+        self.epoch = 0  # the last compute op this event is ordered after (for `check_ordering`)
 
     def record(self, stream: Stream | None = None) -> None:
         # A fresh mark per record: waits queued earlier keep the record they saw, as in CUDA.
         mark = _Mark()
-        (self._registry.current() if stream is None else stream)._enqueue_mark(mark)
+        stream = self._registry.current() if stream is None else stream
+        stream._enqueue_mark(mark)
         self._mark = mark
+        self.epoch = stream._compute_epoch()
 
     def wait(self, stream: Stream | None = None) -> None:
         (self._registry.current() if stream is None else stream).wait_event(self)
@@ -537,6 +557,10 @@ class _CpuMainStream(Stream):
     def _enqueue_mark(self, mark: _Mark) -> None:
         mark.complete(None)
 
+    def _compute_epoch(self) -> int:
+        ledger = self._registry.ledger
+        return 0 if ledger is None else ledger.epoch
+
 
 class _CpuStream(Stream):
     """A side stream: one daemon worker thread, started on first use, runs tasks in FIFO order.
@@ -550,6 +574,7 @@ class _CpuStream(Stream):
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._kept: list[torch.Tensor] = []  # record_stream'ed tensors, released when the stream is idle
+        self._waited_epoch = 0  # the last compute op this stream has waited for (`check_ordering`)
         self._thread: threading.Thread | None = None
         self.closed = False
         self._failure: BaseException | None = None
@@ -557,6 +582,11 @@ class _CpuStream(Stream):
         weakref.finalize(self, self._tasks.put, None)
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        ledger = self._registry.ledger
+        if ledger is not None:
+            from internlm_offload.device_check import task_tensors
+
+            ledger.check(self.name, self._waited_epoch, task_tensors(fn, args, kwargs))
         self._put(partial(self._run_task, fn, args, kwargs))
 
     def keep_until_idle(self, tensor: torch.Tensor) -> None:
@@ -567,6 +597,10 @@ class _CpuStream(Stream):
     def wait_event(self, event: Event) -> None:
         # Bind the event's latest record now; a wait on a failed stream's mark poisons this one too.
         self._put(partial(self._guard, event._mark.wait))
+        self._waited_epoch = max(self._waited_epoch, event.epoch)
+
+    def _compute_epoch(self) -> int:
+        return self._waited_epoch
 
     def synchronize(self) -> None:
         if threading.current_thread() is self._thread:

@@ -845,3 +845,21 @@ def test_no_device_allocation_after_the_first_step(acc: Accelerator, monkeypatch
     monkeypatch.undo()
     assert fresh == []
     assert acc._blocks.cached_bytes >= opt.memory_stats()["peak_device_state_bytes"]
+
+
+def test_state_dict_waits_for_the_last_copy_outs(acc: Accelerator) -> None:
+    """`step()` returns with its copy-outs still running on a device; `state_dict()` must wait for them."""
+    ref, ref_params, _, opt, params, _ = build_pair(acc, RACE_SHAPES, dict(lr=1e-2), times=2)
+    _delay_streams(opt, acc, 0.0, 0.05)
+    run_steps(ref, ref_params, 0, 2)
+    run_steps(opt, params, 0, 2)
+    # the cpu step already waited for its copy-outs (it releases every chunk): queue a slow late write-back
+    # as a device would still be running it, then read
+    late = {id(p): {k: v.clone() for k, v in ref.state[rp].items()} for p, rp in zip(params, ref_params)}
+    for p in params:
+        for key in ("exp_avg", "exp_avg_sq"):
+            acc.copy_async(opt.state[p][key], late[id(p)][key], opt._d2h)
+            opt.state[p][key].zero_()
+    saved = opt.state_dict()
+    for i, rp in enumerate(ref_params):
+        assert torch.equal(saved["state"][i]["exp_avg"], ref.state[rp]["exp_avg"]), i

@@ -1,0 +1,114 @@
+"""Every "copy waits for compute" in the offload paths is needed, and the ordering ledger proves it.
+
+With `Accelerator.check_ordering()` a side-stream task submitted before its stream waited for the compute
+work that last touched its memory raises `OrderingError` (see `device_check`). Each offload path runs
+clean under it; removing any one of its `wait_stream(compute)` calls (by the name of the function that
+makes it, and for the hybrid optimizer by stream) makes it raise.
+"""
+
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from internlm_offload.device import Accelerator, Stream
+from internlm_offload.device_check import OrderingError
+from internlm_offload.offload import offload_layers
+from internlm_offload.offload.selective_offload import apply_selective_offload
+from internlm_offload.optim.hybrid import HybridDeviceOptimizer
+from internlm_offload.optim.swap import SwapAdamW
+
+
+def _activation_offload(acc: Accelerator) -> tuple[object, Callable[[], None]]:
+    from test_activation_offload import step, tiny_model
+
+    model = tiny_model()
+    handle = offload_layers(model.layers, 3, mode="async", accelerator=acc)
+    return handle, lambda: step(model)
+
+
+def _selective_offload(acc: Accelerator) -> tuple[object, Callable[[], None]]:
+    from test_selective_offload import step, tiny_model
+
+    model = tiny_model()
+    handle = apply_selective_offload(model.layers, [0, 1, 2], accelerator=acc, mode="async")
+    return handle, lambda: step(model)
+
+
+def _optimizer_steps(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(3):
+            sum((p * p).sum() for p in params).backward()  # compute reads the params, writes the grads
+            if isinstance(optimizer, SwapAdamW):
+                optimizer.prefetch()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    return run
+
+
+def _params() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(n, generator=gen, requires_grad=True) for n in (4097, 300, 1023, 7, 5000)]
+
+
+def _swap(acc: Accelerator) -> tuple[object, Callable[[], None]]:
+    params = _params()
+    opt = SwapAdamW(params, lr=1e-2, fused=True, swap_optimizer_times=3, use_pinned_optimizer_offload=True,
+                    accelerator=acc)  # fmt: skip
+    return opt, _optimizer_steps(opt, params)
+
+
+def _hybrid(acc: Accelerator) -> tuple[object, Callable[[], None]]:
+    params = _params()
+    opt = HybridDeviceOptimizer(params, offload_fraction=0.5, accelerator=acc, lr=1e-2)
+    return opt, _optimizer_steps(opt, params)
+
+
+# site -> (build the path, the function making the wait, which of the path's streams waits, or None: any)
+SITES = {
+    "activation offload: D2H waits for the activation": (_activation_offload, "_copy_out", None),
+    "activation offload: H2D waits before reusing memory": (_activation_offload, "_start_reload", None),
+    "selective offload: D2H waits for the output": (_selective_offload, "store", None),
+    "selective offload: H2D waits before reusing memory": (_selective_offload, "_start_load", None),
+    "swap: copy-in waits for compute's last use of the buffer": (_swap, "_copy_in", None),
+    "swap: copy-out waits for the update": (_swap, "_copy_out", None),
+    "hybrid: grads D2H wait for backward": (_hybrid, "step", "_d2h_stream"),
+    "hybrid: params H2D wait for compute's last read": (_hybrid, "step", "_h2d_stream"),
+}
+
+
+@pytest.mark.parametrize("build", [_activation_offload, _selective_offload, _swap, _hybrid],
+                         ids=["activation", "selective", "swap", "hybrid"])  # fmt: skip
+def test_offload_paths_are_ordered(build) -> None:
+    acc = Accelerator("cpu")
+    _, run = build(acc)
+    with acc.check_ordering() as ledger:
+        run()
+    assert ledger.epoch > 0  # the compute ops were seen
+    acc.close_streams()
+
+
+@pytest.mark.parametrize("site", list(SITES))
+def test_removing_a_compute_wait_is_caught(site: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    build, function, stream_attr = SITES[site]
+    acc = Accelerator("cpu")
+    owner, run = build(acc)
+    removed = []
+    real_wait_stream = Stream.wait_stream
+
+    def wait_stream(stream: Stream, other: Stream) -> None:
+        if sys._getframe(1).f_code.co_name == function and (
+            stream_attr is None or stream is getattr(owner, stream_attr)
+        ):
+            removed.append(stream)
+            return  # the bug: this wait is gone
+        real_wait_stream(stream, other)
+
+    monkeypatch.setattr(Stream, "wait_stream", wait_stream)
+    with pytest.raises(OrderingError, match="make it wait for the compute stream"), acc.check_ordering():
+        run()
+    assert removed, f"{function} made no wait_stream call: the site list is stale"
+    monkeypatch.undo()
+    acc.close_streams()

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from internlm_offload.config import ConfigError, CpuOffloadingConfig, ModelConfig, RunConfig
+from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.data import StepLoader, StepSampler, Tokenizer, build_tokenizer
 from internlm_offload.data.validation import find_validation_sets
 from internlm_offload.engine.evaluation import Evaluator
@@ -25,11 +25,12 @@ from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, ca
 from internlm_offload.engine.runtime import RunContext, set_determinism
 from internlm_offload.engine.trainer import Trainer, TrainerSettings
 from internlm_offload.log import get_logger
-from internlm_offload.offload import LayerMode, LayerPlan, apply_activation_checkpointing, make_layer_plan
-from internlm_offload.offload.activation import ActivationOffloader, copy_mode, offload_layers
-from internlm_offload.offload.selective_offload import SelectiveOffloader, apply_selective_offload
+from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
+from internlm_offload.offload.selective_offload import SelectiveOffloader
 from internlm_offload.optim import build_lr_scheduler, param_groups
-from internlm_offload.optim.hybrid import offload_mask
+from internlm_offload.optim.adamw import build_adamw
+from internlm_offload.optim.hybrid import build_hybrid_adamw, offload_mask
+from internlm_offload.optim.swap import build_swap_adamw
 from internlm_offload.optim.memory import (
     HYBRID_CPU_BYTES,
     SWAP_STATE_BYTES,
@@ -37,7 +38,7 @@ from internlm_offload.optim.memory import (
     check_host_memory,
     trainable_elements,
 )
-from internlm_offload.registry import DATASETS, MODELS, OPTIMIZERS, PARALLEL, build
+from internlm_offload.registry import DATASETS, MODELS, PARALLEL, build
 
 logger = get_logger(__name__)
 
@@ -115,39 +116,6 @@ def build_layer_plan(cfg: RunConfig, num_layers: int) -> LayerPlan:
         raise ConfigError(str(exc)) from None
 
 
-def apply_layer_plan(
-    layers: nn.ModuleList, plan: LayerPlan, cfg: CpuOffloadingConfig, accelerator: Accelerator
-) -> tuple[ActivationOffloader | None, SelectiveOffloader | None]:
-    """Checkpoint and offload the blocks as planned; returns the handles of the offloads in use."""
-    apply_activation_checkpointing(layers, plan.layers_with(LayerMode.CHECKPOINT), selective=False)
-    apply_activation_checkpointing(layers, plan.layers_with(LayerMode.SELECTIVE), selective=True)
-    selective_offloaded = plan.layers_with(LayerMode.SELECTIVE_OFFLOAD)
-    mode = copy_mode(cfg.mode, accelerator.name)
-    selective_offloader = None
-    if selective_offloaded:
-        selective_offloader = apply_selective_offload(
-            layers, selective_offloaded, accelerator=accelerator, mode=mode, pin_memory=cfg.pin_memory
-        )
-    return apply_activation_offload(layers, plan, cfg, mode, accelerator), selective_offloader
-
-
-def apply_activation_offload(
-    layers: nn.ModuleList, plan: LayerPlan, cfg: CpuOffloadingConfig, mode: str, accelerator: Accelerator
-) -> ActivationOffloader | None:
-    num_offload = len(plan.layers_with(LayerMode.OFFLOAD))
-    if not cfg.enable or num_offload == 0:
-        return None  # exactly no change to the model
-    if mode == "sync":
-        logger.warning(
-            "cpu_offloading.mode='sync': copies run on the compute stream; each offloaded block pays its full "
-            "D2H (forward) and H2D (backward) transfer time (ms-swift measured ~2.5x slower steps on NPU)"
-        )
-    return offload_layers(
-        layers, num_offload, mode=mode, min_offload_bytes=cfg.min_offload_bytes,
-        prefetch_layers=cfg.prefetch_layers, pin_memory=cfg.pin_memory, accelerator=accelerator,
-    )  # fmt: skip
-
-
 def build_optimizer(
     cfg: RunConfig, model: nn.Module, accelerator: Accelerator, *, host_params: bool = False
 ) -> torch.optim.Optimizer:
@@ -162,20 +130,18 @@ def build_optimizer(
     )  # fmt: skip
     if cfg.swap_optimizer:
         check_optimizer_host_memory(cfg, model)
-        return build(
-            OPTIMIZERS, "swap_adamw", "swap_optimizer", model, accelerator=accelerator,
-            swap_optimizer_times=cfg.swap_optimizer_times,
+        return build_swap_adamw(
+            model, accelerator=accelerator, swap_optimizer_times=cfg.swap_optimizer_times,
             use_pinned_optimizer_offload=cfg.use_pinned_optimizer_offload, swap_params=host_params, **common,
         )  # fmt: skip
     if cfg.hybrid_optimizer.enable:
         check_optimizer_host_memory(cfg, model)
         hybrid = cfg.hybrid_optimizer
-        return build(
-            OPTIMIZERS, "hybrid_adamw", "hybrid_optimizer", model, accelerator=accelerator,
-            offload_fraction=hybrid.offload_fraction, overlap_cpu_optimizer_d2h_h2d=hybrid.overlap_cpu_optimizer_d2h_h2d,
+        return build_hybrid_adamw(
+            model, accelerator=accelerator, offload_fraction=hybrid.offload_fraction, overlap_cpu_optimizer_d2h_h2d=hybrid.overlap_cpu_optimizer_d2h_h2d,
             param_update_in_fp32=hybrid.param_update_in_fp32, **common,
         )  # fmt: skip
-    return build(OPTIMIZERS, "adamw", "optimizer", model, device_type=accelerator.name, **common)
+    return build_adamw(model, device_type=accelerator.name, **common)
 
 
 def check_optimizer_host_memory(cfg: RunConfig, model: nn.Module) -> None:
@@ -267,7 +233,12 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
     # 2.-3. per-layer plan, applied to the bare blocks
     plan = build_layer_plan(cfg, len(layers))
     logger.info("Layer plan (%d blocks):\n%s", len(layers), plan.table())
-    offloader, selective_offloader = apply_layer_plan(layers, plan, cfg.cpu_offloading, ctx.accelerator)
+    offloading = cfg.cpu_offloading
+    offloader, selective_offloader = apply_layer_plan(
+        layers, plan, offload_enabled=offloading.enable, mode=offloading.mode, pin_memory=offloading.pin_memory,
+        min_offload_bytes=offloading.min_offload_bytes, prefetch_layers=offloading.prefetch_layers,
+        accelerator=ctx.accelerator,
+    )  # fmt: skip
     # 4. data parallelism
     par = cfg.parallel
     mode_args: dict[str, dict[str, Any]] = {

@@ -14,7 +14,6 @@ SCOPE = "internlm_offload"
 
 MODELS = Registry("model", scope=SCOPE, locations=["internlm_offload.model"])
 DATASETS = Registry("dataset", scope=SCOPE, locations=["internlm_offload.data"])
-OPTIMIZERS = Registry("optimizer", scope=SCOPE, locations=["internlm_offload.optim"])
 PARALLEL = Registry("parallel", scope=SCOPE, locations=["internlm_offload.engine.parallel"])
 
 

@@ -3,7 +3,6 @@
 import torch
 import torch.nn as nn
 
-from internlm_offload.registry import OPTIMIZERS
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -21,7 +20,6 @@ def fused_supported(device_type: str) -> bool:
     return device_type in ("cpu", "cuda", "mps", "xpu")
 
 
-@OPTIMIZERS.register_module(name="adamw")
 def build_adamw(
     model: nn.Module,
     *,

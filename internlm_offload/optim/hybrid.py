@@ -33,7 +33,6 @@ from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import fused_supported, param_groups
 from internlm_offload.optim.dtensor import is_dtensor, laid_out_like, local_nbytes, local_shard
 from internlm_offload.optim.host_arena import HostArena
-from internlm_offload.registry import OPTIMIZERS
 
 logger = get_logger(__name__)
 
@@ -674,7 +673,6 @@ def _state_bytes(optimizer: Optimizer) -> int:
     return sum(local_nbytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
 
 
-@OPTIMIZERS.register_module(name="hybrid_adamw")
 def build_hybrid_adamw(
     model: torch.nn.Module,
     *,

@@ -52,7 +52,6 @@ from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import fused_supported, param_groups
 from internlm_offload.optim.dtensor import laid_out_like, local_nbytes, local_shard
 from internlm_offload.optim.host_arena import HostArena, aligned_offsets
-from internlm_offload.registry import OPTIMIZERS
 
 logger = get_logger(__name__)
 
@@ -470,7 +469,6 @@ def _layout_chunk(group: dict, members: list[tuple[torch.Tensor, list]]) -> _Chu
     return _Chunk(group, [p for p, _ in members], slots, _padded(end))
 
 
-@OPTIMIZERS.register_module(name="swap_adamw")
 def build_swap_adamw(
     model: torch.nn.Module,
     *,

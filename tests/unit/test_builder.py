@@ -3,10 +3,20 @@
 import pytest
 import torch
 
-from internlm_offload.builder import apply_layer_plan, build_layer_plan
+from internlm_offload.builder import build_layer_plan
+from internlm_offload.offload import apply_layer_plan
 from internlm_offload.config import resolve_config
 from internlm_offload.device import Accelerator
 from internlm_offload.model import InternLM2
+
+
+def apply_with(model: InternLM2, plan, offloading):
+    """The builder's call: the plan with the `cpu_offloading` settings."""
+    return apply_layer_plan(
+        model.layers, plan, offload_enabled=offloading.enable, mode=offloading.mode, pin_memory=offloading.pin_memory,
+        min_offload_bytes=offloading.min_offload_bytes, prefetch_layers=offloading.prefetch_layers,
+        accelerator=Accelerator("cpu"),
+    )  # fmt: skip
 
 
 def tiny_model() -> InternLM2:
@@ -19,7 +29,7 @@ def test_no_offload_installs_nothing(offloading):
     cfg = resolve_config({"model": {"num_layers": 4, "hidden_size": 64}, "cpu_offloading": offloading})
     model = tiny_model()
     plan = build_layer_plan(cfg, len(model.layers))
-    offloader, selective = apply_layer_plan(model.layers, plan, cfg.cpu_offloading, Accelerator("cpu"))
+    offloader, selective = apply_with(model, plan, cfg.cpu_offloading)
     assert offloader is None and selective is None
     for layer in model.layers:
         assert not layer._forward_pre_hooks and not layer._forward_hooks
@@ -36,7 +46,7 @@ def test_plan_applies_every_mode():
     model = tiny_model()
     plan = build_layer_plan(cfg, len(model.layers))
     assert [m.value for m in plan.modes] == ["offload", "selective+offload", "selective+offload", "selective+offload"]
-    offloader, selective = apply_layer_plan(model.layers, plan, cfg.cpu_offloading, Accelerator("cpu"))
+    offloader, selective = apply_with(model, plan, cfg.cpu_offloading)
     assert offloader is not None and offloader.num_layers == 1 and selective is not None
 
 

@@ -9,15 +9,13 @@ from mmengine.registry import Registry
 from internlm_offload.data.packed import build_builtin_dataset, build_text_dataset
 from internlm_offload.engine.parallel import apply_ddp, apply_fsdp2, apply_none
 from internlm_offload.model import HFCausalLM, InternLM2
-from internlm_offload.optim import build_adamw
-from internlm_offload.registry import DATASETS, MODELS, OPTIMIZERS, PARALLEL, SCOPE, UnknownTypeError, build, lookup
+from internlm_offload.registry import DATASETS, MODELS, PARALLEL, SCOPE, UnknownTypeError, build, lookup
 
 LOOKUPS = [
     (MODELS, "internlm2", InternLM2),
     (MODELS, "hf_causal_lm", HFCausalLM),
     (DATASETS, "builtin", build_builtin_dataset),
     (DATASETS, "text", build_text_dataset),
-    (OPTIMIZERS, "adamw", build_adamw),
     (PARALLEL, "none", apply_none),
     (PARALLEL, "ddp", apply_ddp),
     (PARALLEL, "fsdp2", apply_fsdp2),
@@ -32,7 +30,6 @@ def test_lookup_returns_registered_object(registry: Registry, name: str, expecte
 UNKNOWN = [
     (MODELS, "model.type", "llama", "model types: hf_causal_lm, internlm2"),
     (DATASETS, "data.type", "parquet", "dataset types: builtin, internevo, text"),
-    (OPTIMIZERS, "optimizer.type", "sgd", "optimizer types: adamw, hybrid_adamw, swap_adamw"),
     (PARALLEL, "parallel.mode", "tp", "parallel types: ddp, fsdp2, none"),
 ]
 
@@ -48,7 +45,7 @@ def test_unknown_type_names_key_value_and_registered(registry: Registry, key: st
 
 @pytest.mark.parametrize(
     "registry, key, bad",
-    [(DATASETS, "data.type", "json"), (MODELS, "model.type", "torch.nn.Linear"), (OPTIMIZERS, "optimizer", "os.path")],
+    [(DATASETS, "data.type", "json"), (MODELS, "model.type", "torch.nn.Linear"), (PARALLEL, "parallel.mode", "os.path")],
 )
 def test_importable_name_is_not_a_registered_type(registry: Registry, key: str, bad: str) -> None:
     with pytest.raises(UnknownTypeError, match=f"{key}: unknown type {bad!r}"):
@@ -66,34 +63,27 @@ def test_build_calls_the_registered_object() -> None:
 
 
 def test_registries_live_in_our_scope() -> None:
-    for registry in (MODELS, DATASETS, OPTIMIZERS, PARALLEL):
+    import mmengine.dataset  # noqa: F401  registers ConcatDataset in mmengine's root DATASETS
+
+    for registry in (MODELS, DATASETS, PARALLEL):
         assert registry.scope == SCOPE == "internlm_offload"
-        assert registry.parent is None  # no fallback into mmengine's root registries
-
-
-def test_no_collision_with_mmengine_root_optimizers() -> None:
-    import mmengine.optim  # noqa: F401  (registers every torch.optim class into mmengine's root OPTIMIZERS)
-    from mmengine.registry import OPTIMIZERS as ROOT_OPTIMIZERS
-
-    assert ROOT_OPTIMIZERS.get("AdamW") is torch.optim.AdamW
-    assert ROOT_OPTIMIZERS.get("adamw") is None  # our name did not leak into the root
-    assert OPTIMIZERS.get("AdamW") is None  # and the root's names do not leak into ours
-    with pytest.raises(UnknownTypeError, match="registered optimizer types: adamw, hybrid_adamw, swap_adamw$"):
-        lookup(OPTIMIZERS, "AdamW", "optimizer.type")
+    assert DATASETS.get("ConcatDataset") is None  # the root's names do not leak into ours
+    with pytest.raises(UnknownTypeError, match="registered dataset types: builtin, internevo, text$"):
+        lookup(DATASETS, "ConcatDataset", "data.type")
 
 
 def test_registering_a_root_name_in_our_registry_does_not_collide() -> None:
-    import mmengine.optim  # noqa: F401
+    import mmengine.dataset  # noqa: F401
 
-    def fake_adamw() -> None:
-        """A stand-in registered under torch's name."""
+    def fake_concat() -> None:
+        """A stand-in registered under a name mmengine's root registry holds."""
 
     try:
-        OPTIMIZERS.register_module(name="AdamW", module=fake_adamw)  # raises KeyError in mmengine's root
-        assert lookup(OPTIMIZERS, "AdamW", "optimizer.type") is fake_adamw
+        DATASETS.register_module(name="ConcatDataset", module=fake_concat)  # a KeyError in mmengine's root
+        assert lookup(DATASETS, "ConcatDataset", "data.type") is fake_concat
     finally:
-        OPTIMIZERS._module_dict.pop("AdamW", None)
-    assert OPTIMIZERS.get("AdamW") is None
+        DATASETS._module_dict.pop("ConcatDataset", None)
+    assert DATASETS.get("ConcatDataset") is None
 
 
 @pytest.mark.parametrize("wrapper, stray", [(apply_none, "bucket_cap_mb"), (apply_ddp, "layers"),

@@ -360,7 +360,9 @@ class RunConfig(Section):
         16, ge=1, description="The swap optimizer holds at most 1/N of the states on the device at a time."
     )
     use_pinned_optimizer_offload: bool = Field(
-        False, description="Keep the swap optimizer's host states in one coalesced (pinned) arena; needs `swap_optimizer`."
+        False,
+        description="The swap optimizer's host states in one coalesced pinned buffer, one copy per chunk each way "
+        "(False: a pageable buffer per state tensor, as InternEvo/NeMo-RL); needs `swap_optimizer`.",
     )
     hybrid_optimizer: HybridOptimizerConfig = Field(default_factory=HybridOptimizerConfig)
     mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig)

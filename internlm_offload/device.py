@@ -207,8 +207,19 @@ class Accelerator:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.current_device())
 
     def free_device_buffer(self, buffer: torch.Tensor) -> None:
-        """Return a `device_buffer` for reuse (on a device the caching allocator reclaims it once dropped)."""
+        """Return a `device_buffer` for reuse (on a device the caching allocator reclaims it once dropped).
+
+        The caller must have made the compute stream wait for every side stream that used the buffer: the
+        allocator hands it to the compute stream at once. On cpu a free while a side-stream task using the
+        buffer has not finished raises (a missing wait).
+        """
         if self.module is None:
+            ptr = buffer.untyped_storage().data_ptr()
+            users = [stream.name for stream in self._streams.side_streams() if stream.may_use(ptr)]
+            if users:
+                raise RuntimeError(
+                    f"device buffer freed while {', '.join(users)} may still use it: wait for the stream's event first"
+                )
             self._blocks.give_back(buffer)
 
     def empty_cache(self) -> None:
@@ -314,11 +325,20 @@ def _copy_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 
 
 def finish_and_close(*streams: Stream | None) -> None:
-    """Wait for the work submitted to each stream (raising a cpu worker's failure), then close it; None is skipped."""
+    """Wait for the work submitted to each stream, then close it (None is skipped); every stream is closed
+    even when one failed, and the first failure (a cpu worker's) is raised after."""
+    failure: StreamError | None = None
     for stream in streams:
-        if stream is not None:
+        if stream is None:
+            continue
+        try:
             stream.synchronize()
+        except StreamError as exc:
+            failure = failure or exc
+        finally:
             stream.close()
+    if failure is not None:
+        raise failure
 
 
 class CopyTimer:
@@ -575,6 +595,7 @@ class _CpuStream(Stream):
         self._lock = threading.Lock()
         self._kept: list[torch.Tensor] = []  # record_stream'ed tensors, released when the stream is idle
         self._waited_epoch = 0  # the last compute op this stream has waited for (`check_ordering`)
+        self._pending: Counter[int] = Counter()  # storages of the tasks not yet finished
         self._thread: threading.Thread | None = None
         self.closed = False
         self._failure: BaseException | None = None
@@ -582,12 +603,18 @@ class _CpuStream(Stream):
         weakref.finalize(self, self._tasks.put, None)
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        ledger = self._registry.ledger
-        if ledger is not None:
-            from internlm_offload.device_check import task_tensors
+        tensors = list(_tensors(getattr(fn, "__self__", None), args, kwargs))
+        if self._registry.ledger is not None:
+            self._registry.ledger.check(self.name, self._waited_epoch, tensors)
+        storages = [t.untyped_storage().data_ptr() for t in tensors]
+        with self._lock:
+            self._pending.update(storages)
+        self._put(partial(self._run_task, fn, args, kwargs, storages))
 
-            ledger.check(self.name, self._waited_epoch, task_tensors(fn, args, kwargs))
-        self._put(partial(self._run_task, fn, args, kwargs))
+    def may_use(self, storage_ptr: int) -> bool:
+        """Whether a task not yet finished on this stream uses the storage at `storage_ptr`."""
+        with self._lock:
+            return self._pending[storage_ptr] > 0
 
     def keep_until_idle(self, tensor: torch.Tensor) -> None:
         """Hold `tensor` until the stream has run everything queued (what `record_stream` promises)."""
@@ -647,13 +674,15 @@ class _CpuStream(Stream):
                 self._thread.start()
             self._tasks.put(task)
 
-    def _run_task(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    def _run_task(self, fn: Callable[..., Any], args: tuple, kwargs: dict, storages: list[int]) -> None:
         if self.delay_s and self._failure is None:
             time.sleep(self.delay_s)
         # Inside a task the current stream is this one, as inside `torch.cuda.stream(s)`.
         with self._registry.using(self):
             self._guard(_check_alive, self.name, fn, args, kwargs)
             self._guard(fn, *args, **kwargs)
+        with self._lock:
+            self._pending.subtract(storages)
 
     def _guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         if self._failure is not None:

@@ -20,7 +20,7 @@ Use: `with accelerator.check_ordering(): ...` (cpu only), in tests.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -66,11 +66,6 @@ class ComputeLedger(TorchDispatchMode):
                         f"stream touched at op #{epoch} (aten.{op}), but the stream last waited for op #{waited}: "
                         "make it wait for the compute stream (wait_stream / wait_event) before submitting"
                     )
-
-
-def task_tensors(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors a stream task touches: a bound method's tensor, and tensors in its arguments (two levels deep)."""
-    return [t for t in tree_leaves((getattr(fn, "__self__", None), args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
 def _cpu_tensors(objects: Iterable[Any]) -> Iterable[torch.Tensor]:

@@ -85,15 +85,26 @@ class _Chunk:
     nbytes: int  # device bytes, padding included
     arena_start: int | None = None  # where the states start in the arena; None: per-tensor host buffers
     states_nbytes: int = 0  # bytes from the first to the end of the last state slot
+    has_complex: bool = False  # AdamW's kernels view complex params as real pairs
     device: torch.Tensor | None = field(default=None, repr=False)  # flat buffer while staged
     stepped: list[torch.Tensor] = field(default_factory=list, repr=False)  # params updated this step
     copied_in: Event | None = field(default=None, repr=False)
     copied_out: Event | None = field(default=None, repr=False)
+    _views: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # id(slot) -> its device view
+
+    def stage(self, buffer: torch.Tensor) -> None:
+        """Take `buffer` as the chunk's device memory (views made once: the step reads each several times)."""
+        self.device = buffer
+        self._views = {id(s): buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.slots}
+
+    def unstage(self) -> torch.Tensor:
+        """Give up the device memory; returns the buffer."""
+        buffer, self.device, self._views = self.device, None, {}
+        return buffer
 
     def view(self, slot: _Slot) -> torch.Tensor:
         """The slot's tensor in the device buffer."""
-        assert self.device is not None
-        return self.device[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+        return self._views[id(slot)]
 
 
 class SwapAdamW(torch.optim.AdamW):
@@ -312,7 +323,7 @@ class SwapAdamW(torch.optim.AdamW):
 
     def _copy_in(self, chunk: _Chunk, active: Collection[torch.Tensor] | None = None) -> _Chunk:
         """Start moving the chunk's states in (those of `active` params only, when given per tensor)."""
-        chunk.device = self.accelerator.device_buffer(chunk.nbytes)
+        chunk.stage(self.accelerator.device_buffer(chunk.nbytes))
         # The buffer may be memory the compute stream just released (after it waited for a copy-out):
         # the copy-in must not start before that point.
         self._h2d.wait_stream(self.accelerator.current_stream())
@@ -355,7 +366,7 @@ class SwapAdamW(torch.optim.AdamW):
         adam(
             targets, [local_shard(active[p]) for p in chunk.stepped], states["exp_avg"], states["exp_avg_sq"],
             states.get("max_exp_avg_sq", []), steps, amsgrad=group["amsgrad"],
-            has_complex=any(torch.is_complex(p) for p in chunk.stepped), beta1=beta1, beta2=beta2,
+            has_complex=chunk.has_complex, beta1=beta1, beta2=beta2,
             lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
             foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
             fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
@@ -375,8 +386,7 @@ class SwapAdamW(torch.optim.AdamW):
     def _release(self, chunk: _Chunk) -> None:
         """Free a chunk's device buffer once its copy-out finished."""
         chunk.copied_out.wait()
-        self.accelerator.free_device_buffer(chunk.device)
-        chunk.device = None
+        self.accelerator.free_device_buffer(chunk.unstage())
         self._device_state_bytes -= chunk.nbytes
 
     def _finish_pending(self) -> None:
@@ -466,7 +476,8 @@ def _layout_chunk(group: dict, members: list[tuple[torch.Tensor, list]]) -> _Chu
     entries += [(p, k, shape, dtype) for p, specs in members for k, shape, dtype in specs if k == PARAM]
     offsets, end = aligned_offsets([(shape, dtype) for _, _, shape, dtype in entries], SLOT_ALIGNMENT)
     slots = [_Slot(p, k, off, torch.Size(shape), dtype) for (p, k, shape, dtype), off in zip(entries, offsets)]
-    return _Chunk(group, [p for p, _ in members], slots, _padded(end))
+    params = [p for p, _ in members]
+    return _Chunk(group, params, slots, _padded(end), has_complex=any(p.is_complex() for p in params))
 
 
 def build_swap_adamw(

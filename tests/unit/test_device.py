@@ -417,3 +417,19 @@ def test_large_pinned_buffers_are_registered_at_their_exact_size(monkeypatch: py
     del view
     gc.collect()
     assert calls[-1] == ("unregister", ptr)
+
+
+def test_finish_and_close_raises_what_the_stream_left_behind() -> None:
+    """Closing waits for the queued work and reports its failure, instead of dropping it with the thread."""
+    from internlm_offload.device import finish_and_close
+
+    acc = Accelerator("cpu")
+    stream, other = acc.stream(delay_s=0.02), acc.stream()
+    done: list[int] = []
+    stream.submit(done.append, 1)
+    stream.submit(lambda: 1 / 0)
+    other.submit(done.append, 2)
+    with pytest.raises(StreamError, match="ZeroDivisionError"):
+        finish_and_close(stream, None, other)
+    assert sorted(done) == [1, 2]
+    assert all(s.closed and not s.is_alive for s in (stream, other))  # both threads stopped despite the failure

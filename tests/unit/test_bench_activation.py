@@ -9,6 +9,7 @@ EXPECTED = {
     "baseline", "full_ckpt", "selective_ckpt",
     "offload_sync_2", "offload_sync_4", "offload_sync_7",
     "offload_async_2", "offload_async_4", "offload_async_7", "save_on_cpu",
+    "selective_offload_sync_7", "selective_offload_async_7",
 }  # fmt: skip
 
 
@@ -23,7 +24,11 @@ def test_quick_run_writes_json_and_png(tmp_path: Path, capsys) -> None:
     assert records["baseline"]["ratio"] == 1.0
     for name, rec in records.items():
         assert len(rec["step_s"]) == bench.QUICK["repeats"] and rec["step_s_median"] > 0
-        assert (rec["offloader"] is not None) == name.startswith("offload_")
+        assert (rec["offloader"] is not None) == ("offload_" in name)
+        assert ("freed_fraction" in rec) == name.startswith("offload_")  # block offload against the baseline
+        assert (rec.get("copy_overlap") is not None) == ("offload_async" in name)
+        if rec.get("copy_overlap") is not None:
+            assert rec["copy_overlap"] <= 1.0
     offloaded = [records[f"offload_sync_{n}"]["offloader"]["offloaded_bytes"] for n in (2, 4, 7)]
     assert 0 < offloaded[0] < offloaded[1] < offloaded[2]
     assert records["offload_async_4"]["offloader"]["offloaded_bytes"] == offloaded[1]
@@ -41,6 +46,7 @@ def test_offload_counts_follow_the_layer_count(tmp_path: Path) -> None:
     cases = bench.make_cases(args, bench.Accelerator("cpu"))
     for case in cases:
         if case.handle is not None:
-            case.handle.remove()
+            case.handle.remove() if isinstance(case.handle, bench.ActivationOffloader) else case.handle.close()
     names = [case.name for case in cases]
-    assert names == ["baseline", "full_ckpt", "selective_ckpt", "offload_sync_2", "offload_async_2", "save_on_cpu"]
+    assert names == ["baseline", "full_ckpt", "selective_ckpt", "offload_sync_2", "selective_offload_sync_2",
+                     "offload_async_2", "selective_offload_async_2", "save_on_cpu"]  # fmt: skip

@@ -252,13 +252,14 @@ class HybridDeviceOptimizer(Optimizer):
         """Each CPU-stepped param's host buffers, as views of one slab per pinnedness."""
         wanted = [self._buffer_specs(p) for p in params]
         for pinned in (True, False):
-            specs = [(shape, dtype) for spec in wanted for shape, dtype, pin in spec.values() if pin is pinned]
+            specs = [(shape, dtype) for spec in wanted for shape, dtype, pin in spec.values() if bool(pin) is pinned]
             self._host_arenas.append(HostArena(self._acc, specs, pinned=pinned))
         views, taken = [], {True: 0, False: 0}
         arenas = {True: self._host_arenas[-2], False: self._host_arenas[-1]}
         for spec in wanted:
             views.append({})
-            for role, (_, _, pinned) in spec.items():
+            for role, (_, _, pin) in spec.items():
+                pinned = bool(pin)  # the flags may be any truthy value
                 views[-1][role] = arenas[pinned].view(taken[pinned])
                 taken[pinned] += 1
         return {id(p): self._host_slot(p, v) for p, v in zip(params, views)}

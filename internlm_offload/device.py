@@ -23,12 +23,12 @@ import importlib.util
 import os
 import queue
 import sys
-from collections import Counter
 import tempfile
 import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -198,7 +198,7 @@ class Accelerator:
 
         Give it back with `free_device_buffer` only once every stream that used it is done (the caller
         waited on their events). On a device this is the caching allocator. On cpu freed blocks are kept
-        and handed to the next request of the same size at once, as the caching allocator does: a
+        and handed to the next request they fit (up to twice its size) at once, as the caching allocator does: a
         missing wait before a free then shows up as overwritten data in cpu tests, and steady-state
         steps map no fresh pages.
         """

@@ -90,21 +90,22 @@ class _Chunk:
     stepped: list[torch.Tensor] = field(default_factory=list, repr=False)  # params updated this step
     copied_in: Event | None = field(default=None, repr=False)
     copied_out: Event | None = field(default=None, repr=False)
-    _views: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # id(slot) -> its device view
+    views: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)  # (id(param), key) -> view
 
     def stage(self, buffer: torch.Tensor) -> None:
         """Take `buffer` as the chunk's device memory (views made once: the step reads each several times)."""
         self.device = buffer
-        self._views = {id(s): buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.slots}
+        self.views = {(id(s.param), s.key): buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
+                      for s in self.slots}  # fmt: skip
 
     def unstage(self) -> torch.Tensor:
         """Give up the device memory; returns the buffer."""
-        buffer, self.device, self._views = self.device, None, {}
+        buffer, self.device, self.views = self.device, None, {}
         return buffer
 
     def view(self, slot: _Slot) -> torch.Tensor:
         """The slot's tensor in the device buffer."""
-        return self._views[id(slot)]
+        return self.views[id(slot.param), slot.key]
 
 
 class SwapAdamW(torch.optim.AdamW):
@@ -275,7 +276,7 @@ class SwapAdamW(torch.optim.AdamW):
         Call it before the last backward of a step; `step()` picks the chunk up. The states are only
         read, so grads need not be ready; anything that changes the host states first (a load) drops it.
         """
-        if self._chunks is None or self._prefetched is not None or not self._chunks:
+        if self._prefetched is not None or not self._chunks:
             return
         self._ensure_layout()
         first = self._chunks[0]
@@ -354,8 +355,7 @@ class SwapAdamW(torch.optim.AdamW):
 
     def _update(self, chunk: _Chunk, active: dict[torch.Tensor, torch.Tensor]) -> None:
         """torch's AdamW kernel on the chunk's params that have grads, with the group's flags."""
-        group = chunk.group
-        views = {(id(s.param), s.key): chunk.view(s) for s in chunk.slots}
+        group, views = chunk.group, chunk.views
         chunk.stepped = [p for p in chunk.params if p in active]
         if not chunk.stepped:
             return
@@ -392,8 +392,7 @@ class SwapAdamW(torch.optim.AdamW):
     def _finish_pending(self) -> None:
         """Wait for the copies in flight and drop a prefetched chunk (its device copy may be stale)."""
         if self._prefetched is not None:
-            self._prefetched.copied_in.wait()
-            self._prefetched.copied_out = self._prefetched.copied_in
+            self._prefetched.copied_out = self._prefetched.copied_in  # nothing to copy out: release waits the copy-in
             self._release(self._prefetched)
             self._prefetched = None
         self.finish_copies()

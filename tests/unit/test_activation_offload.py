@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from internlm_offload.device import Accelerator, StreamError
+from internlm_offload.device import Accelerator
 from internlm_offload.model import InternLM2
 from internlm_offload.offload import apply_activation_checkpointing, make_layer_plan
 from internlm_offload.offload.activation import mark_not_offload, no_offload, offload_layers
@@ -256,23 +256,6 @@ def test_dropping_the_reload_wait_is_caught(baselines):
     handle._ensure_reloaded = handle._start_reload  # the bug: use the reload without waiting for it
     got = step(model)
     assert not all(torch.equal(got[2][n], g) for n, g in baselines[1][2].items())
-
-
-def test_releasing_a_source_before_its_copy_ran_is_caught():
-    """A device activation is its D2H copy's source: dropped before the copy ran, a device could reuse its
-    memory at once. The cpu stream refuses a task whose tensor only the task still holds."""
-    model = tiny_model()
-    handle = delayed_handle(model, 0.02)
-    release = handle._release_sources
-
-    def release_without_waiting(group):
-        group.d2h_done = None  # the bug: the sources go before their copies finished
-        release(group)
-
-    handle._release_sources = release_without_waiting
-    with pytest.raises(StreamError, match="freed by the program before the stream used it"):
-        step(model)
-        handle.d2h.synchronize()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

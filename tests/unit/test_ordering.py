@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from internlm_offload.device import Accelerator, Stream
+from internlm_offload.device import Accelerator, Stream, StreamError
 from internlm_offload.device_check import OrderingError
 from internlm_offload.offload import offload_layers
 from internlm_offload.offload.selective_offload import apply_selective_offload
@@ -111,4 +111,31 @@ def test_removing_a_compute_wait_is_caught(site: str, monkeypatch: pytest.Monkey
         run()
     assert removed, f"{function} made no wait_stream call: the site list is stale"
     monkeypatch.undo()
+    acc.close_streams()
+
+
+# path -> (the method that drops the device sources, the attribute holding the event it waits for first)
+RELEASES = {"activation": (_activation_offload, "_release_sources", "d2h_done"),
+            "selective": (_selective_offload, "_release", "copied_out")}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", list(RELEASES))
+def test_releasing_sources_before_their_copies_ran_is_caught(path: str) -> None:
+    """Device tensors are their D2H copies' sources: dropped before the copies ran, a device could reuse their
+    memory at once. The cpu stream refuses a task whose tensor only the task still holds."""
+    build, method, event_attr = RELEASES[path]
+    acc = Accelerator("cpu")
+    handle, run = build(acc)
+    handle.d2h.close()
+    handle.d2h = acc.stream(delay_s=0.02)  # slow copies: the sources would go while they are queued
+    release = getattr(handle, method)
+
+    def release_without_waiting(owner: object) -> None:
+        setattr(owner, event_attr, None)  # the bug: the sources go before their copies finished
+        release(owner)
+
+    setattr(handle, method, release_without_waiting)
+    with pytest.raises(StreamError, match="freed by the program before the stream used it"):
+        run()
+        handle.d2h.synchronize()
     acc.close_streams()

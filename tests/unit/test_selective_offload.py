@@ -157,22 +157,3 @@ def test_async_selective_offload_never_blocks_the_host_inside_hooks(monkeypatch)
     step(model)  # control: a host wait in a hook is counted
     assert host_waits["stream.synchronize"] > 0
 
-
-def test_releasing_outputs_before_their_copies_ran_is_caught():
-    """A block's outputs are its D2H copies' sources: dropped before the copies ran, a device could reuse
-    their memory at once. The cpu stream refuses a task whose tensor only the task still holds."""
-    from internlm_offload.device import StreamError
-
-    model = tiny_model()
-    handle = apply_selective_offload(model.layers, [0, 1, 2], accelerator=CPU, mode="async")
-    _delayed(handle, 0.02)
-    release = handle._release
-
-    def release_without_waiting(cache):
-        cache.copied_out = None  # the bug: the outputs go before their copies finished
-        release(cache)
-
-    handle._release = release_without_waiting
-    with pytest.raises(StreamError, match="freed by the program before the stream used it"):
-        step(model)
-        handle.d2h.synchronize()

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from runner import REPO, metrics, train
-from test_offload_e2e import OFFLOAD_CONFIGS, loss_compare
+from test_offload_e2e import loss_compare, offload_configs
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +69,7 @@ def test_bf16_offload_configs_align_bitwise_with_the_bf16_baseline(tmp_path, mod
     options = ["data.total_steps=5", NO_CKPT, "data.global_bsz=8", "model.dtype=torch.bfloat16", f"parallel.mode={mode}"]
     base = tmp_path / "base"
     train(base, *options, nproc=nproc)
-    for name in OFFLOAD_CONFIGS:
+    for name in offload_configs(mode):
         run = tmp_path / name
         train(run, *options, nproc=nproc, config=REPO / "configs" / name)
         record = metrics(run)[-1]

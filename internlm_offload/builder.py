@@ -6,6 +6,8 @@ wrapping, so FSDP2 shards the same blocks the plan acted on.
 """
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -117,11 +119,12 @@ def build_layer_plan(cfg: RunConfig, num_layers: int) -> LayerPlan:
 
 
 def build_optimizer(
-    cfg: RunConfig, model: nn.Module, accelerator: Accelerator, *, host_params: bool = False
+    cfg: RunConfig, model: nn.Module, accelerator: Accelerator, *, host_params: bool = False, check_host: bool = True
 ) -> torch.optim.Optimizer:
     """AdamW, or its offloading variants, over `model`'s parameters (the fp32 masters where they exist).
 
-    `host_params`: the parameters are host-resident masters, swapped in with the states.
+    `host_params`: the parameters are host-resident masters, swapped in with the states. `check_host`:
+    refuse offloaded states the machine's host memory cannot hold.
     """
     adam = cfg.adam
     common = dict(
@@ -129,13 +132,15 @@ def build_optimizer(
         weight_decay=adam.weight_decay, fused=adam.fused,
     )  # fmt: skip
     if cfg.swap_optimizer:
-        check_optimizer_host_memory(cfg, model)
+        if check_host:
+            check_optimizer_host_memory(cfg, model)
         return build_swap_adamw(
             model, accelerator=accelerator, swap_optimizer_times=cfg.swap_optimizer_times,
             use_pinned_optimizer_offload=cfg.use_pinned_optimizer_offload, swap_params=host_params, **common,
         )  # fmt: skip
     if cfg.hybrid_optimizer.enable:
-        check_optimizer_host_memory(cfg, model)
+        if check_host:
+            check_optimizer_host_memory(cfg, model)
         hybrid = cfg.hybrid_optimizer
         return build_hybrid_adamw(
             model, accelerator=accelerator, offload_fraction=hybrid.offload_fraction, overlap_cpu_optimizer_d2h_h2d=hybrid.overlap_cpu_optimizer_d2h_h2d,
@@ -202,25 +207,40 @@ def build_evaluator(cfg: RunConfig, ctx: RunContext) -> Evaluator | None:
     return evaluator
 
 
-def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
-    """Build every component of the run described by `cfg`; writes nothing to disk."""
-    set_determinism(cfg.seed, cfg.deterministic, ctx.accelerator)
-    # 0. data first: a bad path or tokenizer fails before any model memory is allocated
-    pretokenized = cfg.data.type == "internevo"
-    tokenizer = None if pretokenized else build_tokenizer(cfg.data.tokenizer)
-    if cfg.model.type == "internlm2" and tokenizer is not None:
-        check_vocab(cfg.model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
-    loader = build_loader(cfg, ctx, tokenizer)
-    evaluator = build_evaluator(cfg, ctx)
+@dataclass
+class Components:
+    """What a training step runs: the model, its masters and optimizer, and the memory features' hooks."""
+
+    model: nn.Module
+    masters: MasterWeights | None
+    policy: PrecisionPolicy
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    offloader: ActivationOffloader | None
+    selective_offloader: SelectiveOffloader | None
+    layers: nn.ModuleList  # the decoder blocks the layer plan acted on
+
+
+def build_components(
+    cfg: RunConfig,
+    ctx: RunContext,
+    *,
+    check_model: Callable[[nn.Module], None] | None = None,
+    check_host_memory: bool = True,
+) -> Components:
+    """Model, precision, layer plan, parallel wrapping, optimizer and schedule, in that order.
+
+    `check_model` runs on the bare model before anything else is allocated. The memory planner runs
+    this same function with its stand-in accelerator (meta tensors) and `check_host_memory=False`
+    (it predicts the host memory instead of asking the machine).
+    """
     # 1. model, built in fp32 (on meta when FSDP2 materializes shards later); the precision policy keeps
     # fp32 masters apart or casts it whole
     policy = PrecisionPolicy.from_config(cfg.model.dtype, cfg.mixed_precision.master_weights)
     meta = builds_on_meta(cfg, policy)
     model = build_model(cfg.model, torch.device("meta") if meta else ctx.device)
-    if tokenizer is not None:
-        check_vocab(model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
-    else:  # tokenized data: its ids are checked against the model's vocabulary as packs are built
-        loader.dataset.vocab_size = model.vocab_size
+    if check_model is not None:
+        check_model(model)
     # The swap optimizer swaps the masters with its states, the hybrid one steps its CPU share on the host:
     # those masters then live in (pinned) host memory only.
     host_names = host_master_names(cfg, model)
@@ -252,16 +272,18 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
         materialize_shards(model, ctx, seed=cfg.seed)
     log_build_memory(ctx)
     # 5. optimizer and schedule, over the parameters that hold the fp32 masters
-    if masters is None:
-        optimizer = build_optimizer(cfg, model, ctx.accelerator)
-    else:
-        optimizer = build_optimizer(cfg, masters.module, ctx.accelerator, host_params=masters.on_host)
+    module, host_params = (model, False) if masters is None else (masters.module, masters.on_host)
+    optimizer = build_optimizer(cfg, module, ctx.accelerator, host_params=host_params,
+                                check_host=check_host_memory)  # fmt: skip
     scheduler = build_lr_scheduler(
         optimizer, base_lr=cfg.adam.lr, warmup_ratio=cfg.lr_scheduler.warmup_ratio,
         total_steps=cfg.lr_scheduler.total_steps, eta_min=cfg.lr_scheduler.eta_min,
     )  # fmt: skip
-    # 6. trainer
-    settings = TrainerSettings(
+    return Components(model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers)
+
+
+def trainer_settings(cfg: RunConfig) -> TrainerSettings:
+    return TrainerSettings(
         total_steps=cfg.data.total_steps, clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm,
         checkpoint_every=cfg.ckpt.checkpoint_every, save_checkpoints=cfg.ckpt.enable_save_ckpt,
         log_every=cfg.monitor.log_every, progress_bar=cfg.monitor.progress_bar,
@@ -269,13 +291,33 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
         label_smoothing=cfg.loss.label_smoothing, valid_every=cfg.data.valid_every,
         skip_batches=tuple(cfg.data.skip_ranges()),
     )  # fmt: skip
+
+
+def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
+    """Build every component of the run described by `cfg`; writes nothing to disk."""
+    set_determinism(cfg.seed, cfg.deterministic, ctx.accelerator)
+    # 0. data first: a bad path or tokenizer fails before any model memory is allocated
+    pretokenized = cfg.data.type == "internevo"
+    tokenizer = None if pretokenized else build_tokenizer(cfg.data.tokenizer)
+    if cfg.model.type == "internlm2" and tokenizer is not None:
+        check_vocab(cfg.model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
+    loader = build_loader(cfg, ctx, tokenizer)
+    evaluator = build_evaluator(cfg, ctx)
+
+    def check_model(model: nn.Module) -> None:
+        if tokenizer is not None:
+            check_vocab(model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
+        else:  # tokenized data: its ids are checked against the model's vocabulary as packs are built
+            loader.dataset.vocab_size = model.vocab_size
+
+    parts = build_components(cfg, ctx, check_model=check_model)
     return Trainer(
-        ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
+        ctx=ctx, model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler, loader=loader,
         checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
-        metrics=MetricsLog(work_dir / "metrics.jsonl") if ctx.is_main else None, settings=settings,
-        extra_metrics=extra_metric_sources(offloader, selective_offloader, optimizer), masters=masters,
-        scaler=build_loss_scaler(cfg) if policy.loss_scaling else None, evaluator=evaluator,
-        closers=closers(offloader, selective_offloader, optimizer, ctx.accelerator),
+        metrics=MetricsLog(work_dir / "metrics.jsonl") if ctx.is_main else None, settings=trainer_settings(cfg),
+        extra_metrics=extra_metric_sources(parts.offloader, parts.selective_offloader, parts.optimizer),
+        masters=parts.masters, scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,
+        evaluator=evaluator, closers=closers(parts.offloader, parts.selective_offloader, parts.optimizer, ctx.accelerator),
     )  # fmt: skip
 
 

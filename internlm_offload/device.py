@@ -30,6 +30,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
@@ -188,6 +189,10 @@ class Accelerator:
         if pinned and nbytes >= REGISTER_MIN_BYTES and hasattr(self.module, "cudart"):
             return _registered_empty(self.module.cudart(), torch.Size(shape), dtype)
         return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+
+    def host_worker(self, name: str) -> Executor:
+        """A host thread for CPU work that overlaps the device's (the hybrid optimizer's CPU step)."""
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     def current_device(self) -> torch.device:
         """The device this process computes on now (`set_device`'s)."""
@@ -410,6 +415,14 @@ def is_available(name: str) -> bool:
 def host_rss_bytes() -> int:
     """Resident host memory of this process (independent of the accelerator)."""
     return _proc_status_kib("VmRSS") * 1024
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """The identity of `tensor`'s storage while it lives: its views share it, other storages do not.
+
+    Not `data_ptr()`: meta storages (the memory planner's trace) all have a null data pointer.
+    """
+    return tensor.untyped_storage()._cdata
 
 
 def rss_anon_bytes() -> int:

@@ -258,7 +258,7 @@ class Trainer:
         if self.ctx.distributed:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         norm = self.clip_gradients(unscale=1.0 / loss_scale)
-        values = torch.cat([loss, norm.to(loss.device, torch.float32).reshape(1)]).tolist()  # the one host sync
+        values = self.read_floats(torch.cat([loss, norm.to(loss.device, torch.float32).reshape(1)]))
         stop, loss_value, norm_value = values[0] > 0, values[1], values[-1]
         aux_value = values[2] if len(values) == 4 else None
         skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
@@ -274,6 +274,11 @@ class Trainer:
             self.scaler.update(overflow=skipped)
         used_scale = loss_scale if self.scaler is not None else None
         return StepResult(loss_value, norm_value, skipped, aux_value, stop, used_scale)
+
+    def read_floats(self, values: torch.Tensor) -> list[float]:
+        """The step's one host sync: the loss, flags and grad norm as Python floats (the planner's trace,
+        which has no values, overrides it)."""
+        return values.tolist()
 
     def clip_gradients(self, unscale: float = 1.0) -> torch.Tensor:
         """Remove the loss scale, clip to the configured norm; returns the norm before clipping (a tensor)."""

@@ -34,7 +34,15 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from internlm_offload.device import Accelerator, CopyTimer, Event, Stream, finish_and_close, get_accelerator
+from internlm_offload.device import (
+    Accelerator,
+    CopyTimer,
+    Event,
+    Stream,
+    finish_and_close,
+    get_accelerator,
+    storage_key,
+)
 from internlm_offload.log import get_logger
 from internlm_offload.offload.host_pool import HostPool, PendingCopy
 
@@ -72,8 +80,8 @@ class _Group:
     # The groups backward reaches right after this one (lower indices), for prefetching. Strong
     # references point downward only, so groups never form a cycle and die as soon as autograd drops them.
     earlier: list[_Group]
-    slots: dict[int, _Slot] = field(default_factory=dict)  # storage data_ptr → slot
-    param_ptrs: set[int] | None = None
+    slots: dict[int, _Slot] = field(default_factory=dict)  # storage_key → slot
+    param_storages: set[int] | None = None
     d2h_done: Event | None = None
     h2d_done: Event | None = None
     # Shared with the finalizer that returns the host buffers (which must not hold the group itself).
@@ -240,10 +248,10 @@ class ActivationOffloader:
         if getattr(t, NO_OFFLOAD_ATTR, False) or self._is_host(t):
             return False
         group = self._group(index, t.device)
-        if group.param_ptrs is None:
+        if group.param_storages is None:
             # Refreshed per forward: FSDP2 re-allocates unsharded parameter storages every all-gather.
-            group.param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        return t.untyped_storage().data_ptr() not in group.param_ptrs
+            group.param_storages = {storage_key(p) for p in module.parameters()}
+        return storage_key(t) not in group.param_storages
 
     def _is_host(self, t: torch.Tensor) -> bool:
         if self.accelerator.name == "cpu":
@@ -261,7 +269,7 @@ class ActivationOffloader:
     def _offload(self, t: torch.Tensor, index: int) -> _Saved:
         group = self._group(index, t.device)
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = storage_key(t)
         if key not in group.slots:
             source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             slot = _Slot(host=self.pool.take(source.numel()), source=source)

@@ -19,7 +19,7 @@ the master copy, a grad buffer and the states, plus one D2H and one H2D copy and
 from __future__ import annotations
 
 import functools
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -209,7 +209,7 @@ class HybridDeviceOptimizer(Optimizer):
         self._d2h_stream: Stream = self._acc.stream()
         self._h2d_stream: Stream = self._acc.stream()
         self._host_arenas: list[HostArena] = []
-        self._cpu_worker: ThreadPoolExecutor | None = None  # started by the first overlapped step
+        self._cpu_worker: Executor | None = None  # started by the first overlapped step
         # id(model param) -> (sub-optimizer, the tensor it steps for that param).
         self._route: dict[int, tuple[Optimizer, torch.Tensor]] = {}
         self._device_masters: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -360,7 +360,7 @@ class HybridDeviceOptimizer(Optimizer):
         self._start_grad_copies()
         if self.overlap_cpu_optimizer_d2h_h2d and self._cpu_units:
             if self._cpu_worker is None:
-                self._cpu_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybrid-cpu-step")
+                self._cpu_worker = self._acc.host_worker("hybrid-cpu-step")
             cpu_steps = self._cpu_worker.submit(self._step_cpu_units)
             self._step_device()
             cpu_steps.result()  # re-raises a failure of the CPU side

@@ -1,0 +1,165 @@
+"""Stand-ins that let the builder's own wiring run a training step without allocating it.
+
+- `PlanningAccelerator`: the cpu accelerator with every tensor on the meta device. Host buffers
+  (`host_empty`) are meta tensors the tracker counts as host memory; device buffers are meta tensors
+  it counts as device memory; side streams and host workers are the calling thread (a traced step
+  has no copies to overlap, and the tracker sees one thread's ops), so every schedule runs in program
+  order and events are complete when recorded.
+- `fused_optimizers_on_meta()`: torch's fused AdamW kernel has a meta implementation (no temporaries,
+  as on the device), but `torch.optim.Adam(W)` refuses meta params in a Python-side device check made
+  when it creates a param's state; inside the context the check lets meta through.
+- `flash_attention_on_meta()`: on meta tensors `scaled_dot_product_attention` takes its math path,
+  which keeps the (T x T) score matrix for backward; on a device (and on cpu) it takes a flash kernel that keeps the
+  output and one log-sum-exp per row. The stand-in calls cpu's flash op, which has a meta kernel,
+  with the mask turned additive as the cpu dispatcher does, so the trace saves what the run saves.
+
+What the planner predicts with them is what `memory_allocated()` would show: live tensor bytes, not
+the allocator's reserved blocks or the runtime's own memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from internlm_offload.device import Accelerator, Stream
+from internlm_offload.planner.tracker import StorageTracker
+
+META = torch.device("meta")
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class PlanningAccelerator(Accelerator):
+    """An accelerator whose memory is meta tensors counted by `tracker`; see the module docstring.
+
+    `meta=False` keeps everything else but allocates real cpu tensors: the same step run for real (small
+    configs only), which is what the meta trace is tested against.
+    """
+
+    tracker: StorageTracker = field(default_factory=StorageTracker, compare=False, repr=False)
+    meta: bool = True
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return META if self.meta else CPU
+
+    def current_device(self) -> torch.device:
+        return self.device()
+
+    def stream(self, delay_s: float = 0.0) -> Stream:
+        return self.current_stream()
+
+    def host_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
+        with self.tracker.allocating_host(pinned):
+            return torch.empty(shape, dtype=dtype, device=self.device())
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device())
+
+    def host_worker(self, name: str) -> Executor:
+        return InlineExecutor()  # the tracker (a dispatch mode) sees the calling thread's ops only
+
+    def free_device_buffer(self, buffer: torch.Tensor) -> None:
+        pass  # the tracker sees the storage go when its last tensor does
+
+    def empty_cache(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def memory_allocated(self) -> int:
+        return self.tracker.live_bytes("device")
+
+    def max_memory_allocated(self) -> int:
+        return self.tracker.peak_bytes("device")
+
+    def reset_peak_memory_stats(self) -> None:
+        self.tracker.reset_peaks()
+
+
+class InlineExecutor(Executor):
+    """Runs each submitted call at once, on the calling thread."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001  handed to whoever reads the future, as a thread pool does
+            future.set_exception(exc)
+        return future
+
+
+@contextlib.contextmanager
+def flash_attention_on_meta() -> Iterator[None]:
+    """`F.scaled_dot_product_attention` on meta tensors takes the flash kernel; see the module docstring.
+
+    A patch of the function rather than a torch-function mode: activation checkpointing recomputes
+    the forward inside backward, where such a mode is not active, and must see the same ops again.
+    """
+    sdpa = F.scaled_dot_product_attention
+
+    def choose(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        kernel = flash_attention if query.device.type == "meta" else sdpa
+        return kernel(query, *args, **kwargs)
+
+    F.scaled_dot_product_attention = choose
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
+def flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """SDPA through the flash kernel (grouped-query attention natively, as the cpu kernel takes it)."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return op(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def fused_optimizers_on_meta() -> Iterator[None]:
+    """Let fused AdamW create states for meta params; see the module docstring."""
+    adam_module = importlib.import_module("torch.optim.adam")  # `torch.optim.adam` names the function
+    check = adam_module._device_dtype_check_for_fused
+
+    def meta_or_check(param: torch.Tensor, cuda_unsupported: bool = False) -> None:
+        if param.device.type != "meta":
+            check(param, cuda_unsupported)
+
+    adam_module._device_dtype_check_for_fused = meta_or_check
+    try:
+        yield
+    finally:
+        adam_module._device_dtype_check_for_fused = check
+
+
+@contextlib.contextmanager
+def fsdp2_on_meta() -> Iterator[None]:
+    """Let FSDP2 run on meta parameters: it refuses them at lazy init, a guard against a forgotten
+    `to_empty`; in a traced step meta is the device."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    validate = FSDPParamGroup._validate_no_meta_params
+    FSDPParamGroup._validate_no_meta_params = lambda self: None
+    try:
+        yield
+    finally:
+        FSDPParamGroup._validate_no_meta_params = validate

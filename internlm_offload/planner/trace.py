@@ -1,0 +1,269 @@
+"""Trace training steps of a config on meta tensors and read off its memory, per rank.
+
+`trace_step(cfg, world_size)` builds the run with the builder's own `build_components` and the
+planning stand-ins (`standins.py`), then runs the trainer's own `train_step` twice on micro-batches of
+the configured shape: the first step creates the optimizer's lazy states, the second is the steady
+state the prediction describes. Nothing is allocated: every tensor is a meta tensor, counted by the
+tracker from its creation to its last reference. With `world_size > 1` the process group is torch's
+fake backend: collectives do nothing, but DDP and FSDP2 shard, gather and bucket as they would, so the
+trace is rank 0's. Two layouts are not traced through their wrappers, whose C++ parts need real
+memory: DDP is traced as one process plus its gradient buckets (a flat copy of every trainable
+gradient, `gradient_as_bucket_view=False` as `apply_ddp` builds it); FSDP2 is refused for now
+(`UnsupportedLayout`).
+
+Numbers are what `memory_allocated()` reports on a device: live tensor bytes (not the caching
+allocator's reserve, the CUDA context or NCCL buffers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from internlm_offload.builder import build_components, build_loss_scaler, trainer_settings
+from internlm_offload.config import RunConfig
+from internlm_offload.data.loader import MicroBatch
+from internlm_offload.engine.runtime import RunContext
+from internlm_offload.engine.trainer import Trainer
+from internlm_offload.planner.standins import (
+    PlanningAccelerator,
+    flash_attention_on_meta,
+    fsdp2_on_meta,
+    fused_optimizers_on_meta,
+)
+from internlm_offload.planner.tracker import StorageTracker
+
+TRACED_STEPS = 2  # the first creates the optimizer states; the second is the steady state
+# The first micro-batch of a step creates the grads, the second accumulates into them; every later one
+# repeats the second's memory exactly (same shapes, same saved tensors), so two stand for micro_num.
+TRACED_MICRO_BATCHES = 2
+
+
+class UnsupportedLayout(ValueError):
+    """A config the trace cannot run (one line naming the key and what is supported)."""
+
+
+@dataclass
+class StepMemory:
+    """Per-rank bytes of one traced config; `components` maps a name to bytes (host ones say so)."""
+
+    world_size: int
+    device_peak_bytes: int  # the steady step's peak, everything live included
+    host_peak_bytes: int  # host tier: offloaded states, host masters, activation and optimizer buffers
+    components: dict[str, int]
+    # Device bytes each decoder block leaves alive after its forward; with offload the sources of the block
+    # before are released during it, so an offloaded block's figure nets its own against those.
+    block_activation_bytes: list[int]
+    first_step_device_peak_bytes: int = 0  # lazy state creation can make the first step's peak higher
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _TracingTrainer(Trainer):
+    """The trainer with its one host sync answered by zeros: a traced step has no values, and a finite
+    loss and norm take the path that steps the optimizer."""
+
+    def read_floats(self, values: torch.Tensor) -> list[float]:
+        return [0.0] * values.numel()
+
+
+@dataclass
+class _Probe:
+    """Readings taken by hooks during the steady step (the last micro-batch's forward wins: all save the same)."""
+
+    tracker: StorageTracker
+    block_growth: dict[int, int] = field(default_factory=dict)
+    forward_growth: int = 0
+    grads_bytes: int = 0
+    _before: dict[Any, int] = field(default_factory=dict)
+
+    def hooks(self, model: nn.Module, layers: nn.ModuleList) -> list[Any]:
+        """Forward hooks on the model and on each block, recording how much device memory each leaves alive."""
+        handles = [model.register_forward_pre_hook(self._enter("model")),
+                   model.register_forward_hook(self._leave("model"))]  # fmt: skip
+        for index, block in enumerate(layers):
+            handles.append(block.register_forward_pre_hook(self._enter(index)))
+            handles.append(block.register_forward_hook(self._leave(index)))
+        return handles
+
+    def _enter(self, key: Any) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._before[key] = self.tracker.live_bytes("device")
+
+        return hook
+
+    def _leave(self, key: Any) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            growth = self.tracker.live_bytes("device") - self._before[key]
+            if key == "model":
+                self.forward_growth = growth
+            else:
+                self.block_growth[key] = growth
+
+        return hook
+
+
+def micro_batches(cfg: RunConfig) -> list[MicroBatch]:
+    """Host micro-batches of the configured shape: (micro_bsz, seq_len) rows, or one packed row with
+    `position_ids` when InternEvo data keeps documents apart (as the loader makes them); at most
+    `TRACED_MICRO_BATCHES` of them."""
+    data = cfg.data
+    packed_apart = data.type == "internevo" and not data.pack_sample_into_one
+    rows, length = (1, data.micro_bsz * data.seq_len) if packed_apart else (data.micro_bsz, data.seq_len)
+    ids = torch.zeros(rows, length, dtype=torch.long)
+    batch: MicroBatch = (ids, ids.clone(), torch.arange(length).remainder(data.seq_len)[None]) if packed_apart else (
+        ids, ids.clone())  # fmt: skip
+    return [batch] * min(data.micro_num, TRACED_MICRO_BATCHES)
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, needed: bool) -> Iterator[None]:
+    """torch's fake backend as the default group: collectives return at once, shapes as on `world_size` ranks."""
+    if not needed:
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The builder logs what it applies; a planner tracing many configs keeps that out of its output."""
+    package = logging.getLogger("internlm_offload")
+    level = package.level
+    package.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        package.setLevel(level)
+
+
+def trace_step(cfg: RunConfig, world_size: int = 1, *, measure: bool = False) -> StepMemory:
+    """Trace `TRACED_STEPS` training steps of `cfg` on rank 0 of `world_size`; see the module docstring.
+
+    `measure=True` runs the same steps for real on cpu tensors, counted the same way (small configs):
+    the reference the meta trace is checked against.
+    """
+    mode = cfg.parallel.mode
+    if mode == "fsdp2":
+        raise UnsupportedLayout("parallel.mode='fsdp2' is not traced by the planner yet; plan with 'none' or 'ddp'")
+    if mode == "ddp":
+        single = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"mode": "none"})})
+        return _with_ddp_buckets(_trace(single, world_size, measure))
+    return _trace(cfg, world_size, measure)
+
+
+def _with_ddp_buckets(memory: StepMemory) -> StepMemory:
+    """DDP's reducer keeps every trainable parameter's gradient a second time, in flat buckets of the
+    parameter's dtype, from construction on (also with fp32 masters, whose grads the trainer reduces)."""
+    buckets = memory.components["model_params"]
+    memory.components["ddp_buckets"] = buckets
+    memory.device_peak_bytes += buckets
+    memory.first_step_device_peak_bytes += buckets
+    return memory
+
+
+def _trace(cfg: RunConfig, world_size: int, measure: bool) -> StepMemory:
+    accelerator = PlanningAccelerator("cpu", meta=not measure)
+    tracker = accelerator.tracker
+    ctx = RunContext(rank=0, local_rank=0, world_size=world_size, accelerator=accelerator)
+    batches = micro_batches(cfg)  # real host tensors, as the loader's: the trainer counts their labels
+    # Factory calls without a device (buffers made by `init_weights`) land on meta too.
+    stand_ins = () if measure else (
+        fused_optimizers_on_meta(), flash_attention_on_meta(), fsdp2_on_meta(), torch.device("meta"))  # fmt: skip
+    distributed = world_size > 1 or cfg.parallel.mode != "none"
+    with fake_process_group(world_size, distributed), _quiet(), contextlib.ExitStack() as stack, tracker:
+        for stand_in in stand_ins:
+            stack.enter_context(stand_in)
+        parts = build_components(cfg, ctx, check_host_memory=False)
+        trainer = (Trainer if measure else _TracingTrainer)(
+            ctx=ctx, model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler, loader=None,
+            checkpoints=None, metrics=None, settings=trainer_settings(cfg), masters=parts.masters,
+            scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,
+        )  # fmt: skip
+        probe = _Probe(tracker)
+        parts.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: _count_grads(probe, optimizer))
+        tracker.reset_peaks()
+        trainer.train_step(batches)
+        first_peak = tracker.peak_bytes("device")
+        at_rest = {tier: tracker.live_bytes(tier) for tier in ("device", "host")}
+        handles = probe.hooks(parts.model, parts.layers)
+        tracker.reset_peaks()
+        trainer.train_step(batches)
+        for handle in handles:
+            handle.remove()
+        components = _components(parts, tracker, at_rest, probe)
+        memory = StepMemory(
+            world_size=world_size, device_peak_bytes=tracker.peak_bytes("device"),
+            host_peak_bytes=tracker.peak_bytes("host"), components=components,
+            block_activation_bytes=[probe.block_growth.get(i, 0) for i in range(len(parts.layers))],
+            first_step_device_peak_bytes=first_peak,
+        )  # fmt: skip
+        trainer.close()
+    return memory
+
+
+def _count_grads(probe: _Probe, optimizer: torch.optim.Optimizer) -> None:
+    seen: set[int] = set()
+    total = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            grad = getattr(p, "main_grad", None)
+            grad = p.grad if grad is None else grad
+            if grad is not None and grad.untyped_storage()._cdata not in seen:
+                seen.add(grad.untyped_storage()._cdata)
+                total += grad.untyped_storage().nbytes()
+    probe.grads_bytes = total
+
+
+def _components(
+    parts: Any, tracker: StorageTracker, at_rest: dict[str, int], probe: _Probe
+) -> dict[str, int]:
+    """Named per-rank bytes of the steady step; the device ones add up to `device_peak_bytes`."""
+    params = _tier_bytes(tracker, parts.model.parameters())
+    masters = _tier_bytes(tracker, parts.masters.module.parameters()) if parts.masters is not None else {}
+    state_tensors = [t for s in parts.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    states = _tier_bytes(tracker, state_tensors)
+    device_known = params.get("device", 0) + masters.get("device", 0) + states.get("device", 0)
+    host_known = params.get("host", 0) + masters.get("host", 0) + states.get("host", 0)
+    activations = probe.forward_growth
+    return {
+        "model_params": params.get("device", 0),
+        "master_weights": masters.get("device", 0),
+        "optimizer_states": states.get("device", 0),
+        "other_at_rest": at_rest["device"] - device_known,  # buffers, device-resident grads kept between steps
+        "activations": activations,  # what one micro-batch's forward leaves alive (saved tensors, logits)
+        "transient": tracker.peak_bytes("device") - at_rest["device"] - activations,  # grads, temporaries
+        "gradients_at_step": probe.grads_bytes,  # part of the above: the grads `step()` reads
+        "host_params": params.get("host", 0),
+        "host_master_weights": masters.get("host", 0),
+        "host_optimizer_states": states.get("host", 0),
+        "host_buffers": at_rest["host"] - host_known,  # offload pools, staging, arena padding
+        "pinned_host_peak": tracker.peak_bytes("pinned"),
+    }
+
+
+def _tier_bytes(tracker: StorageTracker, tensors: Any) -> dict[str, int]:
+    """Bytes of the distinct storages under `tensors` (DTensors: the local shard) per tier."""
+    storages: dict[int, tuple[str, int]] = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        tier = tracker.tier_of(local) or "device"
+        storages[local.untyped_storage()._cdata] = (tier, local.untyped_storage().nbytes())
+    totals: dict[str, int] = {}
+    for tier, nbytes in storages.values():
+        totals[tier] = totals.get(tier, 0) + nbytes
+    return totals

@@ -1,0 +1,101 @@
+"""Live tensor memory of a traced step, by tier, without allocating it.
+
+`StorageTracker` is a dispatch mode that sees every op of the traced step (run on meta tensors) and
+records each new storage once, with its byte size and tier: "host" when the planning accelerator
+allocated it as host memory (`host_empty`, "pinned" too when asked page-locked), "device" otherwise. A storage stops counting when its
+last tensor is collected, exactly when the caching allocator would get the block back; so the current
+and peak bytes it reports are those of `memory_allocated()` / `max_memory_allocated()` on a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+TIERS = ("device", "host", "pinned")  # "pinned": the host bytes asked for page-locked (a subset of "host")
+
+
+@dataclass
+class TierCounter:
+    current: int = 0
+    peak: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+
+@dataclass(eq=False)
+class StorageTracker(TorchDispatchMode):
+    """Counts live storages per tier while active; see the module docstring."""
+
+    counters: dict[str, TierCounter] = field(default_factory=lambda: {tier: TierCounter() for tier in TIERS})
+    _live: dict[int, tuple[int, tuple[str, ...]]] = field(default_factory=dict)  # storage key -> (bytes, tiers)
+    _new_tiers: tuple[str, ...] = ("device",)  # the tiers of storages created now
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        tiers = self._derived_tiers(args, kwargs)
+        for value in tree_leaves(out):
+            if isinstance(value, torch.Tensor):
+                self.track(value, tiers)
+        return out
+
+    def _derived_tiers(self, args: tuple, kwargs: dict | None) -> tuple[str, ...]:
+        """A new storage computed from host tensors only is host memory (a CPU optimizer's states, the host
+        upcast of a grad); from anything on the device, or from nothing (a factory), the current default."""
+        inputs = [self.tier_of(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        return ("host",) if inputs and all(tier == "host" for tier in inputs) else self._new_tiers
+
+    def track(self, tensor: torch.Tensor, tiers: tuple[str, ...] | None = None) -> None:
+        """Count `tensor`'s storage (once) until its last tensor is gone."""
+        storage = tensor.untyped_storage()
+        key = storage._cdata  # `storage_key`
+        if key in self._live:
+            return
+        tiers = tiers or self._new_tiers
+        nbytes = storage.nbytes()
+        self._live[key] = (nbytes, tiers)
+        for tier in tiers:
+            self.counters[tier].add(nbytes)
+        weakref.finalize(storage, self._free, key)
+
+    @contextlib.contextmanager
+    def allocating_host(self, pinned: bool) -> Iterator[None]:
+        """Storages created inside count as host memory (the planning accelerator's `host_empty`)."""
+        self._new_tiers = ("host", "pinned") if pinned else ("host",)
+        try:
+            yield
+        finally:
+            self._new_tiers = ("device",)
+
+    def tier_of(self, tensor: torch.Tensor) -> str | None:
+        """"device" or "host" for a tracked tensor; None for one made outside the tracker."""
+        entry = self._live.get(tensor.untyped_storage()._cdata)
+        return None if entry is None else entry[1][0]
+
+    def live_bytes(self, tier: str) -> int:
+        return self.counters[tier].current
+
+    def peak_bytes(self, tier: str) -> int:
+        return self.counters[tier].peak
+
+    def reset_peaks(self) -> None:
+        """Peaks restart from what is live now (`reset_peak_memory_stats`)."""
+        for counter in self.counters.values():
+            counter.peak = counter.current
+
+    def _free(self, key: int) -> None:
+        nbytes, tiers = self._live.pop(key)
+        for tier in tiers:
+            self.counters[tier].current -= nbytes

@@ -1,0 +1,146 @@
+"""Predict one training step's memory per rank without allocating it, and check it against budgets.
+
+    python -m internlm_offload.tools.plan --config configs/x.py [--cfg-options k=v ...] [--world-size N]
+        [--device-memory 80GiB] [--host-memory 512GiB] [--json plan.json] [--measure]
+
+Traces two training steps of the configured run (forward, backward, optimizer step, with its offload
+hooks, checkpointing and optimizer) on meta tensors through the builder's own wiring (see
+`internlm_offload/planner/`), and reports the device and host bytes per component, the saved
+activations per block and the peaks. `--measure` runs the same steps for real on cpu tensors and
+prints measured beside predicted (small configs only).
+
+Exit codes: 0 the plan fits the budgets given (or none was given), 3 it does not (the line says what
+dominates), 2 bad input (config, option or size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from internlm_offload.config import ConfigError, load_config_file, resolve_config
+
+PROG = "plan"
+EXIT_BAD_INPUT = 2
+EXIT_DOES_NOT_FIT = 3
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+GIB = 2**30
+
+
+class PlanInputError(ValueError):
+    """Bad command-line input: one line naming the option, the value and what is allowed."""
+
+
+def parse_size(text: str, option: str) -> int:
+    """`80GiB`, `40GB`, `512MiB` or plain bytes -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in UNITS or float(match.group(1)) <= 0:
+        raise PlanInputError(f"{option} {text!r}: expected a positive size like 80GiB, 40GB, 512MiB or bytes")
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from mmengine.config import DictAction
+
+    p = argparse.ArgumentParser(prog=f"python -m internlm_offload.tools.{PROG}", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="Python config file, as for train.py")
+    p.add_argument("--cfg-options", nargs="+", action=DictAction, default={}, help="override config keys")
+    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks the run will use")
+    p.add_argument("--device-memory", help="device budget per rank, e.g. 80GiB")
+    p.add_argument("--host-memory", help="host budget per rank, e.g. 512GiB")
+    p.add_argument("--json", type=Path, help="write the plan here as JSON")
+    p.add_argument("--measure", action="store_true", help="also run the steps for real on cpu (small configs)")
+    return p.parse_args(argv)
+
+
+def option_strings(options: dict[str, Any]) -> list[str]:
+    """`--cfg-options` as `key=value` strings, as a user would type them again."""
+    return [f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}" for key, value in options.items()]
+
+
+SUBTOTALS = ("gradients_at_step", "pinned_host_peak")  # parts of other components, never the largest alone
+
+
+def human(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def dominant(components: dict[str, int], tier: str) -> str:
+    """The largest device (or host) component, for the one-line verdict."""
+    names = [n for n in components if n.startswith("host_") == (tier == "host") and n not in SUBTOTALS]
+    name = max(names, key=lambda n: components[n])
+    return f"{name} {human(components[name])}"
+
+
+def verdict(plan: dict[str, Any], device_budget: int | None, host_budget: int | None) -> tuple[bool, str]:
+    """Whether the predicted peaks fit the budgets, and a one-line reason."""
+    problems = []
+    for tier, budget in (("device", device_budget), ("host", host_budget)):
+        peak = plan[f"{tier}_peak_bytes"]
+        if budget is not None and peak > budget:
+            problems.append(f"{tier} peak {human(peak)} > budget {human(budget)} "
+                            f"(largest: {dominant(plan['components'], tier)})")  # fmt: skip
+    if problems:
+        return False, "does not fit: " + "; ".join(problems)
+    return True, "fits" if device_budget or host_budget else "no budget given"
+
+
+def table(plan: dict[str, Any], measured: dict[str, Any] | None) -> str:
+    """Components and peaks in MiB, one line each; measured beside predicted when given."""
+    header = f"{'component (per rank)':<28}{'predicted MiB':>14}" + (f"{'measured MiB':>14}" if measured else "")
+    lines = [header]
+    rows = [*plan["components"].items(), ("device_peak", plan["device_peak_bytes"]),
+            ("host_peak", plan["host_peak_bytes"])]  # fmt: skip
+    for name, value in rows:
+        line = f"{name:<28}{value / 2**20:>14.2f}"
+        if measured:
+            other = measured["components"].get(name, measured.get(f"{name}_bytes", 0))
+            line += f"{other / 2**20:>14.2f}"
+        lines.append(line)
+    blocks = ", ".join(f"{b / 2**20:.2f}" for b in plan["block_activation_bytes"])
+    lines.append(f"activations left alive per block (MiB): {blocks}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from internlm_offload.planner.trace import UnsupportedLayout, trace_step  # heavy imports after parsing
+
+    if args.world_size < 1:
+        raise PlanInputError(f"--world-size {args.world_size}: expected an integer >= 1")
+    device_budget = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
+    host_budget = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
+    cfg = resolve_config(load_config_file(args.config, args.cfg_options), world_size=args.world_size)
+    try:
+        plan = trace_step(cfg, args.world_size).as_dict()
+        measured = trace_step(cfg, args.world_size, measure=True).as_dict() if args.measure else None
+    except UnsupportedLayout as exc:
+        raise PlanInputError(str(exc)) from None
+    fits, reason = verdict(plan, device_budget, host_budget)
+    report = {**plan, "fits": fits, "verdict": reason, "cfg_options": option_strings(args.cfg_options),
+              "config": str(args.config), "device_budget_bytes": device_budget, "host_budget_bytes": host_budget,
+              "measured": measured}  # fmt: skip
+    print(table(plan, measured))
+    print(f"{args.config} on {args.world_size} rank(s): {reason}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0 if fits else EXIT_DOES_NOT_FIT
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except (PlanInputError, ConfigError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

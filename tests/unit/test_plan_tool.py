@@ -1,0 +1,57 @@
+"""`python -m internlm_offload.tools.plan`: the report, the JSON, budgets and exit codes."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from internlm_offload.tools import plan
+
+TINY = str(Path(__file__).resolve().parents[2] / "configs" / "internlm2_tiny.py")
+SMALL = ["data.seq_len=64", "data.micro_bsz=2", "data.micro_num=2", "data.global_bsz=4"]
+
+
+def test_json_report_and_measured_column(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["--config", TINY, "--cfg-options", *SMALL, "swap_optimizer=True", "--json", str(out), "--measure"]
+    assert plan.main(argv) == 0
+    report = json.loads(out.read_text())
+    for key in ("device_peak_bytes", "host_peak_bytes", "fits", "components", "cfg_options", "measured"):
+        assert key in report, key
+    assert report["fits"] is True and "swap_optimizer=True" in report["cfg_options"]
+    assert report["components"]["host_optimizer_states"] > 0 == report["components"]["optimizer_states"]
+    assert report["measured"]["device_peak_bytes"] == pytest.approx(report["device_peak_bytes"], rel=1e-3)
+    printed = capsys.readouterr().out
+    assert "measured MiB" in printed and "no budget given" in printed
+
+
+def test_a_budget_below_the_peak_exits_3_naming_what_dominates(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--json", str(out)]) == 0
+    peak = json.loads(out.read_text())["device_peak_bytes"]
+    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--device-memory", str(peak)]) == 0
+    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--device-memory", str(peak - 1)]) == 3
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert "does not fit: device peak" in line and "largest: " in line
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device-memory", "80XB"], "--device-memory '80XB'"),
+        (["--host-memory=-1GiB"], "--host-memory '-1GiB'"),
+        (["--world-size", "0"], "--world-size 0"),
+        (["--cfg-options", "parallel.mode=fsdp2"], "parallel.mode='fsdp2'"),
+        (["--cfg-options", "model.nope=1"], "model.nope"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(argv, message, capsys):
+    assert plan.main(["--config", TINY, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("plan: error:") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("text, expected", [("80GiB", 80 * 2**30), ("40GB", 40 * 10**9), ("1.5MiB", 3 * 2**19),
+                                            ("4096", 4096)])  # fmt: skip
+def test_sizes(text, expected):
+    assert plan.parse_size(text, "--device-memory") == expected

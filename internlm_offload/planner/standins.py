@@ -150,16 +150,3 @@ def fused_optimizers_on_meta() -> Iterator[None]:
     finally:
         adam_module._device_dtype_check_for_fused = check
 
-
-@contextlib.contextmanager
-def fsdp2_on_meta() -> Iterator[None]:
-    """Let FSDP2 run on meta parameters: it refuses them at lazy init, a guard against a forgotten
-    `to_empty`; in a traced step meta is the device."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-    validate = FSDPParamGroup._validate_no_meta_params
-    FSDPParamGroup._validate_no_meta_params = lambda self: None
-    try:
-        yield
-    finally:
-        FSDPParamGroup._validate_no_meta_params = validate

@@ -375,6 +375,11 @@ class RunConfig(Section):
         "overflows included); after this many consecutive skipped steps the run stops with exit code 3 and no "
         "checkpoint of the bad state.",
     )
+    preflight: bool = Field(
+        True,
+        description="Before allocating the model, trace one step on meta tensors (seconds) and stop with exit code 2 "
+        "when its predicted device or host peak exceeds this machine's memory (see docs/planner.md).",
+    )
 
     _migration: Translation | None = PrivateAttr(default=None)
 

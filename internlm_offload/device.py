@@ -190,6 +190,12 @@ class Accelerator:
             return _registered_empty(self.module.cudart(), torch.Size(shape), dtype)
         return torch.empty(shape, dtype=dtype, pin_memory=pinned)
 
+    def device_memory_bytes(self, local_rank: int = 0) -> int | None:
+        """Total memory of the device `local_rank` uses; None on cpu, whose "device" memory is the host's."""
+        if self.module is None:
+            return None
+        return int(self.module.get_device_properties(local_rank).total_memory)
+
     def host_worker(self, name: str) -> Executor:
         """A host thread for CPU work that overlaps the device's (the hybrid optimizer's CPU step)."""
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)

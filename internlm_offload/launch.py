@@ -15,7 +15,7 @@ from pathlib import Path
 
 from internlm_offload.config import ConfigError, RunConfig, load_config_file, resolve_config
 from internlm_offload.data import DataError
-from internlm_offload.device import get_accelerator
+from internlm_offload.device import Accelerator, get_accelerator
 from internlm_offload.engine.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -79,8 +79,11 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(cfg.model_dump(), indent=2))
         return 0
-    ctx = init_runtime(get_accelerator(cfg.device))
-    setup_logging(ctx.rank)
+    accelerator = get_accelerator(cfg.device)
+    setup_logging(int(os.environ.get("RANK", "0")))
+    if cfg.preflight:
+        run_preflight(cfg, args.config, accelerator)
+    ctx = init_runtime(accelerator)
     notes, warnings = cfg.migration_notes()
     for line in notes:
         logger.info(line)
@@ -119,6 +122,23 @@ def run(args: argparse.Namespace) -> int:
         return 0
     logger.info("Done: %d steps, metrics in %s", trainer.step, work_dir / "metrics.jsonl")
     return 0
+
+
+def run_preflight(cfg: RunConfig, config_path: str, accelerator: Accelerator) -> None:
+    """Stop (exit 2) before anything is allocated when the predicted step cannot fit this machine."""
+    from internlm_offload.planner.preflight import check_fits
+
+    try:
+        check_fits(
+            cfg, world_size=env_world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            device_total=accelerator.device_memory_bytes(int(os.environ.get("LOCAL_RANK", "0"))),
+            config_path=config_path,
+        )  # fmt: skip
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001  a model the trace cannot run must not stop a run that may fit
+        logger.warning("Preflight skipped: the step could not be traced (%s: %s)", type(exc).__name__,
+                       str(exc).splitlines()[0] if str(exc) else "")  # fmt: skip
 
 
 def find_resume_checkpoint(cfg: RunConfig, work_dir: Path, *, resume: bool) -> Path | None:

@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+GIB = 2**30
 TIERS = ("device", "host", "pinned")  # "pinned": the host bytes asked for page-locked (a subset of "host")
 
 
@@ -99,3 +100,8 @@ class StorageTracker(TorchDispatchMode):
         nbytes, tiers = self._live.pop(key)
         for tier in tiers:
             self.counters[tier].current -= nbytes
+
+
+def human_bytes(nbytes: int) -> str:
+    """`161.3 GiB`, `36.9 MiB`: GiB from one GiB up."""
+    return f"{nbytes / GIB:.1f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.1f} MiB"

@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
+from internlm_offload.planner.tracker import human_bytes
 
 PROG = "plan"
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-GIB = 2**30
 
 
 class PlanInputError(ValueError):
@@ -67,15 +67,11 @@ def option_strings(options: dict[str, Any]) -> list[str]:
 SUBTOTALS = ("gradients_at_step", "pinned_host_peak")  # parts of other components, never the largest alone
 
 
-def human(nbytes: int) -> str:
-    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.1f} MiB"
-
-
 def dominant(components: dict[str, int], tier: str) -> str:
     """The largest device (or host) component, for the one-line verdict."""
     names = [n for n in components if n.startswith("host_") == (tier == "host") and n not in SUBTOTALS]
     name = max(names, key=lambda n: components[n])
-    return f"{name} {human(components[name])}"
+    return f"{name} {human_bytes(components[name])}"
 
 
 def verdict(plan: dict[str, Any], device_budget: int | None, host_budget: int | None) -> tuple[bool, str]:
@@ -84,7 +80,7 @@ def verdict(plan: dict[str, Any], device_budget: int | None, host_budget: int | 
     for tier, budget in (("device", device_budget), ("host", host_budget)):
         peak = plan[f"{tier}_peak_bytes"]
         if budget is not None and peak > budget:
-            problems.append(f"{tier} peak {human(peak)} > budget {human(budget)} "
+            problems.append(f"{tier} peak {human_bytes(peak)} > budget {human_bytes(budget)} "
                             f"(largest: {dominant(plan['components'], tier)})")  # fmt: skip
     if problems:
         return False, "does not fit: " + "; ".join(problems)

@@ -1,12 +1,11 @@
 """Trace training steps of a config on meta tensors and read off its memory, per rank.
 
 `trace_step(cfg, world_size)` builds the run with the builder's own `build_components` and the
-planning stand-ins (`standins.py`), then runs the trainer's own `train_step` twice on micro-batches of
-the configured shape: the first step creates the optimizer's lazy states, the second is the steady
-state the prediction describes. Nothing is allocated: every tensor is a meta tensor, counted by the
+planning stand-ins (`standins.py`), then runs the trainer's own `train_step` three times on
+micro-batches of the configured shape: the first step creates the optimizer's lazy states, the second
+is the steady state the memory figures describe, the third is counted for the cost model. Nothing is allocated: every tensor is a meta tensor, counted by the
 tracker from its creation to its last reference. With `world_size > 1` the process group is torch's
-fake backend: collectives do nothing, but DDP and FSDP2 shard, gather and bucket as they would, so the
-trace is rank 0's. Two layouts are not traced through their wrappers, whose C++ parts need real
+fake backend: collectives do nothing, so the trace is rank 0's. Two layouts are not traced through their wrappers, whose C++ parts need real
 memory: DDP is traced as one process plus its gradient buckets (a flat copy of every trainable
 gradient, `gradient_as_bucket_view=False` as `apply_ddp` builds it); FSDP2 is refused for now
 (`UnsupportedLayout`): bent to run on meta tensors over the fake backend it traces, and agrees with
@@ -20,6 +19,7 @@ allocator's reserve, the CUDA context or NCCL buffers).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -28,12 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from internlm_offload.builder import build_components, build_loss_scaler, trainer_settings
 from internlm_offload.config import RunConfig
 from internlm_offload.data.loader import MicroBatch
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.engine.trainer import Trainer
+from internlm_offload.planner.cost import StepWork, WorkCounter, flash_cpu_flops
 from internlm_offload.planner.standins import (
     PlanningAccelerator,
     flash_attention_on_meta,
@@ -41,7 +43,9 @@ from internlm_offload.planner.standins import (
 )
 from internlm_offload.planner.tracker import StorageTracker
 
-TRACED_STEPS = 2  # the first creates the optimizer states; the second is the steady state
+# The first creates the optimizer states, the second is the steady state the memory figures describe,
+# the third is counted for the cost model (FLOPs, copies, optimizer elements).
+TRACED_STEPS = 3
 # The first micro-batch of a step creates the grads, the second accumulates into them; every later one
 # repeats the second's memory exactly (same shapes, same saved tensors), so two stand for micro_num.
 TRACED_MICRO_BATCHES = 2
@@ -63,6 +67,9 @@ class StepMemory:
     # before are released during it, so an offloaded block's figure nets its own against those.
     block_activation_bytes: list[int]
     first_step_device_peak_bytes: int = 0  # lazy state creation can make the first step's peak higher
+    micro_num: int = 1
+    micro_batch_work: StepWork = field(default_factory=StepWork)  # one micro-batch of the steady step
+    optimizer_work: StepWork = field(default_factory=StepWork)  # the steady step's `optimizer.step()`
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,7 +91,30 @@ class _Probe:
     block_growth: dict[int, int] = field(default_factory=dict)
     forward_growth: int = 0
     grads_bytes: int = 0
+    counter: WorkCounter | None = None  # copies and AdamW elements, while the steady step runs
+    flops: FlopCounterMode | None = None
+    micro_batch_work: StepWork | None = None  # the first micro-batch of the steady step
+    optimizer_work: StepWork = field(default_factory=StepWork)  # the step's once-per-step work
+    forwards: int = 0
     _before: dict[Any, int] = field(default_factory=dict)
+
+    def _counted(self) -> StepWork:
+        return dataclasses.replace(self.counter.work, flops=self.flops.get_total_flops())
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Work beyond `forwards` copies of the first micro-batch's (the swap optimizer's prefetch during
+        the last backward) happens once per step: it goes with the optimizer's."""
+        self.grads_bytes = _grads_bytes(optimizer)
+        if self.counter is not None:
+            total = self._counted()
+            self.micro_batch_work = self.micro_batch_work or total
+            self.optimizer_work = total - self.micro_batch_work.scaled(self.forwards)
+            self.counter.work = StepWork()
+
+    def after_optimizer_step(self) -> None:
+        if self.counter is not None:
+            self.optimizer_work = self.optimizer_work + self.counter.work
+            self.counter = None
 
     def hooks(self, model: nn.Module, layers: nn.ModuleList) -> list[Any]:
         """Forward hooks on the model and on each block, recording how much device memory each leaves alive."""
@@ -98,6 +128,10 @@ class _Probe:
     def _enter(self, key: Any) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             self._before[key] = self.tracker.live_bytes("device")
+            if key == "model" and self.counter is not None:
+                self.forwards += 1
+                if self.forwards == 2:  # the first micro-batch's forward and backward are done
+                    self.micro_batch_work = self._counted()
 
         return hook
 
@@ -199,7 +233,8 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool) -> StepMemory:
             scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,
         )  # fmt: skip
         probe = _Probe(tracker)
-        parts.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: _count_grads(probe, optimizer))
+        parts.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: probe.before_optimizer_step(optimizer))
+        parts.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: probe.after_optimizer_step())
         tracker.reset_peaks()
         trainer.train_step(batches)
         first_peak = tracker.peak_bytes("device")
@@ -207,20 +242,30 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool) -> StepMemory:
         handles = probe.hooks(parts.model, parts.layers)
         tracker.reset_peaks()
         trainer.train_step(batches)
+        peaks = {tier: tracker.peak_bytes(tier) for tier in ("device", "host")}
+        components = _components(parts, tracker, at_rest, probe)
+        blocks = [probe.block_growth.get(i, 0) for i in range(len(parts.layers))]
+        # The work is counted in a step of its own: the FLOP counter's module hooks move when a few
+        # tensors are freed, which the memory figures above must not see.
+        probe.counter = WorkCounter(tracker)
+        probe.flops = FlopCounterMode(display=False, custom_mapping=flash_cpu_flops())
+        with probe.flops, probe.counter:
+            trainer.train_step(batches)
         for handle in handles:
             handle.remove()
-        components = _components(parts, tracker, at_rest, probe)
         memory = StepMemory(
-            world_size=world_size, device_peak_bytes=tracker.peak_bytes("device"),
-            host_peak_bytes=tracker.peak_bytes("host"), components=components,
-            block_activation_bytes=[probe.block_growth.get(i, 0) for i in range(len(parts.layers))],
-            first_step_device_peak_bytes=first_peak,
+            world_size=world_size, device_peak_bytes=peaks["device"], host_peak_bytes=peaks["host"],
+            components=components,
+            block_activation_bytes=blocks,
+            first_step_device_peak_bytes=first_peak, micro_num=cfg.data.micro_num,
+            micro_batch_work=probe.micro_batch_work, optimizer_work=probe.optimizer_work,
         )  # fmt: skip
         trainer.close()
     return memory
 
 
-def _count_grads(probe: _Probe, optimizer: torch.optim.Optimizer) -> None:
+def _grads_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct gradients `step()` reads (`main_grad` of host-resident masters)."""
     seen: set[int] = set()
     total = 0
     for group in optimizer.param_groups:
@@ -230,7 +275,7 @@ def _count_grads(probe: _Probe, optimizer: torch.optim.Optimizer) -> None:
             if grad is not None and grad.untyped_storage()._cdata not in seen:
                 seen.add(grad.untyped_storage()._cdata)
                 total += grad.untyped_storage().nbytes()
-    probe.grads_bytes = total
+    return total
 
 
 def _components(

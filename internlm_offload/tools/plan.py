@@ -3,11 +3,15 @@
     python -m internlm_offload.tools.plan --config configs/x.py [--cfg-options k=v ...] [--world-size N]
         [--device-memory 80GiB] [--host-memory 512GiB] [--json plan.json] [--measure]
 
-Traces two training steps of the configured run (forward, backward, optimizer step, with its offload
+Traces three training steps of the configured run (forward, backward, optimizer step, with its offload
 hooks, checkpointing and optimizer) on meta tensors through the builder's own wiring (see
 `internlm_offload/planner/`), and reports the device and host bytes per component, the saved
 activations per block and the peaks. `--measure` runs the same steps for real on cpu tensors and
 prints measured beside predicted (small configs only).
+
+The step time comes from a stated cost model (`planner/cost.py`) over the traced work: FLOPs,
+host<->device bytes and AdamW elements, with the throughputs of `--hardware` (assumed rows for H100,
+A100, Ascend 910B) or of this machine (`--calibrate`).
 
 Exit codes: 0 the plan fits the budgets given (or none was given), 3 it does not (the line says what
 dominates), 2 bad input (config, option or size).
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
+from internlm_offload.planner.cost import HARDWARE, calibrate, step_time
 from internlm_offload.planner.tracker import human_bytes
 
 PROG = "plan"
@@ -56,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-memory", help="host budget per rank, e.g. 512GiB")
     p.add_argument("--json", type=Path, help="write the plan here as JSON")
     p.add_argument("--measure", action="store_true", help="also run the steps for real on cpu (small configs)")
+    p.add_argument("--hardware", choices=sorted(HARDWARE), default="h100",
+                   help="throughputs the step time is computed with (assumed; see docs/planner.md)")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine's throughputs instead of --hardware")
     return p.parse_args(argv)
 
 
@@ -113,15 +121,21 @@ def run(args: argparse.Namespace) -> int:
     host_budget = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
     cfg = resolve_config(load_config_file(args.config, args.cfg_options), world_size=args.world_size)
     try:
-        plan = trace_step(cfg, args.world_size).as_dict()
+        memory = trace_step(cfg, args.world_size)
+        plan = memory.as_dict()
         measured = trace_step(cfg, args.world_size, measure=True).as_dict() if args.measure else None
     except UnsupportedLayout as exc:
         raise PlanInputError(str(exc)) from None
     fits, reason = verdict(plan, device_budget, host_budget)
+    hardware = calibrate() if args.calibrate else HARDWARE[args.hardware]
+    timing = step_time(memory.micro_batch_work, memory.optimizer_work, memory.micro_num, hardware)
     report = {**plan, "fits": fits, "verdict": reason, "cfg_options": option_strings(args.cfg_options),
+              "step_time_s": timing.step_s, "step_time": timing.as_dict(),
               "config": str(args.config), "device_budget_bytes": device_budget, "host_budget_bytes": host_budget,
               "measured": measured}  # fmt: skip
     print(table(plan, measured))
+    print(f"predicted step time {timing.step_s:.3f} s ({memory.micro_num} micro-batches x {timing.micro_batch_s:.4f} s "
+          f"+ optimizer {timing.optimizer_s:.4f} s) on {hardware.name} [{hardware.source}]")  # fmt: skip
     print(f"{args.config} on {args.world_size} rank(s): {reason}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,21 @@ def test_json_report_and_measured_column(tmp_path, capsys):
     assert report["fits"] is True and "swap_optimizer=True" in report["cfg_options"]
     assert report["components"]["host_optimizer_states"] > 0 == report["components"]["optimizer_states"]
     assert report["measured"]["device_peak_bytes"] == pytest.approx(report["device_peak_bytes"], rel=1e-3)
+    assert report["step_time_s"] > 0 and report["step_time"]["hardware"]["source"].startswith("assumed")
     printed = capsys.readouterr().out
-    assert "measured MiB" in printed and "no budget given" in printed
+    assert "measured MiB" in printed and "no budget given" in printed and "on H100" in printed
+
+
+def test_a_slower_link_predicts_a_slower_swap_step(tmp_path):
+    """The step time follows the hardware row: swap's state copies take twice as long over A100's PCIe 4.0."""
+    times = {}
+    for hardware in ("h100", "a100"):
+        out = tmp_path / f"{hardware}.json"
+        argv = ["--config", TINY, "--cfg-options", *SMALL, "swap_optimizer=True", "--hardware", hardware]
+        assert plan.main([*argv, "--json", str(out)]) == 0
+        times[hardware] = json.loads(out.read_text())["step_time"]
+    assert times["a100"]["optimizer_s"] > times["h100"]["optimizer_s"] > 0
+    assert times["a100"]["step_s"] > times["h100"]["step_s"]
 
 
 def test_a_budget_below_the_peak_exits_3_naming_what_dominates(tmp_path, capsys):

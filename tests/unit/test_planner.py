@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from internlm_offload.config import load_config_file, resolve_config
+from internlm_offload.planner import cost
 from internlm_offload.planner.standins import PlanningAccelerator, flash_attention_on_meta
 from internlm_offload.planner.trace import UnsupportedLayout, trace_step
 from internlm_offload.planner.tracker import StorageTracker
@@ -35,8 +36,9 @@ def config(name: str, **extra):
 
 @pytest.mark.parametrize("name", CASES)
 def test_meta_trace_predicts_the_real_step(name):
-    """The same two steps run for real on cpu tensors, counted the same way: peaks within 0.1 %, every
-    component within 64 KiB (a few scalars live on the host in the real run and on meta in the trace)."""
+    """The same steps run for real on cpu tensors, counted the same way: peaks within 0.1 %, every
+    component within 64 KiB (a few scalars live on the host in the real run and on meta in the trace),
+    the per-block figures exactly."""
     cfg = config(name)
     predicted, measured = trace_step(cfg), trace_step(cfg, measure=True)
     for key in ("device_peak_bytes", "host_peak_bytes", "first_step_device_peak_bytes"):
@@ -134,3 +136,40 @@ def test_storages_derived_from_host_tensors_are_host_memory():
     assert acc.tracker.tier_of(state) == "host" and acc.tracker.tier_of(mixed) == "device"
     assert acc.tracker.live_bytes("host") == 2048 and acc.tracker.live_bytes("pinned") == 1024
     assert acc.tracker.live_bytes("device") == 2048
+
+
+def test_traced_work_counts_what_each_feature_moves_and_computes():
+    """FLOPs do not change with offload and grow by about a forward with full checkpointing; swap moves its
+    states in and out once per step; activation offload moves what it parks each micro-batch; the hybrid
+    steps its CPU share on the host."""
+    base = trace_step(config("baseline"))
+    swap = trace_step(config("swap"))
+    offload = trace_step(config("act_offload"))
+    hybrid = trace_step(config("hybrid"))
+    checkpointed = trace_step(config("baseline", **{"model.checkpoint": 1.0}))
+    flops = base.micro_batch_work.flops
+    assert swap.micro_batch_work.flops == offload.micro_batch_work.flops == flops
+    assert 1.2 * flops < checkpointed.micro_batch_work.flops < 1.4 * flops  # + one forward of 4 blocks (not the head)
+    states = swap.components["host_optimizer_states"]
+    assert swap.optimizer_work.h2d_bytes == swap.optimizer_work.d2h_bytes and 0.99 * states <= swap.optimizer_work.h2d_bytes <= states
+    assert base.optimizer_work.h2d_bytes == base.micro_batch_work.d2h_bytes == 0
+    assert offload.micro_batch_work.d2h_bytes == offload.micro_batch_work.h2d_bytes == offload.components["host_buffers"]
+    elements = base.optimizer_work.device_adamw_elements
+    assert hybrid.optimizer_work.host_adamw_elements + hybrid.optimizer_work.device_adamw_elements == elements
+    assert 0.45 * elements < hybrid.optimizer_work.host_adamw_elements <= 0.5 * elements
+
+
+def test_step_time_model():
+    """micro_num x max(compute, activation copies) + max(device update, host update) + optimizer copies."""
+    hw = cost.Hardware("x", flops_per_s=1e12, link_bytes_per_s=1e9, hbm_bytes_per_s=28e9, cpu_adam_elements_per_s=1e8,
+                       source="test")  # fmt: skip
+    micro = cost.StepWork(flops=2e12, h2d_bytes=1e9, d2h_bytes=2e9)  # compute 2 s, copies 3 s
+    optimizer = cost.StepWork(h2d_bytes=5e8, d2h_bytes=5e8, device_adamw_elements=1e9, host_adamw_elements=2e8)
+    timing = cost.step_time(micro, optimizer, micro_num=4, hw=hw)
+    assert timing.micro_batch_s == 3.0 and timing.optimizer_s == 2.0 + 1.0 and timing.step_s == 15.0
+
+
+def test_calibrate_measures_this_machine():
+    row = cost.calibrate(repeats=1)
+    assert row.flops_per_s > 1e8 and row.link_bytes_per_s > 1e8 and row.cpu_adam_elements_per_s > 1e6
+    assert row.source.startswith("measured")

@@ -1,0 +1,179 @@
+"""Step time from the traced step's work and a machine's throughputs: a stated model, not a measurement.
+
+The trace counts, per micro-batch and per optimizer step: matmul and attention FLOPs (torch's
+`FlopCounterMode`, recomputation included), bytes copied between host and device (every `copy_`
+whose source and destination lie in different tiers), and AdamW elements stepped on the device and on
+the host. `step_time` turns them into seconds with a `Hardware` row:
+
+    micro-batch = max(FLOPs / flops_per_s, copies / link_bytes_per_s)    activation copies overlap compute
+    optimizer   = max(device elements x 28 B / hbm_bytes_per_s,          the hybrid's CPU share overlaps
+                      host elements / cpu_adam_elements_per_s)           the device step
+                  + step copies / link_bytes_per_s                       swap and hybrid traffic, not hidden
+    step        = micro_num x micro-batch + optimizer
+
+Rows for common accelerators are assumptions (their sources say so, and the planner prints them);
+`calibrate()` measures this machine's rows instead (cpu: matmul, memcpy, fused AdamW).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from internlm_offload.planner.tracker import StorageTracker
+
+ADAMW_BYTES_PER_ELEMENT = 28  # read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq (fp32)
+ADAMW_OPS = ("aten._fused_adamw_.default", "aten._fused_adam_.default")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Throughputs one step time is computed with; `source` says whether they are assumed or measured."""
+
+    name: str
+    flops_per_s: float  # achieved dense matmul throughput in the compute dtype
+    link_bytes_per_s: float  # host <-> device copies, per direction, pinned host memory
+    hbm_bytes_per_s: float  # device memory bandwidth (the device AdamW step is bound by it)
+    cpu_adam_elements_per_s: float  # AdamW elements per second on the host, all cores
+    source: str
+
+
+HARDWARE = {
+    "h100": Hardware("H100 SXM 80GB", 400e12, 50e9, 2.7e12, 3e9,
+                     "assumed: 40% MFU of 989 TFLOP/s dense bf16; PCIe 5.0 x16 ~50 GB/s; 80% of 3.35 TB/s HBM3; "
+                     "host fused AdamW 3e9 elem/s (~100 GB/s DRAM at 28 B/elem)"),
+    "a100": Hardware("A100 SXM 80GB", 125e12, 25e9, 1.6e12, 3e9,
+                     "assumed: 40% MFU of 312 TFLOP/s dense bf16; PCIe 4.0 x16 ~25 GB/s; 80% of 2.0 TB/s HBM2e; "
+                     "host fused AdamW 3e9 elem/s"),
+    "910b": Hardware("Ascend 910B", 125e12, 25e9, 1.3e12, 3e9,
+                     "assumed: 40% of ~313 TFLOP/s fp16/bf16; PCIe 4.0 x16 ~25 GB/s; 80% of 1.6 TB/s HBM; "
+                     "host fused AdamW 3e9 elem/s"),
+}  # fmt: skip
+
+
+@dataclass
+class StepWork:
+    """What one traced phase did: FLOPs, host<->device bytes and AdamW elements per tier."""
+
+    flops: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    device_adamw_elements: int = 0
+    host_adamw_elements: int = 0
+
+    def scaled(self, factor: float) -> StepWork:
+        return StepWork(**{k: int(v * factor) for k, v in asdict(self).items()})
+
+    def __add__(self, other: StepWork) -> StepWork:
+        return StepWork(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
+
+    def __sub__(self, other: StepWork) -> StepWork:
+        return self + other.scaled(-1)
+
+
+@dataclass(eq=False)
+class WorkCounter(TorchDispatchMode):
+    """Counts copies between tiers and AdamW elements while active (tiers from the tracker)."""
+
+    tracker: StorageTracker
+    work: StepWork = field(default_factory=StepWork)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = str(func)
+        if name == "aten.copy_.default":
+            self._count_copy(args[0], args[1])
+        elif name in ADAMW_OPS:
+            params = args[0]
+            elements = sum(p.numel() for p in params)
+            if params and self.tracker.tier_of(params[0]) == "host":
+                self.work.host_adamw_elements += elements
+            else:
+                self.work.device_adamw_elements += elements
+        return func(*args, **(kwargs or {}))
+
+    def _count_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        tiers = (self.tracker.tier_of(src) or "device", self.tracker.tier_of(dst) or "device")
+        nbytes = dst.numel() * dst.element_size()
+        if tiers == ("host", "device"):
+            self.work.h2d_bytes += nbytes
+        elif tiers == ("device", "host"):
+            self.work.d2h_bytes += nbytes
+
+
+def flash_cpu_flops() -> dict[Any, Any]:
+    """FLOP formulas for cpu's flash attention op (torch counts only the cuda ones): 4·B·H·T·S·D forward
+    (QKᵀ and PV), 2.5x that backward (scores recomputed, then dV, dP, dQ, dK), grouped-query heads
+    counted at the query's head count."""
+
+    def forward(query: Any, key: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        b, h, t, d = query.shape
+        return 4 * b * h * t * key.shape[-2] * d
+
+    def backward(grad_out: Any, query: Any, key: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        return 10 * forward(query, key) // 4
+
+    forward._get_raw = backward._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode: raw args
+    ops = torch.ops.aten
+    return {ops._scaled_dot_product_flash_attention_for_cpu: forward,
+            ops._scaled_dot_product_flash_attention_for_cpu_backward: backward}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one step and its parts, with the hardware row they came from."""
+
+    step_s: float
+    micro_batch_s: float
+    optimizer_s: float
+    hardware: Hardware
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step_s": self.step_s, "micro_batch_s": self.micro_batch_s, "optimizer_s": self.optimizer_s,
+                "hardware": asdict(self.hardware)}  # fmt: skip
+
+
+def step_time(micro_batch: StepWork, optimizer: StepWork, micro_num: int, hw: Hardware) -> StepTime:
+    """The model in the module docstring."""
+    compute = micro_batch.flops / hw.flops_per_s
+    activation_copies = (micro_batch.h2d_bytes + micro_batch.d2h_bytes) / hw.link_bytes_per_s
+    per_micro_batch = max(compute, activation_copies)
+    device_update = optimizer.device_adamw_elements * ADAMW_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s
+    host_update = optimizer.host_adamw_elements / hw.cpu_adam_elements_per_s
+    copies = (optimizer.h2d_bytes + optimizer.d2h_bytes) / hw.link_bytes_per_s
+    optimizer_s = max(device_update, host_update) + copies
+    return StepTime(micro_num * per_micro_batch + optimizer_s, per_micro_batch, optimizer_s, hw)
+
+
+def calibrate(repeats: int = 5) -> Hardware:
+    """This machine's row, measured: fp32 matmul FLOP/s, memcpy bytes/s (host and "device" are one RAM on
+    cpu, so it stands for the link and the device memory), fused AdamW elements/s. Medians of `repeats`."""
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    flops = 2 * n**3 / _median_seconds(lambda: torch.mm(a, b), repeats)
+    src, dst = torch.randn(32 << 20), torch.empty(32 << 20)
+    copy_bytes = 2 * src.nbytes / _median_seconds(lambda: dst.copy_(src), repeats)  # read + write
+    param = torch.randn(8 << 20, requires_grad=True)
+    param.grad = torch.randn_like(param)
+    adamw = torch.optim.AdamW([param], fused=True)
+    elements = param.numel() / _median_seconds(adamw.step, repeats)
+    return Hardware("this machine (cpu)", flops, copy_bytes / 2, copy_bytes, elements,
+                    f"measured by --calibrate: {n}x{n} fp32 matmul, {src.nbytes >> 20} MiB copy_, fused AdamW over "
+                    f"{param.numel() >> 20} Mi elements; medians of {repeats}")  # fmt: skip
+
+
+def _median_seconds(fn: Any, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -13,8 +13,13 @@ The step time comes from a stated cost model (`planner/cost.py`) over the traced
 host<->device bytes and AdamW elements, with the throughputs of `--hardware` (assumed rows for H100,
 A100, Ascend 910B) or of this machine (`--calibrate`).
 
-Exit codes: 0 the plan fits the budgets given (or none was given), 3 it does not (the line says what
-dominates), 2 bad input (config, option or size).
+With a budget the planner also searches activation settings (none, checkpoint 0.5/1.0, offload of half
+or all but one block) x optimizer settings (AdamW, hybrid 0.5, swap) for the fastest predicted step
+that fits (`planner/search.py`), prints the alternatives with why each was rejected and the choice as
+a `--cfg-options` line; `--check-only` checks the config as given instead.
+
+Exit codes: 0 the plan (or the choice) fits the budgets given, or none was given; 3 nothing fits (the
+line says what dominates, or the smallest peak found); 2 bad input (config, option or size).
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hardware", choices=sorted(HARDWARE), default="h100",
                    help="throughputs the step time is computed with (assumed; see docs/planner.md)")
     p.add_argument("--calibrate", action="store_true", help="measure this machine's throughputs instead of --hardware")
+    p.add_argument("--check-only", action="store_true",
+                   help="with budgets: check the config as given instead of searching for the fastest setting that fits")
     return p.parse_args(argv)
 
 
@@ -129,18 +136,67 @@ def run(args: argparse.Namespace) -> int:
     fits, reason = verdict(plan, device_budget, host_budget)
     hardware = calibrate() if args.calibrate else HARDWARE[args.hardware]
     timing = step_time(memory.micro_batch_work, memory.optimizer_work, memory.micro_num, hardware)
-    report = {**plan, "fits": fits, "verdict": reason, "cfg_options": option_strings(args.cfg_options),
-              "step_time_s": timing.step_s, "step_time": timing.as_dict(),
+    print(table(plan, measured))
+    print(f"predicted step time {timing.step_s:.4g} s ({memory.micro_num} micro-batches x {timing.micro_batch_s:.4g} s "
+          f"+ optimizer {timing.optimizer_s:.4g} s) on {hardware.name} [{hardware.source}]")  # fmt: skip
+    print(f"{args.config} on {args.world_size} rank(s): {reason}")
+    options = dict(args.cfg_options)
+    searched = None
+    if (device_budget or host_budget) and not args.check_only:
+        searched, chosen = run_search(args, memory, hardware, device_budget, host_budget)
+        fits = chosen is not None
+        if chosen is not None:
+            memory, options = chosen.memory, {**options, **chosen.options}
+            plan = memory.as_dict()
+            timing = step_time(memory.micro_batch_work, memory.optimizer_work, memory.micro_num, hardware)
+            reason = f"chosen: {chosen.name}"
+        else:
+            reason = "nothing fits"
+    report = {**plan, "fits": fits, "verdict": reason, "cfg_options": option_strings(options),
+              "step_time_s": timing.step_s, "step_time": timing.as_dict(), "search": searched,
               "config": str(args.config), "device_budget_bytes": device_budget, "host_budget_bytes": host_budget,
               "measured": measured}  # fmt: skip
-    print(table(plan, measured))
-    print(f"predicted step time {timing.step_s:.3f} s ({memory.micro_num} micro-batches x {timing.micro_batch_s:.4f} s "
-          f"+ optimizer {timing.optimizer_s:.4f} s) on {hardware.name} [{hardware.source}]")  # fmt: skip
-    print(f"{args.config} on {args.world_size} rank(s): {reason}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     return 0 if fits else EXIT_DOES_NOT_FIT
+
+
+def run_search(
+    args: argparse.Namespace, memory: Any, hardware: Any, device_budget: int | None, host_budget: int | None
+) -> tuple[list[dict[str, Any]], Any]:
+    """Search the settings, print the alternatives and the choice; (JSON rows, the chosen candidate or None)."""
+    from internlm_offload.planner.search import search
+
+    def config_for(overrides: dict[str, Any]) -> Any:
+        return resolve_config(load_config_file(args.config, {**args.cfg_options, **overrides}), world_size=args.world_size)
+
+    chosen, candidates = search(config_for, len(memory.block_activation_bytes), hardware, device_budget, host_budget,
+                                args.world_size)  # fmt: skip
+    print(f"\n{'setting':<36}{'step s':>11}{'est. device':>13}{'est. host':>11}  verdict")
+    rows = []
+    for c in candidates:
+        print(f"{c.name:<36}{c.step_s:>11.4g}{human_bytes(c.estimated_device):>13}{human_bytes(c.estimated_host):>11}  "
+              f"{c.verdict}")  # fmt: skip
+        rows.append({"setting": c.name, "cfg_options": option_strings(c.options), "step_time_s": c.step_s,
+                     "estimated_device_peak_bytes": c.estimated_device, "estimated_host_peak_bytes": c.estimated_host,
+                     "verdict": c.verdict})  # fmt: skip
+    if chosen is not None:
+        print(f"choice: --cfg-options {' '.join(option_strings(chosen.options))}")
+        print(f"{args.config} on {args.world_size} rank(s): fits with {chosen.name}, predicted step {chosen.step_s:.4g} s")
+    else:
+        print(f"{args.config} on {args.world_size} rank(s): nothing fits: {smallest(candidates, config_for, args)}")
+    return rows, chosen
+
+
+def smallest(candidates: list[Any], config_for: Any, args: argparse.Namespace) -> str:
+    """The setting with the smallest device peak, traced, and what dominates it (the 'nothing fits' line)."""
+    from internlm_offload.planner.trace import trace_step
+
+    best = min(candidates, key=lambda c: c.estimated_device)
+    memory = best.memory or trace_step(config_for(best.options), args.world_size)
+    return (f"smallest device peak {human_bytes(memory.device_peak_bytes)} ({best.name}), "
+            f"largest: {dominant(memory.components, 'device')}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,8 +42,9 @@ def test_a_budget_below_the_peak_exits_3_naming_what_dominates(tmp_path, capsys)
     out = tmp_path / "plan.json"
     assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--json", str(out)]) == 0
     peak = json.loads(out.read_text())["device_peak_bytes"]
-    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--device-memory", str(peak)]) == 0
-    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--device-memory", str(peak - 1)]) == 3
+    check = ["--config", TINY, "--check-only", "--cfg-options", *SMALL]
+    assert plan.main([*check, "--device-memory", str(peak)]) == 0
+    assert plan.main([*check, "--device-memory", str(peak - 1)]) == 3
     line = capsys.readouterr().out.splitlines()[-1]
     assert "does not fit: device peak" in line and "largest: " in line
 
@@ -68,3 +69,23 @@ def test_bad_input_is_one_line_exit_2(argv, message, capsys):
                                             ("4096", 4096)])  # fmt: skip
 def test_sizes(text, expected):
     assert plan.parse_size(text, "--device-memory") == expected
+
+
+def test_search_picks_the_fastest_setting_that_fits_and_never_speeds_up_as_the_budget_shrinks(tmp_path, capsys):
+    out = tmp_path / "base.json"
+    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--json", str(out)]) == 0
+    baseline = json.loads(out.read_text())
+    chosen = []
+    for fraction in (1.0, 0.8, 0.6):
+        budget = int(baseline["device_peak_bytes"] * fraction)
+        out = tmp_path / f"{fraction}.json"
+        assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--device-memory", str(budget), "--json",
+                          str(out)]) == 0  # fmt: skip
+        report = json.loads(out.read_text())
+        assert report["device_peak_bytes"] <= budget  # the choice was traced whole and fits
+        assert [r["verdict"] for r in report["search"]].count("chosen") == 1
+        chosen.append(report["step_time_s"])
+    assert chosen == sorted(chosen) and chosen[0] == pytest.approx(baseline["step_time_s"])
+    assert "choice: --cfg-options" in capsys.readouterr().out
+    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--device-memory", "1MiB"]) == 3
+    assert "nothing fits: smallest device peak" in capsys.readouterr().out.splitlines()[-1]

@@ -20,7 +20,7 @@ from internlm_offload.config import ConfigError, RunConfig
 from internlm_offload.log import get_logger
 from internlm_offload.optim.memory import available_host_bytes
 from internlm_offload.planner.trace import StepMemory, trace_step
-from internlm_offload.planner.tracker import human_bytes
+from internlm_offload.planner.tracker import human_bytes, largest_component
 
 logger = get_logger(__name__)
 
@@ -89,16 +89,16 @@ def check_fits(
         problem = need > available > 0 and (
             f"predicted {what}{human_bytes(need)} per process (device {human_bytes(prediction.device_peak)} + host "
             f"{human_bytes(prediction.host_peak)}), {human_bytes(available)} available on this host")  # fmt: skip
-        largest = _largest(prediction.components, host=None)
+        largest = largest_component(prediction.components, None)
     elif prediction.device_peak > device_total:
         problem = (f"predicted device peak {what}{human_bytes(prediction.device_peak)} per rank, the device has "
                    f"{human_bytes(device_total)}")  # fmt: skip
-        largest = _largest(prediction.components, host=False)
+        largest = largest_component(prediction.components, "device")
     else:
         problem = prediction.host_peak > host_available > 0 and (
             f"predicted host peak {what}{human_bytes(prediction.host_peak)} per rank, "
             f"{human_bytes(host_available)} available per local rank")  # fmt: skip
-        largest = _largest(prediction.components, host=True)
+        largest = largest_component(prediction.components, "host")
     logger.info("Preflight: predicted per-rank peak %sdevice %s, host %s", what, human_bytes(prediction.device_peak),
                 human_bytes(prediction.host_peak))  # fmt: skip
     if problem:
@@ -108,10 +108,3 @@ def check_fits(
         )
     return prediction
 
-
-def _largest(components: dict[str, int], host: bool | None) -> str:
-    """'name size' of the largest component on the device (host=False), the host (True) or either (None)."""
-    names = [n for n in components if n not in ("gradients_at_step", "pinned_host_peak")
-             and (host is None or n.startswith("host_") == host)]  # fmt: skip
-    name = max(names, key=lambda n: components[n])
-    return f"{name} {human_bytes(components[name])}"

@@ -33,6 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from internlm_offload.builder import build_components, build_loss_scaler, trainer_settings
 from internlm_offload.config import RunConfig
 from internlm_offload.data.loader import MicroBatch
+from internlm_offload.device import storage_key
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.engine.trainer import Trainer
 from internlm_offload.planner.cost import StepWork, WorkCounter, flash_cpu_flops
@@ -272,8 +273,8 @@ def _grads_bytes(optimizer: torch.optim.Optimizer) -> int:
         for p in group["params"]:
             grad = getattr(p, "main_grad", None)
             grad = p.grad if grad is None else grad
-            if grad is not None and grad.untyped_storage()._cdata not in seen:
-                seen.add(grad.untyped_storage()._cdata)
+            if grad is not None and storage_key(grad) not in seen:
+                seen.add(storage_key(grad))
                 total += grad.untyped_storage().nbytes()
     return total
 
@@ -311,7 +312,7 @@ def _tier_bytes(tracker: StorageTracker, tensors: Any) -> dict[str, int]:
     for t in tensors:
         local = t.to_local() if hasattr(t, "to_local") else t
         tier = tracker.tier_of(local) or "device"
-        storages[local.untyped_storage()._cdata] = (tier, local.untyped_storage().nbytes())
+        storages[storage_key(local)] = (tier, local.untyped_storage().nbytes())
     totals: dict[str, int] = {}
     for tier, nbytes in storages.values():
         totals[tier] = totals.get(tier, 0) + nbytes

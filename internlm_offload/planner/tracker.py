@@ -19,6 +19,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from internlm_offload.device import storage_key
+
 GIB = 2**30
 TIERS = ("device", "host", "pinned")  # "pinned": the host bytes asked for page-locked (a subset of "host")
 
@@ -82,7 +84,7 @@ class StorageTracker(TorchDispatchMode):
 
     def tier_of(self, tensor: torch.Tensor) -> str | None:
         """"device" or "host" for a tracked tensor; None for one made outside the tracker."""
-        entry = self._live.get(tensor.untyped_storage()._cdata)
+        entry = self._live.get(storage_key(tensor))
         return None if entry is None else entry[1][0]
 
     def live_bytes(self, tier: str) -> int:
@@ -105,3 +107,13 @@ class StorageTracker(TorchDispatchMode):
 def human_bytes(nbytes: int) -> str:
     """`161.3 GiB`, `36.9 MiB`: GiB from one GiB up."""
     return f"{nbytes / GIB:.1f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+SUBTOTALS = ("gradients_at_step", "pinned_host_peak")  # parts of other components, never the largest alone
+
+
+def largest_component(components: dict[str, int], tier: str | None) -> str:
+    """'name size' of the largest "device" or "host" component (None: either), for one-line verdicts."""
+    names = [n for n in components if n not in SUBTOTALS and (tier is None or n.startswith("host_") == (tier == "host"))]
+    name = max(names, key=lambda n: components[n])
+    return f"{name} {human_bytes(components[name])}"

@@ -33,7 +33,7 @@ from typing import Any
 
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
 from internlm_offload.planner.cost import HARDWARE, calibrate, step_time
-from internlm_offload.planner.tracker import human_bytes
+from internlm_offload.planner.tracker import human_bytes, largest_component
 
 PROG = "plan"
 EXIT_BAD_INPUT = 2
@@ -79,16 +79,6 @@ def option_strings(options: dict[str, Any]) -> list[str]:
     return [f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}" for key, value in options.items()]
 
 
-SUBTOTALS = ("gradients_at_step", "pinned_host_peak")  # parts of other components, never the largest alone
-
-
-def dominant(components: dict[str, int], tier: str) -> str:
-    """The largest device (or host) component, for the one-line verdict."""
-    names = [n for n in components if n.startswith("host_") == (tier == "host") and n not in SUBTOTALS]
-    name = max(names, key=lambda n: components[n])
-    return f"{name} {human_bytes(components[name])}"
-
-
 def verdict(plan: dict[str, Any], device_budget: int | None, host_budget: int | None) -> tuple[bool, str]:
     """Whether the predicted peaks fit the budgets, and a one-line reason."""
     problems = []
@@ -96,7 +86,7 @@ def verdict(plan: dict[str, Any], device_budget: int | None, host_budget: int | 
         peak = plan[f"{tier}_peak_bytes"]
         if budget is not None and peak > budget:
             problems.append(f"{tier} peak {human_bytes(peak)} > budget {human_bytes(budget)} "
-                            f"(largest: {dominant(plan['components'], tier)})")  # fmt: skip
+                            f"(largest: {largest_component(plan['components'], tier)})")  # fmt: skip
     if problems:
         return False, "does not fit: " + "; ".join(problems)
     return True, "fits" if device_budget or host_budget else "no budget given"
@@ -196,7 +186,7 @@ def smallest(candidates: list[Any], config_for: Any, args: argparse.Namespace) -
     best = min(candidates, key=lambda c: c.estimated_device)
     memory = best.memory or trace_step(config_for(best.options), args.world_size)
     return (f"smallest device peak {human_bytes(memory.device_peak_bytes)} ({best.name}), "
-            f"largest: {dominant(memory.components, 'device')}")  # fmt: skip
+            f"largest: {largest_component(memory.components, 'device')}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

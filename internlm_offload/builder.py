@@ -5,7 +5,6 @@ optimizer → data → trainer. The memory features are applied to the bare mode
 wrapping, so FSDP2 shards the same blocks the plan acted on.
 """
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
 from internlm_offload.engine.parallel import materialize_shards
 from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
-from internlm_offload.engine.runtime import RunContext, set_determinism
+from internlm_offload.engine.runtime import RunContext, env_local_world_size, set_determinism
 from internlm_offload.engine.trainer import Trainer, TrainerSettings
 from internlm_offload.log import get_logger
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
@@ -131,16 +130,14 @@ def build_optimizer(
         lr=adam.lr, betas=(adam.adam_beta1, adam.adam_beta2), eps=adam.adam_eps,
         weight_decay=adam.weight_decay, fused=adam.fused,
     )  # fmt: skip
+    if check_host and (cfg.swap_optimizer or cfg.hybrid_optimizer.enable):
+        check_optimizer_host_memory(cfg, model)
     if cfg.swap_optimizer:
-        if check_host:
-            check_optimizer_host_memory(cfg, model)
         return build_swap_adamw(
             model, accelerator=accelerator, swap_optimizer_times=cfg.swap_optimizer_times,
             use_pinned_optimizer_offload=cfg.use_pinned_optimizer_offload, swap_params=host_params, **common,
         )  # fmt: skip
     if cfg.hybrid_optimizer.enable:
-        if check_host:
-            check_optimizer_host_memory(cfg, model)
         hybrid = cfg.hybrid_optimizer
         return build_hybrid_adamw(
             model, accelerator=accelerator, offload_fraction=hybrid.offload_fraction, overlap_cpu_optimizer_d2h_h2d=hybrid.overlap_cpu_optimizer_d2h_h2d,
@@ -158,7 +155,7 @@ def check_optimizer_host_memory(cfg: RunConfig, model: nn.Module) -> None:
         fraction = cfg.hybrid_optimizer.offload_fraction
         required, what = int(elements * fraction) * HYBRID_CPU_BYTES, "hybrid_optimizer (CPU-stepped params)"
     try:
-        check_host_memory(required, what, world_local=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        check_host_memory(required, what, world_local=env_local_world_size())
     except HostMemoryError as exc:
         raise ConfigError(str(exc)) from None
 

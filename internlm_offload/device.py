@@ -225,8 +225,8 @@ class Accelerator:
         buffer has not finished raises (a missing wait).
         """
         if self.module is None:
-            ptr = buffer.untyped_storage().data_ptr()
-            users = [stream.name for stream in self._streams.side_streams() if stream.may_use(ptr)]
+            key = storage_key(buffer)
+            users = [stream.name for stream in self._streams.side_streams() if stream.may_use(key)]
             if users:
                 raise RuntimeError(
                     f"device buffer freed while {', '.join(users)} may still use it: wait for the stream's event first"
@@ -625,15 +625,15 @@ class _CpuStream(Stream):
         tensors = list(_tensors(getattr(fn, "__self__", None), args, kwargs))
         if self._registry.ledger is not None:
             self._registry.ledger.check(self.name, self._waited_epoch, tensors)
-        storages = [t.untyped_storage().data_ptr() for t in tensors]
+        storages = [storage_key(t) for t in tensors]
         with self._lock:
             self._pending.update(storages)
         self._put(partial(self._run_task, fn, args, kwargs, storages))
 
-    def may_use(self, storage_ptr: int) -> bool:
-        """Whether a task not yet finished on this stream uses the storage at `storage_ptr`."""
+    def may_use(self, key: int) -> bool:
+        """Whether a task not yet finished on this stream uses the storage `key` (`storage_key`)."""
         with self._lock:
-            return self._pending[storage_ptr] > 0
+            return self._pending[key] > 0
 
     def keep_until_idle(self, tensor: torch.Tensor) -> None:
         """Hold `tensor` until the stream has run everything queued (what `record_stream` promises)."""

@@ -22,7 +22,14 @@ from internlm_offload.engine.checkpoint import (
     read_train_state,
     resolve_checkpoint_path,
 )
-from internlm_offload.engine.runtime import barrier, env_world_size, init_runtime, shutdown_runtime
+from internlm_offload.engine.runtime import (
+    barrier,
+    env_local_rank,
+    env_local_world_size,
+    env_world_size,
+    init_runtime,
+    shutdown_runtime,
+)
 from internlm_offload.log import get_logger, setup_logging
 from internlm_offload.registry import UnknownTypeError
 
@@ -130,8 +137,8 @@ def run_preflight(cfg: RunConfig, config_path: str, accelerator: Accelerator) ->
 
     try:
         check_fits(
-            cfg, world_size=env_world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-            device_total=accelerator.device_memory_bytes(int(os.environ.get("LOCAL_RANK", "0"))),
+            cfg, world_size=env_world_size(), local_world_size=env_local_world_size(),
+            device_total=accelerator.device_memory_bytes(env_local_rank()),
             config_path=config_path,
         )  # fmt: skip
     except ConfigError:

@@ -41,12 +41,21 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def env_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def env_local_world_size() -> int:
+    """Processes of this run on this host (torchrun's LOCAL_WORLD_SIZE)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def init_runtime(accelerator: Accelerator) -> RunContext:
     """Join the process group when launched by torchrun (gloo on cpu, nccl/hccl on accelerators)."""
     if not launched_by_torchrun():
         return RunContext(rank=0, local_rank=0, world_size=1, accelerator=accelerator)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = env_local_rank()
     accelerator.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend=accelerator.dist_backend)

@@ -69,13 +69,11 @@ class Candidate:
         return {**self.activation.options, **self.optimizer.options}
 
 
-def fits(device: int, host: int, device_budget: int | None, host_budget: int | None) -> str | None:
-    """None when both peaks fit; else why not."""
-    if device_budget is not None and device > device_budget:
-        return f"device {human_bytes(device)} > {human_bytes(device_budget)}"
-    if host_budget is not None and host > host_budget:
-        return f"host {human_bytes(host)} > {human_bytes(host_budget)}"
-    return None
+def over_budget(device: int, host: int, device_budget: int | None, host_budget: int | None) -> list[tuple[str, str]]:
+    """(tier, 'tier peak X > budget Y') for each peak over its budget; empty when both fit."""
+    peaks = (("device", device, device_budget), ("host", host, host_budget))
+    return [(tier, f"{tier} peak {human_bytes(peak)} > budget {human_bytes(budget)}")
+            for tier, peak, budget in peaks if budget is not None and peak > budget]  # fmt: skip
 
 
 def search(
@@ -94,16 +92,16 @@ def search(
                   for a in activations for o in optimizers]  # fmt: skip
     candidates.sort(key=lambda c: c.step_s)
     for candidate in candidates:
-        reason = fits(candidate.estimated_device, candidate.estimated_host, device_budget, host_budget)
-        if reason is not None:
-            candidate.verdict = f"estimated {reason}"
+        problems = over_budget(candidate.estimated_device, candidate.estimated_host, device_budget, host_budget)
+        if problems:
+            candidate.verdict = f"estimated {problems[0][1]}"
             continue
-        candidate.memory = trace_step(config_for(candidate.options), world_size)
-        reason = fits(candidate.memory.device_peak_bytes, candidate.memory.host_peak_bytes, device_budget, host_budget)
-        if reason is None:
+        memory = candidate.memory = trace_step(config_for(candidate.options), world_size)
+        problems = over_budget(memory.device_peak_bytes, memory.host_peak_bytes, device_budget, host_budget)
+        if not problems:
             candidate.verdict = "chosen"
             return candidate, candidates
-        candidate.verdict = f"traced {reason}"
+        candidate.verdict = f"traced {problems[0][1]}"
     return None, candidates
 
 

@@ -161,9 +161,9 @@ def micro_batches(cfg: RunConfig) -> list[MicroBatch]:
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int, needed: bool) -> Iterator[None]:
+def fake_process_group(world_size: int) -> Iterator[None]:
     """torch's fake backend as the default group: collectives return at once, shapes as on `world_size` ranks."""
-    if not needed:
+    if world_size == 1:
         yield
         return
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -223,8 +223,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool) -> StepMemory:
     # Factory calls without a device (buffers made by `init_weights`) land on meta too.
     stand_ins = () if measure else (
         fused_optimizers_on_meta(), flash_attention_on_meta(), torch.device("meta"))  # fmt: skip
-    distributed = world_size > 1 or cfg.parallel.mode != "none"
-    with fake_process_group(world_size, distributed), _quiet(), contextlib.ExitStack() as stack, tracker:
+    with fake_process_group(world_size), _quiet(), contextlib.ExitStack() as stack, tracker:
         for stand_in in stand_ins:
             stack.enter_context(stand_in)
         parts = build_components(cfg, ctx, check_host_memory=False)

@@ -81,14 +81,12 @@ def option_strings(options: dict[str, Any]) -> list[str]:
 
 def verdict(plan: dict[str, Any], device_budget: int | None, host_budget: int | None) -> tuple[bool, str]:
     """Whether the predicted peaks fit the budgets, and a one-line reason."""
-    problems = []
-    for tier, budget in (("device", device_budget), ("host", host_budget)):
-        peak = plan[f"{tier}_peak_bytes"]
-        if budget is not None and peak > budget:
-            problems.append(f"{tier} peak {human_bytes(peak)} > budget {human_bytes(budget)} "
-                            f"(largest: {largest_component(plan['components'], tier)})")  # fmt: skip
+    from internlm_offload.planner.search import over_budget
+
+    problems = over_budget(plan["device_peak_bytes"], plan["host_peak_bytes"], device_budget, host_budget)
     if problems:
-        return False, "does not fit: " + "; ".join(problems)
+        return False, "does not fit: " + "; ".join(
+            f"{text} (largest: {largest_component(plan['components'], tier)})" for tier, text in problems)
     return True, "fits" if device_budget or host_budget else "no budget given"
 
 

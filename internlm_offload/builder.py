@@ -235,6 +235,7 @@ def build_components(
     # fp32 masters apart or casts it whole
     policy = PrecisionPolicy.from_config(cfg.model.dtype, cfg.mixed_precision.master_weights)
     meta = builds_on_meta(cfg, policy)
+    ctx.accelerator.mark_memory_baseline()  # device memory counts from here (cpu: see cpu_memory)
     model = build_model(cfg.model, torch.device("meta") if meta else ctx.device)
     if check_model is not None:
         check_model(model)

@@ -2,8 +2,8 @@
 
 Trainer, offload and optimizer code ask an `Accelerator` for devices, process-group backends, host
 buffers, memory statistics, streams and events, so the same code runs on cuda, npu (through
-`torch_npu`) and cpu. On cpu, "device memory" is the process's anonymous resident memory (`RssAnon` in
-/proc/self/status) and host buffers from `host_empty` live in unlinked /dev/shm files (`RssShmem`), so
+`torch_npu`) and cpu. On cpu, "device memory" is the process's anonymous resident memory (`RssAnon`,
+read as tensor memory by `cpu_memory`) and host buffers from `host_empty` live in unlinked /dev/shm files (`RssShmem`), so
 moving data to the host shows up as a drop in "device memory" as on a GPU. A side stream is a worker
 thread with a FIFO queue: copies submitted to it really run beside the main thread (torch releases the
 GIL), so a missing wait shows up as wrong data in cpu tests.
@@ -37,6 +37,8 @@ from functools import partial
 from typing import Any
 
 import torch
+
+from internlm_offload.cpu_memory import CpuMemory
 
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
@@ -116,6 +118,7 @@ class Accelerator:
     # Per-instance cpu stream state; not part of equality, hashing or repr.
     _streams: _StreamRegistry = field(default_factory=lambda: _StreamRegistry(), init=False, compare=False, repr=False)
     _blocks: _BlockCache = field(default_factory=lambda: _BlockCache(), init=False, compare=False, repr=False)
+    _memory: CpuMemory = field(default_factory=lambda: CpuMemory(), init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.name == "npu" and not hasattr(torch, "npu"):
@@ -240,25 +243,28 @@ class Accelerator:
         else:
             self.module.empty_cache()
 
-    def memory_allocated(self) -> int:
-        """Bytes held on the device now (cpu: anonymous resident memory, `RssAnon`; the host tier is excluded)."""
+    def mark_memory_baseline(self) -> None:
+        """Call before building the model. cpu: from here on memory readings count tensor memory only, as
+        on a device (see `cpu_memory`); a device's allocator counts that already."""
         if self.module is None:
-            return rss_anon_bytes()
+            self._memory.mark_baseline()
+
+    def memory_allocated(self) -> int:
+        """Bytes of tensors on the device now (cpu: `RssAnon` above the baseline; the host tier is excluded)."""
+        if self.module is None:
+            return self._memory.allocated()
         return int(self.module.memory_allocated())
 
     def max_memory_allocated(self) -> int:
-        """Peak bytes held on the device since the last reset.
-
-        cpu: the peak of the whole resident set (`VmHWM`), host tier and mapped files included; the kernel
-        keeps no peak of `RssAnon` alone, so a peak of "device memory" on cpu needs sampling `memory_allocated()`.
-        """
+        """Peak bytes of tensors on the device since the last reset (cpu: the sampled peak of `RssAnon`
+        above the baseline)."""
         if self.module is None:
-            return _proc_status_kib("VmHWM") * 1024
+            return self._memory.peak()
         return int(self.module.max_memory_allocated())
 
     def reset_peak_memory_stats(self) -> None:
         if self.module is None:
-            _reset_peak_rss()
+            self._memory.reset_peak()
         else:
             self.module.reset_peak_memory_stats()
 
@@ -325,9 +331,10 @@ class Accelerator:
             stream.submit(_copy_pairs, list(dst), list(src))
 
     def close_streams(self) -> None:
-        """Stop the worker threads of every cpu side stream this accelerator created."""
+        """Stop the worker threads this accelerator started on cpu: side streams and the memory sampler."""
         for stream in self._streams.side_streams():
             stream.close()
+        self._memory.stop()
 
 
 def _copy_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -418,27 +425,12 @@ def is_available(name: str) -> bool:
     return module is not None and module.is_available()
 
 
-def host_rss_bytes() -> int:
-    """Resident host memory of this process (independent of the accelerator)."""
-    return _proc_status_kib("VmRSS") * 1024
-
-
 def storage_key(tensor: torch.Tensor) -> int:
     """The identity of `tensor`'s storage while it lives: its views share it, other storages do not.
 
     Not `data_ptr()`: meta storages (the memory planner's trace) all have a null data pointer.
     """
     return tensor.untyped_storage()._cdata
-
-
-def rss_anon_bytes() -> int:
-    """Anonymous resident memory of this process: the cpu backend's "device memory"."""
-    return _proc_status_kib("RssAnon") * 1024
-
-
-def rss_shmem_bytes() -> int:
-    """Resident shared memory of this process: the cpu backend's host tier (from `host_empty`)."""
-    return _proc_status_kib("RssShmem") * 1024
 
 
 # ---- cuda / npu: thin wrappers over `torch.<name>.Stream` / `torch.<name>.Event` -----------------
@@ -896,21 +888,3 @@ def _shm_storage(nbytes: int) -> torch.UntypedStorage | None:
             os.unlink(path)
 
 
-def _proc_status_kib(key: str) -> int:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def _reset_peak_rss() -> None:
-    # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
-    try:
-        with open(f"/proc/{os.getpid()}/clear_refs", "w") as refs:
-            refs.write("5")
-    except OSError:
-        pass

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from internlm_offload import device
-from internlm_offload.device import Accelerator, rss_anon_bytes
+from internlm_offload.cpu_memory import rss_anon_bytes
+from internlm_offload.device import Accelerator
 from internlm_offload.model.internlm2 import InternLM2
 from internlm_offload.offload import apply_activation_checkpointing
 from internlm_offload.offload.activation import ActivationOffloader, offload_layers

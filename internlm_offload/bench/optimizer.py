@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from internlm_offload import device
-from internlm_offload.device import Accelerator, rss_anon_bytes
+from internlm_offload.cpu_memory import rss_anon_bytes
+from internlm_offload.device import Accelerator
 from internlm_offload.optim.host_arena import HostArena, aligned_offsets
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer
 from internlm_offload.optim.swap import SLOT_ALIGNMENT, SwapAdamW

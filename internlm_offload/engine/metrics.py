@@ -7,7 +7,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from internlm_offload.device import Accelerator, host_rss_bytes
+from internlm_offload.cpu_memory import host_rss_bytes
+from internlm_offload.device import Accelerator
 from internlm_offload.log import get_logger
 
 logger = get_logger(__name__)

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from internlm_offload.device import Accelerator, StreamError, get_accelerator, host_rss_bytes
+from internlm_offload.cpu_memory import host_rss_bytes
+from internlm_offload.device import Accelerator, StreamError, get_accelerator
 
 DELAY_S = 0.3  # injected copy latency; far above thread wake-up times
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import internlm_offload.device as device_mod
-from internlm_offload.device import Accelerator, rss_anon_bytes, rss_shmem_bytes
+from internlm_offload.cpu_memory import rss_anon_bytes, rss_shmem_bytes
+from internlm_offload.device import Accelerator
 
 MB = 1 << 20
 PREFIX = "internlm_offload-"

@@ -1,0 +1,76 @@
+"""The cpu backend's device-memory readings: tensor memory above a baseline, freed memory leaving it,
+and a sampled peak (`cpu_memory.py`)."""
+
+import gc
+import threading
+import time
+
+import torch
+
+from internlm_offload.device import Accelerator
+
+MIB = 1 << 20
+
+
+def _sampler_threads() -> int:
+    return sum(thread.name == "rss-anon-sampler" for thread in threading.enumerate())
+
+
+def _hold(nbytes: int) -> list[torch.Tensor]:
+    """Written tensors of 4 MiB each (resident, not just reserved)."""
+    return [torch.ones(MIB, dtype=torch.float32) for _ in range(nbytes // (4 * MIB))]
+
+
+def test_freed_tensors_leave_device_memory() -> None:
+    acc = Accelerator("cpu")
+    # glibc's default raises its mmap threshold past the size of a freed mapping: after this, 4 MiB
+    # blocks would come from the heap and stay resident when freed, unless the baseline fixed it.
+    torch.empty(16 * MIB, dtype=torch.uint8).fill_(1)
+    acc.mark_memory_baseline()
+    assert acc.memory_allocated() < 8 * MIB
+    held = _hold(128 * MIB)
+    assert 120 * MIB <= acc.memory_allocated() <= 136 * MIB
+    del held
+    assert acc.memory_allocated() < 8 * MIB
+    acc.close_streams()
+
+
+def test_peak_is_sampled_between_readings() -> None:
+    acc = Accelerator("cpu")
+    acc.mark_memory_baseline()
+    acc.reset_peak_memory_stats()
+    held = _hold(64 * MIB)
+    time.sleep(0.05)  # many sampling intervals
+    del held
+    now = acc.memory_allocated()
+    assert acc.max_memory_allocated() - now >= 60 * MIB
+    acc.reset_peak_memory_stats()
+    assert acc.max_memory_allocated() - acc.memory_allocated() < 8 * MIB
+    acc.close_streams()
+
+
+def test_host_tier_is_not_device_memory() -> None:
+    acc = Accelerator("cpu")
+    acc.mark_memory_baseline()
+    host = acc.host_empty((64 * MIB,), torch.uint8)
+    host.fill_(1)
+    assert acc.memory_allocated() < 8 * MIB
+    del host
+    acc.close_streams()
+
+
+def test_sampling_thread_ends_with_close_or_with_the_accelerator() -> None:
+    before = _sampler_threads()
+    acc = Accelerator("cpu")
+    acc.reset_peak_memory_stats()
+    assert _sampler_threads() == before + 1
+    acc.close_streams()
+    assert _sampler_threads() == before
+    acc.reset_peak_memory_stats()  # a later reading samples again
+    assert _sampler_threads() == before + 1
+    del acc
+    gc.collect()
+    deadline = time.monotonic() + 2
+    while _sampler_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _sampler_threads() == before

@@ -14,7 +14,9 @@ things turn `RssAnon` into a reading of tensor memory:
   the GIL inside its kernels, so samples land during them. A peak shorter than the interval can be missed.
 
 `CpuMemory` puts them together against a baseline taken before the model is built, as the builder does,
-so the runtime's own memory (interpreter, libraries, the data set) is not counted.
+so the runtime's own memory (interpreter, libraries, the data set) is not counted, and it owns
+`BlockCache`, the stand-in for the caching allocator: like `memory_allocated()` on a device, the
+readings leave out the freed blocks it keeps for reuse.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import os
 import threading
 from collections.abc import Callable
 import weakref
+
+import torch
 
 from internlm_offload.log import get_logger
 
@@ -79,13 +83,49 @@ def serve_large_allocations_by_mmap(threshold: int = MMAP_THRESHOLD_BYTES) -> bo
     return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
 
 
+class BlockCache:
+    """Freed `device_buffer`s of the cpu backend, reused at once (what a device's caching allocator does).
+
+    A request takes the smallest cached block of at least its size (at most twice it) and gets a view
+    of its first bytes; giving the view back returns the whole block.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.cached_bytes = 0  # kept up to date: the memory sampler reads it every interval
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fitting = [size for size, blocks in self._free.items() if blocks and nbytes <= size <= 2 * nbytes]
+            if fitting:
+                size = min(fitting)
+                self.cached_bytes -= size
+                return self._free[size].pop()[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        storage = buffer.untyped_storage()
+        block = torch.empty(0, dtype=torch.uint8).set_(storage)
+        with self._lock:
+            self._free.setdefault(storage.nbytes(), []).append(block)
+            self.cached_bytes += storage.nbytes()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self.cached_bytes = 0
+
+
 class AnonPeakSampler:
-    """Samples `RssAnon` (from /proc/self/statm: resident minus file and shared pages) on a daemon thread.
+    """Samples `RssAnon` (from /proc/self/statm: resident minus file and shared pages), less the bytes
+    `reserved()` names, on a daemon thread.
 
     The thread holds the sampler weakly and ends with it, or at `stop()`.
     """
 
-    def __init__(self, interval_s: float = SAMPLE_INTERVAL_S) -> None:
+    def __init__(self, reserved: Callable[[], int] = lambda: 0, interval_s: float = SAMPLE_INTERVAL_S) -> None:
+        self._reserved = reserved
         self._statm = os.open("/proc/self/statm", os.O_RDONLY)
         self._peak = self.read()
         self._stopped = threading.Event()
@@ -95,9 +135,9 @@ class AnonPeakSampler:
         self._thread.start()
 
     def read(self) -> int:
-        """`RssAnon` now, in bytes (statm: `resident - shared` pages; shared = file-backed + shmem)."""
+        """`RssAnon` less the reserve now, in bytes (statm: `resident - shared` pages; shared = file + shmem)."""
         fields = os.pread(self._statm, 128, 0).split()
-        return (int(fields[1]) - int(fields[2])) * PAGE_BYTES
+        return (int(fields[1]) - int(fields[2])) * PAGE_BYTES - self._reserved()
 
     def peak(self) -> int:
         """The largest reading since the last `reset()`, a reading taken now included."""
@@ -137,12 +177,13 @@ class CpuMemory:
     """`RssAnon` above a baseline, now and at its sampled peak; see the module docstring."""
 
     def __init__(self) -> None:
+        self.blocks = BlockCache()
         self._baseline = 0
         self._sampler: AnonPeakSampler | None = None
         self._lock = threading.Lock()
 
     def __reduce__(self) -> tuple[type, tuple]:
-        return CpuMemory, ()  # a copy (another process, say) samples its own memory
+        return CpuMemory, ()  # a copy (another process, say) samples its own memory; cached blocks stay
 
     def mark_baseline(self) -> None:
         """From here on readings count from `RssAnon` now, freed tensors leave it, and its peak is sampled."""
@@ -151,8 +192,8 @@ class CpuMemory:
         self._baseline = self._running_sampler().reset()
 
     def allocated(self) -> int:
-        """`RssAnon` above the baseline now (no sampling thread needed)."""
-        return max(0, rss_anon_bytes() - self._baseline)
+        """`RssAnon` less cached blocks, above the baseline now (no sampling thread needed)."""
+        return max(0, rss_anon_bytes() - self.blocks.cached_bytes - self._baseline)
 
     def peak(self) -> int:
         """The sampled peak above the baseline since the last `reset_peak()` (or since sampling started)."""
@@ -171,5 +212,5 @@ class CpuMemory:
     def _running_sampler(self) -> AnonPeakSampler:
         with self._lock:
             if self._sampler is None:
-                self._sampler = AnonPeakSampler()
+                self._sampler = AnonPeakSampler(lambda: self.blocks.cached_bytes)
             return self._sampler

@@ -117,7 +117,6 @@ class Accelerator:
     name: str  # "cuda" | "npu" | "cpu"
     # Per-instance cpu stream state; not part of equality, hashing or repr.
     _streams: _StreamRegistry = field(default_factory=lambda: _StreamRegistry(), init=False, compare=False, repr=False)
-    _blocks: _BlockCache = field(default_factory=lambda: _BlockCache(), init=False, compare=False, repr=False)
     _memory: CpuMemory = field(default_factory=lambda: CpuMemory(), init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -217,7 +216,7 @@ class Accelerator:
         steps map no fresh pages.
         """
         if self.module is None:
-            return self._blocks.take(nbytes)
+            return self._memory.blocks.take(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.current_device())
 
     def free_device_buffer(self, buffer: torch.Tensor) -> None:
@@ -234,12 +233,12 @@ class Accelerator:
                 raise RuntimeError(
                     f"device buffer freed while {', '.join(users)} may still use it: wait for the stream's event first"
                 )
-            self._blocks.give_back(buffer)
+            self._memory.blocks.give_back(buffer)
 
     def empty_cache(self) -> None:
         """Release cached free device memory (cpu: the blocks `free_device_buffer` kept)."""
         if self.module is None:
-            self._blocks.clear()
+            self._memory.blocks.clear()
         else:
             self.module.empty_cache()
 
@@ -799,43 +798,6 @@ def _tensors(*objects: Any) -> Iterator[torch.Tensor]:
                 yield item
             elif isinstance(item, (tuple, list)):
                 yield from (t for t in item if isinstance(t, torch.Tensor))
-
-
-class _BlockCache:
-    """The cpu backend's stand-in for the caching allocator: freed `device_buffer`s, reused at once.
-
-    A request takes the smallest cached block of at least its size (at most twice it) and gets a view
-    of its first bytes; giving the view back returns the whole block.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def __reduce__(self) -> tuple[type, tuple]:
-        return (_BlockCache, ())  # cached blocks do not travel with a copied Accelerator
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            fitting = [size for size, blocks in self._free.items() if blocks and nbytes <= size <= 2 * nbytes]
-            if fitting:
-                return self._free[min(fitting)].pop()[:nbytes]
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def give_back(self, buffer: torch.Tensor) -> None:
-        storage = buffer.untyped_storage()
-        block = torch.empty(0, dtype=torch.uint8).set_(storage)
-        with self._lock:
-            self._free.setdefault(storage.nbytes(), []).append(block)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
-    @property
-    def cached_bytes(self) -> int:
-        with self._lock:
-            return sum(size * len(blocks) for size, blocks in self._free.items())
 
 
 # ---- cpu host tier: buffers mapped from unlinked files in SHM_DIR ------------------------------------

@@ -89,6 +89,8 @@ class _CpuUnit:
     group_ids: list[int]  # the hybrid param group of each of its param groups
     slots: list[_HostSlot]
     grads_ready: Event | None = field(default=None, repr=False)
+    slab: HostArena | None = field(default=None, repr=False)  # holds the sub-optimizer's states once moved
+    slabbed_params: int = 0  # how many params had states when they were moved
 
 
 def offload_mask(params: Iterable[torch.Tensor], offload_fraction: float) -> list[bool]:
@@ -376,7 +378,7 @@ class HybridDeviceOptimizer(Optimizer):
         if self._cpu_worker is not None:
             self._cpu_worker.shutdown()
         finish_and_close(self._d2h_stream, self._h2d_stream)
-        for arena in self._host_arenas:
+        for arena in [*self._host_arenas, *(u.slab for u in self._cpu_units if u.slab is not None)]:
             arena.release()
 
     def memory_stats(self) -> dict[str, int]:
@@ -502,12 +504,30 @@ class HybridDeviceOptimizer(Optimizer):
                 slot.grad.copy_(slot.staging)  # upcast on the host
             slot.master.grad = slot.grad if slot.has_grad else None
         unit.optimizer.step()
+        self._move_states_to_host_tier(unit)
         for slot in unit.slots:
             slot.master.grad = None
             if slot.has_grad:
                 # Cast on the host so the H2D copy moves the param dtype's bytes, not fp32.
                 source = slot.master if slot.staging is None else slot.staging.copy_(slot.master)
                 self._acc.copy_async(slot.local_param, source, self._h2d_stream)
+
+    def _move_states_to_host_tier(self, unit: _CpuUnit) -> None:
+        """Keep the CPU step's states in one host slab: the sub-optimizer creates them lazily as plain cpu
+        tensors (a param's first grad, a load before the first step); moved once, later steps update them in
+        place. On a device that is pageable host memory either way, but one buffer; on cpu it is the host tier,
+        which `memory_allocated()` does not count (plain cpu tensors would count as device memory there).
+        """
+        if unit.slab is not None and len(unit.optimizer.state) == unit.slabbed_params:
+            return
+        states = [(state, name) for state in unit.optimizer.state.values()
+                  for name, value in state.items() if torch.is_tensor(value) and value.dim() > 0]  # fmt: skip
+        slab = HostArena(self._acc, [(state[name].shape, state[name].dtype) for state, name in states], pinned=False)
+        for index, (state, name) in enumerate(states):
+            state[name] = slab.view(index).copy_(state[name])
+        if unit.slab is not None:
+            unit.slab.release()
+        unit.slab, unit.slabbed_params = slab, len(unit.optimizer.state)
 
     def _wait_for_params(self, compute: Stream) -> None:
         """The compute stream waits for the H2D copies: the next forward must read the updated params."""

@@ -74,3 +74,19 @@ def test_sampling_thread_ends_with_close_or_with_the_accelerator() -> None:
     while _sampler_threads() > before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _sampler_threads() == before
+
+
+def test_cached_device_buffers_are_not_device_memory() -> None:
+    """A device's `memory_allocated()` leaves out the caching allocator's free blocks; so does the cpu's."""
+    acc = Accelerator("cpu")
+    acc.mark_memory_baseline()
+    buffer = acc.device_buffer(64 * MIB)
+    buffer.fill_(1)
+    assert acc.memory_allocated() >= 60 * MIB
+    acc.free_device_buffer(buffer)
+    del buffer
+    assert acc.memory_allocated() < 8 * MIB
+    acc.reset_peak_memory_stats()
+    time.sleep(0.01)
+    assert acc.max_memory_allocated() < 8 * MIB
+    acc.close_streams()

@@ -11,6 +11,7 @@ import torch
 from torch.optim import AdamW
 from torch.optim.lr_scheduler import LambdaLR
 
+from internlm_offload.device import storage_key
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer, offload_mask
 
 REPO = Path(__file__).resolve().parents[2]
@@ -282,6 +283,36 @@ def test_load_state_dict_copies_into_the_live_buffers(tmp_path):
     assert not torch.equal(opt.state[params[0]]["exp_avg"], loaded["state"][0]["exp_avg"])
     master = opt.sub_optimizers[0].param_groups[0]["params"][0]
     assert opt.state[params[0]] is opt.sub_optimizers[0].state[master]  # one state, no second copy
+
+
+def cpu_state_storages(opt: HybridDeviceOptimizer) -> list[set[int]]:
+    """Per CPU sub-optimizer, the storages of its (non-scalar) state tensors."""
+    return [{storage_key(v) for s in unit.optimizer.state.values() for v in s.values() if v.dim() > 0}
+            for unit in opt._cpu_units]  # fmt: skip
+
+
+def test_cpu_step_states_live_in_one_host_slab_per_unit(tmp_path):
+    """Lazily created (or loaded) CPU states move into one host buffer per CPU sub-optimizer after its step:
+    host-tier memory (on cpu not counted as device memory), stepped in place and bitwise unchanged."""
+    params, ref_params = make_params(), make_params()
+    opt, ref = hybrid(params, offload_fraction=1.0), reference(ref_params)
+    for optimizer, ps in ((opt, params), (ref, ref_params)):  # param 0 gets its first grad (and states) later
+        for p, g in zip(ps[1:], grads(0, ps)[1:]):
+            p.grad = g
+        optimizer.step()
+        train(optimizer, ps, 2, start=1)
+    assert len(opt._cpu_units) > 1 and all(len(keys) == 1 for keys in cpu_state_storages(opt))
+    assert_bitwise(opt, params, ref, ref_params)
+    loaded = save_load(opt.state_dict(), tmp_path / "optim.pt")
+
+    resumed = clone_params(params)
+    second = hybrid(resumed, offload_fraction=1.0)
+    second.load_state_dict(loaded)  # no states yet: the load places new tensors
+    assert any(len(keys) > 1 for keys in cpu_state_storages(second))
+    train(second, resumed, 3, start=3)
+    train(opt, params, 3, start=3)
+    assert all(len(keys) == 1 for keys in cpu_state_storages(second))
+    assert_bitwise(second, resumed, opt, params)
 
 
 @pytest.mark.parametrize(

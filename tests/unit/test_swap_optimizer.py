@@ -841,7 +841,7 @@ def test_no_device_allocation_after_the_first_step(acc: Accelerator, monkeypatch
     run_steps(opt, params, 1, 4)
     monkeypatch.undo()
     assert fresh == []
-    assert acc._blocks.cached_bytes >= opt.memory_stats()["peak_device_state_bytes"]
+    assert acc._memory.blocks.cached_bytes >= opt.memory_stats()["peak_device_state_bytes"]
 
 
 def test_state_dict_waits_for_the_last_copy_outs(acc: Accelerator) -> None:

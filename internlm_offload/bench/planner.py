@@ -1,0 +1,127 @@
+"""The memory planner checked against measurement: predicted vs measured device peak on cpu, per setting.
+
+    python -m internlm_offload.bench.planner [--config configs/planner_validation.py] [--settings a b ...]
+        [--steps 3] [--out bench_results/planner]
+
+For each memory setting the planner traces the config on meta tensors (`planner.trace.trace_step`) and
+predicts the steady step's device peak; `train.py` then runs the same config for `--steps` steps in a
+process of its own, and the measured figure is the largest `device_peak_mem_bytes` of the steps after
+the first (on cpu: the sampled peak of `RssAnon` above what it was before the model was built; see
+`internlm_offload/cpu_memory.py`). Writes `planner_validation.json` (per setting: options, predicted,
+measured per step, error), `planner_validation.md` (the table) and `planner_validation.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from internlm_offload.config import load_config_file, resolve_config
+from internlm_offload.tools.plan import option_strings
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "planner_validation.py"
+OFFLOAD = {"cpu_offloading.enable": True}
+SETTINGS: dict[str, dict[str, Any]] = {
+    "baseline": {},
+    "offload 3": {**OFFLOAD, "cpu_offloading.num_layers": 3},
+    "offload 6": {**OFFLOAD, "cpu_offloading.num_layers": 6},
+    "offload 11": {**OFFLOAD, "cpu_offloading.num_layers": 11},
+    "ckpt 0.5": {"model.checkpoint": 0.5},
+    "ckpt 1.0": {"model.checkpoint": 1.0},
+    "ckpt 0.5 + offload 6": {"model.checkpoint": 0.5, **OFFLOAD, "cpu_offloading.num_layers": 6},
+    "swap": {"swap_optimizer": True, "swap_optimizer_times": 4},
+    "hybrid 0.5": {"hybrid_optimizer.enable": True, "hybrid_optimizer.offload_fraction": 0.5},
+    "all": {"model.checkpoint": 0.5, "selective_checkpoint": True, "selective_checkpoint_offload": True,
+            **OFFLOAD, "cpu_offloading.num_layers": 3, "swap_optimizer": True, "swap_optimizer_times": 4,
+            "use_pinned_optimizer_offload": True},
+}  # fmt: skip
+TOLERANCE = 0.05
+
+
+def predict(config: Path, options: dict[str, Any]) -> dict[str, int]:
+    from internlm_offload.planner.trace import trace_step
+
+    memory = trace_step(resolve_config(load_config_file(config, options)))
+    return {"device_peak_bytes": memory.device_peak_bytes, "first_step_device_peak_bytes":
+            memory.first_step_device_peak_bytes, "host_peak_bytes": memory.host_peak_bytes}  # fmt: skip
+
+
+def measure(config: Path, options: dict[str, Any], steps: int) -> list[int]:
+    """`device_peak_mem_bytes` of each step of a real `train.py` run."""
+    with tempfile.TemporaryDirectory(prefix="planner-validation-") as work_dir:
+        cmd = [sys.executable, str(REPO / "train.py"), "--config", str(config), "--work-dir", work_dir,
+               "--cfg-options", "monitor.progress_bar=off", "ckpt.enable_save_ckpt=False",
+               f"data.total_steps={steps}", *option_strings(options)]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        records = (Path(work_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["device_peak_mem_bytes"] for line in records]
+
+
+def validate(config: Path, name: str, steps: int) -> dict[str, Any]:
+    """One setting: the prediction, the measured peaks and the relative error of the steady step."""
+    options = SETTINGS[name]
+    predicted = predict(config, options)
+    peaks = measure(config, options, steps)
+    measured = max(peaks[1:])  # the first step also creates the optimizer states
+    error = predicted["device_peak_bytes"] / measured - 1
+    return {"setting": name, "options": option_strings(options), **predicted, "measured_step_peaks_bytes": peaks,
+            "measured_bytes": measured, "error": error, "within_tolerance": abs(error) <= TOLERANCE}  # fmt: skip
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| setting | predicted MiB | measured MiB | error |", "|---|---:|---:|---:|"]
+    for row in rows:
+        lines.append(f"| {row['setting']} | {row['device_peak_bytes'] / 2**20:.1f} | "
+                     f"{row['measured_bytes'] / 2**20:.1f} | {row['error']:+.1%} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [row["setting"] for row in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    ax.bar([i - 0.2 for i in x], [row["device_peak_bytes"] / 2**20 for row in rows], width=0.4, label="predicted")
+    ax.bar([i + 0.2 for i in x], [row["measured_bytes"] / 2**20 for row in rows], width=0.4, label="measured (cpu)")
+    ax.set_xticks(list(x), names, rotation=30, ha="right")
+    ax.set_ylabel("device peak per step (MiB)")
+    ax.set_title("Memory planner: predicted vs measured device peak")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--steps", type=int, default=3, help="steps per measured run (>= 2)")
+    parser.add_argument("--out", type=Path, default=REPO / "bench_results" / "planner")
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps}: at least 2 (the first step creates the optimizer states)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.settings:
+        rows.append(validate(args.config, name, args.steps))
+        print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+    (args.out / "planner_validation.json").write_text(json.dumps({"config": str(args.config), "rows": rows}, indent=2))
+    (args.out / "planner_validation.md").write_text(markdown(rows))
+    plot(rows, args.out / "planner_validation.png")
+    print(markdown(rows))
+    return 0 if all(row["within_tolerance"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -280,19 +280,24 @@ def build_components(
     return Components(model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers)
 
 
-def trainer_settings(cfg: RunConfig) -> TrainerSettings:
+def trainer_settings(cfg: RunConfig, predicted_device_peak: int | None = None) -> TrainerSettings:
     return TrainerSettings(
         total_steps=cfg.data.total_steps, clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm,
         checkpoint_every=cfg.ckpt.checkpoint_every, save_checkpoints=cfg.ckpt.enable_save_ckpt,
         log_every=cfg.monitor.log_every, progress_bar=cfg.monitor.progress_bar,
         config=cfg.model_dump(), config_fingerprint=cfg.fingerprint(), max_skipped_steps=cfg.max_skipped_steps,
         label_smoothing=cfg.loss.label_smoothing, valid_every=cfg.data.valid_every,
-        skip_batches=tuple(cfg.data.skip_ranges()),
+        skip_batches=tuple(cfg.data.skip_ranges()), predicted_device_peak_bytes=predicted_device_peak,
     )  # fmt: skip
 
 
-def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
-    """Build every component of the run described by `cfg`; writes nothing to disk."""
+def build_trainer(
+    cfg: RunConfig, ctx: RunContext, work_dir: Path, *, predicted_device_peak: int | None = None
+) -> Trainer:
+    """Build every component of the run described by `cfg`; writes nothing to disk.
+
+    `predicted_device_peak`: the planner's per-rank prediction, logged beside the measured peak.
+    """
     set_determinism(cfg.seed, cfg.deterministic, ctx.accelerator)
     # 0. data first: a bad path or tokenizer fails before any model memory is allocated
     pretokenized = cfg.data.type == "internevo"
@@ -312,7 +317,8 @@ def build_trainer(cfg: RunConfig, ctx: RunContext, work_dir: Path) -> Trainer:
     return Trainer(
         ctx=ctx, model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler, loader=loader,
         checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
-        metrics=MetricsLog(work_dir / "metrics.jsonl") if ctx.is_main else None, settings=trainer_settings(cfg),
+        metrics=MetricsLog(work_dir / "metrics.jsonl") if ctx.is_main else None,
+        settings=trainer_settings(cfg, predicted_device_peak),
         extra_metrics=extra_metric_sources(parts.offloader, parts.selective_offloader, parts.optimizer),
         masters=parts.masters, scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,
         evaluator=evaluator, closers=closers(parts.offloader, parts.selective_offloader, parts.optimizer, ctx.accelerator),

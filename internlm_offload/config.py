@@ -13,6 +13,7 @@ import ast
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -22,6 +23,25 @@ from internlm_offload.internevo import Translation, translate
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message is one line meant for the user."""
+
+
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+# Knobs a config may set to "auto" (with `memory_budget`): the memory planner chooses them at start-up.
+AUTO = "auto"
+AUTO_KNOBS = ("model.checkpoint", "cpu_offloading.enable", "cpu_offloading.num_layers", "swap_optimizer",
+              "hybrid_optimizer.enable", "hybrid_optimizer.offload_fraction")  # fmt: skip
+
+
+def parse_size(value: Any, key: str) -> int:
+    """`80GiB`, `40GB`, `512MiB` or a number of bytes -> bytes; ValueError naming `key` otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"{key}={value!r}: expected a positive size like '80GiB', '40GB', '512MiB' or bytes")
+    return int(float(match.group(1)) * SIZE_UNITS[unit])
 
 
 class Section(BaseModel):
@@ -54,7 +74,8 @@ class ModelConfig(Section):
         le=1.0,
         description="Activation checkpointing: fraction of the blocks recomputed in backward "
         "(`True` = 1.0). Blocks `[cpu_offloading.num_layers, int(num_layers * checkpoint))` are checkpointed. "
-        "Saves their activations, costs about one extra forward of those blocks.",
+        "Saves their activations, costs about one extra forward of those blocks. "
+        "`\"auto\"` (with `memory_budget`): the planner chooses.",
     )
     norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
     rope_base: float = Field(10000.0, gt=0, description="RoPE base frequency.")
@@ -269,8 +290,14 @@ class MonitorConfig(Section):
 
 
 class CpuOffloadingConfig(Section):
-    enable: bool = Field(False, description="Offload saved activations of the first `num_layers` blocks to host.")
-    num_layers: int = Field(0, ge=0, description="Blocks whose activations go to host memory; < `model.num_layers`.")
+    enable: bool = Field(
+        False, description="Offload saved activations of the first `num_layers` blocks to host. "
+        "`\"auto\"` (with `memory_budget`): the planner chooses.",
+    )
+    num_layers: int = Field(
+        0, ge=0, description="Blocks whose activations go to host memory; < `model.num_layers`. "
+        "`\"auto\"` (with `memory_budget`): the planner chooses (and sets `enable`).",
+    )
     mode: Literal["auto", "sync", "async"] = Field(
         "auto",
         description="`async` overlaps copies with compute on side streams; `sync` copies on the compute stream. "
@@ -281,9 +308,28 @@ class CpuOffloadingConfig(Section):
     pin_memory: bool = Field(True, description="Pinned host buffers where the device supports them.")
 
 
+class MemoryBudgetConfig(Section):
+    device: Optional[int] = Field(
+        None, description="Device memory per rank the run may use (bytes or a size like '40GiB'). Knobs set to "
+        "`\"auto\"` are chosen by the memory planner for the fastest predicted step within it (docs/planner.md).",
+    )
+    host: Optional[int] = Field(None, description="Host memory per rank the planner may use; default: no limit.")
+
+    @field_validator("device", "host", mode="before")
+    @classmethod
+    def _size(cls, value: Any, info: Any) -> Any:
+        return None if value is None else parse_size(value, f"memory_budget.{info.field_name}")
+
+
 class HybridOptimizerConfig(Section):
-    enable: bool = Field(False, description="Step `offload_fraction` of the parameters on the CPU.")
-    offload_fraction: float = Field(0.5, ge=0, le=1, description="Fraction of parameter elements stepped on the CPU.")
+    enable: bool = Field(
+        False, description="Step `offload_fraction` of the parameters on the CPU. "
+        "`\"auto\"` (with `memory_budget`): the planner chooses.",
+    )
+    offload_fraction: float = Field(
+        0.5, ge=0, le=1, description="Fraction of parameter elements stepped on the CPU. "
+        "`\"auto\"` (with `memory_budget`): the planner chooses (0.5 or 1.0).",
+    )
     overlap_cpu_optimizer_d2h_h2d: bool = Field(True, description="Overlap grad D2H / param H2D with the CPU step.")
     param_update_in_fp32: bool = Field(False, description="Keep fp32 master copies for the CPU-stepped params.")
 
@@ -354,7 +400,8 @@ class RunConfig(Section):
     swap_optimizer: bool = Field(
         False,
         description="AdamW states live on the host and visit the device inside `step()` (bitwise equal to AdamW). "
-        "Frees ~8 bytes per parameter of device memory, costs two host transfers of the states per step.",
+        "Frees ~8 bytes per parameter of device memory, costs two host transfers of the states per step. "
+        "`\"auto\"` (with `memory_budget`): the planner chooses.",
     )
     swap_optimizer_times: int = Field(
         16, ge=1, description="The swap optimizer holds at most 1/N of the states on the device at a time."
@@ -375,6 +422,7 @@ class RunConfig(Section):
         "overflows included); after this many consecutive skipped steps the run stops with exit code 3 and no "
         "checkpoint of the bad state.",
     )
+    memory_budget: MemoryBudgetConfig = Field(default_factory=MemoryBudgetConfig)
     preflight: bool = Field(
         True,
         description="Before allocating the model, trace one step on meta tensors (seconds) and stop with exit code 2 "
@@ -382,6 +430,12 @@ class RunConfig(Section):
     )
 
     _migration: Translation | None = PrivateAttr(default=None)
+    _auto_knobs: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def auto_knobs(self) -> tuple[str, ...]:
+        """The knobs the config left to the planner (`"auto"`); they hold placeholder values until it chose."""
+        return self._auto_knobs
 
     def migration_notes(self) -> tuple[list[str], list[str]]:
         """What the InternEvo key translation did to this config: (info lines, warnings) for the start-up log."""
@@ -506,6 +560,10 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
     translation = translate(raw, world_size)
     raw = translation.config
     problems = list(translation.refused)
+    auto = take_auto_knobs(raw)
+    if auto and raw.get("memory_budget", {}).get("device") is None:
+        problems.append(f"{auto[0]}='auto' needs memory_budget.device, the device memory per rank the planner "
+                        "may use, e.g. memory_budget=dict(device='40GiB')")  # fmt: skip
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:
@@ -513,6 +571,7 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
     if problems:
         raise ConfigError(_report(problems))
     cfg._migration = translation
+    cfg._auto_knobs = auto
     _derive_batch(cfg, world_size)
     if cfg.lr_scheduler.total_steps is None:
         cfg.lr_scheduler.total_steps = cfg.data.total_steps
@@ -522,6 +581,20 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
     if cfg.parallel.mode == "none" and world_size > 1:
         raise ConfigError(f"parallel.mode='none' with world size {world_size}: use parallel.mode='ddp' or 'fsdp2'")
     return cfg
+
+
+def take_auto_knobs(raw: dict[str, Any]) -> tuple[str, ...]:
+    """Replace `"auto"` values of `AUTO_KNOBS` in `raw` by their schema defaults (the memory features
+    off) and return those knobs: the schema validates the rest, the planner chooses them later."""
+    auto = []
+    for knob in AUTO_KNOBS:
+        section, _, key = knob.rpartition(".")
+        holder = raw.get(section) if section else raw
+        if isinstance(holder, dict) and holder.get(key) == AUTO:
+            schema = _schema_at(section.split(".")) if section else RunConfig
+            holder[key] = schema.model_fields[key].default
+            auto.append(knob)
+    return tuple(auto)
 
 
 def _derive_batch(cfg: RunConfig, world_size: int) -> None:

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from internlm_offload.config import ConfigError, RunConfig, load_config_file, resolve_config
 from internlm_offload.data import DataError
@@ -88,8 +89,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     accelerator = get_accelerator(cfg.device)
     setup_logging(int(os.environ.get("RANK", "0")))
+    predicted_peak = None
+    if cfg.auto_knobs:
+        cfg, predicted_peak = choose_auto_knobs(cfg, args, accelerator)
     if cfg.preflight:
-        run_preflight(cfg, args.config, accelerator)
+        predicted_peak = run_preflight(cfg, args.config, accelerator) or predicted_peak
     ctx = init_runtime(accelerator)
     notes, warnings = cfg.migration_notes()
     for line in notes:
@@ -108,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
     if resume_path is None:
         refuse_to_clobber(checkpoint_folder(cfg, work_dir))
-    trainer = build_trainer(cfg, ctx, work_dir)
+    trainer = build_trainer(cfg, ctx, work_dir, predicted_device_peak=predicted_peak)
     if resume_path is not None:
         trainer.resume_from(resume_path)
     elif weights_path is not None:
@@ -131,12 +135,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_preflight(cfg: RunConfig, config_path: str, accelerator: Accelerator) -> None:
-    """Stop (exit 2) before anything is allocated when the predicted step cannot fit this machine."""
+def choose_auto_knobs(cfg: RunConfig, args: argparse.Namespace, accelerator: Accelerator) -> tuple[RunConfig, int]:
+    """Set the config's "auto" knobs with the planner (`planner/auto.py`); the chosen config and its predicted peak."""
+    from internlm_offload.planner import auto
+    from internlm_offload.planner.trace import UnsupportedLayout
+
+    def config_for(overrides: dict[str, Any]) -> RunConfig:
+        return resolve_config(load_config_file(args.config, {**args.cfg_options, **overrides}), world_size=env_world_size())
+
+    try:
+        chosen_cfg, chosen = auto.choose_auto_knobs(cfg, config_for, accelerator_name=accelerator.name,
+                                                    world_size=env_world_size())  # fmt: skip
+    except UnsupportedLayout as exc:
+        raise ConfigError(f"memory_budget with 'auto' knobs: {exc}") from None
+    return chosen_cfg, chosen.memory.device_peak_bytes
+
+
+def run_preflight(cfg: RunConfig, config_path: str, accelerator: Accelerator) -> int | None:
+    """Stop (exit 2) before anything is allocated when the predicted step cannot fit this machine; the
+    predicted device peak (None for a lower bound or a model the trace cannot run)."""
     from internlm_offload.planner.preflight import check_fits
 
     try:
-        check_fits(
+        prediction = check_fits(
             cfg, world_size=env_world_size(), local_world_size=env_local_world_size(),
             device_total=accelerator.device_memory_bytes(env_local_rank()),
             config_path=config_path,
@@ -146,6 +167,8 @@ def run_preflight(cfg: RunConfig, config_path: str, accelerator: Accelerator) ->
     except Exception as exc:  # noqa: BLE001  a model the trace cannot run must not stop a run that may fit
         logger.warning("Preflight skipped: the step could not be traced (%s: %s)", type(exc).__name__,
                        str(exc).splitlines()[0] if str(exc) else "")  # fmt: skip
+        return None
+    return None if prediction.lower_bound else prediction.device_peak
 
 
 def find_resume_checkpoint(cfg: RunConfig, work_dir: Path, *, resume: bool) -> Path | None:

@@ -54,6 +54,7 @@ class TrainerSettings:
     label_smoothing: float = 0.0
     valid_every: int = 0  # validate after every N-th step; 0: never
     skip_batches: tuple[tuple[int, int], ...] = ()  # inclusive ranges of data-stream batch indices to discard
+    predicted_device_peak_bytes: int | None = None  # the planner's steady-step peak, logged beside the measured
 
 
 @dataclass(frozen=True)
@@ -298,6 +299,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
+    def _log_peak_against_prediction(self, measured: int) -> None:
+        predicted = self.settings.predicted_device_peak_bytes
+        if predicted is not None and measured > 0:
+            logger.info("Memory: device peak of step %d measured %.1f MiB, predicted %.1f MiB (%+.1f %%)", self.step,
+                        measured / 2**20, predicted / 2**20, 100 * (predicted / measured - 1))  # fmt: skip
+
     def train(self) -> None:
         settings = self.settings
         progress = Progress(
@@ -314,6 +321,7 @@ class Trainer:
             self.save_checkpoint()
 
     def _train_loop(self, progress: Progress, tokens_per_step: int) -> None:
+        first_step = self.step
         for micro_batches in self._batches():
             self.ctx.accelerator.reset_peak_memory_stats()
             start = time.perf_counter()
@@ -331,6 +339,8 @@ class Trainer:
                 **({"moe_aux_loss": result.aux_loss} if result.aux_loss is not None else {}),
                 **memory_record(self.ctx.accelerator),
             }  # fmt: skip
+            if self.step == min(first_step + 2, self.settings.total_steps):  # the first step creates the states
+                self._log_peak_against_prediction(record["device_peak_mem_bytes"])
             for source in self.extra_metrics:
                 record.update(source())
             if self._validation_due():

@@ -1,9 +1,10 @@
 """Choose the activation and optimizer settings with the fastest predicted step that fits the budgets.
 
 Candidates are one activation setting (none, checkpoint 0.5 or 1.0, offload of half or all but one of
-the blocks) times one optimizer setting (AdamW, hybrid 0.5, swap). The step time is separable: a
-micro-batch's cost depends only on the activation setting and the optimizer's only on the optimizer
-setting, so 3 + 5 - 1 traces give every candidate's exact predicted time. Their memory is estimated as
+the blocks) times one optimizer setting (AdamW, hybrid 0.5 or 1.0, swap), over the knobs left to the
+planner (all of them for `tools/plan`, those set to "auto" in a config with `memory_budget`). The
+step time is separable: a micro-batch's cost depends only on the activation setting and the
+optimizer's only on the optimizer setting, so A + O - 1 traces give every candidate's exact predicted time. Their memory is estimated as
 `peak(a, o0) + peak(a0, o) - peak(a0, o0)` and the candidates are tried fastest first: one whose
 estimate fits is traced whole, and the first that really fits is the choice. A smaller budget can only
 remove candidates, so the chosen step time never decreases as the budget shrinks, and a choice has
@@ -12,11 +13,11 @@ always been traced and found to fit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from internlm_offload.config import RunConfig
+from internlm_offload.config import AUTO_KNOBS, RunConfig
 from internlm_offload.planner.cost import Hardware, step_time
 from internlm_offload.planner.trace import StepMemory, trace_step
 from internlm_offload.planner.tracker import human_bytes
@@ -30,24 +31,45 @@ class Setting:
     options: dict[str, Any]
 
 
-def activation_settings(num_layers: int) -> list[Setting]:
-    none = {"model.checkpoint": 0.0, "cpu_offloading.enable": False, "cpu_offloading.num_layers": 0}
-    settings = [Setting("no recompute", none),
-                Setting("checkpoint 0.5", {**none, "model.checkpoint": 0.5}),
-                Setting("checkpoint 1.0", {**none, "model.checkpoint": 1.0})]  # fmt: skip
-    for blocks in sorted({max(1, num_layers // 2), num_layers - 1}):
-        if blocks >= 1:
+HYBRID_FRACTIONS = (0.5, 1.0)
+
+
+def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
+    """One activation-memory mechanism at a time, over the `auto` knobs only: no recompute, checkpoint 0.5
+    or 1.0, offload of half or all but one of the blocks. The first setting changes nothing."""
+    auto = set(auto)
+    recompute, offload = "model.checkpoint" in auto, bool(auto & {"cpu_offloading.enable", "cpu_offloading.num_layers"})
+    none = {**({"model.checkpoint": 0.0} if recompute else {}),
+            **({"cpu_offloading.enable": False, "cpu_offloading.num_layers": 0} if offload else {})}  # fmt: skip
+    settings = [Setting("no recompute" if none else "activations as configured", none)]
+    if recompute:
+        settings += [Setting(f"checkpoint {c}", {**none, "model.checkpoint": c}) for c in (0.5, 1.0)]
+    if offload:
+        for blocks in sorted({max(1, num_layers // 2), num_layers - 1} - {0}):
             settings.append(Setting(f"offload {blocks} blocks", {**none, "cpu_offloading.enable": True,
                                                                   "cpu_offloading.num_layers": blocks}))  # fmt: skip
     return settings
 
 
-OPTIMIZER_SETTINGS = [
-    Setting("AdamW", {"swap_optimizer": False, "hybrid_optimizer.enable": False}),
-    Setting("hybrid 0.5", {"swap_optimizer": False, "hybrid_optimizer.enable": True,
-                           "hybrid_optimizer.offload_fraction": 0.5}),
-    Setting("swap", {"swap_optimizer": True, "hybrid_optimizer.enable": False}),
-]  # fmt: skip
+def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
+    """AdamW, the hybrid optimizer (at each of `HYBRID_FRACTIONS` when its fraction is auto) and the swap
+    optimizer, over the `auto` knobs only; what a knob the config fixes excludes is left out (`cfg`)."""
+    auto = set(auto)
+    fixed_hybrid = cfg is not None and cfg.hybrid_optimizer.enable and "hybrid_optimizer.enable" not in auto
+    switch_hybrid = "hybrid_optimizer.enable" in auto and not (cfg and cfg.swap_optimizer)
+    swap = "swap_optimizer" in auto and not fixed_hybrid
+    off = {**({"swap_optimizer": False} if swap else {}), **({"hybrid_optimizer.enable": False} if switch_hybrid else {})}
+    settings = [] if fixed_hybrid else [Setting("AdamW" if off else "optimizer as configured", off)]
+    if switch_hybrid or fixed_hybrid:
+        fractions = HYBRID_FRACTIONS if "hybrid_optimizer.offload_fraction" in auto else (None,)
+        for fraction in fractions:
+            options = {**off, **({"hybrid_optimizer.enable": True} if switch_hybrid else {}),
+                       **({} if fraction is None else {"hybrid_optimizer.offload_fraction": fraction})}  # fmt: skip
+            label = fraction if fraction is not None else cfg.hybrid_optimizer.offload_fraction if cfg else 0.5
+            settings.append(Setting(f"hybrid {label}", options))
+    if swap:
+        settings.append(Setting("swap", {**off, "swap_optimizer": True}))
+    return settings
 
 
 @dataclass
@@ -77,11 +99,13 @@ def over_budget(device: int, host: int, device_budget: int | None, host_budget: 
 
 
 def search(
-    config_for: ConfigFor, num_layers: int, hardware: Hardware, device_budget: int | None, host_budget: int | None,
-    world_size: int = 1,
+    config_for: ConfigFor, activations: list[Setting], optimizers: list[Setting], hardware: Hardware,
+    device_budget: int | None, host_budget: int | None, world_size: int = 1,
 ) -> tuple[Candidate | None, list[Candidate]]:  # fmt: skip
-    """The chosen candidate (None when nothing fits) and every candidate, fastest first, with its verdict."""
-    activations, optimizers = activation_settings(num_layers), OPTIMIZER_SETTINGS
+    """The chosen candidate (None when nothing fits) and every candidate, fastest first, with its verdict.
+
+    `activations[0]` and `optimizers[0]` are the base settings the others are traced against.
+    """
     by_activation = {a.name: trace_step(config_for({**a.options, **optimizers[0].options}), world_size)
                      for a in activations}  # fmt: skip
     by_optimizer = {o.name: trace_step(config_for({**activations[0].options, **o.options}), world_size)

@@ -26,33 +26,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
+from internlm_offload.config import parse_size as config_size
 from internlm_offload.planner.cost import HARDWARE, calibrate, step_time
 from internlm_offload.planner.tracker import human_bytes, largest_component
 
 PROG = "plan"
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-
-
 class PlanInputError(ValueError):
     """Bad command-line input: one line naming the option, the value and what is allowed."""
 
 
 def parse_size(text: str, option: str) -> int:
     """`80GiB`, `40GB`, `512MiB` or plain bytes -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in UNITS or float(match.group(1)) <= 0:
-        raise PlanInputError(f"{option} {text!r}: expected a positive size like 80GiB, 40GB, 512MiB or bytes")
-    return int(float(match.group(1)) * UNITS[unit])
+    try:
+        return config_size(text, option)
+    except ValueError as exc:
+        raise PlanInputError(str(exc).replace("=", " ", 1)) from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -154,12 +149,13 @@ def run_search(
     args: argparse.Namespace, memory: Any, hardware: Any, device_budget: int | None, host_budget: int | None
 ) -> tuple[list[dict[str, Any]], Any]:
     """Search the settings, print the alternatives and the choice; (JSON rows, the chosen candidate or None)."""
-    from internlm_offload.planner.search import search
+    from internlm_offload.planner.search import activation_settings, optimizer_settings, search
 
     def config_for(overrides: dict[str, Any]) -> Any:
         return resolve_config(load_config_file(args.config, {**args.cfg_options, **overrides}), world_size=args.world_size)
 
-    chosen, candidates = search(config_for, len(memory.block_activation_bytes), hardware, device_budget, host_budget,
+    activations = activation_settings(len(memory.block_activation_bytes))
+    chosen, candidates = search(config_for, activations, optimizer_settings(), hardware, device_budget, host_budget,
                                 args.world_size)  # fmt: skip
     print(f"\n{'setting':<36}{'step s':>11}{'est. device':>13}{'est. host':>11}  verdict")
     rows = []

@@ -20,14 +20,16 @@ def train(
     resume: bool = False,
     check: bool = True,
     torchrun: bool = False,
+    fast: bool = True,
 ) -> subprocess.CompletedProcess:
-    """Run train.py (under torchrun when nproc > 1 or asked) with the FAST options plus `options`."""
+    """Run train.py (under torchrun when nproc > 1 or asked) with the FAST options (unless `fast=False`)
+    plus `options`."""
     if nproc > 1 or torchrun:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
     else:
         launcher = [sys.executable]
     cmd = [*launcher, str(REPO / "train.py"), "--config", str(config), "--work-dir", str(work_dir)]
-    cmd += ["--cfg-options", *FAST, *options]
+    cmd += ["--cfg-options", *(FAST if fast else ["monitor.progress_bar=off"]), *options]
     if resume:
         cmd.append("--resume")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

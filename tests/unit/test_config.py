@@ -303,7 +303,28 @@ ERRORS = {
         ["data.global_bsz=6", "2 * 2", "multiple of 4"],
     ),
     "no parallel mode for two processes": ({}, 2, ["parallel.mode='none'", "world size 2", "'ddp' or 'fsdp2'"]),
+    "preflight not a bool": ({"preflight": "yes"}, 1, ["preflight='yes'", "valid boolean"]),
+    "auto knob without a budget": (
+        {"cpu_offloading": dict(num_layers="auto")},
+        1,
+        ["cpu_offloading.num_layers='auto' needs memory_budget.device", "memory_budget=dict(device='40GiB')"],
+    ),
+    "budget not a size": (
+        {"memory_budget": dict(device="lots")},
+        1,
+        ["memory_budget.device='lots'", "a positive size like '80GiB'"],
+    ),
+    "auto where no planner choice exists": ({"model": dict(num_layers="auto")}, 1, ["model.num_layers='auto'"]),
 }
+
+
+def test_auto_knobs_hold_the_features_off_until_the_planner_chooses() -> None:
+    cfg = resolve_config({"memory_budget": dict(device="1.5GiB", host=2**30), "model": dict(checkpoint="auto"),
+                          "cpu_offloading": dict(enable="auto", num_layers="auto"), "swap_optimizer": "auto"})  # fmt: skip
+    assert cfg.auto_knobs == ("model.checkpoint", "cpu_offloading.enable", "cpu_offloading.num_layers", "swap_optimizer")
+    assert (cfg.model.checkpoint, cfg.cpu_offloading.enable, cfg.cpu_offloading.num_layers) == (0.0, False, 0)
+    assert not cfg.swap_optimizer and cfg.memory_budget.device == 3 * 2**29 and cfg.memory_budget.host == 2**30
+    assert resolve_config({}).auto_knobs == ()
 
 
 @pytest.mark.parametrize("raw, world_size, parts", list(ERRORS.values()), ids=list(ERRORS))

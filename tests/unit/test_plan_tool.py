@@ -89,3 +89,31 @@ def test_search_picks_the_fastest_setting_that_fits_and_never_speeds_up_as_the_b
     assert "choice: --cfg-options" in capsys.readouterr().out
     assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--device-memory", "1MiB"]) == 3
     assert "nothing fits: smallest device peak" in capsys.readouterr().out.splitlines()[-1]
+
+
+def _spaces(auto: tuple[str, ...], **raw) -> tuple[list[dict], list[dict]]:
+    from internlm_offload.config import resolve_config
+    from internlm_offload.planner.search import activation_settings, optimizer_settings
+
+    cfg = resolve_config(raw)
+    return [s.options for s in activation_settings(8, auto)], [s.options for s in optimizer_settings(cfg, auto)]
+
+
+def test_search_space_covers_the_auto_knobs_only() -> None:
+    activations, optimizers = _spaces(("model.checkpoint",))
+    assert activations == [{"model.checkpoint": c} for c in (0.0, 0.5, 1.0)] and optimizers == [{}]
+    activations, optimizers = _spaces(("cpu_offloading.num_layers", "swap_optimizer"))
+    assert [a.get("cpu_offloading.num_layers") for a in activations] == [0, 4, 7]
+    assert all(a["cpu_offloading.enable"] == (a["cpu_offloading.num_layers"] > 0) for a in activations)
+    assert optimizers == [{"swap_optimizer": False}, {"swap_optimizer": True}]
+
+
+def test_search_space_keeps_what_the_config_fixes() -> None:
+    # The hybrid optimizer is fixed on: swap (which excludes it) is not tried, its fraction is.
+    _, optimizers = _spaces(("swap_optimizer", "hybrid_optimizer.offload_fraction"), hybrid_optimizer=dict(enable=True))
+    assert optimizers == [{"hybrid_optimizer.offload_fraction": 0.5}, {"hybrid_optimizer.offload_fraction": 1.0}]
+    _, optimizers = _spaces(("hybrid_optimizer.enable",), swap_optimizer=True)
+    assert optimizers == [{}]
+    _, optimizers = _spaces(("hybrid_optimizer.enable", "hybrid_optimizer.offload_fraction", "swap_optimizer"))
+    assert [o.get("hybrid_optimizer.offload_fraction") for o in optimizers] == [None, 0.5, 1.0, None]
+    assert optimizers[-1] == {"swap_optimizer": True, "hybrid_optimizer.enable": False}

@@ -1,0 +1,63 @@
+"""Knobs set to "auto" in a config: chosen at start-up by the planner's search, within `memory_budget`.
+
+`choose_auto_knobs(cfg, config_for, ...)` searches the settings of the knobs the config left to the
+planner (`search.activation_settings` / `optimizer_settings` over `cfg.auto_knobs`; the others stay as
+configured) for the fastest predicted step whose traced peaks fit `memory_budget.device` (and `.host`
+when given), and returns the config with them set. Nothing fitting is a `PreflightError` (exit 2)
+naming the smallest traced peak. Step times come from the cost model with the hardware row of the
+accelerator (`HARDWARE_FOR`; cpu is calibrated on the spot).
+"""
+
+from __future__ import annotations
+
+from internlm_offload.config import RunConfig
+from internlm_offload.log import get_logger
+from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate
+from internlm_offload.planner.preflight import PreflightError
+from internlm_offload.planner.search import (
+    Candidate,
+    ConfigFor,
+    activation_settings,
+    optimizer_settings,
+    search,
+)
+from internlm_offload.planner.tracker import human_bytes, largest_component
+
+logger = get_logger(__name__)
+
+HARDWARE_FOR = {"cuda": "h100", "npu": "910b"}  # assumed rows (cost.py); cpu: calibrate()
+
+
+def hardware_for(accelerator_name: str) -> Hardware:
+    row = HARDWARE_FOR.get(accelerator_name)
+    return HARDWARE[row] if row else calibrate()
+
+
+def choose_auto_knobs(
+    cfg: RunConfig, config_for: ConfigFor, *, accelerator_name: str, world_size: int = 1
+) -> tuple[RunConfig, Candidate]:
+    """The config with its "auto" knobs set by the search (module docstring), and the chosen candidate."""
+    budget = cfg.memory_budget
+    activations = activation_settings(cfg.model.num_layers, cfg.auto_knobs)
+    optimizers = optimizer_settings(cfg, cfg.auto_knobs)
+    chosen, candidates = search(config_for, activations, optimizers, hardware_for(accelerator_name),
+                                budget.device, budget.host, world_size)  # fmt: skip
+    for candidate in candidates:
+        logger.info("memory_budget: %-34s step %.4g s, est. device %s, host %s: %s", candidate.name,
+                    candidate.step_s, human_bytes(candidate.estimated_device), human_bytes(candidate.estimated_host),
+                    candidate.verdict)  # fmt: skip
+    if chosen is None:
+        traced = [c for c in candidates if c.memory is not None]
+        best = min(traced or candidates, key=lambda c: c.memory.device_peak_bytes if c.memory else c.estimated_device)
+        peak = best.memory.device_peak_bytes if best.memory else best.estimated_device
+        largest = largest_component(best.memory.components, "device") if best.memory else "not traced"
+        raise PreflightError(
+            f"memory_budget: no setting of {', '.join(cfg.auto_knobs)} fits device {human_bytes(budget.device)}"
+            f"{'' if budget.host is None else f' and host {human_bytes(budget.host)}'} per rank; smallest: "
+            f"{best.name} at {human_bytes(peak)} (largest: {largest})"
+        )
+    assert chosen.memory is not None  # a chosen candidate has been traced whole
+    logger.info("memory_budget: chose %s for %s: predicted device peak %s, host peak %s per rank, step %.4g s",
+                chosen.name, ", ".join(cfg.auto_knobs), human_bytes(chosen.memory.device_peak_bytes),
+                human_bytes(chosen.memory.host_peak_bytes), chosen.step_s)  # fmt: skip
+    return config_for(chosen.options), chosen

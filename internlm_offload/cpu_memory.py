@@ -25,8 +25,8 @@ import ctypes
 import ctypes.util
 import os
 import threading
-from collections.abc import Callable
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -35,8 +35,8 @@ from internlm_offload.log import get_logger
 logger = get_logger(__name__)
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-# glibc's initial (and its documented default) threshold: large enough that small tensors and Python
-# objects stay on the heap, small enough that activations of small models get their own mappings.
+# Small tensors and Python objects stay on the heap, where reuse costs no page faults (the 4-block tiny
+# config's steps keep their speed); activations of real models (MiBs each) get mappings of their own.
 MMAP_THRESHOLD_BYTES = 1 << 20
 SAMPLE_INTERVAL_S = 0.0005
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
@@ -183,7 +183,7 @@ class CpuMemory:
         self._lock = threading.Lock()
 
     def __reduce__(self) -> tuple[type, tuple]:
-        return CpuMemory, ()  # a copy (another process, say) samples its own memory; cached blocks stay
+        return CpuMemory, ()  # a copy (another process, say) samples its own memory, with no cached blocks
 
     def mark_baseline(self) -> None:
         """From here on readings count from `RssAnon` now, freed tensors leave it, and its peak is sampled."""

@@ -3,10 +3,10 @@
 Trainer, offload and optimizer code ask an `Accelerator` for devices, process-group backends, host
 buffers, memory statistics, streams and events, so the same code runs on cuda, npu (through
 `torch_npu`) and cpu. On cpu, "device memory" is the process's anonymous resident memory (`RssAnon`,
-read as tensor memory by `cpu_memory`) and host buffers from `host_empty` live in unlinked /dev/shm files (`RssShmem`), so
-moving data to the host shows up as a drop in "device memory" as on a GPU. A side stream is a worker
-thread with a FIFO queue: copies submitted to it really run beside the main thread (torch releases the
-GIL), so a missing wait shows up as wrong data in cpu tests.
+read as tensor memory by `cpu_memory`) and host buffers from `host_empty` live in unlinked /dev/shm
+files (`RssShmem`), so moving data to the host shows up as a drop in "device memory" as on a GPU. A
+side stream is a worker thread with a FIFO queue: copies submitted to it really run beside the main
+thread (torch releases the GIL), so a missing wait shows up as wrong data in cpu tests.
 
 Portable pattern (on cpu, work reaches a side stream only through `Stream.submit`):
 

@@ -141,7 +141,8 @@ def choose_auto_knobs(cfg: RunConfig, args: argparse.Namespace, accelerator: Acc
     from internlm_offload.planner.trace import UnsupportedLayout
 
     def config_for(overrides: dict[str, Any]) -> RunConfig:
-        return resolve_config(load_config_file(args.config, {**args.cfg_options, **overrides}), world_size=env_world_size())
+        raw = load_config_file(args.config, {**args.cfg_options, **overrides})
+        return resolve_config(raw, world_size=env_world_size())
 
     try:
         chosen_cfg, chosen = auto.choose_auto_knobs(cfg, config_for, accelerator_name=accelerator.name,

@@ -7,8 +7,10 @@ For each memory setting the planner traces the config on meta tensors (`planner.
 predicts the steady step's device peak; `train.py` then runs the same config for `--steps` steps in a
 process of its own, and the measured figure is the largest `device_peak_mem_bytes` of the steps after
 the first (on cpu: the sampled peak of `RssAnon` above what it was before the model was built; see
-`internlm_offload/cpu_memory.py`). Writes `planner_validation.json` (per setting: options, predicted,
-measured per step, error), `planner_validation.md` (the table) and `planner_validation.png`.
+`internlm_offload/cpu_memory.py`). The cost model's step time with this machine's calibrated row
+(`planner.cost.calibrate`) stands beside the measured median step time. Writes
+`planner_validation.json` (per setting: options, predictions, measured figures per step, error),
+`planner_validation.md` (the table) and `planner_validation.png`.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from internlm_offload.config import load_config_file, resolve_config
+from internlm_offload.planner.cost import Hardware, calibrate, step_time
 from internlm_offload.tools.plan import option_strings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,41 +50,50 @@ SETTINGS: dict[str, dict[str, Any]] = {
 TOLERANCE = 0.05
 
 
-def predict(config: Path, options: dict[str, Any]) -> dict[str, int]:
+def predict(config: Path, options: dict[str, Any], hardware: Hardware | None) -> dict[str, Any]:
+    """The traced peaks, and with `hardware` the cost model's step time."""
     from internlm_offload.planner.trace import trace_step
 
     memory = trace_step(resolve_config(load_config_file(config, options)))
+    timing = step_time(memory.micro_batch_work, memory.optimizer_work, memory.micro_num, hardware) if hardware else None
     return {"device_peak_bytes": memory.device_peak_bytes, "first_step_device_peak_bytes":
-            memory.first_step_device_peak_bytes, "host_peak_bytes": memory.host_peak_bytes}  # fmt: skip
+            memory.first_step_device_peak_bytes, "host_peak_bytes": memory.host_peak_bytes,
+            "predicted_step_time_s": timing.step_s if timing else None}  # fmt: skip
 
 
-def measure(config: Path, options: dict[str, Any], steps: int) -> list[int]:
-    """`device_peak_mem_bytes` of each step of a real `train.py` run."""
+def measure(config: Path, options: dict[str, Any], steps: int) -> list[dict[str, Any]]:
+    """The metrics record of each step of a real `train.py` run."""
     with tempfile.TemporaryDirectory(prefix="planner-validation-") as work_dir:
         cmd = [sys.executable, str(REPO / "train.py"), "--config", str(config), "--work-dir", work_dir,
                "--cfg-options", "monitor.progress_bar=off", "ckpt.enable_save_ckpt=False",
                f"data.total_steps={steps}", *option_strings(options)]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         records = (Path(work_dir) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["device_peak_mem_bytes"] for line in records]
+    return [json.loads(line) for line in records]
 
 
-def validate(config: Path, name: str, steps: int) -> dict[str, Any]:
-    """One setting: the prediction, the measured peaks and the relative error of the steady step."""
+def validate(config: Path, name: str, steps: int, hardware: Hardware | None = None) -> dict[str, Any]:
+    """One setting: the prediction, the measured peaks and the relative error of the steady step; with
+    `hardware`, the predicted and the measured (median of the steady steps) step time too."""
     options = SETTINGS[name]
-    predicted = predict(config, options)
-    peaks = measure(config, options, steps)
+    predicted = predict(config, options, hardware)
+    records = measure(config, options, steps)
+    peaks = [r["device_peak_mem_bytes"] for r in records]
     measured = max(peaks[1:])  # the first step also creates the optimizer states
     error = predicted["device_peak_bytes"] / measured - 1
     return {"setting": name, "options": option_strings(options), **predicted, "measured_step_peaks_bytes": peaks,
-            "measured_bytes": measured, "error": error, "within_tolerance": abs(error) <= TOLERANCE}  # fmt: skip
+            "measured_bytes": measured, "error": error, "within_tolerance": abs(error) <= TOLERANCE,
+            "measured_step_time_s": statistics.median(r["step_time_s"] for r in records[1:])}  # fmt: skip
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| setting | predicted MiB | measured MiB | error |", "|---|---:|---:|---:|"]
+    lines = ["| setting | predicted MiB | measured MiB | error | predicted step s | measured step s |",
+             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for row in rows:
+        predicted_s = "" if row["predicted_step_time_s"] is None else f"{row['predicted_step_time_s']:.2f}"
         lines.append(f"| {row['setting']} | {row['device_peak_bytes'] / 2**20:.1f} | "
-                     f"{row['measured_bytes'] / 2**20:.1f} | {row['error']:+.1%} |")  # fmt: skip
+                     f"{row['measured_bytes'] / 2**20:.1f} | {row['error']:+.1%} | "
+                     f"{predicted_s} | {row['measured_step_time_s']:.2f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -112,11 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: at least 2 (the first step creates the optimizer states)")
     args.out.mkdir(parents=True, exist_ok=True)
+    hardware = calibrate()
     rows = []
     for name in args.settings:
-        rows.append(validate(args.config, name, args.steps))
+        rows.append(validate(args.config, name, args.steps, hardware))
         print(markdown(rows[-1:]).splitlines()[-1], flush=True)
-    (args.out / "planner_validation.json").write_text(json.dumps({"config": str(args.config), "rows": rows}, indent=2))
+    report = {"config": str(args.config), "hardware": asdict(hardware), "rows": rows}
+    (args.out / "planner_validation.json").write_text(json.dumps(report, indent=2))
     (args.out / "planner_validation.md").write_text(markdown(rows))
     plot(rows, args.out / "planner_validation.png")
     print(markdown(rows))

@@ -4,11 +4,11 @@ Candidates are one activation setting (none, checkpoint 0.5 or 1.0, offload of h
 the blocks) times one optimizer setting (AdamW, hybrid 0.5 or 1.0, swap), over the knobs left to the
 planner (all of them for `tools/plan`, those set to "auto" in a config with `memory_budget`). The
 step time is separable: a micro-batch's cost depends only on the activation setting and the
-optimizer's only on the optimizer setting, so A + O - 1 traces give every candidate's exact predicted time. Their memory is estimated as
-`peak(a, o0) + peak(a0, o) - peak(a0, o0)` and the candidates are tried fastest first: one whose
-estimate fits is traced whole, and the first that really fits is the choice. A smaller budget can only
-remove candidates, so the chosen step time never decreases as the budget shrinks, and a choice has
-always been traced and found to fit.
+optimizer's only on the optimizer setting, so A + O - 1 traces give every candidate's exact predicted
+time. Their memory is estimated as `peak(a, o0) + peak(a0, o) - peak(a0, o0)` and the candidates are
+tried fastest first: one whose estimate fits is traced whole, and the first that really fits is the
+choice. A smaller budget can only remove candidates, so the chosen step time never decreases as the
+budget shrinks, and a choice has always been traced and found to fit.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_
     fixed_hybrid = cfg is not None and cfg.hybrid_optimizer.enable and "hybrid_optimizer.enable" not in auto
     switch_hybrid = "hybrid_optimizer.enable" in auto and not (cfg and cfg.swap_optimizer)
     swap = "swap_optimizer" in auto and not fixed_hybrid
-    off = {**({"swap_optimizer": False} if swap else {}), **({"hybrid_optimizer.enable": False} if switch_hybrid else {})}
+    off = {**({"swap_optimizer": False} if swap else {}),
+           **({"hybrid_optimizer.enable": False} if switch_hybrid else {})}  # fmt: skip
     settings = [] if fixed_hybrid else [Setting("AdamW" if off else "optimizer as configured", off)]
     if switch_hybrid or fixed_hybrid:
         fractions = HYBRID_FRACTIONS if "hybrid_optimizer.offload_fraction" in auto else (None,)

@@ -6,7 +6,10 @@ the measured peak of the steady step must be within that budget + 10 % (issue 9'
 
 from pathlib import Path
 
-from tests.e2e.runner import REPO, metrics, train
+import pytest
+from runner import REPO, metrics, train
+
+pytestmark = pytest.mark.e2e
 
 AUTO_CONFIG = REPO / "configs" / "planner_validation_auto.py"
 BUDGET = 840 * 2**20  # the config's memory_budget.device

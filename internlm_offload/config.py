@@ -561,7 +561,8 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
     raw = translation.config
     problems = list(translation.refused)
     auto = take_auto_knobs(raw)
-    if auto and raw.get("memory_budget", {}).get("device") is None:
+    budget = raw.get("memory_budget")
+    if auto and not (isinstance(budget, dict) and budget.get("device") is not None):
         problems.append(f"{auto[0]}='auto' needs memory_budget.device, the device memory per rank the planner "
                         "may use, e.g. memory_budget=dict(device='40GiB')")  # fmt: skip
     try:

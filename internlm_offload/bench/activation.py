@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, suppress
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from internlm_offload import device
-from internlm_offload.cpu_memory import rss_anon_bytes
+from internlm_offload.cpu_memory import AnonPeakSampler
 from internlm_offload.device import Accelerator
 from internlm_offload.model.internlm2 import InternLM2
 from internlm_offload.offload import apply_activation_checkpointing
@@ -62,32 +61,27 @@ class Case:
     peaks: dict[str, int] = field(default_factory=dict)
 
 
-class PeakSampler(threading.Thread):
-    """Reads `rss_anon_bytes()` every `interval_s` until `finish()`; `peak` is the largest value seen."""
+class PeakSampler:
+    """`RssAnon` over one step, sampled by `cpu_memory.AnonPeakSampler`: the value `before`, the peak up to
+    the loss (`forward_peak`), what is held once the forward's copies finished, and the step's `peak`."""
 
     def __init__(self, interval_s: float) -> None:
-        super().__init__(name="rss-sampler", daemon=True)
-        self.interval_s, self.stopped = interval_s, threading.Event()
-        self.before = self.peak = self.forward_peak = rss_anon_bytes()
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.interval_s):
-            self.peak = max(self.peak, rss_anon_bytes())
+        self._sampler = AnonPeakSampler(interval_s=interval_s)
+        self.before = self.forward_peak = self.held_after_forward = self.peak = self._sampler.reset()
 
     def split(self) -> None:
         """End of forward: keep the peak so far as `forward_peak`."""
-        self.forward_peak = max(self.peak, rss_anon_bytes())
+        self.forward_peak = self._sampler.peak()
 
     def forward_end(self, acc: Accelerator) -> None:
         """Once the forward's copies finished: what the device still holds (`held_after_forward`)."""
         acc.synchronize()
-        self.held_after_forward = rss_anon_bytes()
+        self.held_after_forward = self._sampler.read()
 
     def finish(self) -> None:
         """Stop sampling; `peak` includes a last reading."""
-        self.stopped.set()
-        self.join()
-        self.peak = max(self.peak, rss_anon_bytes())
+        self.peak = self._sampler.peak()
+        self._sampler.stop()
 
 
 def build_model(args: argparse.Namespace) -> InternLM2:
@@ -196,7 +190,6 @@ def measure_peaks(cases: list[Case], tokens: torch.Tensor, interval_s: float, ac
         with suppress(OSError, AttributeError):  # freed heap pages back to the OS (glibc): a clean `before`
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         sampler = PeakSampler(interval_s)
-        sampler.start()
         step(case, tokens, acc, sampler)
         sampler.finish()
         check_and_clear(case, reference)

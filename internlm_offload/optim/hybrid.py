@@ -211,6 +211,7 @@ class HybridDeviceOptimizer(Optimizer):
         self._d2h_stream: Stream = self._acc.stream()
         self._h2d_stream: Stream = self._acc.stream()
         self._host_arenas: list[HostArena] = []
+        self._offload_slab: HostArena | None = None  # the device states' host copy, kept for the next offload
         self._cpu_worker: Executor | None = None  # started by the first overlapped step
         # id(model param) -> (sub-optimizer, the tensor it steps for that param).
         self._route: dict[int, tuple[Optimizer, torch.Tensor]] = {}
@@ -378,7 +379,8 @@ class HybridDeviceOptimizer(Optimizer):
         if self._cpu_worker is not None:
             self._cpu_worker.shutdown()
         finish_and_close(self._d2h_stream, self._h2d_stream)
-        for arena in [*self._host_arenas, *(u.slab for u in self._cpu_units if u.slab is not None)]:
+        slabs = [self._offload_slab, *(unit.slab for unit in self._cpu_units)]
+        for arena in [*self._host_arenas, *(slab for slab in slabs if slab is not None)]:
             arena.release()
 
     def memory_stats(self) -> dict[str, int]:
@@ -398,16 +400,24 @@ class HybridDeviceOptimizer(Optimizer):
         self._refresh_masters(keep_if_rounds_to_param=False)
 
     def offload_optimizer_states(self) -> None:
-        """Move the device sub-optimizer's state tensors to host memory (frees it between phases)."""
+        """Move the device sub-optimizer's state tensors to host memory (frees it between phases).
+
+        They go into one pinned slab, allocated at the first offload and reused by later ones while the
+        states keep their shapes: phases can alternate without a pinned allocation each time.
+        """
         if self._states_offloaded:
             return
-        for state in self._device_optimizer.state.values():
-            for name, value in state.items():
-                if torch.is_tensor(value):
-                    local = local_shard(value)
-                    host = self._acc.host_empty(local.shape, local.dtype, pinned=True)
-                    host.copy_(local)  # blocking: done before the device tensor is dropped
-                    state[name] = laid_out_like(host, value)
+        states = [(state, name) for state in self._device_optimizer.state.values()
+                  for name, value in state.items() if torch.is_tensor(value)]  # fmt: skip
+        specs = [(local_shard(state[name]).shape, local_shard(state[name]).dtype) for state, name in states]
+        if self._offload_slab is None or self._offload_slab.specs != specs:
+            if self._offload_slab is not None:
+                self._offload_slab.release()
+            self._offload_slab = HostArena(self._acc, specs, pinned=True)
+        for index, (state, name) in enumerate(states):
+            value = state[name]
+            host = self._offload_slab.view(index).copy_(local_shard(value))  # blocking: before the device copy goes
+            state[name] = laid_out_like(host, value)
         self._states_offloaded = True
 
     def reload_optimizer_states(self) -> None:

@@ -315,6 +315,7 @@ ERRORS = {
         ["memory_budget.device='lots'", "a positive size like '80GiB'"],
     ),
     "auto where no planner choice exists": ({"model": dict(num_layers="auto")}, 1, ["model.num_layers='auto'"]),
+    "budget not a section": ({"memory_budget": 3}, 1, ["memory_budget=3", "valid dictionary"]),
 }
 
 
@@ -325,6 +326,8 @@ def test_auto_knobs_hold_the_features_off_until_the_planner_chooses() -> None:
     assert (cfg.model.checkpoint, cfg.cpu_offloading.enable, cfg.cpu_offloading.num_layers) == (0.0, False, 0)
     assert not cfg.swap_optimizer and cfg.memory_budget.device == 3 * 2**29 and cfg.memory_budget.host == 2**30
     assert resolve_config({}).auto_knobs == ()
+    with pytest.raises(ConfigError, match=r"swap_optimizer='auto' needs memory_budget.device(.|\n)*memory_budget=3"):
+        resolve_config({"memory_budget": 3, "swap_optimizer": "auto"})  # both problems, in one report
 
 
 @pytest.mark.parametrize("raw, world_size, parts", list(ERRORS.values()), ids=list(ERRORS))

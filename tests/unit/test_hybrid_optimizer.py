@@ -448,6 +448,22 @@ def test_offload_and_reload_keep_training_bitwise():
     assert_bitwise(opt, params, ref, ref_params)
 
 
+def test_offloaded_states_share_one_slab_reused_by_the_next_offload(monkeypatch):
+    params = make_params()
+    opt = hybrid(params, offload_fraction=0.5)
+    train(opt, params, 2)
+    opt.offload_optimizer_states()
+    device_states = [v for s in opt.sub_optimizers[-1].state.values() for v in s.values()]
+    assert len(device_states) > 2 and len({storage_key(v) for v in device_states}) == 1
+    opt.reload_optimizer_states()
+    train(opt, params, 1, start=2)
+    allocations = []
+    real_host_empty = type(opt._acc).host_empty
+    monkeypatch.setattr(type(opt._acc), "host_empty", lambda *a, **k: allocations.append(a) or real_host_empty(*a, **k))
+    opt.offload_optimizer_states()
+    assert allocations == []
+
+
 # ---- races (cpu side streams are worker threads; delays widen every window) ----------------------
 
 

@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/internlm2_tiny.py
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist); a file's tests stay in one process (module fixtures are built once).
+# Most tests run train.py in subprocesses with one thread each, so one worker per core keeps them busy.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup train test bench clean
 
@@ -22,7 +25,7 @@ train: setup
 	$(PY) train.py --config $(CONFIG)
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) work_dirs .pytest_cache

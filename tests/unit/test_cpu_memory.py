@@ -12,8 +12,9 @@ from internlm_offload.device import Accelerator
 MIB = 1 << 20
 
 
-def _sampler_threads() -> int:
-    return sum(thread.name == "rss-anon-sampler" for thread in threading.enumerate())
+def _new_sampler_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """Sampling threads started since `before` (other tests' accelerators may still be ending theirs)."""
+    return [t for t in threading.enumerate() if t.name == "rss-anon-sampler" and t not in before]
 
 
 def _hold(nbytes: int) -> list[torch.Tensor]:
@@ -23,15 +24,19 @@ def _hold(nbytes: int) -> list[torch.Tensor]:
 
 def test_freed_tensors_leave_device_memory() -> None:
     acc = Accelerator("cpu")
-    # glibc's default raises its mmap threshold past the size of a freed mapping: after this, 4 MiB
-    # blocks would come from the heap and stay resident when freed, unless the baseline fixed it.
+    # glibc's default raises its mmap threshold past a freed mapping's size: after this, 4 MiB blocks would
+    # come from the heap, and freed ones between live ones would stay resident, unless the baseline fixed it.
     torch.empty(16 * MIB, dtype=torch.uint8).fill_(1)
+    gc.collect()
     acc.mark_memory_baseline()
-    assert acc.memory_allocated() < 8 * MIB
+    start = acc.memory_allocated()
     held = _hold(128 * MIB)
-    assert 120 * MIB <= acc.memory_allocated() <= 136 * MIB
+    # Slack for what else the process frees or allocates meanwhile (other tests' threads ending).
+    assert 112 * MIB <= acc.memory_allocated() - start <= 144 * MIB
+    del held[::2]  # every other block: the heap could not give these back
+    assert 48 * MIB <= acc.memory_allocated() - start <= 80 * MIB
     del held
-    assert acc.memory_allocated() < 8 * MIB
+    assert acc.memory_allocated() - start < 16 * MIB
     acc.close_streams()
 
 
@@ -60,20 +65,18 @@ def test_host_tier_is_not_device_memory() -> None:
 
 
 def test_sampling_thread_ends_with_close_or_with_the_accelerator() -> None:
-    before = _sampler_threads()
+    before = set(threading.enumerate())
     acc = Accelerator("cpu")
     acc.reset_peak_memory_stats()
-    assert _sampler_threads() == before + 1
+    (first,) = _new_sampler_threads(before)
     acc.close_streams()
-    assert _sampler_threads() == before
+    assert not first.is_alive()
     acc.reset_peak_memory_stats()  # a later reading samples again
-    assert _sampler_threads() == before + 1
+    (second,) = _new_sampler_threads(before | {first})
     del acc
     gc.collect()
-    deadline = time.monotonic() + 2
-    while _sampler_threads() > before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _sampler_threads() == before
+    second.join(timeout=2)
+    assert not second.is_alive()
 
 
 def test_cached_device_buffers_are_not_device_memory() -> None:

@@ -89,11 +89,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     accelerator = get_accelerator(cfg.device)
     setup_logging(int(os.environ.get("RANK", "0")))
-    predicted_peak = None
+    traced = None
     if cfg.auto_knobs:
-        cfg, predicted_peak = choose_auto_knobs(cfg, args, accelerator)
+        cfg, traced = choose_auto_knobs(cfg, args, accelerator)
+    predicted_peak = traced.device_peak_bytes if traced else None
     if cfg.preflight:
-        predicted_peak = run_preflight(cfg, args.config, accelerator) or predicted_peak
+        predicted_peak = run_preflight(cfg, args.config, accelerator, traced) or predicted_peak
     ctx = init_runtime(accelerator)
     notes, warnings = cfg.migration_notes()
     for line in notes:
@@ -135,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def choose_auto_knobs(cfg: RunConfig, args: argparse.Namespace, accelerator: Accelerator) -> tuple[RunConfig, int]:
-    """Set the config's "auto" knobs with the planner (`planner/auto.py`); the chosen config and its predicted peak."""
+def choose_auto_knobs(cfg: RunConfig, args: argparse.Namespace, accelerator: Accelerator) -> tuple[RunConfig, Any]:
+    """Set the config's "auto" knobs with the planner (`planner/auto.py`); the chosen config and its trace."""
     from internlm_offload.planner import auto
     from internlm_offload.planner.trace import UnsupportedLayout
 
@@ -149,19 +150,20 @@ def choose_auto_knobs(cfg: RunConfig, args: argparse.Namespace, accelerator: Acc
                                                     world_size=env_world_size())  # fmt: skip
     except UnsupportedLayout as exc:
         raise ConfigError(f"memory_budget with 'auto' knobs: {exc}") from None
-    return chosen_cfg, chosen.memory.device_peak_bytes
+    return chosen_cfg, chosen.memory
 
 
-def run_preflight(cfg: RunConfig, config_path: str, accelerator: Accelerator) -> int | None:
+def run_preflight(cfg: RunConfig, config_path: str, accelerator: Accelerator, traced: Any = None) -> int | None:
     """Stop (exit 2) before anything is allocated when the predicted step cannot fit this machine; the
-    predicted device peak (None for a lower bound or a model the trace cannot run)."""
+    predicted device peak (None for a lower bound or a model the trace cannot run). `traced`: the
+    config's trace when the planner already made it."""
     from internlm_offload.planner.preflight import check_fits
 
     try:
         prediction = check_fits(
             cfg, world_size=env_world_size(), local_world_size=env_local_world_size(),
             device_total=accelerator.device_memory_bytes(env_local_rank()),
-            config_path=config_path,
+            config_path=config_path, traced=traced,
         )  # fmt: skip
     except ConfigError:
         raise

@@ -93,6 +93,25 @@ class _CpuUnit:
     slabbed_params: int = 0  # how many params had states when they were moved
 
 
+def _states_into_slab(
+    optimizer: Optimizer, accelerator: Accelerator, *, pinned: bool, reuse: HostArena | None = None
+) -> HostArena:
+    """Copy `optimizer`'s state tensors (their local shards) into views of one host slab, laid out like them,
+    in their place; `reuse` is the slab when its layout matches (it is released otherwise). Blocking copies:
+    each is done before the tensor it replaces can be dropped."""
+    states = [(state, name) for state in optimizer.state.values()
+              for name, value in state.items() if torch.is_tensor(value)]  # fmt: skip
+    specs = [(local_shard(state[name]).shape, local_shard(state[name]).dtype) for state, name in states]
+    if reuse is not None and reuse.specs != specs:
+        reuse.release()
+        reuse = None
+    slab = reuse or HostArena(accelerator, specs, pinned=pinned)
+    for index, (state, name) in enumerate(states):
+        value = state[name]
+        state[name] = laid_out_like(slab.view(index).copy_(local_shard(value)), value)
+    return slab
+
+
 def offload_mask(params: Iterable[torch.Tensor], offload_fraction: float) -> list[bool]:
     """Which params the CPU steps: the longest run of leading trainable params within the fraction's budget.
 
@@ -407,17 +426,7 @@ class HybridDeviceOptimizer(Optimizer):
         """
         if self._states_offloaded:
             return
-        states = [(state, name) for state in self._device_optimizer.state.values()
-                  for name, value in state.items() if torch.is_tensor(value)]  # fmt: skip
-        specs = [(local_shard(state[name]).shape, local_shard(state[name]).dtype) for state, name in states]
-        if self._offload_slab is None or self._offload_slab.specs != specs:
-            if self._offload_slab is not None:
-                self._offload_slab.release()
-            self._offload_slab = HostArena(self._acc, specs, pinned=True)
-        for index, (state, name) in enumerate(states):
-            value = state[name]
-            host = self._offload_slab.view(index).copy_(local_shard(value))  # blocking: before the device copy goes
-            state[name] = laid_out_like(host, value)
+        self._offload_slab = _states_into_slab(self._device_optimizer, self._acc, pinned=True, reuse=self._offload_slab)
         self._states_offloaded = True
 
     def reload_optimizer_states(self) -> None:
@@ -530,14 +539,11 @@ class HybridDeviceOptimizer(Optimizer):
         """
         if unit.slab is not None and len(unit.optimizer.state) == unit.slabbed_params:
             return
-        states = [(state, name) for state in unit.optimizer.state.values()
-                  for name, value in state.items() if torch.is_tensor(value) and value.dim() > 0]  # fmt: skip
-        slab = HostArena(self._acc, [(state[name].shape, state[name].dtype) for state, name in states], pinned=False)
-        for index, (state, name) in enumerate(states):
-            state[name] = slab.view(index).copy_(state[name])
-        if unit.slab is not None:
-            unit.slab.release()
-        unit.slab, unit.slabbed_params = slab, len(unit.optimizer.state)
+        old = unit.slab  # its views may be among the states copied: released after the copy
+        unit.slab = _states_into_slab(unit.optimizer, self._acc, pinned=False)
+        unit.slabbed_params = len(unit.optimizer.state)
+        if old is not None:
+            old.release()
 
     def _wait_for_params(self, compute: Stream) -> None:
         """The compute stream waits for the H2D copies: the next forward must read the updated params."""

@@ -20,8 +20,9 @@ from internlm_offload.planner.search import (
     activation_settings,
     optimizer_settings,
     search,
+    smallest_peak,
 )
-from internlm_offload.planner.tracker import human_bytes, largest_component
+from internlm_offload.planner.tracker import human_bytes
 
 logger = get_logger(__name__)
 
@@ -47,14 +48,10 @@ def choose_auto_knobs(
                     candidate.step_s, human_bytes(candidate.estimated_device), human_bytes(candidate.estimated_host),
                     candidate.verdict)  # fmt: skip
     if chosen is None:
-        traced = [c for c in candidates if c.memory is not None]
-        best = min(traced or candidates, key=lambda c: c.memory.device_peak_bytes if c.memory else c.estimated_device)
-        peak = best.memory.device_peak_bytes if best.memory else best.estimated_device
-        largest = largest_component(best.memory.components, "device") if best.memory else "not traced"
         raise PreflightError(
             f"memory_budget: no setting of {', '.join(cfg.auto_knobs)} fits device {human_bytes(budget.device)}"
-            f"{'' if budget.host is None else f' and host {human_bytes(budget.host)}'} per rank; smallest: "
-            f"{best.name} at {human_bytes(peak)} (largest: {largest})"
+            f"{'' if budget.host is None else f' and host {human_bytes(budget.host)}'} per rank; "
+            f"{smallest_peak(candidates, config_for, world_size)}"
         )
     assert chosen.memory is not None  # a chosen candidate has been traced whole
     logger.info("memory_budget: chose %s for %s: predicted device peak %s, host peak %s per rank, step %.4g s",

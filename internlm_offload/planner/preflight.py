@@ -50,14 +50,15 @@ class Prediction:
     lower_bound: bool  # FSDP2: a bound from the single-process trace
 
 
-def predict(cfg: RunConfig, world_size: int) -> Prediction:
-    """The traced peaks; for FSDP2 the sharded lower bound (module docstring).
+def predict(cfg: RunConfig, world_size: int, traced: StepMemory | None = None) -> Prediction:
+    """The traced peaks; for FSDP2 the sharded lower bound (module docstring). `traced`: this config's
+    trace when one was already made (the planner's choice of "auto" knobs).
 
     Traced as one process: the config already holds this rank's batch shape, and without DDP/FSDP2
     wrappers a rank's memory does not depend on the others (no process group exists yet at preflight).
     """
     if cfg.parallel.mode != "fsdp2":
-        memory = trace_step(cfg)
+        memory = traced or trace_step(cfg)
         return Prediction(memory.device_peak_bytes, memory.host_peak_bytes, memory.components, lower_bound=False)
     single = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"mode": "none"})})
     return _sharded_bound(trace_step(single), world_size)
@@ -75,13 +76,15 @@ def _sharded_bound(memory: StepMemory, world_size: int) -> Prediction:
 
 
 def check_fits(
-    cfg: RunConfig, *, world_size: int, local_world_size: int, device_total: int | None, config_path: str
+    cfg: RunConfig, *, world_size: int, local_world_size: int, device_total: int | None, config_path: str,
+    traced: StepMemory | None = None,
 ) -> Prediction:
     """Raise `PreflightError` when the predicted peaks exceed this machine; returns the prediction.
 
-    `device_total`: the device's memory in bytes, None on the cpu backend (device memory is host memory).
+    `device_total`: the device's memory in bytes, None on the cpu backend (device memory is host memory);
+    `traced`: see `predict`.
     """
-    prediction = predict(cfg, world_size)
+    prediction = predict(cfg, world_size, traced)
     host_available = available_host_bytes() // max(1, local_world_size)
     what = "at least " if prediction.lower_bound else ""
     if device_total is None:

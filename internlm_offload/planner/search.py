@@ -20,7 +20,7 @@ from typing import Any
 from internlm_offload.config import AUTO_KNOBS, RunConfig
 from internlm_offload.planner.cost import Hardware, step_time
 from internlm_offload.planner.trace import StepMemory, trace_step
-from internlm_offload.planner.tracker import human_bytes
+from internlm_offload.planner.tracker import human_bytes, largest_component
 
 ConfigFor = Callable[[dict[str, Any]], RunConfig]  # knob overrides -> the resolved config
 
@@ -137,3 +137,12 @@ def _candidate(
     device = by_a.device_peak_bytes + by_o.device_peak_bytes - base.device_peak_bytes
     host = by_a.host_peak_bytes + by_o.host_peak_bytes - base.host_peak_bytes
     return Candidate(activation, optimizer, time, device, host)
+
+
+def smallest_peak(candidates: list[Candidate], config_for: ConfigFor, world_size: int = 1) -> str:
+    """The candidate with the smallest estimated device peak, traced, and what dominates it: the
+    'nothing fits' line."""
+    best = min(candidates, key=lambda c: c.estimated_device)
+    memory = best.memory or trace_step(config_for(best.options), world_size)
+    return (f"smallest device peak {human_bytes(memory.device_peak_bytes)} ({best.name}), "
+            f"largest: {largest_component(memory.components, 'device')}")  # fmt: skip

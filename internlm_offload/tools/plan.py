@@ -14,7 +14,7 @@ host<->device bytes and AdamW elements, with the throughputs of `--hardware` (as
 A100, Ascend 910B) or of this machine (`--calibrate`).
 
 With a budget the planner also searches activation settings (none, checkpoint 0.5/1.0, offload of half
-or all but one block) x optimizer settings (AdamW, hybrid 0.5, swap) for the fastest predicted step
+or all but one block) x optimizer settings (AdamW, hybrid 0.5/1.0, swap) for the fastest predicted step
 that fits (`planner/search.py`), prints the alternatives with why each was rejected and the choice as
 a `--cfg-options` line; `--check-only` checks the config as given instead.
 
@@ -149,7 +149,7 @@ def run_search(
     args: argparse.Namespace, memory: Any, hardware: Any, device_budget: int | None, host_budget: int | None
 ) -> tuple[list[dict[str, Any]], Any]:
     """Search the settings, print the alternatives and the choice; (JSON rows, the chosen candidate or None)."""
-    from internlm_offload.planner.search import activation_settings, optimizer_settings, search
+    from internlm_offload.planner.search import activation_settings, optimizer_settings, search, smallest_peak
 
     def config_for(overrides: dict[str, Any]) -> Any:
         return resolve_config(load_config_file(args.config, {**args.cfg_options, **overrides}), world_size=args.world_size)
@@ -169,18 +169,9 @@ def run_search(
         print(f"choice: --cfg-options {' '.join(option_strings(chosen.options))}")
         print(f"{args.config} on {args.world_size} rank(s): fits with {chosen.name}, predicted step {chosen.step_s:.4g} s")
     else:
-        print(f"{args.config} on {args.world_size} rank(s): nothing fits: {smallest(candidates, config_for, args)}")
+        smallest = smallest_peak(candidates, config_for, args.world_size)
+        print(f"{args.config} on {args.world_size} rank(s): nothing fits: {smallest}")
     return rows, chosen
-
-
-def smallest(candidates: list[Any], config_for: Any, args: argparse.Namespace) -> str:
-    """The setting with the smallest device peak, traced, and what dominates it (the 'nothing fits' line)."""
-    from internlm_offload.planner.trace import trace_step
-
-    best = min(candidates, key=lambda c: c.estimated_device)
-    memory = best.memory or trace_step(config_for(best.options), args.world_size)
-    return (f"smallest device peak {human_bytes(memory.device_peak_bytes)} ({best.name}), "
-            f"largest: {largest_component(memory.components, 'device')}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

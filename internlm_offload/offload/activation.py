@@ -212,7 +212,20 @@ class ActivationOffloader:
 
         return post_hook
 
+    def _end_forward(self) -> None:
+        """Forget the current forward, releasing the sources it still holds once their copies finished.
+
+        A forward normally ends at the last block with nothing pending; one cut short by an exception
+        still holds its last group's sources, whose D2H copies may be queued: dropping them unwaited
+        would hand their memory back to the allocator while the copy still reads it.
+        """
+        if self._forward is not None:
+            for group in self._forward.pending_release:
+                self._release_sources(group)
+        self._forward = None
+
     def _start_forward(self) -> None:
+        self._end_forward()
         self._forward = _Forward(self.num_layers)
         self._stats.start_forward()
         self._timer_base = (self._d2h_timer.seconds(), self._h2d_timer.seconds())
@@ -382,7 +395,7 @@ class ActivationOffloader:
         self._handles.clear()
         while self._hook_stack:
             self._hook_stack.pop().__exit__(None, None, None)
-        self._forward = None
+        self._end_forward()
         finish_and_close(self.d2h, self.h2d)
         self.pool.clear()
 

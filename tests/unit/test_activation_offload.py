@@ -249,6 +249,31 @@ def test_schedule_is_correct_under_slow_copies(baselines):
     assert_bitwise(step(model), baselines[1])
 
 
+def _forward_cut_short(model: InternLM2) -> None:
+    """A forward that an exception ends right after block 1's hooks, its group's copies still queued."""
+    hook = model.layers[1].register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        model(batches(1)[0][:, :-1])
+    hook.remove()
+
+
+def test_a_forward_cut_short_releases_its_sources_after_their_copies(baselines):
+    """The next forward must not drop the cut-short forward's sources while their slow copies still read them."""
+    model = tiny_model()
+    delayed_handle(model, 0.05)
+    _forward_cut_short(model)
+    model.zero_grad(set_to_none=True)
+    assert_bitwise(step(model), baselines[1])
+
+
+def test_remove_after_a_forward_cut_short_waits_for_its_copies():
+    model = tiny_model()
+    handle = delayed_handle(model, 0.05)
+    _forward_cut_short(model)
+    handle.remove()  # raises StreamError if the sources went before their copies ran
+    assert handle._forward is None
+
+
 def test_dropping_the_reload_wait_is_caught(baselines):
     """Without the wait before use, backward reads reload buffers the slow copy has not filled yet."""
     model = tiny_model()

@@ -155,7 +155,7 @@ def choose_auto_knobs(cfg: RunConfig, args: argparse.Namespace, accelerator: Acc
 
 def run_preflight(cfg: RunConfig, config_path: str, accelerator: Accelerator, traced: Any = None) -> int | None:
     """Stop (exit 2) before anything is allocated when the predicted step cannot fit this machine; the
-    predicted device peak (None for a lower bound or a model the trace cannot run). `traced`: the
+    predicted device peak (None for a model the trace cannot run). `traced`: the
     config's trace when the planner already made it."""
     from internlm_offload.planner.preflight import check_fits
 
@@ -171,7 +171,7 @@ def run_preflight(cfg: RunConfig, config_path: str, accelerator: Accelerator, tr
         logger.warning("Preflight skipped: the step could not be traced (%s: %s)", type(exc).__name__,
                        str(exc).splitlines()[0] if str(exc) else "")  # fmt: skip
         return None
-    return None if prediction.lower_bound else prediction.device_peak
+    return prediction.device_peak
 
 
 def find_resume_checkpoint(cfg: RunConfig, work_dir: Path, *, resume: bool) -> Path | None:

@@ -10,7 +10,8 @@ the first (on cpu: the sampled peak of `RssAnon` above what it was before the mo
 `internlm_offload/cpu_memory.py`). The cost model's step time with this machine's calibrated row
 (`planner.cost.calibrate`) stands beside the measured median step time. Writes
 `planner_validation.json` (per setting: options, predictions, measured figures per step, error),
-`planner_validation.md` (the table) and `planner_validation.png`.
+`planner_validation.md` (the table) and `planner_validation.png`. The FSDP2 settings run on 2 and 4
+processes (torchrun, gloo); their figures are rank 0's.
 """
 
 from __future__ import annotations
@@ -46,25 +47,31 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "all": {"model.checkpoint": 0.5, "selective_checkpoint": True, "selective_checkpoint_offload": True,
             **OFFLOAD, "cpu_offloading.num_layers": 3, "swap_optimizer": True, "swap_optimizer_times": 4,
             "use_pinned_optimizer_offload": True},
+    "fsdp2 x2": {"parallel.mode": "fsdp2"},
+    "fsdp2 x4 + swap + ckpt 0.5": {"parallel.mode": "fsdp2", "swap_optimizer": True, "model.checkpoint": 0.5},
 }  # fmt: skip
+# Settings measured on several processes (torchrun, gloo); the others run on one.
+RANKS = {"fsdp2 x2": 2, "fsdp2 x4 + swap + ckpt 0.5": 4}
 TOLERANCE = 0.05
 
 
-def predict(config: Path, options: dict[str, Any], hardware: Hardware | None) -> dict[str, Any]:
-    """The traced peaks, and with `hardware` the cost model's step time."""
+def predict(config: Path, options: dict[str, Any], hardware: Hardware | None, world_size: int = 1) -> dict[str, Any]:
+    """Rank 0's traced peaks, and with `hardware` the cost model's step time."""
     from internlm_offload.planner.trace import trace_step
 
-    memory = trace_step(resolve_config(load_config_file(config, options)))
+    memory = trace_step(resolve_config(load_config_file(config, options), world_size=world_size), world_size)
     timing = step_time(memory.micro_batch_work, memory.optimizer_work, memory.micro_num, hardware) if hardware else None
     return {"device_peak_bytes": memory.device_peak_bytes, "first_step_device_peak_bytes":
             memory.first_step_device_peak_bytes, "host_peak_bytes": memory.host_peak_bytes,
             "predicted_step_time_s": timing.step_s if timing else None}  # fmt: skip
 
 
-def measure(config: Path, options: dict[str, Any], steps: int) -> list[dict[str, Any]]:
-    """The metrics record of each step of a real `train.py` run."""
+def measure(config: Path, options: dict[str, Any], steps: int, world_size: int = 1) -> list[dict[str, Any]]:
+    """The metrics record (rank 0's) of each step of a real `train.py` run on `world_size` processes."""
+    launcher = [sys.executable] if world_size == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="planner-validation-") as work_dir:
-        cmd = [sys.executable, str(REPO / "train.py"), "--config", str(config), "--work-dir", work_dir,
+        cmd = [*launcher, str(REPO / "train.py"), "--config", str(config), "--work-dir", work_dir,
                "--cfg-options", "monitor.progress_bar=off", "ckpt.enable_save_ckpt=False",
                f"data.total_steps={steps}", *option_strings(options)]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -75,13 +82,13 @@ def measure(config: Path, options: dict[str, Any], steps: int) -> list[dict[str,
 def validate(config: Path, name: str, steps: int, hardware: Hardware | None = None) -> dict[str, Any]:
     """One setting: the prediction, the measured peaks and the relative error of the steady step; with
     `hardware`, the predicted and the measured (median of the steady steps) step time too."""
-    options = SETTINGS[name]
-    predicted = predict(config, options, hardware)
-    records = measure(config, options, steps)
+    options, world_size = SETTINGS[name], RANKS.get(name, 1)
+    predicted = predict(config, options, hardware, world_size)
+    records = measure(config, options, steps, world_size)
     peaks = [r["device_peak_mem_bytes"] for r in records]
     measured = max(peaks[1:])  # the first step also creates the optimizer states
     error = predicted["device_peak_bytes"] / measured - 1
-    return {"setting": name, "options": option_strings(options), **predicted, "measured_step_peaks_bytes": peaks,
+    return {"setting": name, "options": option_strings(options), "world_size": world_size, **predicted, "measured_step_peaks_bytes": peaks,
             "measured_bytes": measured, "error": error, "within_tolerance": abs(error) <= TOLERANCE,
             "measured_step_time_s": statistics.median(r["step_time_s"] for r in records[1:])}  # fmt: skip
 

@@ -64,7 +64,10 @@ def materialize_shards(model: nn.Module, ctx: RunContext, *, seed: int) -> None:
     """
     from torch.distributed.tensor._random import is_rng_supported_mesh
 
-    model.to_empty(device=ctx.device)
+    if ctx.device.type != "meta":
+        # The memory planner's trace stays on meta: FSDP2 re-pads a shard only off meta, so to_empty(meta)
+        # would leave each parameter's old padded shard alive beside the new one.
+        model.to_empty(device=ctx.device)
     params = list(model.parameters())
     mesh = getattr(params[0], "device_mesh", None) if params else None
     if ctx.world_size > 1 and mesh is not None and not is_rng_supported_mesh(mesh):

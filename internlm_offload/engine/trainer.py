@@ -423,9 +423,13 @@ def all_finite(tensors: Iterator[torch.Tensor], *, distributed: bool) -> bool:
 
 
 def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-    """Skip the gradient all-reduce on all but the last micro-batch of a step (DDP and FSDP2)."""
+    """Skip DDP's gradient all-reduce on all but the last micro-batch of a step.
+
+    FSDP2 reduce-scatters every micro-batch and accumulates the sharded grads, as torchtitan does:
+    skipping it would keep every block's unsharded gradient (fp32 under mixed precision) until the last
+    micro-batch, the whole model's on every rank (28.8 GiB at 7B), which sharding exists to avoid. The
+    price is one reduce-scatter per micro-batch instead of one per step.
+    """
     if isinstance(model, DistributedDataParallel):
         return contextlib.nullcontext() if enabled else model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(enabled)
     return contextlib.nullcontext()

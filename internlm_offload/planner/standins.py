@@ -5,6 +5,8 @@
   it counts as device memory; side streams and host workers are the calling thread (a traced step
   has no copies to overlap, and the tracker sees one thread's ops), so every schedule runs in program
   order and events are complete when recorded.
+- `fsdp2_on_meta()`: FSDP2 runs on meta tensors over torch's fake process group (three device
+  assumptions stood in; the collectives do nothing, shapes are those of `world_size` ranks).
 - `fused_optimizers_on_meta()`: torch's fused AdamW kernel has a meta implementation (no temporaries,
   as on the device), but `torch.optim.Adam(W)` refuses meta params in a Python-side device check made
   when it creates a param's state; inside the context the check lets meta through.
@@ -135,6 +137,30 @@ def flash_attention(
         attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     return op(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def fsdp2_on_meta() -> Iterator[None]:
+    """FSDP2 over meta tensors: three of its device assumptions, stood in while inside.
+
+    - it puts shards and all-gather buffers on its mesh's device (cpu here, where the fake process
+      group lives): they go to meta instead;
+    - its lazy init refuses parameters still on meta, which is all a planning trace has;
+    - it takes streams and events from `torch.<device type>`: meta's are cpu's, which do nothing.
+    """
+    fully_shard_module = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    device_of_mesh, validate = fully_shard_module._get_device_from_mesh, FSDPParamGroup._validate_no_meta_params
+    fully_shard_module._get_device_from_mesh = lambda mesh: META
+    FSDPParamGroup._validate_no_meta_params = lambda self: None
+    torch.meta = torch.cpu
+    try:
+        yield
+    finally:
+        fully_shard_module._get_device_from_mesh = device_of_mesh
+        FSDPParamGroup._validate_no_meta_params = validate
+        del torch.meta
 
 
 @contextlib.contextmanager

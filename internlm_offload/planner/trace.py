@@ -3,14 +3,16 @@
 `trace_step(cfg, world_size)` builds the run with the builder's own `build_components` and the
 planning stand-ins (`standins.py`), then runs the trainer's own `train_step` three times on
 micro-batches of the configured shape: the first step creates the optimizer's lazy states, the second
-is the steady state the memory figures describe, the third is counted for the cost model. Nothing is allocated: every tensor is a meta tensor, counted by the
-tracker from its creation to its last reference. With `world_size > 1` the process group is torch's
-fake backend: collectives do nothing, so the trace is rank 0's. Two layouts are not traced through their wrappers, whose C++ parts need real
-memory: DDP is traced as one process plus its gradient buckets (a flat copy of every trainable
-gradient, `gradient_as_bucket_view=False` as `apply_ddp` builds it); FSDP2 is refused for now
-(`UnsupportedLayout`): bent to run on meta tensors over the fake backend it traces, and agrees with
-a real cpu run of one rank, but at 8 ranks it keeps block-sized buffers alive between steps that a
-real multi-rank run cannot be checked against here.
+is the steady state the memory figures describe, the third is counted for the cost model. Nothing is
+allocated: every tensor is a meta tensor, counted by the tracker from its creation to its last
+reference. With `world_size > 1` the process group is torch's fake backend: collectives do nothing, so
+the trace is rank 0's, with the shapes of `world_size` ranks. FSDP2 runs as built (`fsdp2_on_meta`
+stands in for three of its device assumptions): its shards, all-gathered blocks and reduce-scatter
+buffers are counted like any tensor, and the in-place `resize_` with which it frees and re-allocates
+unsharded parameters is counted too. DDP is traced as one process plus its gradient buckets (a flat
+copy of every trainable gradient, `gradient_as_bucket_view=False` as `apply_ddp` builds it): its
+reducer's C++ parts need real memory. FSDP2's CPU offload policy is refused (`UnsupportedLayout`): it
+moves the shards to real host memory.
 
 Numbers are what `memory_allocated()` reports on a device: live tensor bytes (not the caching
 allocator's reserve, the CUDA context or NCCL buffers).
@@ -40,9 +42,10 @@ from internlm_offload.planner.cost import StepWork, WorkCounter, flash_cpu_flops
 from internlm_offload.planner.standins import (
     PlanningAccelerator,
     flash_attention_on_meta,
+    fsdp2_on_meta,
     fused_optimizers_on_meta,
 )
-from internlm_offload.planner.tracker import StorageTracker
+from internlm_offload.planner.tracker import StorageTracker, plain_tensors
 
 # The first creates the optimizer states, the second is the steady state the memory figures describe,
 # the third is counted for the cost model (FLOPs, copies, optimizer elements).
@@ -168,11 +171,17 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         return
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        # A device mesh compares equal to another of the same shape and ranks whatever its group: DTensor's
+        # cached sharding decisions would hand this fake mesh (rank 0 on every rank) to the run's own
+        # DTensors after a preflight (a checkpoint's shards then all claim rank 0's offsets).
+        _clear_sharding_prop_cache()
 
 
 @contextlib.contextmanager
@@ -194,10 +203,10 @@ def trace_step(cfg: RunConfig, world_size: int = 1, *, measure: bool = False) ->
     the reference the meta trace is checked against.
     """
     mode = cfg.parallel.mode
-    if mode == "fsdp2":
+    if mode == "fsdp2" and cfg.parallel.fsdp_cpu_offload:
         raise UnsupportedLayout(
-            "parallel.mode='fsdp2' is not planned yet (its trace over the fake process group keeps collective "
-            "buffers alive that a real run frees); plan with parallel.mode='none' or 'ddp'"
+            "parallel.fsdp_cpu_offload=True is not planned yet (FSDP2 would move the traced shards to real host "
+            "memory); plan with fsdp_cpu_offload=False, or swap_optimizer=True / hybrid_optimizer for host states"
         )
     if mode == "ddp":
         single = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"mode": "none"})})
@@ -222,8 +231,8 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool) -> StepMemory:
     batches = micro_batches(cfg)  # real host tensors, as the loader's: the trainer counts their labels
     # Factory calls without a device (buffers made by `init_weights`) land on meta too.
     stand_ins = () if measure else (
-        fused_optimizers_on_meta(), flash_attention_on_meta(), torch.device("meta"))  # fmt: skip
-    with fake_process_group(world_size), _quiet(), contextlib.ExitStack() as stack, tracker:
+        fused_optimizers_on_meta(), flash_attention_on_meta(), fsdp2_on_meta(), torch.device("meta"))  # fmt: skip
+    with fake_process_group(world_size), _quiet(), contextlib.ExitStack() as stack, tracker, tracker.counting_resizes():
         for stand_in in stand_ins:
             stack.enter_context(stand_in)
         parts = build_components(cfg, ctx, check_host_memory=False)
@@ -272,9 +281,10 @@ def _grads_bytes(optimizer: torch.optim.Optimizer) -> int:
         for p in group["params"]:
             grad = getattr(p, "main_grad", None)
             grad = p.grad if grad is None else grad
-            if grad is not None and storage_key(grad) not in seen:
-                seen.add(storage_key(grad))
-                total += grad.untyped_storage().nbytes()
+            local = None if grad is None else plain_tensors(grad)[0]  # a DTensor's local shard
+            if local is not None and storage_key(local) not in seen:
+                seen.add(storage_key(local))
+                total += local.untyped_storage().nbytes()
     return total
 
 

@@ -1,7 +1,7 @@
 """Live tensor memory of a traced step, by tier, without allocating it.
 
 `StorageTracker` is a dispatch mode that sees every op of the traced step (run on meta tensors) and
-records each new storage once, with its byte size and tier: "host" when the planning accelerator
+records each new storage once (a DTensor's by its local shard), with its byte size and tier: "host" when the planning accelerator
 allocated it as host memory (`host_empty`, "pinned" too when asked page-locked), "device" otherwise. A storage stops counting when its
 last tensor is collected, exactly when the caching allocator would get the block back; so the current
 and peak bytes it reports are those of `memory_allocated()` / `max_memory_allocated()` on a device.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from internlm_offload.device import storage_key
@@ -62,6 +62,11 @@ class StorageTracker(TorchDispatchMode):
 
     def track(self, tensor: torch.Tensor, tiers: tuple[str, ...] | None = None) -> None:
         """Count `tensor`'s storage (once) until its last tensor is gone."""
+        if is_traceable_wrapper_subclass(tensor):
+            # A DTensor's own storage reports the full logical size; what it holds is its local shard.
+            for inner in plain_tensors(tensor):
+                self.track(inner, tiers)
+            return
         storage = tensor.untyped_storage()
         key = storage._cdata  # `storage_key`
         if key in self._live:
@@ -74,6 +79,32 @@ class StorageTracker(TorchDispatchMode):
         weakref.finalize(storage, self._free, key)
 
     @contextlib.contextmanager
+    def counting_resizes(self) -> Iterator[None]:
+        """Count in-place storage resizes while inside: FSDP2 frees an unsharded parameter with `resize_(0)`
+        and allocates it again with `resize_(n)`, keeping the same storage (no op the dispatch mode sees)."""
+        resize = torch.UntypedStorage.resize_
+        tracker = self
+
+        def counted_resize(storage: torch.UntypedStorage, nbytes: int) -> torch.UntypedStorage:
+            out = resize(storage, nbytes)
+            tracker._resized(storage._cdata, storage.nbytes())
+            return out
+
+        torch.UntypedStorage.resize_ = counted_resize
+        try:
+            yield
+        finally:
+            torch.UntypedStorage.resize_ = resize
+
+    def _resized(self, key: int, nbytes: int) -> None:
+        if key not in self._live:
+            return
+        before, tiers = self._live[key]
+        self._live[key] = (nbytes, tiers)
+        for tier in tiers:
+            self.counters[tier].add(nbytes - before)
+
+    @contextlib.contextmanager
     def allocating_host(self, pinned: bool) -> Iterator[None]:
         """Storages created inside count as host memory (the planning accelerator's `host_empty`)."""
         self._new_tiers = ("host", "pinned") if pinned else ("host",)
@@ -84,7 +115,7 @@ class StorageTracker(TorchDispatchMode):
 
     def tier_of(self, tensor: torch.Tensor) -> str | None:
         """"device" or "host" for a tracked tensor; None for one made outside the tracker."""
-        entry = self._live.get(storage_key(tensor))
+        entry = self._live.get(storage_key(plain_tensors(tensor)[0]))
         return None if entry is None else entry[1][0]
 
     def live_bytes(self, tier: str) -> int:
@@ -102,6 +133,15 @@ class StorageTracker(TorchDispatchMode):
         nbytes, tiers = self._live.pop(key)
         for tier in tiers:
             self.counters[tier].current -= nbytes
+
+
+def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding `tensor`'s memory: itself, or a wrapper subclass's (DTensor's) inner tensors."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    inner = [getattr(tensor, name) for name in names]
+    return [plain for t in inner if isinstance(t, torch.Tensor) for plain in plain_tensors(t)]
 
 
 def human_bytes(nbytes: int) -> str:

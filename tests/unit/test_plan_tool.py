@@ -55,7 +55,8 @@ def test_a_budget_below_the_peak_exits_3_naming_what_dominates(tmp_path, capsys)
         (["--device-memory", "80XB"], "--device-memory '80XB'"),
         (["--host-memory=-1GiB"], "--host-memory '-1GiB'"),
         (["--world-size", "0"], "--world-size 0"),
-        (["--cfg-options", "parallel.mode=fsdp2"], "parallel.mode='fsdp2'"),
+        (["--world-size", "2", "--cfg-options", "parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=True",
+          "data.global_bsz=16"], "parallel.fsdp_cpu_offload=True"),
         (["--cfg-options", "model.nope=1"], "model.nope"),
     ],
 )

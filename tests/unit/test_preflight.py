@@ -50,10 +50,9 @@ def test_on_cpu_device_and_host_peaks_share_the_host(monkeypatch):
         check(cfg, device_total=10**12, local_world_size=64)  # host: 64 ranks share it
 
 
-def test_fsdp2_uses_the_sharded_lower_bound():
-    """The parameter-sized components divide over the ranks; activations and the rest do not."""
-    single = trace_step(config())
-    bound = preflight.predict(config(**{"parallel.mode": "fsdp2"}), world_size=4)
-    sharded = sum(single.components[n] for n in preflight.SHARDED)
-    assert bound.lower_bound and bound.device_peak == int(single.device_peak_bytes - sharded * 3 / 4)
-    assert bound.components["activations"] == single.components["activations"]
+def test_fsdp2_is_checked_with_this_ranks_trace():
+    """FSDP2 over 4 ranks is traced as rank 0 of 4: the prediction is that trace, smaller than one process's."""
+    cfg = config(**{"parallel.mode": "fsdp2", "data.global_bsz": 16})
+    prediction = preflight.predict(cfg, world_size=4)
+    assert prediction.device_peak == trace_step(cfg, 4).device_peak_bytes
+    assert prediction.device_peak < trace_step(config()).device_peak_bytes

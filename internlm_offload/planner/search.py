@@ -2,10 +2,11 @@
 
 Candidates are one activation setting (none, checkpoint 0.5 or 1.0, offload of half or all but one of
 the blocks) times one optimizer setting (AdamW, hybrid 0.5 or 1.0, swap), over the knobs left to the
-planner (all of them for `tools/plan`, those set to "auto" in a config with `memory_budget`). The
-step time is separable: a micro-batch's cost depends only on the activation setting and the
-optimizer's only on the optimizer setting, so A + O - 1 traces give every candidate's exact predicted
-time. Their memory is estimated as `peak(a, o0) + peak(a0, o) - peak(a0, o0)` and the candidates are
+planner (all of them for `tools/plan`, those set to "auto" in a config with `memory_budget`);
+`tools/plan` also tries each activation setting at smaller micro-batches of the same global batch
+(`batch_settings`). The step time is separable: a micro-batch's cost depends only on the activation
+setting and the micro-batch shape, the optimizer's only on the optimizer setting, so A + O - 1 traces
+give every candidate's exact predicted time. Their memory is estimated as `peak(a, o0) + peak(a0, o) - peak(a0, o0)` and the candidates are
 tried fastest first: one whose estimate fits is traced whole, and the first that really fits is the
 choice. A smaller budget can only remove candidates, so the chosen step time never decreases as the
 budget shrinks, and a choice has always been traced and found to fit.
@@ -49,6 +50,29 @@ def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> li
             settings.append(Setting(f"offload {blocks} blocks", {**none, "cpu_offloading.enable": True,
                                                                   "cpu_offloading.num_layers": blocks}))  # fmt: skip
     return settings
+
+
+def batch_settings(cfg: RunConfig) -> list[Setting]:
+    """The configured micro-batch, then each halving of `data.micro_bsz` that divides a rank's samples per
+    step: the same global batch in more, smaller micro-batches (less activation memory per micro-batch).
+    The first setting changes nothing."""
+    data = cfg.data
+    per_rank = data.micro_bsz * data.micro_num
+    settings = [Setting(f"micro_bsz {data.micro_bsz} x {data.micro_num}", {})]
+    size = data.micro_bsz // 2
+    while size >= 1:
+        if per_rank % size == 0:
+            options = {"data.micro_bsz": size, "data.global_bsz": data.global_bsz}
+            settings.append(Setting(f"micro_bsz {size} x {per_rank // size}", options))
+        size //= 2
+    return settings
+
+
+def micro_batch_settings(activations: list[Setting], batches: list[Setting]) -> list[Setting]:
+    """Each activation setting at each micro-batch shape, the configured shape first: the settings that
+    decide a micro-batch's time and memory (the optimizer's are separate)."""
+    return [Setting(a.name if not b.options else f"{a.name}, {b.name}", {**a.options, **b.options})
+            for b in batches for a in activations]  # fmt: skip
 
 
 def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
@@ -115,7 +139,9 @@ def search(
     by_optimizer[optimizers[0].name] = base
     candidates = [_candidate(a, o, by_activation[a.name], by_optimizer[o.name], base, hardware)
                   for a in activations for o in optimizers]  # fmt: skip
-    candidates.sort(key=lambda c: c.step_s)
+    # The cost model counts FLOPs, so the same work in smaller micro-batches costs the same up to rounding:
+    # equal times keep the listed order (the configured shape first).
+    candidates.sort(key=lambda c: round(c.step_s, 6))
     for candidate in candidates:
         problems = over_budget(candidate.estimated_device, candidate.estimated_host, device_budget, host_budget)
         if problems:

@@ -149,18 +149,26 @@ def run_search(
     args: argparse.Namespace, memory: Any, hardware: Any, device_budget: int | None, host_budget: int | None
 ) -> tuple[list[dict[str, Any]], Any]:
     """Search the settings, print the alternatives and the choice; (JSON rows, the chosen candidate or None)."""
-    from internlm_offload.planner.search import activation_settings, optimizer_settings, search, smallest_peak
+    from internlm_offload.planner.search import (
+        activation_settings,
+        batch_settings,
+        micro_batch_settings,
+        optimizer_settings,
+        search,
+        smallest_peak,
+    )
 
     def config_for(overrides: dict[str, Any]) -> Any:
         return resolve_config(load_config_file(args.config, {**args.cfg_options, **overrides}), world_size=args.world_size)
 
-    activations = activation_settings(len(memory.block_activation_bytes))
+    activations = micro_batch_settings(activation_settings(len(memory.block_activation_bytes)),
+                                       batch_settings(config_for({})))  # fmt: skip
     chosen, candidates = search(config_for, activations, optimizer_settings(), hardware, device_budget, host_budget,
                                 args.world_size)  # fmt: skip
-    print(f"\n{'setting':<36}{'step s':>11}{'est. device':>13}{'est. host':>11}  verdict")
+    print(f"\n{'setting':<52}{'step s':>11}{'est. device':>13}{'est. host':>11}  verdict")
     rows = []
     for c in candidates:
-        print(f"{c.name:<36}{c.step_s:>11.4g}{human_bytes(c.estimated_device):>13}{human_bytes(c.estimated_host):>11}  "
+        print(f"{c.name:<52}{c.step_s:>11.4g}{human_bytes(c.estimated_device):>13}{human_bytes(c.estimated_host):>11}  "
               f"{c.verdict}")  # fmt: skip
         rows.append({"setting": c.name, "cfg_options": option_strings(c.options), "step_time_s": c.step_s,
                      "estimated_device_peak_bytes": c.estimated_device, "estimated_host_peak_bytes": c.estimated_host,

@@ -118,3 +118,31 @@ def test_search_space_keeps_what_the_config_fixes() -> None:
     _, optimizers = _spaces(("hybrid_optimizer.enable", "hybrid_optimizer.offload_fraction", "swap_optimizer"))
     assert [o.get("hybrid_optimizer.offload_fraction") for o in optimizers] == [None, 0.5, 1.0, None]
     assert optimizers[-1] == {"swap_optimizer": True, "hybrid_optimizer.enable": False}
+
+
+def test_smaller_micro_batches_keep_the_global_batch() -> None:
+    from internlm_offload.config import load_config_file, resolve_config
+    from internlm_offload.planner.search import batch_settings
+
+    def config(**options):
+        return resolve_config(load_config_file(TINY, {"data.micro_bsz": 8, "data.global_bsz": 24, **options}))
+
+    settings = batch_settings(config())
+    assert [s.name for s in settings] == ["micro_bsz 8 x 3", "micro_bsz 4 x 6", "micro_bsz 2 x 12", "micro_bsz 1 x 24"]
+    for setting in settings:
+        data = config(**setting.options).data
+        assert data.micro_bsz * data.micro_num == 24 and data.global_bsz == 24
+
+
+def test_search_prefers_a_smaller_micro_batch_to_recomputation_at_equal_work(tmp_path) -> None:
+    """Where the configured micro-batch (2 x 2) does not fit but 1 x 4 does, the same FLOPs in smaller
+    micro-batches win over checkpointing, which recomputes."""
+    out = tmp_path / "small.json"
+    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "data.micro_bsz=1", "--json", str(out)]) == 0
+    smaller = json.loads(out.read_text())
+    out = tmp_path / "chosen.json"
+    budget = str(smaller["device_peak_bytes"])
+    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--device-memory", budget, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "data.micro_bsz=1" in report["cfg_options"] and "model.checkpoint=0.0" in report["cfg_options"]
+    assert report["step_time_s"] == pytest.approx(smaller["step_time_s"])

@@ -42,12 +42,14 @@ lr_scheduler = dict(warmup_ratio=0.01, eta_min=3e-5)
 hybrid_zero_optimizer = dict(clip_grad_norm=1.0)
 
 # FSDP2 over the 8 ranks: fp32 shards are the masters (3.9 GB/rank), fp32 grads (3.9 GB/rank),
-# AdamW states (7.7 GB/rank): ~15.5 GB/rank of model state before activations.
+# AdamW states (7.7 GB/rank): ~15.5 GB/rank of model state before activations. The memory planner
+# predicts a 47.4 GiB device peak per rank as configured here (python -m internlm_offload.tools.plan
+# --config configs/internlm2_7b.py --world-size 8; add --device-memory 24GiB to have it choose knobs).
 parallel = dict(mode="fsdp2", reshard_after_forward=True, fsdp_cpu_offload=False)
 
 # ---- memory features, off by default; each trades device memory for time ----
 # Activation offload: saved activations of the first N blocks go to pinned host memory during forward
-# (~0.6 GB per block per micro-batch at this shape) and come back, prefetched, in backward.
+# (~0.49 GB per block per micro-batch at this shape) and come back, prefetched, in backward.
 cpu_offloading = dict(enable=False, num_layers=0, mode="async", prefetch_layers=1, pin_memory=True)
 selective_checkpoint = False  # checkpointed blocks keep matmul/attention outputs, recompute the rest
 selective_checkpoint_offload = False  # and send what they keep to host memory

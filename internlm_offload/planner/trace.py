@@ -164,14 +164,14 @@ def micro_batches(cfg: RunConfig) -> list[MicroBatch]:
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int) -> Iterator[None]:
-    """torch's fake backend as the default group: collectives return at once, shapes as on `world_size` ranks."""
-    if world_size == 1:
+def fake_process_group(world_size: int, needed: bool = False) -> Iterator[None]:
+    """torch's fake backend as the default group: collectives return at once, shapes as on `world_size` ranks.
+    One rank needs no group unless the layout builds a device mesh (`needed`: FSDP2)."""
+    if world_size == 1 and not needed:
         yield
         return
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
@@ -232,7 +232,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool) -> StepMemory:
     # Factory calls without a device (buffers made by `init_weights`) land on meta too.
     stand_ins = () if measure else (
         fused_optimizers_on_meta(), flash_attention_on_meta(), fsdp2_on_meta(), torch.device("meta"))  # fmt: skip
-    with fake_process_group(world_size), _quiet(), contextlib.ExitStack() as stack, tracker, tracker.counting_resizes():
+    with fake_process_group(world_size, needed=cfg.parallel.mode == "fsdp2"), _quiet(), contextlib.ExitStack() as stack, tracker, tracker.counting_resizes():
         for stand_in in stand_ins:
             stack.enter_context(stand_in)
         parts = build_components(cfg, ctx, check_host_memory=False)

@@ -1,8 +1,12 @@
-"""The baseline optimizer: torch's AdamW with decay on matrices only."""
+"""The baseline optimizer: torch's AdamW with decay on matrices only; helpers the offloading optimizers share."""
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
 
+T = TypeVar("T")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -33,3 +37,21 @@ def build_adamw(
     if fused is None:
         fused = fused_supported(device_type)
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+def consecutive_runs(
+    items: Sequence[T], *, group_of: Callable[[T], Hashable], size_of: Callable[[T], float], target: float
+) -> list[list[T]]:
+    """`items` in order, cut into runs of one group each, up to `target` in size (an item larger than
+    `target` makes a run alone): the swap optimizer's chunks, the hybrid optimizer's CPU-step pieces."""
+    runs: list[list[T]] = []
+    run_group: Hashable = None
+    run_size = 0.0
+    for item in items:
+        group, size = group_of(item), size_of(item)
+        if not runs or group != run_group or (run_size > 0 and run_size + size > target):
+            runs.append([])
+            run_group, run_size = group, 0.0
+        runs[-1].append(item)
+        run_size += size
+    return runs

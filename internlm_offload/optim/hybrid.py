@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 
 from internlm_offload.device import Accelerator, Event, Stream, finish_and_close, get_accelerator
 from internlm_offload.log import get_logger
-from internlm_offload.optim.adamw import fused_supported, param_groups
+from internlm_offload.optim.adamw import consecutive_runs, fused_supported, param_groups
 from internlm_offload.optim.dtensor import is_dtensor, laid_out_like, local_nbytes, local_shard
 from internlm_offload.optim.host_arena import HostArena
 
@@ -655,17 +655,10 @@ class _StateView(Mapping):
 
 def _pieces(grouped: list[list[_HostSlot]], target: float) -> list[list[tuple[int, list[_HostSlot]]]]:
     """Consecutive slots of one group, about `target` elements per piece (a larger param alone)."""
-    pieces: list[list[tuple[int, list[_HostSlot]]]] = []
-    for gid, group_slots in enumerate(grouped):
-        size = None  # a group starts a new piece
-        for slot in group_slots:
-            numel = local_shard(slot.master).numel()
-            if size is None or (size > 0 and size + numel > target):
-                pieces.append([(gid, [])])
-                size = 0
-            pieces[-1][0][1].append(slot)
-            size += numel
-    return pieces
+    items = [(gid, slot) for gid, group_slots in enumerate(grouped) for slot in group_slots]
+    runs = consecutive_runs(items, group_of=lambda item: item[0], size_of=lambda item: local_shard(item[1].master).numel(),
+                            target=target)  # fmt: skip
+    return [[(run[0][0], [slot for _, slot in run])] for run in runs]
 
 
 def _default_device_cls(accelerator: Accelerator) -> Callable[..., Optimizer]:

@@ -49,7 +49,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from internlm_offload.device import Accelerator, Event, finish_and_close, get_accelerator
 from internlm_offload.log import get_logger
-from internlm_offload.optim.adamw import fused_supported, param_groups
+from internlm_offload.optim.adamw import consecutive_runs, fused_supported, param_groups
 from internlm_offload.optim.dtensor import laid_out_like, local_nbytes, local_shard
 from internlm_offload.optim.host_arena import HostArena, aligned_offsets
 
@@ -447,22 +447,13 @@ class SwapAdamW(torch.optim.AdamW):
 
 def _cut_chunks(per_param: list[tuple[torch.Tensor, dict, list]], target: int) -> list[_Chunk]:
     """Consecutive params of one group, up to `target` device bytes per chunk (a larger param alone)."""
-    chunks: list[_Chunk] = []
-    pending: list[tuple[torch.Tensor, list]] = []
-    group: dict | None = None
-    pending_bytes = 0
-    for param, param_group, specs in per_param:
+
+    def size(item: tuple[torch.Tensor, dict, list]) -> int:
         # Every slot starts aligned, so a chunk's size is the sum of its slots' padded sizes.
-        size = sum(_padded(shape.numel() * dtype.itemsize) for _, shape, dtype in specs)
-        if pending and (param_group is not group or pending_bytes + size > target):
-            chunks.append(_layout_chunk(group, pending))
-            pending, pending_bytes = [], 0
-        group = param_group
-        pending.append((param, specs))
-        pending_bytes += size
-    if pending:
-        chunks.append(_layout_chunk(group, pending))
-    return chunks
+        return sum(_padded(shape.numel() * dtype.itemsize) for _, shape, dtype in item[2])
+
+    runs = consecutive_runs(per_param, group_of=lambda item: id(item[1]), size_of=size, target=target)
+    return [_layout_chunk(run[0][1], [(param, specs) for param, _, specs in run]) for run in runs]
 
 
 def _padded(nbytes: int) -> int:

@@ -4,6 +4,7 @@ import functools
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -483,28 +484,39 @@ def test_slow_copy_streams_stay_bitwise(overlap):
     assert_bitwise(opt, params, ref, ref_params)
 
 
+def held_back(stream, timeout_s: float = 10.0) -> threading.Event:
+    """Hold every task queued on `stream` after this call until the returned event is set (or the timeout):
+    a copy that has certainly not landed when `step()` returns, however the machine schedules threads."""
+    gate = threading.Event()
+    stream.submit(gate.wait, timeout_s)
+    return gate
+
+
 def test_without_the_grad_wait_the_cpu_step_reads_stale_grads(monkeypatch):
+    """With the wait in place the CPU step would block until the gate's timeout and then read the right grads."""
     monkeypatch.setattr(HybridDeviceOptimizer, "_wait_for_grads", lambda self, unit: None)
     params, ref_params = make_params(), make_params()
-    opt = hybrid(params, offload_fraction=0.5)
-    slow_copy_streams(opt, delay_s=0.2)  # wider than a busy machine's scheduling gaps (tests run 2 at a time)
-    ref = reference(ref_params)
-    train(opt, params, 3)
-    train(ref, ref_params, 3)
+    opt, ref = hybrid(params, offload_fraction=0.5), reference(ref_params)
+    gate = held_back(opt._d2h_stream)
+    train(opt, params, 1)
+    stepped = [p.detach().clone() for p in params]
+    gate.set()
     opt._d2h_stream.synchronize()
-    assert not all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    train(ref, ref_params, 1)
+    assert not all(torch.equal(a, b) for a, b in zip(stepped, ref_params))
 
 
 def test_without_the_param_wait_the_next_forward_reads_stale_params(monkeypatch):
-    monkeypatch.setattr(HybridDeviceOptimizer, "_wait_for_params", lambda self, compute: None)
     params, ref_params = make_params(), make_params()
-    ref = reference(ref_params)
-    train(ref, ref_params, 1)
-    opt = hybrid(params, offload_fraction=1.0)
-    slow_copy_streams(opt, delay_s=0.2)
-    train(opt, params, 1)
-    # What a forward right after step() would see: at least the last H2D copy has not landed yet.
+    opt, ref = hybrid(params, offload_fraction=1.0), reference(ref_params)
+    train(opt, params, 1)  # the first step refreshes the masters, which waits for the H2D stream itself
+    train(ref, ref_params, 2)
+    monkeypatch.setattr(HybridDeviceOptimizer, "_wait_for_params", lambda self, compute: None)
+    gate = held_back(opt._h2d_stream)
+    train(opt, params, 1, start=1)
+    # What a forward right after step() would see: the H2D copies have not landed.
     assert not all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    gate.set()
     opt._h2d_stream.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))  # the copies were only late
 

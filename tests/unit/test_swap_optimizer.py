@@ -364,6 +364,16 @@ class LiveDeviceBytes:
         monkeypatch.setattr(Accelerator, "free_device_buffer", counting_give_back)
 
 
+def test_chunks_and_pieces_are_consecutive_runs_of_one_group() -> None:
+    """The rule the swap optimizer's chunks and the hybrid's CPU-step pieces share: in order, a new run at each
+    group and before the target would be passed; an item over the target alone."""
+    from internlm_offload.optim.adamw import consecutive_runs
+
+    items = [("a", 3), ("a", 3), ("a", 5), ("b", 1), ("b", 9), ("b", 1), ("b", 1)]
+    runs = consecutive_runs(items, group_of=lambda item: item[0], size_of=lambda item: item[1], target=6)
+    assert runs == [[("a", 3), ("a", 3)], [("a", 5)], [("b", 1)], [("b", 9)], [("b", 1), ("b", 1)]]
+
+
 @pytest.mark.parametrize("kwargs", [dict(), dict(fused=True, amsgrad=True)], ids=["plain", "fused_amsgrad"])
 def test_peak_device_state_bytes_bounded(acc: Accelerator, kwargs: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     n_states = 3 if kwargs.get("amsgrad") else 2

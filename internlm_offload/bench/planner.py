@@ -88,8 +88,8 @@ def validate(config: Path, name: str, steps: int, hardware: Hardware | None = No
     peaks = [r["device_peak_mem_bytes"] for r in records]
     measured = max(peaks[1:])  # the first step also creates the optimizer states
     error = predicted["device_peak_bytes"] / measured - 1
-    return {"setting": name, "options": option_strings(options), "world_size": world_size, **predicted, "measured_step_peaks_bytes": peaks,
-            "measured_bytes": measured, "error": error, "within_tolerance": abs(error) <= TOLERANCE,
+    return {"setting": name, "options": option_strings(options), "world_size": world_size, **predicted,
+            "measured_step_peaks_bytes": peaks, "measured_bytes": measured, "error": error, "within_tolerance": abs(error) <= TOLERANCE,
             "measured_step_time_s": statistics.median(r["step_time_s"] for r in records[1:])}  # fmt: skip
 
 

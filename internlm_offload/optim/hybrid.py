@@ -656,8 +656,9 @@ class _StateView(Mapping):
 def _pieces(grouped: list[list[_HostSlot]], target: float) -> list[list[tuple[int, list[_HostSlot]]]]:
     """Consecutive slots of one group, about `target` elements per piece (a larger param alone)."""
     items = [(gid, slot) for gid, group_slots in enumerate(grouped) for slot in group_slots]
-    runs = consecutive_runs(items, group_of=lambda item: item[0], size_of=lambda item: local_shard(item[1].master).numel(),
-                            target=target)  # fmt: skip
+    runs = consecutive_runs(
+        items, group_of=lambda item: item[0], size_of=lambda item: local_shard(item[1].master).numel(), target=target
+    )
     return [[(run[0][0], [slot for _, slot in run])] for run in runs]
 
 

@@ -232,7 +232,8 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool) -> StepMemory:
     # Factory calls without a device (buffers made by `init_weights`) land on meta too.
     stand_ins = () if measure else (
         fused_optimizers_on_meta(), flash_attention_on_meta(), fsdp2_on_meta(), torch.device("meta"))  # fmt: skip
-    with fake_process_group(world_size, needed=cfg.parallel.mode == "fsdp2"), _quiet(), contextlib.ExitStack() as stack, tracker, tracker.counting_resizes():
+    group = fake_process_group(world_size, needed=cfg.parallel.mode == "fsdp2")
+    with group, _quiet(), contextlib.ExitStack() as stack, tracker, tracker.counting_resizes():
         for stand_in in stand_ins:
             stack.enter_context(stand_in)
         parts = build_components(cfg, ctx, check_host_memory=False)

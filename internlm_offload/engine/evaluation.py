@@ -6,10 +6,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from internlm_offload.data.tokenized import IGNORE_INDEX
 from internlm_offload.data.validation import ValidationSet
+from internlm_offload.engine.loss import token_loss_sum
 
 
 class Evaluator:
@@ -58,7 +58,7 @@ class Evaluator:
             labels = torch.stack([s[1] for s in samples]).to(self.device)
             out = model(input_ids)
             logits = out[0] if isinstance(out, tuple) else out
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+            loss = token_loss_sum(logits, labels)
             acc += torch.stack([loss.double(), (labels != IGNORE_INDEX).sum().double()])
         return acc
 

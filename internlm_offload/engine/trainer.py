@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from internlm_offload.data import StepLoader
@@ -25,6 +24,7 @@ from internlm_offload.data.tokenized import IGNORE_INDEX
 from internlm_offload.engine.checkpoint import CheckpointManager
 from internlm_offload.engine.evaluation import Evaluator
 from internlm_offload.engine.interrupts import GracefulStop
+from internlm_offload.engine.loss import token_loss_sum
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog, Progress, memory_record
 from internlm_offload.engine.precision import MasterWeights
@@ -211,10 +211,7 @@ class Trainer:
         input_ids, labels, *positions = (t.to(self.ctx.device, non_blocking=True) for t in micro_batch)
         out = self.model(input_ids, *positions)
         logits, aux_loss = out if isinstance(out, tuple) else (out, None)  # logits: (B, T, V)
-        loss_sum = F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-            label_smoothing=self.settings.label_smoothing,
-        )  # fmt: skip
+        loss_sum = token_loss_sum(logits, labels, label_smoothing=self.settings.label_smoothing)
         objective = loss_sum * token_weight
         if aux_loss is not None:
             aux_loss = aux_loss.float()

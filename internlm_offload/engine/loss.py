@@ -1,0 +1,60 @@
+"""The language-model loss: summed token cross-entropy, computed in row chunks.
+
+`F.cross_entropy(logits.float(), ...)` over a whole micro-batch holds its fp32 temporaries for every
+token at once: the upcast logits, the log-softmax autograd saves for backward, and in backward the fp32
+gradient beside its cast back to the logits' dtype; at 7B (4096 tokens x 92544 classes) each is 1.4 GiB.
+Here forward keeps only the logits and labels, and backward computes the gradient one chunk of rows at a
+time (`CHUNK_BYTES` of fp32) straight into one buffer of the logits' dtype. Each chunk runs the same
+kernels on the same rows as the whole-batch loss (cross-entropy is row-wise), so the gradients are
+bitwise those of `F.cross_entropy`; the loss value is summed in another order (its last bits may
+differ). The price: backward recomputes the chunk's log-softmax.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk
+
+
+def token_loss_sum(
+    logits: torch.Tensor, labels: torch.Tensor, *, label_smoothing: float = 0.0, chunk_bytes: int = CHUNK_BYTES
+) -> torch.Tensor:
+    """Summed fp32 cross-entropy of (..., V) `logits` against `labels` (-100: no loss), in row chunks."""
+    rows, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+    per_chunk = max(1, chunk_bytes // (rows.size(-1) * 4))
+    if rows.size(0) <= per_chunk:
+        return _loss_sum(rows, labels, label_smoothing)
+    return _ChunkedCrossEntropy.apply(rows, labels, label_smoothing, per_chunk)
+
+
+def _loss_sum(rows: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    return F.cross_entropy(rows.float(), labels, reduction="sum", label_smoothing=label_smoothing)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """`_loss_sum` whose backward recomputes it chunk by chunk; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, labels: torch.Tensor, label_smoothing: float, per_chunk: int):
+        ctx.save_for_backward(rows, labels)
+        ctx.label_smoothing, ctx.per_chunk = label_smoothing, per_chunk
+        losses = [_loss_sum(r, y, label_smoothing) for r, y in zip(rows.split(per_chunk), labels.split(per_chunk))]
+        return torch.stack(losses).sum()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_loss: torch.Tensor):
+        rows, labels = ctx.saved_tensors
+        grad = torch.empty_like(rows)
+        for start in range(0, rows.size(0), ctx.per_chunk):
+            chunk = slice(start, start + ctx.per_chunk)
+            with torch.enable_grad():
+                upcast = rows[chunk].detach().float().requires_grad_()
+                loss = F.cross_entropy(upcast, labels[chunk], reduction="sum", label_smoothing=ctx.label_smoothing)
+                (chunk_grad,) = torch.autograd.grad(loss, upcast, grad_loss)
+            grad[chunk].copy_(chunk_grad)  # the cast back to the logits' dtype, as `.float()`'s backward does
+        return grad, None, None, None

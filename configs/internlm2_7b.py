@@ -43,7 +43,7 @@ hybrid_zero_optimizer = dict(clip_grad_norm=1.0)
 
 # FSDP2 over the 8 ranks: fp32 shards are the masters (3.9 GB/rank), fp32 grads (3.9 GB/rank),
 # AdamW states (7.7 GB/rank): ~15.5 GB/rank of model state before activations. The memory planner
-# predicts a 47.4 GiB device peak per rank as configured here (python -m internlm_offload.tools.plan
+# predicts a 45.2 GiB device peak per rank as configured here (python -m internlm_offload.tools.plan
 # --config configs/internlm2_7b.py --world-size 8; add --device-memory 24GiB to have it choose knobs).
 parallel = dict(mode="fsdp2", reshard_after_forward=True, fsdp_cpu_offload=False)
 

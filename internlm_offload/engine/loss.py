@@ -54,7 +54,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             chunk = slice(start, start + ctx.per_chunk)
             with torch.enable_grad():
                 upcast = rows[chunk].detach().float().requires_grad_()
-                loss = F.cross_entropy(upcast, labels[chunk], reduction="sum", label_smoothing=ctx.label_smoothing)
+                loss = _loss_sum(upcast, labels[chunk], ctx.label_smoothing)  # `.float()` of fp32 is itself
                 (chunk_grad,) = torch.autograd.grad(loss, upcast, grad_loss)
             grad[chunk].copy_(chunk_grad)  # the cast back to the logits' dtype, as `.float()`'s backward does
         return grad, None, None, None

@@ -7,9 +7,10 @@ planner (all of them for `tools/plan`, those set to "auto" in a config with `mem
 (`batch_settings`). The step time is separable: a micro-batch's cost depends only on the activation
 setting and the micro-batch shape, the optimizer's only on the optimizer setting, so A + O - 1 traces
 give every candidate's exact predicted time. Their memory is estimated as
-`peak(a, o0) + peak(a0, o) - peak(a0, o0)` and the candidates are tried fastest first: one whose estimate fits is traced whole, and the first that really fits is the
-choice. A smaller budget can only remove candidates, so the chosen step time never decreases as the
-budget shrinks, and a choice has always been traced and found to fit.
+`peak(a, o0) + peak(a0, o) - peak(a0, o0)` and the candidates are tried fastest first: one whose
+estimate fits is traced whole, and the first that really fits is the choice. A smaller budget can only
+remove candidates, so the chosen step time never decreases as the budget shrinks, and a choice has
+always been traced and found to fit.
 """
 
 from __future__ import annotations

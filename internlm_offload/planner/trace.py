@@ -320,7 +320,7 @@ def _tier_bytes(tracker: StorageTracker, tensors: Any) -> dict[str, int]:
     """Bytes of the distinct storages under `tensors` (DTensors: the local shard) per tier."""
     storages: dict[int, tuple[str, int]] = {}
     for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
+        local = plain_tensors(t)[0]
         tier = tracker.tier_of(local) or "device"
         storages[storage_key(local)] = (tier, local.untyped_storage().nbytes())
     totals: dict[str, int] = {}

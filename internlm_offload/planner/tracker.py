@@ -62,12 +62,12 @@ class StorageTracker(TorchDispatchMode):
         return ("host",) if inputs and all(tier == "host" for tier in inputs) else self._new_tiers
 
     def track(self, tensor: torch.Tensor, tiers: tuple[str, ...] | None = None) -> None:
-        """Count `tensor`'s storage (once) until its last tensor is gone."""
-        if is_traceable_wrapper_subclass(tensor):
-            # A DTensor's own storage reports the full logical size; what it holds is its local shard.
-            for inner in plain_tensors(tensor):
-                self.track(inner, tiers)
-            return
+        """Count `tensor`'s storage (once) until its last tensor is gone; a DTensor's, its local shard's
+        (its own storage reports the full logical size)."""
+        for plain in plain_tensors(tensor):
+            self._track_storage(plain, tiers)
+
+    def _track_storage(self, tensor: torch.Tensor, tiers: tuple[str, ...] | None) -> None:
         storage = tensor.untyped_storage()
         key = storage._cdata  # `storage_key`
         if key in self._live:

@@ -539,7 +539,6 @@ def test_rejects_bad_arguments():
 # ---- FSDP2 (DTensor params), two ranks --------------------------------------------------------------
 
 FSDP2_SCRIPT = '''
-import gc
 import sys
 
 import torch
@@ -551,6 +550,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from internlm_offload.engine.runtime import shutdown_runtime
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer
 
 # Uneven out-features: 1 row leaves rank 1 an empty shard, 7 rows split 4/3, 5 rows 3/2. At 0.5 the
@@ -665,10 +665,7 @@ def main(ckpt_dir):
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    # FSDP modules and DTensors hold the group in reference cycles: collected at interpreter exit, a gloo
-    # worker thread is torn down mid-finalization and aborts the process (about 1 run in 12 here).
-    gc.collect()
-    dist.destroy_process_group()
+    shutdown_runtime()  # collects what holds the group before destroying it, as train.py does
 '''
 
 

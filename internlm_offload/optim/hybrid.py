@@ -486,12 +486,16 @@ class HybridDeviceOptimizer(Optimizer):
                 sub_group.update(_hyper(self.param_groups[gid]))
 
     def _start_grad_copies(self) -> None:
+        # One stream task per unit (a copy per param inside it): on cpu every task is a thread hand-off.
         for unit in self._cpu_units:
+            landings, grads = [], []
             for slot in unit.slots:
                 grad = slot.device_grad
                 slot.has_grad = grad is not None
                 if slot.has_grad:
-                    self._acc.copy_async(slot.landing, local_shard(grad), self._d2h_stream)
+                    landings.append(slot.landing)
+                    grads.append(local_shard(grad))
+            self._acc.copy_async(landings, grads, self._d2h_stream)
             unit.grads_ready = self._d2h_stream.record_event()
 
     def _step_device(self) -> None:
@@ -524,12 +528,14 @@ class HybridDeviceOptimizer(Optimizer):
             slot.master.grad = slot.grad if slot.has_grad else None
         unit.optimizer.step()
         self._move_states_to_host_tier(unit)
+        params, sources = [], []
         for slot in unit.slots:
             slot.master.grad = None
             if slot.has_grad:
                 # Cast on the host so the H2D copy moves the param dtype's bytes, not fp32.
-                source = slot.master if slot.staging is None else slot.staging.copy_(slot.master)
-                self._acc.copy_async(slot.local_param, source, self._h2d_stream)
+                params.append(slot.local_param)
+                sources.append(slot.master if slot.staging is None else slot.staging.copy_(slot.master))
+        self._acc.copy_async(params, sources, self._h2d_stream)
 
     def _move_states_to_host_tier(self, unit: _CpuUnit) -> None:
         """Keep the CPU step's states in one host slab: the sub-optimizer creates them lazily as plain cpu

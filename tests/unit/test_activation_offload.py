@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from stream_gates import held_back
 
 from internlm_offload.device import Accelerator
 from internlm_offload.model import InternLM2
@@ -275,11 +276,16 @@ def test_remove_after_a_forward_cut_short_waits_for_its_copies():
 
 
 def test_dropping_the_reload_wait_is_caught(baselines):
-    """Without the wait before use, backward reads reload buffers the slow copy has not filled yet."""
+    """Without the wait before use, backward reads reload buffers the held-back copies have not filled.
+
+    With the wait in place, backward would block until the gate's timeout and then be bitwise."""
     model = tiny_model()
-    handle = delayed_handle(model, 0.02)
+    handle = offload_layers(model.layers, 3, mode="async", accelerator=Accelerator("cpu"))
     handle._ensure_reloaded = handle._start_reload  # the bug: use the reload without waiting for it
+    gate = held_back(handle.h2d)
     got = step(model)
+    gate.set()
+    handle.h2d.synchronize()
     assert not all(torch.equal(got[2][n], g) for n, g in baselines[1][2].items())
 
 

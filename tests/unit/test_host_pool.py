@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from stream_gates import held_back
 
 from internlm_offload.device import Accelerator
 from internlm_offload.offload.host_pool import HostPool, PendingCopy
@@ -12,6 +13,8 @@ def test_a_buffer_still_read_by_a_copy_is_not_reused_early(wait: bool, monkeypat
     acc = Accelerator("cpu")
     pool = HostPool(acc, pin_memory=False)
     h2d = acc.stream(delay_s=0.05)  # a slow prefetch that backward never consumed
+    # Without the wait, the copy is held back until the buffer was handed out and written again.
+    gate = held_back(h2d) if not wait else None
     host = pool.take(4096)
     host.fill_(7)
     device = torch.empty(4096, dtype=torch.uint8)
@@ -23,6 +26,8 @@ def test_a_buffer_still_read_by_a_copy_is_not_reused_early(wait: bool, monkeypat
     reused = pool.take(4096)
     assert reused.data_ptr() == host.data_ptr()  # the same buffer comes back
     reused.fill_(1)  # the next offload's copy writes it
+    if gate is not None:
+        gate.set()
     h2d.synchronize()
     assert torch.equal(device, torch.full_like(device, 7)) is wait
     acc.close_streams()

@@ -4,11 +4,11 @@ import functools
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
+from stream_gates import held_back
 from torch.optim import AdamW
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -482,14 +482,6 @@ def test_slow_copy_streams_stay_bitwise(overlap):
     train(opt, params, 5)
     train(ref, ref_params, 5)
     assert_bitwise(opt, params, ref, ref_params)
-
-
-def held_back(stream, timeout_s: float = 10.0) -> threading.Event:
-    """Hold every task queued on `stream` after this call until the returned event is set (or the timeout):
-    a copy that has certainly not landed when `step()` returns, however the machine schedules threads."""
-    gate = threading.Event()
-    stream.submit(gate.wait, timeout_s)
-    return gate
 
 
 def test_without_the_grad_wait_the_cpu_step_reads_stale_grads(monkeypatch):

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from stream_gates import held_back
 
 from internlm_offload.device import Accelerator, Stream, StreamError
 from internlm_offload.device_check import OrderingError
@@ -126,8 +127,6 @@ def test_releasing_sources_before_their_copies_ran_is_caught(path: str) -> None:
     build, method, event_attr = RELEASES[path]
     acc = Accelerator("cpu")
     handle, run = build(acc)
-    handle.d2h.close()
-    handle.d2h = acc.stream(delay_s=0.02)  # slow copies: the sources would go while they are queued
     release = getattr(handle, method)
 
     def release_without_waiting(owner: object) -> None:
@@ -135,7 +134,12 @@ def test_releasing_sources_before_their_copies_ran_is_caught(path: str) -> None:
         release(owner)
 
     setattr(handle, method, release_without_waiting)
-    with pytest.raises(StreamError, match="freed by the program before the stream used it"):
-        run()
-        handle.d2h.synchronize()
-    acc.close_streams()
+    gate = held_back(handle.d2h)  # the copies certainly run after the sources went
+    try:
+        with pytest.raises(StreamError, match="freed by the program before the stream used it"):
+            run()
+            gate.set()
+            handle.d2h.synchronize()
+    finally:
+        gate.set()
+        acc.close_streams()

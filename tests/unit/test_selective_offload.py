@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from op_counter import OpCounter
+from stream_gates import held_back
 
 from internlm_offload.device import Accelerator
 from internlm_offload.model import InternLM2
@@ -115,9 +116,12 @@ def test_slow_copies_stay_bitwise_and_dropping_the_load_wait_is_caught():
         return load(cache)
 
     handle.load = load_without_wait
-    _delayed(handle, 0.05)
+    _delayed(handle, 0.0)
+    gate = held_back(handle.h2d)  # the copies back certainly land after the replay (the wait would time out)
     model.zero_grad(set_to_none=True)
     got = step(model)
+    gate.set()
+    handle.h2d.synchronize()
     assert not all(torch.equal(got[1][name], grad) for name, grad in expected[1].items())
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stream_gates import held_back
 
 import internlm_offload.optim.swap as swap_mod
 from internlm_offload.device import Accelerator
@@ -643,7 +644,7 @@ def test_skipping_copy_in_wait_is_caught(acc: Accelerator, poisoned_empty_like: 
     copy-in still writes it; the cpu backend refuses the free (a device would hand the memory on)."""
     kwargs = dict(lr=1e-2, weight_decay=0.1)
     ref, ref_params, _, opt, params, _ = build_pair(acc, RACE_SHAPES, kwargs, times=2)
-    _delay_streams(opt, acc, 0.02, 0.0)
+    run_steps(opt, params, 0, 1)  # the states exist: every later step copies them in
     original = SwapAdamW._copy_in
 
     def copy_in_without_wait(self: SwapAdamW, *args: object) -> _Chunk:
@@ -652,8 +653,10 @@ def test_skipping_copy_in_wait_is_caught(acc: Accelerator, poisoned_empty_like: 
         return chunk
 
     monkeypatch.setattr(SwapAdamW, "_copy_in", copy_in_without_wait)
+    gate = held_back(opt._h2d)  # the copy-ins certainly have not run when the buffers are freed
     with pytest.raises(RuntimeError, match="freed while cpu-stream-.* may still use it"):
-        run_steps(opt, params, 0, 3)
+        run_steps(opt, params, 1, 2)
+    gate.set()
 
 
 def test_skipping_copy_out_wait_is_caught(acc: Accelerator, poisoned_empty_like: None,
@@ -661,7 +664,7 @@ def test_skipping_copy_out_wait_is_caught(acc: Accelerator, poisoned_empty_like:
     """Control: without waiting for its D2H copy, a chunk's buffer is freed while the copy still reads it."""
     kwargs = dict(lr=1e-2, weight_decay=0.1)
     ref, ref_params, _, opt, params, _ = build_pair(acc, RACE_SHAPES, kwargs, times=2)
-    _delay_streams(opt, acc, 0.0, 0.02)
+    run_steps(opt, params, 0, 1)
     original = SwapAdamW._copy_out
 
     def copy_out_without_event(self: SwapAdamW, chunk: _Chunk) -> None:
@@ -669,8 +672,10 @@ def test_skipping_copy_out_wait_is_caught(acc: Accelerator, poisoned_empty_like:
         chunk.copied_out = self.accelerator.event()  # never recorded: already complete
 
     monkeypatch.setattr(SwapAdamW, "_copy_out", copy_out_without_event)
+    gate = held_back(opt._d2h)  # the copy-outs certainly have not run when the buffers are freed
     with pytest.raises(RuntimeError, match="freed while cpu-stream-.* may still use it"):
-        run_steps(opt, params, 0, 3)
+        run_steps(opt, params, 1, 2)
+    gate.set()
 
 
 # ---------------------------------------------------------------- FSDP2 (two gloo processes)

@@ -803,6 +803,13 @@ def _tensors(*objects: Any) -> Iterator[torch.Tensor]:
 # ---- cpu host tier: buffers mapped from unlinked files in SHM_DIR ------------------------------------
 
 
+def aligned_within(raw: torch.Tensor, nbytes: int, alignment: int) -> torch.Tensor:
+    """The first `nbytes` of the flat uint8 `raw` that start on a multiple of `alignment` (allocate
+    `nbytes + alignment` for them): plain allocations only promise 64-byte alignment."""
+    start = -raw.data_ptr() % alignment
+    return raw[start : start + nbytes]
+
+
 def _registered_empty(cudart: Any, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """Page-aligned ordinary host memory registered with the driver (page-locked), unregistered with its storage.
 
@@ -811,8 +818,7 @@ def _registered_empty(cudart: Any, shape: torch.Size, dtype: torch.dtype) -> tor
     nbytes = shape.numel() * dtype.itemsize
     span = -(-nbytes // PAGE_BYTES) * PAGE_BYTES
     raw = torch.empty(span + PAGE_BYTES, dtype=torch.uint8)
-    start = -raw.data_ptr() % PAGE_BYTES
-    pages = raw[start : start + span]
+    pages = aligned_within(raw, span, PAGE_BYTES)
     code = int(cudart.cudaHostRegister(pages.data_ptr(), span, 0))
     if code != 0:
         raise RuntimeError(f"cudaHostRegister of {span} bytes failed with error {code}")

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from internlm_offload.device import Accelerator
+from internlm_offload.device import Accelerator, aligned_within
 
 ALIGNMENT = 512  # bytes; keeps every view aligned for vectorised copies and DMA
 
@@ -31,11 +31,9 @@ class HostArena:
         self.offsets, total = aligned_offsets(specs, alignment)
         self.specs = list(specs)
         self.nbytes = _align(total)
-        # Over-allocate and start at the first aligned byte: offsets are relative to the buffer, and a
-        # plain allocation is only guaranteed 64-byte alignment.
+        # Offsets are relative to the buffer, so the buffer itself starts aligned.
         raw = accelerator.host_empty((self.nbytes + ALIGNMENT,), torch.uint8, pinned=pinned)
-        shift = -raw.data_ptr() % ALIGNMENT
-        self.buffer: torch.Tensor | None = raw[shift : shift + self.nbytes]
+        self.buffer: torch.Tensor | None = aligned_within(raw, self.nbytes, ALIGNMENT)
 
     def span(self, start: int, nbytes: int) -> torch.Tensor:
         """Bytes `[start, start + nbytes)` of the buffer, as a flat uint8 view."""
@@ -49,7 +47,7 @@ class HostArena:
             raise RuntimeError("HostArena.view after release()")
         shape, dtype = self.specs[index]
         start = self.offsets[index]
-        nbytes = math.prod(shape) * _itemsize(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
         return self.buffer[start : start + nbytes].view(dtype).view(shape)
 
     def release(self) -> None:
@@ -65,13 +63,9 @@ def aligned_offsets(
     for shape, dtype in specs:
         total = _align(total, alignment)
         offsets.append(total)
-        total += math.prod(shape) * _itemsize(dtype)
+        total += math.prod(shape) * dtype.itemsize
     return offsets, total
 
 
 def _align(offset: int, alignment: int = ALIGNMENT) -> int:
     return (offset + alignment - 1) // alignment * alignment
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

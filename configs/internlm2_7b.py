@@ -57,7 +57,7 @@ selective_checkpoint_offload = False  # and send what they keep to host memory
 # device at a time inside step(); costs two host transfers of the states per step.
 swap_optimizer = False
 swap_optimizer_times = 16
-use_pinned_optimizer_offload = False  # the swapped states in one coalesced pinned arena
+use_pinned_optimizer_offload = False  # True pins their host slab: copies overlap on a GPU
 # Hybrid optimizer: the first offload_fraction of the parameters are stepped by AdamW on the CPU.
 hybrid_optimizer = dict(enable=False, offload_fraction=0.5)
 

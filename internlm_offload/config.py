@@ -408,8 +408,8 @@ class RunConfig(Section):
     )
     use_pinned_optimizer_offload: bool = Field(
         False,
-        description="The swap optimizer's host states in one coalesced pinned buffer, one copy per chunk each way "
-        "(False: a pageable buffer per state tensor, as InternEvo/NeMo-RL); needs `swap_optimizer`.",
+        description="Pin the swap optimizer's host slab (all states, one copy per chunk each way), so its copies "
+        "overlap on a device; False keeps the slab pageable (copies then block the host). Needs `swap_optimizer`.",
     )
     hybrid_optimizer: HybridOptimizerConfig = Field(default_factory=HybridOptimizerConfig)
     mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig)

@@ -7,9 +7,11 @@ buffers and host memory. It never reads a config.
 Layout: the trainable params are cut, in order and never across a param group, into chunks of about
 half the step's device budget (`budget = ceil(total state bytes / swap_optimizer_times)`); a param is
 never split, so one larger than half the budget is a chunk of its own. A chunk's states sit at
-64-byte-aligned offsets of one flat device buffer, and with `use_pinned_optimizer_offload=True` at the
-same offsets of one pinned host slab (the arena), so a chunk moves in one copy each way. Without it
-each state is its own pageable host tensor and moves by itself (InternEvo/NeMo's per-tensor path).
+64-byte-aligned offsets of one flat device buffer, and at the same offsets of one host slab (the
+arena), so a chunk moves in one copy each way. `use_pinned_optimizer_offload=True` pins the slab
+(needed for copies that overlap on a device); False keeps it pageable. InternEvo and NeMo-RL allocate
+a pageable host tensor per state when the flag is off; one slab holds the same bytes in one copy per
+chunk instead of one per tensor.
 
 Schedule of one `step()` (device picture; the cpu backend runs the same schedule on worker threads):
 - chunks are taken in order; the next chunk's copy-in (H2D) runs while the current one is stepped,
@@ -83,7 +85,7 @@ class _Chunk:
     params: list[torch.Tensor]
     slots: list[_Slot]  # the states first (contiguous in the arena), then host-resident params
     nbytes: int  # device bytes, padding included
-    arena_start: int | None = None  # where the states start in the arena; None: per-tensor host buffers
+    arena_start: int = 0  # where the states start in the arena
     states_nbytes: int = 0  # bytes from the first to the end of the last state slot
     has_complex: bool = False  # AdamW's kernels view complex params as real pairs
     device: torch.Tensor | None = field(default=None, repr=False)  # flat buffer while staged
@@ -112,8 +114,8 @@ class SwapAdamW(torch.optim.AdamW):
     """Drop-in `torch.optim.AdamW` with host-resident states; see the module docstring.
 
     Extra args (InternEvo's key names): `swap_optimizer_times` (the step's device memory is
-    `1/times` of the states), `use_pinned_optimizer_offload` (all states in one coalesced pinned host
-    slab, a chunk per copy; else per-tensor pageable host buffers), `swap_params` (the params are host
+    `1/times` of the states), `use_pinned_optimizer_offload` (the host slab holding every state is
+    pinned; else pageable), `swap_params` (the params are host
     tensors with a device `main_grad`; see the module docstring), `accelerator` (default: detected).
     """
 
@@ -141,6 +143,12 @@ class SwapAdamW(torch.optim.AdamW):
         self.swap_optimizer_times = swap_optimizer_times
         self.accelerator = accelerator or get_accelerator("auto")
         self.use_pinned_optimizer_offload = use_pinned_optimizer_offload
+        if self.accelerator.supports_pinned_memory and not use_pinned_optimizer_offload:
+            logger.warning(
+                "swap optimizer: use_pinned_optimizer_offload=False keeps the states in pageable memory; on %s "
+                "their copies then block the host and overlap nothing. Set use_pinned_optimizer_offload=True",
+                self.accelerator.name,
+            )  # fmt: skip
         self.swap_params = swap_params
         self._chunks: list[_Chunk] | None = None
         self._layout_key: tuple | None = None
@@ -187,30 +195,29 @@ class SwapAdamW(torch.optim.AdamW):
     def _build_arena(self) -> None:
         old = self._arena
         self._arena, self._arena_offsets = None, {}
-        if not self.use_pinned_optimizer_offload:
-            return
         specs, owners = [], []
         for chunk in self._chunks:
             for slot in chunk.slots:
                 if slot.key != PARAM:
                     specs.append((slot.shape, slot.dtype))
                     owners.append(slot)
-        arena = HostArena(self.accelerator, specs, pinned=self.accelerator.supports_pinned_memory,
+        arena = HostArena(self.accelerator, specs, pinned=self.use_pinned_optimizer_offload,
                           alignment=SLOT_ALIGNMENT)  # fmt: skip
         for slot, offset in zip(owners, arena.offsets):
             self._arena_offsets[id(slot.param), slot.key] = offset
         for chunk in self._chunks:
-            states = [s for s in chunk.slots if s.key != PARAM]
-            if states:
-                chunk.arena_start = self._arena_offsets[id(states[0].param), states[0].key] - states[0].offset
-                chunk.states_nbytes = states[-1].offset + states[-1].nbytes
+            states = [s for s in chunk.slots if s.key != PARAM]  # every param has AdamW states
+            chunk.arena_start = self._arena_offsets[id(states[0].param), states[0].key] - states[0].offset
+            chunk.states_nbytes = states[-1].offset + states[-1].nbytes
         self._arena = arena
-        logger.info("Optimizer host arena: %d states in one %.1f MB buffer", len(specs), arena.nbytes / 2**20)
+        logger.info("Optimizer host arena: %d states in one %s %.1f MB buffer", len(specs),
+                    "pinned" if self.use_pinned_optimizer_offload else "pageable", arena.nbytes / 2**20)
         if old is not None:
             old.release()
 
     def _host_buffer(self, param: torch.Tensor, key: str, like: torch.Tensor) -> torch.Tensor:
-        """Host storage for one state tensor of `param`: its arena view, or a pageable buffer of its own."""
+        """Host storage for one state tensor of `param`: its arena view; a pageable buffer of its own for a
+        param that is in no chunk (a loaded state of a frozen param)."""
         local = local_shard(like)
         offset = self._arena_offsets.get((id(param), key))
         if offset is not None:
@@ -337,20 +344,13 @@ class SwapAdamW(torch.optim.AdamW):
     def _copies(
         self, chunk: _Chunk, params: Collection[torch.Tensor] | None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(device, host) pairs moving the chunk: one for all the states in the arena, else one per state
-        tensor of `params` (None: every param); and one per host-resident param of `params`."""
-        pairs = []
-        if chunk.arena_start is not None:
-            span = self._arena.span(chunk.arena_start, chunk.states_nbytes)
-            pairs.append((chunk.device[: chunk.states_nbytes], span))
+        """(device, host) pairs moving the chunk: one for all its states (a span of the arena, the same bytes as
+        the device buffer's start), and one per host-resident param of `params` (None: every param)."""
+        pairs = [(chunk.device[: chunk.states_nbytes], self._arena.span(chunk.arena_start, chunk.states_nbytes))]
         wanted = None if params is None else {id(p) for p in params}
         for slot in chunk.slots:
-            in_arena = slot.key != PARAM and chunk.arena_start is not None
-            if in_arena or (wanted is not None and id(slot.param) not in wanted):
-                continue
-            host = slot.param.detach() if slot.key == PARAM else self.state[slot.param].get(slot.key)
-            if host is not None:  # no state yet: nothing to move
-                pairs.append((chunk.view(slot), local_shard(host)))
+            if slot.key == PARAM and (wanted is None or id(slot.param) in wanted):
+                pairs.append((chunk.view(slot), local_shard(slot.param.detach())))
         return pairs
 
     def _update(self, chunk: _Chunk, active: dict[torch.Tensor, torch.Tensor]) -> None:

@@ -559,17 +559,19 @@ def test_reload_own_state_dict_without_arena_keeps_states(acc: Accelerator) -> N
 # ---------------------------------------------------------------- host arena
 
 
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
 @pytest.mark.parametrize("kwargs", [dict(lr=1e-2), dict(lr=1e-2, fused=True, amsgrad=True, weight_decay=0.1)],
                          ids=["plain", "fused_amsgrad"])  # fmt: skip
-def test_host_arena_parity_one_buffer_no_new_allocations(acc: Accelerator, kwargs: dict,
+def test_host_arena_parity_one_buffer_no_new_allocations(acc: Accelerator, kwargs: dict, pinned: bool,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Every state lives in one host slab (pinned or not, as the flag says), allocated by the first step only."""
     shapes = [s for s in SHAPES if s[1] != "late"]  # every trainable param gets its state at step 0
-    ref, ref_params, _, opt, params, _ = build_pair(acc, shapes, kwargs, times=3, use_pinned_optimizer_offload=True)
+    ref, ref_params, _, opt, params, _ = build_pair(acc, shapes, kwargs, times=3, use_pinned_optimizer_offload=pinned)
     calls = []
     original = Accelerator.host_empty
 
     def counting_host_empty(self: Accelerator, *args: object, **kw: object) -> torch.Tensor:
-        calls.append(args)
+        calls.append((args, kw))
         return original(self, *args, **kw)
 
     monkeypatch.setattr(Accelerator, "host_empty", counting_host_empty)
@@ -579,7 +581,7 @@ def test_host_arena_parity_one_buffer_no_new_allocations(acc: Accelerator, kwarg
         run_steps(ref, ref_params, step, step + 1)
         run_steps(opt, params, step, step + 1)
         if step == 0:
-            assert calls, "the first step allocates the arena"
+            assert [kw for _, kw in calls] == [{"pinned": pinned}], "the first step allocates the arena, only it"
     assert calls == [], "host memory allocated after the first step"
     assert_same(ref, ref_params, opt, params)
     swapped = [opt.state[p][k] for p in params if opt.state.get(p) for k in SWAPPED_KEYS if k in opt.state[p]]
@@ -590,19 +592,16 @@ def test_host_arena_parity_one_buffer_no_new_allocations(acc: Accelerator, kwarg
     assert all(end <= start for (_, end), (start, _) in zip(ranges, ranges[1:])), "arena views overlap"
 
 
-def test_without_arena_no_host_allocation_after_first_step(acc: Accelerator, monkeypatch: pytest.MonkeyPatch) -> None:
-    shapes = [s for s in SHAPES if s[1] != "late"]
-    params = make_params(shapes)
-    opt = SwapAdamW(params, lr=1e-2, fused=True, swap_optimizer_times=3, accelerator=acc)
-    calls = []
-    original = Accelerator.host_empty
-    monkeypatch.setattr(Accelerator, "host_empty", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
-    run_steps(opt, params, 0, 1)
-    n_trainable = sum(p.requires_grad for p in params)
-    assert len(calls) == 3 * n_trainable  # exp_avg, exp_avg_sq and the fused `step`, once each
-    calls.clear()
-    run_steps(opt, params, 1, 5)
-    assert calls == []
+def test_a_pageable_slab_on_a_device_says_its_copies_block(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    params = make_params(SHAPES)
+    monkeypatch.setattr(Accelerator, "supports_pinned_memory", property(lambda self: True))  # as on cuda
+    with caplog.at_level("WARNING"):
+        SwapAdamW(params, swap_optimizer_times=2, accelerator=Accelerator("cpu"), use_pinned_optimizer_offload=True)
+    assert "pageable" not in caplog.text
+    with caplog.at_level("WARNING"):
+        SwapAdamW(params, swap_optimizer_times=2, accelerator=Accelerator("cpu"))
+    assert "use_pinned_optimizer_offload=False keeps the states in pageable memory" in caplog.text
 
 
 # ---------------------------------------------------------------- races

@@ -2,10 +2,10 @@
 
     python -m internlm_offload.bench.optimizer [--quick] [--out bench_results/optimizer.json]
 
-Three parts, one process: the offload configurations against fused AdamW; CPU AdamW throughput
-(for-loop, foreach, fused, the hybrid optimizer's CPU path, DeepSpeedCPUAdam where it imports); and
-the state round trip (offload + reload) of many small tensors through a coalesced arena vs one copy
-per tensor.
+Four parts, one process: the offload configurations against fused AdamW; CPU AdamW throughput
+(for-loop, foreach, fused, the hybrid optimizer's CPU path, DeepSpeedCPUAdam where it imports); the
+state round trip (offload + reload) of many small tensors through a coalesced arena vs one copy per
+tensor; and what one hand-off to a cpu side stream costs (it bounds how small chunks can usefully be).
 
 Every configuration owns an identically seeded copy of the params and gets the same grads before every
 step; configurations step round-robin (rotating the start) in one process. On cpu the "device" and the
@@ -21,8 +21,10 @@ import gc
 import json
 import os
 import platform
+import queue
 import resource
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -241,6 +243,42 @@ def round_trip(tensors: int, repeats: int, acc: Accelerator) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def stream_handoff(repeats: int, acc: Accelerator) -> dict[str, Any]:
+    """What one hand-off to a side stream and back costs here, against bare Python threads.
+
+    Stream: the compute stream's work is handed to a cpu side stream (`wait_stream`), a 16-element copy runs
+    there, and the caller blocks on its event, as a chunk's copy-in before its update does. Bare: a
+    `SimpleQueue` put to a worker thread that sets a `threading.Event` the caller waits on (the cheapest
+    hand-off between two Python threads). Alternated, one round trip per sample; medians in microseconds.
+    """
+    stream, src, dst = acc.stream(), torch.zeros(16), torch.zeros(16)
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    worker = threading.Thread(target=lambda: [job() for job in iter(jobs.get, None)], daemon=True)
+    worker.start()
+
+    def through_stream() -> None:
+        stream.wait_stream(acc.current_stream())
+        acc.copy_async(dst, src, stream)
+        stream.record_event().synchronize()
+
+    def bare() -> None:
+        done = threading.Event()
+        jobs.put(done.set)
+        done.wait()
+
+    samples: dict[str, list[float]] = {"cpu_stream": [], "bare_threads": []}
+    for rep in range(repeats + 10):  # the first 10 rounds warm up
+        for name, fn in (("cpu_stream", through_stream), ("bare_threads", bare))[:: 1 if rep % 2 else -1]:
+            start = time.perf_counter()
+            fn()
+            if rep >= 10:
+                samples[name].append(time.perf_counter() - start)
+    jobs.put(None)
+    worker.join()
+    stream.close()
+    return {f"{name}_round_trip_us": 1e6 * statistics.median(t) for name, t in samples.items()}
+
+
 def copy_floor(cases: list[Case], grads: list[torch.Tensor], repeats: int, acc: Accelerator) -> dict[str, Any]:
     """What swapping costs at least here: the states' bytes copied in and out, serial and overlapped.
 
@@ -366,11 +404,13 @@ def main(argv: list[str] | None = None) -> int:
         adamw = [throughput(case, fused) for case in adamw_cases]
         del adamw_cases
         trip = round_trip(args.round_trip_tensors, args.repeats, acc)
+        handoff = stream_handoff(25 * args.repeats, acc)
     finally:
         acc.close_streams()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"env": environment(args, sizes), "results": records, "swap_copy_floor": floor, "cpu_adamw": adamw,
-              "deepspeed_cpu_adam": deepspeed_missing or "measured", "arena_round_trip": trip}  # fmt: skip
+              "deepspeed_cpu_adam": deepspeed_missing or "measured", "arena_round_trip": trip,
+              "stream_handoff": handoff}  # fmt: skip
     args.out.write_text(json.dumps(report, indent=2))
     plot(records, args.out.with_suffix(".png"))
     print_table(records)
@@ -382,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"offload+reload of {trip['state_tensors']} state tensors ({trip['state_bytes'] / 2**20:.1f} MiB): "
           f"per-tensor {trip['median_s']['per_tensor'] * 1e3:.2f} ms, arena {trip['median_s']['arena'] * 1e3:.2f} ms, "
           f"arena {trip['arena_speedup']:.1f}x faster")  # fmt: skip
+    print(f"one hand-off to a cpu side stream and back: {handoff['cpu_stream_round_trip_us']:.0f} us "
+          f"(bare Python threads: {handoff['bare_threads_round_trip_us']:.0f} us)")
     return 0 if all(r["bitwise_equal"] for r in records) else 1
 
 

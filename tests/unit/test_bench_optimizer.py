@@ -26,6 +26,8 @@ def test_quick_run_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFix
     assert 0 < peak["baseline_adamw_fused"] <= peak["swap_t1"] < 1.01 * peak["baseline_adamw_fused"]
     assert peak["hybrid_f1.0"] == 0 < peak["hybrid_f0.5"] == peak["hybrid_f0.5_no_overlap"]
     assert records["baseline_adamw_fused"]["host_state_bytes"] == 0 < records["swap_t4"]["host_state_bytes"]
+    handoff = data["stream_handoff"]
+    assert handoff["cpu_stream_round_trip_us"] > 0 and handoff["bare_threads_round_trip_us"] > 0
     floor = data["swap_copy_floor"]
     assert floor["floor_ratio"] > 1 and floor["overlap_ratio"] > 0 and floor["overlapped_s"] > 0
     env = data["env"]

@@ -800,7 +800,7 @@ def _tensors(*objects: Any) -> Iterator[torch.Tensor]:
                 yield from (t for t in item if isinstance(t, torch.Tensor))
 
 
-# ---- cpu host tier: buffers mapped from unlinked files in SHM_DIR ------------------------------------
+# ---- host buffers: registered pinned memory (cuda); on cpu, files mapped from SHM_DIR ----------------
 
 
 def aligned_within(raw: torch.Tensor, nbytes: int, alignment: int) -> torch.Tensor:

@@ -253,7 +253,12 @@ def stream_handoff(repeats: int, acc: Accelerator) -> dict[str, Any]:
     """
     stream, src, dst = acc.stream(), torch.zeros(16), torch.zeros(16)
     jobs: queue.SimpleQueue = queue.SimpleQueue()
-    worker = threading.Thread(target=lambda: [job() for job in iter(jobs.get, None)], daemon=True)
+
+    def run_jobs() -> None:
+        for job in iter(jobs.get, None):
+            job()
+
+    worker = threading.Thread(target=run_jobs, daemon=True)
     worker.start()
 
     def through_stream() -> None:

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from internlm_offload import device
-from internlm_offload.cpu_memory import AnonPeakSampler
+from internlm_offload.device import host_buffers
+from internlm_offload.device.cpu_memory import AnonPeakSampler
 from internlm_offload.device import Accelerator
 from internlm_offload.model.internlm2 import InternLM2
 from internlm_offload.offload import apply_activation_checkpointing
@@ -239,7 +239,7 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "loadavg_at_end": os.getloadavg(),
-        "shm_dir": device.SHM_DIR, "shm_writable": os.access(device.SHM_DIR, os.W_OK),
+        "shm_dir": host_buffers.SHM_DIR, "shm_writable": os.access(host_buffers.SHM_DIR, os.W_OK),
         "memory_pass_malloc_mmap_threshold": MMAP_THRESHOLD,
         "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": VOCAB},
         "batch": args.batch, "seq": args.seq, "dtype": args.dtype,

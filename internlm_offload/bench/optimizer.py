@@ -33,10 +33,9 @@ from typing import Any
 
 import torch
 
-from internlm_offload import device
-from internlm_offload.cpu_memory import rss_anon_bytes
-from internlm_offload.device import Accelerator
-from internlm_offload.optim.host_arena import HostArena, aligned_offsets
+from internlm_offload.device import host_buffers
+from internlm_offload.device.cpu_memory import rss_anon_bytes
+from internlm_offload.device import Accelerator, HostArena, aligned_offsets
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer
 from internlm_offload.optim.swap import SLOT_ALIGNMENT, SwapAdamW
 
@@ -329,7 +328,7 @@ def environment(args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
         "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "elements": sum(sizes),
         "tensors": len(sizes), "min_tensor": min(sizes), "max_tensor": max(sizes), "dtype": "float32",
         "repeats": args.repeats, "warmup": args.warmup, "steps_per_config": 1 + args.warmup + args.repeats,
-        "hyper": HYPER, "shm_dir": device.SHM_DIR, "shm_writable": os.access(device.SHM_DIR, os.W_OK),
+        "hyper": HYPER, "shm_dir": host_buffers.SHM_DIR, "shm_writable": os.access(host_buffers.SHM_DIR, os.W_OK),
         "loadavg_1m_at_end": os.getloadavg()[0],  # other processes on the box skew the times
     }  # fmt: skip
 

@@ -7,7 +7,7 @@ For each memory setting the planner traces the config on meta tensors (`planner.
 predicts the steady step's device peak; `train.py` then runs the same config for `--steps` steps in a
 process of its own, and the measured figure is the largest `device_peak_mem_bytes` of the steps after
 the first (on cpu: the sampled peak of `RssAnon` above what it was before the model was built; see
-`internlm_offload/cpu_memory.py`). The cost model's step time with this machine's calibrated row
+`internlm_offload/device/cpu_memory.py`). The cost model's step time with this machine's calibrated row
 (`planner.cost.calibrate`) stands beside the measured median step time. Writes
 `planner_validation.json` (per setting: options, predictions, measured figures per step, error),
 `planner_validation.md` (the table) and `planner_validation.png`. The FSDP2 settings run on 2 and 4

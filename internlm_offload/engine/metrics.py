@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from internlm_offload.cpu_memory import host_rss_bytes
+from internlm_offload.device.cpu_memory import host_rss_bytes
 from internlm_offload.device import Accelerator
 from internlm_offload.log import get_logger
 

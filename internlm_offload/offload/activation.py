@@ -38,13 +38,14 @@ from internlm_offload.device import (
     Accelerator,
     CopyTimer,
     Event,
+    HostPool,
+    PendingCopy,
     Stream,
     finish_and_close,
     get_accelerator,
     storage_key,
 )
 from internlm_offload.log import get_logger
-from internlm_offload.offload.host_pool import HostPool, PendingCopy
 
 logger = get_logger(__name__)
 

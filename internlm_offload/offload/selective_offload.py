@@ -38,10 +38,9 @@ from torch.distributed._composable import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from internlm_offload.device import Accelerator, CopyTimer, Event, Stream, finish_and_close
+from internlm_offload.device import Accelerator, CopyTimer, Event, HostPool, PendingCopy, Stream, finish_and_close
 from internlm_offload.log import get_logger
 from internlm_offload.offload.checkpointing import expensive_ops
-from internlm_offload.offload.host_pool import HostPool, PendingCopy
 
 logger = get_logger(__name__)
 

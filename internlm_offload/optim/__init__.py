@@ -1,7 +1,6 @@
-"""Optimizers and LR schedules: AdamW, the swap optimizer and its host arena, the hybrid CPU/device optimizer."""
+"""Optimizers and LR schedules: AdamW, the swap optimizer, the hybrid CPU/device optimizer."""
 
 from internlm_offload.optim.adamw import build_adamw, param_groups
-from internlm_offload.optim.host_arena import HostArena
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer, build_hybrid_adamw
 from internlm_offload.optim.lr_scheduler import WarmupCosine, build_lr_scheduler
 from internlm_offload.optim.swap import SwapAdamW, build_swap_adamw
@@ -12,7 +11,6 @@ __all__ = [
     "build_lr_scheduler",
     "build_swap_adamw",
     "param_groups",
-    "HostArena",
     "HybridDeviceOptimizer",
     "SwapAdamW",
     "WarmupCosine",

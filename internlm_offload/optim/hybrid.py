@@ -28,11 +28,10 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from internlm_offload.device import Accelerator, Event, Stream, finish_and_close, get_accelerator
+from internlm_offload.device import Accelerator, Event, HostArena, Stream, finish_and_close, get_accelerator
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import consecutive_runs, fused_supported, param_groups
 from internlm_offload.optim.dtensor import is_dtensor, laid_out_like, local_nbytes, local_shard
-from internlm_offload.optim.host_arena import HostArena
 
 logger = get_logger(__name__)
 

@@ -49,11 +49,10 @@ import torch
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from internlm_offload.device import Accelerator, Event, finish_and_close, get_accelerator
+from internlm_offload.device import Accelerator, Event, HostArena, aligned_offsets, finish_and_close, get_accelerator
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import consecutive_runs, fused_supported, param_groups
 from internlm_offload.optim.dtensor import laid_out_like, local_nbytes, local_shard
-from internlm_offload.optim.host_arena import HostArena, aligned_offsets
 
 logger = get_logger(__name__)
 

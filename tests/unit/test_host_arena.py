@@ -6,9 +6,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import internlm_offload.device as device_mod
+import internlm_offload.device.host_buffers as device_mod
 from internlm_offload.device import Accelerator
-from internlm_offload.optim.host_arena import ALIGNMENT, HostArena
+from internlm_offload.device.host_buffers import ALIGNMENT, HostArena
 
 SPECS = [
     ((1023,), torch.float32),

@@ -5,7 +5,7 @@ import torch
 from stream_gates import held_back
 
 from internlm_offload.device import Accelerator
-from internlm_offload.offload.host_pool import HostPool, PendingCopy
+from internlm_offload.device import HostPool, PendingCopy
 
 
 @pytest.mark.parametrize("wait", [True, False], ids=["with_wait", "without_wait"])

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import internlm_offload.device as device_mod
-from internlm_offload.cpu_memory import rss_anon_bytes, rss_shmem_bytes
+import internlm_offload.device.host_buffers as device_mod
+from internlm_offload.device.cpu_memory import rss_anon_bytes, rss_shmem_bytes
 from internlm_offload.device import Accelerator
 
 MB = 1 << 20

@@ -14,7 +14,7 @@ import torch
 from stream_gates import held_back
 
 from internlm_offload.device import Accelerator, Stream, StreamError
-from internlm_offload.device_check import OrderingError
+from internlm_offload.device import OrderingError
 from internlm_offload.offload import offload_layers
 from internlm_offload.offload.selective_offload import apply_selective_offload
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer

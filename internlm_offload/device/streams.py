@@ -1,0 +1,154 @@
+"""Streams and events: the portable interface every backend implements, and helpers over it.
+
+Portable pattern (on cpu, work reaches a side stream only through `Stream.submit`):
+
+    copy_stream.wait_stream(acc.current_stream())  # the source is ready
+    acc.copy_async(host_buf, device_tensor, copy_stream)
+    done = copy_stream.record_event()
+    ...
+    done.wait()  # the current stream waits before it reuses or frees either buffer
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from internlm_offload.device.accelerator import Accelerator
+
+
+class StreamError(RuntimeError):
+    """Work queued on a cpu side stream failed; the original exception is `__cause__`."""
+
+
+class Stream(ABC):
+    """An in-order queue of device work that runs beside the host."""
+
+    @abstractmethod
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run `fn(*args, **kwargs)` on this stream."""
+
+    @abstractmethod
+    def wait_event(self, event: Event) -> None:
+        """Work submitted after this call starts only once `event` has completed."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until everything submitted so far has run."""
+
+    @abstractmethod
+    def _new_event(self) -> Event: ...
+
+    def wait_stream(self, other: Stream) -> None:
+        """Later work on this stream waits for everything submitted to `other` so far."""
+        self.wait_event(other.record_event())
+
+    def record_event(self, event: Event | None = None) -> Event:
+        """Record `event` (a new one when None) at this point of the stream and return it."""
+        event = self._new_event() if event is None else event
+        event.record(self)
+        return event
+
+    def close(self) -> None:
+        """Release what the stream holds (cpu: its worker thread); idempotent."""
+
+
+class Event(ABC):
+    """A marker in a stream; complete once the stream has run everything submitted before it."""
+
+    @abstractmethod
+    def record(self, stream: Stream | None = None) -> None:
+        """Mark the current end of `stream` (default: current); re-recording moves the mark."""
+
+    @abstractmethod
+    def wait(self, stream: Stream | None = None) -> None:
+        """Make `stream` (default: the current stream) wait for this event."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until the event is complete."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True once the event is complete; an event never recorded is complete."""
+
+
+def copy_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """`dst.copy_(src, non_blocking=True)` for each pair: several copies as one stream task."""
+    for dst, src in zip(dsts, srcs, strict=True):
+        dst.copy_(src, non_blocking=True)
+
+
+def finish_and_close(*streams: Stream | None) -> None:
+    """Wait for the work submitted to each stream, then close it (None is skipped); every stream is closed
+    even when one failed, and the first failure (a cpu worker's) is raised after."""
+    failure: StreamError | None = None
+    for stream in streams:
+        if stream is None:
+            continue
+        try:
+            stream.synchronize()
+        except StreamError as exc:
+            failure = failure or exc
+        finally:
+            stream.close()
+    if failure is not None:
+        raise failure
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """The identity of `tensor`'s storage while it lives: its views share it, other storages do not.
+
+    Not `data_ptr()`: meta storages (the memory planner's trace) all have a null data pointer.
+    """
+    return tensor.untyped_storage()._cdata
+
+
+class CopyTimer:
+    """Seconds a stream spent running the work handed to `run`, summed.
+
+    Timing on the host around a device copy would time only its enqueue. On cpu the work runs in the
+    stream's worker thread and is timed there; on a device a pair of timing events brackets it on the
+    stream, and `seconds()` adds the pairs that have completed (it never waits for the others).
+    """
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
+        self._seconds = 0.0
+        self._pending: list[tuple[Any, Any]] = []
+        self._lock = threading.Lock()
+
+    def run(self, stream: Stream, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Submit `fn(*args, **kwargs)` to `stream`, timed."""
+        module = self.accelerator.module
+        if module is None:
+            stream.submit(self._timed, fn, args, kwargs)
+            return
+        start, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
+        start.record(stream.raw)
+        stream.submit(fn, *args, **kwargs)
+        end.record(stream.raw)
+        self._pending.append((start, end))
+
+    def seconds(self) -> float:
+        """The total so far: every timed piece of work that has finished."""
+        still_running = []
+        for start, end in self._pending:
+            if end.query():
+                self._seconds += start.elapsed_time(end) / 1e3  # milliseconds
+            else:
+                still_running.append((start, end))
+        self._pending = still_running
+        return self._seconds
+
+    def _timed(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        begin = time.perf_counter()
+        fn(*args, **kwargs)
+        with self._lock:
+            self._seconds += time.perf_counter() - begin

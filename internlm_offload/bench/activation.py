@@ -224,7 +224,7 @@ def summarize(case: Case, base: Case) -> dict[str, Any]:
         record["offloader"] = {k: statistics.median(s[k] for s in case.stats) for k in case.stats[-1]}
         copies = record["offloader"]["d2h_s"] + record["offloader"]["h2d_s"]
         # Share of the copies' own time that compute did not wait for (async: the overlap achieved).
-        overlapping = copies and case.handle.d2h is not None  # sync copies run on the compute stream itself
+        overlapping = copies and case.handle.copies.d2h is not None  # sync copies run on the compute stream itself
         record["copy_overlap"] = 1 - record["offloader"]["wait_s"] / copies if overlapping else None
     if isinstance(case.handle, ActivationOffloader):
         # Of the bytes copied to the host (each storage once), how many the device no longer holds once

@@ -207,9 +207,9 @@ def test_host_buffers_are_reused_and_sequence_lengths_may_vary():
     handle = offload_layers(model.layers, 2, mode="async")
     step(model)
     step(model)
-    allocated = handle.pool.allocated_bytes
+    allocated = handle.copies.pool.allocated_bytes
     step(model)
-    assert handle.pool.allocated_bytes == allocated  # steady state: no new host allocation
+    assert handle.copies.pool.allocated_bytes == allocated  # steady state: no new host allocation
     model.zero_grad(set_to_none=True)
     short = step(model, seq_len=16)
     plain = tiny_model()
@@ -237,10 +237,10 @@ def test_bad_arguments(bad):
 
 def delayed_handle(model: InternLM2, delay_s: float):
     handle = offload_layers(model.layers, 3, mode="async", accelerator=Accelerator("cpu"))
-    handle.d2h.close()
-    handle.h2d.close()
-    handle.d2h = handle.accelerator.stream(delay_s=delay_s)  # injected copy latency
-    handle.h2d = handle.accelerator.stream(delay_s=delay_s)
+    handle.copies.d2h.close()
+    handle.copies.h2d.close()
+    handle.copies.d2h = handle.accelerator.stream(delay_s=delay_s)  # injected copy latency
+    handle.copies.h2d = handle.accelerator.stream(delay_s=delay_s)
     return handle
 
 
@@ -282,10 +282,10 @@ def test_dropping_the_reload_wait_is_caught(baselines):
     model = tiny_model()
     handle = offload_layers(model.layers, 3, mode="async", accelerator=Accelerator("cpu"))
     handle._ensure_reloaded = handle._start_reload  # the bug: use the reload without waiting for it
-    gate = held_back(handle.h2d)
+    gate = held_back(handle.copies.h2d)
     got = step(model)
     gate.set()
-    handle.h2d.synchronize()
+    handle.copies.h2d.synchronize()
     assert not all(torch.equal(got[2][n], g) for n, g in baselines[1][2].items())
 
 
@@ -349,7 +349,7 @@ def test_every_reload_destination_is_recorded_on_the_copy_stream(monkeypatch):
     recorded = []
     monkeypatch.setattr(Accelerator, "record_stream", lambda self, t, s: recorded.append((t.data_ptr(), s)))
     _unconsumed_prefetch(handle, model)
-    assert recorded and all(s is handle.h2d for _, s in recorded)
+    assert recorded and all(s is handle.copies.h2d for _, s in recorded)
     assert handle.stats()["offloaded_bytes"] > 0
 
 
@@ -361,15 +361,15 @@ def test_a_partial_backward_frees_the_graph_and_returns_every_host_buffer():
     handle = offload_layers(model.layers, 3, mode="async", accelerator=Accelerator("cpu"))
     _unconsumed_prefetch(handle, model)
     gc.collect()
-    pooled = sum(buf.numel() for bucket in handle.pool.free.values() for buf, _ in bucket)
-    assert handle.pool.allocated_bytes > 0 and pooled == handle.pool.allocated_bytes
+    pooled = sum(buf.numel() for bucket in handle.copies.pool.free.values() for buf, _ in bucket)
+    assert handle.copies.pool.allocated_bytes > 0 and pooled == handle.copies.pool.allocated_bytes
 
 
 def test_a_host_buffer_is_not_reused_while_an_unconsumed_prefetch_reads_it():
     model = tiny_model()
     handle = delayed_handle(model, 0.05)
     in_flight: set[int] = set()
-    run, copy, take = handle._h2d_timer.run, handle._copy, handle.pool.take
+    run, copy, take = handle.copies._h2d_timer.run, handle.copies._copy, handle.copies.pool.take
 
     def tracked_run(stream, fn, dst, src):
         in_flight.add(src.data_ptr())
@@ -386,7 +386,7 @@ def test_a_host_buffer_is_not_reused_while_an_unconsumed_prefetch_reads_it():
         handed_out_busy.append(buffer.data_ptr() in in_flight)
         return buffer
 
-    handle._h2d_timer.run, handle.pool.take = tracked_run, checked_take
+    handle.copies._h2d_timer.run, handle.copies.pool.take = tracked_run, checked_take
     _unconsumed_prefetch(handle, model)
     assert in_flight, "the scenario must leave a prefetch in flight"
     handed_out_busy.clear()
@@ -406,9 +406,9 @@ def test_unpinned_buffers_copy_blocking_and_async_says_so(caplog):
     model = tiny_model()
     with caplog.at_level("WARNING"):
         handle = offload_layers(model.layers, 2, mode="async", pin_memory=False, accelerator=_PinnableCpu("cpu"))
-    assert handle.non_blocking is False and "pin_memory=False copies from pageable memory" in caplog.text
+    assert handle.copies.non_blocking is False and "pin_memory=False copies from pageable memory" in caplog.text
     pinned_cpu = offload_layers(tiny_model().layers, 2, mode="async", accelerator=Accelerator("cpu"))
-    assert pinned_cpu.non_blocking is False  # no pinned memory without a device
+    assert pinned_cpu.copies.non_blocking is False  # no pinned memory without a device
 
 
 def test_the_first_offloaded_block_in_backward_is_prefetched():
@@ -439,6 +439,6 @@ def test_async_offload_never_blocks_the_host_inside_hooks(monkeypatch):
         step(model)
     assert handle.stats()["offloaded_bytes"] > 0
     assert host_waits == {}
-    handle._copy_out = lambda slot, copy_out=handle._copy_out: copy_out(slot) or handle.d2h.synchronize()
+    handle._copy_out = lambda slot, copy_out=handle._copy_out: copy_out(slot) or handle.copies.d2h.synchronize()
     step(model)  # control: a host wait in a hook is counted
     assert host_waits["stream.synchronize"] > 0

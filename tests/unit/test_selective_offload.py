@@ -99,8 +99,8 @@ def test_no_host_memory_is_allocated_after_the_first_step(monkeypatch):
 
 def _delayed(handle, delay_s: float):
     for name in ("d2h", "h2d"):
-        getattr(handle, name).close()
-        setattr(handle, name, CPU.stream(delay_s=delay_s))  # injected copy latency
+        getattr(handle.copies, name).close()
+        setattr(handle.copies, name, CPU.stream(delay_s=delay_s))  # injected copy latency
 
 
 def test_slow_copies_stay_bitwise_and_dropping_the_load_wait_is_caught():
@@ -117,11 +117,11 @@ def test_slow_copies_stay_bitwise_and_dropping_the_load_wait_is_caught():
 
     handle.load = load_without_wait
     _delayed(handle, 0.0)
-    gate = held_back(handle.h2d)  # the copies back certainly land after the replay (the wait would time out)
+    gate = held_back(handle.copies.h2d)  # the copies back certainly land after the replay (the wait would time out)
     model.zero_grad(set_to_none=True)
     got = step(model)
     gate.set()
-    handle.h2d.synchronize()
+    handle.copies.h2d.synchronize()
     assert not all(torch.equal(got[1][name], grad) for name, grad in expected[1].items())
 
 
@@ -157,7 +157,7 @@ def test_async_selective_offload_never_blocks_the_host_inside_hooks(monkeypatch)
     assert handle.as_dict()["host_bytes"] > 0
     assert host_waits == {}
     load = handle.load
-    handle.load = lambda cache: handle.h2d.synchronize() or load(cache)
+    handle.load = lambda cache: handle.copies.h2d.synchronize() or load(cache)
     step(model)  # control: a host wait in a hook is counted
     assert host_waits["stream.synchronize"] > 0
 

@@ -346,9 +346,9 @@ def extra_metric_sources(
     """Figures of the memory features for metrics.jsonl: `act_offload_*`, `sc_offload_*` and `optim_*`."""
     sources = []
     if offloader is not None:
-        sources.append(lambda: {f"act_offload_{key}": value for key, value in offloader.stats().items()})
+        sources.append(offloader.metrics)
     if selective is not None:
-        sources.append(lambda: {f"sc_offload_{key}": value for key, value in selective.as_dict().items()})
+        sources.append(selective.metrics)
     if hasattr(optimizer, "memory_stats"):
         sources.append(lambda: {f"optim_{key}": value for key, value in optimizer.memory_stats().items()})
     return sources
@@ -359,7 +359,7 @@ def closers(
     accelerator: Accelerator,
 ) -> list:  # fmt: skip
     """What `Trainer.close()` runs, in order: hooks and pools first, then every copy stream of the run."""
-    found = [offloader.remove if offloader is not None else None, selective.close if selective is not None else None,
+    found = [offloader.close if offloader is not None else None, selective.close if selective is not None else None,
              getattr(optimizer, "close", None), accelerator.close_streams]  # fmt: skip
     return [close for close in found if close is not None]
 

@@ -113,10 +113,11 @@ def make_cases(args: argparse.Namespace, acc: Accelerator) -> list[Case]:
 
 
 def handle_stats(handle: ActivationOffloader | SelectiveOffloader | None) -> dict[str, float]:
-    """The offload's byte and time counters of the last step (empty without one)."""
+    """The offload's byte and time counters of the last step (empty without one), without their metrics prefix."""
     if handle is None:
         return {}
-    return handle.stats() if isinstance(handle, ActivationOffloader) else handle.as_dict()
+    prefix = "act_offload_" if isinstance(handle, ActivationOffloader) else "sc_offload_"
+    return {key.removeprefix(prefix): value for key, value in handle.metrics().items()}
 
 
 def save_on_cpu(acc: Accelerator) -> AbstractContextManager:
@@ -308,9 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         time_cases(cases, tokens, args, acc)
     finally:
         for case in cases:
-            if isinstance(case.handle, ActivationOffloader):
-                case.handle.remove()
-            elif case.handle is not None:
+            if case.handle is not None:
                 case.handle.close()
     peaks = sampled_peaks(sys.argv[1:] if argv is None else argv)
     for case in cases:

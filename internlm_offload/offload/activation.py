@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from internlm_offload.device import Accelerator, Event, get_accelerator, storage_key
+from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.offload.host_copies import HostCopies
 from internlm_offload.offload.host_pool import PendingCopy
@@ -116,7 +117,7 @@ class _Forward:
         self.pending_release: list[_Group] = []
 
 
-class ActivationOffloader:
+class ActivationOffloader(MemoryFeature):
     """Saved-tensor hooks that offload the activations of `layers[:num_layers]`; see the module doc."""
 
     def __init__(
@@ -339,12 +340,13 @@ class ActivationOffloader:
 
     # ------------------------------------------------------------------ public surface
 
-    def stats(self) -> dict[str, float]:
-        """Byte accounting of the last forward; copy and wait seconds since it started."""
-        return {**self._stats.as_dict(), **self.copies.figures()}
+    def metrics(self) -> dict[str, float]:
+        """Byte accounting of the last forward and copy and wait seconds since it started (`act_offload_*`)."""
+        figures = {**self._stats.as_dict(), **self.copies.figures()}
+        return {f"act_offload_{key}": value for key, value in figures.items()}
 
-    def remove(self) -> None:
-        """Uninstall every hook; the blocks behave exactly as before."""
+    def close(self) -> None:
+        """Uninstall every hook (the blocks behave exactly as before), then close the copy engine."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -435,7 +437,7 @@ def offload_layers(
     pin_memory: bool = True,
     accelerator: Accelerator | None = None,
 ) -> ActivationOffloader:
-    """Offload the saved activations of `layers[:num_layers]`; returns the handle (`stats()`, `remove()`)."""
+    """Offload the saved activations of `layers[:num_layers]`; returns the handle (`metrics()`, `close()`)."""
     handle = ActivationOffloader(
         layers, num_layers, mode=mode, min_offload_bytes=min_offload_bytes,
         prefetch_layers=prefetch_layers, pin_memory=pin_memory, accelerator=accelerator,

@@ -38,19 +38,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from internlm_offload.device import Accelerator, Event
+from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.offload.checkpointing import expensive_ops
 from internlm_offload.offload.host_copies import CopyPair, HostCopies
 from internlm_offload.offload.host_pool import PendingCopy
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class SelectiveOffloadStats:
-    """Bytes of kept outputs sent to the host, cumulative over the run (the copy/wait times are the engine's)."""
-
-    offloaded_bytes: int = 0
 
 
 @dataclass
@@ -91,19 +85,23 @@ class _BlockCache:
         return [r for entry in self.entries for r in entry.outputs if r is not None]
 
 
-class SelectiveOffloader:
-    """Moves recorded outputs to host and back, on the accelerator's streams; `stats` counts what it did."""
+class SelectiveOffloader(MemoryFeature):
+    """Moves recorded outputs to host and back through its copy engine; `metrics()` counts what it did."""
 
-    def __init__(self, accelerator: Accelerator, mode: str, stats: SelectiveOffloadStats, pin_memory: bool) -> None:
-        self.stats = stats
+    def __init__(self, accelerator: Accelerator, mode: str, pin_memory: bool) -> None:
+        self.offloaded_bytes = 0  # of the kept outputs sent to the host, cumulative over the run
         self.copies = HostCopies(accelerator, asynchronous=mode == "async", pin_memory=pin_memory)
         self._last: weakref.ref[_BlockCache] | None = None  # the last cache of the running forward
         self._unreleased: _BlockCache | None = None  # async: its copies are still running
 
-    def as_dict(self) -> dict[str, float]:
-        """The statistics, for metrics.jsonl (`sc_offload_*`): cumulative over the run."""
-        return {"offloaded_bytes": self.stats.offloaded_bytes, **self.copies.figures(),
-                "host_bytes": self.copies.pool.allocated_bytes}  # fmt: skip
+    def metrics(self) -> dict[str, float]:
+        """Bytes sent to the host, copy and wait seconds and pooled host bytes, cumulative (`sc_offload_*`)."""
+        figures = {
+            "offloaded_bytes": self.offloaded_bytes,
+            **self.copies.figures(),
+            "host_bytes": self.copies.pool.allocated_bytes,
+        }
+        return {f"sc_offload_{key}": value for key, value in figures.items()}
 
     def close(self) -> None:
         """Finish and stop the copy streams and drop the pooled host buffers (the run is over)."""
@@ -142,7 +140,7 @@ class SelectiveOffloader:
             # which would hide an in-place change of the output.
             outputs.append(_Recorded(host, t, t._version, t.device))
             yield host, t
-            self.stats.offloaded_bytes += nbytes
+            self.offloaded_bytes += nbytes
 
     def finish_forward(self, cache: _BlockCache) -> None:
         """End of the block's forward: release the previous block's outputs (async) or this one's (sync)."""
@@ -255,8 +253,8 @@ def apply_selective_offload(
     layers: nn.ModuleList, indices: Sequence[int], *, accelerator: Accelerator, mode: str = "async",
     pin_memory: bool = True,
 ) -> SelectiveOffloader:  # fmt: skip
-    """Selectively checkpoint `layers[i]` with the kept outputs on the host; returns the handle (`as_dict()`)."""
-    offloader = SelectiveOffloader(accelerator, mode, SelectiveOffloadStats(), pin_memory)
+    """Selectively checkpoint `layers[i]` with the kept outputs on the host; returns the handle (`metrics()`)."""
+    offloader = SelectiveOffloader(accelerator, mode, pin_memory)
 
     def context_fn() -> tuple[_RecordMode, _ReplayMode]:
         cache = offloader.new_cache()

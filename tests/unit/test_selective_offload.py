@@ -45,7 +45,7 @@ def test_bitwise_against_no_checkpointing(mode, micro_num):
     model = tiny_model()
     handle = apply_selective_offload(model.layers, [0, 1, 2], accelerator=CPU, mode=mode)
     assert_same(step(model, micro_num), step(tiny_model(), micro_num))
-    assert handle.stats.offloaded_bytes > 0 and handle.as_dict()["h2d_s"] > 0
+    assert handle.metrics()["sc_offload_offloaded_bytes"] > 0 and handle.metrics()["sc_offload_h2d_s"] > 0
 
 
 def test_combined_with_activation_offload_of_earlier_blocks():
@@ -53,7 +53,7 @@ def test_combined_with_activation_offload_of_earlier_blocks():
     apply_selective_offload(model.layers, [1, 2], accelerator=CPU, mode="async")
     handle = offload_layers(model.layers, 1, mode="async", accelerator=CPU)
     assert_same(step(model, 2), step(tiny_model(), 2))
-    assert handle.stats()["offloaded_bytes"] > 0
+    assert handle.metrics()["act_offload_offloaded_bytes"] > 0
 
 
 def test_expensive_ops_are_replayed_not_rerun():
@@ -94,7 +94,7 @@ def test_no_host_memory_is_allocated_after_the_first_step(monkeypatch):
     monkeypatch.setattr(Accelerator, "host_empty", lambda self, *a, **k: calls.append(a) or host_empty(self, *a, **k))
     step(model)
     step(model)
-    assert calls == [] and handle.as_dict()["host_bytes"] > 0
+    assert calls == [] and handle.metrics()["sc_offload_host_bytes"] > 0
 
 
 def _delayed(handle, delay_s: float):
@@ -154,7 +154,7 @@ def test_async_selective_offload_never_blocks_the_host_inside_hooks(monkeypatch)
     handle = apply_selective_offload(model.layers, [0, 1, 2], accelerator=acc, mode="async")
     for _ in range(2):
         step(model)
-    assert handle.as_dict()["host_bytes"] > 0
+    assert handle.metrics()["sc_offload_host_bytes"] > 0
     assert host_waits == {}
     load = handle.load
     handle.load = lambda cache: handle.copies.h2d.synchronize() or load(cache)

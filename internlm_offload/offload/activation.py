@@ -149,6 +149,8 @@ class ActivationOffloader(MemoryFeature):
         self._handles: list[RemovableHandle] = []
         self._stats = _Stats()
         self._install()
+        if num_layers:
+            logger.info("Applied %s activation offload to %d of %d blocks", mode, num_layers, len(layers))
 
     # ------------------------------------------------------------------ hooks around blocks
 
@@ -427,21 +429,5 @@ def copy_mode(requested: str, device_type: str) -> str:
     return "sync" if device_type == "npu" else "async"
 
 
-def offload_layers(
-    layers: nn.ModuleList,
-    num_layers: int,
-    *,
-    mode: str = "async",
-    min_offload_bytes: int = 1024,
-    prefetch_layers: int = 1,
-    pin_memory: bool = True,
-    accelerator: Accelerator | None = None,
-) -> ActivationOffloader:
-    """Offload the saved activations of `layers[:num_layers]`; returns the handle (`metrics()`, `close()`)."""
-    handle = ActivationOffloader(
-        layers, num_layers, mode=mode, min_offload_bytes=min_offload_bytes,
-        prefetch_layers=prefetch_layers, pin_memory=pin_memory, accelerator=accelerator,
-    )  # fmt: skip
-    if num_layers:
-        logger.info("Applied %s activation offload to %d of %d blocks", mode, num_layers, len(layers))
-    return handle
+# The public entry point: offload the saved activations of `layers[:num_layers]`; returns the handle.
+offload_layers = ActivationOffloader

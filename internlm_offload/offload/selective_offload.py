@@ -86,13 +86,35 @@ class _BlockCache:
 
 
 class SelectiveOffloader(MemoryFeature):
-    """Moves recorded outputs to host and back through its copy engine; `metrics()` counts what it did."""
+    """Selectively checkpoints `layers[i]` for i in `indices`, moving the kept outputs to host and back through
+    its copy engine; `metrics()` counts what it did."""
 
-    def __init__(self, accelerator: Accelerator, mode: str, pin_memory: bool) -> None:
+    def __init__(
+        self,
+        layers: nn.ModuleList,
+        indices: Sequence[int],
+        *,
+        accelerator: Accelerator,
+        mode: str = "async",
+        pin_memory: bool = True,
+    ) -> None:
         self.offloaded_bytes = 0  # of the kept outputs sent to the host, cumulative over the run
         self.copies = HostCopies(accelerator, asynchronous=mode == "async", pin_memory=pin_memory)
         self._last: weakref.ref[_BlockCache] | None = None  # the last cache of the running forward
         self._unreleased: _BlockCache | None = None  # async: its copies are still running
+        for i in indices:
+            checkpoint(layers[i], context_fn=self._context_fn)
+        if indices:
+            logger.info(
+                "Applied selective checkpointing with host-offloaded outputs to %d of %d blocks",
+                len(indices),
+                len(layers),
+            )
+
+    def _context_fn(self) -> tuple[_RecordMode, _ReplayMode]:
+        """The dispatch modes of one block call: its forward records, its recompute replays."""
+        cache = self.new_cache()
+        return _RecordMode(self, cache), _ReplayMode(self, cache)
 
     def metrics(self) -> dict[str, float]:
         """Bytes sent to the host, copy and wait seconds and pooled host bytes, cumulative (`sc_offload_*`)."""
@@ -249,20 +271,5 @@ class _ReplayMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def apply_selective_offload(
-    layers: nn.ModuleList, indices: Sequence[int], *, accelerator: Accelerator, mode: str = "async",
-    pin_memory: bool = True,
-) -> SelectiveOffloader:  # fmt: skip
-    """Selectively checkpoint `layers[i]` with the kept outputs on the host; returns the handle (`metrics()`)."""
-    offloader = SelectiveOffloader(accelerator, mode, pin_memory)
-
-    def context_fn() -> tuple[_RecordMode, _ReplayMode]:
-        cache = offloader.new_cache()
-        return _RecordMode(offloader, cache), _ReplayMode(offloader, cache)
-
-    for i in indices:
-        checkpoint(layers[i], context_fn=context_fn)
-    if indices:
-        logger.info("Applied selective checkpointing with host-offloaded outputs to %d of %d blocks",
-                    len(indices), len(layers))  # fmt: skip
-    return offloader
+# The public entry point: selectively checkpoint `layers[i]` with the kept outputs on the host; returns the handle.
+apply_selective_offload = SelectiveOffloader

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from internlm_offload.config import ConfigError, CpuOffloadingConfig, ModelConfig, RunConfig
+from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.data import StepLoader, StepSampler, Tokenizer, build_tokenizer
 from internlm_offload.data.validation import find_validation_sets
 from internlm_offload.engine.evaluation import Evaluator
@@ -115,17 +115,6 @@ def build_layer_plan(cfg: RunConfig, num_layers: int) -> LayerPlan:
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-
-
-def apply_offloading(
-    layers: nn.ModuleList, plan: LayerPlan, offloading: CpuOffloadingConfig, accelerator: Accelerator
-) -> tuple[ActivationOffloader | None, SelectiveOffloader | None]:
-    """Install the layer plan's checkpointing and offload with the `cpu_offloading` section's settings."""
-    return apply_layer_plan(
-        layers, plan, offload_enabled=offloading.enable, mode=offloading.mode, pin_memory=offloading.pin_memory,
-        min_offload_bytes=offloading.min_offload_bytes, prefetch_layers=offloading.prefetch_layers,
-        accelerator=accelerator,
-    )  # fmt: skip
 
 
 def build_optimizer(
@@ -262,7 +251,17 @@ def build_components(
     # 2.-3. per-layer plan, applied to the bare blocks
     plan = build_layer_plan(cfg, len(layers))
     logger.info("Layer plan (%d blocks):\n%s", len(layers), plan.table())
-    offloader, selective_offloader = apply_offloading(layers, plan, cfg.cpu_offloading, ctx.accelerator)
+    offloading = cfg.cpu_offloading
+    offloader, selective_offloader = apply_layer_plan(
+        layers,
+        plan,
+        offload_enabled=offloading.enable,
+        mode=offloading.mode,
+        pin_memory=offloading.pin_memory,
+        min_offload_bytes=offloading.min_offload_bytes,
+        prefetch_layers=offloading.prefetch_layers,
+        accelerator=ctx.accelerator,
+    )
     # 4. data parallelism
     par = cfg.parallel
     mode_args: dict[str, dict[str, Any]] = {
@@ -346,9 +345,9 @@ def extra_metric_sources(
     """Figures of the memory features for metrics.jsonl: `act_offload_*`, `sc_offload_*` and `optim_*`."""
     sources = []
     if offloader is not None:
-        sources.append(lambda: {f"act_offload_{key}": value for key, value in offloader.stats().items()})
+        sources.append(offloader.metrics)
     if selective is not None:
-        sources.append(lambda: {f"sc_offload_{key}": value for key, value in selective.as_dict().items()})
+        sources.append(selective.metrics)
     if hasattr(optimizer, "memory_stats"):
         sources.append(lambda: {f"optim_{key}": value for key, value in optimizer.memory_stats().items()})
     return sources
@@ -359,7 +358,7 @@ def closers(
     accelerator: Accelerator,
 ) -> list:  # fmt: skip
     """What `Trainer.close()` runs, in order: hooks and pools first, then every copy stream of the run."""
-    found = [offloader.remove if offloader is not None else None, selective.close if selective is not None else None,
+    found = [offloader.close if offloader is not None else None, selective.close if selective is not None else None,
              getattr(optimizer, "close", None), accelerator.close_streams]  # fmt: skip
     return [close for close in found if close is not None]
 

@@ -113,10 +113,11 @@ def make_cases(args: argparse.Namespace, acc: Accelerator) -> list[Case]:
 
 
 def handle_stats(handle: ActivationOffloader | SelectiveOffloader | None) -> dict[str, float]:
-    """The offload's byte and time counters of the last step (empty without one)."""
+    """The offload's byte and time counters of the last step (empty without one), without their metrics prefix."""
     if handle is None:
         return {}
-    return handle.stats() if isinstance(handle, ActivationOffloader) else handle.as_dict()
+    prefix = "act_offload_" if isinstance(handle, ActivationOffloader) else "sc_offload_"
+    return {key.removeprefix(prefix): value for key, value in handle.metrics().items()}
 
 
 def save_on_cpu(acc: Accelerator) -> AbstractContextManager:
@@ -224,7 +225,7 @@ def summarize(case: Case, base: Case) -> dict[str, Any]:
         record["offloader"] = {k: statistics.median(s[k] for s in case.stats) for k in case.stats[-1]}
         copies = record["offloader"]["d2h_s"] + record["offloader"]["h2d_s"]
         # Share of the copies' own time that compute did not wait for (async: the overlap achieved).
-        overlapping = copies and case.handle.d2h is not None  # sync copies run on the compute stream itself
+        overlapping = copies and case.handle.copies.d2h is not None  # sync copies run on the compute stream itself
         record["copy_overlap"] = 1 - record["offloader"]["wait_s"] / copies if overlapping else None
     if isinstance(case.handle, ActivationOffloader):
         # Of the bytes copied to the host (each storage once), how many the device no longer holds once
@@ -308,9 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         time_cases(cases, tokens, args, acc)
     finally:
         for case in cases:
-            if isinstance(case.handle, ActivationOffloader):
-                case.handle.remove()
-            elif case.handle is not None:
+            if case.handle is not None:
                 case.handle.close()
     peaks = sampled_peaks(sys.argv[1:] if argv is None else argv)
     for case in cases:

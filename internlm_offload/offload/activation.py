@@ -25,7 +25,6 @@ bandwidth keeps up.
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,18 +33,10 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from internlm_offload.device import (
-    Accelerator,
-    CopyTimer,
-    Event,
-    HostPool,
-    PendingCopy,
-    Stream,
-    finish_and_close,
-    get_accelerator,
-    storage_key,
-)
+from internlm_offload.device import Accelerator, Event, PendingCopy, get_accelerator, storage_key
+from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
+from internlm_offload.offload.host_copies import HostCopies
 
 logger = get_logger(__name__)
 
@@ -125,7 +116,7 @@ class _Forward:
         self.pending_release: list[_Group] = []
 
 
-class ActivationOffloader:
+class ActivationOffloader(MemoryFeature):
     """Saved-tensor hooks that offload the activations of `layers[:num_layers]`; see the module doc."""
 
     def __init__(
@@ -146,24 +137,19 @@ class ActivationOffloader:
         self.min_offload_bytes = min_offload_bytes
         self.prefetch_layers = prefetch_layers
         self.accelerator = accelerator or get_accelerator("auto")
-        self.pool = HostPool(self.accelerator, pin_memory)
-        # A copy to or from pageable host memory with non_blocking=True blocks the host on cuda: only a
-        # pinned buffer makes the copy truly asynchronous.
-        self.non_blocking = pin_memory and self.accelerator.supports_pinned_memory
         if mode == "async" and self.accelerator.supports_pinned_memory and not pin_memory:
             logger.warning(
                 "activation offload: mode='async' with pin_memory=False copies from pageable memory, which blocks "
                 "the host on %s; async gains nothing over sync. Set pin_memory=True", self.accelerator.name,
             )  # fmt: skip
-        self.d2h: Stream | None = self.accelerator.stream() if mode == "async" else None
-        self.h2d: Stream | None = self.accelerator.stream() if mode == "async" else None
-        self._d2h_timer, self._h2d_timer = CopyTimer(self.accelerator), CopyTimer(self.accelerator)
-        self._timer_base = (0.0, 0.0)
+        self.copies = HostCopies(self.accelerator, asynchronous=mode == "async", pin_memory=pin_memory)
         self._forward: _Forward | None = None
         self._hook_stack: list[contextlib.AbstractContextManager] = []
         self._handles: list[RemovableHandle] = []
         self._stats = _Stats()
         self._install()
+        if num_layers:
+            logger.info("Applied %s activation offload to %d of %d blocks", mode, num_layers, len(layers))
 
     # ------------------------------------------------------------------ hooks around blocks
 
@@ -196,15 +182,15 @@ class ActivationOffloader:
             if forward is None:
                 return
             group = forward.groups[index] if index < self.num_layers else None
-            if group is not None and self.d2h is not None:
-                group.d2h_done = self.d2h.record_event()
+            if group is not None and self.copies.d2h is not None:
+                group.d2h_done = self.copies.d2h.record_event()
             # Double buffering: the previous group's copies had a whole block to finish. Sources are
             # held at least to the end of their own block: a freed storage's address could otherwise be
             # reused by a new tensor of the same block and mistaken for an already offloaded storage.
             for older in forward.pending_release:
                 self._release_sources(older)
             forward.pending_release = []
-            if group is not None and self.d2h is None:
+            if group is not None and self.copies.d2h is None:
                 self._release_sources(group)  # sync: the copies are done
             elif group is not None:
                 forward.pending_release = [group]
@@ -229,13 +215,13 @@ class ActivationOffloader:
         self._end_forward()
         self._forward = _Forward(self.num_layers)
         self._stats.start_forward()
-        self._timer_base = (self._d2h_timer.seconds(), self._h2d_timer.seconds())
+        self.copies.reset_figures()
 
     # ------------------------------------------------------------------ pack (forward)
 
     def _make_pack(self, index: int, module: nn.Module):
         offloaded = index < self.num_layers
-        prefetches = index == self.num_layers and self.h2d is not None
+        prefetches = index == self.num_layers and self.copies.h2d is not None
 
         def pack(t: torch.Tensor) -> Any:
             nbytes = t.numel() * t.element_size()
@@ -286,34 +272,24 @@ class ActivationOffloader:
         key = storage_key(t)
         if key not in group.slots:
             source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            slot = _Slot(host=self.pool.take(source.numel()), source=source)
+            slot = _Slot(host=self.copies.pool.take(source.numel()), source=source)
             group.slots[key] = slot
             group.nbytes += source.numel()
             self._stats.add_host_copy(source.numel())
             self._copy_out(slot)
             # The host copy lives as long as the group, i.e. as long as autograd's graph needs it.
-            weakref.finalize(group, self.pool.give_back, [slot.host], group.pending)
+            weakref.finalize(group, self.copies.pool.give_back, [slot.host], group.pending)
         group.packed += 1
         self._stats.offloaded_bytes += t.numel() * t.element_size()
         return _Saved(group, key, t.dtype, t.size(), t.stride(), t.storage_offset(), t.requires_grad)
 
     def _copy_out(self, slot: _Slot) -> None:
-        if self.d2h is None:
-            start = time.perf_counter()
-            slot.host.copy_(slot.source)
-            self._stats.d2h_s += time.perf_counter() - start
-            return
-        # The copy stream must see the activation as it is now on the compute stream.
-        self.d2h.wait_stream(self.accelerator.current_stream())
-        self._d2h_timer.run(self.d2h, self._copy, slot.host, slot.source)
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=self.non_blocking)
+        self.copies.to_host([(slot.host, slot.source)])
 
     def _release_sources(self, group: _Group) -> None:
         """Drop the device copies of a group once its D2H copies finished."""
         if group.d2h_done is not None:
-            self._timed_wait(group.d2h_done)
+            self.copies.wait(group.d2h_done)
         for slot in group.slots.values():
             slot.source = None
         self._stats.release(group.nbytes)
@@ -353,57 +329,37 @@ class ActivationOffloader:
             # Allocated on the compute stream, so the caching allocator orders its reuse after this point.
             slot.reloaded = torch.empty(slot.host.numel(), dtype=torch.uint8, device=group.device)
         self._stats.reload(group.nbytes)
-        if self.h2d is None:
-            start = time.perf_counter()
-            for slot in group.slots.values():
-                slot.reloaded.copy_(slot.host)
-            self._stats.h2d_s += time.perf_counter() - start
-            return
-        self.h2d.wait_stream(self.accelerator.current_stream())
-        for slot in group.slots.values():
-            self._h2d_timer.run(self.h2d, self._copy, slot.reloaded, slot.host)
-            # Backward may never consume a prefetch: the allocator must not reuse the destination while the
-            # copy still writes it, even if the compute stream never waits on this group.
-            self.accelerator.record_stream(slot.reloaded, self.h2d)
-        group.h2d_done = self.h2d.record_event()
+        # Backward may never consume a prefetch: then the pending event keeps the host buffers from reuse.
+        group.h2d_done = self.copies.reload([(slot.reloaded, slot.host) for slot in group.slots.values()])
         group.pending.event = group.h2d_done
 
     def _ensure_reloaded(self, group: _Group) -> None:
         self._start_reload(group)
         if group.h2d_done is not None:
-            self._timed_wait(group.h2d_done)
+            self.copies.wait(group.h2d_done)
             group.pending.event = None  # consumed: later users are ordered after the compute stream
-
-    def _timed_wait(self, event: Event) -> None:
-        start = time.perf_counter()
-        event.wait()  # the compute stream waits; on cpu this blocks the caller
-        self._stats.wait_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------ public surface
 
-    def stats(self) -> dict[str, float]:
-        """Byte accounting of the last forward; copy and wait seconds since it started."""
-        stats = self._stats.as_dict()
-        if self.d2h is not None:  # async: the copies' own time on their streams (not their enqueue)
-            stats["d2h_s"] = self._d2h_timer.seconds() - self._timer_base[0]
-            stats["h2d_s"] = self._h2d_timer.seconds() - self._timer_base[1]
-        return stats
+    def metrics(self) -> dict[str, float]:
+        """Byte accounting of the last forward and copy and wait seconds since it started (`act_offload_*`)."""
+        figures = {**self._stats.as_dict(), **self.copies.figures()}
+        return {f"act_offload_{key}": value for key, value in figures.items()}
 
-    def remove(self) -> None:
-        """Uninstall every hook; the blocks behave exactly as before."""
+    def close(self) -> None:
+        """Uninstall every hook (the blocks behave exactly as before), then close the copy engine."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         while self._hook_stack:
             self._hook_stack.pop().__exit__(None, None, None)
         self._end_forward()
-        finish_and_close(self.d2h, self.h2d)
-        self.pool.clear()
+        self.copies.close()
 
 
 @dataclass
 class _Stats:
-    """Saved-activation byte accounting of the last forward, plus copy and wait times."""
+    """Saved-activation byte accounting of the last forward (the copy and wait times are the engine's)."""
 
     offloaded_bytes: int = 0  # bytes of the saved tensors that went to the host (as autograd counts them)
     host_bytes: int = 0  # bytes actually copied: each storage once
@@ -411,14 +367,10 @@ class _Stats:
     live_resident_bytes: int = 0  # resident bytes autograd has not handed back to backward yet
     peak_resident_bytes: int = 0
     in_flight_bytes: int = 0  # offloaded sources not yet released, or reloaded groups
-    d2h_s: float = 0.0
-    h2d_s: float = 0.0
-    wait_s: float = 0.0
 
     def start_forward(self) -> None:
         self.offloaded_bytes = self.host_bytes = self.resident_bytes = self.live_resident_bytes = 0
         self.peak_resident_bytes = self.in_flight_bytes = 0
-        self.d2h_s = self.h2d_s = self.wait_s = 0.0
 
     def add_resident(self, nbytes: int) -> None:
         self.resident_bytes += nbytes
@@ -450,9 +402,6 @@ class _Stats:
             "host_bytes": self.host_bytes,
             "resident_bytes": self.resident_bytes,
             "peak_resident_bytes": self.peak_resident_bytes,
-            "d2h_s": self.d2h_s,
-            "h2d_s": self.h2d_s,
-            "wait_s": self.wait_s,
         }
 
 
@@ -479,21 +428,5 @@ def copy_mode(requested: str, device_type: str) -> str:
     return "sync" if device_type == "npu" else "async"
 
 
-def offload_layers(
-    layers: nn.ModuleList,
-    num_layers: int,
-    *,
-    mode: str = "async",
-    min_offload_bytes: int = 1024,
-    prefetch_layers: int = 1,
-    pin_memory: bool = True,
-    accelerator: Accelerator | None = None,
-) -> ActivationOffloader:
-    """Offload the saved activations of `layers[:num_layers]`; returns the handle (`stats()`, `remove()`)."""
-    handle = ActivationOffloader(
-        layers, num_layers, mode=mode, min_offload_bytes=min_offload_bytes,
-        prefetch_layers=prefetch_layers, pin_memory=pin_memory, accelerator=accelerator,
-    )  # fmt: skip
-    if num_layers:
-        logger.info("Applied %s activation offload to %d of %d blocks", mode, num_layers, len(layers))
-    return handle
+# The public entry point: offload the saved activations of `layers[:num_layers]`; returns the handle.
+offload_layers = ActivationOffloader

@@ -10,10 +10,10 @@ import torch.nn as nn
 
 from internlm_offload.device import Accelerator
 from internlm_offload.log import get_logger
-from internlm_offload.offload.activation import ActivationOffloader, copy_mode, offload_layers
+from internlm_offload.offload.activation import ActivationOffloader, copy_mode
 from internlm_offload.offload.checkpointing import apply_activation_checkpointing
 from internlm_offload.offload.plan import LayerMode, LayerPlan
-from internlm_offload.offload.selective_offload import SelectiveOffloader, apply_selective_offload
+from internlm_offload.offload.selective_offload import SelectiveOffloader
 
 logger = get_logger(__name__)
 
@@ -40,7 +40,7 @@ def apply_layer_plan(
     selective_offloaded = plan.layers_with(LayerMode.SELECTIVE_OFFLOAD)
     selective = None
     if selective_offloaded:
-        selective = apply_selective_offload(
+        selective = SelectiveOffloader(
             layers, selective_offloaded, accelerator=accelerator, mode=mode, pin_memory=pin_memory
         )
     num_offload = len(plan.layers_with(LayerMode.OFFLOAD))
@@ -51,8 +51,13 @@ def apply_layer_plan(
             "cpu_offloading.mode='sync': copies run on the compute stream; each offloaded block pays its full "
             "D2H (forward) and H2D (backward) transfer time (ms-swift measured ~2.5x slower steps on NPU)"
         )
-    offloader = offload_layers(
-        layers, num_offload, mode=mode, min_offload_bytes=min_offload_bytes, prefetch_layers=prefetch_layers,
-        pin_memory=pin_memory, accelerator=accelerator,
-    )  # fmt: skip
+    offloader = ActivationOffloader(
+        layers,
+        num_offload,
+        mode=mode,
+        min_offload_bytes=min_offload_bytes,
+        prefetch_layers=prefetch_layers,
+        pin_memory=pin_memory,
+        accelerator=accelerator,
+    )
     return offloader, selective

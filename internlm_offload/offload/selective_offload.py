@@ -26,9 +26,8 @@ at the price of one D2H and one H2D copy of them; async holds one extra block's 
 
 from __future__ import annotations
 
-import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,25 +37,13 @@ from torch.distributed._composable import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from internlm_offload.device import Accelerator, CopyTimer, Event, HostPool, PendingCopy, Stream, finish_and_close
+from internlm_offload.device import Accelerator, Event, PendingCopy
+from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.offload.checkpointing import expensive_ops
+from internlm_offload.offload.host_copies import CopyPair, HostCopies
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class SelectiveOffloadStats:
-    """Bytes of kept outputs sent to the host and copy/wait times, cumulative over the run."""
-
-    offloaded_bytes: int = 0
-    d2h_s: float = 0.0
-    h2d_s: float = 0.0
-    wait_s: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {"offloaded_bytes": self.offloaded_bytes, "d2h_s": self.d2h_s, "h2d_s": self.h2d_s,
-                "wait_s": self.wait_s}  # fmt: skip
 
 
 @dataclass
@@ -97,65 +84,91 @@ class _BlockCache:
         return [r for entry in self.entries for r in entry.outputs if r is not None]
 
 
-class SelectiveOffloader:
-    """Moves recorded outputs to host and back, on the accelerator's streams; `stats` counts what it did."""
+class SelectiveOffloader(MemoryFeature):
+    """Selectively checkpoints `layers[i]` for i in `indices`, moving the kept outputs to host and back through
+    its copy engine; `metrics()` counts what it did."""
 
-    def __init__(self, accelerator: Accelerator, mode: str, stats: SelectiveOffloadStats, pin_memory: bool) -> None:
-        self.accelerator = accelerator
-        self.stats = stats
-        self.pool = HostPool(accelerator, pin_memory)
-        self.non_blocking = pin_memory and accelerator.supports_pinned_memory  # pageable copies block the host
-        self.d2h: Stream | None = accelerator.stream() if mode == "async" else None
-        self.h2d: Stream | None = accelerator.stream() if mode == "async" else None
-        self._timers = {"d2h_s": CopyTimer(accelerator), "h2d_s": CopyTimer(accelerator)}  # async copies
+    def __init__(
+        self,
+        layers: nn.ModuleList,
+        indices: Sequence[int],
+        *,
+        accelerator: Accelerator,
+        mode: str = "async",
+        pin_memory: bool = True,
+    ) -> None:
+        self.offloaded_bytes = 0  # of the kept outputs sent to the host, cumulative over the run
+        self.copies = HostCopies(accelerator, asynchronous=mode == "async", pin_memory=pin_memory)
         self._last: weakref.ref[_BlockCache] | None = None  # the last cache of the running forward
         self._unreleased: _BlockCache | None = None  # async: its copies are still running
+        for i in indices:
+            checkpoint(layers[i], context_fn=self._context_fn)
+        if indices:
+            logger.info(
+                "Applied selective checkpointing with host-offloaded outputs to %d of %d blocks",
+                len(indices),
+                len(layers),
+            )
 
-    def as_dict(self) -> dict[str, float]:
-        """The statistics, for metrics.jsonl (`sc_offload_*`)."""
-        stats = {**self.stats.as_dict(), "host_bytes": self.pool.allocated_bytes}
-        if self.d2h is not None:  # the copies' own time on their streams, not their enqueue
-            stats.update({counter: timer.seconds() for counter, timer in self._timers.items()})
-        return stats
+    def _context_fn(self) -> tuple[_RecordMode, _ReplayMode]:
+        """The dispatch modes of one block call: its forward records, its recompute replays."""
+        cache = self.new_cache()
+        return _RecordMode(self, cache), _ReplayMode(self, cache)
+
+    def metrics(self) -> dict[str, float]:
+        """Bytes sent to the host, copy and wait seconds and pooled host bytes, cumulative (`sc_offload_*`)."""
+        figures = {
+            "offloaded_bytes": self.offloaded_bytes,
+            **self.copies.figures(),
+            "host_bytes": self.copies.pool.allocated_bytes,
+        }
+        return {f"sc_offload_{key}": value for key, value in figures.items()}
 
     def close(self) -> None:
         """Finish and stop the copy streams and drop the pooled host buffers (the run is over)."""
         self._flush()
-        finish_and_close(self.d2h, self.h2d)
-        self.pool.clear()
+        self.copies.close()
 
     # ------------------------------------------------------------------ forward
 
     def new_cache(self) -> _BlockCache:
         cache = _BlockCache(below=self._last() if self._last is not None else None)
         self._last = weakref.ref(cache)
-        weakref.finalize(cache, self.pool.give_back, cache.buffers, cache.pending)
+        weakref.finalize(cache, self.copies.pool.give_back, cache.buffers, cache.pending)
         return cache
 
     def store(self, cache: _BlockCache, out: Any) -> None:
         flat, structure = tree_flatten(out)
-        if self.d2h is not None:
-            self.d2h.wait_stream(self.accelerator.current_stream())  # the output is ready
-        outputs = [self._record(cache, t) if isinstance(t, torch.Tensor) else None for t in flat]
+        outputs: list[_Recorded | None] = []
+        self.copies.to_host(self._record_each(cache, flat, outputs))
         cache.entries.append(_Entry(outputs, structure))
 
-    def _record(self, cache: _BlockCache, t: torch.Tensor) -> _Recorded:
-        nbytes = t.numel() * t.element_size()
-        buffer = self.pool.take(nbytes)
-        cache.buffers.append(buffer)
-        host = buffer.view(t.dtype).view(t.shape)
-        self._copy(host, t, self.d2h, "d2h_s")
-        self.stats.offloaded_bytes += nbytes
-        # `t` itself, not `t.detach()`: below autograd a detached alias gets its own version counter,
-        # which would hide an in-place change of the output.
-        return _Recorded(host, t, t._version, t.device)
+    def _record_each(self, cache: _BlockCache, flat: list[Any], outputs: list[_Recorded | None]) -> Iterator[CopyPair]:
+        """Record the tensors of `flat` into `outputs`, yielding each one's copy out as it is recorded.
+
+        Lazily: each host buffer is taken from the pool right before its own copy is queued, after the copy
+        stream's wait for the outputs.
+        """
+        for t in flat:
+            if not isinstance(t, torch.Tensor):
+                outputs.append(None)
+                continue
+            nbytes = t.numel() * t.element_size()
+            buffer = self.copies.pool.take(nbytes)
+            cache.buffers.append(buffer)
+            host = buffer.view(t.dtype).view(t.shape)
+            # `t` itself, not `t.detach()`: below autograd a detached alias gets its own version counter,
+            # which would hide an in-place change of the output.
+            outputs.append(_Recorded(host, t, t._version, t.device))
+            yield host, t
+            self.offloaded_bytes += nbytes
 
     def finish_forward(self, cache: _BlockCache) -> None:
         """End of the block's forward: release the previous block's outputs (async) or this one's (sync)."""
-        if self.d2h is None:
+        if self.copies.d2h is None:
             self._release(cache)
             return
-        cache.copied_out = self.d2h.record_event()
+        cache.copied_out = self.copies.d2h.record_event()
         self._flush()
         self._unreleased = cache
 
@@ -167,7 +180,7 @@ class SelectiveOffloader:
     def _release(self, cache: _BlockCache) -> None:
         """Wait for the block's copies, then drop its device outputs."""
         if cache.copied_out is not None:
-            self._timed_wait(cache.copied_out)
+            self.copies.wait(cache.copied_out)
         for r in cache.recorded():
             if r.source is None:
                 continue
@@ -186,7 +199,7 @@ class SelectiveOffloader:
         self._last = None
         cache.replay_index = 0
         self._start_load(cache)
-        if cache.below is not None and self.h2d is not None:
+        if cache.below is not None and self.copies.h2d is not None:
             self._start_load(cache.below)
 
     def _start_load(self, cache: _BlockCache) -> None:
@@ -197,24 +210,14 @@ class SelectiveOffloader:
         for r in recorded:
             # Allocated on the compute stream, so the caching allocator orders its reuse after this point.
             r.loaded = torch.empty(r.host.shape, dtype=r.host.dtype, device=r.device)
-        if self.h2d is None:
-            start = time.perf_counter()
-            for r in recorded:
-                r.loaded.copy_(r.host)
-            self.stats.h2d_s += time.perf_counter() - start
-            return
-        self.h2d.wait_stream(self.accelerator.current_stream())
-        for r in recorded:
-            self._timers["h2d_s"].run(self.h2d, self._copy_now, r.loaded, r.host)
-            # The replay may never come (a partial backward): no reuse while the copy still writes.
-            self.accelerator.record_stream(r.loaded, self.h2d)
-        cache.loaded = self.h2d.record_event()
+        # The replay may never come (a partial backward): then the pending event keeps the host buffers from reuse.
+        cache.loaded = self.copies.reload([(r.loaded, r.host) for r in recorded])
         cache.pending.event = cache.loaded
 
     def load(self, cache: _BlockCache) -> Any:
         """The next recorded output, back on the device (a fresh copy each replay: backward may keep it)."""
         if cache.loaded is not None:
-            self._timed_wait(cache.loaded)
+            self.copies.wait(cache.loaded)
             cache.loaded = None
             cache.pending.event = None  # consumed: later users are ordered after the compute stream
         entry = cache.entries[cache.replay_index]
@@ -227,24 +230,6 @@ class SelectiveOffloader:
         if cache.replay_index == len(cache.entries):
             cache.load_started = False  # a second backward (retain_graph) loads again
         return tree_unflatten(restored, entry.structure)
-
-    # ------------------------------------------------------------------ copies
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream | None, counter: str) -> None:
-        if stream is None:
-            start = time.perf_counter()
-            dst.copy_(src)
-            setattr(self.stats, counter, getattr(self.stats, counter) + time.perf_counter() - start)
-        else:
-            self._timers[counter].run(stream, self._copy_now, dst, src)
-
-    def _copy_now(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=self.non_blocking)
-
-    def _timed_wait(self, event: Event) -> None:
-        start = time.perf_counter()
-        event.wait()  # the compute stream waits; on cpu this blocks the caller
-        self.stats.wait_s += time.perf_counter() - start
 
 
 class _RecordMode(TorchDispatchMode):
@@ -285,20 +270,5 @@ class _ReplayMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def apply_selective_offload(
-    layers: nn.ModuleList, indices: Sequence[int], *, accelerator: Accelerator, mode: str = "async",
-    pin_memory: bool = True,
-) -> SelectiveOffloader:  # fmt: skip
-    """Selectively checkpoint `layers[i]` with the kept outputs on the host; returns the handle (`as_dict()`)."""
-    offloader = SelectiveOffloader(accelerator, mode, SelectiveOffloadStats(), pin_memory)
-
-    def context_fn() -> tuple[_RecordMode, _ReplayMode]:
-        cache = offloader.new_cache()
-        return _RecordMode(offloader, cache), _ReplayMode(offloader, cache)
-
-    for i in indices:
-        checkpoint(layers[i], context_fn=context_fn)
-    if indices:
-        logger.info("Applied selective checkpointing with host-offloaded outputs to %d of %d blocks",
-                    len(indices), len(layers))  # fmt: skip
-    return offloader
+# The public entry point: selectively checkpoint `layers[i]` with the kept outputs on the host; returns the handle.
+apply_selective_offload = SelectiveOffloader

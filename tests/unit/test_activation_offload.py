@@ -66,8 +66,8 @@ MATRIX = list(itertools.product([1, L // 2, L - 1], ["sync", "async"], [0.0, 0.5
 def test_bitwise_alignment_matrix(baselines, num_offload, mode, ratio, selective, micro_num):
     model, handle = planned_model(num_offload, ratio, selective, mode)
     assert_bitwise(step(model, micro_num), baselines[micro_num])
-    assert handle.stats()["offloaded_bytes"] > 0
-    handle.remove()
+    assert handle.metrics()["act_offload_offloaded_bytes"] > 0
+    handle.close()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -76,16 +76,19 @@ def test_saved_bytes_are_accounted_for(mode):
     base_model = tiny_model()
     reference = offload_layers(base_model.layers, 0)
     step(base_model)
-    total = reference.stats()["resident_bytes"]
-    assert reference.stats()["offloaded_bytes"] == 0 and reference.stats()["peak_resident_bytes"] == total
+    total = reference.metrics()["act_offload_resident_bytes"]
+    assert (
+        reference.metrics()["act_offload_offloaded_bytes"] == 0
+        and reference.metrics()["act_offload_peak_resident_bytes"] == total
+    )
     peaks = []
     for n in range(1, L):
         model = tiny_model()
         handle = offload_layers(model.layers, n, mode=mode)
         step(model)
-        stats = handle.stats()
-        assert stats["offloaded_bytes"] + stats["resident_bytes"] == total
-        peaks.append(stats["peak_resident_bytes"])
+        stats = handle.metrics()
+        assert stats["act_offload_offloaded_bytes"] + stats["act_offload_resident_bytes"] == total
+        peaks.append(stats["act_offload_peak_resident_bytes"])
     assert total > peaks[0] > peaks[1] > peaks[2] - total // L  # offloading frees memory, roughly per block
     assert peaks[0] < total and peaks[1] < peaks[0]
 
@@ -120,11 +123,11 @@ def test_each_storage_is_offloaded_once_and_views_reload_bitwise(mode):
     _, base_x_grad, base_grads = run(False)
     assert torch.equal(x_grad, base_x_grad)
     assert all(torch.equal(g, b) for g, b in zip(grads, base_grads))
-    stats = handle.stats()
+    stats = handle.metrics()
     # One host copy per storage: the block input (saved by the matmul) and x, although the four
     # products save x, x.t(), x[:8] and x.view(-1) twice each (both operands of a mul are saved).
-    assert stats["host_bytes"] == 2 * 16 * 16 * 4
-    assert stats["offloaded_bytes"] == 16 * 16 * 4 * (1 + 2 + 2 + 2) + 8 * 16 * 4 * 2
+    assert stats["act_offload_host_bytes"] == 2 * 16 * 16 * 4
+    assert stats["act_offload_offloaded_bytes"] == 16 * 16 * 4 * (1 + 2 + 2 + 2) + 8 * 16 * 4 * 2
 
 
 def test_parameters_small_and_marked_tensors_stay():
@@ -134,18 +137,18 @@ def test_parameters_small_and_marked_tensors_stay():
     x = torch.randn(4, 64, requires_grad=True)
     y = layers[0](x)  # saves x (input) and the weight (a parameter): only x may go
     layers[1](y).sum().backward()
-    assert handle.stats()["host_bytes"] == x.numel() * 4
+    assert handle.metrics()["act_offload_host_bytes"] == x.numel() * 4
     # marked and tiny tensors stay
-    handle.remove()
+    handle.close()
     handle = offload_layers(layers, 1, mode="sync", min_offload_bytes=10**9)
     layers[1](layers[0](x)).sum().backward()
-    assert handle.stats()["offloaded_bytes"] == 0
-    handle.remove()
+    assert handle.metrics()["act_offload_offloaded_bytes"] == 0
+    handle.close()
     handle = offload_layers(layers, 1, mode="sync", min_offload_bytes=0)
     mark_not_offload(x)
     layers[1](layers[0](x)).sum().backward()
-    assert handle.stats()["offloaded_bytes"] == 0
-    handle.remove()
+    assert handle.metrics()["act_offload_offloaded_bytes"] == 0
+    handle.close()
 
 
 class KeepsRegion(nn.Linear):
@@ -159,7 +162,7 @@ def test_no_offload_region_inside_a_block():
     handle = offload_layers(layers, 1, mode="sync", min_offload_bytes=0)
     x = torch.randn(4, 64, requires_grad=True)
     layers[1](layers[0](x)).sum().backward()
-    assert handle.stats()["offloaded_bytes"] == 0 and handle.stats()["resident_bytes"] > 0
+    assert handle.metrics()["act_offload_offloaded_bytes"] == 0 and handle.metrics()["act_offload_resident_bytes"] > 0
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -182,7 +185,7 @@ def test_lifecycle_edge_cases_leave_no_state(baselines, mode):
     assert not handle._hook_stack  # no saved-tensor hooks left installed
     model.zero_grad(set_to_none=True)
     assert_bitwise(step(model), baselines[1])
-    handle.remove()
+    handle.close()
     assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in model.layers)
 
 
@@ -207,9 +210,9 @@ def test_host_buffers_are_reused_and_sequence_lengths_may_vary():
     handle = offload_layers(model.layers, 2, mode="async")
     step(model)
     step(model)
-    allocated = handle.pool.allocated_bytes
+    allocated = handle.copies.pool.allocated_bytes
     step(model)
-    assert handle.pool.allocated_bytes == allocated  # steady state: no new host allocation
+    assert handle.copies.pool.allocated_bytes == allocated  # steady state: no new host allocation
     model.zero_grad(set_to_none=True)
     short = step(model, seq_len=16)
     plain = tiny_model()
@@ -219,9 +222,9 @@ def test_host_buffers_are_reused_and_sequence_lengths_may_vary():
 def test_remove_restores_the_layers(baselines):
     model = tiny_model()
     handle = offload_layers(model.layers, 3)
-    handle.remove()
+    handle.close()
     assert_bitwise(step(model), baselines[1])
-    assert handle.stats()["offloaded_bytes"] == 0
+    assert handle.metrics()["act_offload_offloaded_bytes"] == 0
 
 
 @pytest.mark.parametrize("bad", [dict(num_layers=L), dict(num_layers=-1), dict(mode="fast"),
@@ -237,10 +240,10 @@ def test_bad_arguments(bad):
 
 def delayed_handle(model: InternLM2, delay_s: float):
     handle = offload_layers(model.layers, 3, mode="async", accelerator=Accelerator("cpu"))
-    handle.d2h.close()
-    handle.h2d.close()
-    handle.d2h = handle.accelerator.stream(delay_s=delay_s)  # injected copy latency
-    handle.h2d = handle.accelerator.stream(delay_s=delay_s)
+    handle.copies.d2h.close()
+    handle.copies.h2d.close()
+    handle.copies.d2h = handle.accelerator.stream(delay_s=delay_s)  # injected copy latency
+    handle.copies.h2d = handle.accelerator.stream(delay_s=delay_s)
     return handle
 
 
@@ -271,7 +274,7 @@ def test_remove_after_a_forward_cut_short_waits_for_its_copies():
     model = tiny_model()
     handle = delayed_handle(model, 0.05)
     _forward_cut_short(model)
-    handle.remove()  # raises StreamError if the sources went before their copies ran
+    handle.close()  # raises StreamError if the sources went before their copies ran
     assert handle._forward is None
 
 
@@ -282,10 +285,10 @@ def test_dropping_the_reload_wait_is_caught(baselines):
     model = tiny_model()
     handle = offload_layers(model.layers, 3, mode="async", accelerator=Accelerator("cpu"))
     handle._ensure_reloaded = handle._start_reload  # the bug: use the reload without waiting for it
-    gate = held_back(handle.h2d)
+    gate = held_back(handle.copies.h2d)
     got = step(model)
     gate.set()
-    handle.h2d.synchronize()
+    handle.copies.h2d.synchronize()
     assert not all(torch.equal(got[2][n], g) for n, g in baselines[1][2].items())
 
 
@@ -296,8 +299,8 @@ def test_checkpointing_stays_effective_beside_offload(mode):
     for ratio in (0.0, 1.0):
         model, handle = planned_model(1, ratio, False, mode)
         step(model)
-        resident[ratio] = handle.stats()["resident_bytes"]
-        handle.remove()
+        resident[ratio] = handle.metrics()["act_offload_resident_bytes"]
+        handle.close()
     # blocks 1-3 checkpointed: autograd keeps (almost) nothing of them, so far fewer resident bytes
     assert resident[1.0] < resident[0.0] / 4
 
@@ -328,9 +331,9 @@ def test_peak_resident_matches_the_plan(mode, prefetch, expected_groups):
         h = layer(h)
     h.sum().backward()
     block = 2 * x.numel() * 4  # two saved storages per block
-    stats = handle.stats()
-    assert stats["resident_bytes"] == block and stats["offloaded_bytes"] == 4 * block
-    assert stats["peak_resident_bytes"] == expected_groups * block
+    stats = handle.metrics()
+    assert stats["act_offload_resident_bytes"] == block and stats["act_offload_offloaded_bytes"] == 4 * block
+    assert stats["act_offload_peak_resident_bytes"] == expected_groups * block
     # nothing left in the offloader between steps
     assert handle._stats.in_flight_bytes == 0 and handle._stats.live_resident_bytes == 0
     assert handle._forward is None and not handle._hook_stack
@@ -349,8 +352,8 @@ def test_every_reload_destination_is_recorded_on_the_copy_stream(monkeypatch):
     recorded = []
     monkeypatch.setattr(Accelerator, "record_stream", lambda self, t, s: recorded.append((t.data_ptr(), s)))
     _unconsumed_prefetch(handle, model)
-    assert recorded and all(s is handle.h2d for _, s in recorded)
-    assert handle.stats()["offloaded_bytes"] > 0
+    assert recorded and all(s is handle.copies.h2d for _, s in recorded)
+    assert handle.metrics()["act_offload_offloaded_bytes"] > 0
 
 
 def test_a_partial_backward_frees_the_graph_and_returns_every_host_buffer():
@@ -361,15 +364,15 @@ def test_a_partial_backward_frees_the_graph_and_returns_every_host_buffer():
     handle = offload_layers(model.layers, 3, mode="async", accelerator=Accelerator("cpu"))
     _unconsumed_prefetch(handle, model)
     gc.collect()
-    pooled = sum(buf.numel() for bucket in handle.pool.free.values() for buf, _ in bucket)
-    assert handle.pool.allocated_bytes > 0 and pooled == handle.pool.allocated_bytes
+    pooled = sum(buf.numel() for bucket in handle.copies.pool.free.values() for buf, _ in bucket)
+    assert handle.copies.pool.allocated_bytes > 0 and pooled == handle.copies.pool.allocated_bytes
 
 
 def test_a_host_buffer_is_not_reused_while_an_unconsumed_prefetch_reads_it():
     model = tiny_model()
     handle = delayed_handle(model, 0.05)
     in_flight: set[int] = set()
-    run, copy, take = handle._h2d_timer.run, handle._copy, handle.pool.take
+    run, copy, take = handle.copies._h2d_timer.run, handle.copies._copy, handle.copies.pool.take
 
     def tracked_run(stream, fn, dst, src):
         in_flight.add(src.data_ptr())
@@ -386,7 +389,7 @@ def test_a_host_buffer_is_not_reused_while_an_unconsumed_prefetch_reads_it():
         handed_out_busy.append(buffer.data_ptr() in in_flight)
         return buffer
 
-    handle._h2d_timer.run, handle.pool.take = tracked_run, checked_take
+    handle.copies._h2d_timer.run, handle.copies.pool.take = tracked_run, checked_take
     _unconsumed_prefetch(handle, model)
     assert in_flight, "the scenario must leave a prefetch in flight"
     handed_out_busy.clear()
@@ -406,9 +409,9 @@ def test_unpinned_buffers_copy_blocking_and_async_says_so(caplog):
     model = tiny_model()
     with caplog.at_level("WARNING"):
         handle = offload_layers(model.layers, 2, mode="async", pin_memory=False, accelerator=_PinnableCpu("cpu"))
-    assert handle.non_blocking is False and "pin_memory=False copies from pageable memory" in caplog.text
+    assert handle.copies.non_blocking is False and "pin_memory=False copies from pageable memory" in caplog.text
     pinned_cpu = offload_layers(tiny_model().layers, 2, mode="async", accelerator=Accelerator("cpu"))
-    assert pinned_cpu.non_blocking is False  # no pinned memory without a device
+    assert pinned_cpu.copies.non_blocking is False  # no pinned memory without a device
 
 
 def test_the_first_offloaded_block_in_backward_is_prefetched():
@@ -437,8 +440,8 @@ def test_async_offload_never_blocks_the_host_inside_hooks(monkeypatch):
     handle._is_host = lambda t: False  # the cpu tensors stand for device memory here
     for _ in range(2):
         step(model)
-    assert handle.stats()["offloaded_bytes"] > 0
+    assert handle.metrics()["act_offload_offloaded_bytes"] > 0
     assert host_waits == {}
-    handle._copy_out = lambda slot, copy_out=handle._copy_out: copy_out(slot) or handle.d2h.synchronize()
+    handle._copy_out = lambda slot, copy_out=handle._copy_out: copy_out(slot) or handle.copies.d2h.synchronize()
     step(model)  # control: a host wait in a hook is counted
     assert host_waits["stream.synchronize"] > 0

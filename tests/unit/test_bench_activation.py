@@ -46,7 +46,7 @@ def test_offload_counts_follow_the_layer_count(tmp_path: Path) -> None:
     cases = bench.make_cases(args, bench.Accelerator("cpu"))
     for case in cases:
         if case.handle is not None:
-            case.handle.remove() if isinstance(case.handle, bench.ActivationOffloader) else case.handle.close()
+            case.handle.close()
     names = [case.name for case in cases]
     assert names == ["baseline", "full_ckpt", "selective_ckpt", "offload_sync_2", "selective_offload_sync_2",
                      "offload_async_2", "selective_offload_async_2", "save_on_cpu"]  # fmt: skip

@@ -69,10 +69,10 @@ def _hybrid(acc: Accelerator) -> tuple[object, Callable[[], None]]:
 
 # site -> (build the path, the function making the wait, which of the path's streams waits, or None: any)
 SITES = {
-    "activation offload: D2H waits for the activation": (_activation_offload, "_copy_out", None),
-    "activation offload: H2D waits before reusing memory": (_activation_offload, "_start_reload", None),
-    "selective offload: D2H waits for the output": (_selective_offload, "store", None),
-    "selective offload: H2D waits before reusing memory": (_selective_offload, "_start_load", None),
+    "activation offload: D2H waits for the activation": (_activation_offload, "to_host", None),
+    "activation offload: H2D waits before reusing memory": (_activation_offload, "reload", None),
+    "selective offload: D2H waits for the output": (_selective_offload, "to_host", None),
+    "selective offload: H2D waits before reusing memory": (_selective_offload, "reload", None),
     "swap: copy-in waits for compute's last use of the buffer": (_swap, "_copy_in", None),
     "swap: copy-out waits for the update": (_swap, "_copy_out", None),
     "hybrid: grads D2H wait for backward": (_hybrid, "step", "_d2h_stream"),
@@ -134,12 +134,12 @@ def test_releasing_sources_before_their_copies_ran_is_caught(path: str) -> None:
         release(owner)
 
     setattr(handle, method, release_without_waiting)
-    gate = held_back(handle.d2h)  # the copies certainly run after the sources went
+    gate = held_back(handle.copies.d2h)  # the copies certainly run after the sources went
     try:
         with pytest.raises(StreamError, match="freed by the program before the stream used it"):
             run()
             gate.set()
-            handle.d2h.synchronize()
+            handle.copies.d2h.synchronize()
     finally:
         gate.set()
         acc.close_streams()

@@ -45,7 +45,7 @@ def test_bitwise_against_no_checkpointing(mode, micro_num):
     model = tiny_model()
     handle = apply_selective_offload(model.layers, [0, 1, 2], accelerator=CPU, mode=mode)
     assert_same(step(model, micro_num), step(tiny_model(), micro_num))
-    assert handle.stats.offloaded_bytes > 0 and handle.as_dict()["h2d_s"] > 0
+    assert handle.metrics()["sc_offload_offloaded_bytes"] > 0 and handle.metrics()["sc_offload_h2d_s"] > 0
 
 
 def test_combined_with_activation_offload_of_earlier_blocks():
@@ -53,7 +53,7 @@ def test_combined_with_activation_offload_of_earlier_blocks():
     apply_selective_offload(model.layers, [1, 2], accelerator=CPU, mode="async")
     handle = offload_layers(model.layers, 1, mode="async", accelerator=CPU)
     assert_same(step(model, 2), step(tiny_model(), 2))
-    assert handle.stats()["offloaded_bytes"] > 0
+    assert handle.metrics()["act_offload_offloaded_bytes"] > 0
 
 
 def test_expensive_ops_are_replayed_not_rerun():
@@ -94,13 +94,13 @@ def test_no_host_memory_is_allocated_after_the_first_step(monkeypatch):
     monkeypatch.setattr(Accelerator, "host_empty", lambda self, *a, **k: calls.append(a) or host_empty(self, *a, **k))
     step(model)
     step(model)
-    assert calls == [] and handle.as_dict()["host_bytes"] > 0
+    assert calls == [] and handle.metrics()["sc_offload_host_bytes"] > 0
 
 
 def _delayed(handle, delay_s: float):
     for name in ("d2h", "h2d"):
-        getattr(handle, name).close()
-        setattr(handle, name, CPU.stream(delay_s=delay_s))  # injected copy latency
+        getattr(handle.copies, name).close()
+        setattr(handle.copies, name, CPU.stream(delay_s=delay_s))  # injected copy latency
 
 
 def test_slow_copies_stay_bitwise_and_dropping_the_load_wait_is_caught():
@@ -117,11 +117,11 @@ def test_slow_copies_stay_bitwise_and_dropping_the_load_wait_is_caught():
 
     handle.load = load_without_wait
     _delayed(handle, 0.0)
-    gate = held_back(handle.h2d)  # the copies back certainly land after the replay (the wait would time out)
+    gate = held_back(handle.copies.h2d)  # the copies back certainly land after the replay (the wait would time out)
     model.zero_grad(set_to_none=True)
     got = step(model)
     gate.set()
-    handle.h2d.synchronize()
+    handle.copies.h2d.synchronize()
     assert not all(torch.equal(got[1][name], grad) for name, grad in expected[1].items())
 
 
@@ -154,10 +154,10 @@ def test_async_selective_offload_never_blocks_the_host_inside_hooks(monkeypatch)
     handle = apply_selective_offload(model.layers, [0, 1, 2], accelerator=acc, mode="async")
     for _ in range(2):
         step(model)
-    assert handle.as_dict()["host_bytes"] > 0
+    assert handle.metrics()["sc_offload_host_bytes"] > 0
     assert host_waits == {}
     load = handle.load
-    handle.load = lambda cache: handle.h2d.synchronize() or load(cache)
+    handle.load = lambda cache: handle.copies.h2d.synchronize() or load(cache)
     step(model)  # control: a host wait in a hook is counted
     assert host_waits["stream.synchronize"] > 0
 

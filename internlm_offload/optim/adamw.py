@@ -6,7 +6,13 @@ from typing import TypeVar
 import torch
 import torch.nn as nn
 
+from internlm_offload.optim.interface import OffloadOptimizer
+
 T = TypeVar("T")
+
+
+class AdamW(OffloadOptimizer, torch.optim.AdamW):
+    """`torch.optim.AdamW` with the run's optimizer interface (all no-ops): same steps, same state dicts."""
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -33,10 +39,10 @@ def build_adamw(
     eps: float,
     weight_decay: float,
     fused: bool | None = None,
-) -> torch.optim.AdamW:
+) -> AdamW:
     if fused is None:
         fused = fused_supported(device_type)
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused)
+    return AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused)
 
 
 def consecutive_runs(

@@ -33,6 +33,7 @@ from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import consecutive_runs, fused_supported, param_groups
 from internlm_offload.optim.dtensor import is_dtensor, laid_out_like, local_nbytes, local_shard
 from internlm_offload.optim.host_arena import HostArena
+from internlm_offload.optim.interface import OffloadOptimizer
 
 logger = get_logger(__name__)
 
@@ -127,7 +128,7 @@ def offload_mask(params: Iterable[torch.Tensor], offload_fraction: float) -> lis
     return mask
 
 
-class HybridDeviceOptimizer(Optimizer):
+class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
     """Steps the first `offload_fraction` of the params on the CPU and the rest on the device.
 
     Placement: params are walked in `param_groups` order; the longest leading run of trainable params
@@ -418,21 +419,24 @@ class HybridDeviceOptimizer(Optimizer):
         """Refresh every master copy from the model's params (after loading weights without optimizer state)."""
         self._refresh_masters(keep_if_rounds_to_param=False)
 
-    def offload_optimizer_states(self) -> None:
-        """Move the device sub-optimizer's state tensors to host memory (frees it between phases).
+    def offload_optimizer_states(self) -> bool:
+        """Move the device sub-optimizer's state tensors to host memory (frees it between phases); returns
+        False when they are there already.
 
         They go into one pinned slab, allocated at the first offload and reused by later ones while the
         states keep their shapes: phases can alternate without a pinned allocation each time.
         """
         if self._states_offloaded:
-            return
+            return False
         self._offload_slab = _states_into_slab(self._device_optimizer, self._acc, pinned=True, reuse=self._offload_slab)
         self._states_offloaded = True
+        return True
 
-    def reload_optimizer_states(self) -> None:
-        """Bring the device sub-optimizer's states back where its step expects them."""
+    def reload_optimizer_states(self) -> bool:
+        """Bring the device sub-optimizer's states back where its step expects them; returns False when they
+        are there already."""
         if not self._states_offloaded:
-            return
+            return False
         optimizer = self._device_optimizer
         for key, state in optimizer.state.items():
             group = _group_of(optimizer, key)
@@ -440,6 +444,7 @@ class HybridDeviceOptimizer(Optimizer):
                 if torch.is_tensor(value):
                     state[name] = _placed(value, key, name, group)
         self._states_offloaded = False
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """The state dict of one `torch.optim.AdamW` over all params; tensors alias the live state, as in torch.

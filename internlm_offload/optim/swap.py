@@ -54,6 +54,7 @@ from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import consecutive_runs, fused_supported, param_groups
 from internlm_offload.optim.dtensor import laid_out_like, local_nbytes, local_shard
 from internlm_offload.optim.host_arena import HostArena, aligned_offsets
+from internlm_offload.optim.interface import OffloadOptimizer
 
 logger = get_logger(__name__)
 
@@ -110,7 +111,7 @@ class _Chunk:
         return self.views[id(slot.param), slot.key]
 
 
-class SwapAdamW(torch.optim.AdamW):
+class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
     """Drop-in `torch.optim.AdamW` with host-resident states; see the module docstring.
 
     Extra args (InternEvo's key names): `swap_optimizer_times` (the step's device memory is

@@ -5,6 +5,7 @@ optimizer → data → trainer. The memory features are applied to the bare mode
 wrapping, so FSDP2 shards the same blocks the plan acted on.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +30,10 @@ from internlm_offload.log import get_logger
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
 from internlm_offload.offload.selective_offload import SelectiveOffloader
 from internlm_offload.optim import build_lr_scheduler, param_groups
-from internlm_offload.optim.adamw import build_adamw
-from internlm_offload.optim.hybrid import build_hybrid_adamw, offload_mask
-from internlm_offload.optim.swap import build_swap_adamw
+from internlm_offload.optim.adamw import AdamW, fused_supported
+from internlm_offload.optim.hybrid import HybridDeviceOptimizer, offload_mask
+from internlm_offload.optim.interface import OffloadOptimizer
+from internlm_offload.optim.swap import SwapAdamW
 from internlm_offload.optim.memory import (
     HYBRID_CPU_BYTES,
     SWAP_STATE_BYTES,
@@ -130,31 +132,42 @@ def apply_offloading(
 
 def build_optimizer(
     cfg: RunConfig, model: nn.Module, accelerator: Accelerator, *, host_params: bool = False, check_host: bool = True
-) -> torch.optim.Optimizer:
+) -> OffloadOptimizer:
     """AdamW, or its offloading variants, over `model`'s parameters (the fp32 masters where they exist).
 
+    Every variant gets the same param groups (decay on matrices only) and the same `fused` choice.
     `host_params`: the parameters are host-resident masters, swapped in with the states. `check_host`:
     refuse offloaded states the machine's host memory cannot hold.
     """
     adam = cfg.adam
-    common = dict(
-        lr=adam.lr, betas=(adam.adam_beta1, adam.adam_beta2), eps=adam.adam_eps,
-        weight_decay=adam.weight_decay, fused=adam.fused,
-    )  # fmt: skip
     if check_host and (cfg.swap_optimizer or cfg.hybrid_optimizer.enable):
         check_optimizer_host_memory(cfg, model)
+    groups = param_groups(model, adam.weight_decay)
+    fused = fused_supported(accelerator.name) if adam.fused is None else adam.fused
+    hyper = {"lr": adam.lr, "betas": (adam.adam_beta1, adam.adam_beta2), "eps": adam.adam_eps}
     if cfg.swap_optimizer:
-        return build_swap_adamw(
-            model, accelerator=accelerator, swap_optimizer_times=cfg.swap_optimizer_times,
-            use_pinned_optimizer_offload=cfg.use_pinned_optimizer_offload, swap_params=host_params, **common,
-        )  # fmt: skip
+        return SwapAdamW(
+            groups,
+            fused=fused,
+            swap_optimizer_times=cfg.swap_optimizer_times,
+            use_pinned_optimizer_offload=cfg.use_pinned_optimizer_offload,
+            swap_params=host_params,
+            accelerator=accelerator,
+            **hyper,
+        )
     if cfg.hybrid_optimizer.enable:
         hybrid = cfg.hybrid_optimizer
-        return build_hybrid_adamw(
-            model, accelerator=accelerator, offload_fraction=hybrid.offload_fraction, overlap_cpu_optimizer_d2h_h2d=hybrid.overlap_cpu_optimizer_d2h_h2d,
-            param_update_in_fp32=hybrid.param_update_in_fp32, **common,
-        )  # fmt: skip
-    return build_adamw(model, device_type=accelerator.name, **common)
+        # The CPU side keeps the optimizer's default (fused AdamW on cpu); the device side gets the run's choice.
+        return HybridDeviceOptimizer(
+            groups,
+            offload_fraction=hybrid.offload_fraction,
+            gpu_optimizer_cls=functools.partial(torch.optim.AdamW, fused=fused),
+            param_update_in_fp32=hybrid.param_update_in_fp32,
+            overlap_cpu_optimizer_d2h_h2d=hybrid.overlap_cpu_optimizer_d2h_h2d,
+            accelerator=accelerator,
+            **hyper,
+        )
+    return AdamW(groups, fused=fused, **hyper)
 
 
 def check_optimizer_host_memory(cfg: RunConfig, model: nn.Module) -> None:

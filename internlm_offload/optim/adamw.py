@@ -30,21 +30,6 @@ def fused_supported(device_type: str) -> bool:
     return device_type in ("cpu", "cuda", "mps", "xpu")
 
 
-def build_adamw(
-    model: nn.Module,
-    *,
-    device_type: str,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    fused: bool | None = None,
-) -> AdamW:
-    if fused is None:
-        fused = fused_supported(device_type)
-    return AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused)
-
-
 def consecutive_runs(
     items: Sequence[T], *, group_of: Callable[[T], Hashable], size_of: Callable[[T], float], target: float
 ) -> list[list[T]]:

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 
 from internlm_offload.device import Accelerator, Event, Stream, finish_and_close, get_accelerator
 from internlm_offload.log import get_logger
-from internlm_offload.optim.adamw import consecutive_runs, fused_supported, param_groups
+from internlm_offload.optim.adamw import consecutive_runs, fused_supported
 from internlm_offload.optim.dtensor import is_dtensor, laid_out_like, local_nbytes, local_shard
 from internlm_offload.optim.host_arena import HostArena
 from internlm_offload.optim.interface import OffloadOptimizer
@@ -714,26 +714,3 @@ def _placed(value: torch.Tensor, key: torch.Tensor, name: str, group: dict[str, 
 def _state_bytes(optimizer: Optimizer) -> int:
     return sum(local_nbytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
 
-
-def build_hybrid_adamw(
-    model: torch.nn.Module,
-    *,
-    accelerator: Accelerator,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    fused: bool | None = None,
-    offload_fraction: float = 0.5,
-    overlap_cpu_optimizer_d2h_h2d: bool = True,
-    param_update_in_fp32: bool = False,
-) -> HybridDeviceOptimizer:
-    """HybridDeviceOptimizer over the baseline AdamW's param groups; both sides use torch's AdamW."""
-    fused_device = fused_supported(accelerator.name) if fused is None else fused
-    return HybridDeviceOptimizer(
-        param_groups(model, weight_decay), offload_fraction=offload_fraction,
-        cpu_optimizer_cls=functools.partial(torch.optim.AdamW, fused=True),
-        gpu_optimizer_cls=functools.partial(torch.optim.AdamW, fused=fused_device),
-        param_update_in_fp32=param_update_in_fp32, overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d,
-        accelerator=accelerator, lr=lr, betas=betas, eps=eps,
-    )  # fmt: skip

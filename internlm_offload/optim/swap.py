@@ -51,7 +51,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from internlm_offload.device import Accelerator, Event, finish_and_close, get_accelerator
 from internlm_offload.log import get_logger
-from internlm_offload.optim.adamw import consecutive_runs, fused_supported, param_groups
+from internlm_offload.optim.adamw import consecutive_runs
 from internlm_offload.optim.dtensor import laid_out_like, local_nbytes, local_shard
 from internlm_offload.optim.host_arena import HostArena, aligned_offsets
 from internlm_offload.optim.interface import OffloadOptimizer
@@ -470,25 +470,3 @@ def _layout_chunk(group: dict, members: list[tuple[torch.Tensor, list]]) -> _Chu
     params = [p for p, _ in members]
     return _Chunk(group, params, slots, _padded(end), has_complex=any(p.is_complex() for p in params))
 
-
-def build_swap_adamw(
-    model: torch.nn.Module,
-    *,
-    accelerator: Accelerator,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    fused: bool | None = None,
-    swap_optimizer_times: int = 16,
-    use_pinned_optimizer_offload: bool = False,
-    swap_params: bool = False,
-) -> SwapAdamW:
-    """SwapAdamW over the model with the same groups (and fused default) as the baseline AdamW."""
-    if fused is None:
-        fused = fused_supported(accelerator.name)
-    return SwapAdamW(
-        param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused,
-        swap_optimizer_times=swap_optimizer_times, use_pinned_optimizer_offload=use_pinned_optimizer_offload, swap_params=swap_params,
-        accelerator=accelerator,
-    )  # fmt: skip

@@ -31,7 +31,8 @@ from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer
 from internlm_offload.offload.selective_offload import SelectiveOffloader
 from internlm_offload.optim import build_lr_scheduler, param_groups
 from internlm_offload.optim.adamw import AdamW, fused_supported
-from internlm_offload.optim.hybrid import HybridDeviceOptimizer, offload_mask
+from internlm_offload.optim.hybrid import HybridDeviceOptimizer
+from internlm_offload.optim.hybrid_host import offload_mask
 from internlm_offload.optim.interface import OffloadOptimizer
 from internlm_offload.optim.swap import SwapAdamW
 from internlm_offload.optim.memory import (
@@ -75,17 +76,24 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
             raise ConfigError(message) from None
 
 
-def host_master_names(cfg: RunConfig, model: nn.Module) -> set[str] | None:
-    """Names of the fp32 masters kept in host memory: all (None) for the swap optimizer, the CPU share
-    (placed as the hybrid optimizer places it) for the hybrid one, none otherwise."""
+def hybrid_cpu_mask(cfg: RunConfig, model: nn.Module) -> list[bool]:
+    """Which params, in the optimizer's order (`param_groups`), the hybrid optimizer steps on the CPU (none
+    without it). Placed once, before the masters exist: their CPU share lives in host memory."""
+    fraction = cfg.hybrid_optimizer.offload_fraction if cfg.hybrid_optimizer.enable else 0.0
+    return offload_mask(_optimizer_order(cfg, model), fraction)
+
+
+def host_master_names(cfg: RunConfig, model: nn.Module, cpu_mask: list[bool]) -> set[str] | None:
+    """Names of the fp32 masters kept in host memory: all (None) for the swap optimizer, the hybrid one's CPU
+    share (`cpu_mask`) otherwise (none without it)."""
     if cfg.swap_optimizer:
         return None
-    if not cfg.hybrid_optimizer.enable:
-        return set()
     names = {id(p): name for name, p in model.named_parameters()}
-    ordered = [p for group in param_groups(model, cfg.adam.weight_decay) for p in group["params"]]
-    mask = offload_mask(ordered, cfg.hybrid_optimizer.offload_fraction)
-    return {names[id(p)] for p, on_cpu in zip(ordered, mask) if on_cpu}
+    return {names[id(p)] for p, on_cpu in zip(_optimizer_order(cfg, model), cpu_mask, strict=True) if on_cpu}
+
+
+def _optimizer_order(cfg: RunConfig, model: nn.Module) -> list[nn.Parameter]:
+    return [p for group in param_groups(model, cfg.adam.weight_decay) for p in group["params"]]
 
 
 def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
@@ -131,12 +139,19 @@ def apply_offloading(
 
 
 def build_optimizer(
-    cfg: RunConfig, model: nn.Module, accelerator: Accelerator, *, host_params: bool = False, check_host: bool = True
+    cfg: RunConfig,
+    model: nn.Module,
+    accelerator: Accelerator,
+    *,
+    host_params: bool = False,
+    cpu_mask: list[bool] | None = None,
+    check_host: bool = True,
 ) -> OffloadOptimizer:
     """AdamW, or its offloading variants, over `model`'s parameters (the fp32 masters where they exist).
 
     Every variant gets the same param groups (decay on matrices only) and the same `fused` choice.
-    `host_params`: the parameters are host-resident masters, swapped in with the states. `check_host`:
+    `host_params`: the parameters are host-resident masters, swapped in with the states. `cpu_mask`: the
+    hybrid optimizer's placement (`hybrid_cpu_mask`), when the masters were placed by it already. `check_host`:
     refuse offloaded states the machine's host memory cannot hold.
     """
     adam = cfg.adam
@@ -165,6 +180,7 @@ def build_optimizer(
             param_update_in_fp32=hybrid.param_update_in_fp32,
             overlap_cpu_optimizer_d2h_h2d=hybrid.overlap_cpu_optimizer_d2h_h2d,
             accelerator=accelerator,
+            cpu_mask=cpu_mask,
             **hyper,
         )
     return AdamW(groups, fused=fused, **hyper)
@@ -265,7 +281,8 @@ def build_components(
         check_model(model)
     # The swap optimizer swaps the masters with its states, the hybrid one steps its CPU share on the host:
     # those masters then live in (pinned) host memory only.
-    host_names = host_master_names(cfg, model)
+    cpu_mask = hybrid_cpu_mask(cfg, model)
+    host_names = host_master_names(cfg, model, cpu_mask)
     host_empty = ctx.accelerator.host_empty if host_names is None or host_names else None
     masters = cast_model(
         model, policy, fsdp=cfg.parallel.mode == "fsdp2", host_empty=host_empty, host_names=host_names
@@ -290,8 +307,9 @@ def build_components(
     log_build_memory(ctx)
     # 5. optimizer and schedule, over the parameters that hold the fp32 masters
     module, host_params = (model, False) if masters is None else (masters.module, masters.on_host)
-    optimizer = build_optimizer(cfg, module, ctx.accelerator, host_params=host_params,
-                                check_host=check_host_memory)  # fmt: skip
+    optimizer = build_optimizer(
+        cfg, module, ctx.accelerator, host_params=host_params, cpu_mask=cpu_mask, check_host=check_host_memory
+    )
     scheduler = build_lr_scheduler(
         optimizer, base_lr=cfg.adam.lr, warmup_ratio=cfg.lr_scheduler.warmup_ratio,
         total_steps=cfg.lr_scheduler.total_steps, eta_min=cfg.lr_scheduler.eta_min,

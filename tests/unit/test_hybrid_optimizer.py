@@ -127,6 +127,23 @@ def test_placement_walks_params_in_order_within_the_budget():
     assert {id(q) for q in device_params} == {id(p) for p, cpu in zip(params, CPU_AT_HALF) if not cpu}
 
 
+def test_a_given_cpu_mask_is_the_placement():
+    """The builder places the CPU share once (its masters live in host memory) and hands it over."""
+    params, ref_params = make_params(), make_params()
+    mask = [False, False, False, False, True, False, True]  # not what any fraction would place
+    opt = hybrid(params, offload_fraction=0.5, cpu_mask=mask)
+    device_params = [q for g in opt.sub_optimizers[-1].param_groups for q in g["params"]]
+    assert {id(q) for q in device_params} == {id(p) for p, cpu in zip(params, mask) if not cpu}
+    ref = reference(ref_params)
+    train(opt, params, 3)
+    train(ref, ref_params, 3)
+    assert_bitwise(opt, params, ref, ref_params)
+    with pytest.raises(ValueError, match="entries"):
+        hybrid(make_params(), cpu_mask=mask[:-1])
+    with pytest.raises(ValueError, match="frozen"):
+        hybrid(make_params(), cpu_mask=[i == 1 for i in range(7)])  # param 1 is frozen
+
+
 def test_lr_scheduler_changes_reach_every_sub_optimizer():
     params = make_params()
     opt = hybrid(params, offload_fraction=0.5)

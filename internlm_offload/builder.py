@@ -23,9 +23,10 @@ from internlm_offload.engine.checkpoint import CheckpointManager
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
 from internlm_offload.engine.parallel import materialize_shards
-from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
+from internlm_offload.engine.precision import Masters, NoMasters, PrecisionPolicy, cast_model
 from internlm_offload.engine.runtime import RunContext, env_local_world_size, set_determinism
 from internlm_offload.engine.trainer import Trainer, TrainerSettings
+from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
 from internlm_offload.offload.selective_offload import SelectiveOffloader
@@ -249,13 +250,49 @@ class Components:
     """What a training step runs: the model, its masters and optimizer, and the memory features' hooks."""
 
     model: nn.Module
-    masters: MasterWeights | None
+    masters: Masters
     policy: PrecisionPolicy
-    optimizer: torch.optim.Optimizer
+    optimizer: OffloadOptimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     offloader: ActivationOffloader | None
     selective_offloader: SelectiveOffloader | None
     layers: nn.ModuleList  # the decoder blocks the layer plan acted on
+
+    @property
+    def features(self) -> list[MemoryFeature]:
+        """The run's memory features in teardown order: the offloaders' hooks and pools, then the optimizer."""
+        offloaders: list[MemoryFeature] = []
+        if self.offloader is not None:
+            offloaders.append(_ActivationOffloadFeature(self.offloader))
+        if self.selective_offloader is not None:
+            offloaders.append(_SelectiveOffloadFeature(self.selective_offloader))
+        return [*offloaders, self.optimizer]
+
+
+class _ActivationOffloadFeature(MemoryFeature):
+    """An `ActivationOffloader` as a memory feature (until it is one itself): `act_offload_*`, hooks removed."""
+
+    def __init__(self, offloader: ActivationOffloader) -> None:
+        self._offloader = offloader
+
+    def metrics(self) -> dict[str, float]:
+        return {f"act_offload_{key}": value for key, value in self._offloader.stats().items()}
+
+    def close(self) -> None:
+        self._offloader.remove()
+
+
+class _SelectiveOffloadFeature(MemoryFeature):
+    """A `SelectiveOffloader` as a memory feature (until it is one itself): `sc_offload_*`, closed."""
+
+    def __init__(self, offloader: SelectiveOffloader) -> None:
+        self._offloader = offloader
+
+    def metrics(self) -> dict[str, float]:
+        return {f"sc_offload_{key}": value for key, value in self._offloader.as_dict().items()}
+
+    def close(self) -> None:
+        self._offloader.close()
 
 
 def build_components(
@@ -305,10 +342,16 @@ def build_components(
     if meta:
         materialize_shards(model, ctx, seed=cfg.seed)
     log_build_memory(ctx)
-    # 5. optimizer and schedule, over the parameters that hold the fp32 masters
-    module, host_params = (model, False) if masters is None else (masters.module, masters.on_host)
+    # 5. optimizer and schedule, over the parameters that hold the fp32 masters: without masters the model's
+    # own, seen through the data-parallel wrapper (which the trainer runs and checkpoints)
+    masters = NoMasters(model) if masters is None else masters
     optimizer = build_optimizer(
-        cfg, module, ctx.accelerator, host_params=host_params, cpu_mask=cpu_mask, check_host=check_host_memory
+        cfg,
+        masters.module,
+        ctx.accelerator,
+        host_params=masters.on_host,
+        cpu_mask=cpu_mask,
+        check_host=check_host_memory,
     )
     scheduler = build_lr_scheduler(
         optimizer, base_lr=cfg.adam.lr, warmup_ratio=cfg.lr_scheduler.warmup_ratio,
@@ -352,14 +395,19 @@ def build_trainer(
 
     parts = build_components(cfg, ctx, check_model=check_model)
     return Trainer(
-        ctx=ctx, model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler, loader=loader,
+        ctx=ctx,
+        model=parts.model,
+        optimizer=parts.optimizer,
+        scheduler=parts.scheduler,
+        loader=loader,
         checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
         metrics=MetricsLog(work_dir / "metrics.jsonl") if ctx.is_main else None,
         settings=trainer_settings(cfg, predicted_device_peak),
-        extra_metrics=extra_metric_sources(parts.offloader, parts.selective_offloader, parts.optimizer),
-        masters=parts.masters, scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,
-        evaluator=evaluator, closers=closers(parts.offloader, parts.selective_offloader, parts.optimizer, ctx.accelerator),
-    )  # fmt: skip
+        masters=parts.masters,
+        features=parts.features,
+        scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,
+        evaluator=evaluator,
+    )
 
 
 def build_loss_scaler(cfg: RunConfig) -> DynamicLossScaler:
@@ -369,30 +417,6 @@ def build_loss_scaler(cfg: RunConfig) -> DynamicLossScaler:
         growth_factor=scaler.growth_factor, backoff_factor=scaler.backoff_factor,
         growth_interval=scaler.fp16.growth_interval, hysteresis=scaler.hysteresis,
     )  # fmt: skip
-
-
-def extra_metric_sources(
-    offloader: ActivationOffloader | None, selective: SelectiveOffloader | None, optimizer: torch.optim.Optimizer
-) -> list:
-    """Figures of the memory features for metrics.jsonl: `act_offload_*`, `sc_offload_*` and `optim_*`."""
-    sources = []
-    if offloader is not None:
-        sources.append(lambda: {f"act_offload_{key}": value for key, value in offloader.stats().items()})
-    if selective is not None:
-        sources.append(lambda: {f"sc_offload_{key}": value for key, value in selective.as_dict().items()})
-    if hasattr(optimizer, "memory_stats"):
-        sources.append(lambda: {f"optim_{key}": value for key, value in optimizer.memory_stats().items()})
-    return sources
-
-
-def closers(
-    offloader: ActivationOffloader | None, selective: SelectiveOffloader | None, optimizer: torch.optim.Optimizer,
-    accelerator: Accelerator,
-) -> list:  # fmt: skip
-    """What `Trainer.close()` runs, in order: hooks and pools first, then every copy stream of the run."""
-    found = [offloader.remove if offloader is not None else None, selective.close if selective is not None else None,
-             getattr(optimizer, "close", None), accelerator.close_streams]  # fmt: skip
-    return [close for close in found if close is not None]
 
 
 def checkpoint_folder(cfg: RunConfig, work_dir: Path) -> Path:

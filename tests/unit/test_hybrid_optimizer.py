@@ -530,6 +530,26 @@ def test_without_the_param_wait_the_next_forward_reads_stale_params(monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))  # the copies were only late
 
 
+def test_the_master_refresh_waits_for_the_last_steps_param_copies(monkeypatch):
+    """On a device the host does not wait for a step's H2D param copies (`_wait_for_params` orders the compute
+    stream only), so `sync_from_model()` may follow a step whose copies are in flight: without its wait the refresh
+    reads the old params into the masters, and the late copies then write those old values back."""
+    params, ref_params = make_params(), make_params()
+    opt, ref = hybrid(params, offload_fraction=1.0), reference(ref_params)
+    train(opt, params, 1)
+    train(ref, ref_params, 2)
+    monkeypatch.setattr(HybridDeviceOptimizer, "_wait_for_params", lambda self, compute: None)  # the device's host
+    gate = held_back(opt._h2d_stream)
+    train(opt, params, 1, start=1)  # its H2D copies are held behind the gate
+    # Waiting for the H2D stream lets the copies go: no timing involved either way.
+    synchronize = opt._h2d_stream.synchronize
+    monkeypatch.setattr(opt._h2d_stream, "synchronize", lambda: gate.set() or synchronize())
+    opt.sync_from_model()
+    gate.set()
+    synchronize()
+    assert_bitwise(opt, params, ref, ref_params)
+
+
 # ---- validation ---------------------------------------------------------------------------------
 
 

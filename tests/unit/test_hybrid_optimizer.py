@@ -12,7 +12,7 @@ from stream_gates import held_back
 from torch.optim import AdamW
 from torch.optim.lr_scheduler import LambdaLR
 
-from internlm_offload.device import storage_key
+from internlm_offload.device import StreamError, storage_key
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer, offload_mask
 
 REPO = Path(__file__).resolve().parents[2]
@@ -548,6 +548,23 @@ def test_the_master_refresh_waits_for_the_last_steps_param_copies(monkeypatch):
     gate.set()
     synchronize()
     assert_bitwise(opt, params, ref, ref_params)
+
+
+def _fail(message: str) -> None:
+    raise RuntimeError(message)
+
+
+def test_close_waits_for_the_copies_and_reports_a_failed_one():
+    """close() waits for the copies in flight before it stops the streams and frees the host slabs (on a device an
+    H2D copy may still read them): that wait is where a failed copy surfaces, which stopping the streams would lose."""
+    params = make_params()
+    opt = hybrid(params, offload_fraction=0.5)
+    train(opt, params, 1)
+    opt._h2d_stream.submit(_fail, "an H2D copy failed")
+    with pytest.raises(StreamError) as failure:
+        opt.close()
+    assert str(failure.value.__cause__) == "an H2D copy failed"
+    assert opt._d2h_stream.closed and opt._h2d_stream.closed
 
 
 # ---- validation ---------------------------------------------------------------------------------

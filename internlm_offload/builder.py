@@ -5,6 +5,7 @@ optimizer → data → trainer. The memory features are applied to the bare mode
 wrapping, so FSDP2 shards the same blocks the plan acted on.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,16 +23,19 @@ from internlm_offload.engine.checkpoint import CheckpointManager
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
 from internlm_offload.engine.parallel import materialize_shards
-from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
+from internlm_offload.engine.precision import Masters, NoMasters, PrecisionPolicy, cast_model
 from internlm_offload.engine.runtime import RunContext, env_local_world_size, set_determinism
 from internlm_offload.engine.trainer import Trainer, TrainerSettings
+from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
 from internlm_offload.offload.selective_offload import SelectiveOffloader
 from internlm_offload.optim import build_lr_scheduler, param_groups
-from internlm_offload.optim.adamw import build_adamw
-from internlm_offload.optim.hybrid import build_hybrid_adamw, offload_mask
-from internlm_offload.optim.swap import build_swap_adamw
+from internlm_offload.optim.adamw import AdamW, fused_supported
+from internlm_offload.optim.hybrid import HybridDeviceOptimizer
+from internlm_offload.optim.hybrid_host import offload_mask
+from internlm_offload.optim.interface import OffloadOptimizer
+from internlm_offload.optim.swap import SwapAdamW
 from internlm_offload.optim.memory import (
     HYBRID_CPU_BYTES,
     SWAP_STATE_BYTES,
@@ -73,17 +77,24 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
             raise ConfigError(message) from None
 
 
-def host_master_names(cfg: RunConfig, model: nn.Module) -> set[str] | None:
-    """Names of the fp32 masters kept in host memory: all (None) for the swap optimizer, the CPU share
-    (placed as the hybrid optimizer places it) for the hybrid one, none otherwise."""
+def hybrid_cpu_mask(cfg: RunConfig, model: nn.Module) -> list[bool]:
+    """Which params, in the optimizer's order (`param_groups`), the hybrid optimizer steps on the CPU (none
+    without it). Placed once, before the masters exist: their CPU share lives in host memory."""
+    fraction = cfg.hybrid_optimizer.offload_fraction if cfg.hybrid_optimizer.enable else 0.0
+    return offload_mask(_optimizer_order(cfg, model), fraction)
+
+
+def host_master_names(cfg: RunConfig, model: nn.Module, cpu_mask: list[bool]) -> set[str] | None:
+    """Names of the fp32 masters kept in host memory: all (None) for the swap optimizer, the hybrid one's CPU
+    share (`cpu_mask`) otherwise (none without it)."""
     if cfg.swap_optimizer:
         return None
-    if not cfg.hybrid_optimizer.enable:
-        return set()
     names = {id(p): name for name, p in model.named_parameters()}
-    ordered = [p for group in param_groups(model, cfg.adam.weight_decay) for p in group["params"]]
-    mask = offload_mask(ordered, cfg.hybrid_optimizer.offload_fraction)
-    return {names[id(p)] for p, on_cpu in zip(ordered, mask) if on_cpu}
+    return {names[id(p)] for p, on_cpu in zip(_optimizer_order(cfg, model), cpu_mask, strict=True) if on_cpu}
+
+
+def _optimizer_order(cfg: RunConfig, model: nn.Module) -> list[nn.Parameter]:
+    return [p for group in param_groups(model, cfg.adam.weight_decay) for p in group["params"]]
 
 
 def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
@@ -118,32 +129,51 @@ def build_layer_plan(cfg: RunConfig, num_layers: int) -> LayerPlan:
 
 
 def build_optimizer(
-    cfg: RunConfig, model: nn.Module, accelerator: Accelerator, *, host_params: bool = False, check_host: bool = True
-) -> torch.optim.Optimizer:
+    cfg: RunConfig,
+    model: nn.Module,
+    accelerator: Accelerator,
+    *,
+    host_params: bool = False,
+    cpu_mask: list[bool] | None = None,
+    check_host: bool = True,
+) -> OffloadOptimizer:
     """AdamW, or its offloading variants, over `model`'s parameters (the fp32 masters where they exist).
 
-    `host_params`: the parameters are host-resident masters, swapped in with the states. `check_host`:
+    Every variant gets the same param groups (decay on matrices only) and the same `fused` choice.
+    `host_params`: the parameters are host-resident masters, swapped in with the states. `cpu_mask`: the
+    hybrid optimizer's placement (`hybrid_cpu_mask`), when the masters were placed by it already. `check_host`:
     refuse offloaded states the machine's host memory cannot hold.
     """
     adam = cfg.adam
-    common = dict(
-        lr=adam.lr, betas=(adam.adam_beta1, adam.adam_beta2), eps=adam.adam_eps,
-        weight_decay=adam.weight_decay, fused=adam.fused,
-    )  # fmt: skip
     if check_host and (cfg.swap_optimizer or cfg.hybrid_optimizer.enable):
         check_optimizer_host_memory(cfg, model)
+    groups = param_groups(model, adam.weight_decay)
+    fused = fused_supported(accelerator.name) if adam.fused is None else adam.fused
+    hyper = {"lr": adam.lr, "betas": (adam.adam_beta1, adam.adam_beta2), "eps": adam.adam_eps}
     if cfg.swap_optimizer:
-        return build_swap_adamw(
-            model, accelerator=accelerator, swap_optimizer_times=cfg.swap_optimizer_times,
-            use_pinned_optimizer_offload=cfg.use_pinned_optimizer_offload, swap_params=host_params, **common,
-        )  # fmt: skip
+        return SwapAdamW(
+            groups,
+            fused=fused,
+            swap_optimizer_times=cfg.swap_optimizer_times,
+            use_pinned_optimizer_offload=cfg.use_pinned_optimizer_offload,
+            swap_params=host_params,
+            accelerator=accelerator,
+            **hyper,
+        )
     if cfg.hybrid_optimizer.enable:
         hybrid = cfg.hybrid_optimizer
-        return build_hybrid_adamw(
-            model, accelerator=accelerator, offload_fraction=hybrid.offload_fraction, overlap_cpu_optimizer_d2h_h2d=hybrid.overlap_cpu_optimizer_d2h_h2d,
-            param_update_in_fp32=hybrid.param_update_in_fp32, **common,
-        )  # fmt: skip
-    return build_adamw(model, device_type=accelerator.name, **common)
+        # The CPU side keeps the optimizer's default (fused AdamW on cpu); the device side gets the run's choice.
+        return HybridDeviceOptimizer(
+            groups,
+            offload_fraction=hybrid.offload_fraction,
+            gpu_optimizer_cls=functools.partial(torch.optim.AdamW, fused=fused),
+            param_update_in_fp32=hybrid.param_update_in_fp32,
+            overlap_cpu_optimizer_d2h_h2d=hybrid.overlap_cpu_optimizer_d2h_h2d,
+            accelerator=accelerator,
+            cpu_mask=cpu_mask,
+            **hyper,
+        )
+    return AdamW(groups, fused=fused, **hyper)
 
 
 def check_optimizer_host_memory(cfg: RunConfig, model: nn.Module) -> None:
@@ -209,13 +239,19 @@ class Components:
     """What a training step runs: the model, its masters and optimizer, and the memory features' hooks."""
 
     model: nn.Module
-    masters: MasterWeights | None
+    masters: Masters
     policy: PrecisionPolicy
-    optimizer: torch.optim.Optimizer
+    optimizer: OffloadOptimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     offloader: ActivationOffloader | None
     selective_offloader: SelectiveOffloader | None
     layers: nn.ModuleList  # the decoder blocks the layer plan acted on
+
+    @property
+    def features(self) -> list[MemoryFeature]:
+        """The run's memory features in teardown order: the offloaders' hooks and pools, then the optimizer."""
+        offloaders = [self.offloader, self.selective_offloader]
+        return [*(offloader for offloader in offloaders if offloader is not None), self.optimizer]
 
 
 def build_components(
@@ -241,7 +277,8 @@ def build_components(
         check_model(model)
     # The swap optimizer swaps the masters with its states, the hybrid one steps its CPU share on the host:
     # those masters then live in (pinned) host memory only.
-    host_names = host_master_names(cfg, model)
+    cpu_mask = hybrid_cpu_mask(cfg, model)
+    host_names = host_master_names(cfg, model, cpu_mask)
     host_empty = ctx.accelerator.host_empty if host_names is None or host_names else None
     masters = cast_model(
         model, policy, fsdp=cfg.parallel.mode == "fsdp2", host_empty=host_empty, host_names=host_names
@@ -274,10 +311,17 @@ def build_components(
     if meta:
         materialize_shards(model, ctx, seed=cfg.seed)
     log_build_memory(ctx)
-    # 5. optimizer and schedule, over the parameters that hold the fp32 masters
-    module, host_params = (model, False) if masters is None else (masters.module, masters.on_host)
-    optimizer = build_optimizer(cfg, module, ctx.accelerator, host_params=host_params,
-                                check_host=check_host_memory)  # fmt: skip
+    # 5. optimizer and schedule, over the parameters that hold the fp32 masters: without masters the model's
+    # own, seen through the data-parallel wrapper (which the trainer runs and checkpoints)
+    masters = NoMasters(model) if masters is None else masters
+    optimizer = build_optimizer(
+        cfg,
+        masters.module,
+        ctx.accelerator,
+        host_params=masters.on_host,
+        cpu_mask=cpu_mask,
+        check_host=check_host_memory,
+    )
     scheduler = build_lr_scheduler(
         optimizer, base_lr=cfg.adam.lr, warmup_ratio=cfg.lr_scheduler.warmup_ratio,
         total_steps=cfg.lr_scheduler.total_steps, eta_min=cfg.lr_scheduler.eta_min,
@@ -320,14 +364,19 @@ def build_trainer(
 
     parts = build_components(cfg, ctx, check_model=check_model)
     return Trainer(
-        ctx=ctx, model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler, loader=loader,
+        ctx=ctx,
+        model=parts.model,
+        optimizer=parts.optimizer,
+        scheduler=parts.scheduler,
+        loader=loader,
         checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
         metrics=MetricsLog(work_dir / "metrics.jsonl") if ctx.is_main else None,
         settings=trainer_settings(cfg, predicted_device_peak),
-        extra_metrics=extra_metric_sources(parts.offloader, parts.selective_offloader, parts.optimizer),
-        masters=parts.masters, scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,
-        evaluator=evaluator, closers=closers(parts.offloader, parts.selective_offloader, parts.optimizer, ctx.accelerator),
-    )  # fmt: skip
+        masters=parts.masters,
+        features=parts.features,
+        scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,
+        evaluator=evaluator,
+    )
 
 
 def build_loss_scaler(cfg: RunConfig) -> DynamicLossScaler:
@@ -337,30 +386,6 @@ def build_loss_scaler(cfg: RunConfig) -> DynamicLossScaler:
         growth_factor=scaler.growth_factor, backoff_factor=scaler.backoff_factor,
         growth_interval=scaler.fp16.growth_interval, hysteresis=scaler.hysteresis,
     )  # fmt: skip
-
-
-def extra_metric_sources(
-    offloader: ActivationOffloader | None, selective: SelectiveOffloader | None, optimizer: torch.optim.Optimizer
-) -> list:
-    """Figures of the memory features for metrics.jsonl: `act_offload_*`, `sc_offload_*` and `optim_*`."""
-    sources = []
-    if offloader is not None:
-        sources.append(offloader.metrics)
-    if selective is not None:
-        sources.append(selective.metrics)
-    if hasattr(optimizer, "memory_stats"):
-        sources.append(lambda: {f"optim_{key}": value for key, value in optimizer.memory_stats().items()})
-    return sources
-
-
-def closers(
-    offloader: ActivationOffloader | None, selective: SelectiveOffloader | None, optimizer: torch.optim.Optimizer,
-    accelerator: Accelerator,
-) -> list:  # fmt: skip
-    """What `Trainer.close()` runs, in order: hooks and pools first, then every copy stream of the run."""
-    found = [offloader.close if offloader is not None else None, selective.close if selective is not None else None,
-             getattr(optimizer, "close", None), accelerator.close_streams]  # fmt: skip
-    return [close for close in found if close is not None]
 
 
 def checkpoint_folder(cfg: RunConfig, work_dir: Path) -> Path:

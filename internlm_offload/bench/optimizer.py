@@ -33,10 +33,11 @@ from typing import Any
 
 import torch
 
-from internlm_offload.device import host_buffers
+from internlm_offload.device import Accelerator, HostArena, aligned_offsets, host_buffers
 from internlm_offload.device.cpu_memory import rss_anon_bytes
-from internlm_offload.device import Accelerator, HostArena, aligned_offsets
+from internlm_offload.optim.adamw import AdamW
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer
+from internlm_offload.optim.interface import OffloadOptimizer
 from internlm_offload.optim.swap import SLOT_ALIGNMENT, SwapAdamW
 
 HYPER = {"lr": 1e-3, "weight_decay": 1e-2}
@@ -56,7 +57,7 @@ def _hybrid(fraction: float, overlap: bool = True) -> Factory:
 
 
 CONFIGS: dict[str, Factory] = {
-    "baseline_adamw_fused": lambda params, acc: torch.optim.AdamW(params, fused=True, **HYPER),
+    "baseline_adamw_fused": lambda params, acc: AdamW(params, fused=True, **HYPER),
     "swap_t1": _swap(1),
     "swap_t4": _swap(4),
     "swap_t16": _swap(16),
@@ -168,10 +169,11 @@ def time_cases(cases: list[Case], grads: list[torch.Tensor], args: argparse.Name
                 case.faults.append(faults)
 
 
-def memory(optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """The optimizer's `memory_stats()`; a plain AdamW keeps every state on the device all the time."""
-    if hasattr(optimizer, "memory_stats"):
-        return optimizer.memory_stats()
+def memory(optimizer: OffloadOptimizer) -> dict[str, int]:
+    """The optimizer's `memory_stats()`; a plain AdamW reports none: it keeps every state on the device all the time."""
+    stats = optimizer.memory_stats()
+    if stats:
+        return stats
     states = sum(t.nbytes for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
     return {"device_state_bytes": states, "peak_device_state_bytes": states, "host_state_bytes": 0}
 

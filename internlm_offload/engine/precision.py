@@ -24,7 +24,7 @@ Pure low precision (`master_weights=False`) casts the whole model, grads and sta
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +131,15 @@ class MasterWeights:
         """Whether every master lives in host memory."""
         return all(self._on_host)
 
+    @property
+    def reduce_in_backward(self) -> bool:
+        """False: DDP must not all-reduce the low-precision grads; `reduce_grads` reduces the fp32 buffer instead."""
+        return False
+
+    def master_params(self) -> Iterator[nn.Parameter]:
+        """The fp32 masters, kept apart from the model's parameters."""
+        return self.module.parameters()
+
     @torch.no_grad()
     def accumulate_grads(self) -> None:
         """Add the model's low-precision grads into the fp32 master grads and free the former."""
@@ -202,6 +211,50 @@ class MasterWeights:
         self._grad_views = []
 
 
+class NoMasters:
+    """No fp32 copy apart from the model (fp32, pure low precision, FSDP2's fp32 shards): `MasterWeights`'
+    interface over the model itself, whose hooks do nothing. `module` is the model the trainer runs (the
+    data-parallel wrapper, whose parameters the optimizer steps and checkpoints hold)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.module = model
+
+    @property
+    def on_host(self) -> bool:
+        return False
+
+    @property
+    def reduce_in_backward(self) -> bool:
+        """True: the data-parallel wrapper reduces the model's own grads during the last backward."""
+        return True
+
+    def master_params(self) -> Iterator[nn.Parameter]:
+        """None: the model's parameters are the ones stepped."""
+        return iter(())
+
+    def accumulate_grads(self) -> None:
+        """Nothing: the model's grads accumulate in place over micro-batches."""
+
+    def grads(self) -> list[torch.Tensor]:
+        """The model's gradients (those that exist), e.g. to clip them."""
+        return [p.grad for p in self.module.parameters() if p.grad is not None]
+
+    def reduce_grads(self, distributed: bool) -> None:
+        """Nothing: reduced in backward (see `reduce_in_backward`)."""
+
+    def copy_to_model(self) -> None:
+        """Nothing: the stepped parameters are the model's."""
+
+    def after_step(self) -> None:
+        """Nothing: the optimizer updated the model's parameters."""
+
+    def release_grads(self) -> None:
+        """Nothing: `zero_grad(set_to_none=True)` frees the model's grads."""
+
+
+Masters = MasterWeights | NoMasters
+
+
 def _host_parameter(param: nn.Parameter, host_empty: Callable) -> nn.Parameter:
     host = host_empty(param.shape, torch.float32)
     with torch.no_grad():
@@ -219,7 +272,9 @@ def cast_model(
 ) -> MasterWeights | None:
     """Apply the policy to a freshly built fp32 model; returns the masters where this module keeps them.
 
-    `host_empty`: keep the masters named in `host_names` (all when None) in host buffers from it.
+    `host_empty`: keep the masters named in `host_names` (all when None) in host buffers from it. Without
+    masters (None) the run steps the model's own parameters: the builder hands the trainer `NoMasters` over
+    the model once it is wrapped for data parallelism.
     """
     if not policy.low_precision:
         return None

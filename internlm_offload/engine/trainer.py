@@ -2,13 +2,14 @@
 
 The trainer is handed ready components by the builder and does not know which memory features
 (checkpointing, activation offload, swapped optimizer states) are on: they live inside the model
-and the optimizer it is given.
+and the optimizer it is given, and it sees them only as `MemoryFeature`s (figures, teardown) and
+through the optimizer interface, whose calls are no-ops where a feature is off.
 """
 
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,11 @@ from internlm_offload.engine.interrupts import GracefulStop
 from internlm_offload.engine.loss import token_loss_sum
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog, Progress, memory_record
-from internlm_offload.engine.precision import MasterWeights
+from internlm_offload.engine.precision import Masters
 from internlm_offload.engine.runtime import RunContext
+from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
+from internlm_offload.optim.interface import OffloadOptimizer
 
 logger = get_logger(__name__)
 
@@ -71,14 +74,14 @@ class Trainer:
     # components (injected by the builder)
     ctx: RunContext
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: OffloadOptimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: StepLoader
     checkpoints: CheckpointManager
     metrics: MetricsLog | None  # rank 0 only
     settings: TrainerSettings
-    extra_metrics: list[Callable[[], dict[str, float]]]  # figures of the memory features, if any
-    masters: MasterWeights | None  # explicit fp32 masters (low precision outside FSDP2)
+    features: list[MemoryFeature]  # the memory features (offloaders, then the optimizer): figures and teardown
+    masters: Masters  # explicit fp32 masters (low precision outside FSDP2), or NoMasters over the model
     scaler: DynamicLossScaler | None  # fp16 loss scaling
     evaluator: Evaluator | None  # validation sets, if any
     # training state (checkpointed)
@@ -92,17 +95,16 @@ class Trainer:
         *,
         ctx: RunContext,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: OffloadOptimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         loader: StepLoader,
         checkpoints: CheckpointManager,
         metrics: MetricsLog | None,
         settings: TrainerSettings,
-        extra_metrics: list[Callable[[], dict[str, float]]] | None = None,
-        masters: MasterWeights | None = None,
+        masters: Masters,
+        features: Sequence[MemoryFeature] = (),
         scaler: DynamicLossScaler | None = None,
         evaluator: Evaluator | None = None,
-        closers: list[Callable[[], None]] | None = None,
     ) -> None:
         self.ctx = ctx
         self.model = model
@@ -112,11 +114,11 @@ class Trainer:
         self.checkpoints = checkpoints
         self.metrics = metrics
         self.settings = settings
-        self.extra_metrics = extra_metrics or []
+        self.features = list(features)
         self.masters = masters
         self.scaler = scaler
         self.evaluator = evaluator
-        self._closers = list(closers or [])
+        self._closed = False
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0
@@ -128,7 +130,7 @@ class Trainer:
     @property
     def state_module(self) -> nn.Module:
         """The module whose parameters the optimizer steps and checkpoints hold: the fp32 masters if any."""
-        return self.masters.module if self.masters is not None else self.model
+        return self.masters.module
 
     # ------------------------------------------------------------------ state
 
@@ -148,8 +150,7 @@ class Trainer:
 
     def resume_from(self, path: Path) -> None:
         state = self.checkpoints.load(path, model=self.state_module, optimizer=self.optimizer)
-        if self.masters is not None:
-            self.masters.copy_to_model()
+        self.masters.copy_to_model()
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.loader.load_state_dict(state["sampler"])
@@ -167,16 +168,14 @@ class Trainer:
     def load_weights_from(self, path: Path) -> None:
         """Start this run from another run's weights: step 0, fresh optimizer, schedule and data order."""
         self.checkpoints.load_model(path, model=self.state_module)
-        if self.masters is not None:
-            self.masters.copy_to_model()
+        self.masters.copy_to_model()
 
     def save_checkpoint(self) -> None:
         if self.consecutive_skips:
             # The state after a skipped step is suspect; keep the last good checkpoints rather than prune them.
             logger.warning("step %d: not saving a checkpoint after a skipped (non-finite) step", self.step)
             return
-        if hasattr(self.optimizer, "finish_copies"):
-            self.optimizer.finish_copies()  # host-resident masters/states may still be landing
+        self.optimizer.finish_copies()  # host-resident masters/states may still be landing
         if not all_finite(self.state_module.parameters(), distributed=self.ctx.distributed):
             raise TrainingDiverged(
                 f"step {self.step}: the weights hold non-finite values; no checkpoint written, the last good one "
@@ -190,11 +189,15 @@ class Trainer:
     def close(self) -> None:
         """Release what the run's components hold (offload hooks, copy streams, host buffers); idempotent.
 
-        The trainer cannot train afterwards. `launch` calls it whether the run ended or failed.
+        The memory features first, in order (hooks and pools, then the optimizer's streams), then every copy
+        stream of the run. The trainer cannot train afterwards. `launch` calls it whether the run ended or failed.
         """
-        closers, self._closers = self._closers, []
-        for close in closers:
-            close()
+        if self._closed:
+            return
+        self._closed = True
+        for feature in self.features:
+            feature.close()
+        self.ctx.accelerator.close_streams()
 
     # ------------------------------------------------------------------ one step
 
@@ -231,23 +234,20 @@ class Trainer:
         # labels). The aux loss (a per-micro-batch mean) is averaged over micro-batches. fp16 multiplies
         # both by the loss scale, removed again before clipping.
         token_weight, aux_weight = loss_scale / tokens_per_rank, loss_scale / len(micro_batches)
-        # With explicit masters DDP must not all-reduce the low-precision grads: the fp32 buffer is reduced instead.
-        sync_in_backward = self.masters is None
+        sync_in_backward = self.masters.reduce_in_backward
         loss_sum = torch.zeros((), device=self.ctx.device, dtype=torch.float32)
         aux_sum = None
         for i, micro_batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            # SwapAdamW copies its first chunk of states in while the last backward runs.
-            prefetch = getattr(self.optimizer, "prefetch", None) if last else None
+            # SwapAdamW copies its first chunk of states in while the last backward runs (a no-op for the others).
+            prefetch = self.optimizer.prefetch if last else None
             with gradient_sync(self.model, enabled=sync_in_backward and last):
                 micro_loss, micro_aux = self.forward_backward(micro_batch, token_weight, aux_weight, prefetch)
             loss_sum += micro_loss
             if micro_aux is not None:
                 aux_sum = micro_aux if aux_sum is None else aux_sum + micro_aux
-            if self.masters is not None:
-                self.masters.accumulate_grads()  # fp32 accumulation over micro-batches
-        if self.masters is not None:
-            self.masters.reduce_grads(self.ctx.distributed)
+            self.masters.accumulate_grads()  # fp32 accumulation over micro-batches
+        self.masters.reduce_grads(self.ctx.distributed)
         losses = [loss_sum / tokens_per_rank] + ([aux_sum / len(micro_batches)] if aux_sum is not None else [])
         # Stop requests ride on the loss all-reduce: every rank sees the same (averaged) flag, so all stop
         # after the same step. The flag goes first so that the loss stays at index 1.
@@ -263,11 +263,9 @@ class Trainer:
         if not skipped:
             self.optimizer.step()
             self.scheduler.step()  # as InternEvo: the schedule advances with successful updates only
-            if self.masters is not None:
-                self.masters.after_step()
+            self.masters.after_step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.masters is not None:
-            self.masters.release_grads()
+        self.masters.release_grads()
         if self.scaler is not None:
             self.scaler.update(overflow=skipped)
         used_scale = loss_scale if self.scaler is not None else None
@@ -281,10 +279,7 @@ class Trainer:
     def clip_gradients(self, unscale: float = 1.0) -> torch.Tensor:
         """Remove the loss scale, clip to the configured norm; returns the norm before clipping (a tensor)."""
         max_norm = self.settings.clip_grad_norm or float("inf")  # inf: scale 1.0, grads unchanged
-        if self.masters is not None:
-            grads = self.masters.grads()
-        else:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = self.masters.grads()
         if unscale != 1.0:
             torch._foreach_mul_(grads, unscale)  # a power of two: exact
         norm = torch.nn.utils.get_total_norm(grads)
@@ -338,8 +333,8 @@ class Trainer:
             }  # fmt: skip
             if self.step == min(first_step + 2, self.settings.total_steps):  # the first step creates the states
                 self._log_peak_against_prediction(record["device_peak_mem_bytes"])
-            for source in self.extra_metrics:
-                record.update(source())
+            for feature in self.features:
+                record.update(feature.metrics())
             if self._validation_due():
                 record.update(self.validate())
             if self.metrics is not None:

@@ -1,17 +1,17 @@
 """Optimizers and LR schedules: AdamW, the swap optimizer, the hybrid CPU/device optimizer."""
 
-from internlm_offload.optim.adamw import build_adamw, param_groups
-from internlm_offload.optim.hybrid import HybridDeviceOptimizer, build_hybrid_adamw
+from internlm_offload.optim.adamw import AdamW, param_groups
+from internlm_offload.optim.hybrid import HybridDeviceOptimizer
+from internlm_offload.optim.interface import OffloadOptimizer
 from internlm_offload.optim.lr_scheduler import WarmupCosine, build_lr_scheduler
-from internlm_offload.optim.swap import SwapAdamW, build_swap_adamw
+from internlm_offload.optim.swap import SwapAdamW
 
 __all__ = [
-    "build_adamw",
-    "build_hybrid_adamw",
+    "AdamW",
     "build_lr_scheduler",
-    "build_swap_adamw",
     "param_groups",
     "HybridDeviceOptimizer",
+    "OffloadOptimizer",
     "SwapAdamW",
     "WarmupCosine",
 ]

@@ -6,7 +6,13 @@ from typing import TypeVar
 import torch
 import torch.nn as nn
 
+from internlm_offload.optim.interface import OffloadOptimizer
+
 T = TypeVar("T")
+
+
+class AdamW(OffloadOptimizer, torch.optim.AdamW):
+    """`torch.optim.AdamW` with the run's optimizer interface (all no-ops): same steps, same state dicts."""
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -22,21 +28,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def fused_supported(device_type: str) -> bool:
     # torch ships fused AdamW kernels for these; on cpu it is ~17x faster than the for-loop path.
     return device_type in ("cpu", "cuda", "mps", "xpu")
-
-
-def build_adamw(
-    model: nn.Module,
-    *,
-    device_type: str,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    fused: bool | None = None,
-) -> torch.optim.AdamW:
-    if fused is None:
-        fused = fused_supported(device_type)
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused)
 
 
 def consecutive_runs(

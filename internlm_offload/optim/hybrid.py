@@ -19,114 +19,38 @@ the master copy, a grad buffer and the states, plus one D2H and one H2D copy and
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor
-from collections.abc import Callable, Iterable, Iterator, Mapping
 from copy import deepcopy
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from internlm_offload.device import Accelerator, Event, HostArena, Stream, finish_and_close, get_accelerator
+from internlm_offload.device import Accelerator, HostArena, Stream, finish_and_close, get_accelerator
 from internlm_offload.log import get_logger
-from internlm_offload.optim.adamw import consecutive_runs, fused_supported, param_groups
+from internlm_offload.optim.adamw import fused_supported
 from internlm_offload.optim.dtensor import is_dtensor, laid_out_like, local_nbytes, local_shard
+from internlm_offload.optim.hybrid_host import (
+    CPU_STEP_PIECES,
+    CpuUnit,
+    HostSlot,
+    cpu_placement,
+    cut_pieces,
+    offload_mask,
+    states_into_slab,
+)
+from internlm_offload.optim.hybrid_state import StateView, group_of, hyper_params, is_shard_state, placed, state_bytes
+from internlm_offload.optim.interface import OffloadOptimizer
+
+__all__ = ["CPU_STEP_PIECES", "HybridDeviceOptimizer", "offload_mask"]  # offload_mask: the placement's rule
 
 logger = get_logger(__name__)
 
-# Group keys that select a kernel or name params rather than set a hyper-parameter: each sub-optimizer
-# keeps its own (the CPU and device kernels may differ), so they are never propagated.
-_NOT_PROPAGATED = frozenset({"params", "param_names", "foreach", "fused", "capturable", "differentiable"})
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-# With overlap the CPU share is stepped in this many pieces (fewer when it has fewer params), each as
-# soon as its own grads have landed: enough to hide all but the first piece's copy, few enough that a
-# CPU optimizer's per-step overhead stays small.
-CPU_STEP_PIECES = 4
 
 
-@dataclass
-class _HostSlot:
-    """One CPU-stepped param: its host master copy and the host buffers its grad and update travel through.
-
-    For a DTensor param (FSDP2) the host buffers hold this rank's shard: `local(param)` / `local(param.grad)`.
-    """
-
-    param: torch.Tensor  # the model's param, on the device (a DTensor under FSDP2)
-    master: torch.Tensor  # host copy the CPU optimizer updates (fp32 when updated in fp32)
-    grad: torch.Tensor  # host grad in the master dtype; `master.grad` during the CPU step
-    staging: torch.Tensor | None  # host buffer in the param dtype when it differs from the master's
-    has_grad: bool = False  # whether `param.grad` existed at the start of the current step
-    resident: bool = False  # the param lives on the host and is its own master (module docstring)
-
-    @property
-    def local_param(self) -> torch.Tensor:
-        """The device tensor the master mirrors: the param, or its local shard (an alias) for a DTensor;
-        for a host-resident param, the device tensor that receives its value."""
-        return self.param.model_param.detach() if self.resident else local_shard(self.param.detach())
-
-    @property
-    def device_grad(self) -> torch.Tensor | None:
-        """`main_grad` for a host-resident param; its `.grad` when DCP's state init sets zero grads."""
-        main_grad = getattr(self.param, "main_grad", None) if self.resident else None
-        return self.param.grad if main_grad is None else main_grad
-
-    @property
-    def landing(self) -> torch.Tensor:
-        """Where the D2H grad copy lands: copies stay in the grad's dtype (half the bytes for bf16 grads)."""
-        return self.grad if self.staging is None or self.resident else self.staging
-
-    def nbytes(self) -> int:
-        return sum(local_nbytes(t) for t in (self.master, self.grad, self.staging) if t is not None)
-
-
-@dataclass
-class _CpuUnit:
-    """A CPU sub-optimizer and the slots it steps; its step starts once its own grads are on the host."""
-
-    optimizer: Optimizer
-    group_ids: list[int]  # the hybrid param group of each of its param groups
-    slots: list[_HostSlot]
-    grads_ready: Event | None = field(default=None, repr=False)
-    slab: HostArena | None = field(default=None, repr=False)  # holds the sub-optimizer's states once moved
-    slabbed_params: int = 0  # how many params had states when they were moved
-
-
-def _states_into_slab(
-    optimizer: Optimizer, accelerator: Accelerator, *, pinned: bool, reuse: HostArena | None = None
-) -> HostArena:
-    """Copy `optimizer`'s state tensors (their local shards) into views of one host slab, laid out like them,
-    in their place; `reuse` is the slab when its layout matches (it is released otherwise). Blocking copies:
-    each is done before the tensor it replaces can be dropped."""
-    states = [(state, name) for state in optimizer.state.values()
-              for name, value in state.items() if torch.is_tensor(value)]  # fmt: skip
-    specs = [(local_shard(state[name]).shape, local_shard(state[name]).dtype) for state, name in states]
-    if reuse is not None and reuse.specs != specs:
-        reuse.release()
-        reuse = None
-    slab = reuse or HostArena(accelerator, specs, pinned=pinned)
-    for index, (state, name) in enumerate(states):
-        value = state[name]
-        state[name] = laid_out_like(slab.view(index).copy_(local_shard(value)), value)
-    return slab
-
-
-def offload_mask(params: Iterable[torch.Tensor], offload_fraction: float) -> list[bool]:
-    """Which params the CPU steps: the longest run of leading trainable params within the fraction's budget.
-
-    Frozen params (requires_grad=False) neither count nor end the run; they stay on the device.
-    """
-    params = list(params)
-    budget = offload_fraction * sum(p.numel() for p in params if p.requires_grad)
-    mask, offloaded, open_run = [], 0, offload_fraction > 0
-    for p in params:
-        open_run = open_run and (not p.requires_grad or offloaded + p.numel() <= budget)
-        mask.append(open_run and p.requires_grad)
-        offloaded += p.numel() if mask[-1] else 0
-    return mask
-
-
-class HybridDeviceOptimizer(Optimizer):
+class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
     """Steps the first `offload_fraction` of the params on the CPU and the rest on the device.
 
     Placement: params are walked in `param_groups` order; the longest leading run of trainable params
@@ -197,6 +121,9 @@ class HybridDeviceOptimizer(Optimizer):
         overlap_cpu_optimizer_d2h_h2d: the CPU share in pieces, stepped on a host thread while the
             device steps, pipelined with the copies.
         accelerator: where the device params live (default: `get_accelerator()`).
+        cpu_mask: which params, in `param_groups` order, the CPU steps, when the caller placed them already
+            (the builder does, to put their fp32 masters in host memory); default
+            `offload_mask(params, offload_fraction)`.
         **kwargs: hyper-parameters (lr, betas, eps, weight_decay, amsgrad, maximize, ...): the defaults
             of the param groups, passed to both sub-optimizers.
     """
@@ -213,6 +140,7 @@ class HybridDeviceOptimizer(Optimizer):
         overlap_cpu_optimizer_d2h_h2d: bool = True,
         *,
         accelerator: Accelerator | None = None,
+        cpu_mask: Sequence[bool] | None = None,
         **kwargs: Any,
     ) -> None:
         if not 0.0 <= offload_fraction <= 1.0:
@@ -240,7 +168,8 @@ class HybridDeviceOptimizer(Optimizer):
         self._masters_stale = True
 
         all_params = [p for group in self.param_groups for p in group["params"]]
-        offloaded = {id(p) for p, cpu in zip(all_params, offload_mask(all_params, offload_fraction)) if cpu}
+        placement = cpu_placement(all_params, offload_fraction, cpu_mask)
+        offloaded = {id(p) for p, cpu in zip(all_params, placement) if cpu}
         if any(_resident(p) and id(p) not in offloaded for p in all_params):
             raise ValueError("a host-resident param (one with `model_param`) falls outside the CPU share of "
                              f"offload_fraction={offload_fraction}: place exactly the CPU share on the host")  # fmt: skip
@@ -249,27 +178,30 @@ class HybridDeviceOptimizer(Optimizer):
         gpu_cls = gpu_optimizer_cls or _default_device_cls(self._acc)
         self._device_optimizer = self._build_device_optimizer(gpu_cls, kwargs)
         self._fill_group_defaults()
-        self.state = _StateView(self)  # type: ignore[assignment]  # a live view, never a second copy
+        self.state = StateView(self._route, self._params_in_order)  # type: ignore[assignment]  # a live view
         self._built = True
         self._log_placement(all_params, offloaded)
 
     # ---- construction ---------------------------------------------------------------------------
+
+    def _params_in_order(self) -> Iterator[torch.Tensor]:
+        return (p for group in self.param_groups for p in group["params"])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._built:
             raise NotImplementedError("HybridDeviceOptimizer places params at construction; build a new one instead")
         super().add_param_group(param_group)
 
-    def _build_cpu_units(self, cls: Callable[..., Optimizer], offloaded: set[int], kwargs: dict) -> list[_CpuUnit]:
+    def _build_cpu_units(self, cls: Callable[..., Optimizer], offloaded: set[int], kwargs: dict) -> list[CpuUnit]:
         slots = self._host_slots([p for g in self.param_groups for p in g["params"] if id(p) in offloaded])
         grouped = [[slots[id(p)] for p in g["params"] if id(p) in offloaded] for g in self.param_groups]
         if not self.overlap_cpu_optimizer_d2h_h2d:
             plan = [list(enumerate(grouped))] if slots else []
         else:
-            plan = _pieces(grouped, sum(local_shard(s.master).numel() for s in slots.values()) / CPU_STEP_PIECES)
+            plan = cut_pieces(grouped, sum(local_shard(s.master).numel() for s in slots.values()) / CPU_STEP_PIECES)
         return [self._cpu_unit(cls, groups, kwargs) for groups in plan]
 
-    def _host_slots(self, params: list[torch.Tensor]) -> dict[int, _HostSlot]:
+    def _host_slots(self, params: list[torch.Tensor]) -> dict[int, HostSlot]:
         """Each CPU-stepped param's host buffers, as views of one slab per pinnedness."""
         wanted = [self._buffer_specs(p) for p in params]
         for pinned in (True, False):
@@ -302,18 +234,20 @@ class HybridDeviceOptimizer(Optimizer):
         specs["grad"] = (local.shape, master_dtype, self.pin_cpu_grads and not converted)
         return specs
 
-    def _host_slot(self, param: torch.Tensor, views: dict[str, torch.Tensor]) -> _HostSlot:
+    def _host_slot(self, param: torch.Tensor, views: dict[str, torch.Tensor]) -> HostSlot:
         if _resident(param):
-            return _HostSlot(param, param.detach(), views["grad"], views["staging"], resident=True)
+            return HostSlot(param, param.detach(), views["grad"], views["staging"], resident=True)
         views["master"].copy_(local_shard(param.detach()))
-        return _HostSlot(param, views["master"], views["grad"], views.get("staging"))
+        return HostSlot(param, views["master"], views["grad"], views.get("staging"))
 
     def _cpu_unit(
-        self, cls: Callable[..., Optimizer], groups: list[tuple[int, list[_HostSlot]]], kwargs: dict
-    ) -> _CpuUnit:
-        sub_groups = [{**_hyper(self.param_groups[gid]), "params": [s.master for s in slots]} for gid, slots in groups]
+        self, cls: Callable[..., Optimizer], groups: list[tuple[int, list[HostSlot]]], kwargs: dict
+    ) -> CpuUnit:
+        sub_groups = [
+            {**hyper_params(self.param_groups[gid]), "params": [s.master for s in slots]} for gid, slots in groups
+        ]
         slots = [slot for _, group_slots in groups for slot in group_slots]
-        unit = _CpuUnit(cls(sub_groups, **kwargs), [gid for gid, _ in groups], slots)
+        unit = CpuUnit(cls(sub_groups, **kwargs), [gid for gid, _ in groups], slots)
         for slot in unit.slots:
             self._route[id(slot.param)] = (unit.optimizer, slot.master)
         return unit
@@ -321,7 +255,9 @@ class HybridDeviceOptimizer(Optimizer):
     def _build_device_optimizer(self, cls: Callable[..., Optimizer], kwargs: dict) -> Optimizer:
         # Mirrors every hybrid group (some may be empty) so group i maps to group i.
         keyed = [[(p, self._device_key(p)) for p in g["params"] if id(p) not in self._route] for g in self.param_groups]
-        sub_groups = [{**_hyper(g), "params": [key for _, key in pairs]} for g, pairs in zip(self.param_groups, keyed)]
+        sub_groups = [
+            {**hyper_params(g), "params": [key for _, key in pairs]} for g, pairs in zip(self.param_groups, keyed)
+        ]
         optimizer = cls(sub_groups, **kwargs)
         for pairs in keyed:
             for param, key in pairs:
@@ -403,9 +339,9 @@ class HybridDeviceOptimizer(Optimizer):
 
     def memory_stats(self) -> dict[str, int]:
         """Optimizer bytes on the device now, their peak during the last step, and bytes in host memory."""
-        host = sum(_state_bytes(u.optimizer) + sum(s.nbytes() for s in u.slots) for u in self._cpu_units)
+        host = sum(state_bytes(u.optimizer) + sum(s.nbytes() for s in u.slots) for u in self._cpu_units)
         if self._states_offloaded:
-            host += _state_bytes(self._device_optimizer)
+            host += state_bytes(self._device_optimizer)
         return {
             "device_state_bytes": self._device_state_bytes(),
             "peak_device_state_bytes": self._peak_device_state_bytes,
@@ -417,28 +353,32 @@ class HybridDeviceOptimizer(Optimizer):
         """Refresh every master copy from the model's params (after loading weights without optimizer state)."""
         self._refresh_masters(keep_if_rounds_to_param=False)
 
-    def offload_optimizer_states(self) -> None:
-        """Move the device sub-optimizer's state tensors to host memory (frees it between phases).
+    def offload_optimizer_states(self) -> bool:
+        """Move the device sub-optimizer's state tensors to host memory (frees it between phases); returns
+        False when they are there already.
 
         They go into one pinned slab, allocated at the first offload and reused by later ones while the
         states keep their shapes: phases can alternate without a pinned allocation each time.
         """
         if self._states_offloaded:
-            return
-        self._offload_slab = _states_into_slab(self._device_optimizer, self._acc, pinned=True, reuse=self._offload_slab)
+            return False
+        self._offload_slab = states_into_slab(self._device_optimizer, self._acc, pinned=True, reuse=self._offload_slab)
         self._states_offloaded = True
+        return True
 
-    def reload_optimizer_states(self) -> None:
-        """Bring the device sub-optimizer's states back where its step expects them."""
+    def reload_optimizer_states(self) -> bool:
+        """Bring the device sub-optimizer's states back where its step expects them; returns False when they
+        are there already."""
         if not self._states_offloaded:
-            return
+            return False
         optimizer = self._device_optimizer
         for key, state in optimizer.state.items():
-            group = _group_of(optimizer, key)
+            group = group_of(optimizer, key)
             for name, value in state.items():
                 if torch.is_tensor(value):
-                    state[name] = _placed(value, key, name, group)
+                    state[name] = placed(value, key, name, group)
         self._states_offloaded = False
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """The state dict of one `torch.optim.AdamW` over all params; tensors alias the live state, as in torch.
@@ -482,7 +422,7 @@ class HybridDeviceOptimizer(Optimizer):
         pairs.append((self._device_optimizer, list(range(len(self.param_groups)))))
         for optimizer, group_ids in pairs:
             for sub_group, gid in zip(optimizer.param_groups, group_ids):
-                sub_group.update(_hyper(self.param_groups[gid]))
+                sub_group.update(hyper_params(self.param_groups[gid]))
 
     def _start_grad_copies(self) -> None:
         # One stream task per unit (a copy per param inside it): on cpu every task is a thread hand-off.
@@ -515,12 +455,12 @@ class HybridDeviceOptimizer(Optimizer):
             self._wait_for_grads(unit)
             self._step_cpu_unit(unit)
 
-    def _wait_for_grads(self, unit: _CpuUnit) -> None:
+    def _wait_for_grads(self, unit: CpuUnit) -> None:
         """Block the host until the unit's grads have landed: the CPU step reads them next."""
         assert unit.grads_ready is not None
         unit.grads_ready.synchronize()
 
-    def _step_cpu_unit(self, unit: _CpuUnit) -> None:
+    def _step_cpu_unit(self, unit: CpuUnit) -> None:
         for slot in unit.slots:
             if slot.has_grad and slot.landing is not slot.grad:
                 slot.grad.copy_(slot.staging)  # upcast on the host
@@ -536,7 +476,7 @@ class HybridDeviceOptimizer(Optimizer):
                 sources.append(slot.master if slot.staging is None else slot.staging.copy_(slot.master))
         self._acc.copy_async(params, sources, self._h2d_stream)
 
-    def _move_states_to_host_tier(self, unit: _CpuUnit) -> None:
+    def _move_states_to_host_tier(self, unit: CpuUnit) -> None:
         """Keep the CPU step's states in one host slab: the sub-optimizer creates them lazily as plain cpu
         tensors (a param's first grad, a load before the first step); moved once, later steps update them in
         place. On a device that is pageable host memory either way, but one buffer; on cpu it is the host tier,
@@ -545,7 +485,7 @@ class HybridDeviceOptimizer(Optimizer):
         if unit.slab is not None and len(unit.optimizer.state) == unit.slabbed_params:
             return
         old = unit.slab  # its views may be among the states copied: released after the copy
-        unit.slab = _states_into_slab(unit.optimizer, self._acc, pinned=False)
+        unit.slab = states_into_slab(unit.optimizer, self._acc, pinned=False)
         unit.slabbed_params = len(unit.optimizer.state)
         if old is not None:
             old.release()
@@ -587,23 +527,16 @@ class HybridDeviceOptimizer(Optimizer):
             return dict(state)
         _, key = self._route[id(param)]
         return {
-            name: laid_out_like(value, param) if _is_shard_state(value, key) else value
+            name: laid_out_like(value, param) if is_shard_state(value, key) else value
             for name, value in state.items()
         }  # fmt: skip
-
-    def _live_state(self, param: torch.Tensor, create: bool = True) -> dict[str, Any] | None:
-        route = self._route.get(id(param))
-        if route is None:
-            raise KeyError("not a param of this optimizer")
-        optimizer, key = route
-        return optimizer.state[key] if create else optimizer.state.get(key)
 
     def _load_param_state(self, param: torch.Tensor, saved: dict[str, Any]) -> None:
         optimizer, key = self._route[id(param)]
         live = optimizer.state[key]
         for name in [n for n in live if n not in saved]:
             del live[name]  # e.g. max_exp_avg_sq when the checkpoint ran without amsgrad
-        group = _group_of(optimizer, key)
+        group = group_of(optimizer, key)
         for name, value in saved.items():
             if is_dtensor(value) and not is_dtensor(key):
                 value = self._local_shard(param, key, name, value)
@@ -611,7 +544,7 @@ class HybridDeviceOptimizer(Optimizer):
             if torch.is_tensor(value) and torch.is_tensor(current) and current.shape == value.shape:
                 current.copy_(value)  # into the live buffer: nothing keeps a stale reference
             elif torch.is_tensor(value):
-                live[name] = _placed(value, key, name, group)
+                live[name] = placed(value, key, name, group)
             else:
                 live[name] = deepcopy(value)
 
@@ -627,44 +560,11 @@ class HybridDeviceOptimizer(Optimizer):
         return local
 
     def _device_state_bytes(self) -> int:
-        states = 0 if self._states_offloaded else _state_bytes(self._device_optimizer)
+        states = 0 if self._states_offloaded else state_bytes(self._device_optimizer)
         masters = sum(
             local_nbytes(m) + (local_nbytes(m.grad) if m.grad is not None else 0) for _, m in self._device_masters
         )
         return int(states + masters)
-
-
-class _StateView(Mapping):
-    """`optimizer.state` of a HybridDeviceOptimizer: each param's live state dict inside its sub-optimizer."""
-
-    def __init__(self, owner: HybridDeviceOptimizer) -> None:
-        self._owner = owner
-
-    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
-        state = self._owner._live_state(param)
-        assert state is not None
-        return state
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        params = (p for group in self._owner.param_groups for p in group["params"])
-        return (p for p in params if self._owner._live_state(p, create=False))
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __contains__(self, param: object) -> bool:
-        return isinstance(param, torch.Tensor) and id(param) in self._owner._route and bool(
-            self._owner._live_state(param, create=False)
-        )
-
-
-def _pieces(grouped: list[list[_HostSlot]], target: float) -> list[list[tuple[int, list[_HostSlot]]]]:
-    """Consecutive slots of one group, about `target` elements per piece (a larger param alone)."""
-    items = [(gid, slot) for gid, group_slots in enumerate(grouped) for slot in group_slots]
-    runs = consecutive_runs(
-        items, group_of=lambda item: item[0], size_of=lambda item: local_shard(item[1].master).numel(), target=target
-    )
-    return [[(run[0][0], [slot for _, slot in run])] for run in runs]
 
 
 def _default_device_cls(accelerator: Accelerator) -> Callable[..., Optimizer]:
@@ -676,58 +576,3 @@ def _default_device_cls(accelerator: Accelerator) -> Callable[..., Optimizer]:
 def _resident(param: torch.Tensor) -> bool:
     """A host-resident param: it carries the device tensor its updates go to (`model_param`)."""
     return getattr(param, "model_param", None) is not None
-
-
-def _is_shard_state(value: Any, key: torch.Tensor) -> bool:
-    """A per-element state of a host shard (exp_avg, ...), not a scalar like `step`."""
-    return torch.is_tensor(value) and not is_dtensor(value) and value.dim() > 0 and value.shape == key.shape
-
-
-def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in _NOT_PROPAGATED}
-
-
-def _group_of(optimizer: Optimizer, key: torch.Tensor) -> dict[str, Any]:
-    return next(g for g in optimizer.param_groups if any(p is key for p in g["params"]))
-
-
-def _placed(value: torch.Tensor, key: torch.Tensor, name: str, group: dict[str, Any]) -> torch.Tensor:
-    """A copy of a state value where `group`'s optimizer keeps it (torch's rule, as in `load_state_dict`)."""
-    if name == "step":
-        value = local_shard(value)  # a scalar: every rank holds the same one
-        # Fused and capturable kernels keep `step` on the param's device; the others on the host.
-        if group.get("fused") or group.get("capturable"):
-            return value.to(device=key.device, dtype=torch.float32, copy=True)
-        return value.to(device="cpu", copy=True)
-    dtype = key.dtype if key.is_floating_point() else value.dtype
-    if is_dtensor(value):  # a device-side DTensor key (reload_optimizer_states, a missing state)
-        return laid_out_like(local_shard(value).to(device=local_shard(key).device, dtype=dtype, copy=True), value)
-    return value.to(device=key.device, dtype=dtype, copy=True)
-
-
-def _state_bytes(optimizer: Optimizer) -> int:
-    return sum(local_nbytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
-
-
-def build_hybrid_adamw(
-    model: torch.nn.Module,
-    *,
-    accelerator: Accelerator,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    fused: bool | None = None,
-    offload_fraction: float = 0.5,
-    overlap_cpu_optimizer_d2h_h2d: bool = True,
-    param_update_in_fp32: bool = False,
-) -> HybridDeviceOptimizer:
-    """HybridDeviceOptimizer over the baseline AdamW's param groups; both sides use torch's AdamW."""
-    fused_device = fused_supported(accelerator.name) if fused is None else fused
-    return HybridDeviceOptimizer(
-        param_groups(model, weight_decay), offload_fraction=offload_fraction,
-        cpu_optimizer_cls=functools.partial(torch.optim.AdamW, fused=True),
-        gpu_optimizer_cls=functools.partial(torch.optim.AdamW, fused=fused_device),
-        param_update_in_fp32=param_update_in_fp32, overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d,
-        accelerator=accelerator, lr=lr, betas=betas, eps=eps,
-    )  # fmt: skip

@@ -51,8 +51,9 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from internlm_offload.device import Accelerator, Event, HostArena, aligned_offsets, finish_and_close, get_accelerator
 from internlm_offload.log import get_logger
-from internlm_offload.optim.adamw import consecutive_runs, fused_supported, param_groups
+from internlm_offload.optim.adamw import consecutive_runs
 from internlm_offload.optim.dtensor import laid_out_like, local_nbytes, local_shard
+from internlm_offload.optim.interface import OffloadOptimizer
 
 logger = get_logger(__name__)
 
@@ -109,7 +110,7 @@ class _Chunk:
         return self.views[id(slot.param), slot.key]
 
 
-class SwapAdamW(torch.optim.AdamW):
+class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
     """Drop-in `torch.optim.AdamW` with host-resident states; see the module docstring.
 
     Extra args (InternEvo's key names): `swap_optimizer_times` (the step's device memory is
@@ -468,25 +469,3 @@ def _layout_chunk(group: dict, members: list[tuple[torch.Tensor, list]]) -> _Chu
     params = [p for p, _ in members]
     return _Chunk(group, params, slots, _padded(end), has_complex=any(p.is_complex() for p in params))
 
-
-def build_swap_adamw(
-    model: torch.nn.Module,
-    *,
-    accelerator: Accelerator,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    fused: bool | None = None,
-    swap_optimizer_times: int = 16,
-    use_pinned_optimizer_offload: bool = False,
-    swap_params: bool = False,
-) -> SwapAdamW:
-    """SwapAdamW over the model with the same groups (and fused default) as the baseline AdamW."""
-    if fused is None:
-        fused = fused_supported(accelerator.name)
-    return SwapAdamW(
-        param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused,
-        swap_optimizer_times=swap_optimizer_times, use_pinned_optimizer_offload=use_pinned_optimizer_offload, swap_params=swap_params,
-        accelerator=accelerator,
-    )  # fmt: skip

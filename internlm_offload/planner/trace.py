@@ -294,7 +294,7 @@ def _components(
 ) -> dict[str, int]:
     """Named per-rank bytes of the steady step; the device ones add up to `device_peak_bytes`."""
     params = _tier_bytes(tracker, parts.model.parameters())
-    masters = _tier_bytes(tracker, parts.masters.module.parameters()) if parts.masters is not None else {}
+    masters = _tier_bytes(tracker, parts.masters.master_params())
     state_tensors = [t for s in parts.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     states = _tier_bytes(tracker, state_tensors)
     device_known = params.get("device", 0) + masters.get("device", 0) + states.get("device", 0)

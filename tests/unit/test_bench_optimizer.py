@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from internlm_offload.bench import optimizer as bench
+from internlm_offload.optim.adamw import AdamW
 
 
 def test_quick_run_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -39,7 +40,7 @@ def test_quick_run_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_a_config_that_differs_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    other_lr = lambda params, acc: torch.optim.AdamW(params, fused=True, lr=2e-3)  # noqa: E731
+    other_lr = lambda params, acc: AdamW(params, fused=True, lr=2e-3)  # noqa: E731
     configs = {"baseline_adamw_fused": bench.CONFIGS["baseline_adamw_fused"], "other_lr": other_lr}
     monkeypatch.setattr(bench, "CONFIGS", configs)
     out = tmp_path / "o.json"

@@ -12,7 +12,7 @@ from stream_gates import held_back
 from torch.optim import AdamW
 from torch.optim.lr_scheduler import LambdaLR
 
-from internlm_offload.device import storage_key
+from internlm_offload.device import StreamError, storage_key
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer, offload_mask
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,6 +125,23 @@ def test_placement_walks_params_in_order_within_the_budget():
     assert all(q is not p for q, p in zip(cpu_masters, expected))  # host copies, not the model's params
     device_params = [q for g in opt.sub_optimizers[-1].param_groups for q in g["params"]]
     assert {id(q) for q in device_params} == {id(p) for p, cpu in zip(params, CPU_AT_HALF) if not cpu}
+
+
+def test_a_given_cpu_mask_is_the_placement():
+    """The builder places the CPU share once (its masters live in host memory) and hands it over."""
+    params, ref_params = make_params(), make_params()
+    mask = [False, False, False, False, True, False, True]  # not what any fraction would place
+    opt = hybrid(params, offload_fraction=0.5, cpu_mask=mask)
+    device_params = [q for g in opt.sub_optimizers[-1].param_groups for q in g["params"]]
+    assert {id(q) for q in device_params} == {id(p) for p, cpu in zip(params, mask) if not cpu}
+    ref = reference(ref_params)
+    train(opt, params, 3)
+    train(ref, ref_params, 3)
+    assert_bitwise(opt, params, ref, ref_params)
+    with pytest.raises(ValueError, match="entries"):
+        hybrid(make_params(), cpu_mask=mask[:-1])
+    with pytest.raises(ValueError, match="frozen"):
+        hybrid(make_params(), cpu_mask=[i == 1 for i in range(7)])  # param 1 is frozen
 
 
 def test_lr_scheduler_changes_reach_every_sub_optimizer():
@@ -511,6 +528,43 @@ def test_without_the_param_wait_the_next_forward_reads_stale_params(monkeypatch)
     gate.set()
     opt._h2d_stream.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))  # the copies were only late
+
+
+def test_the_master_refresh_waits_for_the_last_steps_param_copies(monkeypatch):
+    """On a device the host does not wait for a step's H2D param copies (`_wait_for_params` orders the compute
+    stream only), so `sync_from_model()` may follow a step whose copies are in flight: without its wait the refresh
+    reads the old params into the masters, and the late copies then write those old values back."""
+    params, ref_params = make_params(), make_params()
+    opt, ref = hybrid(params, offload_fraction=1.0), reference(ref_params)
+    train(opt, params, 1)
+    train(ref, ref_params, 2)
+    monkeypatch.setattr(HybridDeviceOptimizer, "_wait_for_params", lambda self, compute: None)  # the device's host
+    gate = held_back(opt._h2d_stream)
+    train(opt, params, 1, start=1)  # its H2D copies are held behind the gate
+    # Waiting for the H2D stream lets the copies go: no timing involved either way.
+    synchronize = opt._h2d_stream.synchronize
+    monkeypatch.setattr(opt._h2d_stream, "synchronize", lambda: gate.set() or synchronize())
+    opt.sync_from_model()
+    gate.set()
+    synchronize()
+    assert_bitwise(opt, params, ref, ref_params)
+
+
+def _fail(message: str) -> None:
+    raise RuntimeError(message)
+
+
+def test_close_waits_for_the_copies_and_reports_a_failed_one():
+    """close() waits for the copies in flight before it stops the streams and frees the host slabs (on a device an
+    H2D copy may still read them): that wait is where a failed copy surfaces, which stopping the streams would lose."""
+    params = make_params()
+    opt = hybrid(params, offload_fraction=0.5)
+    train(opt, params, 1)
+    opt._h2d_stream.submit(_fail, "an H2D copy failed")
+    with pytest.raises(StreamError) as failure:
+        opt.close()
+    assert str(failure.value.__cause__) == "an H2D copy failed"
+    assert opt._d2h_stream.closed and opt._h2d_stream.closed
 
 
 # ---- validation ---------------------------------------------------------------------------------

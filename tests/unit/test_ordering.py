@@ -1,7 +1,7 @@
 """Every "copy waits for compute" in the offload paths is needed, and the ordering ledger proves it.
 
 With `Accelerator.check_ordering()` a side-stream task submitted before its stream waited for the compute
-work that last touched its memory raises `OrderingError` (see `device_check`). Each offload path runs
+work that last touched its memory raises `OrderingError` (see `device.cpu_checks`). Each offload path runs
 clean under it; removing any one of its `wait_stream(compute)` calls (by the name of the function that
 makes it, and for the hybrid optimizer by stream) makes it raise.
 """

@@ -22,7 +22,7 @@ import torch
 from stream_gates import held_back
 
 import internlm_offload.optim.swap as swap_mod
-from internlm_offload.device import Accelerator
+from internlm_offload.device import Accelerator, StreamError
 from internlm_offload.optim.swap import SLOT_ALIGNMENT, SWAPPED_KEYS, SwapAdamW, _Chunk
 
 REPO = Path(__file__).resolve().parents[2]
@@ -602,6 +602,23 @@ def test_a_pageable_slab_on_a_device_says_its_copies_block(monkeypatch: pytest.M
     with caplog.at_level("WARNING"):
         SwapAdamW(params, swap_optimizer_times=2, accelerator=Accelerator("cpu"))
     assert "use_pinned_optimizer_offload=False keeps the states in pageable memory" in caplog.text
+
+
+def _fail(message: str) -> None:
+    raise RuntimeError(message)
+
+
+def test_close_waits_for_the_copies_and_reports_a_failed_one(acc: Accelerator) -> None:
+    """close() waits for the copies in flight before it stops the streams (on a device a copy-out may still
+    write the host slab): that wait is where a failed copy surfaces, which stopping the streams alone would lose."""
+    params = make_params(SHAPES)
+    opt = SwapAdamW(params, lr=1e-2, swap_optimizer_times=3, accelerator=acc)
+    run_steps(opt, params, 0, 1)
+    opt._d2h.submit(_fail, "a copy-out failed")
+    with pytest.raises(StreamError) as failure:
+        opt.close()
+    assert str(failure.value.__cause__) == "a copy-out failed"
+    assert opt._h2d.closed and opt._d2h.closed
 
 
 # ---------------------------------------------------------------- races

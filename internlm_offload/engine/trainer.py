@@ -32,6 +32,7 @@ from internlm_offload.engine.precision import Masters
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
+from internlm_offload.optim.dtensor import is_dtensor, local_shard
 from internlm_offload.optim.interface import OffloadOptimizer
 
 logger = get_logger(__name__)
@@ -285,7 +286,7 @@ class Trainer:
         norm = torch.nn.utils.get_total_norm(grads)
         # clip_grad_norm_'s own rule and kernels, applied to the grad tensors (masters' grads need not be `.grad`)
         torch.nn.utils.clip_grads_with_norm_([_GradHolder(g) for g in grads], max_norm, norm)
-        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor over the shards
+        if is_dtensor(norm):  # FSDP2: a DTensor over the shards
             norm = norm.full_tensor()
         return norm
 
@@ -407,7 +408,7 @@ class _GradHolder:
 
 def all_finite(tensors: Iterator[torch.Tensor], *, distributed: bool) -> bool:
     """Whether every element of every tensor (this rank's shard of a DTensor) is finite, on all ranks."""
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    local = [local_shard(t) for t in tensors]
     finite = torch.stack([t.detach().isfinite().all() for t in local]).all().to(torch.int32)
     if distributed:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)

@@ -27,7 +27,7 @@ at the price of one D2H and one H2D copy of them; async holds one extra block's 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,15 +140,17 @@ class SelectiveOffloader(MemoryFeature):
     def store(self, cache: _BlockCache, out: Any) -> None:
         flat, structure = tree_flatten(out)
         outputs: list[_Recorded | None] = []
-        self.copies.to_host(self._record_each(cache, flat, outputs))
+        self.copies.to_host(self._record_all(cache, flat, outputs))
         cache.entries.append(_Entry(outputs, structure))
 
-    def _record_each(self, cache: _BlockCache, flat: list[Any], outputs: list[_Recorded | None]) -> Iterator[CopyPair]:
-        """Record the tensors of `flat` into `outputs`, yielding each one's copy out as it is recorded.
+    def _record_all(self, cache: _BlockCache, flat: list[Any], outputs: list[_Recorded | None]) -> list[CopyPair]:
+        """Record the tensors of `flat` into `outputs`; returns each one's copy out.
 
-        Lazily: each host buffer is taken from the pool right before its own copy is queued, after the copy
-        stream's wait for the outputs.
+        Every host buffer is taken before any copy is queued: taking a buffer that a reload may still read
+        makes the compute stream wait for that reload, and the copy stream's own wait (in `to_host`) must come
+        after it, or the copy could overwrite the buffer while the reload reads it.
         """
+        pairs: list[CopyPair] = []
         for t in flat:
             if not isinstance(t, torch.Tensor):
                 outputs.append(None)
@@ -160,8 +162,9 @@ class SelectiveOffloader(MemoryFeature):
             # `t` itself, not `t.detach()`: below autograd a detached alias gets its own version counter,
             # which would hide an in-place change of the output.
             outputs.append(_Recorded(host, t, t._version, t.device))
-            yield host, t
+            pairs.append((host, t))
             self.offloaded_bytes += nbytes
+        return pairs
 
     def finish_forward(self, cache: _BlockCache) -> None:
         """End of the block's forward: release the previous block's outputs (async) or this one's (sync)."""

@@ -280,7 +280,7 @@ def build_components(
     cpu_mask = hybrid_cpu_mask(cfg, model)
     host_names = host_master_names(cfg, model, cpu_mask)
     host_empty = ctx.accelerator.host_empty if host_names is None or host_names else None
-    masters = cast_model(
+    kept_masters = cast_model(
         model, policy, fsdp=cfg.parallel.mode == "fsdp2", host_empty=host_empty, host_names=host_names
     )
     logger.info("Precision: %s", policy.describe())
@@ -313,7 +313,7 @@ def build_components(
     log_build_memory(ctx)
     # 5. optimizer and schedule, over the parameters that hold the fp32 masters: without masters the model's
     # own, seen through the data-parallel wrapper (which the trainer runs and checkpoints)
-    masters = NoMasters(model) if masters is None else masters
+    masters: Masters = NoMasters(model) if kept_masters is None else kept_masters
     optimizer = build_optimizer(
         cfg,
         masters.module,

@@ -468,4 +468,3 @@ def _layout_chunk(group: dict, members: list[tuple[torch.Tensor, list]]) -> _Chu
     slots = [_Slot(p, k, off, torch.Size(shape), dtype) for (p, k, shape, dtype), off in zip(entries, offsets)]
     params = [p for p, _ in members]
     return _Chunk(group, params, slots, _padded(end), has_complex=any(p.is_complex() for p in params))
-

@@ -22,7 +22,12 @@ from typing import Any
 MISSING = object()
 
 # model_type → this trainer's model (same architecture: RMSNorm, RoPE, GQA, SwiGLU, no biases).
-MODEL_TYPES = {"INTERNLM2_PUBLIC": "internlm2", "INTERNLM2": "internlm2", "INTERNLM3": "internlm2", "LLAMA2": "internlm2"}
+MODEL_TYPES = {
+    "INTERNLM2_PUBLIC": "internlm2",
+    "INTERNLM2": "internlm2",
+    "INTERNLM3": "internlm2",
+    "LLAMA2": "internlm2",
+}
 MOE_MODEL_TYPES = ("INTERNLM_MoE", "QWEN2MOE", "MIXTRALMOE", "QWEN3MOE")
 MOE_MODEL_KEYS = {"num_experts", "top_k", "num_shared_experts", "first_k_dense_replace"}
 
@@ -85,8 +90,10 @@ def _ignore(t: Translation) -> None:
 
 def _drop_moe_keys(config: dict[str, Any]) -> None:
     config.pop("moe", None)
-    for section, is_moe in (("model", lambda k: k.startswith("moe_") or k in MOE_MODEL_KEYS),
-                            ("loss", lambda k: k.startswith("moe_"))):  # fmt: skip
+    for section, is_moe in (
+        ("model", lambda k: k.startswith("moe_") or k in MOE_MODEL_KEYS),
+        ("loss", lambda k: k.startswith("moe_")),
+    ):
         part = config.get(section)
         if isinstance(part, dict):
             for key in [k for k in part if is_moe(k)]:
@@ -118,15 +125,35 @@ def _model(t: Translation) -> None:
     model = t.config.get("model", {})
     if not isinstance(model, dict):
         return
-    _refuse_unless(t, "model.num_chunks", _pop(t, "model", "num_chunks"), 1,
-                   "interleaved pipeline chunks need pipeline parallelism; set 1")  # fmt: skip
+    _refuse_unless(
+        t,
+        "model.num_chunks",
+        _pop(t, "model", "num_chunks"),
+        1,
+        "interleaved pipeline chunks need pipeline parallelism; set 1",
+    )
     _refuse_unless(t, "model.norm_type", _pop(t, "model", "norm_type"), "rmsnorm", "only rmsnorm here")
-    _refuse_unless(t, "model.apply_post_layer_norm", _pop(t, "model", "apply_post_layer_norm"), False,
-                   "the decoder here is pre-norm; set False")  # fmt: skip
-    _refuse_unless(t, "model.no_bias", _pop(t, "model", "no_bias"), True,
-                   "the decoder here has no biases (InternLM v1's qkv bias is not built); set True")  # fmt: skip
-    _refuse_unless(t, "model.embed_grad_scale", _pop(t, "model", "embed_grad_scale"), (1, 1.0),
-                   "embedding gradient scaling is not implemented; set 1")  # fmt: skip
+    _refuse_unless(
+        t,
+        "model.apply_post_layer_norm",
+        _pop(t, "model", "apply_post_layer_norm"),
+        False,
+        "the decoder here is pre-norm; set False",
+    )
+    _refuse_unless(
+        t,
+        "model.no_bias",
+        _pop(t, "model", "no_bias"),
+        True,
+        "the decoder here has no biases (InternLM v1's qkv bias is not built); set True",
+    )
+    _refuse_unless(
+        t,
+        "model.embed_grad_scale",
+        _pop(t, "model", "embed_grad_scale"),
+        (1, 1.0),
+        "embedding gradient scaling is not implemented; set 1",
+    )
     eps = _pop(t, "model", "layer_norm_epsilon")
     if eps is not MISSING:
         model["norm_eps"] = float(eps)
@@ -151,8 +178,13 @@ def _data(t: Translation) -> None:
         if data.get("pack_sample_into_one") is False:
             del data["pack_sample_into_one"]
             t.warnings.append("data.pack_sample_into_one=False: the builtin corpus is packed into one stream")
-    _refuse_unless(t, "data.rampup_batch_size", _pop(t, "data", "rampup_batch_size"), ("", None),
-                   "batch-size ramp-up is not supported here; remove it")  # fmt: skip
+    _refuse_unless(
+        t,
+        "data.rampup_batch_size",
+        _pop(t, "data", "rampup_batch_size"),
+        ("", None),
+        "batch-size ramp-up is not supported here; remove it",
+    )
     if data.get("skip_batches") is None:
         data.pop("skip_batches", None)
     if "valid_folder" in data and data["valid_folder"] is None:
@@ -169,16 +201,28 @@ def _optimizer(t: Translation) -> None:
         _refuse_unless(t, name, value, (0, 0.0), "the beta2 schedule is not implemented; set 0 (constant beta2)")
     if scheduler is not MISSING:
         t.ignored.append("beta2_scheduler (c=0: constant beta2)")
-    _refuse_unless(t, "lr_scheduler.init_steps", _pop(t, "lr_scheduler", "init_steps"), 0,
-                   "a delayed schedule start is not implemented; set 0")  # fmt: skip
-    _refuse_unless(t, "lr_scheduler.last_epoch", _pop(t, "lr_scheduler", "last_epoch"), -1,
-                   "resume sets the schedule's position from the checkpoint; set -1")  # fmt: skip
+    _refuse_unless(
+        t,
+        "lr_scheduler.init_steps",
+        _pop(t, "lr_scheduler", "init_steps"),
+        0,
+        "a delayed schedule start is not implemented; set 0",
+    )
+    _refuse_unless(
+        t,
+        "lr_scheduler.last_epoch",
+        _pop(t, "lr_scheduler", "last_epoch"),
+        -1,
+        "resume sets the schedule's position from the checkpoint; set -1",
+    )
     sched, data = t.config.get("lr_scheduler", {}), t.config.get("data", {})
     if isinstance(sched, dict) and isinstance(data, dict):
         total, steps = sched.get("total_steps"), data.get("total_steps")
         if total is not None and steps is not None and total != steps:
-            t.warnings.append(f"lr_scheduler.total_steps={total} != data.total_steps={steps}: the schedule "
-                              f"{'will not finish' if total > steps else 'ends early'} in this run")  # fmt: skip
+            t.warnings.append(
+                f"lr_scheduler.total_steps={total} != data.total_steps={steps}: the schedule "
+                f"{'will not finish' if total > steps else 'ends early'} in this run"
+            )
 
 
 def _ckpt(t: Translation) -> None:
@@ -190,8 +234,13 @@ def _ckpt(t: Translation) -> None:
     universal = ckpt.pop("universal_ckpt", None)
     if universal is not None:
         t.ignored.append("ckpt.universal_ckpt (DCP checkpoints here load at any world size)")
-    _refuse_unless(t, "ckpt.enable_internevo2hf_ckpt", ckpt.pop("enable_internevo2hf_ckpt", MISSING), False,
-                   "export with `python -m internlm_offload.tools.export CKPT OUT --hf` (hf_causal_lm runs)")  # fmt: skip
+    _refuse_unless(
+        t,
+        "ckpt.enable_internevo2hf_ckpt",
+        ckpt.pop("enable_internevo2hf_ckpt", MISSING),
+        False,
+        "export with `python -m internlm_offload.tools.export CKPT OUT --hf` (hf_causal_lm runs)",
+    )
     info = ckpt.get("load_ckpt_info")
     if isinstance(info, dict) and info.get("path") is None:
         del ckpt["load_ckpt_info"]  # nothing to load (InternEvo's own "train from scratch" form)
@@ -199,8 +248,10 @@ def _ckpt(t: Translation) -> None:
     if isinstance(info, dict):
         info["path"] = _storage_path(t, "ckpt.load_ckpt_info.path", info.get("path"))
         if info.get("ckpt_type") == "hf":
-            t.refused.append(f"ckpt.load_ckpt_info.ckpt_type='hf': start from Hugging Face weights with "
-                             f"model.type='hf_causal_lm' and model.hf_path={info['path']!r}")  # fmt: skip
+            t.refused.append(
+                f"ckpt.load_ckpt_info.ckpt_type='hf': start from Hugging Face weights with "
+                f"model.type='hf_causal_lm' and model.hf_path={info['path']!r}"
+            )
             info["ckpt_type"] = "internevo"
     folder = ckpt.get("load_ckpt_folder")
     if isinstance(folder, dict):  # InternEvo's older dict form of load_ckpt_info
@@ -245,8 +296,10 @@ def _parallel(t: Translation, world_size: int) -> None:
     if pipeline > 1:
         t.refused.append(f"parallel.pipeline.size={pipeline}: no pipeline parallelism here; set 1")
     if weight > world_size:
-        t.refused.append(f"parallel.weight.size={weight} is larger than the world size {world_size}; set at most "
-                         f"{world_size} (weight parallelism maps onto FSDP2 over all ranks)")  # fmt: skip
+        t.refused.append(
+            f"parallel.weight.size={weight} is larger than the world size {world_size}; set at most "
+            f"{world_size} (weight parallelism maps onto FSDP2 over all ranks)"
+        )
     if isinstance(seq2d, dict) and seq2d.get("enable"):
         t.refused.append("parallel.sequence_2D.enable=True: no sequence parallelism here; set False")
     fsdp = isinstance(zero1, dict) and bool(zero1.get("fsdp"))

@@ -88,9 +88,12 @@ def build_model(args: argparse.Namespace) -> InternLM2:
     """The benchmark model, seeded so every configuration starts from the same weights."""
     torch.manual_seed(0)
     model = InternLM2(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        num_kv_attention_heads=args.heads, vocab_size=VOCAB,
-    )  # fmt: skip
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_kv_attention_heads=args.heads,
+        vocab_size=VOCAB,
+    )
     return model.to(DTYPES[args.dtype])
 
 
@@ -214,12 +217,18 @@ def summarize(case: Case, base: Case) -> dict[str, Any]:
     """The JSON record of one configuration; the min is the step least disturbed by other processes."""
     median, fastest = statistics.median(case.times), min(case.times)
     record: dict[str, Any] = {
-        "name": case.name, "num_layers": case.num_layers, "step_s": case.times,
-        "step_s_median": median, "ratio": median / statistics.median(base.times),
-        "step_s_min": fastest, "ratio_min": fastest / min(base.times),
-        "peak_rss_anon_delta_bytes": case.peaks["step"], "forward_peak_rss_anon_delta_bytes": case.peaks["forward"],
-        "bitwise_equal": case.bitwise_equal and case.peaks["bitwise_equal"], "offloader": None,
-    }  # fmt: skip
+        "name": case.name,
+        "num_layers": case.num_layers,
+        "step_s": case.times,
+        "step_s_median": median,
+        "ratio": median / statistics.median(base.times),
+        "step_s_min": fastest,
+        "ratio_min": fastest / min(base.times),
+        "peak_rss_anon_delta_bytes": case.peaks["step"],
+        "forward_peak_rss_anon_delta_bytes": case.peaks["forward"],
+        "bitwise_equal": case.bitwise_equal and case.peaks["bitwise_equal"],
+        "offloader": None,
+    }
     if case.handle is not None:
         # Byte counts are the same every step; times are medians over the timed steps.
         record["offloader"] = {k: statistics.median(s[k] for s in case.stats) for k in case.stats[-1]}
@@ -238,14 +247,23 @@ def summarize(case: Case, base: Case) -> dict[str, Any]:
 def environment(args: argparse.Namespace) -> dict[str, Any]:
     """What the numbers depend on: versions, threads, cores, sizes, host tier, allocator setting."""
     return {
-        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-        "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "loadavg_at_end": os.getloadavg(),
-        "shm_dir": host_buffers.SHM_DIR, "shm_writable": os.access(host_buffers.SHM_DIR, os.W_OK),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "loadavg_at_end": os.getloadavg(),
+        "shm_dir": host_buffers.SHM_DIR,
+        "shm_writable": os.access(host_buffers.SHM_DIR, os.W_OK),
         "memory_pass_malloc_mmap_threshold": MMAP_THRESHOLD,
         "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": VOCAB},
-        "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
-        "repeats": args.repeats, "warmup": args.warmup, "sample_interval_s": args.sample_interval,
-    }  # fmt: skip
+        "batch": args.batch,
+        "seq": args.seq,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "sample_interval_s": args.sample_interval,
+    }
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:

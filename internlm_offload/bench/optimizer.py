@@ -52,8 +52,9 @@ def _swap(times: int, arena: bool = False) -> Factory:
 
 
 def _hybrid(fraction: float, overlap: bool = True) -> Factory:
-    return lambda params, acc: HybridDeviceOptimizer(params, offload_fraction=fraction, accelerator=acc,
-                                                     overlap_cpu_optimizer_d2h_h2d=overlap, **HYPER)  # fmt: skip
+    return lambda params, acc: HybridDeviceOptimizer(
+        params, offload_fraction=fraction, accelerator=acc, overlap_cpu_optimizer_d2h_h2d=overlap, **HYPER
+    )
 
 
 CONFIGS: dict[str, Factory] = {
@@ -183,12 +184,17 @@ def summarize(case: Case, base: Case) -> dict[str, Any]:
     median = statistics.median(case.times)
     deciles = statistics.quantiles(case.times, n=10, method="inclusive") if len(case.times) > 1 else [median] * 9
     return {
-        "name": case.name, "step_s_median": median, "step_s_p10": deciles[0], "step_s_p90": deciles[-1],
-        "step_s": case.times, "ratio": median / statistics.median(base.times),
-        **memory(case.optimizer), "rss_anon_delta_bytes": case.rss_anon_delta,
+        "name": case.name,
+        "step_s_median": median,
+        "step_s_p10": deciles[0],
+        "step_s_p90": deciles[-1],
+        "step_s": case.times,
+        "ratio": median / statistics.median(base.times),
+        **memory(case.optimizer),
+        "rss_anon_delta_bytes": case.rss_anon_delta,
         "minor_faults_per_step": statistics.median(case.faults),
         "bitwise_equal": all(torch.equal(p, b) for p, b in zip(case.params, base.params, strict=True)),
-    }  # fmt: skip
+    }
 
 
 def throughput(case: Case, base: Case) -> dict[str, Any]:
@@ -196,10 +202,14 @@ def throughput(case: Case, base: Case) -> dict[str, Any]:
     median = statistics.median(case.times)
     elements = sum(p.numel() for p in case.params)
     return {
-        "name": case.name, "step_s_median": median, "step_s": case.times, "elements_per_s": elements / median,
-        "gb_per_s_at_28_bytes": 28 * elements / median / 1e9, "vs_fused": median / statistics.median(base.times),
+        "name": case.name,
+        "step_s_median": median,
+        "step_s": case.times,
+        "elements_per_s": elements / median,
+        "gb_per_s_at_28_bytes": 28 * elements / median / 1e9,
+        "vs_fused": median / statistics.median(base.times),
         "bitwise_equal_to_fused": all(torch.equal(p, b) for p, b in zip(case.params, base.params, strict=True)),
-    }  # fmt: skip
+    }
 
 
 def round_trip(tensors: int, repeats: int, acc: Accelerator) -> dict[str, Any]:
@@ -239,9 +249,13 @@ def round_trip(tensors: int, repeats: int, acc: Accelerator) -> dict[str, Any]:
     stream.close()
     medians = {name: statistics.median(t) for name, t in times.items()}
     return {
-        "tensors": tensors, "state_tensors": len(sizes), "state_bytes": 4 * sum(sizes),
-        "round_trip_s": times, "median_s": medians, "arena_speedup": medians["per_tensor"] / medians["arena"],
-    }  # fmt: skip
+        "tensors": tensors,
+        "state_tensors": len(sizes),
+        "state_bytes": 4 * sum(sizes),
+        "round_trip_s": times,
+        "median_s": medians,
+        "arena_speedup": medians["per_tensor"] / medians["arena"],
+    }
 
 
 def stream_handoff(repeats: int, acc: Accelerator) -> dict[str, Any]:
@@ -318,21 +332,38 @@ def copy_floor(cases: list[Case], grads: list[torch.Tensor], repeats: int, acc: 
     stream.close()
     copy_s, step_s = statistics.median(copies[1:]), statistics.median(steps[1:])
     both_s = statistics.median(overlapped[1:])
-    return {"state_bytes": 4 * states, "copy_in_out_s": copy_s, "baseline_step_s": step_s,
-            "floor_ratio": (step_s + copy_s) / step_s, "copy_gb_per_s": 2 * 4 * states / copy_s / 1e9,
-            "overlapped_s": both_s, "overlap_ratio": both_s / step_s}  # fmt: skip
+    return {
+        "state_bytes": 4 * states,
+        "copy_in_out_s": copy_s,
+        "baseline_step_s": step_s,
+        "floor_ratio": (step_s + copy_s) / step_s,
+        "copy_gb_per_s": 2 * 4 * states / copy_s / 1e9,
+        "overlapped_s": both_s,
+        "overlap_ratio": both_s / step_s,
+    }
 
 
 def environment(args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
     """What the numbers depend on: versions, threads, cores, sizes, host tier."""
     return {
-        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-        "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "elements": sum(sizes),
-        "tensors": len(sizes), "min_tensor": min(sizes), "max_tensor": max(sizes), "dtype": "float32",
-        "repeats": args.repeats, "warmup": args.warmup, "steps_per_config": 1 + args.warmup + args.repeats,
-        "hyper": HYPER, "shm_dir": host_buffers.SHM_DIR, "shm_writable": os.access(host_buffers.SHM_DIR, os.W_OK),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "elements": sum(sizes),
+        "tensors": len(sizes),
+        "min_tensor": min(sizes),
+        "max_tensor": max(sizes),
+        "dtype": "float32",
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "steps_per_config": 1 + args.warmup + args.repeats,
+        "hyper": HYPER,
+        "shm_dir": host_buffers.SHM_DIR,
+        "shm_writable": os.access(host_buffers.SHM_DIR, os.W_OK),
         "loadavg_1m_at_end": os.getloadavg()[0],  # other processes on the box skew the times
-    }  # fmt: skip
+    }
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
@@ -359,13 +390,17 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
 def print_table(records: list[dict[str, Any]]) -> None:
     """The summary on stdout, one line per configuration (memory in MiB)."""
-    print(f"{'config':<24}{'median ms':>10}{'p10':>8}{'p90':>8}{'ratio':>7}{'peak dev':>10}{'host':>8}"
-          f"{'anon':>8}{'faults':>8}  bitwise")  # fmt: skip
+    print(
+        f"{'config':<24}{'median ms':>10}{'p10':>8}{'p90':>8}{'ratio':>7}{'peak dev':>10}{'host':>8}"
+        f"{'anon':>8}{'faults':>8}  bitwise"
+    )
     for r in records:
         ms = "".join(f"{r[k] * 1e3:>{w}.1f}" for k, w in (("step_s_median", 10), ("step_s_p10", 8), ("step_s_p90", 8)))
         mib = [r[k] / 2**20 for k in ("peak_device_state_bytes", "host_state_bytes", "rss_anon_delta_bytes")]
-        print(f"{r['name']:<24}{ms}{r['ratio']:>7.2f}{mib[0]:>10.1f}{mib[1]:>8.1f}{mib[2]:>8.1f}"
-              f"{r['minor_faults_per_step']:>8.0f}  {r['bitwise_equal']}")
+        print(
+            f"{r['name']:<24}{ms}{r['ratio']:>7.2f}{mib[0]:>10.1f}{mib[1]:>8.1f}{mib[2]:>8.1f}"
+            f"{r['minor_faults_per_step']:>8.0f}  {r['bitwise_equal']}"
+        )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -414,30 +449,44 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         acc.close_streams()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"env": environment(args, sizes), "results": records, "swap_copy_floor": floor, "cpu_adamw": adamw,
-              "deepspeed_cpu_adam": deepspeed_missing or "measured", "arena_round_trip": trip,
-              "stream_handoff": handoff}  # fmt: skip
+    report = {
+        "env": environment(args, sizes),
+        "results": records,
+        "swap_copy_floor": floor,
+        "cpu_adamw": adamw,
+        "deepspeed_cpu_adam": deepspeed_missing or "measured",
+        "arena_round_trip": trip,
+        "stream_handoff": handoff,
+    }
     args.out.write_text(json.dumps(report, indent=2))
     plot(records, args.out.with_suffix(".png"))
     print_table(records)
-    print(f"swap's copy floor: {floor['state_bytes'] / 2**20:.0f} MiB in and out {floor['copy_in_out_s'] * 1e3:.1f} ms "
-          f"({floor['copy_gb_per_s']:.1f} GB/s moved) against a {floor['baseline_step_s'] * 1e3:.1f} ms step: "
-          f"ratio >= {floor['floor_ratio']:.2f} serial, {floor['overlap_ratio']:.2f} with the copies on a side stream "
-          f"during the step")  # fmt: skip
+    print(
+        f"swap's copy floor: {floor['state_bytes'] / 2**20:.0f} MiB in and out {floor['copy_in_out_s'] * 1e3:.1f} ms "
+        f"({floor['copy_gb_per_s']:.1f} GB/s moved) against a {floor['baseline_step_s'] * 1e3:.1f} ms step: "
+        f"ratio >= {floor['floor_ratio']:.2f} serial, {floor['overlap_ratio']:.2f} with the copies on a side stream "
+        f"during the step"
+    )
     print_throughput(adamw, deepspeed_missing)
-    print(f"offload+reload of {trip['state_tensors']} state tensors ({trip['state_bytes'] / 2**20:.1f} MiB): "
-          f"per-tensor {trip['median_s']['per_tensor'] * 1e3:.2f} ms, arena {trip['median_s']['arena'] * 1e3:.2f} ms, "
-          f"arena {trip['arena_speedup']:.1f}x faster")  # fmt: skip
-    print(f"one hand-off to a cpu side stream and back: {handoff['cpu_stream_round_trip_us']:.0f} us "
-          f"(bare Python threads: {handoff['bare_threads_round_trip_us']:.0f} us)")
+    print(
+        f"offload+reload of {trip['state_tensors']} state tensors ({trip['state_bytes'] / 2**20:.1f} MiB): "
+        f"per-tensor {trip['median_s']['per_tensor'] * 1e3:.2f} ms, arena {trip['median_s']['arena'] * 1e3:.2f} ms, "
+        f"arena {trip['arena_speedup']:.1f}x faster"
+    )
+    print(
+        f"one hand-off to a cpu side stream and back: {handoff['cpu_stream_round_trip_us']:.0f} us "
+        f"(bare Python threads: {handoff['bare_threads_round_trip_us']:.0f} us)"
+    )
     return 0 if all(r["bitwise_equal"] for r in records) else 1
 
 
 def print_throughput(records: list[dict[str, Any]], deepspeed_missing: str | None) -> None:
     print(f"\n{'cpu adamw':<24}{'median ms':>10}{'Melem/s':>10}{'GB/s@28B':>10}{'vs fused':>10}")
     for r in records:
-        print(f"{r['name']:<24}{r['step_s_median'] * 1e3:>10.1f}{r['elements_per_s'] / 1e6:>10.0f}"
-              f"{r['gb_per_s_at_28_bytes']:>10.1f}{r['vs_fused']:>10.2f}")  # fmt: skip
+        print(
+            f"{r['name']:<24}{r['step_s_median'] * 1e3:>10.1f}{r['elements_per_s'] / 1e6:>10.0f}"
+            f"{r['gb_per_s_at_28_bytes']:>10.1f}{r['vs_fused']:>10.2f}"
+        )
     if deepspeed_missing:
         print(f"{'deepspeed_cpu_adam':<24}not measured: {deepspeed_missing}")
 

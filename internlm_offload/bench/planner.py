@@ -61,19 +61,35 @@ def predict(config: Path, options: dict[str, Any], hardware: Hardware | None, wo
 
     memory = trace_step(resolve_config(load_config_file(config, options), world_size=world_size), world_size)
     timing = step_time(memory.micro_batch_work, memory.optimizer_work, memory.micro_num, hardware) if hardware else None
-    return {"device_peak_bytes": memory.device_peak_bytes, "first_step_device_peak_bytes":
-            memory.first_step_device_peak_bytes, "host_peak_bytes": memory.host_peak_bytes,
-            "predicted_step_time_s": timing.step_s if timing else None}  # fmt: skip
+    return {
+        "device_peak_bytes": memory.device_peak_bytes,
+        "first_step_device_peak_bytes": memory.first_step_device_peak_bytes,
+        "host_peak_bytes": memory.host_peak_bytes,
+        "predicted_step_time_s": timing.step_s if timing else None,
+    }
 
 
 def measure(config: Path, options: dict[str, Any], steps: int, world_size: int = 1) -> list[dict[str, Any]]:
     """The metrics record (rank 0's) of each step of a real `train.py` run on `world_size` processes."""
-    launcher = [sys.executable] if world_size == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]  # fmt: skip
+    launcher = (
+        [sys.executable]
+        if world_size == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
+    )
     with tempfile.TemporaryDirectory(prefix="planner-validation-") as work_dir:
-        cmd = [*launcher, str(REPO / "train.py"), "--config", str(config), "--work-dir", work_dir,
-               "--cfg-options", "monitor.progress_bar=off", "ckpt.enable_save_ckpt=False",
-               f"data.total_steps={steps}", *option_strings(options)]  # fmt: skip
+        cmd = [
+            *launcher,
+            str(REPO / "train.py"),
+            "--config",
+            str(config),
+            "--work-dir",
+            work_dir,
+            "--cfg-options",
+            "monitor.progress_bar=off",
+            "ckpt.enable_save_ckpt=False",
+            f"data.total_steps={steps}",
+            *option_strings(options),
+        ]
         subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         records = (Path(work_dir) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in records]
@@ -88,19 +104,31 @@ def validate(config: Path, name: str, steps: int, hardware: Hardware | None = No
     peaks = [r["device_peak_mem_bytes"] for r in records]
     measured = max(peaks[1:])  # the first step also creates the optimizer states
     error = predicted["device_peak_bytes"] / measured - 1
-    return {"setting": name, "options": option_strings(options), "world_size": world_size, **predicted,
-            "measured_step_peaks_bytes": peaks, "measured_bytes": measured, "error": error, "within_tolerance": abs(error) <= TOLERANCE,
-            "measured_step_time_s": statistics.median(r["step_time_s"] for r in records[1:])}  # fmt: skip
+    return {
+        "setting": name,
+        "options": option_strings(options),
+        "world_size": world_size,
+        **predicted,
+        "measured_step_peaks_bytes": peaks,
+        "measured_bytes": measured,
+        "error": error,
+        "within_tolerance": abs(error) <= TOLERANCE,
+        "measured_step_time_s": statistics.median(r["step_time_s"] for r in records[1:]),
+    }
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| setting | predicted MiB | measured MiB | error | predicted step s | measured step s |",
-             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| setting | predicted MiB | measured MiB | error | predicted step s | measured step s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
         predicted_s = "" if row["predicted_step_time_s"] is None else f"{row['predicted_step_time_s']:.2f}"
-        lines.append(f"| {row['setting']} | {row['device_peak_bytes'] / 2**20:.1f} | "
-                     f"{row['measured_bytes'] / 2**20:.1f} | {row['error']:+.1%} | "
-                     f"{predicted_s} | {row['measured_step_time_s']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {row['setting']} | {row['device_peak_bytes'] / 2**20:.1f} | "
+            f"{row['measured_bytes'] / 2**20:.1f} | {row['error']:+.1%} | "
+            f"{predicted_s} | {row['measured_step_time_s']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -26,8 +26,18 @@ MODES = {
 
 
 def train(work_dir: Path, config: Path, options: list[str]) -> list[dict]:
-    cmd = [sys.executable, str(REPO / "train.py"), "--config", str(config), "--work-dir", str(work_dir),
-           "--cfg-options", "monitor.progress_bar=off", "ckpt.enable_save_ckpt=False", *options]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "train.py"),
+        "--config",
+        str(config),
+        "--work-dir",
+        str(work_dir),
+        "--cfg-options",
+        "monitor.progress_bar=off",
+        "ckpt.enable_save_ckpt=False",
+        *options,
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return [json.loads(line) for line in (work_dir / "metrics.jsonl").read_text().splitlines()]
 

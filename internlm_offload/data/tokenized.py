@@ -151,9 +151,15 @@ class InternEvoPackedDataset:
     """InternEvo's training packs over a folder of `.bin` files; sample i is one micro-batch."""
 
     def __init__(
-        self, folder: str, *, seq_len: int, micro_bsz: int, pack_sample_into_one: bool, min_length: int,
+        self,
+        folder: str,
+        *,
+        seq_len: int,
+        micro_bsz: int,
+        pack_sample_into_one: bool,
+        min_length: int,
         vocab_size: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.seq_len = seq_len
         self.micro_bsz = micro_bsz
         self.pack_len = seq_len * micro_bsz
@@ -224,14 +230,23 @@ def _piece_positions(length: int, seq_len: int) -> np.ndarray:
 
 
 def build_internevo_dataset(
-    *, seq_len: int, micro_bsz: int, train_folder: str, pack_sample_into_one: bool, min_length: int,
+    *,
+    seq_len: int,
+    micro_bsz: int,
+    train_folder: str,
+    pack_sample_into_one: bool,
+    min_length: int,
     vocab_size: int | None = None,
-) -> InternEvoPackedDataset:  # fmt: skip
+) -> InternEvoPackedDataset:
     """Build InternEvo's training packs over `train_folder`."""
     return InternEvoPackedDataset(
-        train_folder, seq_len=seq_len, micro_bsz=micro_bsz, pack_sample_into_one=pack_sample_into_one,
-        min_length=min_length, vocab_size=vocab_size,
-    )  # fmt: skip
+        train_folder,
+        seq_len=seq_len,
+        micro_bsz=micro_bsz,
+        pack_sample_into_one=pack_sample_into_one,
+        min_length=min_length,
+        vocab_size=vocab_size,
+    )
 
 
 DATASETS.register_module(name="internevo", module=build_internevo_dataset)

@@ -34,8 +34,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 # Ops that allocate or re-describe memory without reading or writing its bytes.
-_NO_DATA_ACCESS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "set_",
-                             "resize_", "detach", "lift_fresh", "alias", "_to_copy_meta"})  # fmt: skip
+_NO_DATA_ACCESS = frozenset(
+    {
+        "empty",
+        "empty_strided",
+        "empty_like",
+        "new_empty",
+        "new_empty_strided",
+        "set_",
+        "resize_",
+        "detach",
+        "lift_fresh",
+        "alias",
+        "_to_copy_meta",
+    }
+)
 
 
 class OrderingError(RuntimeError):

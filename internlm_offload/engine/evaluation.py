@@ -16,9 +16,16 @@ class Evaluator:
     """Runs every validation set through the model in eval mode, without autograd (so no offload hook arms)."""
 
     def __init__(
-        self, sets: Sequence[ValidationSet], *, rank: int, world_size: int, micro_bsz: int, valid_micro_num: int,
-        device: torch.device, distributed: bool,
-    ) -> None:  # fmt: skip
+        self,
+        sets: Sequence[ValidationSet],
+        *,
+        rank: int,
+        world_size: int,
+        micro_bsz: int,
+        valid_micro_num: int,
+        device: torch.device,
+        distributed: bool,
+    ) -> None:
         self.sets = list(sets)
         self.device = device
         self.distributed = distributed

@@ -60,9 +60,14 @@ class Progress:
         elif step % self.log_every == 0 or step == self.total:
             logger.info(
                 "step=%d/%d loss=%.6f grad_norm=%.4f lr=%.3e tokens/s=%.0f step_time=%.3fs",
-                step, self.total, record["loss"], record["grad_norm"], record["lr"],
-                record["tokens_per_s"], record["step_time_s"],
-            )  # fmt: skip
+                step,
+                self.total,
+                record["loss"],
+                record["grad_norm"],
+                record["lr"],
+                record["tokens_per_s"],
+                record["step_time_s"],
+            )
 
     def close(self) -> None:
         if self.bar is not None:

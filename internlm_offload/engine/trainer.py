@@ -203,9 +203,12 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def forward_backward(
-        self, micro_batch: MicroBatch, token_weight: float, aux_weight: float,
+        self,
+        micro_batch: MicroBatch,
+        token_weight: float,
+        aux_weight: float,
         on_backward_start: Callable[[], None] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Loss sum (and MoE aux loss) of one micro-batch; backpropagates their weighted sum.
 
         A micro-batch is (input_ids, labels) or, with packed documents kept apart, (input_ids, labels,
@@ -295,15 +298,23 @@ class Trainer:
     def _log_peak_against_prediction(self, measured: int) -> None:
         predicted = self.settings.predicted_device_peak_bytes
         if predicted is not None and measured > 0:
-            logger.info("Memory: device peak of step %d measured %.1f MiB, predicted %.1f MiB (%+.1f %%)", self.step,
-                        measured / 2**20, predicted / 2**20, 100 * (predicted / measured - 1))  # fmt: skip
+            logger.info(
+                "Memory: device peak of step %d measured %.1f MiB, predicted %.1f MiB (%+.1f %%)",
+                self.step,
+                measured / 2**20,
+                predicted / 2**20,
+                100 * (predicted / measured - 1),
+            )
 
     def train(self) -> None:
         settings = self.settings
         progress = Progress(
-            total=settings.total_steps, initial=self.step, enabled=self.ctx.is_main,
-            mode=settings.progress_bar, log_every=settings.log_every,
-        )  # fmt: skip
+            total=settings.total_steps,
+            initial=self.step,
+            enabled=self.ctx.is_main,
+            mode=settings.progress_bar,
+            log_every=settings.log_every,
+        )
         tokens_per_step = self.loader.tokens_per_step_global
         try:
             with self._stop:
@@ -325,13 +336,19 @@ class Trainer:
             self.tokens_seen += tokens_per_step
             self._count_skip(result)
             record = {
-                "step": self.step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
-                "tokens": self.tokens_seen, "tokens_per_s": tokens_per_step / step_time,
-                "step_time_s": step_time, "skipped": result.skipped, "skipped_steps": self.skipped_steps,
+                "step": self.step,
+                "loss": result.loss,
+                "grad_norm": result.grad_norm,
+                "lr": lr,
+                "tokens": self.tokens_seen,
+                "tokens_per_s": tokens_per_step / step_time,
+                "step_time_s": step_time,
+                "skipped": result.skipped,
+                "skipped_steps": self.skipped_steps,
                 **({"loss_scale": result.loss_scale} if result.loss_scale is not None else {}),
                 **({"moe_aux_loss": result.aux_loss} if result.aux_loss is not None else {}),
                 **memory_record(self.ctx.accelerator),
-            }  # fmt: skip
+            }
             if self.step == min(first_step + 2, self.settings.total_steps):  # the first step creates the states
                 self._log_peak_against_prediction(record["device_peak_mem_bytes"])
             for feature in self.features:
@@ -356,8 +373,11 @@ class Trainer:
         self.consecutive_skips += 1
         logger.warning(
             "step %d: non-finite loss=%s or grad_norm=%s; update skipped (%d in a row)",
-            self.step, result.loss, result.grad_norm, self.consecutive_skips,
-        )  # fmt: skip
+            self.step,
+            result.loss,
+            result.grad_norm,
+            self.consecutive_skips,
+        )
 
     def _stop_if_diverged(self, result: StepResult) -> None:
         limit = self.settings.max_skipped_steps

@@ -84,7 +84,9 @@ def _load_hf_config(path: str | None, config: dict | None, trust_remote_code: bo
         try:
             return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, KeyError) as exc:
-            hint = "" if trust_remote_code else "; if the folder ships its own modelling code set trust_remote_code=True"
+            hint = (
+                "" if trust_remote_code else "; if the folder ships its own modelling code set trust_remote_code=True"
+            )
             raise ValueError(f"hf_path={path!r}: transformers cannot read its config ({_short(exc)}){hint}") from None
     if "model_type" not in config:
         raise ValueError(f"hf_config needs a 'model_type' key (e.g. 'llama'); got keys {sorted(config)}")
@@ -103,8 +105,10 @@ def _check_pad_token(hf_config: Any) -> None:
     """An embedding's padding_idx must be a row of it (Phi-3's pad id fails in a shrunk vocabulary)."""
     pad, vocab = getattr(hf_config, "pad_token_id", None), getattr(hf_config, "vocab_size", None)
     if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
-        raise ValueError(f"hf_config.pad_token_id={pad} is outside the vocabulary (vocab_size={vocab}); "
-                         "set pad_token_id below vocab_size, or None")  # fmt: skip
+        raise ValueError(
+            f"hf_config.pad_token_id={pad} is outside the vocabulary (vocab_size={vocab}); "
+            "set pad_token_id below vocab_size, or None"
+        )
 
 
 def _short(exc: BaseException) -> str:
@@ -174,8 +178,9 @@ class HFCausalLM(nn.Module):
         except ValueError as exc:  # transformers refuses sdpa for some architectures (Gemma2)
             if "attention implementation" not in str(exc):
                 raise
-            logger.warning("%s does not support sdpa attention; using eager (model.attn_impl='auto')",
-                           hf_config.model_type)  # fmt: skip
+            logger.warning(
+                "%s does not support sdpa attention; using eager (model.attn_impl='auto')", hf_config.model_type
+            )
             return _build_hf_model(path, hf_config, trust_remote_code, "eager")
 
     @property

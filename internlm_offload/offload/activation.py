@@ -140,8 +140,9 @@ class ActivationOffloader(MemoryFeature):
         if mode == "async" and self.accelerator.supports_pinned_memory and not pin_memory:
             logger.warning(
                 "activation offload: mode='async' with pin_memory=False copies from pageable memory, which blocks "
-                "the host on %s; async gains nothing over sync. Set pin_memory=True", self.accelerator.name,
-            )  # fmt: skip
+                "the host on %s; async gains nothing over sync. Set pin_memory=True",
+                self.accelerator.name,
+            )
         self.copies = HostCopies(self.accelerator, asynchronous=mode == "async", pin_memory=pin_memory)
         self._forward: _Forward | None = None
         self._hook_stack: list[contextlib.AbstractContextManager] = []

@@ -171,8 +171,10 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         placement = cpu_placement(all_params, offload_fraction, cpu_mask)
         offloaded = {id(p) for p, cpu in zip(all_params, placement) if cpu}
         if any(_resident(p) and id(p) not in offloaded for p in all_params):
-            raise ValueError("a host-resident param (one with `model_param`) falls outside the CPU share of "
-                             f"offload_fraction={offload_fraction}: place exactly the CPU share on the host")  # fmt: skip
+            raise ValueError(
+                "a host-resident param (one with `model_param`) falls outside the CPU share of "
+                f"offload_fraction={offload_fraction}: place exactly the CPU share on the host"
+            )
         cpu_cls = cpu_optimizer_cls or functools.partial(torch.optim.AdamW, fused=True)
         self._cpu_units = self._build_cpu_units(cpu_cls, offloaded, kwargs)
         gpu_cls = gpu_optimizer_cls or _default_device_cls(self._acc)
@@ -222,8 +224,10 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         if _resident(param):
             # The param is the master; grads land in fp32, updates leave in the model param's dtype.
             host = param.detach()
-            return {"grad": (host.shape, host.dtype, self.pin_cpu_grads),
-                    "staging": (host.shape, param.model_param.dtype, self.pin_cpu_params)}  # fmt: skip
+            return {
+                "grad": (host.shape, host.dtype, self.pin_cpu_grads),
+                "staging": (host.shape, param.model_param.dtype, self.pin_cpu_params),
+            }
         local = local_shard(param.detach())  # this rank's shard of a DTensor param
         master_dtype = self._master_dtype(param)
         specs = {"master": (local.shape, master_dtype, self.pin_cpu_params)}
@@ -288,8 +292,11 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         on_cpu = sum(p.numel() for p in params if id(p) in offloaded)
         logger.info(
             "HybridDeviceOptimizer: %d of %d trainable elements (%d params) stepped on the CPU; host buffers %.1f MiB",
-            on_cpu, trainable, len(offloaded), self.memory_stats()["host_state_bytes"] / 2**20,
-        )  # fmt: skip
+            on_cpu,
+            trainable,
+            len(offloaded),
+            self.memory_stats()["host_state_bytes"] / 2**20,
+        )
 
     # ---- public API -----------------------------------------------------------------------------
 
@@ -527,9 +534,8 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
             return dict(state)
         _, key = self._route[id(param)]
         return {
-            name: laid_out_like(value, param) if is_shard_state(value, key) else value
-            for name, value in state.items()
-        }  # fmt: skip
+            name: laid_out_like(value, param) if is_shard_state(value, key) else value for name, value in state.items()
+        }
 
     def _load_param_state(self, param: torch.Tensor, saved: dict[str, Any]) -> None:
         optimizer, key = self._route[id(param)]

@@ -38,8 +38,9 @@ def check_host_memory(required: int, what: str, *, available: int | None = None,
     """Refuse when `world_local` processes on this host each need `required` bytes that are not there."""
     available = available_host_bytes() if available is None else available
     need = required * world_local
-    logger.info("%s needs %.1f MB of host memory per process (%.1f MB available)", what, required / 2**20,
-                available / 2**20)  # fmt: skip
+    logger.info(
+        "%s needs %.1f MB of host memory per process (%.1f MB available)", what, required / 2**20, available / 2**20
+    )
     if available and need > available:
         raise HostMemoryError(
             f"{what} needs {need / 2**30:.2f} GiB of host memory on this machine ({world_local} process(es) x "

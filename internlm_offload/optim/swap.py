@@ -97,8 +97,9 @@ class _Chunk:
     def stage(self, buffer: torch.Tensor) -> None:
         """Take `buffer` as the chunk's device memory (views made once: the step reads each several times)."""
         self.device = buffer
-        self.views = {(id(s.param), s.key): buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
-                      for s in self.slots}  # fmt: skip
+        self.views = {
+            (id(s.param), s.key): buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.slots
+        }
 
     def unstage(self) -> torch.Tensor:
         """Give up the device memory; returns the buffer."""
@@ -138,8 +139,17 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
     ) -> None:
         if swap_optimizer_times < 1:
             raise ValueError(f"swap_optimizer_times={swap_optimizer_times} must be >= 1")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         maximize=maximize, foreach=foreach, fused=fused)  # fmt: skip
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+        )
         self.swap_optimizer_times = swap_optimizer_times
         self.accelerator = accelerator or get_accelerator("auto")
         self.use_pinned_optimizer_offload = use_pinned_optimizer_offload
@@ -148,7 +158,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
                 "swap optimizer: use_pinned_optimizer_offload=False keeps the states in pageable memory; on %s "
                 "their copies then block the host and overlap nothing. Set use_pinned_optimizer_offload=True",
                 self.accelerator.name,
-            )  # fmt: skip
+            )
         self.swap_params = swap_params
         self._chunks: list[_Chunk] | None = None
         self._layout_key: tuple | None = None
@@ -187,9 +197,14 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
 
     def _slot_specs(self, param: torch.Tensor, group: dict[str, Any]) -> list[tuple[str, torch.Size, torch.dtype]]:
         local = local_shard(param)
-        specs = [(k, torch.Size(()) if k == "step" else local.shape,
-                  _get_scalar_dtype(is_fused=group["fused"]) if k == "step" else local.dtype)
-                 for k in self._keys(group)]  # fmt: skip
+        specs = [
+            (
+                k,
+                torch.Size(()) if k == "step" else local.shape,
+                _get_scalar_dtype(is_fused=group["fused"]) if k == "step" else local.dtype,
+            )
+            for k in self._keys(group)
+        ]
         return specs + ([(PARAM, local.shape, local.dtype)] if self.swap_params else [])
 
     def _build_arena(self) -> None:
@@ -201,8 +216,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
                 if slot.key != PARAM:
                     specs.append((slot.shape, slot.dtype))
                     owners.append(slot)
-        arena = HostArena(self.accelerator, specs, pinned=self.use_pinned_optimizer_offload,
-                          alignment=SLOT_ALIGNMENT)  # fmt: skip
+        arena = HostArena(self.accelerator, specs, pinned=self.use_pinned_optimizer_offload, alignment=SLOT_ALIGNMENT)
         for slot, offset in zip(owners, arena.offsets):
             self._arena_offsets[id(slot.param), slot.key] = offset
         for chunk in self._chunks:
@@ -210,8 +224,12 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
             chunk.arena_start = self._arena_offsets[id(states[0].param), states[0].key] - states[0].offset
             chunk.states_nbytes = states[-1].offset + states[-1].nbytes
         self._arena = arena
-        logger.info("Optimizer host arena: %d states in one %s %.1f MB buffer", len(specs),
-                    "pinned" if self.use_pinned_optimizer_offload else "pageable", arena.nbytes / 2**20)
+        logger.info(
+            "Optimizer host arena: %d states in one %s %.1f MB buffer",
+            len(specs),
+            "pinned" if self.use_pinned_optimizer_offload else "pageable",
+            arena.nbytes / 2**20,
+        )
         if old is not None:
             old.release()
 
@@ -364,14 +382,28 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         steps = states.get("step") or [self.state[p]["step"] for p in chunk.stepped]
         beta1, beta2 = group["betas"]
         adam(
-            targets, [local_shard(active[p]) for p in chunk.stepped], states["exp_avg"], states["exp_avg_sq"],
-            states.get("max_exp_avg_sq", []), steps, amsgrad=group["amsgrad"],
-            has_complex=chunk.has_complex, beta1=beta1, beta2=beta2,
-            lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-            foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
-            fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
-            found_inf=getattr(self, "found_inf", None), decoupled_weight_decay=group["decoupled_weight_decay"],
-        )  # fmt: skip
+            targets,
+            [local_shard(active[p]) for p in chunk.stepped],
+            states["exp_avg"],
+            states["exp_avg_sq"],
+            states.get("max_exp_avg_sq", []),
+            steps,
+            amsgrad=group["amsgrad"],
+            has_complex=chunk.has_complex,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
+            fused=group["fused"],
+            grad_scale=getattr(self, "grad_scale", None),
+            found_inf=getattr(self, "found_inf", None),
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+        )
         for p, target in zip(chunk.stepped, targets):
             model_param = getattr(p, "model_param", None) if self.swap_params else None
             if model_param is not None:

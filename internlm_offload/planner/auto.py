@@ -41,12 +41,18 @@ def choose_auto_knobs(
     budget = cfg.memory_budget
     activations = activation_settings(cfg.model.num_layers, cfg.auto_knobs)
     optimizers = optimizer_settings(cfg, cfg.auto_knobs)
-    chosen, candidates = search(config_for, activations, optimizers, hardware_for(accelerator_name),
-                                budget.device, budget.host, world_size)  # fmt: skip
+    chosen, candidates = search(
+        config_for, activations, optimizers, hardware_for(accelerator_name), budget.device, budget.host, world_size
+    )
     for candidate in candidates:
-        logger.info("memory_budget: %-34s step %.4g s, est. device %s, host %s: %s", candidate.name,
-                    candidate.step_s, human_bytes(candidate.estimated_device), human_bytes(candidate.estimated_host),
-                    candidate.verdict)  # fmt: skip
+        logger.info(
+            "memory_budget: %-34s step %.4g s, est. device %s, host %s: %s",
+            candidate.name,
+            candidate.step_s,
+            human_bytes(candidate.estimated_device),
+            human_bytes(candidate.estimated_host),
+            candidate.verdict,
+        )
     if chosen is None:
         raise PreflightError(
             f"memory_budget: no setting of {', '.join(cfg.auto_knobs)} fits device {human_bytes(budget.device)}"
@@ -54,7 +60,12 @@ def choose_auto_knobs(
             f"{smallest_peak(candidates, config_for, world_size)}"
         )
     assert chosen.memory is not None  # a chosen candidate has been traced whole
-    logger.info("memory_budget: chose %s for %s: predicted device peak %s, host peak %s per rank, step %.4g s",
-                chosen.name, ", ".join(cfg.auto_knobs), human_bytes(chosen.memory.device_peak_bytes),
-                human_bytes(chosen.memory.host_peak_bytes), chosen.step_s)  # fmt: skip
+    logger.info(
+        "memory_budget: chose %s for %s: predicted device peak %s, host peak %s per rank, step %.4g s",
+        chosen.name,
+        ", ".join(cfg.auto_knobs),
+        human_bytes(chosen.memory.device_peak_bytes),
+        human_bytes(chosen.memory.host_peak_bytes),
+        chosen.step_s,
+    )
     return config_for(chosen.options), chosen

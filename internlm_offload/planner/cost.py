@@ -122,8 +122,10 @@ def flash_cpu_flops() -> dict[Any, Any]:
 
     forward._get_raw = backward._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode: raw args
     ops = torch.ops.aten
-    return {ops._scaled_dot_product_flash_attention_for_cpu: forward,
-            ops._scaled_dot_product_flash_attention_for_cpu_backward: backward}  # fmt: skip
+    return {
+        ops._scaled_dot_product_flash_attention_for_cpu: forward,
+        ops._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+    }
 
 
 @dataclass(frozen=True)
@@ -136,8 +138,12 @@ class StepTime:
     hardware: Hardware
 
     def as_dict(self) -> dict[str, Any]:
-        return {"step_s": self.step_s, "micro_batch_s": self.micro_batch_s, "optimizer_s": self.optimizer_s,
-                "hardware": asdict(self.hardware)}  # fmt: skip
+        return {
+            "step_s": self.step_s,
+            "micro_batch_s": self.micro_batch_s,
+            "optimizer_s": self.optimizer_s,
+            "hardware": asdict(self.hardware),
+        }
 
 
 def step_time(micro_batch: StepWork, optimizer: StepWork, micro_num: int, hw: Hardware) -> StepTime:
@@ -164,9 +170,15 @@ def calibrate(repeats: int = 5) -> Hardware:
     param.grad = torch.randn_like(param)
     adamw = torch.optim.AdamW([param], fused=True)
     elements = param.numel() / _median_seconds(adamw.step, repeats)
-    return Hardware("this machine (cpu)", flops, copy_bytes / 2, copy_bytes, elements,
-                    f"measured by --calibrate: {n}x{n} fp32 matmul, {src.nbytes >> 20} MiB copy_, fused AdamW over "
-                    f"{param.numel() >> 20} Mi elements; medians of {repeats}")  # fmt: skip
+    return Hardware(
+        "this machine (cpu)",
+        flops,
+        copy_bytes / 2,
+        copy_bytes,
+        elements,
+        f"measured by --calibrate: {n}x{n} fp32 matmul, {src.nbytes >> 20} MiB copy_, fused AdamW over "
+        f"{param.numel() >> 20} Mi elements; medians of {repeats}",
+    )
 
 
 def _median_seconds(fn: Any, repeats: int) -> float:

@@ -54,7 +54,12 @@ def predict(cfg: RunConfig, world_size: int, traced: StepMemory | None = None) -
 
 
 def check_fits(
-    cfg: RunConfig, *, world_size: int, local_world_size: int, device_total: int | None, config_path: str,
+    cfg: RunConfig,
+    *,
+    world_size: int,
+    local_world_size: int,
+    device_total: int | None,
+    config_path: str,
     traced: StepMemory | None = None,
 ) -> Prediction:
     """Raise `PreflightError` when the predicted peaks exceed this machine; returns the prediction.
@@ -68,23 +73,29 @@ def check_fits(
         need, available = prediction.device_peak + prediction.host_peak, host_available
         problem = need > available > 0 and (
             f"predicted {human_bytes(need)} per process (device {human_bytes(prediction.device_peak)} + host "
-            f"{human_bytes(prediction.host_peak)}), {human_bytes(available)} available on this host")  # fmt: skip
+            f"{human_bytes(prediction.host_peak)}), {human_bytes(available)} available on this host"
+        )
         largest = largest_component(prediction.components, None)
     elif prediction.device_peak > device_total:
-        problem = (f"predicted device peak {human_bytes(prediction.device_peak)} per rank, the device has "
-                   f"{human_bytes(device_total)}")  # fmt: skip
+        problem = (
+            f"predicted device peak {human_bytes(prediction.device_peak)} per rank, the device has "
+            f"{human_bytes(device_total)}"
+        )
         largest = largest_component(prediction.components, "device")
     else:
         problem = prediction.host_peak > host_available > 0 and (
             f"predicted host peak {human_bytes(prediction.host_peak)} per rank, "
-            f"{human_bytes(host_available)} available per local rank")  # fmt: skip
+            f"{human_bytes(host_available)} available per local rank"
+        )
         largest = largest_component(prediction.components, "host")
-    logger.info("Preflight: predicted per-rank peak device %s, host %s", human_bytes(prediction.device_peak),
-                human_bytes(prediction.host_peak))  # fmt: skip
+    logger.info(
+        "Preflight: predicted per-rank peak device %s, host %s",
+        human_bytes(prediction.device_peak),
+        human_bytes(prediction.host_peak),
+    )
     if problem:
         raise PreflightError(
             f"preflight: {problem}; largest: {largest}; try {REMEDIES.get(largest.split()[0], DEFAULT_REMEDY)} "
             f"(python -m internlm_offload.tools.plan --config {config_path}; preflight=False skips this check)"
         )
     return prediction
-

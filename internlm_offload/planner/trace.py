@@ -122,8 +122,10 @@ class _Probe:
 
     def hooks(self, model: nn.Module, layers: nn.ModuleList) -> list[Any]:
         """Forward hooks on the model and on each block, recording how much device memory each leaves alive."""
-        handles = [model.register_forward_pre_hook(self._enter("model")),
-                   model.register_forward_hook(self._leave("model"))]  # fmt: skip
+        handles = [
+            model.register_forward_pre_hook(self._enter("model")),
+            model.register_forward_hook(self._leave("model")),
+        ]
         for index, block in enumerate(layers):
             handles.append(block.register_forward_pre_hook(self._enter(index)))
             handles.append(block.register_forward_hook(self._leave(index)))
@@ -158,8 +160,9 @@ def micro_batches(cfg: RunConfig) -> list[MicroBatch]:
     packed_apart = data.type == "internevo" and not data.pack_sample_into_one
     rows, length = (1, data.micro_bsz * data.seq_len) if packed_apart else (data.micro_bsz, data.seq_len)
     ids = torch.zeros(rows, length, dtype=torch.long)
-    batch: MicroBatch = (ids, ids.clone(), torch.arange(length).remainder(data.seq_len)[None]) if packed_apart else (
-        ids, ids.clone())  # fmt: skip
+    batch: MicroBatch = (
+        (ids, ids.clone(), torch.arange(length).remainder(data.seq_len)[None]) if packed_apart else (ids, ids.clone())
+    )
     return [batch] * min(data.micro_num, TRACED_MICRO_BATCHES)
 
 
@@ -230,18 +233,28 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool) -> StepMemory:
     ctx = RunContext(rank=0, local_rank=0, world_size=world_size, accelerator=accelerator)
     batches = micro_batches(cfg)  # real host tensors, as the loader's: the trainer counts their labels
     # Factory calls without a device (buffers made by `init_weights`) land on meta too.
-    stand_ins = () if measure else (
-        fused_optimizers_on_meta(), flash_attention_on_meta(), fsdp2_on_meta(), torch.device("meta"))  # fmt: skip
+    stand_ins = (
+        ()
+        if measure
+        else (fused_optimizers_on_meta(), flash_attention_on_meta(), fsdp2_on_meta(), torch.device("meta"))
+    )
     group = fake_process_group(world_size, needed=cfg.parallel.mode == "fsdp2")
     with group, _quiet(), contextlib.ExitStack() as stack, tracker, tracker.counting_resizes():
         for stand_in in stand_ins:
             stack.enter_context(stand_in)
         parts = build_components(cfg, ctx, check_host_memory=False)
         trainer = (Trainer if measure else _TracingTrainer)(
-            ctx=ctx, model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler, loader=None,
-            checkpoints=None, metrics=None, settings=trainer_settings(cfg), masters=parts.masters,
+            ctx=ctx,
+            model=parts.model,
+            optimizer=parts.optimizer,
+            scheduler=parts.scheduler,
+            loader=None,
+            checkpoints=None,
+            metrics=None,
+            settings=trainer_settings(cfg),
+            masters=parts.masters,
             scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,
-        )  # fmt: skip
+        )
         probe = _Probe(tracker)
         parts.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: probe.before_optimizer_step(optimizer))
         parts.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: probe.after_optimizer_step())
@@ -264,12 +277,16 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool) -> StepMemory:
         for handle in handles:
             handle.remove()
         memory = StepMemory(
-            world_size=world_size, device_peak_bytes=peaks["device"], host_peak_bytes=peaks["host"],
+            world_size=world_size,
+            device_peak_bytes=peaks["device"],
+            host_peak_bytes=peaks["host"],
             components=components,
             block_activation_bytes=blocks,
-            first_step_device_peak_bytes=first_peak, micro_num=cfg.data.micro_num,
-            micro_batch_work=probe.micro_batch_work, optimizer_work=probe.optimizer_work,
-        )  # fmt: skip
+            first_step_device_peak_bytes=first_peak,
+            micro_num=cfg.data.micro_num,
+            micro_batch_work=probe.micro_batch_work,
+            optimizer_work=probe.optimizer_work,
+        )
         trainer.close()
     return memory
 
@@ -289,9 +306,7 @@ def _grads_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def _components(
-    parts: Any, tracker: StorageTracker, at_rest: dict[str, int], probe: _Probe
-) -> dict[str, int]:
+def _components(parts: Any, tracker: StorageTracker, at_rest: dict[str, int], probe: _Probe) -> dict[str, int]:
     """Named per-rank bytes of the steady step; the device ones add up to `device_peak_bytes`."""
     params = _tier_bytes(tracker, parts.model.parameters())
     masters = _tier_bytes(tracker, parts.masters.master_params())

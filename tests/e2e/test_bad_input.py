@@ -41,8 +41,10 @@ def write_config(tmp_path, body: str):
         (["use_pinned_optimizer_offload=True"], ["use_pinned_optimizer_offload=True", "needs swap_optimizer=True"]),
         (["swap_optimizer=True", "hybrid_optimizer.enable=True"], ["exclude each other"]),
         (["parallel.fsdp_cpu_offload=True"], ["parallel.fsdp_cpu_offload=True needs parallel.mode='fsdp2'"]),
-        (["parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=True", "swap_optimizer=True"],
-         ["fsdp_cpu_offload=True", "excludes swap_optimizer"]),
+        (
+            ["parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=True", "swap_optimizer=True"],
+            ["fsdp_cpu_offload=True", "excludes swap_optimizer"],
+        ),
         (["data.type=text", "data.paths=[/no/such/file.txt]"], ["data.paths", "/no/such/file.txt"]),
         (["model.type=gpt9"], ["model.type", "'gpt9'", "internlm2"]),
         (["model.vocab_size=100"], ["model.vocab_size=100", "259"]),
@@ -129,16 +131,26 @@ def test_print_config_resolves_derived_values(tmp_path):
     import sys
 
     out = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "--config", str(TINY), "--print-config",
-         "--cfg-options", "data.global_bsz=16", "data.micro_bsz=4", "data.total_steps=7"],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "--config",
+            str(TINY),
+            "--print-config",
+            "--cfg-options",
+            "data.global_bsz=16",
+            "data.micro_bsz=4",
+            "data.total_steps=7",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     resolved = json.loads(out.stdout)
     assert resolved["data"]["micro_num"] == 4
     assert resolved["lr_scheduler"]["total_steps"] == 7
     assert resolved["model"]["num_kv_attention_heads"] == 2
-
-
 
 
 @pytest.mark.parametrize(
@@ -179,8 +191,9 @@ def test_a_run_too_big_for_this_machine_is_refused_in_seconds(tmp_path):
     """The 7B config on this machine: preflight predicts the step, exits 2 before allocating, writes nothing."""
     work_dir = tmp_path / "run"
     proc = train(work_dir, "device=cpu", config=REPO / "configs" / "internlm2_7b.py", check=False)
-    assert_clean_error(proc, "preflight: predicted ", "available on this host", "largest: ",
-                       "swap_optimizer=True", "preflight=False")  # fmt: skip
+    assert_clean_error(
+        proc, "preflight: predicted ", "available on this host", "largest: ", "swap_optimizer=True", "preflight=False"
+    )
     assert not work_dir.exists()
 
 

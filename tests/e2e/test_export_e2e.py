@@ -19,8 +19,14 @@ def export(*args: str) -> subprocess.CompletedProcess:
 
 def test_fsdp2_checkpoint_exports_to_a_folder_transformers_loads(tmp_path):
     run = tmp_path / "run"
-    train(run, "data.total_steps=2", "parallel.mode=fsdp2", "model.dtype=torch.bfloat16", nproc=2,
-          config=REPO / "configs" / "hf_llama_tiny.py")  # fmt: skip
+    train(
+        run,
+        "data.total_steps=2",
+        "parallel.mode=fsdp2",
+        "model.dtype=torch.bfloat16",
+        nproc=2,
+        config=REPO / "configs" / "hf_llama_tiny.py",
+    )
     out = tmp_path / "hf"
     proc = export(run / "checkpoints", out, "--hf")
     assert proc.returncode == 0, proc.stderr

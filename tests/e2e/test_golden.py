@@ -23,7 +23,8 @@ def test_tiny_config_matches_golden_curve(tmp_path):
     # the last bits; 1e-4 relative still catches any real change of the model, data or optimizer.
     proc = subprocess.run(
         [sys.executable, "-m", "internlm_offload.tools.loss_compare", str(GOLDEN), str(tmp_path), "--rtol=1e-4"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert "ALIGNED" in proc.stdout

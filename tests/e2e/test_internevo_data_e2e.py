@@ -27,8 +27,10 @@ def tokenized(tmp_path_factory):
             (src / f"doc{i:03d}.txt").write_text(text[:600])
         subprocess.run(
             [sys.executable, "-m", "internlm_offload.tools.tokenize", str(src), str(root / name)],
-            check=True, capture_output=True, cwd=REPO,
-        )  # fmt: skip
+            check=True,
+            capture_output=True,
+            cwd=REPO,
+        )
     return root
 
 
@@ -48,16 +50,27 @@ def test_tokenized_folder_trains_validates_and_resumes_bitwise(tokenized, tmp_pa
     shutil.copytree(full / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
     train(resumed, *options, resume=True)
     for metric in ("loss", "valid_loss"):
-        cmd = [sys.executable, "-m", "internlm_offload.tools.loss_compare", str(full), str(resumed),
-               "--exact", "--metric", metric, "--steps", "3:"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "internlm_offload.tools.loss_compare",
+            str(full),
+            str(resumed),
+            "--exact",
+            "--metric",
+            metric,
+            "--steps",
+            "3:",
+        ]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_two_ranks_validate_the_same_documents_as_one(tokenized, tmp_path):
     # valid_micro_num=1: batches of 2 documents, which the 12 + 8 documents fill on 1 and on 2 ranks alike
-    options = _options(tokenized, "data.total_steps=2", "data.global_bsz=4", "ckpt.enable_save_ckpt=False",
-                       "data.valid_micro_num=1")  # fmt: skip
+    options = _options(
+        tokenized, "data.total_steps=2", "data.global_bsz=4", "ckpt.enable_save_ckpt=False", "data.valid_micro_num=1"
+    )
     train(tmp_path / "one", *options)
     train(tmp_path / "two", *options, "parallel.mode=ddp", nproc=2)
     one, two = metrics(tmp_path / "one")[1], metrics(tmp_path / "two")[1]

@@ -7,8 +7,12 @@ pytestmark = pytest.mark.e2e
 
 SHRUNK = REPO / "tests" / "data" / "internevo_7b_sft_shrunk.py"
 # The key sets of InternEvo's other shipped dense configs, shrunk in size only.
-SHIPPED = ["internevo_7b_internlm2_shrunk.py", "internevo_8b_internlm3_shrunk.py", "internevo_7b_llama2_shrunk.py",
-           "internevo_7b_isp_sft_shrunk.py"]  # fmt: skip
+SHIPPED = [
+    "internevo_7b_internlm2_shrunk.py",
+    "internevo_8b_internlm3_shrunk.py",
+    "internevo_7b_llama2_shrunk.py",
+    "internevo_7b_isp_sft_shrunk.py",
+]
 
 
 def test_internevo_config_trains_three_steps_and_says_what_it_mapped(tmp_path):

@@ -76,8 +76,13 @@ def test_optimizer_offload_resume_with_other_settings_is_bitwise(tmp_path, mode,
     """Checkpoint at step 4, resume with another chunking / fraction: steps 5..8 equal the full run."""
     nproc = 1 if mode == "none" else 2
     config = REPO / "configs" / config_name
-    common = ["data.total_steps=8", "ckpt.checkpoint_every=4", "ckpt.keep_last=0", f"parallel.mode={mode}",
-              "data.global_bsz=8"]  # fmt: skip
+    common = [
+        "data.total_steps=8",
+        "ckpt.checkpoint_every=4",
+        "ckpt.keep_last=0",
+        f"parallel.mode={mode}",
+        "data.global_bsz=8",
+    ]
     full = tmp_path / "full"
     train(full, *common, nproc=nproc, config=config)
     resumed = tmp_path / "resumed"
@@ -103,8 +108,14 @@ def test_hugging_face_model_with_every_offload_aligns(tmp_path, mode):
     nproc = 1 if mode == "none" else 2
     config = REPO / "configs" / "hf_llama_tiny.py"
     options = ["data.total_steps=5", "ckpt.enable_save_ckpt=False", f"parallel.mode={mode}", "data.global_bsz=8"]
-    offload = ["cpu_offloading.enable=True", "cpu_offloading.num_layers=2", "model.checkpoint=0.75",
-               "selective_checkpoint=True", "selective_checkpoint_offload=True", "swap_optimizer=True"]  # fmt: skip
+    offload = [
+        "cpu_offloading.enable=True",
+        "cpu_offloading.num_layers=2",
+        "model.checkpoint=0.75",
+        "selective_checkpoint=True",
+        "selective_checkpoint_offload=True",
+        "swap_optimizer=True",
+    ]
     base, run = tmp_path / "base", tmp_path / "offload"
     train(base, *options, nproc=nproc, config=config)
     proc = train(run, *options, *offload, nproc=nproc, config=config)

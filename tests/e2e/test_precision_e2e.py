@@ -49,8 +49,13 @@ def test_fp16_trains_finite_and_close_to_fp32_with_loss_scaling(tmp_path):
 
 def test_fp16_overflow_is_skipped_and_the_scale_backs_off(tmp_path):
     """A scale of 2^30 overflows fp16 grads: steps are skipped until hysteresis and back-offs bring it down."""
-    options = ["data.total_steps=24", NO_CKPT, "model.dtype=torch.float16", f"grad_scaler.fp16.initial_scale={2**30}",
-               f"grad_scaler.max_scale={2**30}"]  # fmt: skip
+    options = [
+        "data.total_steps=24",
+        NO_CKPT,
+        "model.dtype=torch.float16",
+        f"grad_scaler.fp16.initial_scale={2**30}",
+        f"grad_scaler.max_scale={2**30}",
+    ]
     train(tmp_path, *options)
     records = metrics(tmp_path)
     assert records[0]["skipped"] and records[1]["skipped"]
@@ -66,7 +71,13 @@ def test_fp16_overflow_is_skipped_and_the_scale_backs_off(tmp_path):
 @pytest.mark.parametrize("mode", ["none", "ddp", "fsdp2"])
 def test_bf16_offload_configs_align_bitwise_with_the_bf16_baseline(tmp_path, mode):
     nproc = 1 if mode == "none" else 2
-    options = ["data.total_steps=5", NO_CKPT, "data.global_bsz=8", "model.dtype=torch.bfloat16", f"parallel.mode={mode}"]
+    options = [
+        "data.total_steps=5",
+        NO_CKPT,
+        "data.global_bsz=8",
+        "model.dtype=torch.bfloat16",
+        f"parallel.mode={mode}",
+    ]
     base = tmp_path / "base"
     train(base, *options, nproc=nproc)
     for name in offload_configs(mode):
@@ -84,8 +95,19 @@ def test_bf16_offload_configs_align_bitwise_with_the_bf16_baseline(tmp_path, mod
 
 
 def _spawn(work_dir, *options, resume=False):
-    cmd = [sys.executable, str(REPO / "train.py"), "--config", str(TINY), "--work-dir", str(work_dir),
-           "--cfg-options", "data.seq_len=64", "data.micro_bsz=2", "monitor.progress_bar=off", *options]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "train.py"),
+        "--config",
+        str(TINY),
+        "--work-dir",
+        str(work_dir),
+        "--cfg-options",
+        "data.seq_len=64",
+        "data.micro_bsz=2",
+        "monitor.progress_bar=off",
+        *options,
+    ]
     cmd += ["--resume"] if resume else []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -122,8 +144,9 @@ def _dcp_weights(step_dir):
 
 
 def test_diverging_run_stops_with_one_line_and_keeps_only_finite_checkpoints(tmp_path):
-    proc = train(tmp_path, "adam.lr=1000", "data.total_steps=40", "ckpt.checkpoint_every=1", "max_skipped_steps=5",
-                 check=False)  # fmt: skip
+    proc = train(
+        tmp_path, "adam.lr=1000", "data.total_steps=40", "ckpt.checkpoint_every=1", "max_skipped_steps=5", check=False
+    )
     assert proc.returncode == 3, proc.stderr[-2000:]
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1 and "5 consecutive steps with a non-finite" in error_lines[0]
@@ -164,9 +187,11 @@ def test_model_only_load_starts_a_fresh_run_from_trained_weights(tmp_path, sourc
 
 @pytest.mark.parametrize(
     "config_name, other",
-    [("internlm2_tiny_hybrid.py", "hybrid_optimizer.offload_fraction=1.0"),
-     ("internlm2_tiny_swap.py", "swap_optimizer_times=2")],
-)  # fmt: skip
+    [
+        ("internlm2_tiny_hybrid.py", "hybrid_optimizer.offload_fraction=1.0"),
+        ("internlm2_tiny_swap.py", "swap_optimizer_times=2"),
+    ],
+)
 def test_bf16_offload_optimizer_resume_with_other_settings_is_bitwise(tmp_path, config_name, other):
     """Host-resident masters (hybrid CPU share, swap) checkpoint and reload exactly, into another placement."""
     config = REPO / "configs" / config_name
@@ -208,10 +233,23 @@ def test_sigterm_or_ctrl_c_checkpoints_exits_0_and_resumes_bitwise(tmp_path, sig
 
 
 def _spawn_run(work_dir, options, nproc):
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]  # fmt: skip
-    cmd = [*launcher, str(REPO / "train.py"), "--config", str(TINY), "--work-dir", str(work_dir),
-           "--cfg-options", "data.seq_len=64", "data.micro_bsz=2", *options]  # fmt: skip
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
+    )
+    cmd = [
+        *launcher,
+        str(REPO / "train.py"),
+        "--config",
+        str(TINY),
+        "--work-dir",
+        str(work_dir),
+        "--cfg-options",
+        "data.seq_len=64",
+        "data.micro_bsz=2",
+        *options,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 

@@ -107,8 +107,14 @@ def test_meta_build_on_one_rank_draws_todays_weights(tmp_path):
     runs = {}
     for meta in (True, False):
         runs[meta] = tmp_path / f"meta_{meta}"
-        proc = train(runs[meta], "data.total_steps=3", "ckpt.enable_save_ckpt=False", "parallel.mode=fsdp2",
-                     f"parallel.meta_init={meta}", torchrun=True)  # fmt: skip
+        proc = train(
+            runs[meta],
+            "data.total_steps=3",
+            "ckpt.enable_save_ckpt=False",
+            "parallel.mode=fsdp2",
+            f"parallel.meta_init={meta}",
+            torchrun=True,
+        )
         assert ("Materialized and initialized this rank's shards" in proc.stderr) == meta
         assert "Model built:" in proc.stderr
     assert metrics(runs[True]) and [r["loss"] for r in metrics(runs[True])] == [r["loss"] for r in metrics(runs[False])]

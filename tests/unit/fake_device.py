@@ -45,12 +45,16 @@ def fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> tuple[Accelerator, Coun
         yield
 
     module = SimpleNamespace(
-        Stream=lambda: _Raw(counts, "stream"), Event=lambda enable_timing=False: _Raw(counts, "event"),
-        current_stream=lambda: _Raw(counts, "current_stream"), stream=stream,
+        Stream=lambda: _Raw(counts, "stream"),
+        Event=lambda enable_timing=False: _Raw(counts, "event"),
+        current_stream=lambda: _Raw(counts, "current_stream"),
+        stream=stream,
         synchronize=lambda: counts.update(["device.synchronize"]),
-    )  # fmt: skip
+    )
     monkeypatch.setattr(torch, "fakedev", module, raising=False)
     # cpu tensors cannot be pinned or recorded on a fake stream: plain host memory, no allocator to tell
-    monkeypatch.setattr(Accelerator, "host_empty", lambda self, shape, dtype, pinned=True: torch.empty(shape, dtype=dtype))
+    monkeypatch.setattr(
+        Accelerator, "host_empty", lambda self, shape, dtype, pinned=True: torch.empty(shape, dtype=dtype)
+    )
     monkeypatch.setattr(Accelerator, "record_stream", lambda self, tensor, stream: None)
     return Accelerator("fakedev"), counts

@@ -227,8 +227,10 @@ def test_remove_restores_the_layers(baselines):
     assert handle.metrics()["act_offload_offloaded_bytes"] == 0
 
 
-@pytest.mark.parametrize("bad", [dict(num_layers=L), dict(num_layers=-1), dict(mode="fast"),
-                                 dict(min_offload_bytes=-1), dict(prefetch_layers=0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [dict(num_layers=L), dict(num_layers=-1), dict(mode="fast"), dict(min_offload_bytes=-1), dict(prefetch_layers=0)],
+)
 def test_bad_arguments(bad):
     kwargs = {"num_layers": 1, **bad}
     with pytest.raises(ValueError, match=next(iter(bad))):

@@ -6,11 +6,19 @@ from pathlib import Path
 from internlm_offload.bench import activation as bench
 
 EXPECTED = {
-    "baseline", "full_ckpt", "selective_ckpt",
-    "offload_sync_2", "offload_sync_4", "offload_sync_7",
-    "offload_async_2", "offload_async_4", "offload_async_7", "save_on_cpu",
-    "selective_offload_sync_7", "selective_offload_async_7",
-}  # fmt: skip
+    "baseline",
+    "full_ckpt",
+    "selective_ckpt",
+    "offload_sync_2",
+    "offload_sync_4",
+    "offload_sync_7",
+    "offload_async_2",
+    "offload_async_4",
+    "offload_async_7",
+    "save_on_cpu",
+    "selective_offload_sync_7",
+    "selective_offload_async_7",
+}
 
 
 def test_quick_run_writes_json_and_png(tmp_path: Path, capsys) -> None:
@@ -48,5 +56,13 @@ def test_offload_counts_follow_the_layer_count(tmp_path: Path) -> None:
         if case.handle is not None:
             case.handle.close()
     names = [case.name for case in cases]
-    assert names == ["baseline", "full_ckpt", "selective_ckpt", "offload_sync_2", "selective_offload_sync_2",
-                     "offload_async_2", "selective_offload_async_2", "save_on_cpu"]  # fmt: skip
+    assert names == [
+        "baseline",
+        "full_ckpt",
+        "selective_ckpt",
+        "offload_sync_2",
+        "selective_offload_sync_2",
+        "offload_async_2",
+        "selective_offload_async_2",
+        "save_on_cpu",
+    ]

@@ -65,13 +65,18 @@ def test_trainer_close_releases_hooks_streams_and_host_buffers(tmp_path):
     from internlm_offload.device import Accelerator
     from internlm_offload.engine.runtime import RunContext
 
-    cfg = resolve_config({
-        "model": dict(num_layers=4, hidden_size=64, num_attention_heads=4, checkpoint=0.75),
-        "cpu_offloading": dict(enable=True, num_layers=1), "selective_checkpoint": True,
-        "selective_checkpoint_offload": True, "swap_optimizer": True,
-        "data": dict(seq_len=32, total_steps=1), "ckpt": dict(enable_save_ckpt=False),
-        "monitor": dict(progress_bar="off"),
-    })  # fmt: skip
+    cfg = resolve_config(
+        {
+            "model": dict(num_layers=4, hidden_size=64, num_attention_heads=4, checkpoint=0.75),
+            "cpu_offloading": dict(enable=True, num_layers=1),
+            "selective_checkpoint": True,
+            "selective_checkpoint_offload": True,
+            "swap_optimizer": True,
+            "data": dict(seq_len=32, total_steps=1),
+            "ckpt": dict(enable_save_ckpt=False),
+            "monitor": dict(progress_bar="off"),
+        }
+    )
     accelerator = Accelerator("cpu")
     ctx = RunContext(rank=0, local_rank=0, world_size=1, accelerator=accelerator)
     trainer = build_trainer(cfg, ctx, tmp_path)
@@ -95,13 +100,18 @@ def test_swap_optimizer_prefetches_once_per_step_inside_the_last_backward(tmp_pa
     calls = []
     prefetch = SwapAdamW.prefetch
     # A graph task id other than -1: the call runs inside autograd's backward.
-    monkeypatch.setattr(SwapAdamW, "prefetch", lambda self: calls.append(torch._C._current_graph_task_id()) or
-                        prefetch(self))  # fmt: skip
-    cfg = resolve_config({
-        "model": dict(num_layers=2, hidden_size=64, num_attention_heads=4), "swap_optimizer": True,
-        "data": dict(seq_len=32, micro_num=2, total_steps=3), "ckpt": dict(enable_save_ckpt=False),
-        "monitor": dict(progress_bar="off"),
-    })  # fmt: skip
+    monkeypatch.setattr(
+        SwapAdamW, "prefetch", lambda self: calls.append(torch._C._current_graph_task_id()) or prefetch(self)
+    )
+    cfg = resolve_config(
+        {
+            "model": dict(num_layers=2, hidden_size=64, num_attention_heads=4),
+            "swap_optimizer": True,
+            "data": dict(seq_len=32, micro_num=2, total_steps=3),
+            "ckpt": dict(enable_save_ckpt=False),
+            "monitor": dict(progress_bar="off"),
+        }
+    )
     accelerator = Accelerator("cpu")
     trainer = build_trainer(cfg, RunContext(rank=0, local_rank=0, world_size=1, accelerator=accelerator), tmp_path)
     trainer.train()
@@ -109,20 +119,30 @@ def test_swap_optimizer_prefetches_once_per_step_inside_the_last_backward(tmp_pa
     assert len(calls) == 3 and all(task != -1 for task in calls), calls
 
 
-@pytest.mark.parametrize("optimizer", [dict(swap_optimizer=True, use_pinned_optimizer_offload=True),
-                                       dict(hybrid_optimizer=dict(enable=True, offload_fraction=0.5))])  # fmt: skip
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        dict(swap_optimizer=True, use_pinned_optimizer_offload=True),
+        dict(hybrid_optimizer=dict(enable=True, offload_fraction=0.5)),
+    ],
+)
 def test_no_host_allocation_after_the_first_step(tmp_path, monkeypatch, optimizer):
     """Every long-lived host buffer (activation pool, selective offload, optimizer slabs) exists after step 1."""
     from internlm_offload.builder import build_trainer
     from internlm_offload.engine.runtime import RunContext
 
-    cfg = resolve_config({
-        "model": dict(num_layers=4, hidden_size=64, num_attention_heads=4, checkpoint=0.75),
-        "cpu_offloading": dict(enable=True, num_layers=2), "selective_checkpoint": True,
-        "selective_checkpoint_offload": True, **optimizer,
-        "data": dict(seq_len=32, micro_num=2, total_steps=4), "ckpt": dict(enable_save_ckpt=False),
-        "monitor": dict(progress_bar="off"),
-    })  # fmt: skip
+    cfg = resolve_config(
+        {
+            "model": dict(num_layers=4, hidden_size=64, num_attention_heads=4, checkpoint=0.75),
+            "cpu_offloading": dict(enable=True, num_layers=2),
+            "selective_checkpoint": True,
+            "selective_checkpoint_offload": True,
+            **optimizer,
+            "data": dict(seq_len=32, micro_num=2, total_steps=4),
+            "ckpt": dict(enable_save_ckpt=False),
+            "monitor": dict(progress_bar="off"),
+        }
+    )
     accelerator = Accelerator("cpu")
     trainer = build_trainer(cfg, RunContext(rank=0, local_rank=0, world_size=1, accelerator=accelerator), tmp_path)
     steps_done, allocations = [0], []
@@ -135,8 +155,9 @@ def test_no_host_allocation_after_the_first_step(tmp_path, monkeypatch, optimize
 
     monkeypatch.setattr(trainer.optimizer, "step", counted_step)
     host_empty = Accelerator.host_empty
-    monkeypatch.setattr(Accelerator, "host_empty", lambda self, *a, **k: allocations.append(steps_done[0]) or
-                        host_empty(self, *a, **k))  # fmt: skip
+    monkeypatch.setattr(
+        Accelerator, "host_empty", lambda self, *a, **k: allocations.append(steps_done[0]) or host_empty(self, *a, **k)
+    )
     trainer.train()
     trainer.close()
     assert steps_done[0] == 4 and allocations and set(allocations) == {0}, allocations

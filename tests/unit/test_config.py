@@ -320,9 +320,20 @@ ERRORS = {
 
 
 def test_auto_knobs_hold_the_features_off_until_the_planner_chooses() -> None:
-    cfg = resolve_config({"memory_budget": dict(device="1.5GiB", host=2**30), "model": dict(checkpoint="auto"),
-                          "cpu_offloading": dict(enable="auto", num_layers="auto"), "swap_optimizer": "auto"})  # fmt: skip
-    assert cfg.auto_knobs == ("model.checkpoint", "cpu_offloading.enable", "cpu_offloading.num_layers", "swap_optimizer")
+    cfg = resolve_config(
+        {
+            "memory_budget": dict(device="1.5GiB", host=2**30),
+            "model": dict(checkpoint="auto"),
+            "cpu_offloading": dict(enable="auto", num_layers="auto"),
+            "swap_optimizer": "auto",
+        }
+    )
+    assert cfg.auto_knobs == (
+        "model.checkpoint",
+        "cpu_offloading.enable",
+        "cpu_offloading.num_layers",
+        "swap_optimizer",
+    )
     assert (cfg.model.checkpoint, cfg.cpu_offloading.enable, cfg.cpu_offloading.num_layers) == (0.0, False, 0)
     assert not cfg.swap_optimizer and cfg.memory_budget.device == 3 * 2**29 and cfg.memory_budget.host == 2**30
     assert resolve_config({}).auto_knobs == ()

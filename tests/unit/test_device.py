@@ -330,8 +330,12 @@ def test_copy_timer_reads_device_time_and_never_waits(monkeypatch: pytest.Monkey
     from internlm_offload.device import CopyTimer
 
     clock = SimpleNamespace(now=0.0, complete=True)
-    fake = SimpleNamespace(Stream=object, Event=lambda enable_timing=False: _TimingEvent(clock, enable_timing),
-                           current_stream=object, stream=lambda raw: contextmanager(lambda: iter([None]))())  # fmt: skip
+    fake = SimpleNamespace(
+        Stream=object,
+        Event=lambda enable_timing=False: _TimingEvent(clock, enable_timing),
+        current_stream=object,
+        stream=lambda raw: contextmanager(lambda: iter([None]))(),
+    )
     monkeypatch.setattr(torch, "fakedev", fake, raising=False)
     timer, side = CopyTimer(Accelerator("fakedev")), Accelerator("fakedev").stream()
 
@@ -391,7 +395,6 @@ def test_a_kept_or_recorded_source_is_fine(view: bool) -> None:
     acc.close_streams()
 
 
-
 def test_large_pinned_buffers_are_registered_at_their_exact_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """cuda: big pinned buffers are page-aligned ordinary memory, registered once and unregistered with
     their storage, instead of the caching host allocator's power-of-two blocks."""
@@ -400,14 +403,16 @@ def test_large_pinned_buffers_are_registered_at_their_exact_size(monkeypatch: py
     import internlm_offload.device.host_buffers as device_mod
 
     calls: list = []
-    cudart = SimpleNamespace(cudaHostRegister=lambda ptr, size, flags: calls.append(("register", ptr, size)) or 0,
-                             cudaHostUnregister=lambda ptr: calls.append(("unregister", ptr)) or 0)  # fmt: skip
+    cudart = SimpleNamespace(
+        cudaHostRegister=lambda ptr, size, flags: calls.append(("register", ptr, size)) or 0,
+        cudaHostUnregister=lambda ptr: calls.append(("unregister", ptr)) or 0,
+    )
     fake = SimpleNamespace(cudart=lambda: cudart)
     monkeypatch.setattr(torch, "fakedev", fake, raising=False)
     acc = Accelerator("fakedev")
     nbytes = device_mod.REGISTER_MIN_BYTES + 12  # not a power of two, not a page multiple
     host = acc.host_empty((nbytes // 4,), torch.float32)
-    (kind, ptr, size), = calls
+    ((kind, ptr, size),) = calls
     assert kind == "register" and ptr == host.data_ptr() and ptr % device_mod.PAGE_BYTES == 0
     assert nbytes <= size < nbytes + device_mod.PAGE_BYTES  # pinned bytes ~ logical bytes, not 2x
     host.fill_(1.0)

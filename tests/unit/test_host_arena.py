@@ -84,8 +84,9 @@ def test_views_are_aligned_in_memory_large_arena(acc: Accelerator) -> None:
 
 
 @pytest.mark.parametrize("where", ["small_arena", "no_shm_dir"])
-def test_views_are_aligned_in_memory_without_shm_mapping(acc: Accelerator, where: str,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_views_are_aligned_in_memory_without_shm_mapping(
+    acc: Accelerator, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if where == "small_arena":
         specs = [((3,), torch.float32), ((5,), torch.float64)]  # 1 KiB: under SHM_MIN_BYTES
     else:
@@ -146,6 +147,6 @@ def test_uses_the_accelerators_host_tier(acc: Accelerator, monkeypatch: pytest.M
     monkeypatch.setattr(Accelerator, "host_empty", counting)
     arena = HostArena(acc, SPECS, pinned=True)
     assert len(calls) == 1, calls  # one allocation for every tensor
-    (shape, dtype, pinned), = calls
+    ((shape, dtype, pinned),) = calls
     assert dtype == torch.uint8 and pinned is True and len(shape) == 1 and shape[0] >= arena.nbytes
     assert arena.buffer.untyped_storage().filename is not None  # cpu host tier: a shared-memory mapping

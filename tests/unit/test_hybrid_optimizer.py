@@ -305,8 +305,10 @@ def test_load_state_dict_copies_into_the_live_buffers(tmp_path):
 
 def cpu_state_storages(opt: HybridDeviceOptimizer) -> list[set[int]]:
     """Per CPU sub-optimizer, the storages of its (non-scalar) state tensors."""
-    return [{storage_key(v) for s in unit.optimizer.state.values() for v in s.values() if v.dim() > 0}
-            for unit in opt._cpu_units]  # fmt: skip
+    return [
+        {storage_key(v) for s in unit.optimizer.state.values() for v in s.values() if v.dim() > 0}
+        for unit in opt._cpu_units
+    ]
 
 
 def test_cpu_step_states_live_in_one_host_slab_per_unit(tmp_path):
@@ -584,7 +586,7 @@ def test_rejects_bad_arguments():
 
 # ---- FSDP2 (DTensor params), two ranks --------------------------------------------------------------
 
-FSDP2_SCRIPT = '''
+FSDP2_SCRIPT = """
 import sys
 
 import torch
@@ -712,7 +714,7 @@ def main(ckpt_dir):
 if __name__ == "__main__":
     main(sys.argv[1])
     shutdown_runtime()  # collects what holds the group before destroying it, as train.py does
-'''
+"""
 
 
 @pytest.mark.dist

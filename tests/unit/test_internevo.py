@@ -24,8 +24,13 @@ def test_internevo_config_resolves_with_its_meaning():
 
 def test_shipped_isp_parallel_settings_are_all_named_in_one_report():
     raw = load_config_file(SHRUNK)
-    raw["parallel"] = dict(zero1=dict(size=-1), tensor=dict(size=2, mode="isp"), pipeline=dict(size=1),
-                           weight=dict(size=4, overlap=True), sequence_2D=dict(enable=True))  # fmt: skip
+    raw["parallel"] = dict(
+        zero1=dict(size=-1),
+        tensor=dict(size=2, mode="isp"),
+        pipeline=dict(size=1),
+        weight=dict(size=4, overlap=True),
+        sequence_2D=dict(enable=True),
+    )
     with pytest.raises(ConfigError) as info:
         resolve_config(raw, world_size=1)
     report = str(info.value)
@@ -36,19 +41,32 @@ def test_shipped_isp_parallel_settings_are_all_named_in_one_report():
 
 @pytest.mark.parametrize(
     "parallel, world_size, mode",
-    [(dict(zero1=dict(size=-1)), 2, "ddp"), (dict(weight=dict(size=2)), 2, "fsdp2"),
-     (dict(zero1=dict(size=-1, fsdp=True)), 4, "fsdp2"), (dict(zero1=dict(size=1)), 1, "none")],
-)  # fmt: skip
+    [
+        (dict(zero1=dict(size=-1)), 2, "ddp"),
+        (dict(weight=dict(size=2)), 2, "fsdp2"),
+        (dict(zero1=dict(size=-1, fsdp=True)), 4, "fsdp2"),
+        (dict(zero1=dict(size=1)), 1, "none"),
+    ],
+)
 def test_parallel_sections_map_onto_a_mode(parallel, world_size, mode):
     assert translate({"parallel": parallel}, world_size).config["parallel"] == {"mode": mode}
 
 
 def test_local_prefixes_and_model_only_load_without_auto_resume():
-    raw = {"ckpt": dict(save_ckpt_folder="local:runs/a", load_ckpt_folder="local:old/",
-                        load_ckpt_info=dict(path="local:runs/pre", content=("model",)), auto_resume=False)}  # fmt: skip
+    raw = {
+        "ckpt": dict(
+            save_ckpt_folder="local:runs/a",
+            load_ckpt_folder="local:old/",
+            load_ckpt_info=dict(path="local:runs/pre", content=("model",)),
+            auto_resume=False,
+        )
+    }
     ckpt = translate(raw).config["ckpt"]
-    assert ckpt == {"save_ckpt_folder": "runs/a", "auto_resume": False,
-                    "load_ckpt_info": {"path": "runs/pre", "content": ("model",)}}  # fmt: skip
+    assert ckpt == {
+        "save_ckpt_folder": "runs/a",
+        "auto_resume": False,
+        "load_ckpt_info": {"path": "runs/pre", "content": ("model",)},
+    }
 
 
 @pytest.mark.parametrize(
@@ -82,7 +100,9 @@ def test_schedule_length_mismatch_warns():
 
 
 def test_label_smoothing_reaches_the_schema():
-    assert resolve_config({"loss": dict(label_smoothing=0.1, op_type="flash_vocab_parallel")}).loss.label_smoothing == 0.1
+    assert (
+        resolve_config({"loss": dict(label_smoothing=0.1, op_type="flash_vocab_parallel")}).loss.label_smoothing == 0.1
+    )
 
 
 def test_load_ckpt_info_wins_over_the_legacy_folder_as_in_internevo():
@@ -130,8 +150,16 @@ def test_internevo_moe_config_is_refused_in_one_line_naming_the_alternative():
     raw = load_config_file(SHRUNK)
     raw["model_type"] = "INTERNLM_MoE"
     raw["model"].update(num_experts=4, moe_use_residual=False, moe_type="GShard")
-    raw["moe"] = dict(top_k=2, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4, noisy_gate_policy=None,
-                      drop_tokens=True, use_rts=True, use_fused_gating=False)  # fmt: skip
+    raw["moe"] = dict(
+        top_k=2,
+        capacity_factor=1.0,
+        eval_capacity_factor=1.0,
+        min_capacity=4,
+        noisy_gate_policy=None,
+        drop_tokens=True,
+        use_rts=True,
+        use_fused_gating=False,
+    )
     raw["loss"]["moe_loss_coeff"] = 0.1
     with pytest.raises(ConfigError) as info:
         resolve_config(raw)
@@ -141,7 +169,8 @@ def test_internevo_moe_config_is_refused_in_one_line_naming_the_alternative():
 
 def test_hf_weights_through_load_ckpt_info_are_refused_with_the_hf_route():
     raw = load_config_file(SHRUNK)
-    raw["ckpt"].update(auto_resume=False, load_ckpt_info=dict(path="local:/w/internlm3", content=("model",),
-                                                            ckpt_type="hf"))  # fmt: skip
+    raw["ckpt"].update(
+        auto_resume=False, load_ckpt_info=dict(path="local:/w/internlm3", content=("model",), ckpt_type="hf")
+    )
     with pytest.raises(ConfigError, match="model.type='hf_causal_lm' and model.hf_path='/w/internlm3'"):
         resolve_config(raw)

@@ -19,8 +19,9 @@ def logits_and_labels(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def plain(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                           label_smoothing=label_smoothing)  # fmt: skip
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", label_smoothing=label_smoothing
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,7 +37,8 @@ def test_chunked_gradients_are_bitwise_and_the_loss_agrees(dtype, label_smoothin
     assert got.item() == pytest.approx(expected.item(), rel=1e-5)  # summed in another order
     with torch.no_grad():
         assert token_loss_sum(logits, labels, label_smoothing=label_smoothing, chunk_bytes=CHUNK).item() == (
-            pytest.approx(expected.item(), rel=1e-5))  # fmt: skip
+            pytest.approx(expected.item(), rel=1e-5)
+        )
 
 
 def test_one_chunk_is_the_plain_loss_bit_for_bit():

@@ -56,8 +56,9 @@ def _params() -> list[torch.Tensor]:
 
 def _swap(acc: Accelerator) -> tuple[object, Callable[[], None]]:
     params = _params()
-    opt = SwapAdamW(params, lr=1e-2, fused=True, swap_optimizer_times=3, use_pinned_optimizer_offload=True,
-                    accelerator=acc)  # fmt: skip
+    opt = SwapAdamW(
+        params, lr=1e-2, fused=True, swap_optimizer_times=3, use_pinned_optimizer_offload=True, accelerator=acc
+    )
     return opt, _optimizer_steps(opt, params)
 
 
@@ -80,8 +81,11 @@ SITES = {
 }
 
 
-@pytest.mark.parametrize("build", [_activation_offload, _selective_offload, _swap, _hybrid],
-                         ids=["activation", "selective", "swap", "hybrid"])  # fmt: skip
+@pytest.mark.parametrize(
+    "build",
+    [_activation_offload, _selective_offload, _swap, _hybrid],
+    ids=["activation", "selective", "swap", "hybrid"],
+)
 def test_offload_paths_are_ordered(build) -> None:
     acc = Accelerator("cpu")
     _, run = build(acc)
@@ -116,8 +120,10 @@ def test_removing_a_compute_wait_is_caught(site: str, monkeypatch: pytest.Monkey
 
 
 # path -> (the method that drops the device sources, the attribute holding the event it waits for first)
-RELEASES = {"activation": (_activation_offload, "_release_sources", "d2h_done"),
-            "selective": (_selective_offload, "_release", "copied_out")}  # fmt: skip
+RELEASES = {
+    "activation": (_activation_offload, "_release_sources", "d2h_done"),
+    "selective": (_selective_offload, "_release", "copied_out"),
+}
 
 
 @pytest.mark.parametrize("path", list(RELEASES))

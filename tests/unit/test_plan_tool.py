@@ -55,8 +55,17 @@ def test_a_budget_below_the_peak_exits_3_naming_what_dominates(tmp_path, capsys)
         (["--device-memory", "80XB"], "--device-memory '80XB'"),
         (["--host-memory=-1GiB"], "--host-memory '-1GiB'"),
         (["--world-size", "0"], "--world-size 0"),
-        (["--world-size", "2", "--cfg-options", "parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=True",
-          "data.global_bsz=16"], "parallel.fsdp_cpu_offload=True"),
+        (
+            [
+                "--world-size",
+                "2",
+                "--cfg-options",
+                "parallel.mode=fsdp2",
+                "parallel.fsdp_cpu_offload=True",
+                "data.global_bsz=16",
+            ],
+            "parallel.fsdp_cpu_offload=True",
+        ),
         (["--cfg-options", "model.nope=1"], "model.nope"),
     ],
 )
@@ -66,8 +75,9 @@ def test_bad_input_is_one_line_exit_2(argv, message, capsys):
     assert err.startswith("plan: error:") and message in err and "\n" not in err
 
 
-@pytest.mark.parametrize("text, expected", [("80GiB", 80 * 2**30), ("40GB", 40 * 10**9), ("1.5MiB", 3 * 2**19),
-                                            ("4096", 4096)])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, expected", [("80GiB", 80 * 2**30), ("40GB", 40 * 10**9), ("1.5MiB", 3 * 2**19), ("4096", 4096)]
+)
 def test_sizes(text, expected):
     assert plan.parse_size(text, "--device-memory") == expected
 
@@ -80,8 +90,10 @@ def test_search_picks_the_fastest_setting_that_fits_and_never_speeds_up_as_the_b
     for fraction in (1.0, 0.8, 0.6):
         budget = int(baseline["device_peak_bytes"] * fraction)
         out = tmp_path / f"{fraction}.json"
-        assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--device-memory", str(budget), "--json",
-                          str(out)]) == 0  # fmt: skip
+        assert (
+            plan.main(["--config", TINY, "--cfg-options", *SMALL, "--device-memory", str(budget), "--json", str(out)])
+            == 0
+        )
         report = json.loads(out.read_text())
         assert report["device_peak_bytes"] <= budget  # the choice was traced whole and fits
         assert [r["verdict"] for r in report["search"]].count("chosen") == 1

@@ -69,7 +69,8 @@ def test_each_feature_moves_its_component():
 
     hybrid = trace_step(config("hybrid")).components
     assert 0 < hybrid["host_optimizer_states"] and hybrid["optimizer_states"] + hybrid["host_optimizer_states"] == (
-        pytest.approx(2 * params, rel=0.01))  # fmt: skip
+        pytest.approx(2 * params, rel=0.01)
+    )
 
     ddp = trace_step(config("baseline", **{"parallel.mode": "ddp"})).components
     assert ddp["ddp_buckets"] == params
@@ -137,9 +138,10 @@ def test_attention_stand_in_is_the_kernel_cpu_picks(masked):
     def saved_bytes(stand_in: bool) -> int:
         meta = [t.to("meta").requires_grad_() for t in (q, kv, kv)]
         tracker = StorageTracker()
-        with (flash_attention_on_meta() if stand_in else torch.device("meta")), tracker:
-            out = F.scaled_dot_product_attention(*meta, **{**kwargs, "attn_mask": None if mask is None else
-                                                           mask.to("meta")})  # fmt: skip
+        with flash_attention_on_meta() if stand_in else torch.device("meta"), tracker:
+            out = F.scaled_dot_product_attention(
+                *meta, **{**kwargs, "attn_mask": None if mask is None else mask.to("meta")}
+            )
             return tracker.live_bytes("device")
 
     assert saved_bytes(stand_in=True) * 2 < saved_bytes(stand_in=False)
@@ -204,9 +206,14 @@ def test_traced_work_counts_what_each_feature_moves_and_computes():
     assert swap.micro_batch_work.flops == offload.micro_batch_work.flops == flops
     assert 1.2 * flops < checkpointed.micro_batch_work.flops < 1.4 * flops  # + one forward of 4 blocks (not the head)
     states = swap.components["host_optimizer_states"]
-    assert swap.optimizer_work.h2d_bytes == swap.optimizer_work.d2h_bytes and 0.99 * states <= swap.optimizer_work.h2d_bytes <= states
+    assert (
+        swap.optimizer_work.h2d_bytes == swap.optimizer_work.d2h_bytes
+        and 0.99 * states <= swap.optimizer_work.h2d_bytes <= states
+    )
     assert base.optimizer_work.h2d_bytes == base.micro_batch_work.d2h_bytes == 0
-    assert offload.micro_batch_work.d2h_bytes == offload.micro_batch_work.h2d_bytes == offload.components["host_buffers"]
+    assert (
+        offload.micro_batch_work.d2h_bytes == offload.micro_batch_work.h2d_bytes == offload.components["host_buffers"]
+    )
     elements = base.optimizer_work.device_adamw_elements
     assert hybrid.optimizer_work.host_adamw_elements + hybrid.optimizer_work.device_adamw_elements == elements
     assert 0.45 * elements < hybrid.optimizer_work.host_adamw_elements <= 0.5 * elements
@@ -214,8 +221,9 @@ def test_traced_work_counts_what_each_feature_moves_and_computes():
 
 def test_step_time_model():
     """micro_num x max(compute, activation copies) + max(device update, host update) + optimizer copies."""
-    hw = cost.Hardware("x", flops_per_s=1e12, link_bytes_per_s=1e9, hbm_bytes_per_s=28e9, cpu_adam_elements_per_s=1e8,
-                       source="test")  # fmt: skip
+    hw = cost.Hardware(
+        "x", flops_per_s=1e12, link_bytes_per_s=1e9, hbm_bytes_per_s=28e9, cpu_adam_elements_per_s=1e8, source="test"
+    )
     micro = cost.StepWork(flops=2e12, h2d_bytes=1e9, d2h_bytes=2e9)  # compute 2 s, copies 3 s
     optimizer = cost.StepWork(h2d_bytes=5e8, d2h_bytes=5e8, device_adamw_elements=1e9, host_adamw_elements=2e8)
     timing = cost.step_time(micro, optimizer, micro_num=4, hw=hw)

@@ -12,8 +12,14 @@ from internlm_offload.model import InternLM2
 
 def tiny_model() -> InternLM2:
     torch.manual_seed(0)
-    return InternLM2(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=259,
-                     tie_word_embeddings=True)  # fmt: skip
+    return InternLM2(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_kv_attention_heads=2,
+        vocab_size=259,
+        tie_word_embeddings=True,
+    )
 
 
 # ----------------------------------------------------------------------------- policy
@@ -114,9 +120,12 @@ def test_internevo_grad_scaler_section_resolves():
         "model": {"dtype": "torch.float16"},
         "grad_scaler": {
             "fp16": {"initial_scale": 2**16, "min_scale": 1, "growth_interval": 1000},
-            "growth_factor": 2, "backoff_factor": 0.5, "max_scale": 2**24, "hysteresis": 2,
+            "growth_factor": 2,
+            "backoff_factor": 0.5,
+            "max_scale": 2**24,
+            "hysteresis": 2,
         },
-    }  # fmt: skip
+    }
     cfg = resolve_config(raw)
     assert cfg.grad_scaler.fp16.initial_scale == 65536.0 and cfg.grad_scaler.hysteresis == 2
 
@@ -162,7 +171,9 @@ def test_only_the_named_masters_live_on_the_host():
         assert on_host == (name in names) == hasattr(master, "model_param"), name
     grads = masters.grads()
     assert by_name["norm.weight"].main_grad is not None and by_name["norm.weight"].grad is None
-    assert by_name["tok_embeddings.weight"].grad is not None and not hasattr(by_name["tok_embeddings.weight"], "main_grad")
+    assert by_name["tok_embeddings.weight"].grad is not None and not hasattr(
+        by_name["tok_embeddings.weight"], "main_grad"
+    )
     with torch.no_grad():
         for master in by_name.values():
             master.add_(1.0)

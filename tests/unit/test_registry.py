@@ -45,7 +45,11 @@ def test_unknown_type_names_key_value_and_registered(registry: Registry, key: st
 
 @pytest.mark.parametrize(
     "registry, key, bad",
-    [(DATASETS, "data.type", "json"), (MODELS, "model.type", "torch.nn.Linear"), (PARALLEL, "parallel.mode", "os.path")],
+    [
+        (DATASETS, "data.type", "json"),
+        (MODELS, "model.type", "torch.nn.Linear"),
+        (PARALLEL, "parallel.mode", "os.path"),
+    ],
 )
 def test_importable_name_is_not_a_registered_type(registry: Registry, key: str, bad: str) -> None:
     with pytest.raises(UnknownTypeError, match=f"{key}: unknown type {bad!r}"):
@@ -86,8 +90,9 @@ def test_registering_a_root_name_in_our_registry_does_not_collide() -> None:
     assert DATASETS.get("ConcatDataset") is None
 
 
-@pytest.mark.parametrize("wrapper, stray", [(apply_none, "bucket_cap_mb"), (apply_ddp, "layers"),
-                                            (apply_fsdp2, "bucket_cap_mb")])  # fmt: skip
+@pytest.mark.parametrize(
+    "wrapper, stray", [(apply_none, "bucket_cap_mb"), (apply_ddp, "layers"), (apply_fsdp2, "bucket_cap_mb")]
+)
 def test_parallel_wrappers_take_exact_arguments(wrapper, stray):
     """An argument meant for another mode is an error, not silently dropped."""
     with pytest.raises(TypeError, match=stray):

@@ -75,11 +75,7 @@ def clone_params(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
 def set_grads(params: list[torch.nn.Parameter], step: int) -> None:
     """Deterministic grads for `step`, the same for every copy of the params."""
     for i, p in enumerate(params):
-        none = (
-            p.role == "frozen"
-            or (p.role == "sometimes" and step % 3 == 1)
-            or (p.role == "late" and step < 5)
-        )  # fmt: skip
+        none = p.role == "frozen" or (p.role == "sometimes" and step % 3 == 1) or (p.role == "late" and step < 5)
         if none:
             p.grad = None
         else:
@@ -91,8 +87,10 @@ def groups_for(params: list[torch.nn.Parameter], two_groups: bool) -> list:
     if not two_groups:
         return params
     half = len(params) // 2
-    return [{"params": params[:half], "lr": 2e-2, "weight_decay": 0.2},
-            {"params": params[half:], "lr": 3e-3, "weight_decay": 0.0}]  # fmt: skip
+    return [
+        {"params": params[:half], "lr": 2e-2, "weight_decay": 0.2},
+        {"params": params[half:], "lr": 3e-3, "weight_decay": 0.0},
+    ]
 
 
 def run_steps(opt: torch.optim.Optimizer, params: list, start: int, stop: int, sched: object = None) -> None:
@@ -155,14 +153,20 @@ if not FOREACH_OK:  # torch refused foreach=True on cpu: nothing to compare agai
 
 
 def build_pair(
-    acc: Accelerator, shapes: list, kwargs: dict, times: int, two_groups: bool = False, lambda_lr: bool = False,
+    acc: Accelerator,
+    shapes: list,
+    kwargs: dict,
+    times: int,
+    two_groups: bool = False,
+    lambda_lr: bool = False,
     **swap_kwargs: object,
-) -> tuple:  # fmt: skip
+) -> tuple:
     ref_params = make_params(shapes)
     params = clone_params(ref_params)
     ref = torch.optim.AdamW(groups_for(ref_params, two_groups), **kwargs)
-    opt = SwapAdamW(groups_for(params, two_groups), swap_optimizer_times=times, accelerator=acc, **kwargs,
-                    **swap_kwargs)  # fmt: skip
+    opt = SwapAdamW(
+        groups_for(params, two_groups), swap_optimizer_times=times, accelerator=acc, **kwargs, **swap_kwargs
+    )
     ref_sched = sched = None
     if lambda_lr:
         ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, lambda s: 0.9**s + 0.05)
@@ -223,6 +227,7 @@ def test_closure_loss_is_returned_and_step_matches(acc: Accelerator) -> None:
     ref, ref_params, _, opt, params, _ = build_pair(acc, SHAPES, dict(lr=1e-2), times=2)
     for step in range(3):
         for o, ps in ((ref, ref_params), (opt, params)):
+
             def closure(ps: list = ps, step: int = step) -> torch.Tensor:
                 set_grads(ps, step)
                 return torch.tensor(float(step))
@@ -246,8 +251,9 @@ def test_two_instances_coexist(acc: Accelerator) -> None:
 
 
 @pytest.mark.parametrize("fused", [None, True])
-def test_states_are_separate_host_buffers_between_steps(acc: Accelerator, fused: bool | None,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_states_are_separate_host_buffers_between_steps(
+    acc: Accelerator, fused: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     params = make_params(SHAPES)
     opt = SwapAdamW(params, lr=1e-2, fused=fused, amsgrad=True, swap_optimizer_times=4, accelerator=acc)
     seen: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
@@ -283,8 +289,7 @@ def test_states_are_separate_host_buffers_between_steps(acc: Accelerator, fused:
                 if p.numel() * 4 >= 4096:  # big enough for the cpu host tier: a shared-memory mapping
                     assert opt.state[p]["exp_avg"].untyped_storage().filename is not None
         # The host buffers are allocated once and reused in place.
-        ptrs = {(id(p), k): t.data_ptr() for p in params for k, t in opt.state.get(p, {}).items()
-                if p.role == "train"}  # fmt: skip
+        ptrs = {(id(p), k): t.data_ptr() for p in params for k, t in opt.state.get(p, {}).items() if p.role == "train"}
         if host_ptrs is not None:
             assert ptrs == host_ptrs
         host_ptrs = ptrs
@@ -443,8 +448,9 @@ def test_state_dict_is_adamw_layout(acc: Accelerator, kwargs: dict) -> None:
             assert loaded["state"][idx][key].dtype == value.dtype
 
 
-@pytest.mark.parametrize("kwargs", [dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, fused=True, amsgrad=True)],
-                         ids=["plain", "fused_amsgrad"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs", [dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, fused=True, amsgrad=True)], ids=["plain", "fused_amsgrad"]
+)
 @pytest.mark.parametrize("direction", ["swap_to_adamw", "adamw_to_swap"])
 def test_state_dict_interchangeable_with_adamw(acc: Accelerator, kwargs: dict, direction: str) -> None:
     """A plain AdamW continues from SwapAdamW's state_dict and vice versa, bitwise as if uninterrupted."""
@@ -453,8 +459,9 @@ def test_state_dict_interchangeable_with_adamw(acc: Accelerator, kwargs: dict, d
     run_steps(ref, ref_params, 0, 20)
 
     first_params = make_params(SHAPES)
-    first_cls, second_cls = (SwapAdamW, torch.optim.AdamW) if direction == "swap_to_adamw" else \
-        (torch.optim.AdamW, SwapAdamW)  # fmt: skip
+    first_cls, second_cls = (
+        (SwapAdamW, torch.optim.AdamW) if direction == "swap_to_adamw" else (torch.optim.AdamW, SwapAdamW)
+    )
     extra = lambda cls: dict(accelerator=acc, swap_optimizer_times=5) if cls is SwapAdamW else {}  # noqa: E731
     first = first_cls(first_params, **kwargs, **extra(first_cls))
     run_steps(first, first_params, 0, 10)
@@ -471,8 +478,9 @@ def test_state_dict_interchangeable_with_adamw(acc: Accelerator, kwargs: dict, d
 
 @pytest.mark.parametrize("fused", [None, True])
 @pytest.mark.parametrize("times_after,arena_after", [(3, False), (1, False), (7, True)])
-def test_checkpoint_round_trip_with_other_chunking(acc: Accelerator, tmp_path: Path, fused: bool | None,
-                                                   times_after: int, arena_after: bool) -> None:  # fmt: skip
+def test_checkpoint_round_trip_with_other_chunking(
+    acc: Accelerator, tmp_path: Path, fused: bool | None, times_after: int, arena_after: bool
+) -> None:
     kwargs = dict(lr=1e-2, weight_decay=0.1, amsgrad=True, fused=fused)
     straight_params = make_params(SHAPES)
     straight = SwapAdamW(straight_params, swap_optimizer_times=16, accelerator=acc, **kwargs)
@@ -492,8 +500,13 @@ def test_checkpoint_round_trip_with_other_chunking(acc: Accelerator, tmp_path: P
     with torch.no_grad():
         for p, saved in zip(resumed_params, ckpt["params"], strict=True):
             p.copy_(saved)
-    resumed = SwapAdamW(resumed_params, swap_optimizer_times=times_after, use_pinned_optimizer_offload=arena_after,
-                        accelerator=acc, **kwargs)  # fmt: skip
+    resumed = SwapAdamW(
+        resumed_params,
+        swap_optimizer_times=times_after,
+        use_pinned_optimizer_offload=arena_after,
+        accelerator=acc,
+        **kwargs,
+    )
     resumed.load_state_dict(ckpt["optim"])
     assert resumed.memory_stats()["device_state_bytes"] == 0
     run_steps(resumed, resumed_params, 10, 20)
@@ -560,10 +573,12 @@ def test_reload_own_state_dict_without_arena_keeps_states(acc: Accelerator) -> N
 
 
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
-@pytest.mark.parametrize("kwargs", [dict(lr=1e-2), dict(lr=1e-2, fused=True, amsgrad=True, weight_decay=0.1)],
-                         ids=["plain", "fused_amsgrad"])  # fmt: skip
-def test_host_arena_parity_one_buffer_no_new_allocations(acc: Accelerator, kwargs: dict, pinned: bool,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs", [dict(lr=1e-2), dict(lr=1e-2, fused=True, amsgrad=True, weight_decay=0.1)], ids=["plain", "fused_amsgrad"]
+)
+def test_host_arena_parity_one_buffer_no_new_allocations(
+    acc: Accelerator, kwargs: dict, pinned: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every state lives in one host slab (pinned or not, as the flag says), allocated by the first step only."""
     shapes = [s for s in SHAPES if s[1] != "late"]  # every trainable param gets its state at step 0
     ref, ref_params, _, opt, params, _ = build_pair(acc, shapes, kwargs, times=3, use_pinned_optimizer_offload=pinned)
@@ -592,8 +607,9 @@ def test_host_arena_parity_one_buffer_no_new_allocations(acc: Accelerator, kwarg
     assert all(end <= start for (_, end), (start, _) in zip(ranges, ranges[1:])), "arena views overlap"
 
 
-def test_a_pageable_slab_on_a_device_says_its_copies_block(monkeypatch: pytest.MonkeyPatch,
-                                                            caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_a_pageable_slab_on_a_device_says_its_copies_block(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     params = make_params(SHAPES)
     monkeypatch.setattr(Accelerator, "supports_pinned_memory", property(lambda self: True))  # as on cuda
     with caplog.at_level("WARNING"):
@@ -654,8 +670,9 @@ def test_delayed_streams_still_bitwise(acc: Accelerator, fused: bool | None, poi
     assert_same(ref, ref_params, opt, params)
 
 
-def test_skipping_copy_in_wait_is_caught(acc: Accelerator, poisoned_empty_like: None,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_skipping_copy_in_wait_is_caught(
+    acc: Accelerator, poisoned_empty_like: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Control: without the wait before the update, the chunk's buffer is stepped (and freed) while its slow
     copy-in still writes it; the cpu backend refuses the free (a device would hand the memory on)."""
     kwargs = dict(lr=1e-2, weight_decay=0.1)
@@ -675,8 +692,9 @@ def test_skipping_copy_in_wait_is_caught(acc: Accelerator, poisoned_empty_like: 
     gate.set()
 
 
-def test_skipping_copy_out_wait_is_caught(acc: Accelerator, poisoned_empty_like: None,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_skipping_copy_out_wait_is_caught(
+    acc: Accelerator, poisoned_empty_like: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Control: without waiting for its D2H copy, a chunk's buffer is freed while the copy still reads it."""
     kwargs = dict(lr=1e-2, weight_decay=0.1)
     ref, ref_params, _, opt, params, _ = build_pair(acc, RACE_SHAPES, kwargs, times=2)
@@ -696,7 +714,7 @@ def test_skipping_copy_out_wait_is_caught(acc: Accelerator, poisoned_empty_like:
 
 # ---------------------------------------------------------------- FSDP2 (two gloo processes)
 
-FSDP_SCRIPT = r'''
+FSDP_SCRIPT = r"""
 import os
 import torch
 import torch.distributed as dist
@@ -752,7 +770,7 @@ for rp, p in pairs:
 assert opt.memory_stats()["device_state_bytes"] == 0
 print(f"FSDP2-OK rank={rank}", flush=True)
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.mark.dist
@@ -790,8 +808,9 @@ def test_swapped_masters_match_adamw_on_device_masters_and_write_the_model(acc, 
         host.model_param = ref.detach().to(torch.bfloat16)
         masters.append(host)
     expected = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, fused=True)
-    swapped = SwapAdamW(masters, lr=1e-2, weight_decay=0.1, fused=True, swap_optimizer_times=times,
-                        swap_params=True, accelerator=acc)  # fmt: skip
+    swapped = SwapAdamW(
+        masters, lr=1e-2, weight_decay=0.1, fused=True, swap_optimizer_times=times, swap_params=True, accelerator=acc
+    )
     for _ in range(5):
         for ref, master in zip(reference, masters):
             grad = torch.randn(ref.shape, generator=gen)
@@ -812,8 +831,9 @@ def test_swapped_masters_match_adamw_on_device_masters_and_write_the_model(acc, 
 
 
 @pytest.mark.parametrize("arena", [False, True])
-def test_prefetch_before_step_stays_bitwise(acc: Accelerator, poisoned_empty_like: None, arena: bool,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_prefetch_before_step_stays_bitwise(
+    acc: Accelerator, poisoned_empty_like: None, arena: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`prefetch()` (the trainer calls it before the last backward) copies the first chunk in early.
 
     The "late" param gets its first grad at step 5: its zeroed state must replace the stale prefetched

@@ -169,9 +169,9 @@ def test_document_mask_is_block_causal() -> None:
 
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 3]])
     doc_of = [[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 1, 1, 1, 1]]
-    expected = torch.tensor(
-        [[[i >= j and row[i] == row[j] for j in range(8)] for i in range(8)] for row in doc_of]
-    )[:, None]
+    expected = torch.tensor([[[i >= j and row[i] == row[j] for j in range(8)] for i in range(8)] for row in doc_of])[
+        :, None
+    ]
     assert torch.equal(document_mask(positions), expected)
     assert Documents(positions).cu_seqlens.tolist() == [0, 3, 5, 8, 12, 16]
 
@@ -181,8 +181,15 @@ def test_hf_models_keep_packed_documents_apart(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from internlm_offload.model.hf import HFCausalLM
 
-    config = dict(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config = dict(
+        model_type="llama",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     docs = [[5, 9, 3, 7, 1], [8, 2, 6, 7]]
     row = torch.tensor([t for d in docs for t in d])[None]
     positions = torch.cat([torch.arange(len(d)) for d in docs])[None]
@@ -226,8 +233,9 @@ def test_evaluation_runs_without_autograd_and_restores_train_mode(tmp_path: Path
     torch.manual_seed(0)
     model = InternLM2(num_layers=3, hidden_size=32, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=97)
     offloader = offload_layers(model.layers, num_layers=2, accelerator=Accelerator("cpu"), min_offload_bytes=0)
-    evaluator = Evaluator(sets, rank=0, world_size=1, micro_bsz=2, valid_micro_num=3, device=torch.device("cpu"),
-                          distributed=False)  # fmt: skip
+    evaluator = Evaluator(
+        sets, rank=0, world_size=1, micro_bsz=2, valid_micro_num=3, device=torch.device("cpu"), distributed=False
+    )
     result = evaluator.evaluate(model)
     assert model.training
     assert offloader.metrics()["act_offload_offloaded_bytes"] == 0  # nothing was saved for backward, so nothing moved

@@ -10,6 +10,7 @@ Every problem is reported as one `ConfigError` line naming the key, the bad valu
 """
 
 import ast
+import copy
 import difflib
 import hashlib
 import json
@@ -509,11 +510,27 @@ def load_config_file(path: str | Path, overrides: dict[str, Any] | None = None) 
     except Exception as exc:  # mmengine raises many types; all mean "this file does not parse"
         raise ConfigError(f"--config {path}: cannot parse: {_one_line(exc)}") from exc
     if overrides:
-        try:
-            cfg.merge_from_dict(overrides, allow_list_keys=True)
-        except (TypeError, KeyError, ValueError) as exc:  # e.g. `a.b=1` where `a` is not a dict
-            raise ConfigError(f"--cfg-options: {_one_line(exc)}") from None
+        _merge(cfg, overrides)
     return cfg.to_dict()
+
+
+def merge_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A loaded config (`load_config_file`) with more `--cfg-options` merged in, as a new dict: the same
+    result as loading the file with both sets of overrides, without reading it again."""
+    from mmengine.config import Config
+
+    cfg = Config(copy.deepcopy(raw))  # the caller's dict stays as it was: every candidate starts from it
+    if overrides:
+        _merge(cfg, overrides)
+    return cfg.to_dict()
+
+
+def _merge(cfg: Any, overrides: dict[str, Any]) -> None:
+    """mmengine's merge of dotted `--cfg-options` keys into `cfg` (a `Config`), its errors as one line."""
+    try:
+        cfg.merge_from_dict(overrides, allow_list_keys=True)
+    except (TypeError, KeyError, ValueError) as exc:  # e.g. `a.b=1` where `a` is not a dict
+        raise ConfigError(f"--cfg-options: {_one_line(exc)}") from None
 
 
 def _reject_imports(path: Path) -> None:

@@ -83,7 +83,8 @@ def report_error(exc: BaseException) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Validate everything that needs no process group first: a bad config never starts workers.
-    cfg = resolve_config(load_config_file(args.config, args.cfg_options), world_size=env_world_size())
+    raw = load_config_file(args.config, args.cfg_options)  # read once: the planner's candidates merge into it
+    cfg = resolve_config(raw, world_size=env_world_size())
     if args.print_config:
         print(json.dumps(cfg.model_dump(), indent=2))
         return 0
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(int(os.environ.get("RANK", "0")))
     traced = None
     if cfg.auto_knobs:
-        cfg, traced = choose_auto_knobs(cfg, args, accelerator)
+        cfg, traced = choose_auto_knobs(cfg, raw, accelerator)
     predicted_peak = traced.device_peak_bytes if traced else None
     if cfg.preflight:
         predicted_peak = run_preflight(cfg, args.config, accelerator, traced) or predicted_peak
@@ -136,15 +137,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def choose_auto_knobs(cfg: RunConfig, args: argparse.Namespace, accelerator: Accelerator) -> tuple[RunConfig, Any]:
-    """Set the config's "auto" knobs with the planner (`planner/auto.py`); the chosen config and its trace."""
+def choose_auto_knobs(cfg: RunConfig, raw: dict[str, Any], accelerator: Accelerator) -> tuple[RunConfig, Any]:
+    """Set the config's "auto" knobs with the planner (`planner/auto.py`); the chosen config and its trace.
+
+    `raw`: the loaded config `cfg` was resolved from; the candidates are merges of it."""
     from internlm_offload.planner import auto
+    from internlm_offload.planner.search import candidate_configs
     from internlm_offload.planner.trace import UnsupportedLayout
 
-    def config_for(overrides: dict[str, Any]) -> RunConfig:
-        raw = load_config_file(args.config, {**args.cfg_options, **overrides})
-        return resolve_config(raw, world_size=env_world_size())
-
+    config_for = candidate_configs(raw, world_size=env_world_size())
     try:
         chosen_cfg, chosen = auto.choose_auto_knobs(cfg, config_for, accelerator_name=accelerator.name,
                                                     world_size=env_world_size())  # fmt: skip

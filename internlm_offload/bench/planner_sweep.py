@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from internlm_offload.config import RunConfig, load_config_file, resolve_config
+from internlm_offload.config import load_config_file
 from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate
-from internlm_offload.planner.search import activation_settings, optimizer_settings, search
+from internlm_offload.planner.search import activation_settings, candidate_configs, optimizer_settings, search
 from internlm_offload.planner.trace import trace_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,9 +26,7 @@ FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 
 
 def sweep(config: Path, fractions: list[float], hardware: Hardware) -> list[dict[str, Any]]:
-    def config_for(overrides: dict[str, Any]) -> RunConfig:
-        return resolve_config(load_config_file(config, overrides))
-
+    config_for = candidate_configs(load_config_file(config))  # the file is read once
     baseline = trace_step(config_for({})).device_peak_bytes
     cfg = config_for({})
     rows = []

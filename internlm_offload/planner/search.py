@@ -19,12 +19,22 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from internlm_offload.config import AUTO_KNOBS, RunConfig
+from internlm_offload.config import AUTO_KNOBS, RunConfig, merge_overrides, resolve_config
 from internlm_offload.planner.cost import Hardware, step_time
 from internlm_offload.planner.trace import StepMemory, trace_step
 from internlm_offload.planner.tracker import human_bytes, largest_component
 
 ConfigFor = Callable[[dict[str, Any]], RunConfig]  # knob overrides -> the resolved config
+
+
+def candidate_configs(raw: dict[str, Any], world_size: int = 1) -> ConfigFor:
+    """The `ConfigFor` of a loaded config (`load_config_file`): each candidate's overrides merged into a
+    copy of `raw`, then validated; the file is read once, not once per candidate."""
+
+    def config_for(overrides: dict[str, Any]) -> RunConfig:
+        return resolve_config(merge_overrides(raw, overrides), world_size=world_size)
+
+    return config_for
 
 
 @dataclass(frozen=True)

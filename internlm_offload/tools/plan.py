@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         raise PlanInputError(f"--world-size {args.world_size}: expected an integer >= 1")
     device_budget = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     host_budget = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
-    cfg = resolve_config(load_config_file(args.config, args.cfg_options), world_size=args.world_size)
+    raw = load_config_file(args.config, args.cfg_options)  # read once: the search's candidates merge into it
+    cfg = resolve_config(raw, world_size=args.world_size)
     try:
         memory = trace_step(cfg, args.world_size)
         plan = memory.as_dict()
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     options = dict(args.cfg_options)
     searched = None
     if (device_budget or host_budget) and not args.check_only:
-        searched, chosen = run_search(args, memory, hardware, device_budget, host_budget)
+        searched, chosen = run_search(args, raw, memory, hardware, device_budget, host_budget)
         fits = chosen is not None
         if chosen is not None:
             memory, options = chosen.memory, {**options, **chosen.options}
@@ -146,21 +147,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_search(
-    args: argparse.Namespace, memory: Any, hardware: Any, device_budget: int | None, host_budget: int | None
+    args: argparse.Namespace,
+    raw: dict[str, Any],
+    memory: Any,
+    hardware: Any,
+    device_budget: int | None,
+    host_budget: int | None,
 ) -> tuple[list[dict[str, Any]], Any]:
-    """Search the settings, print the alternatives and the choice; (JSON rows, the chosen candidate or None)."""
+    """Search the settings, print the alternatives and the choice; (JSON rows, the chosen candidate or None).
+
+    `raw`: the loaded config (`--config` with `--cfg-options`); the candidates are merges of it."""
     from internlm_offload.planner.search import (
         activation_settings,
         batch_settings,
+        candidate_configs,
         micro_batch_settings,
         optimizer_settings,
         search,
         smallest_peak,
     )
 
-    def config_for(overrides: dict[str, Any]) -> Any:
-        return resolve_config(load_config_file(args.config, {**args.cfg_options, **overrides}), world_size=args.world_size)
-
+    config_for = candidate_configs(raw, world_size=args.world_size)
     activations = micro_batch_settings(activation_settings(len(memory.block_activation_bytes)),
                                        batch_settings(config_for({})))  # fmt: skip
     chosen, candidates = search(config_for, activations, optimizer_settings(), hardware, device_budget, host_budget,

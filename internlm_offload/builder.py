@@ -18,7 +18,7 @@ from internlm_offload.data import StepLoader, StepSampler, Tokenizer, build_toke
 from internlm_offload.data.validation import find_validation_sets
 from internlm_offload.engine.evaluation import Evaluator
 from internlm_offload.device import Accelerator
-from internlm_offload.engine.checkpoint import CheckpointManager
+from internlm_offload.engine.checkpoint import CheckpointManager, checkpoint_folder
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
 from internlm_offload.engine.parallel import materialize_shards
@@ -362,7 +362,3 @@ def closers(
     found = [offloader.remove if offloader is not None else None, selective.close if selective is not None else None,
              getattr(optimizer, "close", None), accelerator.close_streams]  # fmt: skip
     return [close for close in found if close is not None]
-
-
-def checkpoint_folder(cfg: RunConfig, work_dir: Path) -> Path:
-    return Path(cfg.ckpt.save_ckpt_folder) if cfg.ckpt.save_ckpt_folder else work_dir / "checkpoints"

@@ -1,8 +1,13 @@
-"""Train from a config file: `python train.py --config configs/internlm2_tiny.py`, or under torchrun."""
+"""Train from a config file: `python train.py --config configs/internlm2_tiny.py`, or under torchrun.
+
+Wires the two halves of a run: `launch` (command line, validation, start-up, exit codes) and `builder`
+(a validated config -> the trainer).
+"""
 
 import sys
 
+from internlm_offload.builder import build_trainer
 from internlm_offload.launch import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(build_trainer=build_trainer))

@@ -19,7 +19,7 @@ from internlm_offload.data import StepLoader, StepSampler, Tokenizer, build_toke
 from internlm_offload.data.validation import find_validation_sets
 from internlm_offload.engine.evaluation import Evaluator
 from internlm_offload.device import Accelerator
-from internlm_offload.engine.checkpoint import CheckpointManager
+from internlm_offload.engine.checkpoint import CheckpointManager, checkpoint_folder
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
 from internlm_offload.engine.parallel import materialize_shards
@@ -47,6 +47,7 @@ from internlm_offload.registry import DATASETS, MODELS, PARALLEL, build
 
 logger = get_logger(__name__)
 
+
 def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
     """Construct the model in fp32 on `device`; weights are a pure function of the torch seed.
 
@@ -58,11 +59,19 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
         )
     else:
         kwargs = dict(
-            num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-            num_kv_attention_heads=cfg.num_kv_attention_heads, vocab_size=cfg.vocab_size, mlp_ratio=cfg.mlp_ratio,
-            multiple_of=cfg.multiple_of, norm_eps=cfg.norm_eps, rope_base=cfg.rope_base,
-            tie_word_embeddings=cfg.tie_word_embeddings, init_std=cfg.init_std, attn_impl=cfg.attn_impl,
-        )  # fmt: skip
+            num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_attention_heads,
+            num_kv_attention_heads=cfg.num_kv_attention_heads,
+            vocab_size=cfg.vocab_size,
+            mlp_ratio=cfg.mlp_ratio,
+            multiple_of=cfg.multiple_of,
+            norm_eps=cfg.norm_eps,
+            rope_base=cfg.rope_base,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            init_std=cfg.init_std,
+            attn_impl=cfg.attn_impl,
+        )
     with torch.device(device):
         try:
             return build(MODELS, cfg.type, "model.type", **kwargs)
@@ -102,16 +111,22 @@ def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
     embeddings (materializing unties them), and fp32 params (the init happens before any cast)."""
     model = cfg.model
     return (
-        cfg.parallel.mode == "fsdp2" and cfg.parallel.meta_init and model.type == "internlm2"
-        and not model.tie_word_embeddings and policy.param_dtype == torch.float32
-    )  # fmt: skip
+        cfg.parallel.mode == "fsdp2"
+        and cfg.parallel.meta_init
+        and model.type == "internlm2"
+        and not model.tie_word_embeddings
+        and policy.param_dtype == torch.float32
+    )
 
 
 def log_build_memory(ctx: RunContext) -> None:
     mib = 2**20
     acc = ctx.accelerator
-    logger.info("Model built: %.1f MiB of device memory on this rank (peak %.1f MiB)",
-                acc.memory_allocated() / mib, acc.max_memory_allocated() / mib)  # fmt: skip
+    logger.info(
+        "Model built: %.1f MiB of device memory on this rank (peak %.1f MiB)",
+        acc.memory_allocated() / mib,
+        acc.max_memory_allocated() / mib,
+    )
 
 
 def build_layer_plan(cfg: RunConfig, num_layers: int) -> LayerPlan:
@@ -204,9 +219,11 @@ def build_loader(cfg: RunConfig, ctx: RunContext, tokenizer: Tokenizer | None) -
     samples_per_micro_batch = data.micro_bsz
     if data.type == "internevo":
         kwargs.update(
-            micro_bsz=data.micro_bsz, train_folder=data.train_folder,
-            pack_sample_into_one=data.pack_sample_into_one, min_length=data.min_length,
-        )  # fmt: skip
+            micro_bsz=data.micro_bsz,
+            train_folder=data.train_folder,
+            pack_sample_into_one=data.pack_sample_into_one,
+            min_length=data.min_length,
+        )
         samples_per_micro_batch = 1  # a sample is one pack: the whole micro-batch
     else:
         kwargs["tokenizer"] = tokenizer
@@ -214,9 +231,14 @@ def build_loader(cfg: RunConfig, ctx: RunContext, tokenizer: Tokenizer | None) -
         kwargs["paths"] = data.paths
     dataset = build(DATASETS, data.type, "data.type", **kwargs)
     sampler = StepSampler(
-        len(dataset), micro_bsz=samples_per_micro_batch, micro_num=data.micro_num, rank=ctx.rank,
-        world_size=ctx.world_size, seed=data.seed, shuffle=data.shuffle,
-    )  # fmt: skip
+        len(dataset),
+        micro_bsz=samples_per_micro_batch,
+        micro_num=data.micro_num,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        seed=data.seed,
+        shuffle=data.shuffle,
+    )
     return StepLoader(dataset, sampler)
 
 
@@ -226,9 +248,14 @@ def build_evaluator(cfg: RunConfig, ctx: RunContext) -> Evaluator | None:
         return None
     sets = find_validation_sets(data.valid_folder, seq_len=data.seq_len, min_length=data.min_length)
     evaluator = Evaluator(
-        sets, rank=ctx.rank, world_size=ctx.world_size, micro_bsz=data.micro_bsz,
-        valid_micro_num=data.valid_micro_num, device=ctx.device, distributed=ctx.distributed,
-    )  # fmt: skip
+        sets,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        micro_bsz=data.micro_bsz,
+        valid_micro_num=data.valid_micro_num,
+        device=ctx.device,
+        distributed=ctx.distributed,
+    )
     for name in evaluator.empty_sets:
         logger.warning("validation set %r has fewer documents than data-parallel ranks; skipped", name)
     return evaluator
@@ -304,9 +331,13 @@ def build_components(
     mode_args: dict[str, dict[str, Any]] = {
         "none": {},
         "ddp": dict(bucket_cap_mb=par.bucket_cap_mb),
-        "fsdp2": dict(layers=layers, reshard_after_forward=par.reshard_after_forward,
-                      cpu_offload=par.fsdp_cpu_offload, mixed_precision=policy.fsdp_mixed_precision()),
-    }  # fmt: skip
+        "fsdp2": dict(
+            layers=layers,
+            reshard_after_forward=par.reshard_after_forward,
+            cpu_offload=par.fsdp_cpu_offload,
+            mixed_precision=policy.fsdp_mixed_precision(),
+        ),
+    }
     model = build(PARALLEL, par.mode, "parallel.mode", model, ctx=ctx, **mode_args[par.mode])
     if meta:
         materialize_shards(model, ctx, seed=cfg.seed)
@@ -323,21 +354,31 @@ def build_components(
         check_host=check_host_memory,
     )
     scheduler = build_lr_scheduler(
-        optimizer, base_lr=cfg.adam.lr, warmup_ratio=cfg.lr_scheduler.warmup_ratio,
-        total_steps=cfg.lr_scheduler.total_steps, eta_min=cfg.lr_scheduler.eta_min,
-    )  # fmt: skip
+        optimizer,
+        base_lr=cfg.adam.lr,
+        warmup_ratio=cfg.lr_scheduler.warmup_ratio,
+        total_steps=cfg.lr_scheduler.total_steps,
+        eta_min=cfg.lr_scheduler.eta_min,
+    )
     return Components(model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers)
 
 
 def trainer_settings(cfg: RunConfig, predicted_device_peak: int | None = None) -> TrainerSettings:
     return TrainerSettings(
-        total_steps=cfg.data.total_steps, clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm,
-        checkpoint_every=cfg.ckpt.checkpoint_every, save_checkpoints=cfg.ckpt.enable_save_ckpt,
-        log_every=cfg.monitor.log_every, progress_bar=cfg.monitor.progress_bar,
-        config=cfg.model_dump(), config_fingerprint=cfg.fingerprint(), max_skipped_steps=cfg.max_skipped_steps,
-        label_smoothing=cfg.loss.label_smoothing, valid_every=cfg.data.valid_every,
-        skip_batches=tuple(cfg.data.skip_ranges()), predicted_device_peak_bytes=predicted_device_peak,
-    )  # fmt: skip
+        total_steps=cfg.data.total_steps,
+        clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm,
+        checkpoint_every=cfg.ckpt.checkpoint_every,
+        save_checkpoints=cfg.ckpt.enable_save_ckpt,
+        log_every=cfg.monitor.log_every,
+        progress_bar=cfg.monitor.progress_bar,
+        config=cfg.model_dump(),
+        config_fingerprint=cfg.fingerprint(),
+        max_skipped_steps=cfg.max_skipped_steps,
+        label_smoothing=cfg.loss.label_smoothing,
+        valid_every=cfg.data.valid_every,
+        skip_batches=tuple(cfg.data.skip_ranges()),
+        predicted_device_peak_bytes=predicted_device_peak,
+    )
 
 
 def build_trainer(
@@ -382,11 +423,11 @@ def build_trainer(
 def build_loss_scaler(cfg: RunConfig) -> DynamicLossScaler:
     scaler = cfg.grad_scaler
     return DynamicLossScaler(
-        scale=scaler.fp16.initial_scale, min_scale=scaler.fp16.min_scale, max_scale=scaler.max_scale,
-        growth_factor=scaler.growth_factor, backoff_factor=scaler.backoff_factor,
-        growth_interval=scaler.fp16.growth_interval, hysteresis=scaler.hysteresis,
-    )  # fmt: skip
-
-
-def checkpoint_folder(cfg: RunConfig, work_dir: Path) -> Path:
-    return Path(cfg.ckpt.save_ckpt_folder) if cfg.ckpt.save_ckpt_folder else work_dir / "checkpoints"
+        scale=scaler.fp16.initial_scale,
+        min_scale=scaler.fp16.min_scale,
+        max_scale=scaler.max_scale,
+        growth_factor=scaler.growth_factor,
+        backoff_factor=scaler.backoff_factor,
+        growth_interval=scaler.fp16.growth_interval,
+        hysteresis=scaler.hysteresis,
+    )

@@ -1,36 +1,49 @@
-"""Run configuration: load a Python config file, fill defaults and derived values, validate.
+"""Run configuration: fill defaults and derived values of a loaded config file, validate.
 
 This module is the only place that knows the config schema. Config files are plain Python with
-literals only (mmengine `Config.fromfile`, `_base_` inheritance, `--cfg-options` overrides); the
-typed schema below (pydantic, unknown keys forbidden) checks every key, fills defaults and derives
-the values that depend on other keys or on the world size. Each field's description is the config
-reference: `python -m internlm_offload.tools.config_reference` renders docs/config_reference.md from it.
+literals only, loaded by `config_file.py` (mmengine `Config.fromfile`, `_base_` inheritance,
+`--cfg-options` overrides; its names are re-exported here); the typed schema below (pydantic, unknown
+keys forbidden) checks every key, fills defaults and derives the values that depend on other keys or
+on the world size. Each field's description is the config reference:
+`python -m internlm_offload.tools.config_reference` renders docs/config_reference.md from it.
 
 Every problem is reported as one `ConfigError` line naming the key, the bad value and what is allowed.
 """
 
-import ast
 import difflib
 import hashlib
 import json
 import re
-from pathlib import Path
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+# Loading and merging of config files live beside the schema, and are named from here too.
+from internlm_offload.config_file import ConfigError, load_config_file, merge_overrides  # noqa: F401
 from internlm_offload.internevo import Translation, translate
 
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message is one line meant for the user."""
-
-
-SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 # Knobs a config may set to "auto" (with `memory_budget`): the memory planner chooses them at start-up.
 AUTO = "auto"
-AUTO_KNOBS = ("model.checkpoint", "cpu_offloading.enable", "cpu_offloading.num_layers", "swap_optimizer",
-              "hybrid_optimizer.enable", "hybrid_optimizer.offload_fraction")  # fmt: skip
+AUTO_KNOBS = (
+    "model.checkpoint",
+    "cpu_offloading.enable",
+    "cpu_offloading.num_layers",
+    "swap_optimizer",
+    "hybrid_optimizer.enable",
+    "hybrid_optimizer.offload_fraction",
+)
 
 
 def parse_size(value: Any, key: str) -> int:
@@ -75,7 +88,7 @@ class ModelConfig(Section):
         description="Activation checkpointing: fraction of the blocks recomputed in backward "
         "(`True` = 1.0). Blocks `[cpu_offloading.num_layers, int(num_layers * checkpoint))` are checkpointed. "
         "Saves their activations, costs about one extra forward of those blocks. "
-        "`\"auto\"` (with `memory_budget`): the planner chooses.",
+        '`"auto"` (with `memory_budget`): the planner chooses.',
     )
     norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
     rope_base: float = Field(10000.0, gt=0, description="RoPE base frequency.")
@@ -88,7 +101,8 @@ class ModelConfig(Section):
         "or eager where the architecture refuses sdpa, logged).",
     )
     trust_remote_code: bool = Field(
-        False, description="`hf_causal_lm` only: run the model code shipped in `hf_path` (InternLM2 checkpoints need it)."
+        False,
+        description="`hf_causal_lm` only: run the model code shipped in `hf_path` (InternLM2 checkpoints need it).",
     )
     hf_path: Optional[str] = Field(None, description="`hf_causal_lm` only: local directory of a Hugging Face model.")
     hf_config: Optional[dict] = Field(
@@ -107,7 +121,9 @@ class ModelConfig(Section):
         if self.type == "hf_causal_lm" and (self.hf_path is None) == (self.hf_config is None):
             raise ValueError("model.type='hf_causal_lm' needs exactly one of model.hf_path and model.hf_config")
         if self.type != "hf_causal_lm" and self.attn_impl == "eager":
-            raise ValueError(f"model.attn_impl='eager' is for model.type='hf_causal_lm'; {self.type} has sdpa and flash")
+            raise ValueError(
+                f"model.attn_impl='eager' is for model.type='hf_causal_lm'; {self.type} has sdpa and flash"
+            )
         return self
 
 
@@ -201,7 +217,7 @@ class DataConfig(Section):
         for part in filter(None, (p.strip() for p in self.skip_batches.split(","))):
             first, _, last = part.partition("-")
             if not (first.isdigit() and (last.isdigit() or not last)):
-                raise ValueError(f"data.skip_batches={self.skip_batches!r}: {part!r} is not N or N-M (e.g. \"3-5,8\")")
+                raise ValueError(f'data.skip_batches={self.skip_batches!r}: {part!r} is not N or N-M (e.g. "3-5,8")')
             lo, hi = int(first), int(last or first)
             if hi < lo or (ranges and lo <= ranges[-1][1]):
                 raise ValueError(f"data.skip_batches={self.skip_batches!r}: ranges must be ascending and not overlap")
@@ -280,23 +296,29 @@ class CkptConfig(Section):
     )
     auto_resume: bool = Field(False, description="Continue from the latest checkpoint in `save_ckpt_folder`.")
     load_ckpt_info: Optional[LoadCkptInfo] = Field(
-        None, description="Start from another run's checkpoint: `dict(path=..., content=(\"model\",), ckpt_type=\"internevo\")`."
+        None,
+        description='Start from another run\'s checkpoint: `dict(path=..., content=("model",), ckpt_type="internevo")`.',
     )
 
 
 class MonitorConfig(Section):
     log_every: int = Field(1, ge=1, description="Log a line every N steps (metrics.jsonl gets every step).")
-    progress_bar: Literal["auto", "on", "off"] = Field("auto", description="`auto`: a bar on a TTY, log lines otherwise.")
+    progress_bar: Literal["auto", "on", "off"] = Field(
+        "auto", description="`auto`: a bar on a TTY, log lines otherwise."
+    )
 
 
 class CpuOffloadingConfig(Section):
     enable: bool = Field(
-        False, description="Offload saved activations of the first `num_layers` blocks to host. "
-        "`\"auto\"` (with `memory_budget`): the planner chooses.",
+        False,
+        description="Offload saved activations of the first `num_layers` blocks to host. "
+        '`"auto"` (with `memory_budget`): the planner chooses.',
     )
     num_layers: int = Field(
-        0, ge=0, description="Blocks whose activations go to host memory; < `model.num_layers`. "
-        "`\"auto\"` (with `memory_budget`): the planner chooses (and sets `enable`).",
+        0,
+        ge=0,
+        description="Blocks whose activations go to host memory; < `model.num_layers`. "
+        '`"auto"` (with `memory_budget`): the planner chooses (and sets `enable`).',
     )
     mode: Literal["auto", "sync", "async"] = Field(
         "auto",
@@ -310,8 +332,9 @@ class CpuOffloadingConfig(Section):
 
 class MemoryBudgetConfig(Section):
     device: Optional[int] = Field(
-        None, description="Device memory per rank the run may use (bytes or a size like '40GiB'). Knobs set to "
-        "`\"auto\"` are chosen by the memory planner for the fastest predicted step within it (docs/planner.md).",
+        None,
+        description="Device memory per rank the run may use (bytes or a size like '40GiB'). Knobs set to "
+        '`"auto"` are chosen by the memory planner for the fastest predicted step within it (docs/planner.md).',
     )
     host: Optional[int] = Field(None, description="Host memory per rank the planner may use; default: no limit.")
 
@@ -323,12 +346,16 @@ class MemoryBudgetConfig(Section):
 
 class HybridOptimizerConfig(Section):
     enable: bool = Field(
-        False, description="Step `offload_fraction` of the parameters on the CPU. "
-        "`\"auto\"` (with `memory_budget`): the planner chooses.",
+        False,
+        description="Step `offload_fraction` of the parameters on the CPU. "
+        '`"auto"` (with `memory_budget`): the planner chooses.',
     )
     offload_fraction: float = Field(
-        0.5, ge=0, le=1, description="Fraction of parameter elements stepped on the CPU. "
-        "`\"auto\"` (with `memory_budget`): the planner chooses (0.5 or 1.0).",
+        0.5,
+        ge=0,
+        le=1,
+        description="Fraction of parameter elements stepped on the CPU. "
+        '`"auto"` (with `memory_budget`): the planner chooses (0.5 or 1.0).',
     )
     overlap_cpu_optimizer_d2h_h2d: bool = Field(True, description="Overlap grad D2H / param H2D with the CPU step.")
     param_update_in_fp32: bool = Field(False, description="Keep fp32 master copies for the CPU-stepped params.")
@@ -358,7 +385,9 @@ class Fp16ScaleConfig(Section):
 
 class GradScalerConfig(Section):
     fp16: Fp16ScaleConfig = Field(default_factory=Fp16ScaleConfig)
-    growth_factor: float = Field(2.0, gt=1, description="fp16: multiply the scale by this after `growth_interval` good steps.")
+    growth_factor: float = Field(
+        2.0, gt=1, description="fp16: multiply the scale by this after `growth_interval` good steps."
+    )
     backoff_factor: float = Field(0.5, gt=0, lt=1, description="fp16: multiply the scale by this on an overflow.")
     max_scale: float = Field(2.0**24, gt=0, description="fp16: the loss scale never grows above this.")
     hysteresis: int = Field(
@@ -378,10 +407,14 @@ class GradScalerConfig(Section):
 class RunConfig(Section):
     """The whole resolved run configuration."""
 
-    JOB_NAME: str = Field("internlm2_tiny", min_length=1, description="Run name; default work dir `work_dirs/<JOB_NAME>`.")
+    JOB_NAME: str = Field(
+        "internlm2_tiny", min_length=1, description="Run name; default work dir `work_dirs/<JOB_NAME>`."
+    )
     seed: int = Field(1024, ge=0, description="Seeds model init, data order and every RNG.")
     deterministic: bool = Field(True, description="Deterministic algorithms: bitwise-reproducible runs.")
-    device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="Accelerator; `auto` picks cuda > npu > cpu.")
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field(
+        "auto", description="Accelerator; `auto` picks cuda > npu > cpu."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     adam: AdamConfig = Field(default_factory=AdamConfig)
@@ -401,7 +434,7 @@ class RunConfig(Section):
         False,
         description="AdamW states live on the host and visit the device inside `step()` (bitwise equal to AdamW). "
         "Frees ~8 bytes per parameter of device memory, costs two host transfers of the states per step. "
-        "`\"auto\"` (with `memory_budget`): the planner chooses.",
+        '`"auto"` (with `memory_budget`): the planner chooses.',
     )
     swap_optimizer_times: int = Field(
         16, ge=1, description="The swap optimizer holds at most 1/N of the states on the device at a time."
@@ -491,63 +524,7 @@ class RunConfig(Section):
         return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:12]
 
 
-# ----------------------------------------------------------------------------- loading
-
-
-def load_config_file(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Parse a config file with mmengine (`_base_` merged) and apply `--cfg-options` overrides."""
-    from mmengine.config import Config  # deferred: importing mmengine costs ~0.1 s
-
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--config: file not found: {path}")
-    if path.suffix != ".py":
-        raise ConfigError(f"--config: {path} is not a Python config file (.py)")
-    _reject_imports(path)
-    try:
-        cfg = Config.fromfile(str(path))
-    except Exception as exc:  # mmengine raises many types; all mean "this file does not parse"
-        raise ConfigError(f"--config {path}: cannot parse: {_one_line(exc)}") from exc
-    if overrides:
-        try:
-            cfg.merge_from_dict(overrides, allow_list_keys=True)
-        except (TypeError, KeyError, ValueError) as exc:  # e.g. `a.b=1` where `a` is not a dict
-            raise ConfigError(f"--cfg-options: {_one_line(exc)}") from None
-    return cfg.to_dict()
-
-
-def _reject_imports(path: Path) -> None:
-    """Imports switch mmengine to its lazy mode, which breaks classic configs: forbid them up front.
-
-    Checks the file and, recursively, its `_base_` files, so a broken base is named as such.
-    """
-    try:
-        tree = ast.parse(path.read_bytes(), filename=str(path))
-    except SyntaxError as exc:  # also raised for a file that is not valid UTF-8
-        raise ConfigError(f"--config {path}: syntax error at line {exc.lineno}: {exc.msg}") from exc
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            raise ConfigError(
-                f"{path} line {node.lineno}: import statements are not allowed in config files; "
-                'write values as literals (dtypes as strings, e.g. "torch.bfloat16")'
-            )
-    for base in _base_files(tree, path):
-        if not base.is_file():
-            raise ConfigError(f"{path}: _base_ file not found: {base}")
-        _reject_imports(base)
-
-
-def _base_files(tree: ast.Module, path: Path) -> list[Path]:
-    """The `_base_` paths a config names (str or list), relative to the config file."""
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_base_" for t in node.targets):
-            try:
-                value = ast.literal_eval(node.value)
-            except ValueError:
-                return []  # computed bases: leave them to mmengine
-            names = [value] if isinstance(value, str) else list(value)
-            return [path.parent / name for name in names if "::" not in name]
-    return []
+# ----------------------------------------------------------------------------- resolving
 
 
 def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
@@ -563,8 +540,10 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
     auto = take_auto_knobs(raw)
     budget = raw.get("memory_budget")
     if auto and not (isinstance(budget, dict) and budget.get("device") is not None):
-        problems.append(f"{auto[0]}='auto' needs memory_budget.device, the device memory per rank the planner "
-                        "may use, e.g. memory_budget=dict(device='40GiB')")  # fmt: skip
+        problems.append(
+            f"{auto[0]}='auto' needs memory_budget.device, the device memory per rank the planner "
+            "may use, e.g. memory_budget=dict(device='40GiB')"
+        )
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:
@@ -645,8 +624,3 @@ def _schema_at(path: list[str]) -> type[Section]:
     for name in path:
         section = section.model_fields[name].annotation  # type: ignore[assignment]
     return section
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) < 300 else text[:297] + "..."

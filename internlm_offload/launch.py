@@ -1,4 +1,5 @@
-"""The command line entry point behind `train.py`: parse, validate, build, resume, train.
+"""The command line entry point behind `train.py`: parse, validate, build (with the builder `train.py`
+hands in), resume, train.
 
 Exit codes: 0 done; 2 bad input (config, data, checkpoint): one `error: ...` line on stderr, before
 anything is written to the work dir; 3 the run diverged (too many consecutive non-finite steps): one
@@ -12,18 +13,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from internlm_offload.config import ConfigError, RunConfig, load_config_file, resolve_config
 from internlm_offload.data import DataError
 from internlm_offload.device import Accelerator, get_accelerator
-from internlm_offload.engine.checkpoint import (
-    CheckpointError,
-    latest_checkpoint,
-    read_train_state,
-    resolve_checkpoint_path,
-)
+from internlm_offload.engine.checkpoint import CheckpointError, plan_start
 from internlm_offload.engine.runtime import (
+    RunContext,
     barrier,
     env_local_rank,
     env_local_world_size,
@@ -34,6 +31,9 @@ from internlm_offload.engine.runtime import (
 from internlm_offload.log import get_logger, setup_logging
 from internlm_offload.registry import UnknownTypeError
 
+if TYPE_CHECKING:
+    from internlm_offload.engine.trainer import Trainer
+
 logger = get_logger(__name__)
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, UnknownTypeError)
@@ -42,27 +42,40 @@ EXIT_DIVERGED = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 
 
+class BuildTrainer(Protocol):
+    """`builder.build_trainer`, handed in by `train.py`: the run's trainer from its validated config."""
+
+    def __call__(
+        self, cfg: RunConfig, ctx: RunContext, work_dir: Path, *, predicted_device_peak: int | None = None
+    ) -> "Trainer": ...
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from mmengine.config import DictAction
 
     parser = argparse.ArgumentParser(description="Train an LLM from a Python config file.")
     parser.add_argument("--config", required=True, help="Python config file (mmengine syntax, `_base_` allowed)")
     parser.add_argument(
-        "--cfg-options", nargs="+", action=DictAction, default={},
+        "--cfg-options",
+        nargs="+",
+        action=DictAction,
+        default={},
         help="override config keys, e.g. model.checkpoint=0.5 cpu_offloading.enable=True",
-    )  # fmt: skip
+    )
     parser.add_argument("--work-dir", help="output folder (default: work_dirs/<JOB_NAME>)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, build_trainer: BuildTrainer) -> int:
+    """Parse `argv`, start the run (`build_trainer` makes its trainer once everything is validated) and
+    train; the exit code (module docstring)."""
     from internlm_offload.engine.trainer import TrainingDiverged
 
     args = parse_args(argv)
     try:
-        return run(args)
+        return run(args, build_trainer)
     except USER_ERRORS as exc:
         report_error(exc)
         return EXIT_BAD_INPUT
@@ -81,9 +94,10 @@ def report_error(exc: BaseException) -> None:
     print(f"{'' if rank == '0' else f'[rank {rank}] '}error: {exc}", file=sys.stderr)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
     # Validate everything that needs no process group first: a bad config never starts workers.
-    cfg = resolve_config(load_config_file(args.config, args.cfg_options), world_size=env_world_size())
+    raw = load_config_file(args.config, args.cfg_options)  # read once: the planner's candidates merge into it
+    cfg = resolve_config(raw, world_size=env_world_size())
     if args.print_config:
         print(json.dumps(cfg.model_dump(), indent=2))
         return 0
@@ -91,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(int(os.environ.get("RANK", "0")))
     traced = None
     if cfg.auto_knobs:
-        cfg, traced = choose_auto_knobs(cfg, args, accelerator)
+        cfg, traced = choose_auto_knobs(cfg, raw, accelerator)
     predicted_peak = traced.device_peak_bytes if traced else None
     if cfg.preflight:
         predicted_peak = run_preflight(cfg, args.config, accelerator, traced) or predicted_peak
@@ -104,22 +118,14 @@ def run(args: argparse.Namespace) -> int:
     work_dir = Path(args.work_dir or Path("work_dirs") / cfg.JOB_NAME)
     if work_dir.exists() and not work_dir.is_dir():
         raise ConfigError(f"--work-dir {work_dir} is a file; give a folder (it is created when missing)")
-    resume_path = find_resume_checkpoint(cfg, work_dir, resume=args.resume or cfg.ckpt.auto_resume)
-    if resume_path is not None:
-        check_same_precision(cfg, resume_path)
-    weights_path = find_weights_checkpoint(cfg) if resume_path is None else None
-
-    from internlm_offload.builder import build_trainer, checkpoint_folder  # heavy imports after validation
-
-    if resume_path is None:
-        refuse_to_clobber(checkpoint_folder(cfg, work_dir))
+    start = plan_start(cfg, work_dir, resume=args.resume)
     trainer = build_trainer(cfg, ctx, work_dir, predicted_device_peak=predicted_peak)
-    if resume_path is not None:
-        trainer.resume_from(resume_path)
-    elif weights_path is not None:
-        trainer.load_weights_from(weights_path)
+    if start.resume_from is not None:
+        trainer.resume_from(start.resume_from)
+    elif start.weights_from is not None:
+        trainer.load_weights_from(start.weights_from)
     if ctx.is_main:
-        write_run_files(cfg, work_dir, fresh=resume_path is None)
+        write_run_files(cfg, work_dir, fresh=start.fresh)
     barrier(ctx)
     logger.info("Training %s: %d steps, work dir %s", cfg.JOB_NAME, cfg.data.total_steps, work_dir)
     try:
@@ -129,25 +135,27 @@ def run(args: argparse.Namespace) -> int:
     # Every rank leaves together: tearing down gloo while a peer is still inside a collective aborts it.
     barrier(ctx)
     if trainer.stopped_by is not None:
-        logger.warning("Stopped by %s after step %d; checkpoint written: continue with --resume",
-                       trainer.stopped_by, trainer.step)  # fmt: skip
+        logger.warning(
+            "Stopped by %s after step %d; checkpoint written: continue with --resume", trainer.stopped_by, trainer.step
+        )
         return 0
     logger.info("Done: %d steps, metrics in %s", trainer.step, work_dir / "metrics.jsonl")
     return 0
 
 
-def choose_auto_knobs(cfg: RunConfig, args: argparse.Namespace, accelerator: Accelerator) -> tuple[RunConfig, Any]:
-    """Set the config's "auto" knobs with the planner (`planner/auto.py`); the chosen config and its trace."""
+def choose_auto_knobs(cfg: RunConfig, raw: dict[str, Any], accelerator: Accelerator) -> tuple[RunConfig, Any]:
+    """Set the config's "auto" knobs with the planner (`planner/auto.py`); the chosen config and its trace.
+
+    `raw`: the loaded config `cfg` was resolved from; the candidates are merges of it."""
     from internlm_offload.planner import auto
+    from internlm_offload.planner.search import candidate_configs
     from internlm_offload.planner.trace import UnsupportedLayout
 
-    def config_for(overrides: dict[str, Any]) -> RunConfig:
-        raw = load_config_file(args.config, {**args.cfg_options, **overrides})
-        return resolve_config(raw, world_size=env_world_size())
-
+    config_for = candidate_configs(raw, world_size=env_world_size())
     try:
-        chosen_cfg, chosen = auto.choose_auto_knobs(cfg, config_for, accelerator_name=accelerator.name,
-                                                    world_size=env_world_size())  # fmt: skip
+        chosen_cfg, chosen = auto.choose_auto_knobs(
+            cfg, config_for, accelerator_name=accelerator.name, world_size=env_world_size()
+        )
     except UnsupportedLayout as exc:
         raise ConfigError(f"memory_budget with 'auto' knobs: {exc}") from None
     return chosen_cfg, chosen.memory
@@ -161,68 +169,23 @@ def run_preflight(cfg: RunConfig, config_path: str, accelerator: Accelerator, tr
 
     try:
         prediction = check_fits(
-            cfg, world_size=env_world_size(), local_world_size=env_local_world_size(),
+            cfg,
+            world_size=env_world_size(),
+            local_world_size=env_local_world_size(),
             device_total=accelerator.device_memory_bytes(env_local_rank()),
-            config_path=config_path, traced=traced,
-        )  # fmt: skip
+            config_path=config_path,
+            traced=traced,
+        )
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001  a model the trace cannot run must not stop a run that may fit
-        logger.warning("Preflight skipped: the step could not be traced (%s: %s)", type(exc).__name__,
-                       str(exc).splitlines()[0] if str(exc) else "")  # fmt: skip
+        logger.warning(
+            "Preflight skipped: the step could not be traced (%s: %s)",
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
         return None
     return prediction.device_peak
-
-
-def find_resume_checkpoint(cfg: RunConfig, work_dir: Path, *, resume: bool) -> Path | None:
-    """A resume of this run (--resume / auto_resume: the latest in the checkpoint folder) wins, then
-    `ckpt.load_ckpt_folder` or `ckpt.load_ckpt_info` with `content=("all",)`."""
-    from internlm_offload.builder import checkpoint_folder
-
-    own = checkpoint_folder(cfg, work_dir)
-    latest = latest_checkpoint(own) if resume else None
-    if latest is not None:
-        return latest
-    info = cfg.ckpt.load_ckpt_info
-    if info is not None and info.content == ["all"]:
-        return resolve_checkpoint_path(Path(info.path))
-    if cfg.ckpt.load_ckpt_folder:
-        return resolve_checkpoint_path(Path(cfg.ckpt.load_ckpt_folder))
-    if resume:
-        logger.warning("--resume: no checkpoint in %s, starting from scratch", own)
-    return None
-
-
-def check_same_precision(cfg: RunConfig, path: Path) -> None:
-    """A full resume continues the same numerics: refuse another dtype or master-weight setting."""
-    saved = read_train_state(path)["config"]
-    mine = (cfg.model.dtype, cfg.mixed_precision.master_weights)
-    theirs = (saved["model"]["dtype"], saved.get("mixed_precision", {}).get("master_weights", True))
-    if mine != theirs:
-        raise CheckpointError(
-            f"checkpoint {path} was written with model.dtype={theirs[0]} (master_weights={theirs[1]}); this run "
-            f"has model.dtype={mine[0]} (master_weights={mine[1]}). Resume with the checkpoint's settings, or start "
-            'a new run from its weights: ckpt.load_ckpt_info=dict(path=..., content=("model",))'
-        )
-
-
-def find_weights_checkpoint(cfg: RunConfig) -> Path | None:
-    """`ckpt.load_ckpt_info` with `content=("model",)`: the checkpoint whose weights start this run."""
-    info = cfg.ckpt.load_ckpt_info
-    if info is None or info.content != ["model"]:
-        return None
-    return resolve_checkpoint_path(Path(info.path))
-
-
-
-def refuse_to_clobber(folder: Path) -> None:
-    """A fresh run must not mix its checkpoints with an earlier run's."""
-    latest = latest_checkpoint(folder)
-    if latest is not None:
-        raise CheckpointError(
-            f"{folder} already holds checkpoints (latest: {latest.name}); "
-            "pass --resume to continue that run, or choose another --work-dir"
-        )
 
 
 def write_run_files(cfg: RunConfig, work_dir: Path, *, fresh: bool) -> None:

@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from internlm_offload.config import RunConfig, load_config_file, resolve_config
+from internlm_offload.config import load_config_file
 from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate
-from internlm_offload.planner.search import activation_settings, optimizer_settings, search
+from internlm_offload.planner.search import activation_settings, candidate_configs, optimizer_settings, search
 from internlm_offload.planner.trace import trace_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,19 +26,24 @@ FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 
 
 def sweep(config: Path, fractions: list[float], hardware: Hardware) -> list[dict[str, Any]]:
-    def config_for(overrides: dict[str, Any]) -> RunConfig:
-        return resolve_config(load_config_file(config, overrides))
-
+    config_for = candidate_configs(load_config_file(config))  # the file is read once
     baseline = trace_step(config_for({})).device_peak_bytes
     cfg = config_for({})
     rows = []
     for fraction in fractions:
         budget = int(baseline * fraction)
-        chosen, _ = search(config_for, activation_settings(cfg.model.num_layers), optimizer_settings(), hardware,
-                           budget, None)  # fmt: skip
-        rows.append({"fraction": fraction, "budget_bytes": budget, "chosen": chosen and chosen.name,
-                     "device_peak_bytes": chosen and chosen.memory.device_peak_bytes,
-                     "step_time_s": chosen and chosen.step_s})  # fmt: skip
+        chosen, _ = search(
+            config_for, activation_settings(cfg.model.num_layers), optimizer_settings(), hardware, budget, None
+        )
+        rows.append(
+            {
+                "fraction": fraction,
+                "budget_bytes": budget,
+                "chosen": chosen and chosen.name,
+                "device_peak_bytes": chosen and chosen.memory.device_peak_bytes,
+                "step_time_s": chosen and chosen.step_s,
+            }
+        )
     return rows
 
 
@@ -77,14 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     hardware = calibrate() if args.calibrate else HARDWARE[args.hardware]
     rows = sweep(args.config, args.fractions, hardware)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "planner_sweep.json").write_text(json.dumps({"config": str(args.config), "hardware": hardware.name,
-                                                             "rows": rows}, indent=2))  # fmt: skip
+    (args.out / "planner_sweep.json").write_text(
+        json.dumps({"config": str(args.config), "hardware": hardware.name, "rows": rows}, indent=2)
+    )
     plot(rows, args.out / "planner_sweep.png", f"{args.config.name} on {hardware.name}")
     for r in rows:
         peak = "" if r["device_peak_bytes"] is None else f"{r['device_peak_bytes'] / 2**20:.1f} MiB"
         step = "" if r["step_time_s"] is None else f"{r['step_time_s']:.4g} s"
-        print(f"{r['fraction']:.2f} x baseline = {r['budget_bytes'] / 2**20:.1f} MiB: {r['chosen'] or 'nothing fits'} "
-              f"{peak} {step}")  # fmt: skip
+        print(
+            f"{r['fraction']:.2f} x baseline = {r['budget_bytes'] / 2**20:.1f} MiB: {r['chosen'] or 'nothing fits'} "
+            f"{peak} {step}"
+        )
     steps = [r["step_time_s"] for r in rows if r["step_time_s"] is not None]
     return 0 if steps == sorted(steps) else 1
 

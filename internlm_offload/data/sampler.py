@@ -20,8 +20,12 @@ class StepSampler:
         seed: int,
         shuffle: bool = True,
     ) -> None:
-        for name, value in (("num_samples", num_samples), ("micro_bsz", micro_bsz),
-                            ("micro_num", micro_num), ("world_size", world_size)):
+        for name, value in (
+            ("num_samples", num_samples),
+            ("micro_bsz", micro_bsz),
+            ("micro_num", micro_num),
+            ("world_size", world_size),
+        ):
             _check_int(name, value, minimum=1)
         _check_int("rank", rank, minimum=0)
         _check_int("seed", seed, minimum=0)

@@ -101,7 +101,9 @@ def aligned_offsets(
 def _align(offset: int, alignment: int = ALIGNMENT) -> int:
     return (offset + alignment - 1) // alignment * alignment
 
+
 # ---- the recycling pool --------------------------------------------------------------------------
+
 
 @dataclass
 class PendingCopy:
@@ -139,6 +141,7 @@ class HostPool:
     def clear(self) -> None:
         self.free.clear()
         self.allocated_bytes = 0
+
 
 # ---- allocation, per backend: registered pinned memory (cuda); on cpu, files mapped from SHM_DIR ------
 

@@ -18,6 +18,7 @@ import os
 import random
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from internlm_offload.config import RunConfig
 from internlm_offload.engine.runtime import RunContext, barrier
 from internlm_offload.log import get_logger
 
@@ -150,8 +152,9 @@ class CheckpointManager:
     def _load_rng(self, path: Path, *, saved_world_size: int) -> None:
         rng_file = path / "rng" / f"rank_{self.ctx.rank}.pt"
         if saved_world_size != self.ctx.world_size or not rng_file.is_file():
-            logger.warning("RNG states not restored (saved on %d ranks, running on %d)", saved_world_size,
-                           self.ctx.world_size)  # fmt: skip
+            logger.warning(
+                "RNG states not restored (saved on %d ranks, running on %d)", saved_world_size, self.ctx.world_size
+            )
             return
         state = torch.load(rng_file, weights_only=True)
         random.setstate(state["python"])
@@ -234,7 +237,9 @@ def check_signature(path: Path, saved: dict[str, list[int]], current: dict[str, 
     """Refuse a checkpoint of another model, naming the first parameter that differs."""
     for name in sorted(set(saved) | set(current)):
         if name not in current:
-            raise CheckpointError(f"checkpoint {path} was saved for another model: it has {name!r}, this model does not")
+            raise CheckpointError(
+                f"checkpoint {path} was saved for another model: it has {name!r}, this model does not"
+            )
         if name not in saved:
             raise CheckpointError(f"checkpoint {path} was saved for another model: it lacks {name!r}")
         if saved[name] != current[name]:
@@ -242,3 +247,88 @@ def check_signature(path: Path, saved: dict[str, list[int]], current: dict[str, 
                 f"checkpoint {path} was saved for another model: {name} has shape {saved[name]}, "
                 f"this model has {current[name]}"
             )
+
+
+# ----------------------------------------------------------------------------- where a run starts
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    """Where a run writes its checkpoints and what it loads before its first step."""
+
+    folder: Path  # this run's checkpoint folder
+    resume_from: Path | None = None  # a full resume: model, optimizer, schedule, data position, RNG
+    weights_from: Path | None = None  # weights only: a new run from step 1
+
+    @property
+    def fresh(self) -> bool:
+        """Not a resume: the run starts at step 1 (and a new metrics file)."""
+        return self.resume_from is None
+
+
+def plan_start(cfg: RunConfig, work_dir: Path, *, resume: bool) -> StartPlan:
+    """Find the checkpoints a run starts from, before anything is built or written; `resume`: --resume.
+
+    Refuses, in this order: a checkpoint that is missing or incomplete, a full resume with other numerics
+    (dtype, master weights), and a fresh run whose checkpoint folder already holds an earlier run's.
+    """
+    folder = checkpoint_folder(cfg, work_dir)
+    resume_from = find_resume_checkpoint(cfg, folder, resume=resume or cfg.ckpt.auto_resume)
+    if resume_from is not None:
+        check_same_precision(cfg, resume_from)
+        return StartPlan(folder, resume_from=resume_from)
+    weights_from = find_weights_checkpoint(cfg)
+    refuse_to_clobber(folder)
+    return StartPlan(folder, weights_from=weights_from)
+
+
+def checkpoint_folder(cfg: RunConfig, work_dir: Path) -> Path:
+    """`ckpt.save_ckpt_folder`, or `<work_dir>/checkpoints`."""
+    return Path(cfg.ckpt.save_ckpt_folder) if cfg.ckpt.save_ckpt_folder else work_dir / "checkpoints"
+
+
+def find_resume_checkpoint(cfg: RunConfig, folder: Path, *, resume: bool) -> Path | None:
+    """A resume of this run (--resume / auto_resume: the latest in its checkpoint `folder`) wins, then
+    `ckpt.load_ckpt_folder` or `ckpt.load_ckpt_info` with `content=("all",)`."""
+    latest = latest_checkpoint(folder) if resume else None
+    if latest is not None:
+        return latest
+    info = cfg.ckpt.load_ckpt_info
+    if info is not None and info.content == ["all"]:
+        return resolve_checkpoint_path(Path(info.path))
+    if cfg.ckpt.load_ckpt_folder:
+        return resolve_checkpoint_path(Path(cfg.ckpt.load_ckpt_folder))
+    if resume:
+        logger.warning("--resume: no checkpoint in %s, starting from scratch", folder)
+    return None
+
+
+def check_same_precision(cfg: RunConfig, path: Path) -> None:
+    """A full resume continues the same numerics: refuse another dtype or master-weight setting."""
+    saved = read_train_state(path)["config"]
+    mine = (cfg.model.dtype, cfg.mixed_precision.master_weights)
+    theirs = (saved["model"]["dtype"], saved.get("mixed_precision", {}).get("master_weights", True))
+    if mine != theirs:
+        raise CheckpointError(
+            f"checkpoint {path} was written with model.dtype={theirs[0]} (master_weights={theirs[1]}); this run "
+            f"has model.dtype={mine[0]} (master_weights={mine[1]}). Resume with the checkpoint's settings, or start "
+            'a new run from its weights: ckpt.load_ckpt_info=dict(path=..., content=("model",))'
+        )
+
+
+def find_weights_checkpoint(cfg: RunConfig) -> Path | None:
+    """`ckpt.load_ckpt_info` with `content=("model",)`: the checkpoint whose weights start this run."""
+    info = cfg.ckpt.load_ckpt_info
+    if info is None or info.content != ["model"]:
+        return None
+    return resolve_checkpoint_path(Path(info.path))
+
+
+def refuse_to_clobber(folder: Path) -> None:
+    """A fresh run must not mix its checkpoints with an earlier run's."""
+    latest = latest_checkpoint(folder)
+    if latest is not None:
+        raise CheckpointError(
+            f"{folder} already holds checkpoints (latest: {latest.name}); "
+            "pass --resume to continue that run, or choose another --work-dir"
+        )

@@ -76,7 +76,9 @@ class PrecisionPolicy:
 
         # No input casting: activations already flow in the compute dtype, and the cast's profiler op would
         # run inside selective checkpointing's recompute but not its forward (torch's SAC then refuses).
-        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        return MixedPrecisionPolicy(
+            param_dtype=self.compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
 
     def describe(self) -> str:
         name = str(self.compute_dtype).removeprefix("torch.")

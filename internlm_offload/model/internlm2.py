@@ -210,7 +210,14 @@ class DecoderLayer(nn.Module):
 
 def _validate_args(**args: Any) -> None:
     """Raise ValueError naming the first bad InternLM2 constructor argument and its value."""
-    int_args = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_attention_heads", "vocab_size", "multiple_of")
+    int_args = (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_kv_attention_heads",
+        "vocab_size",
+        "multiple_of",
+    )
     for name in int_args:
         value = args[name]
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -255,9 +262,17 @@ class InternLM2(nn.Module):
     ) -> None:
         super().__init__()
         _validate_args(
-            num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-            num_kv_attention_heads=num_kv_attention_heads, vocab_size=vocab_size, multiple_of=multiple_of,
-            mlp_ratio=mlp_ratio, norm_eps=norm_eps, rope_base=rope_base, init_std=init_std, attn_impl=attn_impl,
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            num_attention_heads=num_attention_heads,
+            num_kv_attention_heads=num_kv_attention_heads,
+            vocab_size=vocab_size,
+            multiple_of=multiple_of,
+            mlp_ratio=mlp_ratio,
+            norm_eps=norm_eps,
+            rope_base=rope_base,
+            init_std=init_std,
+            attn_impl=attn_impl,
         )
         head_dim = hidden_size // num_attention_heads
 

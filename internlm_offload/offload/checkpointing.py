@@ -70,9 +70,7 @@ def selective_context_fn() -> tuple[object, object]:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-def apply_activation_checkpointing(
-    layers: nn.ModuleList, indices: Sequence[int], *, selective: bool = False
-) -> None:
+def apply_activation_checkpointing(layers: nn.ModuleList, indices: Sequence[int], *, selective: bool = False) -> None:
     """Checkpoint `layers[i]` for each i in `indices`, in place."""
     kwargs: dict[str, Callable[[], tuple[object, object]]] = {}
     if selective:

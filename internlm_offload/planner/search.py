@@ -19,12 +19,22 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from internlm_offload.config import AUTO_KNOBS, RunConfig
+from internlm_offload.config import AUTO_KNOBS, RunConfig, merge_overrides, resolve_config
 from internlm_offload.planner.cost import Hardware, step_time
 from internlm_offload.planner.trace import StepMemory, trace_step
 from internlm_offload.planner.tracker import human_bytes, largest_component
 
 ConfigFor = Callable[[dict[str, Any]], RunConfig]  # knob overrides -> the resolved config
+
+
+def candidate_configs(raw: dict[str, Any], world_size: int = 1) -> ConfigFor:
+    """The `ConfigFor` of a loaded config (`load_config_file`): each candidate's overrides merged into a
+    copy of `raw`, then validated; the file is read once, not once per candidate."""
+
+    def config_for(overrides: dict[str, Any]) -> RunConfig:
+        return resolve_config(merge_overrides(raw, overrides), world_size=world_size)
+
+    return config_for
 
 
 @dataclass(frozen=True)
@@ -41,15 +51,21 @@ def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> li
     or 1.0, offload of half or all but one of the blocks. The first setting changes nothing."""
     auto = set(auto)
     recompute, offload = "model.checkpoint" in auto, bool(auto & {"cpu_offloading.enable", "cpu_offloading.num_layers"})
-    none = {**({"model.checkpoint": 0.0} if recompute else {}),
-            **({"cpu_offloading.enable": False, "cpu_offloading.num_layers": 0} if offload else {})}  # fmt: skip
+    none = {
+        **({"model.checkpoint": 0.0} if recompute else {}),
+        **({"cpu_offloading.enable": False, "cpu_offloading.num_layers": 0} if offload else {}),
+    }
     settings = [Setting("no recompute" if none else "activations as configured", none)]
     if recompute:
         settings += [Setting(f"checkpoint {c}", {**none, "model.checkpoint": c}) for c in (0.5, 1.0)]
     if offload:
         for blocks in sorted({max(1, num_layers // 2), num_layers - 1} - {0}):
-            settings.append(Setting(f"offload {blocks} blocks", {**none, "cpu_offloading.enable": True,
-                                                                  "cpu_offloading.num_layers": blocks}))  # fmt: skip
+            settings.append(
+                Setting(
+                    f"offload {blocks} blocks",
+                    {**none, "cpu_offloading.enable": True, "cpu_offloading.num_layers": blocks},
+                )
+            )
     return settings
 
 
@@ -72,8 +88,11 @@ def batch_settings(cfg: RunConfig) -> list[Setting]:
 def micro_batch_settings(activations: list[Setting], batches: list[Setting]) -> list[Setting]:
     """Each activation setting at each micro-batch shape, the configured shape first: the settings that
     decide a micro-batch's time and memory (the optimizer's are separate)."""
-    return [Setting(a.name if not b.options else f"{a.name}, {b.name}", {**a.options, **b.options})
-            for b in batches for a in activations]  # fmt: skip
+    return [
+        Setting(a.name if not b.options else f"{a.name}, {b.name}", {**a.options, **b.options})
+        for b in batches
+        for a in activations
+    ]
 
 
 def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
@@ -83,14 +102,19 @@ def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_
     fixed_hybrid = cfg is not None and cfg.hybrid_optimizer.enable and "hybrid_optimizer.enable" not in auto
     switch_hybrid = "hybrid_optimizer.enable" in auto and not (cfg and cfg.swap_optimizer)
     swap = "swap_optimizer" in auto and not fixed_hybrid
-    off = {**({"swap_optimizer": False} if swap else {}),
-           **({"hybrid_optimizer.enable": False} if switch_hybrid else {})}  # fmt: skip
+    off = {
+        **({"swap_optimizer": False} if swap else {}),
+        **({"hybrid_optimizer.enable": False} if switch_hybrid else {}),
+    }
     settings = [] if fixed_hybrid else [Setting("AdamW" if off else "optimizer as configured", off)]
     if switch_hybrid or fixed_hybrid:
         fractions = HYBRID_FRACTIONS if "hybrid_optimizer.offload_fraction" in auto else (None,)
         for fraction in fractions:
-            options = {**off, **({"hybrid_optimizer.enable": True} if switch_hybrid else {}),
-                       **({} if fraction is None else {"hybrid_optimizer.offload_fraction": fraction})}  # fmt: skip
+            options = {
+                **off,
+                **({"hybrid_optimizer.enable": True} if switch_hybrid else {}),
+                **({} if fraction is None else {"hybrid_optimizer.offload_fraction": fraction}),
+            }
             label = fraction if fraction is not None else cfg.hybrid_optimizer.offload_fraction if cfg else 0.5
             settings.append(Setting(f"hybrid {label}", options))
     if swap:
@@ -120,26 +144,39 @@ class Candidate:
 def over_budget(device: int, host: int, device_budget: int | None, host_budget: int | None) -> list[tuple[str, str]]:
     """(tier, 'tier peak X > budget Y') for each peak over its budget; empty when both fit."""
     peaks = (("device", device, device_budget), ("host", host, host_budget))
-    return [(tier, f"{tier} peak {human_bytes(peak)} > budget {human_bytes(budget)}")
-            for tier, peak, budget in peaks if budget is not None and peak > budget]  # fmt: skip
+    return [
+        (tier, f"{tier} peak {human_bytes(peak)} > budget {human_bytes(budget)}")
+        for tier, peak, budget in peaks
+        if budget is not None and peak > budget
+    ]
 
 
 def search(
-    config_for: ConfigFor, activations: list[Setting], optimizers: list[Setting], hardware: Hardware,
-    device_budget: int | None, host_budget: int | None, world_size: int = 1,
-) -> tuple[Candidate | None, list[Candidate]]:  # fmt: skip
+    config_for: ConfigFor,
+    activations: list[Setting],
+    optimizers: list[Setting],
+    hardware: Hardware,
+    device_budget: int | None,
+    host_budget: int | None,
+    world_size: int = 1,
+) -> tuple[Candidate | None, list[Candidate]]:
     """The chosen candidate (None when nothing fits) and every candidate, fastest first, with its verdict.
 
     `activations[0]` and `optimizers[0]` are the base settings the others are traced against.
     """
-    by_activation = {a.name: trace_step(config_for({**a.options, **optimizers[0].options}), world_size)
-                     for a in activations}  # fmt: skip
-    by_optimizer = {o.name: trace_step(config_for({**activations[0].options, **o.options}), world_size)
-                    for o in optimizers[1:]}  # fmt: skip
+    by_activation = {
+        a.name: trace_step(config_for({**a.options, **optimizers[0].options}), world_size) for a in activations
+    }
+    by_optimizer = {
+        o.name: trace_step(config_for({**activations[0].options, **o.options}), world_size) for o in optimizers[1:]
+    }
     base = by_activation[activations[0].name]
     by_optimizer[optimizers[0].name] = base
-    candidates = [_candidate(a, o, by_activation[a.name], by_optimizer[o.name], base, hardware)
-                  for a in activations for o in optimizers]  # fmt: skip
+    candidates = [
+        _candidate(a, o, by_activation[a.name], by_optimizer[o.name], base, hardware)
+        for a in activations
+        for o in optimizers
+    ]
     # The cost model counts FLOPs, so the same work in smaller micro-batches costs the same up to rounding:
     # equal times keep the listed order (the configured shape first).
     candidates.sort(key=lambda c: round(c.step_s, 6))
@@ -171,5 +208,7 @@ def smallest_peak(candidates: list[Candidate], config_for: ConfigFor, world_size
     'nothing fits' line."""
     best = min(candidates, key=lambda c: c.estimated_device)
     memory = best.memory or trace_step(config_for(best.options), world_size)
-    return (f"smallest device peak {human_bytes(memory.device_peak_bytes)} ({best.name}), "
-            f"largest: {largest_component(memory.components, 'device')}")  # fmt: skip
+    return (
+        f"smallest device peak {human_bytes(memory.device_peak_bytes)} ({best.name}), "
+        f"largest: {largest_component(memory.components, 'device')}"
+    )

@@ -178,4 +178,3 @@ def fused_optimizers_on_meta() -> Iterator[None]:
         yield
     finally:
         adam_module._device_dtype_check_for_fused = check
-

@@ -115,7 +115,7 @@ class StorageTracker(TorchDispatchMode):
             self._new_tiers = ("device",)
 
     def tier_of(self, tensor: torch.Tensor) -> str | None:
-        """"device" or "host" for a tracked tensor; None for one made outside the tracker."""
+        """ "device" or "host" for a tracked tensor; None for one made outside the tracker."""
         entry = self._live.get(storage_key(plain_tensors(tensor)[0]))
         return None if entry is None else entry[1][0]
 
@@ -155,6 +155,8 @@ SUBTOTALS = ("gradients_at_step", "pinned_host_peak")  # parts of other componen
 
 def largest_component(components: dict[str, int], tier: str | None) -> str:
     """'name size' of the largest "device" or "host" component (None: either), for one-line verdicts."""
-    names = [n for n in components if n not in SUBTOTALS and (tier is None or n.startswith("host_") == (tier == "host"))]
+    names = [
+        n for n in components if n not in SUBTOTALS and (tier is None or n.startswith("host_") == (tier == "host"))
+    ]
     name = max(names, key=lambda n: components[n])
     return f"{name} {human_bytes(components[name])}"

@@ -38,6 +38,8 @@ from internlm_offload.planner.tracker import human_bytes, largest_component
 PROG = "plan"
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
+
+
 class PlanInputError(ValueError):
     """Bad command-line input: one line naming the option, the value and what is allowed."""
 
@@ -61,11 +63,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-memory", help="host budget per rank, e.g. 512GiB")
     p.add_argument("--json", type=Path, help="write the plan here as JSON")
     p.add_argument("--measure", action="store_true", help="also run the steps for real on cpu (small configs)")
-    p.add_argument("--hardware", choices=sorted(HARDWARE), default="h100",
-                   help="throughputs the step time is computed with (assumed; see docs/planner.md)")
+    p.add_argument(
+        "--hardware",
+        choices=sorted(HARDWARE),
+        default="h100",
+        help="throughputs the step time is computed with (assumed; see docs/planner.md)",
+    )
     p.add_argument("--calibrate", action="store_true", help="measure this machine's throughputs instead of --hardware")
-    p.add_argument("--check-only", action="store_true",
-                   help="with budgets: check the config as given instead of searching for the fastest setting that fits")
+    p.add_argument(
+        "--check-only",
+        action="store_true",
+        help="with budgets: check the config as given instead of searching for the fastest setting that fits",
+    )
     return p.parse_args(argv)
 
 
@@ -81,7 +90,8 @@ def verdict(plan: dict[str, Any], device_budget: int | None, host_budget: int | 
     problems = over_budget(plan["device_peak_bytes"], plan["host_peak_bytes"], device_budget, host_budget)
     if problems:
         return False, "does not fit: " + "; ".join(
-            f"{text} (largest: {largest_component(plan['components'], tier)})" for tier, text in problems)
+            f"{text} (largest: {largest_component(plan['components'], tier)})" for tier, text in problems
+        )
     return True, "fits" if device_budget or host_budget else "no budget given"
 
 
@@ -89,8 +99,11 @@ def table(plan: dict[str, Any], measured: dict[str, Any] | None) -> str:
     """Components and peaks in MiB, one line each; measured beside predicted when given."""
     header = f"{'component (per rank)':<28}{'predicted MiB':>14}" + (f"{'measured MiB':>14}" if measured else "")
     lines = [header]
-    rows = [*plan["components"].items(), ("device_peak", plan["device_peak_bytes"]),
-            ("host_peak", plan["host_peak_bytes"])]  # fmt: skip
+    rows = [
+        *plan["components"].items(),
+        ("device_peak", plan["device_peak_bytes"]),
+        ("host_peak", plan["host_peak_bytes"]),
+    ]
     for name, value in rows:
         line = f"{name:<28}{value / 2**20:>14.2f}"
         if measured:
@@ -109,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         raise PlanInputError(f"--world-size {args.world_size}: expected an integer >= 1")
     device_budget = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     host_budget = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
-    cfg = resolve_config(load_config_file(args.config, args.cfg_options), world_size=args.world_size)
+    raw = load_config_file(args.config, args.cfg_options)  # read once: the search's candidates merge into it
+    cfg = resolve_config(raw, world_size=args.world_size)
     try:
         memory = trace_step(cfg, args.world_size)
         plan = memory.as_dict()
@@ -120,13 +134,15 @@ def run(args: argparse.Namespace) -> int:
     hardware = calibrate() if args.calibrate else HARDWARE[args.hardware]
     timing = step_time(memory.micro_batch_work, memory.optimizer_work, memory.micro_num, hardware)
     print(table(plan, measured))
-    print(f"predicted step time {timing.step_s:.4g} s ({memory.micro_num} micro-batches x {timing.micro_batch_s:.4g} s "
-          f"+ optimizer {timing.optimizer_s:.4g} s) on {hardware.name} [{hardware.source}]")  # fmt: skip
+    print(
+        f"predicted step time {timing.step_s:.4g} s ({memory.micro_num} micro-batches x {timing.micro_batch_s:.4g} s "
+        f"+ optimizer {timing.optimizer_s:.4g} s) on {hardware.name} [{hardware.source}]"
+    )
     print(f"{args.config} on {args.world_size} rank(s): {reason}")
     options = dict(args.cfg_options)
     searched = None
     if (device_budget or host_budget) and not args.check_only:
-        searched, chosen = run_search(args, memory, hardware, device_budget, host_budget)
+        searched, chosen = run_search(args, raw, memory, hardware, device_budget, host_budget)
         fits = chosen is not None
         if chosen is not None:
             memory, options = chosen.memory, {**options, **chosen.options}
@@ -135,10 +151,19 @@ def run(args: argparse.Namespace) -> int:
             reason = f"chosen: {chosen.name}"
         else:
             reason = "nothing fits"
-    report = {**plan, "fits": fits, "verdict": reason, "cfg_options": option_strings(options),
-              "step_time_s": timing.step_s, "step_time": timing.as_dict(), "search": searched,
-              "config": str(args.config), "device_budget_bytes": device_budget, "host_budget_bytes": host_budget,
-              "measured": measured}  # fmt: skip
+    report = {
+        **plan,
+        "fits": fits,
+        "verdict": reason,
+        "cfg_options": option_strings(options),
+        "step_time_s": timing.step_s,
+        "step_time": timing.as_dict(),
+        "search": searched,
+        "config": str(args.config),
+        "device_budget_bytes": device_budget,
+        "host_budget_bytes": host_budget,
+        "measured": measured,
+    }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
@@ -146,36 +171,55 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_search(
-    args: argparse.Namespace, memory: Any, hardware: Any, device_budget: int | None, host_budget: int | None
+    args: argparse.Namespace,
+    raw: dict[str, Any],
+    memory: Any,
+    hardware: Any,
+    device_budget: int | None,
+    host_budget: int | None,
 ) -> tuple[list[dict[str, Any]], Any]:
-    """Search the settings, print the alternatives and the choice; (JSON rows, the chosen candidate or None)."""
+    """Search the settings, print the alternatives and the choice; (JSON rows, the chosen candidate or None).
+
+    `raw`: the loaded config (`--config` with `--cfg-options`); the candidates are merges of it."""
     from internlm_offload.planner.search import (
         activation_settings,
         batch_settings,
+        candidate_configs,
         micro_batch_settings,
         optimizer_settings,
         search,
         smallest_peak,
     )
 
-    def config_for(overrides: dict[str, Any]) -> Any:
-        return resolve_config(load_config_file(args.config, {**args.cfg_options, **overrides}), world_size=args.world_size)
-
-    activations = micro_batch_settings(activation_settings(len(memory.block_activation_bytes)),
-                                       batch_settings(config_for({})))  # fmt: skip
-    chosen, candidates = search(config_for, activations, optimizer_settings(), hardware, device_budget, host_budget,
-                                args.world_size)  # fmt: skip
+    config_for = candidate_configs(raw, world_size=args.world_size)
+    activations = micro_batch_settings(
+        activation_settings(len(memory.block_activation_bytes)), batch_settings(config_for({}))
+    )
+    chosen, candidates = search(
+        config_for, activations, optimizer_settings(), hardware, device_budget, host_budget, args.world_size
+    )
     print(f"\n{'setting':<52}{'step s':>11}{'est. device':>13}{'est. host':>11}  verdict")
     rows = []
     for c in candidates:
-        print(f"{c.name:<52}{c.step_s:>11.4g}{human_bytes(c.estimated_device):>13}{human_bytes(c.estimated_host):>11}  "
-              f"{c.verdict}")  # fmt: skip
-        rows.append({"setting": c.name, "cfg_options": option_strings(c.options), "step_time_s": c.step_s,
-                     "estimated_device_peak_bytes": c.estimated_device, "estimated_host_peak_bytes": c.estimated_host,
-                     "verdict": c.verdict})  # fmt: skip
+        print(
+            f"{c.name:<52}{c.step_s:>11.4g}{human_bytes(c.estimated_device):>13}{human_bytes(c.estimated_host):>11}  "
+            f"{c.verdict}"
+        )
+        rows.append(
+            {
+                "setting": c.name,
+                "cfg_options": option_strings(c.options),
+                "step_time_s": c.step_s,
+                "estimated_device_peak_bytes": c.estimated_device,
+                "estimated_host_peak_bytes": c.estimated_host,
+                "verdict": c.verdict,
+            }
+        )
     if chosen is not None:
         print(f"choice: --cfg-options {' '.join(option_strings(chosen.options))}")
-        print(f"{args.config} on {args.world_size} rank(s): fits with {chosen.name}, predicted step {chosen.step_s:.4g} s")
+        print(
+            f"{args.config} on {args.world_size} rank(s): fits with {chosen.name}, predicted step {chosen.step_s:.4g} s"
+        )
     else:
         smallest = smallest_peak(candidates, config_for, args.world_size)
         print(f"{args.config} on {args.world_size} rank(s): nothing fits: {smallest}")

@@ -28,5 +28,7 @@ def test_nothing_fitting_the_budget_is_exit_2_naming_the_smallest(tmp_path: Path
     proc = train(tmp_path, "memory_budget.device=1MiB", *auto, check=False)  # the tiny config
     assert proc.returncode == 2
     error = proc.stderr.strip().splitlines()[-1]
-    assert error.startswith("error: memory_budget: no setting of model.checkpoint") and "; smallest device peak " in error
+    assert (
+        error.startswith("error: memory_budget: no setting of model.checkpoint") and "; smallest device peak " in error
+    )
     assert not (tmp_path / "metrics.jsonl").exists()

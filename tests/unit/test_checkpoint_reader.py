@@ -60,7 +60,9 @@ def test_reads_what_dcp_wrote_bitwise(tmp_path: Path, dtype: torch.dtype) -> Non
     loaded = _blank(state)
     read_checkpoint(tmp_path, loaded, no_dist=True)
     _assert_same(loaded, state)
-    assert set(read_metadata(tmp_path).state_dict_metadata) == set(dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata)
+    assert set(read_metadata(tmp_path).state_dict_metadata) == set(
+        dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
+    )
 
 
 def test_metadata_that_would_run_code_is_refused_before_it_runs(tmp_path: Path) -> None:
@@ -89,5 +91,7 @@ def test_entry_that_would_run_code_is_refused_before_it_runs(tmp_path: Path) -> 
     assert not marker.exists()
     # The hole this closes: DCP's default planner loads entries with weights_only=False.
     shutil.copytree(tmp_path / "ckpt", tmp_path / "copy")
-    dcp.load({"model": {"w": torch.zeros(3)}, "extra": {"payload": None}}, checkpoint_id=str(tmp_path / "copy"), no_dist=True)
+    dcp.load(
+        {"model": {"w": torch.zeros(3)}, "extra": {"payload": None}}, checkpoint_id=str(tmp_path / "copy"), no_dist=True
+    )
     assert marker.exists()

@@ -204,8 +204,10 @@ def _sampler(num_samples: int = 37, **kw: int) -> StepSampler:
 
 def _global_step(num_samples: int, steps: int, micro_bsz: int, micro_num: int, world_size: int) -> list[list[int]]:
     """The multiset (sorted) of indices consumed by all ranks, per step."""
-    samplers = [_sampler(num_samples, micro_bsz=micro_bsz, micro_num=micro_num, rank=r, world_size=world_size)
-                for r in range(world_size)]
+    samplers = [
+        _sampler(num_samples, micro_bsz=micro_bsz, micro_num=micro_num, rank=r, world_size=world_size)
+        for r in range(world_size)
+    ]
     out = []
     for _ in range(steps):
         out.append(sorted(i for s in samplers for mb in s.next_step() for i in mb))

@@ -188,7 +188,11 @@ def write_text(path: Path, text: str) -> Path:
         ("dup.jsonl", '{"step": 1, "loss": 1.0}\n\n{"step": 1, "loss": 1.0}\n', ":3: duplicate step 1"),
         ("bad.jsonl", '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": \n', ":2: invalid JSON"),
         ("bad.txt", "# header\n1 1.0\n2 one\n", ":3: cannot parse '2 one'"),
-        ("nokey.jsonl", '{"step": 1, "loss": 1.0}\n{"step": 2, "lr": 0.1}\n', ":2: record for step 2 has no key 'loss'"),
+        (
+            "nokey.jsonl",
+            '{"step": 1, "loss": 1.0}\n{"step": 2, "lr": 0.1}\n',
+            ":2: record for step 2 has no key 'loss'",
+        ),
         ("empty.txt", "# only a header\n", "no loss values found"),
     ],
 )

@@ -160,4 +160,3 @@ def test_async_selective_offload_never_blocks_the_host_inside_hooks(monkeypatch)
     handle.load = lambda cache: handle.copies.h2d.synchronize() or load(cache)
     step(model)  # control: a host wait in a hook is counted
     assert host_waits["stream.synchronize"] > 0
-

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from internlm_offload.config import RunConfig
+from internlm_offload.engine.checkpoint_reader import UnsafeCheckpointError, read_checkpoint
 from internlm_offload.engine.runtime import RunContext, barrier
 from internlm_offload.log import get_logger
 
@@ -200,7 +201,9 @@ def read_into(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     manifest = read_manifest(path)
     check_signature(path, manifest["model"], model_signature(state["model"]))
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        read_checkpoint(path, state)
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} cannot be read: {_first_cause(exc)}") from exc
     return manifest

@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from internlm_offload.engine.checkpoint import CheckpointError, read_train_state, resolve_checkpoint_path
+from internlm_offload.engine.checkpoint_reader import read_checkpoint, read_metadata
 
 MODEL_PREFIX = "model."
 HF_PREFIX = "hf_model."
@@ -29,8 +29,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) model tensors of a checkpoint, by parameter name."""
-    reader = dcp.FileSystemReader(str(path))
-    metadata = reader.read_metadata().state_dict_metadata
+    metadata = read_metadata(path).state_dict_metadata
     state = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.items()
@@ -38,7 +37,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     }
     if not state:
         raise CheckpointError(f"checkpoint {path} holds no model weights")
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    read_checkpoint(path, state, no_dist=True)
     return {key.removeprefix(MODEL_PREFIX): tensor for key, tensor in state.items()}
 
 

@@ -10,30 +10,18 @@ on the world size. Each field's description is the config reference:
 Every problem is reported as one `ConfigError` line naming the key, the bad value and what is allowed.
 """
 
-import difflib
 import hashlib
 import json
-import re
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 # Loading and merging of config files live beside the schema, and are named from here too.
 from internlm_offload.config_file import ConfigError, load_config_file, merge_overrides  # noqa: F401
+from internlm_offload.config_errors import report_problems, schema_at, validation_problem
 from internlm_offload.internevo import Translation, translate
+from internlm_offload.sizes import parse_size
 
-SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 # Knobs a config may set to "auto" (with `memory_budget`): the memory planner chooses them at start-up.
 AUTO = "auto"
 AUTO_KNOBS = (
@@ -44,17 +32,6 @@ AUTO_KNOBS = (
     "hybrid_optimizer.enable",
     "hybrid_optimizer.offload_fraction",
 )
-
-
-def parse_size(value: Any, key: str) -> int:
-    """`80GiB`, `40GB`, `512MiB` or a number of bytes -> bytes; ValueError naming `key` otherwise."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in SIZE_UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"{key}={value!r}: expected a positive size like '80GiB', '40GB', '512MiB' or bytes")
-    return int(float(match.group(1)) * SIZE_UNITS[unit])
 
 
 class Section(BaseModel):
@@ -547,9 +524,9 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:
-        problems += [_format_one_error(err, raw) for err in exc.errors()]
+        problems += [validation_problem(err, RunConfig) for err in exc.errors()]
     if problems:
-        raise ConfigError(_report(problems))
+        raise ConfigError(report_problems(problems))
     cfg._migration = translation
     cfg._auto_knobs = auto
     _derive_batch(cfg, world_size)
@@ -571,7 +548,7 @@ def take_auto_knobs(raw: dict[str, Any]) -> tuple[str, ...]:
         section, _, key = knob.rpartition(".")
         holder = raw.get(section) if section else raw
         if isinstance(holder, dict) and holder.get(key) == AUTO:
-            schema = _schema_at(section.split(".")) if section else RunConfig
+            schema = schema_at(RunConfig, section.split(".")) if section else RunConfig
             holder[key] = schema.model_fields[key].default
             auto.append(knob)
     return tuple(auto)
@@ -594,33 +571,3 @@ def _derive_batch(cfg: RunConfig, world_size: int) -> None:
 def _is_constant(key: str) -> bool:
     """UPPER_CASE top-level names are the config file's own constants (InternEvo style), not keys."""
     return key.isupper() and key != "JOB_NAME"
-
-
-def _report(problems: list[str]) -> str:
-    """One problem: one line. Several: a count, then one indented line each."""
-    if len(problems) == 1:
-        return problems[0]
-    return f"{len(problems)} problems in the config:\n" + "\n".join(f"  - {p}" for p in problems)
-
-
-def _format_one_error(err: dict[str, Any], raw: dict[str, Any]) -> str:
-    loc = [str(p) for p in err["loc"]]
-    key = ".".join(loc)
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        section = _schema_at(loc[:-1])
-        allowed = sorted(section.model_fields)
-        close = difflib.get_close_matches(loc[-1], allowed, n=1)
-        hint = f"; did you mean {'.'.join(loc[:-1] + close)!r}?" if close else f"; allowed keys: {', '.join(allowed)}"
-        return f"unknown config key {key!r}{hint}"
-    if kind == "value_error":
-        return str(err["ctx"]["error"])
-    message = err["msg"][0].lower() + err["msg"][1:]
-    return f"{key or 'config'}={err['input']!r}: {message}"
-
-
-def _schema_at(path: list[str]) -> type[Section]:
-    section: type[Section] = RunConfig
-    for name in path:
-        section = section.model_fields[name].annotation  # type: ignore[assignment]
-    return section

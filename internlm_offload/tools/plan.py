@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
-from internlm_offload.config import parse_size as config_size
+from internlm_offload.sizes import parse_size as config_size
 from internlm_offload.planner.cost import HARDWARE, calibrate, step_time
 from internlm_offload.planner.tracker import human_bytes, largest_component
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from internlm_offload.config import ConfigError, ModelConfig, RunConfig
+from internlm_offload.config import ConfigError, CpuOffloadingConfig, ModelConfig, RunConfig
 from internlm_offload.data import StepLoader, StepSampler, Tokenizer, build_tokenizer
 from internlm_offload.data.validation import find_validation_sets
 from internlm_offload.engine.evaluation import Evaluator
@@ -141,6 +141,17 @@ def build_layer_plan(cfg: RunConfig, num_layers: int) -> LayerPlan:
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def offload_settings(section: CpuOffloadingConfig) -> dict[str, Any]:
+    """The `cpu_offloading` section as `apply_layer_plan`'s plain keyword arguments."""
+    return dict(
+        offload_enabled=section.enable,
+        mode=section.mode,
+        pin_memory=section.pin_memory,
+        min_offload_bytes=section.min_offload_bytes,
+        prefetch_layers=section.prefetch_layers,
+    )
 
 
 def build_optimizer(
@@ -315,16 +326,8 @@ def build_components(
     # 2.-3. per-layer plan, applied to the bare blocks
     plan = build_layer_plan(cfg, len(layers))
     logger.info("Layer plan (%d blocks):\n%s", len(layers), plan.table())
-    offloading = cfg.cpu_offloading
     offloader, selective_offloader = apply_layer_plan(
-        layers,
-        plan,
-        offload_enabled=offloading.enable,
-        mode=offloading.mode,
-        pin_memory=offloading.pin_memory,
-        min_offload_bytes=offloading.min_offload_bytes,
-        prefetch_layers=offloading.prefetch_layers,
-        accelerator=ctx.accelerator,
+        layers, plan, **offload_settings(cfg.cpu_offloading), accelerator=ctx.accelerator
     )
     # 4. data parallelism
     par = cfg.parallel

@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from internlm_offload.builder import build_layer_plan
+from internlm_offload.builder import build_layer_plan, offload_settings
 from internlm_offload.config import resolve_config
 from internlm_offload.device import Accelerator
 from internlm_offload.model import InternLM2
@@ -14,16 +14,7 @@ from internlm_offload.offload import apply_layer_plan
 
 def apply_with(model: InternLM2, plan, offloading):
     """The builder's call: the plan with the `cpu_offloading` settings."""
-    return apply_layer_plan(
-        model.layers,
-        plan,
-        offload_enabled=offloading.enable,
-        mode=offloading.mode,
-        pin_memory=offloading.pin_memory,
-        min_offload_bytes=offloading.min_offload_bytes,
-        prefetch_layers=offloading.prefetch_layers,
-        accelerator=Accelerator("cpu"),
-    )
+    return apply_layer_plan(model.layers, plan, **offload_settings(offloading), accelerator=Accelerator("cpu"))
 
 
 def tiny_model() -> InternLM2:

@@ -1,4 +1,4 @@
-"""Memory sizes as users write them: `80GiB`, `40GB`, `512MiB` or a number of bytes."""
+"""Memory sizes as users write them (`80GiB`, `40GB`, `512MiB` or a number of bytes) and as they are shown."""
 
 import re
 from typing import Any
@@ -26,3 +26,13 @@ def parse_size(value: Any, key: str) -> int:
     if match is None or unit not in SIZE_UNITS or float(match.group(1)) <= 0:
         raise ValueError(f"{key}={value!r}: expected a positive size like '80GiB', '40GB', '512MiB' or bytes")
     return int(float(match.group(1)) * SIZE_UNITS[unit])
+
+
+def human_bytes(nbytes: int) -> str:
+    """`161.3 GiB`, `36.9 MiB`, `12.0 KiB`: the largest binary unit the size reaches (MiB below 1 GiB)."""
+    size = abs(nbytes)
+    if size >= 2**30:
+        return f"{nbytes / 2**30:.1f} GiB"
+    if size >= 2**20 or size == 0:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / 2**10:.1f} KiB" if size >= 2**10 else f"{nbytes} B"

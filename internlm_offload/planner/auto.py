@@ -22,7 +22,7 @@ from internlm_offload.planner.search import (
     search,
     smallest_peak,
 )
-from internlm_offload.planner.tracker import human_bytes
+from internlm_offload.sizes import human_bytes
 
 logger = get_logger(__name__)
 

@@ -22,7 +22,8 @@ from typing import Any
 from internlm_offload.config import AUTO_KNOBS, RunConfig, merge_overrides, resolve_config
 from internlm_offload.planner.cost import Hardware, step_time
 from internlm_offload.planner.trace import StepMemory, trace_step
-from internlm_offload.planner.tracker import human_bytes, largest_component
+from internlm_offload.planner.tracker import largest_component
+from internlm_offload.sizes import human_bytes
 
 ConfigFor = Callable[[dict[str, Any]], RunConfig]  # knob overrides -> the resolved config
 

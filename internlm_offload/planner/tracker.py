@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from internlm_offload.device import storage_key
+from internlm_offload.sizes import human_bytes
 
-GIB = 2**30
 TIERS = ("device", "host", "pinned")  # "pinned": the host bytes asked for page-locked (a subset of "host")
 
 
@@ -143,11 +143,6 @@ def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     names, _ = tensor.__tensor_flatten__()
     inner = [getattr(tensor, name) for name in names]
     return [plain for t in inner if isinstance(t, torch.Tensor) for plain in plain_tensors(t)]
-
-
-def human_bytes(nbytes: int) -> str:
-    """`161.3 GiB`, `36.9 MiB`: GiB from one GiB up."""
-    return f"{nbytes / GIB:.1f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
 SUBTOTALS = ("gradients_at_step", "pinned_host_peak")  # parts of other components, never the largest alone

@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
-from internlm_offload.sizes import parse_size as config_size
 from internlm_offload.planner.cost import HARDWARE, calibrate, step_time
-from internlm_offload.planner.tracker import human_bytes, largest_component
+from internlm_offload.planner.tracker import largest_component
+from internlm_offload.sizes import human_bytes
+from internlm_offload.sizes import parse_size as config_size
 
 PROG = "plan"
 EXIT_BAD_INPUT = 2

@@ -3,7 +3,10 @@ hands in), resume, train.
 
 Exit codes: 0 done; 2 bad input (config, data, checkpoint): one `error: ...` line on stderr, before
 anything is written to the work dir; 3 the run diverged (too many consecutive non-finite steps): one
-`error: ...` line, no checkpoint of the bad state; 130 a second Ctrl-C (no checkpoint, no traceback).
+`error: ...` line, no checkpoint of the bad state; 4 a checkpoint could not be written (no space, no
+permission, an I/O error, on any rank), or the checkpoint folder cannot hold one at start: one `error: ...`
+line naming the cause and the last good checkpoint, no partial folder left, `latest` untouched; 130 a
+second Ctrl-C (no checkpoint, no traceback).
 A first SIGTERM or Ctrl-C finishes the current step, writes a checkpoint and exits 0: `--resume`
 continues the same curve bitwise.
 """
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from internlm_offload.config import ConfigError, RunConfig, load_config_file, resolve_config
 from internlm_offload.data import DataError
 from internlm_offload.device import Accelerator, get_accelerator
-from internlm_offload.engine.checkpoint import CheckpointError, plan_start
+from internlm_offload.engine.checkpoint import CheckpointError, CheckpointWriteError, plan_start
 from internlm_offload.engine.runtime import (
     RunContext,
     barrier,
@@ -39,6 +42,7 @@ logger = get_logger(__name__)
 USER_ERRORS = (ConfigError, DataError, CheckpointError, UnknownTypeError)
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
+EXIT_SAVE_FAILED = 4
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 
 
@@ -82,6 +86,9 @@ def main(argv: list[str] | None = None, *, build_trainer: BuildTrainer) -> int:
     except TrainingDiverged as exc:
         report_error(exc)
         return EXIT_DIVERGED
+    except CheckpointWriteError as exc:
+        report_error(exc)
+        return EXIT_SAVE_FAILED
     except KeyboardInterrupt:
         report_error(RuntimeError("interrupted (second Ctrl-C): stopped at once, no checkpoint of this step"))
         return EXIT_INTERRUPTED
@@ -118,7 +125,7 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
     work_dir = Path(args.work_dir or Path("work_dirs") / cfg.JOB_NAME)
     if work_dir.exists() and not work_dir.is_dir():
         raise ConfigError(f"--work-dir {work_dir} is a file; give a folder (it is created when missing)")
-    start = plan_start(cfg, work_dir, resume=args.resume)
+    start = plan_start(cfg, work_dir, resume=args.resume, ctx=ctx)
     trainer = build_trainer(cfg, ctx, work_dir, predicted_device_peak=predicted_peak)
     if start.resume_from is not None:
         trainer.resume_from(start.resume_from)

@@ -13,11 +13,14 @@ and the `latest` pointer moves after that; a crash mid-save never leaves a half 
 latest, and an existing checkpoint is never overwritten.
 """
 
+import errno
+import functools
 import json
 import os
 import random
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,29 +35,99 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.utils._pytree import tree_leaves
 
 from internlm_offload.config import RunConfig
+from internlm_offload.engine.checkpoint_integrity import (
+    MANIFEST,
+    WHOLE,
+    checkpoint_files,
+    damaged_files,
+    folder_bytes,
+    free_bytes,
+    record_files,
+)
 from internlm_offload.engine.checkpoint_reader import UnsafeCheckpointError, read_checkpoint
-from internlm_offload.engine.runtime import RunContext, barrier
+from internlm_offload.engine.runtime import RunContext, all_gather_object, barrier
 from internlm_offload.log import get_logger
+from internlm_offload.sizes import human_bytes
 
 logger = get_logger(__name__)
 
 # DCP warns on every call in a single process (no process group); that is a supported mode here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.pt"
 LATEST = "latest"
+DAMAGED = "damaged"  # where a damaged checkpoint goes when its step is written again; nothing is deleted
 FORMAT_VERSION = 1
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt, or was saved for another model."""
+    """A checkpoint is missing, incomplete, corrupt, or was saved for another model (exit code 2)."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written: no space, no permission, an I/O error, on any rank (exit code 4)."""
+
+
+class CheckpointSpaceError(OSError):
+    """Raised before writing when the file system cannot hold the checkpoint."""
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of every tensor in a (nested) state dict, at their global size (a DTensor counts whole once)."""
+    leaves = tree_leaves(state)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def unused_path(path: Path) -> Path:
+    """`path`, or `path.1`, `path.2`, ... : the first that does not exist."""
+    candidate, n = path, 0
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}.{n}")
+    return candidate
+
+
+def describe_write_failure(exc: BaseException, folder: Path, needed: int) -> str:
+    """One line for why a checkpoint write failed; a full file system says how full."""
+    if isinstance(exc, CheckpointSpaceError):
+        return str(exc)
+    cause = _root_os_error(exc)
+    if cause is not None and cause.errno == errno.ENOSPC or free_bytes(folder) < needed:
+        free = free_bytes(folder)
+        return f"no space left on device: {human_bytes(free)} free, the checkpoint needs about {human_bytes(needed)}"
+    if cause is not None and cause.errno is not None:
+        where = f": {cause.filename}" if cause.filename else ""
+        return f"{os.strerror(cause.errno).lower()}{where}"
+    return _first_cause(exc)
+
+
+def failing_rank(exc: BaseException, rank: int) -> int:
+    """The rank a failure happened on: DCP raises one rank's write failure on every rank and names it."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        return min(exc.failures)
+    return rank
+
+
+def _root_os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc`: itself, its cause chain, or the first failure DCP collected."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError):
+            return exc
+        if isinstance(exc, CheckpointException) and exc.failures:
+            failure = exc.failures[min(exc.failures)]
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            continue
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def model_signature(model_state: dict[str, Any]) -> dict[str, list[int]]:
@@ -75,36 +148,136 @@ class CheckpointManager:
     def save(
         self, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]
     ) -> Path:
+        """Write the checkpoint of `step` (all ranks). A failure on any rank raises `CheckpointWriteError`
+        on every rank after the partial folder is removed; `latest` and earlier checkpoints stay as they were."""
         final = self.folder / step_dir_name(step)
-        if final.exists():
-            logger.warning("checkpoint %s already exists; not overwriting it", final)
+        if self._keep_existing(final):
             return final
         tmp = self.folder / f".tmp-{step_dir_name(step)}"
-        if self.ctx.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-            tmp.mkdir(parents=True)
-        barrier(self.ctx)
         model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-        self._save_rng(tmp)
-        barrier(self.ctx)
-        if self.ctx.is_main:
-            torch.save(train_state, tmp / TRAIN_STATE)
-            manifest = {
-                "format": FORMAT_VERSION,
-                "step": step,
-                "world_size": self.ctx.world_size,
-                "config_fingerprint": train_state.get("config_fingerprint"),
-                "torch_version": torch.__version__,
-                "model": model_signature(model_state),
-            }
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            os.replace(tmp, final)
-            self._point_latest(final)
-            self._prune()
-        barrier(self.ctx)
+        needed = state_bytes(model_state) + state_bytes(optim_state)
+        attempt = functools.partial(self._attempt, final=final, tmp=tmp, needed=needed)
+        attempt(lambda: self._require_space(needed), main_only=True)
+        attempt(lambda: self._make_tmp(tmp), main_only=True)
+        attempt(lambda: self._write_states(tmp, {"model": model_state, "optim": optim_state}, train_state))
+        share = (self.ctx.rank, self.ctx.world_size)
+        records: dict[str, Any] = {}
+        for part in attempt(lambda: record_files(tmp, checkpoint_files(tmp), share), gather=True):
+            records.update(part or {})
+        manifest = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "world_size": self.ctx.world_size,
+            "config_fingerprint": train_state.get("config_fingerprint"),
+            "torch_version": torch.__version__,
+            "model": model_signature(model_state),
+            "files": dict(sorted(records.items())),
+        }
+        attempt(lambda: self._publish(tmp, final, manifest), main_only=True)
         logger.info("Saved checkpoint %s", final)
         return final
+
+    def check_space(self, needed: int) -> None:
+        """Refuse to start a run whose checkpoints cannot fit (`CheckpointWriteError`, every rank)."""
+        problem = self._space_problem(needed) if self.ctx.is_main else None
+        problems = [p for p in all_gather_object(self.ctx, problem) if p]
+        if problems:
+            raise CheckpointWriteError(
+                f"cannot save checkpoints in {self.folder}: {problems[0]}; free space there or set "
+                "ckpt.save_ckpt_folder to another file system"
+            )
+
+    def expected_bytes(self, module: nn.Module) -> int:
+        """The next checkpoint's size: the last one's, or before any the parameters `module` holds plus
+        AdamW's two moments of the same size (an estimate; the optimizer makes its states at its first step)."""
+        last = latest_checkpoint(self.folder)
+        if last is not None:
+            return folder_bytes(last)
+        return 3 * sum(p.numel() * p.element_size() for p in module.parameters())
+
+    def _space_problem(self, needed: int) -> str | None:
+        free = free_bytes(self.folder)
+        if free >= needed:
+            return None
+        return f"not enough space: {human_bytes(free)} free, a checkpoint needs about {human_bytes(needed)}"
+
+    def _require_space(self, needed: int) -> None:
+        problem = self._space_problem(needed)
+        if problem is not None:
+            raise CheckpointSpaceError(problem)
+
+    def _attempt(
+        self,
+        action: Callable[[], Any],
+        *,
+        final: Path,
+        tmp: Path,
+        needed: int,
+        main_only: bool = False,
+        gather: bool = False,
+    ) -> list[Any]:
+        """Run one stage of a save on every rank (or on rank 0), then agree: when any rank failed, every rank
+        raises `CheckpointWriteError` naming the first failure. Returns each rank's result when `gather`."""
+        result, problem = None, None
+        if self.ctx.is_main or not main_only:
+            try:
+                result = action()
+            # Any failure, torch.save's RuntimeError on a full disk included: every rank must reach the agreement.
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001  (CheckpointException: a BaseException)
+                problem = (failing_rank(exc, self.ctx.rank), describe_write_failure(exc, self.folder, needed))
+        outcomes = all_gather_object(self.ctx, (result if gather else None, problem))
+        failed = sorted(p for _, p in outcomes if p is not None)
+        if failed:
+            self._abandon(final, tmp, failed)
+        return [r for r, _ in outcomes]
+
+    def _abandon(self, final: Path, tmp: Path, failed: list[tuple[int, str]]) -> None:
+        """Remove the partial folder and raise the first failure (lowest rank) on every rank."""
+        if self.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier(self.ctx)
+        rank, problem = failed[0]
+        where = f" on rank {rank}" if self.ctx.world_size > 1 else ""
+        last = latest_checkpoint(self.folder)
+        kept = f"the last good checkpoint, {last}, is intact" if last is not None else "no earlier checkpoint exists"
+        raise CheckpointWriteError(
+            f"checkpoint {final} could not be written{where}: {problem}; {kept} and the partial folder was removed"
+        )
+
+    def _keep_existing(self, final: Path) -> bool:
+        """A step folder that already exists is kept as it is, unless it is damaged (a resume fell back past
+        it): then it moves to `damaged/` and the step is written again. Never deletes."""
+        if self.ctx.is_main and final.exists():
+            problems = checkpoint_problems(final)
+            if problems:
+                aside = unused_path(self.folder / DAMAGED / final.name)
+                aside.parent.mkdir(exist_ok=True)
+                os.replace(final, aside)
+                logger.warning("%s is damaged (%s); moved to %s and writing it again", final, problems[0], aside)
+        barrier(self.ctx)
+        if final.exists():
+            logger.warning("checkpoint %s already exists; not overwriting it", final)
+            return True
+        return False
+
+    def _make_tmp(self, tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        tmp.mkdir(parents=True)
+
+    def _write_states(self, tmp: Path, state: dict[str, Any], train_state: dict[str, Any]) -> None:
+        dcp.save(state, checkpoint_id=str(tmp))  # collective: a failure on one rank is raised on all
+        self._save_rng(tmp)
+        if self.ctx.is_main:
+            torch.save(train_state, tmp / TRAIN_STATE)
+
+    def _publish(self, tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
+        """The manifest last, then the rename, then `latest`: a crash before any of them leaves only a temp folder."""
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        pointer = self.folder / f".{LATEST}.tmp"
+        pointer.write_text(final.name + "\n")  # written before the rename, so a full disk fails before it
+        os.replace(tmp, final)
+        os.replace(pointer, self.folder / LATEST)
+        self._prune()
 
     def _save_rng(self, folder: Path) -> None:
         rng_dir = folder / "rng"
@@ -115,11 +288,6 @@ class CheckpointManager:
             "device": self.ctx.accelerator.rng_state(),
         }
         torch.save(state, rng_dir / f"rank_{self.ctx.rank}.pt")
-
-    def _point_latest(self, final: Path) -> None:
-        tmp_pointer = self.folder / f".{LATEST}.tmp"
-        tmp_pointer.write_text(final.name + "\n")
-        os.replace(tmp_pointer, self.folder / LATEST)
 
     def _prune(self) -> None:
         if self.keep_last <= 0:
@@ -180,6 +348,50 @@ def latest_checkpoint(folder: Path) -> Path | None:
             return candidate
     complete = complete_checkpoints(folder)
     return complete[-1] if complete else None
+
+
+def checkpoint_problems(path: Path, ctx: RunContext | None = None) -> list[str]:
+    """What is damaged in one checkpoint (empty: intact): its files against the manifest's sizes and SHA-256.
+    With `ctx`, every rank checks a share of the files and all ranks get the whole answer."""
+    try:
+        listed = read_manifest(path).get("files")
+    except CheckpointError as exc:
+        return [str(exc)]
+    if listed is None:  # written before manifests listed files: nothing to check against
+        return []
+    share = (ctx.rank, ctx.world_size) if ctx is not None else WHOLE
+    mine = damaged_files(path, listed, share)
+    gathered = all_gather_object(ctx, mine) if ctx is not None else [mine]
+    return sorted(p for part in gathered for p in part)
+
+
+def newest_intact_checkpoint(folder: Path, ctx: RunContext | None = None) -> Path | None:
+    """The newest checkpoint in `folder` whose files match its manifest; a damaged one is named in one
+    warning and skipped (not deleted). None when the folder holds none; `CheckpointError` when all are damaged."""
+    skipped: list[str] = []
+    for path in reversed(complete_checkpoints(folder)):
+        problems = checkpoint_problems(path, ctx)
+        if not problems:
+            if skipped:
+                logger.warning(
+                    "Resume: %s; resuming from %s, the newest intact checkpoint (nothing was deleted)",
+                    "; ".join(skipped),
+                    path.name,
+                )
+            return path
+        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+        skipped.append(f"{path.name} is damaged ({problems[0]}{more})")
+    if skipped:
+        raise CheckpointError(f"no intact checkpoint in {folder}: {'; '.join(skipped)}")
+    return None
+
+
+def require_intact(path: Path, ctx: RunContext | None = None) -> Path:
+    """A checkpoint the config names must be whole: refuse it, naming the damage, when it is not."""
+    problems = checkpoint_problems(path, ctx)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}")
+    return path
 
 
 def resolve_checkpoint_path(path: Path) -> Path:
@@ -269,18 +481,22 @@ class StartPlan:
         return self.resume_from is None
 
 
-def plan_start(cfg: RunConfig, work_dir: Path, *, resume: bool) -> StartPlan:
+def plan_start(cfg: RunConfig, work_dir: Path, *, resume: bool, ctx: RunContext | None = None) -> StartPlan:
     """Find the checkpoints a run starts from, before anything is built or written; `resume`: --resume.
+    `ctx`: the ranks share the reading when checkpoints are verified (every rank calls this).
 
-    Refuses, in this order: a checkpoint that is missing or incomplete, a full resume with other numerics
-    (dtype, master weights), and a fresh run whose checkpoint folder already holds an earlier run's.
+    A resume of this run takes its newest intact checkpoint, past damaged ones. Refuses, in this order: a
+    checkpoint that is missing, incomplete or damaged, a full resume with other numerics (dtype, master
+    weights), and a fresh run whose checkpoint folder already holds an earlier run's.
     """
     folder = checkpoint_folder(cfg, work_dir)
-    resume_from = find_resume_checkpoint(cfg, folder, resume=resume or cfg.ckpt.auto_resume)
+    resume_from = find_resume_checkpoint(cfg, folder, resume=resume or cfg.ckpt.auto_resume, ctx=ctx)
     if resume_from is not None:
         check_same_precision(cfg, resume_from)
         return StartPlan(folder, resume_from=resume_from)
     weights_from = find_weights_checkpoint(cfg)
+    if weights_from is not None:
+        require_intact(weights_from, ctx)
     refuse_to_clobber(folder)
     return StartPlan(folder, weights_from=weights_from)
 
@@ -290,17 +506,17 @@ def checkpoint_folder(cfg: RunConfig, work_dir: Path) -> Path:
     return Path(cfg.ckpt.save_ckpt_folder) if cfg.ckpt.save_ckpt_folder else work_dir / "checkpoints"
 
 
-def find_resume_checkpoint(cfg: RunConfig, folder: Path, *, resume: bool) -> Path | None:
-    """A resume of this run (--resume / auto_resume: the latest in its checkpoint `folder`) wins, then
-    `ckpt.load_ckpt_folder` or `ckpt.load_ckpt_info` with `content=("all",)`."""
-    latest = latest_checkpoint(folder) if resume else None
-    if latest is not None:
-        return latest
+def find_resume_checkpoint(cfg: RunConfig, folder: Path, *, resume: bool, ctx: RunContext | None = None) -> Path | None:
+    """A resume of this run (--resume / auto_resume: the newest intact checkpoint in its `folder`) wins, then
+    `ckpt.load_ckpt_folder` or `ckpt.load_ckpt_info` with `content=("all",)` (refused when damaged)."""
+    newest = newest_intact_checkpoint(folder, ctx) if resume else None
+    if newest is not None:
+        return newest
     info = cfg.ckpt.load_ckpt_info
     if info is not None and info.content == ["all"]:
-        return resolve_checkpoint_path(Path(info.path))
+        return require_intact(resolve_checkpoint_path(Path(info.path)), ctx)
     if cfg.ckpt.load_ckpt_folder:
-        return resolve_checkpoint_path(Path(cfg.ckpt.load_ckpt_folder))
+        return require_intact(resolve_checkpoint_path(Path(cfg.ckpt.load_ckpt_folder)), ctx)
     if resume:
         logger.warning("--resume: no checkpoint in %s, starting from scratch", folder)
     return None

@@ -7,6 +7,7 @@ import gc
 import os
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,15 @@ def shutdown_runtime() -> None:
 def barrier(ctx: RunContext) -> None:
     if ctx.distributed:
         dist.barrier()
+
+
+def all_gather_object(ctx: RunContext, obj: Any) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order; `[obj]` in one process."""
+    if not ctx.distributed:
+        return [obj]
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def set_determinism(seed: int, deterministic: bool, accelerator: Accelerator) -> None:

@@ -308,6 +308,8 @@ class Trainer:
 
     def train(self) -> None:
         settings = self.settings
+        if settings.save_checkpoints:  # a run that cannot save says so now, not after hours
+            self.checkpoints.check_space(self.checkpoints.expected_bytes(self.state_module))
         progress = Progress(
             total=settings.total_steps,
             initial=self.step,

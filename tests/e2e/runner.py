@@ -21,18 +21,20 @@ def train(
     check: bool = True,
     torchrun: bool = False,
     fast: bool = True,
+    script: Path = REPO / "train.py",
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run train.py (under torchrun when nproc > 1 or asked) with the FAST options (unless `fast=False`)
-    plus `options`."""
+    """Run train.py (or `script`, a wrapper of it; under torchrun when nproc > 1 or asked) with the FAST
+    options (unless `fast=False`) plus `options`; `env` adds to the environment."""
     if nproc > 1 or torchrun:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
     else:
         launcher = [sys.executable]
-    cmd = [*launcher, str(REPO / "train.py"), "--config", str(config), "--work-dir", str(work_dir)]
+    cmd = [*launcher, str(script), "--config", str(config), "--work-dir", str(work_dir)]
     cmd += ["--cfg-options", *(FAST if fast else ["monitor.progress_bar=off"]), *options]
     if resume:
         cmd.append("--resume")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

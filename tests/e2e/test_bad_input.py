@@ -1,6 +1,7 @@
 """Every kind of bad input ends with one `error:` line on stderr, exit code 2, and nothing written."""
 
 import hashlib
+import json
 import shutil
 
 import pytest
@@ -105,15 +106,25 @@ def test_checkpoint_of_another_model_is_refused(saved_run, tmp_path):
     assert tree_digest(ckpt) == before
 
 
-def test_corrupt_checkpoint_is_refused_and_kept(saved_run, tmp_path):
+@pytest.mark.parametrize("file_list", [True, False], ids=["manifest_lists_files", "older_manifest"])
+def test_corrupt_checkpoint_is_refused_and_kept(saved_run, tmp_path, file_list):
+    """The only checkpoint torn: named as damaged before loading, or (a manifest from before file lists)
+    when DCP cannot read it."""
     work_dir = tmp_path / "wd"
     shutil.copytree(saved_run, work_dir)
     step_dir = work_dir / "checkpoints" / "step_00000002"
     shard = next(step_dir.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])  # a torn write
+    if not file_list:
+        manifest = json.loads((step_dir / "manifest.json").read_text())
+        del manifest["files"]
+        (step_dir / "manifest.json").write_text(json.dumps(manifest))
     before = tree_digest(work_dir / "checkpoints")
     proc = train(work_dir, "data.total_steps=4", resume=True, check=False)
-    assert_clean_error(proc, "step_00000002", "cannot be read")
+    if file_list:
+        assert_clean_error(proc, "no intact checkpoint", f"step_00000002 is damaged ({shard.name} has 1000 B")
+    else:
+        assert_clean_error(proc, "step_00000002", "cannot be read")
     assert tree_digest(work_dir / "checkpoints") == before
 
 

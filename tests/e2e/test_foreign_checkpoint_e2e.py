@@ -1,5 +1,6 @@
 """A checkpoint from elsewhere cannot run code: each read path refuses a crafted one in one line, exit 2."""
 
+import json
 import os
 import pickle
 import subprocess
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 from runner import REPO, TINY, train
 from test_bad_input import assert_clean_error
+
+from internlm_offload.engine.checkpoint_integrity import record_files
 
 
 class _TouchFile:
@@ -29,6 +32,10 @@ def crafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     checkpoint = run / "checkpoints" / "step_00000002"
     marker = run.parent / "PWNED"
     (checkpoint / ".metadata").write_bytes(pickle.dumps(_TouchFile(marker)))
+    # Whoever crafts a checkpoint writes its manifest too: the file list vouches for the crafted bytes.
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"][".metadata"] = record_files(checkpoint, [".metadata"])[".metadata"]
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
     return run, marker
 
 

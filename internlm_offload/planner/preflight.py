@@ -50,7 +50,7 @@ class Prediction:
 def predict(cfg: RunConfig, world_size: int, traced: StepMemory | None = None) -> Prediction:
     """This rank's traced peaks; `traced`: this config's trace when one was already made (the planner's
     choice of "auto" knobs). Runs before the process group exists: the trace brings its own fake one."""
-    memory = traced or trace_step(cfg, world_size)
+    memory = traced or trace_step(cfg, world_size, count_work=False)
     return Prediction(memory.device_peak_bytes, memory.host_peak_bytes, memory.components)
 
 

@@ -199,11 +199,13 @@ def _quiet() -> Iterator[None]:
         package.setLevel(level)
 
 
-def trace_step(cfg: RunConfig, world_size: int = 1, *, measure: bool = False) -> StepMemory:
+def trace_step(cfg: RunConfig, world_size: int = 1, *, measure: bool = False, count_work: bool = True) -> StepMemory:
     """Trace `TRACED_STEPS` training steps of `cfg` on rank 0 of `world_size`; see the module docstring.
 
     `measure=True` runs the same steps for real on cpu tensors, counted the same way (small configs):
-    the reference the meta trace is checked against.
+    the reference the meta trace is checked against. `count_work=False` leaves out the third step, which
+    only the cost model reads (the preflight needs the memory figures alone; the FLOP counter is the
+    slowest part of a trace).
     """
     mode = cfg.parallel.mode
     if mode == "fsdp2" and cfg.parallel.fsdp_cpu_offload:
@@ -213,8 +215,8 @@ def trace_step(cfg: RunConfig, world_size: int = 1, *, measure: bool = False) ->
         )
     if mode == "ddp":
         single = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"mode": "none"})})
-        return _with_ddp_buckets(_trace(single, world_size, measure))
-    return _trace(cfg, world_size, measure)
+        return _with_ddp_buckets(_trace(single, world_size, measure, count_work))
+    return _trace(cfg, world_size, measure, count_work)
 
 
 def _with_ddp_buckets(memory: StepMemory) -> StepMemory:
@@ -227,7 +229,7 @@ def _with_ddp_buckets(memory: StepMemory) -> StepMemory:
     return memory
 
 
-def _trace(cfg: RunConfig, world_size: int, measure: bool) -> StepMemory:
+def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> StepMemory:
     accelerator = PlanningAccelerator("cpu", meta=not measure)
     tracker = accelerator.tracker
     ctx = RunContext(rank=0, local_rank=0, world_size=world_size, accelerator=accelerator)
@@ -270,10 +272,11 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool) -> StepMemory:
         blocks = [probe.block_growth.get(i, 0) for i in range(len(parts.layers))]
         # The work is counted in a step of its own: the FLOP counter's module hooks move when a few
         # tensors are freed, which the memory figures above must not see.
-        probe.counter = WorkCounter(tracker)
-        probe.flops = FlopCounterMode(display=False, custom_mapping=flash_cpu_flops())
-        with probe.flops, probe.counter:
-            trainer.train_step(batches)
+        if count_work:
+            probe.counter = WorkCounter(tracker)
+            probe.flops = FlopCounterMode(display=False, custom_mapping=flash_cpu_flops())
+            with probe.flops, probe.counter:
+                trainer.train_step(batches)
         for handle in handles:
             handle.remove()
         memory = StepMemory(

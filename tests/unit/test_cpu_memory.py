@@ -55,7 +55,12 @@ def test_peak_is_sampled_between_readings() -> None:
     acc.mark_memory_baseline()
     acc.reset_peak_memory_stats()
     held = _hold(64 * MIB)
-    time.sleep(0.05)  # many sampling intervals
+    # Many sampling intervals; under load the sampler may not run for a while, so wait for a reading that
+    # holds the buffer (up to 2 s: a sampler that never samples still fails below).
+    deadline = time.monotonic() + 2.0
+    time.sleep(0.05)
+    while acc.max_memory_allocated() < 56 * MIB and time.monotonic() < deadline:
+        time.sleep(0.01)
     del held
     now = acc.memory_allocated()
     assert acc.max_memory_allocated() - now >= 48 * MIB  # slack for what other threads free meanwhile

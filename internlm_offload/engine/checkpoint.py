@@ -99,7 +99,7 @@ def describe_write_failure(exc: BaseException, folder: Path, needed: int) -> str
     if isinstance(exc, CheckpointSpaceError):
         return str(exc)
     cause = _root_os_error(exc)
-    if cause is not None and cause.errno == errno.ENOSPC or free_bytes(folder) < needed:
+    if (cause is not None and cause.errno == errno.ENOSPC) or free_bytes(folder) < needed:
         free = free_bytes(folder)
         return f"no space left on device: {human_bytes(free)} free, the checkpoint needs about {human_bytes(needed)}"
     if cause is not None and cause.errno is not None:

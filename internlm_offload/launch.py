@@ -11,6 +11,8 @@ A first SIGTERM or Ctrl-C finishes the current step, writes a checkpoint and exi
 continues the same curve bitwise.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import os
@@ -18,23 +20,17 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+# Only light imports here: a bad config and --print-config are answered before torch is imported
+# (about 1 s instead of 5); the runtime, the device and the checkpoint code load once the config is valid.
 from internlm_offload.config import ConfigError, RunConfig, load_config_file, resolve_config
-from internlm_offload.data import DataError
-from internlm_offload.device import Accelerator, get_accelerator
-from internlm_offload.engine.checkpoint import CheckpointError, CheckpointWriteError, plan_start
-from internlm_offload.engine.runtime import (
-    RunContext,
-    barrier,
-    env_local_rank,
-    env_local_world_size,
-    env_world_size,
-    init_runtime,
-    shutdown_runtime,
-)
+from internlm_offload.errors import CheckpointError, CheckpointWriteError, DataError, TrainingDiverged
 from internlm_offload.log import get_logger, setup_logging
 from internlm_offload.registry import UnknownTypeError
+from internlm_offload.torchrun_env import env_local_rank, env_local_world_size, env_world_size
 
 if TYPE_CHECKING:
+    from internlm_offload.device import Accelerator
+    from internlm_offload.engine.runtime import RunContext
     from internlm_offload.engine.trainer import Trainer
 
 logger = get_logger(__name__)
@@ -51,7 +47,7 @@ class BuildTrainer(Protocol):
 
     def __call__(
         self, cfg: RunConfig, ctx: RunContext, work_dir: Path, *, predicted_device_peak: int | None = None
-    ) -> "Trainer": ...
+    ) -> Trainer: ...
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,8 +71,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None, *, build_trainer: BuildTrainer) -> int:
     """Parse `argv`, start the run (`build_trainer` makes its trainer once everything is validated) and
     train; the exit code (module docstring)."""
-    from internlm_offload.engine.trainer import TrainingDiverged
-
     args = parse_args(argv)
     try:
         return run(args, build_trainer)
@@ -92,8 +86,6 @@ def main(argv: list[str] | None = None, *, build_trainer: BuildTrainer) -> int:
     except KeyboardInterrupt:
         report_error(RuntimeError("interrupted (second Ctrl-C): stopped at once, no checkpoint of this step"))
         return EXIT_INTERRUPTED
-    finally:
-        shutdown_runtime()
 
 
 def report_error(exc: BaseException) -> None:
@@ -108,6 +100,9 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
     if args.print_config:
         print(json.dumps(cfg.model_dump(), indent=2))
         return 0
+    from internlm_offload.device import get_accelerator
+    from internlm_offload.engine.runtime import init_runtime, shutdown_runtime
+
     accelerator = get_accelerator(cfg.device)
     setup_logging(int(os.environ.get("RANK", "0")))
     traced = None
@@ -117,6 +112,19 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
     if cfg.preflight:
         predicted_peak = run_preflight(cfg, args.config, accelerator, traced) or predicted_peak
     ctx = init_runtime(accelerator)
+    try:
+        return train_in_runtime(args, cfg, ctx, build_trainer, predicted_peak)
+    finally:
+        shutdown_runtime()
+
+
+def train_in_runtime(
+    args: argparse.Namespace, cfg: RunConfig, ctx: RunContext, build_trainer: BuildTrainer, predicted_peak: int | None
+) -> int:
+    """Everything after the process group is joined: start plan, build, resume or load, train."""
+    from internlm_offload.engine.checkpoint import plan_start
+    from internlm_offload.engine.runtime import barrier
+
     notes, warnings = cfg.migration_notes()
     for line in notes:
         logger.info(line)

@@ -4,11 +4,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from internlm_offload.errors import DataError
+
 SUFFIXES = (".txt", ".jsonl")
-
-
-class DataError(ValueError):
-    """The data section of a config points at data that cannot be used; the message is one line."""
 
 
 def builtin_documents() -> list[str]:

@@ -49,6 +49,7 @@ from internlm_offload.engine.checkpoint_integrity import (
 )
 from internlm_offload.engine.checkpoint_reader import UnsafeCheckpointError, read_checkpoint
 from internlm_offload.engine.runtime import RunContext, all_gather_object, barrier
+from internlm_offload.errors import CheckpointError, CheckpointWriteError
 from internlm_offload.log import get_logger
 from internlm_offload.sizes import human_bytes
 
@@ -61,14 +62,6 @@ TRAIN_STATE = "train_state.pt"
 LATEST = "latest"
 DAMAGED = "damaged"  # where a damaged checkpoint goes when its step is written again; nothing is deleted
 FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt, or was saved for another model (exit code 2)."""
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written: no space, no permission, an I/O error, on any rank (exit code 4)."""
 
 
 class CheckpointSpaceError(OSError):

@@ -13,6 +13,12 @@ import torch
 import torch.distributed as dist
 
 from internlm_offload.device import Accelerator
+from internlm_offload.torchrun_env import (  # noqa: F401  (re-exported: callers read the environment here too)
+    env_local_rank,
+    env_local_world_size,
+    env_world_size,
+    launched_by_torchrun,
+)
 
 
 @dataclass(frozen=True)
@@ -33,23 +39,6 @@ class RunContext:
     @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
-
-
-def launched_by_torchrun() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
-
-
-def env_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def env_local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def env_local_world_size() -> int:
-    """Processes of this run on this host (torchrun's LOCAL_WORLD_SIZE)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def init_runtime(accelerator: Accelerator) -> RunContext:

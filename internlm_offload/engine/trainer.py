@@ -30,16 +30,13 @@ from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog, Progress, memory_record
 from internlm_offload.engine.precision import Masters
 from internlm_offload.engine.runtime import RunContext
+from internlm_offload.errors import TrainingDiverged
 from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.optim.dtensor import is_dtensor, local_shard
 from internlm_offload.optim.interface import OffloadOptimizer
 
 logger = get_logger(__name__)
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many consecutive steps had a non-finite loss or gradient norm; the message is one line."""
 
 
 @dataclass(frozen=True)

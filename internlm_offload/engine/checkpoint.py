@@ -92,8 +92,8 @@ def describe_write_failure(exc: BaseException, folder: Path, needed: int) -> str
     if isinstance(exc, CheckpointSpaceError):
         return str(exc)
     cause = _root_os_error(exc)
-    if (cause is not None and cause.errno == errno.ENOSPC) or free_bytes(folder) < needed:
-        free = free_bytes(folder)
+    free = free_bytes(folder)
+    if (cause is not None and cause.errno == errno.ENOSPC) or free < needed:
         return f"no space left on device: {human_bytes(free)} free, the checkpoint needs about {human_bytes(needed)}"
     if cause is not None and cause.errno is not None:
         where = f": {cause.filename}" if cause.filename else ""
@@ -101,11 +101,19 @@ def describe_write_failure(exc: BaseException, folder: Path, needed: int) -> str
     return _first_cause(exc)
 
 
+def dcp_failure(exc: BaseException) -> tuple[int, BaseException] | None:
+    """The lowest rank's failure a `CheckpointException` carries (DCP collects every rank's), else None."""
+    if not (isinstance(exc, CheckpointException) and exc.failures):
+        return None
+    rank = min(exc.failures)
+    failure = exc.failures[rank]  # an exception, or (exception, stack summary)
+    return rank, failure[0] if isinstance(failure, tuple) else failure
+
+
 def failing_rank(exc: BaseException, rank: int) -> int:
     """The rank a failure happened on: DCP raises one rank's write failure on every rank and names it."""
-    if isinstance(exc, CheckpointException) and exc.failures:
-        return min(exc.failures)
-    return rank
+    failure = dcp_failure(exc)
+    return failure[0] if failure is not None else rank
 
 
 def _root_os_error(exc: BaseException) -> OSError | None:
@@ -115,11 +123,8 @@ def _root_os_error(exc: BaseException) -> OSError | None:
         seen.add(id(exc))
         if isinstance(exc, OSError):
             return exc
-        if isinstance(exc, CheckpointException) and exc.failures:
-            failure = exc.failures[min(exc.failures)]
-            exc = failure[0] if isinstance(failure, tuple) else failure
-            continue
-        exc = exc.__cause__ or exc.__context__
+        failure = dcp_failure(exc)
+        exc = failure[1] if failure is not None else exc.__cause__ or exc.__context__
     return None
 
 
@@ -186,7 +191,7 @@ class CheckpointManager:
         last = latest_checkpoint(self.folder)
         if last is not None:
             return folder_bytes(last)
-        return 3 * sum(p.numel() * p.element_size() for p in module.parameters())
+        return 3 * state_bytes(list(module.parameters()))
 
     def _space_problem(self, needed: int) -> str | None:
         free = free_bytes(self.folder)
@@ -434,9 +439,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 def _first_cause(exc: BaseException) -> str:
     """DCP wraps per-rank failures; name the underlying error in one short line."""
-    if isinstance(exc, CheckpointException) and exc.failures:
-        failure = next(iter(exc.failures.values()))
-        exc = failure[0] if isinstance(failure, tuple) else failure  # (exception, stack summary)
+    failure = dcp_failure(exc)
+    if failure is not None:
+        exc = failure[1]
     text = " ".join(f"{type(exc).__name__} {exc}".split())
     return text[:300]
 

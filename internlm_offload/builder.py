@@ -366,7 +366,9 @@ def build_components(
     return Components(model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers)
 
 
-def trainer_settings(cfg: RunConfig, predicted_device_peak: int | None = None) -> TrainerSettings:
+def trainer_settings(
+    cfg: RunConfig, predicted_device_peak: int | None = None, runtime_memory: int = 0
+) -> TrainerSettings:
     return TrainerSettings(
         total_steps=cfg.data.total_steps,
         clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm,
@@ -381,15 +383,22 @@ def trainer_settings(cfg: RunConfig, predicted_device_peak: int | None = None) -
         valid_every=cfg.data.valid_every,
         skip_batches=tuple(cfg.data.skip_ranges()),
         predicted_device_peak_bytes=predicted_device_peak,
+        runtime_memory_bytes=runtime_memory,
     )
 
 
 def build_trainer(
-    cfg: RunConfig, ctx: RunContext, work_dir: Path, *, predicted_device_peak: int | None = None
+    cfg: RunConfig,
+    ctx: RunContext,
+    work_dir: Path,
+    *,
+    predicted_device_peak: int | None = None,
+    runtime_memory: int = 0,
 ) -> Trainer:
     """Build every component of the run described by `cfg`; writes nothing to disk.
 
-    `predicted_device_peak`: the planner's per-rank prediction, logged beside the measured peak.
+    `predicted_device_peak`: the planner's per-rank prediction, logged beside the measured peak, and
+    `runtime_memory` the runtime's own device memory (`engine/runtime_memory.py`), logged with them.
     """
     set_determinism(cfg.seed, cfg.deterministic, ctx.accelerator)
     # 0. data first: a bad path or tokenizer fails before any model memory is allocated
@@ -415,7 +424,7 @@ def build_trainer(
         loader=loader,
         checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
         metrics=MetricsLog(work_dir / "metrics.jsonl") if ctx.is_main else None,
-        settings=trainer_settings(cfg, predicted_device_peak),
+        settings=trainer_settings(cfg, predicted_device_peak, runtime_memory),
         masters=parts.masters,
         features=parts.features,
         scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,

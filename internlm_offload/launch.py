@@ -46,7 +46,13 @@ class BuildTrainer(Protocol):
     """`builder.build_trainer`, handed in by `train.py`: the run's trainer from its validated config."""
 
     def __call__(
-        self, cfg: RunConfig, ctx: RunContext, work_dir: Path, *, predicted_device_peak: int | None = None
+        self,
+        cfg: RunConfig,
+        ctx: RunContext,
+        work_dir: Path,
+        *,
+        predicted_device_peak: int | None = None,
+        runtime_memory: int = 0,
     ) -> Trainer: ...
 
 
@@ -105,25 +111,33 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
 
     accelerator = get_accelerator(cfg.device)
     setup_logging(int(os.environ.get("RANK", "0")))
+    accelerator.set_device(env_local_rank())
+    runtime_bytes = accelerator.device_memory_in_use()  # the context and the like (engine/runtime_memory.py)
     traced = None
     if cfg.auto_knobs:
-        cfg, traced = choose_auto_knobs(cfg, raw, accelerator)
+        cfg, traced = choose_auto_knobs(cfg, raw, accelerator, runtime_bytes)
     predicted_peak = traced.device_peak_bytes if traced else None
     if cfg.preflight:
-        predicted_peak = run_preflight(cfg, args.config, accelerator, traced) or predicted_peak
+        predicted_peak = run_preflight(cfg, args.config, accelerator, runtime_bytes, traced) or predicted_peak
     ctx = init_runtime(accelerator)
     try:
-        return train_in_runtime(args, cfg, ctx, build_trainer, predicted_peak)
+        return train_in_runtime(args, cfg, ctx, build_trainer, predicted_peak, runtime_bytes)
     finally:
         shutdown_runtime()
 
 
 def train_in_runtime(
-    args: argparse.Namespace, cfg: RunConfig, ctx: RunContext, build_trainer: BuildTrainer, predicted_peak: int | None
+    args: argparse.Namespace,
+    cfg: RunConfig,
+    ctx: RunContext,
+    build_trainer: BuildTrainer,
+    predicted_peak: int | None,
+    runtime_bytes: int = 0,
 ) -> int:
     """Everything after the process group is joined: start plan, build, resume or load, train."""
     from internlm_offload.engine.checkpoint import plan_start
-    from internlm_offload.engine.runtime import barrier
+    from internlm_offload.engine.runtime import barrier, set_determinism
+    from internlm_offload.engine.runtime_memory import kernel_memory
 
     notes, warnings = cfg.migration_notes()
     for line in notes:
@@ -134,7 +148,9 @@ def train_in_runtime(
     if work_dir.exists() and not work_dir.is_dir():
         raise ConfigError(f"--work-dir {work_dir} is a file; give a folder (it is created when missing)")
     start = plan_start(cfg, work_dir, resume=args.resume, ctx=ctx)
-    trainer = build_trainer(cfg, ctx, work_dir, predicted_device_peak=predicted_peak)
+    set_determinism(cfg.seed, cfg.deterministic, ctx.accelerator)  # before the first kernels (cuBLAS workspace)
+    runtime_bytes += kernel_memory(cfg, ctx.accelerator)  # before the builder's memory baseline
+    trainer = build_trainer(cfg, ctx, work_dir, predicted_device_peak=predicted_peak, runtime_memory=runtime_bytes)
     if start.resume_from is not None:
         trainer.resume_from(start.resume_from)
     elif start.weights_from is not None:
@@ -158,10 +174,13 @@ def train_in_runtime(
     return 0
 
 
-def choose_auto_knobs(cfg: RunConfig, raw: dict[str, Any], accelerator: Accelerator) -> tuple[RunConfig, Any]:
+def choose_auto_knobs(
+    cfg: RunConfig, raw: dict[str, Any], accelerator: Accelerator, runtime_bytes: int
+) -> tuple[RunConfig, Any]:
     """Set the config's "auto" knobs with the planner (`planner/auto.py`); the chosen config and its trace.
 
-    `raw`: the loaded config `cfg` was resolved from; the candidates are merges of it."""
+    `raw`: the loaded config `cfg` was resolved from; the candidates are merges of it. `runtime_bytes`: the
+    device memory in use before the run, which the budget has to hold as well."""
     from internlm_offload.planner import auto
     from internlm_offload.planner.search import candidate_configs
     from internlm_offload.planner.trace import UnsupportedLayout
@@ -169,17 +188,19 @@ def choose_auto_knobs(cfg: RunConfig, raw: dict[str, Any], accelerator: Accelera
     config_for = candidate_configs(raw, world_size=env_world_size())
     try:
         chosen_cfg, chosen = auto.choose_auto_knobs(
-            cfg, config_for, accelerator_name=accelerator.name, world_size=env_world_size()
+            cfg, config_for, accelerator_name=accelerator.name, world_size=env_world_size(), runtime_bytes=runtime_bytes
         )
     except UnsupportedLayout as exc:
         raise ConfigError(f"memory_budget with 'auto' knobs: {exc}") from None
     return chosen_cfg, chosen.memory
 
 
-def run_preflight(cfg: RunConfig, config_path: str, accelerator: Accelerator, traced: Any = None) -> int | None:
+def run_preflight(
+    cfg: RunConfig, config_path: str, accelerator: Accelerator, runtime_bytes: int, traced: Any = None
+) -> int | None:
     """Stop (exit 2) before anything is allocated when the predicted step cannot fit this machine; the
-    predicted device peak (None for a model the trace cannot run). `traced`: the
-    config's trace when the planner already made it."""
+    predicted device peak (None for a model the trace cannot run). `runtime_bytes`: the device memory in
+    use before the run; `traced`: the config's trace when the planner already made it."""
     from internlm_offload.planner.preflight import check_fits
 
     try:
@@ -189,6 +210,7 @@ def run_preflight(cfg: RunConfig, config_path: str, accelerator: Accelerator, tr
             local_world_size=env_local_world_size(),
             device_total=accelerator.device_memory_bytes(env_local_rank()),
             config_path=config_path,
+            runtime_bytes=runtime_bytes,
             traced=traced,
         )
     except ConfigError:

@@ -30,9 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from internlm_offload.device import host_buffers
-from internlm_offload.device.cpu_memory import AnonPeakSampler
-from internlm_offload.device import Accelerator
+from internlm_offload.device import Accelerator, host_buffers
+from internlm_offload.device.cpu_memory import PeakSampler, rss_anon_bytes
 from internlm_offload.model.internlm2 import InternLM2
 from internlm_offload.offload import apply_activation_checkpointing
 from internlm_offload.offload.activation import ActivationOffloader, offload_layers
@@ -61,12 +60,12 @@ class Case:
     peaks: dict[str, int] = field(default_factory=dict)
 
 
-class PeakSampler:
-    """`RssAnon` over one step, sampled by `cpu_memory.AnonPeakSampler`: the value `before`, the peak up to
+class StepPeaks:
+    """`RssAnon` over one step, sampled by `cpu_memory.PeakSampler`: the value `before`, the peak up to
     the loss (`forward_peak`), what is held once the forward's copies finished, and the step's `peak`."""
 
     def __init__(self, interval_s: float) -> None:
-        self._sampler = AnonPeakSampler(interval_s=interval_s)
+        self._sampler = PeakSampler(rss_anon_bytes, interval_s=interval_s)
         self.before = self.forward_peak = self.held_after_forward = self.peak = self._sampler.reset()
 
     def split(self) -> None:
@@ -140,7 +139,7 @@ def save_on_cpu(acc: Accelerator) -> AbstractContextManager:
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda host: host)
 
 
-def step(case: Case, tokens: torch.Tensor, acc: Accelerator, sampler: PeakSampler | None = None) -> float:
+def step(case: Case, tokens: torch.Tensor, acc: Accelerator, sampler: StepPeaks | None = None) -> float:
     """Forward + backward of one batch; returns the seconds it took."""
     start = time.perf_counter()
     with case.context() if case.context is not None else suppress():
@@ -193,7 +192,7 @@ def measure_peaks(cases: list[Case], tokens: torch.Tensor, interval_s: float, ac
         gc.collect()
         with suppress(OSError, AttributeError):  # freed heap pages back to the OS (glibc): a clean `before`
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-        sampler = PeakSampler(interval_s)
+        sampler = StepPeaks(interval_s)
         step(case, tokens, acc, sampler)
         sampler.finish()
         check_and_clear(case, reference)

@@ -135,18 +135,28 @@ class Accelerator:
         """Release cached free device memory (cpu: the blocks `free_device_buffer` kept)."""
         self._backend.empty_cache()
 
+    def device_memory_in_use(self) -> int:
+        """Bytes in use on this process's device now, by anything (cuda/npu: total less free: the context,
+        other processes, this process's allocator); 0 on cpu, whose "device" memory is the host's."""
+        return self._backend.device_memory_in_use()
+
+    def memory_kept_by(self, probe: Callable[[], None]) -> int:
+        """How much more device memory is in use after `probe` ran than before (cached blocks released):
+        what kernels keep after their first use when `probe` runs them and frees its own tensors."""
+        return self._backend.memory_kept_by(probe)
+
     def mark_memory_baseline(self) -> None:
-        """Call before building the model. cpu: from here on memory readings count tensor memory only, as
-        on a device (see `cpu_memory`); a device's allocator counts that already."""
+        """Call before building the model: from here on memory readings count what is allocated after
+        this point (cpu: also the sampled peak starts, see `cpu_memory`)."""
         self._backend.mark_memory_baseline()
 
     def memory_allocated(self) -> int:
-        """Bytes of tensors on the device now (cpu: `RssAnon` above the baseline; the host tier is excluded)."""
+        """Bytes of tensors on the device now, above the baseline (cpu: malloc's bytes in use; the host
+        tier is excluded)."""
         return self._backend.memory_allocated()
 
     def max_memory_allocated(self) -> int:
-        """Peak bytes of tensors on the device since the last reset (cpu: the sampled peak of `RssAnon`
-        above the baseline)."""
+        """Peak bytes of tensors on the device since the last reset, above the baseline (cpu: sampled)."""
         return self._backend.max_memory_allocated()
 
     def reset_peak_memory_stats(self) -> None:
@@ -232,6 +242,7 @@ class DeviceBackend:
 
     def __init__(self, name: str) -> None:
         self.name, self.module = name, getattr(torch, name)
+        self._baseline = 0  # bytes allocated at `mark_memory_baseline`
 
     def __reduce__(self) -> tuple[Callable[..., DeviceBackend], tuple[str]]:
         return DeviceBackend, (self.name,)  # the module object itself does not pickle
@@ -273,14 +284,26 @@ class DeviceBackend:
     def empty_cache(self) -> None:
         self.module.empty_cache()
 
+    def device_memory_in_use(self) -> int:
+        free, total = self.module.mem_get_info()
+        return int(total - free)
+
+    def memory_kept_by(self, probe: Callable[[], None]) -> int:
+        self.module.empty_cache()
+        before = self.device_memory_in_use()
+        probe()
+        self.module.synchronize()
+        self.module.empty_cache()
+        return max(0, self.device_memory_in_use() - before)
+
     def mark_memory_baseline(self) -> None:
-        pass  # the allocator counts tensor memory only
+        self._baseline = int(self.module.memory_allocated())  # workspaces the probe left (cuBLAS)
 
     def memory_allocated(self) -> int:
-        return int(self.module.memory_allocated())
+        return int(self.module.memory_allocated()) - self._baseline
 
     def max_memory_allocated(self) -> int:
-        return int(self.module.max_memory_allocated())
+        return int(self.module.max_memory_allocated()) - self._baseline
 
     def reset_peak_memory_stats(self) -> None:
         self.module.reset_peak_memory_stats()

@@ -1,22 +1,23 @@
 """The cpu backend's memory readings: what `memory_allocated()` and `max_memory_allocated()` mean on cpu.
 
-On a GPU the caching allocator counts tensor bytes. On cpu the closest reading is the process's
-anonymous resident memory (`RssAnon`: heap and anonymous mappings); the host tier (`host_empty`) lives
-in /dev/shm files and counts as `RssShmem` instead, so offloading shows as a drop, as on a device. Two
-things turn `RssAnon` into a reading of tensor memory:
+On a GPU `memory_allocated()` counts the bytes the caching allocator has handed out to tensors; the
+free blocks it keeps for reuse are "reserved", not allocated. On cpu the same reading comes from glibc's
+malloc (`mallinfo2`, glibc 2.33+): the heap chunks in use plus the blocks mapped on their own, so the
+free chunks glibc keeps resident for reuse are left out as a device's reserve is. The host tier
+(`host_empty`) lives in /dev/shm files, outside malloc, so offloading shows as a drop, as on a device.
+Without `mallinfo2` the reading falls back to the process's anonymous resident memory (`RssAnon`),
+with glibc's mmap threshold fixed (`mallopt`) so that freed large blocks at least leave it at once; it
+then also counts the free heap chunks (the 4-block tiny config read ~40 % above its tensors that way).
 
-- glibc gives a freed block back to the kernel only when the block had a mapping of its own, and by
-  default it raises the size that gets one after every large free (up to 32 MiB), so freed activations
-  would stay resident. `serve_large_allocations_by_mmap()` fixes that size: from then on every
-  allocation of `MMAP_THRESHOLD_BYTES` or more is mapped on allocation and unmapped on free.
-- the kernel keeps no peak of `RssAnon` (`VmHWM` counts the host tier, mapped files and the runtime).
-  `AnonPeakSampler` reads /proc/self/statm every `SAMPLE_INTERVAL_S` on a daemon thread; torch releases
-  the GIL inside its kernels, so samples land during them. A peak shorter than the interval can be missed.
+malloc keeps no peak of its own: `PeakSampler` takes a reading every `SAMPLE_INTERVAL_S` on a daemon
+thread; torch releases the GIL inside its kernels, so samples land during them. A peak shorter than the
+interval can be missed.
 
-`CpuMemory` puts them together against a baseline taken before the model is built, as the builder does,
-so the runtime's own memory (interpreter, libraries, the data set) is not counted, and it owns
-`BlockCache`, the stand-in for the caching allocator: like `memory_allocated()` on a device, the
-readings leave out the freed blocks it keeps for reuse.
+`CpuMemory` puts them together against a baseline (`mark_baseline`, which the builder calls after the
+start-up probe of `engine/runtime_memory.py` and before the model is built), so the runtime's own
+memory (interpreter, libraries, kernel caches, the data set) is not counted, and it owns `BlockCache`,
+the stand-in for the caching allocator: like `memory_allocated()` on a device, the readings leave out
+the freed blocks it keeps for reuse.
 """
 
 from __future__ import annotations
@@ -35,11 +36,52 @@ from internlm_offload.log import get_logger
 logger = get_logger(__name__)
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-# Small tensors and Python objects stay on the heap, where reuse costs no page faults (the 4-block tiny
-# config's steps keep their speed); activations of real models (MiBs each) get mappings of their own.
+# Only for the `RssAnon` fallback: blocks of 1 MiB or more get mappings of their own, so freeing one
+# returns it to the kernel; smaller tensors and Python objects stay on the heap.
 MMAP_THRESHOLD_BYTES = 1 << 20
 SAMPLE_INTERVAL_S = 0.0005
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (malloc.h): every field a size_t."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _libc_function(name: str) -> Callable | None:
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+_MALLINFO2 = _libc_function("mallinfo2")
+if _MALLINFO2 is not None:
+    _MALLINFO2.restype, _MALLINFO2.argtypes = _MallInfo2, []
+
+
+def malloc_in_use_bytes() -> int | None:
+    """Bytes malloc has handed out and not had back (heap chunks in use plus blocks mapped on their own);
+    None where libc has no `mallinfo2`. Takes each malloc arena's lock in turn: a few µs."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return info.uordblks + info.hblkhd
 
 
 def read_proc_status_kib(key: str) -> int:
@@ -55,7 +97,7 @@ def read_proc_status_kib(key: str) -> int:
 
 
 def rss_anon_bytes() -> int:
-    """Anonymous resident memory of this process: the cpu backend's "device memory"."""
+    """Anonymous resident memory of this process (heap and anonymous mappings, free heap chunks included)."""
     return read_proc_status_kib("RssAnon") * 1024
 
 
@@ -69,18 +111,20 @@ def host_rss_bytes() -> int:
     return read_proc_status_kib("VmRSS") * 1024
 
 
+def device_memory_bytes() -> int:
+    """The cpu backend's raw "device memory" reading: malloc's bytes in use, else `RssAnon` (docstring above)."""
+    in_use = malloc_in_use_bytes()
+    return rss_anon_bytes() if in_use is None else in_use
+
+
 def serve_large_allocations_by_mmap(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Fix glibc's mmap threshold at `threshold` bytes (process-wide); False where libc is not glibc.
 
-    Costs a page fault per 4 KiB on every large allocation, as a fresh device allocation would without
-    a caching allocator; in return freed tensors leave `RssAnon` at once.
+    For the `RssAnon` fallback only: costs a page fault per 4 KiB on every large allocation, as a fresh
+    device allocation would without a caching allocator; in return freed tensors leave `RssAnon` at once.
     """
-    path = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(path).mallopt
-    except (OSError, AttributeError, TypeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
+    mallopt = _libc_function("mallopt")
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, threshold))
 
 
 class BlockCache:
@@ -117,27 +161,23 @@ class BlockCache:
             self.cached_bytes = 0
 
 
-class AnonPeakSampler:
-    """Samples `RssAnon` (from /proc/self/statm: resident minus file and shared pages), less the bytes
-    `reserved()` names, on a daemon thread.
+class PeakSampler:
+    """Keeps the largest of `read()`'s values, taken every `interval_s` on a daemon thread.
 
     The thread holds the sampler weakly and ends with it, or at `stop()`.
     """
 
-    def __init__(self, reserved: Callable[[], int] = lambda: 0, interval_s: float = SAMPLE_INTERVAL_S) -> None:
-        self._reserved = reserved
-        self._statm = os.open("/proc/self/statm", os.O_RDONLY)
-        self._peak = self.read()
+    def __init__(self, read: Callable[[], int], interval_s: float = SAMPLE_INTERVAL_S) -> None:
+        self.read = read
+        self._peak = read()
         self._stopped = threading.Event()
         self._thread = threading.Thread(
-            target=_sample, args=(weakref.ref(self), self._stopped, interval_s), name="rss-anon-sampler", daemon=True
+            target=_sample,
+            args=(weakref.ref(self), self._stopped, interval_s),
+            name="device-memory-sampler",
+            daemon=True,
         )
         self._thread.start()
-
-    def read(self) -> int:
-        """`RssAnon` less the reserve now, in bytes (statm: `resident - shared` pages; shared = file + shmem)."""
-        fields = os.pread(self._statm, 128, 0).split()
-        return (int(fields[1]) - int(fields[2])) * PAGE_BYTES - self._reserved()
 
     def peak(self) -> int:
         """The largest reading since the last `reset()`, a reading taken now included."""
@@ -145,8 +185,7 @@ class AnonPeakSampler:
         return self._peak
 
     def record(self, reading: int) -> None:
-        if reading > self._peak:
-            self._peak = reading
+        self._peak = max(self._peak, reading)
 
     def reset(self) -> int:
         """The peak restarts from the reading now, which is returned."""
@@ -159,12 +198,11 @@ class AnonPeakSampler:
             if self._thread is not threading.current_thread():
                 self._thread.join()
 
-    def __del__(self, _close: Callable[[int], None] = os.close) -> None:  # os may be gone at exit
+    def __del__(self) -> None:
         self._stopped.set()
-        _close(self._statm)
 
 
-def _sample(ref: weakref.ref[AnonPeakSampler], stopped: threading.Event, interval_s: float) -> None:
+def _sample(ref: weakref.ref[PeakSampler], stopped: threading.Event, interval_s: float) -> None:
     while not stopped.wait(interval_s):
         sampler = ref()
         if sampler is None:
@@ -174,26 +212,30 @@ def _sample(ref: weakref.ref[AnonPeakSampler], stopped: threading.Event, interva
 
 
 class CpuMemory:
-    """`RssAnon` above a baseline, now and at its sampled peak; see the module docstring."""
+    """Device memory above a baseline, now and at its sampled peak; see the module docstring."""
 
     def __init__(self) -> None:
         self.blocks = BlockCache()
         self._baseline = 0
-        self._sampler: AnonPeakSampler | None = None
+        self._sampler: PeakSampler | None = None
         self._lock = threading.Lock()
 
     def __reduce__(self) -> tuple[type, tuple]:
         return CpuMemory, ()  # a copy (another process, say) samples its own memory, with no cached blocks
 
     def mark_baseline(self) -> None:
-        """From here on readings count from `RssAnon` now, freed tensors leave it, and its peak is sampled."""
-        if not serve_large_allocations_by_mmap():
-            logger.warning("libc has no mallopt: freed cpu tensors may stay resident and inflate device memory")
+        """From here on readings count from the reading now, and its peak is sampled."""
+        if malloc_in_use_bytes() is None and not serve_large_allocations_by_mmap():
+            logger.warning("libc has neither mallinfo2 nor mallopt: freed cpu tensors may stay in device memory")
         self._baseline = self._running_sampler().reset()
 
+    def reading(self) -> int:
+        """Device memory now, less cached blocks, from zero (not the baseline)."""
+        return device_memory_bytes() - self.blocks.cached_bytes
+
     def allocated(self) -> int:
-        """`RssAnon` less cached blocks, above the baseline now (no sampling thread needed)."""
-        return max(0, rss_anon_bytes() - self.blocks.cached_bytes - self._baseline)
+        """Device memory less cached blocks, above the baseline now (no sampling thread needed)."""
+        return max(0, self.reading() - self._baseline)
 
     def peak(self) -> int:
         """The sampled peak above the baseline since the last `reset_peak()` (or since sampling started)."""
@@ -209,8 +251,8 @@ class CpuMemory:
         if sampler is not None:
             sampler.stop()
 
-    def _running_sampler(self) -> AnonPeakSampler:
+    def _running_sampler(self) -> PeakSampler:
         with self._lock:
             if self._sampler is None:
-                self._sampler = AnonPeakSampler(lambda: self.blocks.cached_bytes)
+                self._sampler = PeakSampler(self.reading)
             return self._sampler

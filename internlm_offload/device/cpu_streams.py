@@ -77,6 +77,14 @@ class CpuBackend:
     def empty_cache(self) -> None:
         self.memory.blocks.clear()
 
+    def device_memory_in_use(self) -> int:
+        return 0  # the host's memory: what this process holds is already not available
+
+    def memory_kept_by(self, probe: Callable[[], None]) -> int:
+        before = self.memory.reading()
+        probe()
+        return max(0, self.memory.reading() - before)
+
     def mark_memory_baseline(self) -> None:
         self.memory.mark_baseline()
 

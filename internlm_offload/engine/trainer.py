@@ -38,6 +38,10 @@ from internlm_offload.optim.interface import OffloadOptimizer
 
 logger = get_logger(__name__)
 
+# Steps (counted from the run's start) whose larger device peak the memory line reports: the first also
+# creates the optimizer states, and on cpu one sampled step can miss a sub-millisecond transient.
+LINE_STEPS = (2, 3)
+
 
 @dataclass(frozen=True)
 class TrainerSettings:
@@ -56,6 +60,7 @@ class TrainerSettings:
     valid_every: int = 0  # validate after every N-th step; 0: never
     skip_batches: tuple[tuple[int, int], ...] = ()  # inclusive ranges of data-stream batch indices to discard
     predicted_device_peak_bytes: int | None = None  # the planner's steady-step peak, logged beside the measured
+    runtime_memory_bytes: int = 0  # the runtime's own, measured at start-up; in neither figure, logged with them
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,7 @@ class Trainer:
         self.scaler = scaler
         self.evaluator = evaluator
         self._closed = False
+        self._line_peaks: list[int] = []  # the device peaks of LINE_STEPS so far
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0
@@ -292,15 +298,26 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
-    def _log_peak_against_prediction(self, measured: int) -> None:
+    def _note_peak(self, run_step: int, peak: int) -> None:
+        """Log the larger device peak of the run's `LINE_STEPS` beside the prediction, once; a run shorter
+        than that logs its last step's."""
+        if run_step in LINE_STEPS:
+            self._line_peaks.append(peak)
+        if run_step == LINE_STEPS[-1] or (self.step == self.settings.total_steps and run_step < LINE_STEPS[-1]):
+            steps = [self.step - run_step + s for s in LINE_STEPS if s <= run_step] or [self.step]
+            self._log_peak_against_prediction(steps, max(self._line_peaks, default=peak))
+
+    def _log_peak_against_prediction(self, steps: list[int], measured: int) -> None:
         predicted = self.settings.predicted_device_peak_bytes
         if predicted is not None and measured > 0:
             logger.info(
-                "Memory: device peak of step %d measured %.1f MiB, predicted %.1f MiB (%+.1f %%)",
-                self.step,
+                "Memory: device peak of %s measured %.1f MiB, predicted %.1f MiB (%+.1f %%); the runtime's "
+                "own %.1f MiB (measured at start-up) comes on top of both",
+                f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}",
                 measured / 2**20,
                 predicted / 2**20,
                 100 * (predicted / measured - 1),
+                self.settings.runtime_memory_bytes / 2**20,
             )
 
     def train(self) -> None:
@@ -348,8 +365,7 @@ class Trainer:
                 **({"moe_aux_loss": result.aux_loss} if result.aux_loss is not None else {}),
                 **memory_record(self.ctx.accelerator),
             }
-            if self.step == min(first_step + 2, self.settings.total_steps):  # the first step creates the states
-                self._log_peak_against_prediction(record["device_peak_mem_bytes"])
+            self._note_peak(self.step - first_step, record["device_peak_mem_bytes"])
             for feature in self.features:
                 record.update(feature.metrics())
             if self._validation_due():

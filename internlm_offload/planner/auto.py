@@ -35,14 +35,19 @@ def hardware_for(accelerator_name: str) -> Hardware:
 
 
 def choose_auto_knobs(
-    cfg: RunConfig, config_for: ConfigFor, *, accelerator_name: str, world_size: int = 1
+    cfg: RunConfig, config_for: ConfigFor, *, accelerator_name: str, world_size: int = 1, runtime_bytes: int = 0
 ) -> tuple[RunConfig, Candidate]:
-    """The config with its "auto" knobs set by the search (module docstring), and the chosen candidate."""
+    """The config with its "auto" knobs set by the search (module docstring), and the chosen candidate.
+
+    `runtime_bytes`: the device memory in use before the run (`engine/runtime_memory.py`); the traced peaks
+    must fit what the device budget leaves beside it."""
     budget = cfg.memory_budget
+    device_budget = budget.device - runtime_bytes
+    runtime_note = f" less {human_bytes(runtime_bytes)} in use before the run" if runtime_bytes else ""
     activations = activation_settings(cfg.model.num_layers, cfg.auto_knobs)
     optimizers = optimizer_settings(cfg, cfg.auto_knobs)
     chosen, candidates = search(
-        config_for, activations, optimizers, hardware_for(accelerator_name), budget.device, budget.host, world_size
+        config_for, activations, optimizers, hardware_for(accelerator_name), device_budget, budget.host, world_size
     )
     for candidate in candidates:
         logger.info(
@@ -55,7 +60,7 @@ def choose_auto_knobs(
         )
     if chosen is None:
         raise PreflightError(
-            f"memory_budget: no setting of {', '.join(cfg.auto_knobs)} fits device {human_bytes(budget.device)}"
+            f"memory_budget: no setting of {', '.join(cfg.auto_knobs)} fits device {human_bytes(budget.device)}{runtime_note}"
             f"{'' if budget.host is None else f' and host {human_bytes(budget.host)}'} per rank; "
             f"{smallest_peak(candidates, config_for, world_size)}"
         )

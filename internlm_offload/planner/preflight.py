@@ -2,8 +2,9 @@
 
 `check_fits(cfg, ...)` traces the configured step (`trace.py`, seconds and a few hundred MB even at
 7B) and compares its per-rank peaks with what the machine has: the device's total memory (cuda/npu)
-and the host's available memory shared by the local ranks. On the cpu backend the device *is* host
-memory, so the two peaks are added and compared with the host's. A run that cannot fit stops with
+and the host's available memory shared by the local ranks; the device also holds what was in use on it
+before the run (the context, measured at start-up: `engine/runtime_memory.py`). On the cpu backend the
+device *is* host memory, so the two peaks are added and compared with the host's. A run that cannot fit stops with
 `PreflightError` (exit 2, one line: predicted vs available and what would help), instead of an
 out-of-memory kill minutes later.
 
@@ -61,26 +62,30 @@ def check_fits(
     local_world_size: int,
     device_total: int | None,
     config_path: str,
+    runtime_bytes: int = 0,
     traced: StepMemory | None = None,
 ) -> Prediction:
     """Raise `PreflightError` when the predicted peaks exceed this machine; returns the prediction.
 
     `device_total`: the device's memory in bytes, None on the cpu backend (device memory is host memory);
-    `traced`: see `predict`.
+    `runtime_bytes`: the device memory in use before the run (the context and the like; 0 on cpu), measured
+    at start-up (`engine/runtime_memory.py`), which the traced peak does not hold; `traced`: see `predict`.
     """
     prediction = predict(cfg, world_size, traced)
     host_available = available_host_bytes() // max(1, local_world_size)
+    device_need = prediction.device_peak + runtime_bytes
     if device_total is None:
-        need, available = prediction.device_peak + prediction.host_peak, host_available
+        need, available = device_need + prediction.host_peak, host_available
         problem = need > available > 0 and (
-            f"predicted {human_bytes(need)} per process (device {human_bytes(prediction.device_peak)} + host "
-            f"{human_bytes(prediction.host_peak)}), {human_bytes(available)} available on this host"
+            f"predicted {human_bytes(need)} per process (device {human_bytes(prediction.device_peak)} + in use "
+            f"{human_bytes(runtime_bytes)} + host {human_bytes(prediction.host_peak)}), {human_bytes(available)} "
+            "available on this host"
         )
         largest = largest_component(prediction.components, None)
-    elif prediction.device_peak > device_total:
+    elif device_need > device_total:
         problem = (
-            f"predicted device peak {human_bytes(prediction.device_peak)} per rank, the device has "
-            f"{human_bytes(device_total)}"
+            f"predicted device peak {human_bytes(prediction.device_peak)} per rank + {human_bytes(runtime_bytes)} in use "
+            f"before the run, the device has {human_bytes(device_total)}"
         )
         largest = largest_component(prediction.components, "device")
     else:
@@ -90,8 +95,9 @@ def check_fits(
         )
         largest = largest_component(prediction.components, "host")
     logger.info(
-        "Preflight: predicted per-rank peak device %s, host %s",
+        "Preflight: predicted per-rank peak device %s%s, host %s",
         human_bytes(prediction.device_peak),
+        f" (+ {human_bytes(runtime_bytes)} in use before the run)" if runtime_bytes else "",
         human_bytes(prediction.host_peak),
     )
     if problem:

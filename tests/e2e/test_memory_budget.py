@@ -20,7 +20,7 @@ def test_a_plan_chosen_for_60_percent_of_the_baseline_trains_within_it(tmp_path:
     assert "memory_budget: chose" in proc.stderr
     steady = metrics(tmp_path)[1]["device_peak_mem_bytes"]
     assert 0 < steady <= 1.10 * BUDGET, f"measured {steady / 2**20:.1f} MiB against a budget of {BUDGET >> 20} MiB"
-    assert "Memory: device peak of step 2 measured" in proc.stderr
+    assert "Memory: device peak of step 2 measured" in proc.stderr  # a 2-step run: its second step
 
 
 def test_nothing_fitting_the_budget_is_exit_2_naming_the_smallest(tmp_path: Path) -> None:

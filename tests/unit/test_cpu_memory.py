@@ -1,5 +1,5 @@
-"""The cpu backend's device-memory readings: tensor memory above a baseline, freed memory leaving it,
-and a sampled peak (`cpu_memory.py`)."""
+"""The cpu backend's device-memory readings: tensor memory above a baseline, freed memory leaving it
+(glibc's free chunks not counted), a sampled peak, and the `RssAnon` fallback (`cpu_memory.py`)."""
 
 import gc
 import multiprocessing
@@ -8,14 +8,14 @@ import time
 
 import torch
 
-from internlm_offload.device import Accelerator
+from internlm_offload.device import Accelerator, cpu_memory
 
 MIB = 1 << 20
 
 
 def _new_sampler_threads(before: set[threading.Thread]) -> list[threading.Thread]:
     """Sampling threads started since `before` (other tests' accelerators may still be ending theirs)."""
-    return [t for t in threading.enumerate() if t.name == "rss-anon-sampler" and t not in before]
+    return [t for t in threading.enumerate() if t.name == "device-memory-sampler" and t not in before]
 
 
 def _hold(nbytes: int) -> list[torch.Tensor]:
@@ -24,9 +24,9 @@ def _hold(nbytes: int) -> list[torch.Tensor]:
 
 
 def _in_fresh_process(readings) -> None:
-    """Run `readings` in a spawned process. In a test worker the heap holds other tests' freed blocks: a new
-    4 MiB tensor can reuse resident ones and not move the reading (seen in full runs: 105 MB read for
-    128 MiB held; a peak of 40 MiB for 64 MiB held, the same figure in two runs)."""
+    """Run `readings` in a spawned process. For the `RssAnon` fallback: in a test worker the heap holds other
+    tests' freed blocks, and a new 4 MiB tensor can reuse resident ones and not move the reading (seen in
+    full runs: 105 MB read for 128 MiB held; a peak of 40 MiB for 64 MiB held, the same figure twice)."""
     child = multiprocessing.get_context("spawn").Process(target=readings)
     child.start()
     child.join(timeout=120)
@@ -34,13 +34,25 @@ def _in_fresh_process(readings) -> None:
 
 
 def test_freed_tensors_leave_device_memory() -> None:
-    _in_fresh_process(_freed_tensors_leave_device_memory)
+    _freed_tensors_leave_device_memory()
+
+
+def test_freed_tensors_leave_the_rss_anon_fallback() -> None:
+    """Without `mallinfo2` the reading is `RssAnon`, with glibc's mmap threshold fixed at the baseline."""
+    _in_fresh_process(_freed_tensors_leave_rss_anon)
+
+
+def _freed_tensors_leave_rss_anon() -> None:
+    cpu_memory._MALLINFO2 = None  # the fresh process's own module: as on a libc without mallinfo2
+    assert cpu_memory.malloc_in_use_bytes() is None
+    _freed_tensors_leave_device_memory()
 
 
 def _freed_tensors_leave_device_memory() -> None:
     acc = Accelerator("cpu")
     # glibc's default raises its mmap threshold past a freed mapping's size: after this, 4 MiB blocks would
-    # come from the heap, and freed ones between live ones would stay resident, unless the baseline fixed it.
+    # come from the heap, and freed ones between live ones would stay resident: malloc's in-use count leaves
+    # them out, and the `RssAnon` fallback fixes the threshold at the baseline.
     torch.empty(16 * MIB, dtype=torch.uint8).fill_(1)
     gc.collect()
     acc.mark_memory_baseline()
@@ -55,8 +67,21 @@ def _freed_tensors_leave_device_memory() -> None:
     acc.close_streams()
 
 
+def test_free_heap_chunks_are_not_device_memory() -> None:
+    """glibc keeps freed small blocks resident for reuse, as a caching allocator keeps its reserve: the
+    reading leaves them out (`RssAnon` did not: the tiny config read 52 MiB for a 37 MiB step)."""
+    acc = Accelerator("cpu")
+    acc.mark_memory_baseline()
+    start = acc.memory_allocated()
+    held = [torch.ones(16 * 1024, dtype=torch.float32) for _ in range(1024)]  # 64 KiB each: heap chunks
+    assert 56 * MIB <= acc.memory_allocated() - start <= 72 * MIB
+    del held[::2]  # freed chunks between live ones: the heap cannot shrink, they stay resident
+    assert 24 * MIB <= acc.memory_allocated() - start <= 40 * MIB
+    acc.close_streams()
+
+
 def test_peak_is_sampled_between_readings() -> None:
-    _in_fresh_process(_peak_is_sampled_between_readings)
+    _peak_is_sampled_between_readings()
 
 
 def _peak_is_sampled_between_readings() -> None:
@@ -116,4 +141,20 @@ def test_cached_device_buffers_are_not_device_memory() -> None:
     acc.reset_peak_memory_stats()
     time.sleep(0.01)
     assert acc.max_memory_allocated() < 8 * MIB
+    acc.close_streams()
+
+
+def test_memory_kept_by_a_probe_is_what_it_leaves_behind() -> None:
+    """`Accelerator.memory_kept_by`: on cpu, malloc's growth across the probe (what kernels keep); the
+    device memory in use before the run is the host's, not counted (0)."""
+    acc = Accelerator("cpu")
+    kept: list[torch.Tensor] = []
+
+    def probe_that_keeps_8_mib() -> None:
+        kept.append(torch.ones(2 * MIB, dtype=torch.float32))
+        torch.ones(16 * MIB, dtype=torch.uint8).sum()  # freed before it returns
+
+    assert 8 * MIB <= acc.memory_kept_by(probe_that_keeps_8_mib) < 10 * MIB
+    assert acc.memory_kept_by(lambda: torch.ones(16 * MIB, dtype=torch.uint8).sum()) < 2 * MIB
+    assert acc.device_memory_in_use() == 0
     acc.close_streams()

@@ -1,0 +1,59 @@
+"""The runtime's own device memory, measured once at start-up.
+
+Two parts, neither a tensor of the run, so the planner's trace (meta tensors) sees neither:
+
+- what is in use on the device before the run allocates anything (`Accelerator.device_memory_in_use`):
+  on cuda/npu the context and whatever else holds the device; 0 on cpu, whose device memory is the
+  host's (what the process already holds is not in the host's available memory either);
+- what kernels keep after their first use (`Accelerator.memory_kept_by`): cuBLAS workspaces; on cpu
+  oneDNN's and MKL's caches and per-thread buffers (1.8 to 2.6 MiB for the 4-block tiny config, mostly
+  tied to the shapes the kernels ran at). `kernel_memory` runs one forward and backward of a one-block
+  copy of the model, at the run's micro-batch shape and compute dtype, and returns what stays.
+
+`launch` takes the first before the preflight, which adds it to the traced peak where it compares with
+the device (the `memory_budget` search fits the peak beside it too). The builder takes the second once
+the preflight has passed (a config that cannot fit is refused before any kernel runs) and before the
+memory baseline, so the step readings count the run's tensors as the trace does; the step-2 memory
+line names both beside the measured and predicted peaks.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from internlm_offload.builder import build_model
+from internlm_offload.config import RunConfig
+from internlm_offload.device import Accelerator
+from internlm_offload.engine.loss import token_loss_sum
+from internlm_offload.engine.precision import DTYPES
+from internlm_offload.log import get_logger
+from internlm_offload.planner.trace import micro_batches
+
+logger = get_logger(__name__)
+
+
+def kernel_memory(cfg: RunConfig, accelerator: Accelerator) -> int:
+    """Bytes of device memory the run's kernels keep after their first use (module docstring); 0 for model
+    types without a one-block copy (`hf_causal_lm`: their kernels' memory shows in the step readings)."""
+    if cfg.model.type != "internlm2":
+        return 0
+    kept = accelerator.memory_kept_by(lambda: _one_block_step(cfg, accelerator.current_device()))
+    logger.info("Runtime memory: the kernels keep %.1f MiB after one probe step", kept / 2**20)
+    return kept
+
+
+def _one_block_step(cfg: RunConfig, device: torch.device) -> None:
+    """Forward and backward of a one-block copy of the model on one micro-batch of the run's shape (the
+    planner's, packed rows included); frees all it allocated. Draws no random numbers: the weights are
+    zeros, which every kernel runs on as on any other values."""
+    model = build_model(cfg.model.model_copy(update={"num_layers": 1}), torch.device("meta"))
+    model = model.to_empty(device=device).to(DTYPES[cfg.model.dtype])
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.zero_()
+    tokens, labels, *positions = (t.to(device) for t in micro_batches(cfg)[0])
+    token_loss_sum(model(tokens, *positions), labels).backward()
+    del model, tokens, labels, positions
+    gc.collect()  # the autograd graph's cycles hold activations until collected

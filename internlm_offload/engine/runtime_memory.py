@@ -39,6 +39,7 @@ def kernel_memory(cfg: RunConfig, accelerator: Accelerator) -> int:
     types without a one-block copy (`hf_causal_lm`: their kernels' memory shows in the step readings)."""
     if cfg.model.type != "internlm2":
         return 0
+    gc.collect()  # garbage from before (the preflight's trace) freed inside the probe would offset what it keeps
     kept = accelerator.memory_kept_by(lambda: _one_block_step(cfg, accelerator.current_device()))
     logger.info("Runtime memory: the kernels keep %.1f MiB after one probe step", kept / 2**20)
     return kept

@@ -68,21 +68,19 @@ def check_fits(
     """Raise `PreflightError` when the predicted peaks exceed this machine; returns the prediction.
 
     `device_total`: the device's memory in bytes, None on the cpu backend (device memory is host memory);
-    `runtime_bytes`: the device memory in use before the run (the context and the like; 0 on cpu), measured
-    at start-up (`engine/runtime_memory.py`), which the traced peak does not hold; `traced`: see `predict`.
+    `runtime_bytes`: the device memory in use before the run (the context and the like), measured at
+    start-up (`engine/runtime_memory.py`), which the traced peak does not hold; `traced`: see `predict`.
     """
     prediction = predict(cfg, world_size, traced)
     host_available = available_host_bytes() // max(1, local_world_size)
-    device_need = prediction.device_peak + runtime_bytes
-    if device_total is None:
-        need, available = device_need + prediction.host_peak, host_available
+    if device_total is None:  # what this process holds already is not in the host's available memory
+        need, available = prediction.device_peak + prediction.host_peak, host_available
         problem = need > available > 0 and (
-            f"predicted {human_bytes(need)} per process (device {human_bytes(prediction.device_peak)} + in use "
-            f"{human_bytes(runtime_bytes)} + host {human_bytes(prediction.host_peak)}), {human_bytes(available)} "
-            "available on this host"
+            f"predicted {human_bytes(need)} per process (device {human_bytes(prediction.device_peak)} + host "
+            f"{human_bytes(prediction.host_peak)}), {human_bytes(available)} available on this host"
         )
         largest = largest_component(prediction.components, None)
-    elif device_need > device_total:
+    elif prediction.device_peak + runtime_bytes > device_total:
         problem = (
             f"predicted device peak {human_bytes(prediction.device_peak)} per rank + {human_bytes(runtime_bytes)} in use "
             f"before the run, the device has {human_bytes(device_total)}"

@@ -343,7 +343,7 @@ def build_components(
     }
     model = build(PARALLEL, par.mode, "parallel.mode", model, ctx=ctx, **mode_args[par.mode])
     if meta:
-        materialize_shards(model, ctx, seed=cfg.seed)
+        materialize_shards(model, ctx, seed=cfg.seed, on_host=par.fsdp_cpu_offload)
     log_build_memory(ctx)
     # 5. optimizer and schedule, over the parameters that hold the fp32 masters: without masters the model's
     # own, seen through the data-parallel wrapper (which the trainer runs and checkpoints)

@@ -119,7 +119,7 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
     predicted_peak = traced.device_peak_bytes if traced else None
     if cfg.preflight:
         predicted_peak = run_preflight(cfg, args.config, accelerator, runtime_bytes, traced) or predicted_peak
-    ctx = init_runtime(accelerator)
+    ctx = init_runtime(accelerator, needs_group=cfg.parallel.mode != "none")
     try:
         return train_in_runtime(args, cfg, ctx, build_trainer, predicted_peak, runtime_bytes)
     finally:

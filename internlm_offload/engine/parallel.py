@@ -54,8 +54,17 @@ def apply_fsdp2(
     return model
 
 
-def materialize_shards(model: nn.Module, ctx: RunContext, *, seed: int) -> None:
-    """Allocate a meta-built, FSDP2-sharded model on the device and initialize only this rank's shards.
+def buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Move every buffer of `model` (not its parameters) to `device`."""
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = buffer.to(device)
+
+
+def materialize_shards(model: nn.Module, ctx: RunContext, *, seed: int, on_host: bool = False) -> None:
+    """Allocate a meta-built, FSDP2-sharded model on the device (`on_host`: in host memory, where FSDP2's
+    CPU offload policy keeps the shards; never all on the device at once) and initialize only this rank's
+    shards.
 
     One rank draws exactly today's weights (the same generator, the same order). Several ranks: on
     devices where DTensor has its own RNG (cuda, npu) the shards come from one global, seeded stream;
@@ -67,13 +76,15 @@ def materialize_shards(model: nn.Module, ctx: RunContext, *, seed: int) -> None:
     if ctx.device.type != "meta":
         # The memory planner's trace stays on meta: FSDP2 re-pads a shard only off meta, so to_empty(meta)
         # would leave each parameter's old padded shard alive beside the new one.
-        model.to_empty(device=ctx.device)
+        model.to_empty(device=torch.device("cpu") if on_host else ctx.device)
     params = list(model.parameters())
     mesh = getattr(params[0], "device_mesh", None) if params else None
     if ctx.world_size > 1 and mesh is not None and not is_rng_supported_mesh(mesh):
         torch.manual_seed(seed + 7919 * ctx.rank)
     with torch.no_grad():
         model.init_weights()
+    if on_host and ctx.device.type != "meta":
+        buffers_to(model, ctx.device)  # FSDP2 moves the shards it manages, never the buffers (RoPE's frequencies)
     if ctx.world_size > 1:
         torch.manual_seed(seed)  # the rest of the run draws as if the model had been built whole
     logger.info("Materialized and initialized this rank's shards (meta build)")

@@ -41,9 +41,12 @@ class RunContext:
         return dist.is_available() and dist.is_initialized()
 
 
-def init_runtime(accelerator: Accelerator) -> RunContext:
-    """Join the process group when launched by torchrun (gloo on cpu, nccl/hccl on accelerators)."""
+def init_runtime(accelerator: Accelerator, *, needs_group: bool = False) -> RunContext:
+    """Join the process group when launched by torchrun (gloo on cpu, nccl/hccl on accelerators). Without
+    torchrun, `needs_group` (the ddp and fsdp2 wrappers) makes a group of this one process."""
     if not launched_by_torchrun():
+        if needs_group and not dist.is_initialized():
+            dist.init_process_group(backend=accelerator.dist_backend, store=dist.HashStore(), rank=0, world_size=1)
         return RunContext(rank=0, local_rank=0, world_size=1, accelerator=accelerator)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = env_local_rank()

@@ -98,7 +98,10 @@ def micro_batch_settings(activations: list[Setting], batches: list[Setting]) -> 
 
 def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
     """AdamW, the hybrid optimizer (at each of `HYBRID_FRACTIONS` when its fraction is auto) and the swap
-    optimizer, over the `auto` knobs only; what a knob the config fixes excludes is left out (`cfg`)."""
+    optimizer, over the `auto` knobs only; what a knob the config fixes excludes is left out (`cfg`). FSDP2's
+    CPU offload policy keeps the states on the host and excludes both."""
+    if cfg is not None and cfg.parallel.fsdp_cpu_offload:
+        return [Setting("optimizer as configured", {})]
     auto = set(auto)
     fixed_hybrid = cfg is not None and cfg.hybrid_optimizer.enable and "hybrid_optimizer.enable" not in auto
     switch_hybrid = "hybrid_optimizer.enable" in auto and not (cfg and cfg.swap_optimizer)

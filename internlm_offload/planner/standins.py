@@ -5,7 +5,7 @@
   it counts as device memory; side streams and host workers are the calling thread (a traced step
   has no copies to overlap, and the tracker sees one thread's ops), so every schedule runs in program
   order and events are complete when recorded.
-- `fsdp2_on_meta()`: FSDP2 runs on meta tensors over torch's fake process group (three device
+- `fsdp2_on_meta()`: FSDP2 runs on meta tensors over torch's fake process group (its device
   assumptions stood in; the collectives do nothing, shapes are those of `world_size` ranks).
 - `fused_optimizers_on_meta()`: torch's fused AdamW kernel has a meta implementation (no temporaries,
   as on the device), but `torch.optim.Adam(W)` refuses meta params in a Python-side device check made
@@ -141,25 +141,43 @@ def flash_attention(
 
 @contextlib.contextmanager
 def fsdp2_on_meta() -> Iterator[None]:
-    """FSDP2 over meta tensors: three of its device assumptions, stood in while inside.
+    """FSDP2 over meta tensors: its device assumptions, stood in while inside.
 
     - it puts shards and all-gather buffers on its mesh's device (cpu here, where the fake process
       group lives): they go to meta instead;
-    - its lazy init refuses parameters still on meta, which is all a planning trace has;
-    - it takes streams and events from `torch.<device type>`: meta's are cpu's, which do nothing.
+    - its lazy init refuses parameters still on meta (and, with the CPU offload policy, anywhere but on
+      cpu), which is all a planning trace has;
+    - it takes streams and events from `torch.<device type>`: meta's are cpu's, which do nothing;
+    - with the CPU offload policy it copies each host shard to the device before the all-gather, a
+      no-op from meta to meta: the copy is made on meta, counted as device memory (the shards themselves
+      are counted as host memory by the trace, the gradient shards by the tracker's host copies).
     """
     fully_shard_module = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     device_of_mesh, validate = fully_shard_module._get_device_from_mesh, FSDPParamGroup._validate_no_meta_params
+    validate_on_cpu = FSDPParamGroup._validate_cpu_offload_params
+    gather_inputs = FSDPParam.all_gather_inputs
+
+    def copied_to_device(fsdp_param: FSDPParam) -> list[torch.Tensor]:
+        inputs = gather_inputs.fget(fsdp_param)
+        if not fsdp_param.offload_to_cpu:
+            return inputs
+        return [torch.empty(t.shape, dtype=t.dtype, device=META).copy_(t) for t in inputs]
+
     fully_shard_module._get_device_from_mesh = lambda mesh: META
     FSDPParamGroup._validate_no_meta_params = lambda self: None
+    FSDPParamGroup._validate_cpu_offload_params = lambda self: None
+    FSDPParam.all_gather_inputs = property(copied_to_device)
     torch.meta = torch.cpu
     try:
         yield
     finally:
         fully_shard_module._get_device_from_mesh = device_of_mesh
         FSDPParamGroup._validate_no_meta_params = validate
+        FSDPParamGroup._validate_cpu_offload_params = validate_on_cpu
+        FSDPParam.all_gather_inputs = gather_inputs
         del torch.meta
 
 

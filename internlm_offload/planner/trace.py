@@ -7,12 +7,14 @@ is the steady state the memory figures describe, the third is counted for the co
 allocated: every tensor is a meta tensor, counted by the tracker from its creation to its last
 reference. With `world_size > 1` the process group is torch's fake backend: collectives do nothing, so
 the trace is rank 0's, with the shapes of `world_size` ranks. FSDP2 runs as built (`fsdp2_on_meta`
-stands in for three of its device assumptions): its shards, all-gathered blocks and reduce-scatter
+stands in for its device assumptions): its shards, all-gathered blocks and reduce-scatter
 buffers are counted like any tensor, and the in-place `resize_` with which it frees and re-allocates
 unsharded parameters is counted too. DDP is traced as one process plus its gradient buckets (a flat
 copy of every trainable gradient, `gradient_as_bucket_view=False` as `apply_ddp` builds it): its
-reducer's C++ parts need real memory. FSDP2's CPU offload policy is refused (`UnsupportedLayout`): it
-moves the shards to real host memory.
+reducer's C++ parts need real memory. FSDP2's CPU offload policy keeps the shards, their gradients
+and the optimizer's states in host memory: the trace counts the shards as host memory once built,
+each gradient shard's device-to-host copy as host memory (the tracker makes it on meta), and the
+device copy each shard gets before its all-gather as device memory (`fsdp2_on_meta`).
 
 Numbers are what `memory_allocated()` reports on a device: live tensor bytes (not the caching
 allocator's reserve, the CUDA context or NCCL buffers).
@@ -208,11 +210,6 @@ def trace_step(cfg: RunConfig, world_size: int = 1, *, measure: bool = False, co
     slowest part of a trace).
     """
     mode = cfg.parallel.mode
-    if mode == "fsdp2" and cfg.parallel.fsdp_cpu_offload:
-        raise UnsupportedLayout(
-            "parallel.fsdp_cpu_offload=True is not planned yet (FSDP2 would move the traced shards to real host "
-            "memory); plan with fsdp_cpu_offload=False, or swap_optimizer=True / hybrid_optimizer for host states"
-        )
     if mode == "ddp":
         single = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"mode": "none"})})
         return _with_ddp_buckets(_trace(single, world_size, measure, count_work))
@@ -245,6 +242,9 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
         for stand_in in stand_ins:
             stack.enter_context(stand_in)
         parts = build_components(cfg, ctx, check_host_memory=False)
+        if cfg.parallel.fsdp_cpu_offload:
+            for param in parts.model.parameters():  # FSDP2 keeps each shard in pinned host memory
+                tracker.move_to(param, ("host", "pinned"))
         trainer = (Trainer if measure else _TracingTrainer)(
             ctx=ctx,
             model=parts.model,

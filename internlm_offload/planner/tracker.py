@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_leaves
 from internlm_offload.device import storage_key
 from internlm_offload.sizes import human_bytes
 
+META = torch.device("meta")
 TIERS = ("device", "host", "pinned")  # "pinned": the host bytes asked for page-locked (a subset of "host")
 
 
@@ -48,6 +49,12 @@ class StorageTracker(TorchDispatchMode):
         super().__init__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if _copies_meta_to_cpu(func, args, kwargs):
+            # A device-to-host copy in a traced step (FSDP2's CPU offload moves each reduce-scattered gradient
+            # shard so): the copy stays on meta, counted as host memory.
+            out = func(*args, **{**(kwargs or {}), "device": META, "pin_memory": None})
+            self.track(out, ("host",))
+            return out
         out = func(*args, **(kwargs or {}))
         tiers = self._derived_tiers(args, kwargs)
         for value in tree_leaves(out):
@@ -114,6 +121,19 @@ class StorageTracker(TorchDispatchMode):
         finally:
             self._new_tiers = ("device",)
 
+    def move_to(self, tensor: torch.Tensor, tiers: tuple[str, ...]) -> None:
+        """Count `tensor`'s (tracked) storage in `tiers` from now on: where the run would have put it."""
+        for plain in plain_tensors(tensor):
+            key = storage_key(plain)
+            if key not in self._live:
+                continue
+            nbytes, before = self._live[key]
+            for tier in before:
+                self.counters[tier].current -= nbytes
+            for tier in tiers:
+                self.counters[tier].add(nbytes)
+            self._live[key] = (nbytes, tiers)
+
     def tier_of(self, tensor: torch.Tensor) -> str | None:
         """ "device" or "host" for a tracked tensor; None for one made outside the tracker."""
         entry = self._live.get(storage_key(plain_tensors(tensor)[0]))
@@ -134,6 +154,17 @@ class StorageTracker(TorchDispatchMode):
         nbytes, tiers = self._live.pop(key)
         for tier in tiers:
             self.counters[tier].current -= nbytes
+
+
+def _copies_meta_to_cpu(func: Any, args: tuple, kwargs: dict | None) -> bool:
+    device = (kwargs or {}).get("device")
+    return (
+        func is torch.ops.aten._to_copy.default
+        and device is not None
+        and torch.device(device).type == "cpu"
+        and isinstance(args[0], torch.Tensor)
+        and args[0].is_meta
+    )
 
 
 def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -196,8 +196,12 @@ def run_search(
     activations = micro_batch_settings(
         activation_settings(len(memory.block_activation_bytes)), batch_settings(config_for({}))
     )
+    # Every optimizer knob is searched whatever the config sets, except where FSDP2's CPU offload policy
+    # excludes the swap and hybrid optimizers.
+    configured = config_for({})
+    optimizers = optimizer_settings(configured if configured.parallel.fsdp_cpu_offload else None)
     chosen, candidates = search(
-        config_for, activations, optimizer_settings(), hardware, device_budget, host_budget, args.world_size
+        config_for, activations, optimizers, hardware, device_budget, host_budget, args.world_size
     )
     print(f"\n{'setting':<52}{'step s':>11}{'est. device':>13}{'est. host':>11}  verdict")
     rows = []

@@ -102,6 +102,20 @@ def test_fsdp2_cpu_offload_policy_aligns_with_fsdp2(tmp_path):
     assert loss_compare(str(base), str(offloaded), "--exact", "--quiet").returncode == 0
 
 
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_one_process_fsdp2_cpu_offload_policy_composes_with_activation_offload(tmp_path, dtype):
+    """`python train.py` without torchrun (a process group of one): FSDP2's CPUOffloadPolicy under activation
+    offload and checkpointing, fp32 or bf16 with the fp32 masters on the host, trains FSDP2's curve bitwise;
+    the preflight traces it."""
+    base, offloaded = tmp_path / "base", tmp_path / "policy"
+    options = ["data.total_steps=4", "ckpt.enable_save_ckpt=False", "parallel.mode=fsdp2", f"model.dtype={dtype}"]
+    options += ["cpu_offloading.enable=True", "cpu_offloading.num_layers=2", "model.checkpoint=0.75"]
+    train(base, *options)
+    proc = train(offloaded, *options, "parallel.fsdp_cpu_offload=True")
+    assert "with CPU offload policy" in proc.stderr and "Preflight: predicted" in proc.stderr
+    assert loss_compare(str(base), str(offloaded), "--exact", "--quiet").returncode == 0
+
+
 @pytest.mark.parametrize("mode", ["none", "fsdp2"])
 def test_hugging_face_model_with_every_offload_aligns(tmp_path, mode):
     """The HF wrapper's decoder layers take the same plan: offload, selective+offload, swap optimizer."""

@@ -55,17 +55,6 @@ def test_a_budget_below_the_peak_exits_3_naming_what_dominates(tmp_path, capsys)
         (["--device-memory", "80XB"], "--device-memory '80XB'"),
         (["--host-memory=-1GiB"], "--host-memory '-1GiB'"),
         (["--world-size", "0"], "--world-size 0"),
-        (
-            [
-                "--world-size",
-                "2",
-                "--cfg-options",
-                "parallel.mode=fsdp2",
-                "parallel.fsdp_cpu_offload=True",
-                "data.global_bsz=16",
-            ],
-            "parallel.fsdp_cpu_offload=True",
-        ),
         (["--cfg-options", "model.nope=1"], "model.nope"),
     ],
 )
@@ -130,6 +119,27 @@ def test_search_space_keeps_what_the_config_fixes() -> None:
     _, optimizers = _spaces(("hybrid_optimizer.enable", "hybrid_optimizer.offload_fraction", "swap_optimizer"))
     assert [o.get("hybrid_optimizer.offload_fraction") for o in optimizers] == [None, 0.5, 1.0, None]
     assert optimizers[-1] == {"swap_optimizer": True, "hybrid_optimizer.enable": False}
+
+    # FSDP2's CPU offload policy keeps the states on the host: neither swap nor hybrid is tried.
+    auto = ("hybrid_optimizer.enable", "hybrid_optimizer.offload_fraction", "swap_optimizer")
+    _, optimizers = _spaces(auto, parallel=dict(mode="fsdp2", fsdp_cpu_offload=True))
+    assert optimizers == [{}]
+
+
+def test_plan_searches_no_optimizer_the_fsdp2_cpu_offload_policy_excludes(monkeypatch) -> None:
+    from internlm_offload.planner import search
+
+    searched = []
+
+    def record(config_for, activations, optimizers, *args):
+        searched.extend(s.options for s in optimizers)
+        return None, []
+
+    monkeypatch.setattr(search, "search", record)
+    monkeypatch.setattr(search, "smallest_peak", lambda *args: "")
+    argv = ["--config", TINY, "--cfg-options", *SMALL, "parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=True"]
+    plan.main([*argv, "--device-memory", "20MiB"])
+    assert searched == [{}]  # the optimizer as configured: AdamW stepping on the host
 
 
 def test_smaller_micro_batches_keep_the_global_batch() -> None:

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from internlm_offload.config import load_config_file, resolve_config
 from internlm_offload.planner import cost
 from internlm_offload.planner.standins import PlanningAccelerator, flash_attention_on_meta
-from internlm_offload.planner.trace import UnsupportedLayout, trace_step
+from internlm_offload.planner.trace import trace_step
 from internlm_offload.planner.tracker import StorageTracker
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -109,9 +109,24 @@ def test_fsdp2_divides_the_model_state_over_the_ranks():
         assert sharded["other_at_rest"] < single["model_params"] / 64
 
 
-def test_fsdp2_cpu_offload_policy_is_refused_with_one_line():
-    with pytest.raises(UnsupportedLayout, match="parallel.fsdp_cpu_offload=True"):
-        trace_step(fsdp2("baseline", 2, **{"parallel.fsdp_cpu_offload": True}), 2)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fsdp2_cpu_offload_policy_moves_the_model_state_to_the_host(world_size):
+    """FSDP2's CPUOffloadPolicy: the shards (fp32 masters under bf16), their gradients and the optimizer's
+    states are host memory; the device keeps the activations and, one block at a time, the all-gathered
+    parameters with the device copies of their shards."""
+    on_device = trace_step(fsdp2("bf16", world_size), world_size)
+    offloaded = trace_step(fsdp2("bf16", world_size, **{"parallel.fsdp_cpu_offload": True}), world_size)
+    device, host = on_device.components, offloaded.components
+    assert host["model_params"] == 0 and host["optimizer_states"] < 1024  # AdamW's step counters: factories
+    assert host["host_params"] == device["model_params"] > 0
+    assert host["host_optimizer_states"] > 0
+    assert host["host_optimizer_states"] == pytest.approx(device["optimizer_states"], abs=1024)
+    assert host["pinned_host_peak"] >= host["host_params"]
+    # Every gradient shard is copied to the host: the host peak holds it beside the shards and the states.
+    assert offloaded.host_peak_bytes >= host["host_params"] + host["host_optimizer_states"] + host["gradients_at_step"]
+    assert host["activations"] == pytest.approx(device["activations"], rel=0.01)
+    saved = device["model_params"] + device["optimizer_states"] + device["gradients_at_step"]
+    assert offloaded.device_peak_bytes <= on_device.device_peak_bytes - saved / 2
 
 
 class _Ops(TorchDispatchMode):

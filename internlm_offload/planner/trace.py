@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.flop_counter import FlopCounterMode
 
 from internlm_offload.builder import build_components, build_loss_scaler, trainer_settings
@@ -130,7 +131,10 @@ class _Probe:
         ]
         for index, block in enumerate(layers):
             handles.append(block.register_forward_pre_hook(self._enter(index)))
-            handles.append(block.register_forward_hook(self._leave(index)))
+            # FSDP2's own hooks gather the block's params before this pre-hook and reshard them after a
+            # forward hook appended here: read before the reshard, so the params count on neither side.
+            resharded = isinstance(block, FSDPModule)
+            handles.append(block.register_forward_hook(self._leave(index), prepend=resharded))
         return handles
 
     def _enter(self, key: Any) -> Any:

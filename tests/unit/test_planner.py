@@ -98,9 +98,13 @@ def test_fsdp2_meta_trace_predicts_the_real_step(name, world_size):
 def test_fsdp2_divides_the_model_state_over_the_ranks():
     """Params, states and the grads the step reads shrink with the ranks (dim-0 padding aside); the
     activations of a rank's micro-batch do not; nothing parameter-sized stays alive between steps."""
-    single = trace_step(config("baseline")).components
+    single_trace = trace_step(config("baseline"))
+    single = single_trace.components
     for world_size in (1, 2, 8):  # one rank still builds a device mesh: the trace brings a fake group of one
-        sharded = trace_step(fsdp2("baseline", world_size), world_size).components
+        sharded_trace = trace_step(fsdp2("baseline", world_size), world_size)
+        sharded = sharded_trace.components
+        # Per block: what its forward leaves alive, not the gathered params it reshards (once -1.5 MiB here).
+        assert sharded_trace.block_activation_bytes == single_trace.block_activation_bytes
         for name in ("model_params", "optimizer_states", "gradients_at_step"):
             assert sharded[name] == pytest.approx(single[name] / world_size, rel=0.05), (world_size, name)
         # FSDP2's root all-gather and the blocks' reshards move parameter-sized buffers across the forward's

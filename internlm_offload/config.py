@@ -31,6 +31,7 @@ AUTO_KNOBS = (
     "swap_optimizer",
     "hybrid_optimizer.enable",
     "hybrid_optimizer.offload_fraction",
+    "parallel.fsdp_cpu_offload",
 )
 
 
@@ -230,7 +231,8 @@ class ParallelConfig(Section):
     fsdp_cpu_offload: bool = Field(
         False,
         description="`fsdp2`: FSDP2's CPUOffloadPolicy: sharded params, grads and optimizer states stay on the host "
-        "and the optimizer steps on the CPU (most device memory saved, slowest). Excludes the swap and hybrid optimizers.",
+        "and the optimizer steps on the CPU (most device memory saved, slowest). Excludes the swap and hybrid optimizers. "
+        '`"auto"` (with `memory_budget`): the planner chooses.',
     )
     meta_init: bool = Field(
         True,
@@ -534,6 +536,11 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
         cfg.lr_scheduler.total_steps = cfg.data.total_steps
     if cfg.data.seed is None:
         cfg.data.seed = cfg.seed
+    if "parallel.fsdp_cpu_offload" in auto and cfg.parallel.mode != "fsdp2":
+        raise ConfigError(
+            f"parallel.fsdp_cpu_offload='auto' needs parallel.mode='fsdp2' (FSDP2's CPU offload policy), "
+            f"got {cfg.parallel.mode!r}"
+        )
     # A 1-process ddp/fsdp2 run is legal (handy to debug the wrappers); several processes need one.
     if cfg.parallel.mode == "none" and world_size > 1:
         raise ConfigError(f"parallel.mode='none' with world size {world_size}: use parallel.mode='ddp' or 'fsdp2'")

@@ -116,9 +116,10 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
     traced = None
     if cfg.auto_knobs:
         cfg, traced = choose_auto_knobs(cfg, raw, accelerator, runtime_bytes)
-    predicted_peak = traced.device_peak_bytes if traced else None
+    predicted = (traced.device_peak_bytes, traced.host_peak_bytes) if traced else None
     if cfg.preflight:
-        predicted_peak = run_preflight(cfg, args.config, accelerator, runtime_bytes, traced) or predicted_peak
+        predicted = run_preflight(cfg, args.config, accelerator, runtime_bytes, traced) or predicted
+    predicted_peak = None if predicted is None else comparable_peak(cfg, accelerator, *predicted)
     ctx = init_runtime(accelerator, needs_group=cfg.parallel.mode != "none")
     try:
         return train_in_runtime(args, cfg, ctx, build_trainer, predicted_peak, runtime_bytes)
@@ -197,9 +198,9 @@ def choose_auto_knobs(
 
 def run_preflight(
     cfg: RunConfig, config_path: str, accelerator: Accelerator, runtime_bytes: int, traced: Any = None
-) -> int | None:
+) -> tuple[int, int] | None:
     """Stop (exit 2) before anything is allocated when the predicted step cannot fit this machine; the
-    predicted device peak (None for a model the trace cannot run). `runtime_bytes`: the device memory in
+    predicted device and host peaks (None for a model the trace cannot run). `runtime_bytes`: the device memory in
     use before the run; `traced`: the config's trace when the planner already made it."""
     from internlm_offload.planner.preflight import check_fits
 
@@ -222,7 +223,16 @@ def run_preflight(
             str(exc).splitlines()[0] if str(exc) else "",
         )
         return None
-    return prediction.device_peak
+    return prediction.device_peak, prediction.host_peak
+
+
+def comparable_peak(cfg: RunConfig, accelerator: Accelerator, device_peak: int, host_peak: int) -> int:
+    """The predicted figure the step's memory line compares with the measured device peak: the device
+    peak, except on cpu under FSDP2's CPU offload policy, whose host tensors are ordinary cpu memory
+    that the cpu backend counts as device memory (the trace places them as a GPU run would): both."""
+    if accelerator.name == "cpu" and cfg.parallel.fsdp_cpu_offload:
+        return device_peak + host_peak
+    return device_peak
 
 
 def write_run_files(cfg: RunConfig, work_dir: Path, *, fresh: bool) -> None:

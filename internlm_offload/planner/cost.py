@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from internlm_offload.planner.tracker import StorageTracker
+from internlm_offload.planner.tracker import StorageTracker, copies_meta_to_cpu
 
 ADAMW_BYTES_PER_ELEMENT = 28  # read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq (fp32)
 ADAMW_OPS = ("aten._fused_adamw_.default", "aten._fused_adam_.default")
@@ -90,6 +90,8 @@ class WorkCounter(TorchDispatchMode):
         name = str(func)
         if name == "aten.copy_.default":
             self._count_copy(args[0], args[1])
+        elif copies_meta_to_cpu(func, args, kwargs):  # FSDP2's CPU offload policy moving a gradient shard
+            self.work.d2h_bytes += args[0].numel() * args[0].element_size()
         elif name in ADAMW_OPS:
             params = args[0]
             elements = sum(p.numel() for p in params)

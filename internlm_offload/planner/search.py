@@ -45,6 +45,7 @@ class Setting:
 
 
 HYBRID_FRACTIONS = (0.5, 1.0)
+PARAMS_ON_HOST = "parallel.fsdp_cpu_offload"  # FSDP2's CPUOffloadPolicy: parameter offload
 
 
 def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
@@ -97,18 +98,24 @@ def micro_batch_settings(activations: list[Setting], batches: list[Setting]) -> 
 
 
 def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
-    """AdamW, the hybrid optimizer (at each of `HYBRID_FRACTIONS` when its fraction is auto) and the swap
-    optimizer, over the `auto` knobs only; what a knob the config fixes excludes is left out (`cfg`). FSDP2's
-    CPU offload policy keeps the states on the host and excludes both."""
-    if cfg is not None and cfg.parallel.fsdp_cpu_offload:
-        return [Setting("optimizer as configured", {})]
+    """AdamW, the hybrid optimizer (at each of `HYBRID_FRACTIONS` when its fraction is auto), the swap
+    optimizer and, under FSDP2, its CPU offload policy (params, grads and states on the host, AdamW
+    stepping there: it excludes the other two), over the `auto` knobs only; what a knob the config fixes
+    excludes is left out (`cfg`)."""
     auto = set(auto)
+    if cfg is not None and cfg.parallel.fsdp_cpu_offload and PARAMS_ON_HOST not in auto:
+        return [Setting("optimizer as configured", {})]
+    fixed_swap = cfg is not None and cfg.swap_optimizer and "swap_optimizer" not in auto
     fixed_hybrid = cfg is not None and cfg.hybrid_optimizer.enable and "hybrid_optimizer.enable" not in auto
-    switch_hybrid = "hybrid_optimizer.enable" in auto and not (cfg and cfg.swap_optimizer)
+    switch_hybrid = "hybrid_optimizer.enable" in auto and not fixed_swap
     swap = "swap_optimizer" in auto and not fixed_hybrid
+    params_on_host = (
+        PARAMS_ON_HOST in auto and cfg is not None and cfg.parallel.mode == "fsdp2" and not (fixed_swap or fixed_hybrid)
+    )
     off = {
         **({"swap_optimizer": False} if swap else {}),
         **({"hybrid_optimizer.enable": False} if switch_hybrid else {}),
+        **({PARAMS_ON_HOST: False} if params_on_host else {}),
     }
     settings = [] if fixed_hybrid else [Setting("AdamW" if off else "optimizer as configured", off)]
     if switch_hybrid or fixed_hybrid:
@@ -123,6 +130,8 @@ def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_
             settings.append(Setting(f"hybrid {label}", options))
     if swap:
         settings.append(Setting("swap", {**off, "swap_optimizer": True}))
+    if params_on_host:
+        settings.append(Setting("params on host (FSDP2)", {**off, PARAMS_ON_HOST: True}))
     return settings
 
 

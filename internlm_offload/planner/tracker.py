@@ -49,7 +49,7 @@ class StorageTracker(TorchDispatchMode):
         super().__init__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if _copies_meta_to_cpu(func, args, kwargs):
+        if copies_meta_to_cpu(func, args, kwargs):
             # A device-to-host copy in a traced step (FSDP2's CPU offload moves each reduce-scattered gradient
             # shard so): the copy stays on meta, counted as host memory.
             out = func(*args, **{**(kwargs or {}), "device": META, "pin_memory": None})
@@ -156,7 +156,8 @@ class StorageTracker(TorchDispatchMode):
             self.counters[tier].current -= nbytes
 
 
-def _copies_meta_to_cpu(func: Any, args: tuple, kwargs: dict | None) -> bool:
+def copies_meta_to_cpu(func: Any, args: tuple, kwargs: dict | None) -> bool:
+    """Whether `func` is a traced step's device-to-host copy: a meta tensor's `.to(cpu)`."""
     device = (kwargs or {}).get("device")
     return (
         func is torch.ops.aten._to_copy.default

@@ -196,10 +196,7 @@ def run_search(
     activations = micro_batch_settings(
         activation_settings(len(memory.block_activation_bytes)), batch_settings(config_for({}))
     )
-    # Every optimizer knob is searched whatever the config sets, except where FSDP2's CPU offload policy
-    # excludes the swap and hybrid optimizers.
-    configured = config_for({})
-    optimizers = optimizer_settings(configured if configured.parallel.fsdp_cpu_offload else None)
+    optimizers = optimizer_settings(config_for({}))  # every knob searched (parameter offload under FSDP2)
     chosen, candidates = search(
         config_for, activations, optimizers, hardware, device_budget, host_budget, args.world_size
     )

@@ -43,6 +43,10 @@ def write_config(tmp_path, body: str):
         (["swap_optimizer=True", "hybrid_optimizer.enable=True"], ["exclude each other"]),
         (["parallel.fsdp_cpu_offload=True"], ["parallel.fsdp_cpu_offload=True needs parallel.mode='fsdp2'"]),
         (
+            ["parallel.fsdp_cpu_offload=auto", "memory_budget.device=1GiB"],
+            ["parallel.fsdp_cpu_offload='auto' needs parallel.mode='fsdp2'", "got 'none'"],
+        ),
+        (
             ["parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=True", "swap_optimizer=True"],
             ["fsdp_cpu_offload=True", "excludes swap_optimizer"],
         ),

@@ -4,6 +4,7 @@ The validation model (configs/planner_validation_auto.py) asks for 60 % of its b
 the measured peak of the steady step must be within that budget + 10 % (issue 9's criterion).
 """
 
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,18 @@ def test_a_plan_chosen_for_60_percent_of_the_baseline_trains_within_it(tmp_path:
     steady = metrics(tmp_path)[1]["device_peak_mem_bytes"]
     assert 0 < steady <= 1.10 * BUDGET, f"measured {steady / 2**20:.1f} MiB against a budget of {BUDGET >> 20} MiB"
     assert "Memory: device peak of step 2 measured" in proc.stderr  # a 2-step run: its second step
+
+
+def test_parameter_offload_is_chosen_when_only_it_fits(tmp_path: Path) -> None:
+    """The tiny config in bf16 under FSDP2 in one process: 28.1 MiB traced on the device as configured, 15.1 MiB
+    with FSDP2's CPU offload policy; a 20 MiB budget leaves the planner that knob only. On cpu the policy's host
+    tensors are ordinary memory, so the memory line compares with the traced device + host peaks."""
+    options = ["model.dtype=torch.bfloat16", "parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=auto"]
+    proc = train(tmp_path, *options, "memory_budget.device=20MiB", "data.total_steps=3", "ckpt.enable_save_ckpt=False")
+    assert "memory_budget: chose activations as configured + params on host (FSDP2)" in proc.stderr
+    assert "with CPU offload policy" in proc.stderr
+    line = re.search(r"measured ([\d.]+) MiB, predicted ([\d.]+) MiB", proc.stderr)
+    assert line is not None and abs(float(line[2]) / float(line[1]) - 1) <= 0.05, line
 
 
 def test_nothing_fitting_the_budget_is_exit_2_naming_the_smallest(tmp_path: Path) -> None:

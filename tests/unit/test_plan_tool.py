@@ -124,9 +124,14 @@ def test_search_space_keeps_what_the_config_fixes() -> None:
     auto = ("hybrid_optimizer.enable", "hybrid_optimizer.offload_fraction", "swap_optimizer")
     _, optimizers = _spaces(auto, parallel=dict(mode="fsdp2", fsdp_cpu_offload=True))
     assert optimizers == [{}]
+    _, optimizers = _spaces(("parallel.fsdp_cpu_offload",), parallel=dict(mode="fsdp2"))
+    assert optimizers == [{"parallel.fsdp_cpu_offload": False}, {"parallel.fsdp_cpu_offload": True}]
+    _, optimizers = _spaces(("parallel.fsdp_cpu_offload",), parallel=dict(mode="fsdp2"), swap_optimizer=True)
+    assert optimizers == [{}]  # a fixed swap optimizer excludes it
 
 
-def test_plan_searches_no_optimizer_the_fsdp2_cpu_offload_policy_excludes(monkeypatch) -> None:
+@pytest.mark.parametrize("mode", ["none", "fsdp2"])
+def test_plan_searches_parameter_offload_under_fsdp2(monkeypatch, mode) -> None:
     from internlm_offload.planner import search
 
     searched = []
@@ -137,9 +142,16 @@ def test_plan_searches_no_optimizer_the_fsdp2_cpu_offload_policy_excludes(monkey
 
     monkeypatch.setattr(search, "search", record)
     monkeypatch.setattr(search, "smallest_peak", lambda *args: "")
-    argv = ["--config", TINY, "--cfg-options", *SMALL, "parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=True"]
-    plan.main([*argv, "--device-memory", "20MiB"])
-    assert searched == [{}]  # the optimizer as configured: AdamW stepping on the host
+    argv = ["--config", TINY, "--cfg-options", *SMALL, f"parallel.mode={mode}", "--device-memory", "20MiB"]
+    plan.main(argv)
+    on_host = [o for o in searched if o.get("parallel.fsdp_cpu_offload")]
+    if mode == "none":
+        assert not on_host and len(searched) == 4  # AdamW, hybrid 0.5 and 1.0, swap
+    else:  # the policy excludes the swap and hybrid optimizers
+        assert on_host == [
+            {"swap_optimizer": False, "hybrid_optimizer.enable": False, "parallel.fsdp_cpu_offload": True}
+        ]
+        assert all(o.get("parallel.fsdp_cpu_offload") is False for o in searched[:-1])
 
 
 def test_smaller_micro_batches_keep_the_global_batch() -> None:

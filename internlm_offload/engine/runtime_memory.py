@@ -11,10 +11,10 @@ Two parts, neither a tensor of the run, so the planner's trace (meta tensors) se
   copy of the model, at the run's micro-batch shape and compute dtype, and returns what stays.
 
 `launch` takes the first before the preflight, which adds it to the traced peak where it compares with
-the device (the `memory_budget` search fits the peak beside it too). The builder takes the second once
-the preflight has passed (a config that cannot fit is refused before any kernel runs) and before the
-memory baseline, so the step readings count the run's tensors as the trace does; the step-2 memory
-line names both beside the measured and predicted peaks.
+the device (the `memory_budget` search fits the peak beside it too), and the second once the preflight
+has passed (a config that cannot fit is refused before any kernel runs) and before the builder marks
+its memory baseline, so the step readings count the run's tensors as the trace does; the trainer's
+memory line names both beside the measured and predicted peaks.
 """
 
 from __future__ import annotations

@@ -257,9 +257,15 @@ def _spawn_run(work_dir, options, nproc):
 def test_second_ctrl_c_exits_at_once_without_a_traceback(tmp_path):
     from internlm_offload.engine.interrupts import GracefulStop
 
-    with GracefulStop() as stop:
-        os.kill(os.getpid(), signal.SIGINT)
-        assert stop.requested and stop.signal_name == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):
+    # A process started in the background by a non-interactive shell inherits SIGINT ignored (so does a test
+    # worker under it): start from Python's own handler, as an interactive `train.py` does.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with GracefulStop() as stop:
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert stop.requested and stop.signal_name == "SIGINT"
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on leaving
+    finally:
+        signal.signal(signal.SIGINT, inherited)

@@ -23,7 +23,7 @@ from internlm_offload.engine.checkpoint import CheckpointManager, checkpoint_fol
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
 from internlm_offload.engine.parallel import materialize_shards
-from internlm_offload.engine.precision import Masters, NoMasters, PrecisionPolicy, cast_model
+from internlm_offload.engine.precision import MasterWeights, Masters, NoMasters, PrecisionPolicy, cast_model
 from internlm_offload.engine.runtime import RunContext, env_local_world_size, set_determinism
 from internlm_offload.engine.trainer import Trainer, TrainerSettings
 from internlm_offload.features import MemoryFeature
@@ -32,6 +32,7 @@ from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer
 from internlm_offload.offload.selective_offload import SelectiveOffloader
 from internlm_offload.optim import build_lr_scheduler, param_groups
 from internlm_offload.optim.adamw import AdamW, fused_supported
+from internlm_offload.optim.grad_offload import GradOffload
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer
 from internlm_offload.optim.hybrid_host import offload_mask
 from internlm_offload.optim.interface import OffloadOptimizer
@@ -166,7 +167,8 @@ def build_optimizer(
     """AdamW, or its offloading variants, over `model`'s parameters (the fp32 masters where they exist).
 
     Every variant gets the same param groups (decay on matrices only) and the same `fused` choice.
-    `host_params`: the parameters are host-resident masters, swapped in with the states. `cpu_mask`: the
+    `host_params`: the parameters are host-resident masters, swapped in with the states (their gradients too
+    with `grad_offload`, which hands them over as host tensors). `cpu_mask`: the
     hybrid optimizer's placement (`hybrid_cpu_mask`), when the masters were placed by it already. `check_host`:
     refuse offloaded states the machine's host memory cannot hold.
     """
@@ -183,6 +185,7 @@ def build_optimizer(
             swap_optimizer_times=cfg.swap_optimizer_times,
             use_pinned_optimizer_offload=cfg.use_pinned_optimizer_offload,
             swap_params=host_params,
+            host_grads=cfg.grad_offload,
             accelerator=accelerator,
             **hyper,
         )
@@ -197,6 +200,7 @@ def build_optimizer(
             overlap_cpu_optimizer_d2h_h2d=hybrid.overlap_cpu_optimizer_d2h_h2d,
             accelerator=accelerator,
             cpu_mask=cpu_mask,
+            grads_on_host=cfg.grad_offload,
             **hyper,
         )
     return AdamW(groups, fused=fused, **hyper)
@@ -277,7 +281,7 @@ class Components:
     """What a training step runs: the model, its masters and optimizer, and the memory features' hooks."""
 
     model: nn.Module
-    masters: Masters
+    masters: Masters  # GradOffload wraps the masters when gradients live on the host
     policy: PrecisionPolicy
     optimizer: OffloadOptimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -287,9 +291,12 @@ class Components:
 
     @property
     def features(self) -> list[MemoryFeature]:
-        """The run's memory features in teardown order: the offloaders' hooks and pools, then the optimizer."""
-        offloaders = [self.offloader, self.selective_offloader]
-        return [*(offloader for offloader in offloaders if offloader is not None), self.optimizer]
+        """The run's memory features in teardown order: the offloaders' and gradient offload's hooks and
+        pools, then the optimizer."""
+        hooks = [self.offloader, self.selective_offloader]
+        if isinstance(self.masters, GradOffload):
+            hooks.append(self.masters)
+        return [*(feature for feature in hooks if feature is not None), self.optimizer]
 
 
 def build_components(
@@ -356,6 +363,8 @@ def build_components(
         cpu_mask=cpu_mask,
         check_host=check_host_memory,
     )
+    if cfg.grad_offload:
+        masters = offload_gradients(cfg, masters, ctx.accelerator)
     scheduler = build_lr_scheduler(
         optimizer,
         base_lr=cfg.adam.lr,
@@ -364,6 +373,17 @@ def build_components(
         eta_min=cfg.lr_scheduler.eta_min,
     )
     return Components(model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers)
+
+
+def offload_gradients(cfg: RunConfig, masters: Masters, accelerator: Accelerator) -> GradOffload:
+    """Gradient offload's hooks on the model's parameters, feeding the host gradients of what `masters` steps."""
+    return GradOffload(
+        masters,
+        masters.trainable_pairs(),
+        accelerator,
+        bucket_bytes=int(cfg.grad_offload_bucket_mb * 2**20),
+        from_zeros=isinstance(masters, MasterWeights),
+    )
 
 
 def trainer_settings(

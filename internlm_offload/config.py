@@ -32,6 +32,7 @@ AUTO_KNOBS = (
     "hybrid_optimizer.enable",
     "hybrid_optimizer.offload_fraction",
     "parallel.fsdp_cpu_offload",
+    "grad_offload",
 )
 
 
@@ -424,6 +425,20 @@ class RunConfig(Section):
         "overlap on a device; False keeps the slab pageable (copies then block the host). Needs `swap_optimizer`.",
     )
     hybrid_optimizer: HybridOptimizerConfig = Field(default_factory=HybridOptimizerConfig)
+    grad_offload: bool = Field(
+        False,
+        description="ZeRO-Offload's gradient schedule: each gradient goes to host memory as backward produces it "
+        "(bucketed, on a copy stream) and accumulates there in fp32; the device never holds the fp32 gradient "
+        "buffer (4 bytes per parameter). Needs `swap_optimizer` or `hybrid_optimizer` with `offload_fraction=1.0`, "
+        "and `parallel.mode='none'`. Bitwise equal to the run without it. "
+        '`"auto"` (with `memory_budget`): the planner chooses.',
+    )
+    grad_offload_bucket_mb: float = Field(
+        32.0,
+        gt=0,
+        description="Gradient offload copies gradients to the host in buckets of about this many MiB (a larger "
+        "gradient alone); two pinned staging buffers of this size (or of the largest gradient) take them.",
+    )
     mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     grad_scaler: GradScalerConfig = Field(default_factory=GradScalerConfig)
@@ -480,6 +495,8 @@ class RunConfig(Section):
                 "parallel.fsdp_cpu_offload=True already keeps the optimizer states on the host; "
                 "it excludes swap_optimizer and hybrid_optimizer.enable"
             )
+        if self.grad_offload:
+            self._check_grad_offload()
         if self.use_pinned_optimizer_offload and not self.swap_optimizer:
             raise ValueError(
                 "use_pinned_optimizer_offload=True is the host arena of the swap optimizer; it needs swap_optimizer=True"
@@ -493,6 +510,21 @@ class RunConfig(Section):
         if self.data.type == "text" and not self.data.paths:
             raise ValueError("data.type='text' needs data.paths (files or folders of .txt/.jsonl)")
         return self
+
+    def _check_grad_offload(self) -> None:
+        hybrid = self.hybrid_optimizer
+        if not (self.swap_optimizer or (hybrid.enable and hybrid.offload_fraction == 1.0)):
+            raise ValueError(
+                "grad_offload=True needs an optimizer that steps from host gradients: swap_optimizer=True, or "
+                "hybrid_optimizer.enable=True with hybrid_optimizer.offload_fraction=1.0 "
+                f"(got swap_optimizer={self.swap_optimizer}, hybrid_optimizer.enable={hybrid.enable}, "
+                f"offload_fraction={hybrid.offload_fraction})"
+            )
+        if self.parallel.mode != "none":
+            raise ValueError(
+                f"grad_offload=True runs with parallel.mode='none', got {self.parallel.mode!r}; under 'fsdp2', "
+                "parallel.fsdp_cpu_offload=True moves the reduce-scattered gradient shards to the host"
+            )
 
     def checkpointed_layers(self) -> int:
         """`int(num_layers * model.checkpoint)`: InternEvo's count of blocks under activation checkpointing."""
@@ -541,6 +573,8 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
             f"parallel.fsdp_cpu_offload='auto' needs parallel.mode='fsdp2' (FSDP2's CPU offload policy), "
             f"got {cfg.parallel.mode!r}"
         )
+    if "grad_offload" in auto and cfg.parallel.mode != "none":
+        raise ConfigError(f"grad_offload='auto' needs parallel.mode='none', got {cfg.parallel.mode!r}")
     # A 1-process ddp/fsdp2 run is legal (handy to debug the wrappers); several processes need one.
     if cfg.parallel.mode == "none" and world_size > 1:
         raise ConfigError(f"parallel.mode='none' with world size {world_size}: use parallel.mode='ddp' or 'fsdp2'")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -142,6 +143,10 @@ class MasterWeights:
         """The fp32 masters, kept apart from the model's parameters."""
         return self.module.parameters()
 
+    def trainable_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(model parameter backward gives a gradient, master the optimizer steps) for each trainable master."""
+        return list(self._trainable)
+
     @torch.no_grad()
     def accumulate_grads(self) -> None:
         """Add the model's low-precision grads into the fp32 master grads and free the former."""
@@ -234,6 +239,10 @@ class NoMasters:
         """None: the model's parameters are the ones stepped."""
         return iter(())
 
+    def trainable_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(parameter, parameter) for each trainable one: the tensor backward gives a gradient is the one stepped."""
+        return [(p, p) for p in self.module.parameters() if p.requires_grad]
+
     def accumulate_grads(self) -> None:
         """Nothing: the model's grads accumulate in place over micro-batches."""
 
@@ -254,7 +263,24 @@ class NoMasters:
         """Nothing: `zero_grad(set_to_none=True)` frees the model's grads."""
 
 
-Masters = MasterWeights | NoMasters
+class Masters(Protocol):
+    """What the trainer asks of the parameters it steps: `MasterWeights`, `NoMasters`, or gradient offload
+    (`optim.grad_offload.GradOffload`, which wraps either and keeps the gradients in host memory)."""
+
+    module: nn.Module
+
+    @property
+    def on_host(self) -> bool: ...
+    @property
+    def reduce_in_backward(self) -> bool: ...
+    def master_params(self) -> Iterator[nn.Parameter]: ...
+    def trainable_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]: ...
+    def accumulate_grads(self) -> None: ...
+    def grads(self) -> list[torch.Tensor]: ...
+    def reduce_grads(self, distributed: bool) -> None: ...
+    def copy_to_model(self) -> None: ...
+    def after_step(self) -> None: ...
+    def release_grads(self) -> None: ...
 
 
 def _host_parameter(param: nn.Parameter, host_empty: Callable) -> nn.Parameter:

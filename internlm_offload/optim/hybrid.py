@@ -124,6 +124,8 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         cpu_mask: which params, in `param_groups` order, the CPU steps, when the caller placed them already
             (the builder does, to put their fp32 masters in host memory); default
             `offload_mask(params, offload_fraction)`.
+        grads_on_host: gradient offload (`optim.grad_offload`) hands the CPU share's gradients over as host
+            tensors (`param.host_grad`): no D2H copy of them, and no host grad buffer for host-resident params.
         **kwargs: hyper-parameters (lr, betas, eps, weight_decay, amsgrad, maximize, ...): the defaults
             of the param groups, passed to both sub-optimizers.
     """
@@ -141,6 +143,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         *,
         accelerator: Accelerator | None = None,
         cpu_mask: Sequence[bool] | None = None,
+        grads_on_host: bool = False,
         **kwargs: Any,
     ) -> None:
         if not 0.0 <= offload_fraction <= 1.0:
@@ -154,6 +157,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         self.param_update_in_fp32 = param_update_in_fp32
         self.pin_cpu_grads, self.pin_cpu_params = pin_cpu_grads, pin_cpu_params
         self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
+        self.grads_on_host = grads_on_host
         self._d2h_stream: Stream = self._acc.stream()
         self._h2d_stream: Stream = self._acc.stream()
         self._host_arenas: list[HostArena] = []
@@ -224,10 +228,10 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         if _resident(param):
             # The param is the master; grads land in fp32, updates leave in the model param's dtype.
             host = param.detach()
-            return {
-                "grad": (host.shape, host.dtype, self.pin_cpu_grads),
-                "staging": (host.shape, param.model_param.dtype, self.pin_cpu_params),
-            }
+            staging = {"staging": (host.shape, param.model_param.dtype, self.pin_cpu_params)}
+            if self.grads_on_host:  # its `host_grad` is in the master's dtype already
+                return staging
+            return {"grad": (host.shape, host.dtype, self.pin_cpu_grads), **staging}
         local = local_shard(param.detach())  # this rank's shard of a DTensor param
         master_dtype = self._master_dtype(param)
         specs = {"master": (local.shape, master_dtype, self.pin_cpu_params)}
@@ -240,7 +244,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
 
     def _host_slot(self, param: torch.Tensor, views: dict[str, torch.Tensor]) -> HostSlot:
         if _resident(param):
-            return HostSlot(param, param.detach(), views["grad"], views["staging"], resident=True)
+            return HostSlot(param, param.detach(), views.get("grad"), views["staging"], resident=True)
         views["master"].copy_(local_shard(param.detach()))
         return HostSlot(param, views["master"], views["grad"], views.get("staging"))
 
@@ -436,9 +440,12 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         for unit in self._cpu_units:
             landings, grads = [], []
             for slot in unit.slots:
+                if slot.host_grad is not None:  # gradient offload brought it already
+                    slot.has_grad = True
+                    continue
                 grad = slot.device_grad
                 slot.has_grad = grad is not None
-                if slot.has_grad:
+                if slot.has_grad and slot.landing is not None:
                     landings.append(slot.landing)
                     grads.append(local_shard(grad))
             self._acc.copy_async(landings, grads, self._d2h_stream)
@@ -469,9 +476,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
 
     def _step_cpu_unit(self, unit: CpuUnit) -> None:
         for slot in unit.slots:
-            if slot.has_grad and slot.landing is not slot.grad:
-                slot.grad.copy_(slot.staging)  # upcast on the host
-            slot.master.grad = slot.grad if slot.has_grad else None
+            slot.master.grad = slot.step_grad() if slot.has_grad else None
         unit.optimizer.step()
         self._move_states_to_host_tier(unit)
         params, sources = [], []

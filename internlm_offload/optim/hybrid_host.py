@@ -32,7 +32,7 @@ class HostSlot:
 
     param: torch.Tensor  # the model's param, on the device (a DTensor under FSDP2)
     master: torch.Tensor  # host copy the CPU optimizer updates (fp32 when updated in fp32)
-    grad: torch.Tensor  # host grad in the master dtype; `master.grad` during the CPU step
+    grad: torch.Tensor | None  # host grad in the master dtype (None: grads arrive as `host_grad` in it)
     staging: torch.Tensor | None  # host buffer in the param dtype when it differs from the master's
     has_grad: bool = False  # whether `param.grad` existed at the start of the current step
     resident: bool = False  # the param lives on the host and is its own master (see optim.hybrid)
@@ -48,6 +48,21 @@ class HostSlot:
         """`main_grad` for a host-resident param; its `.grad` when DCP's state init sets zero grads."""
         main_grad = getattr(self.param, "main_grad", None) if self.resident else None
         return self.param.grad if main_grad is None else main_grad
+
+    @property
+    def host_grad(self) -> torch.Tensor | None:
+        """The param's gradient when gradient offload already brought it to the host (`optim.grad_offload`)."""
+        return getattr(self.param, "host_grad", None)
+
+    def step_grad(self) -> torch.Tensor:
+        """The host gradient the CPU step applies, in the master's dtype (upcast on the host where needed)."""
+        source = self.host_grad
+        if source is None:
+            # No landing buffer (gradient offload): DCP's state init, which sets zero grads on the host masters.
+            source = self.device_grad if self.landing is None else self.landing
+        if source is self.grad or source.dtype == self.master.dtype:
+            return source
+        return self.grad.copy_(source)
 
     @property
     def landing(self) -> torch.Tensor:

@@ -32,6 +32,10 @@ gradient on the device, and may carry `model_param`, the device tensor (e.g. the
 computes with) that receives the updated value in its own dtype. The parameter is swapped in and out
 with its states, so between steps the device holds neither masters nor states.
 
+With `host_grads=True` the gradients are host tensors too (`param.host_grad`, from gradient offload,
+`optim.grad_offload`): each is copied in with its chunk, into the chunk's device buffer, and never out. A
+prefetched chunk's gradients are copied at `step()`, when they are final.
+
 Memory saved vs time paid: the device holds `1 / swap_optimizer_times` of the optimizer states (8 bytes
 per fp32 parameter, 12 with amsgrad) instead of all of them; each step moves every state twice over the
 host link. More chunks: less device memory, smaller copies that overlap less well.
@@ -59,6 +63,8 @@ logger = get_logger(__name__)
 
 SWAPPED_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 PARAM = "param"  # slot of a host-resident parameter in a chunk
+GRAD = "grad"  # slot of a host-resident gradient (gradient offload): copied in, never out
+OUTSIDE_ARENA = (PARAM, GRAD)  # slots whose host tensor is the param's own, not an arena view
 SLOT_ALIGNMENT = 64  # bytes between a chunk's tensors: a cache line, enough for vectorised kernels
 
 
@@ -83,7 +89,7 @@ class _Chunk:
 
     group: dict[str, Any]
     params: list[torch.Tensor]
-    slots: list[_Slot]  # the states first (contiguous in the arena), then host-resident params
+    slots: list[_Slot]  # the states first (contiguous in the arena), then host-resident params and grads
     nbytes: int  # device bytes, padding included
     arena_start: int = 0  # where the states start in the arena
     states_nbytes: int = 0  # bytes from the first to the end of the last state slot
@@ -117,7 +123,8 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
     Extra args (InternEvo's key names): `swap_optimizer_times` (the step's device memory is
     `1/times` of the states), `use_pinned_optimizer_offload` (the host slab holding every state is
     pinned; else pageable), `swap_params` (the params are host
-    tensors with a device `main_grad`; see the module docstring), `accelerator` (default: detected).
+    tensors with a device `main_grad`; see the module docstring), `host_grads` (the gradients are host
+    tensors, `host_grad`, swapped in with the states), `accelerator` (default: detected).
     """
 
     def __init__(
@@ -135,6 +142,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         swap_optimizer_times: int = 16,
         use_pinned_optimizer_offload: bool = False,
         swap_params: bool = False,
+        host_grads: bool = False,
         accelerator: Accelerator | None = None,
     ) -> None:
         if swap_optimizer_times < 1:
@@ -160,6 +168,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
                 self.accelerator.name,
             )
         self.swap_params = swap_params
+        self.host_grads = host_grads
         self._chunks: list[_Chunk] | None = None
         self._layout_key: tuple | None = None
         self._budget = 0
@@ -205,7 +214,8 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
             )
             for k in self._keys(group)
         ]
-        return specs + ([(PARAM, local.shape, local.dtype)] if self.swap_params else [])
+        specs += [(PARAM, local.shape, local.dtype)] if self.swap_params else []
+        return specs + ([(GRAD, local.shape, local.dtype)] if self.host_grads else [])
 
     def _build_arena(self) -> None:
         old = self._arena
@@ -213,14 +223,14 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         specs, owners = [], []
         for chunk in self._chunks:
             for slot in chunk.slots:
-                if slot.key != PARAM:
+                if slot.key not in OUTSIDE_ARENA:
                     specs.append((slot.shape, slot.dtype))
                     owners.append(slot)
         arena = HostArena(self.accelerator, specs, pinned=self.use_pinned_optimizer_offload, alignment=SLOT_ALIGNMENT)
         for slot, offset in zip(owners, arena.offsets):
             self._arena_offsets[id(slot.param), slot.key] = offset
         for chunk in self._chunks:
-            states = [s for s in chunk.slots if s.key != PARAM]  # every param has AdamW states
+            states = [s for s in chunk.slots if s.key not in OUTSIDE_ARENA]  # every param has AdamW states
             chunk.arena_start = self._arena_offsets[id(states[0].param), states[0].key] - states[0].offset
             chunk.states_nbytes = states[-1].offset + states[-1].nbytes
         self._arena = arena
@@ -278,7 +288,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         active = self._init_missing_states()
         staged: deque[_Chunk] = deque()
         if self._prefetched is not None:
-            staged.append(self._prefetched)
+            staged.append(self._grads_in(self._prefetched, active))
             self._prefetched = None
         self._peak_device_state_bytes = self._device_state_bytes
         copying_out: deque[_Chunk] = deque()
@@ -329,8 +339,10 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         return active
 
     def _grad(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The gradient to apply: `main_grad` (on the device) for a host-resident parameter; its `.grad`
-        when DCP's state init steps with zero grads set on the params."""
+        """The gradient to apply: `host_grad` with gradient offload, else `main_grad` (on the device) for a
+        host-resident parameter; its `.grad` when DCP's state init steps with zero grads set on the params."""
+        if self.host_grads and getattr(param, "host_grad", None) is not None:
+            return param.host_grad
         main_grad = getattr(param, "main_grad", None) if self.swap_params else None
         return param.grad if main_grad is None else main_grad
 
@@ -353,22 +365,35 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         # The buffer may be memory the compute stream just released (after it waited for a copy-out):
         # the copy-in must not start before that point.
         self._h2d.wait_stream(self.accelerator.current_stream())
-        self.accelerator.copy_async(*zip(*self._copies(chunk, params=active)), self._h2d)
+        self.accelerator.copy_async(*zip(*self._copies(chunk, params=active, grads=active is not None)), self._h2d)
         chunk.copied_in = self._h2d.record_event()
         self._device_state_bytes += chunk.nbytes
         self._peak_device_state_bytes = max(self._peak_device_state_bytes, self._device_state_bytes)
         return chunk
 
+    def _grads_in(self, chunk: _Chunk, active: dict[torch.Tensor, torch.Tensor]) -> _Chunk:
+        """Copy a prefetched chunk's host gradients in (a no-op without them): they were not final at prefetch."""
+        pairs = [(chunk.view(s), self._grad(s.param)) for s in chunk.slots if s.key == GRAD and s.param in active]
+        if pairs:  # queued behind the states' copy on the same stream: the new event covers both
+            self.accelerator.copy_async(*zip(*pairs), self._h2d)
+            chunk.copied_in = self._h2d.record_event()
+        return chunk
+
     def _copies(
-        self, chunk: _Chunk, params: Collection[torch.Tensor] | None
+        self, chunk: _Chunk, params: Collection[torch.Tensor] | None, grads: bool = False
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(device, host) pairs moving the chunk: one for all its states (a span of the arena, the same bytes as
-        the device buffer's start), and one per host-resident param of `params` (None: every param)."""
+        the device buffer's start), one per host-resident param of `params` (None: every param) and, with
+        `grads`, one per host gradient of `params`."""
         pairs = [(chunk.device[: chunk.states_nbytes], self._arena.span(chunk.arena_start, chunk.states_nbytes))]
         wanted = None if params is None else {id(p) for p in params}
         for slot in chunk.slots:
-            if slot.key == PARAM and (wanted is None or id(slot.param) in wanted):
+            if wanted is not None and id(slot.param) not in wanted:
+                continue
+            if slot.key == PARAM:
                 pairs.append((chunk.view(slot), local_shard(slot.param.detach())))
+            elif slot.key == GRAD and grads:
+                pairs.append((chunk.view(slot), self._grad(slot.param)))
         return pairs
 
     def _update(self, chunk: _Chunk, active: dict[torch.Tensor, torch.Tensor]) -> None:
@@ -381,9 +406,10 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         states = {key: [views[id(p), key] for p in chunk.stepped] for key in self._keys(group)}
         steps = states.get("step") or [self.state[p]["step"] for p in chunk.stepped]
         beta1, beta2 = group["betas"]
+        grads = [views[id(p), GRAD] if self.host_grads else local_shard(active[p]) for p in chunk.stepped]
         adam(
             targets,
-            [local_shard(active[p]) for p in chunk.stepped],
+            grads,
             states["exp_avg"],
             states["exp_avg_sq"],
             states.get("max_exp_avg_sq", []),
@@ -493,9 +519,10 @@ def _padded(nbytes: int) -> int:
 
 
 def _layout_chunk(group: dict, members: list[tuple[torch.Tensor, list]]) -> _Chunk:
-    """Offsets of the members' tensors in one buffer: every state first, then the host-resident params."""
-    entries = [(p, k, shape, dtype) for p, specs in members for k, shape, dtype in specs if k != PARAM]
-    entries += [(p, k, shape, dtype) for p, specs in members for k, shape, dtype in specs if k == PARAM]
+    """Offsets of the members' tensors in one buffer: every state first, then host-resident params, then grads."""
+    entries = [(p, k, shape, dtype) for p, specs in members for k, shape, dtype in specs if k not in OUTSIDE_ARENA]
+    for outside in OUTSIDE_ARENA:
+        entries += [(p, k, shape, dtype) for p, specs in members for k, shape, dtype in specs if k == outside]
     offsets, end = aligned_offsets([(shape, dtype) for _, _, shape, dtype in entries], SLOT_ALIGNMENT)
     slots = [_Slot(p, k, off, torch.Size(shape), dtype) for (p, k, shape, dtype), off in zip(entries, offsets)]
     params = [p for p, _ in members]

@@ -1,14 +1,17 @@
 """Choose the activation and optimizer settings with the fastest predicted step that fits the budgets.
 
 Candidates are one activation setting (none, checkpoint 0.5 or 1.0, offload of half or all but one of
-the blocks) times one optimizer setting (AdamW, hybrid 0.5 or 1.0, swap), over the knobs left to the
+the blocks) times one optimizer setting (AdamW, hybrid 0.5 or 1.0, swap; the last two also with gradient
+offload; under FSDP2 its CPU offload policy), over the knobs left to the
 planner (all of them for `tools/plan`, those set to "auto" in a config with `memory_budget`);
 `tools/plan` also tries each activation setting at smaller micro-batches of the same global batch
 (`batch_settings`). The step time is separable: a micro-batch's cost depends only on the activation
-setting and the micro-batch shape, the optimizer's only on the optimizer setting, so A + O - 1 traces
+setting and the micro-batch shape, the optimizer's only on the optimizer setting (gradient offload's
+copies during backward are the optimizer setting's share of the micro-batch work), so A + O - 1 traces
 give every candidate's exact predicted time. Their memory is estimated as
-`peak(a, o0) + peak(a0, o) - peak(a0, o0)` and the candidates are tried fastest first: one whose
-estimate fits is traced whole, and the first that really fits is the choice. A smaller budget can only
+`peak(a, o0) + peak(a0, o) - peak(a0, o0)` (and, where that is over budget, also against the leanest
+activation setting: `LeanEstimate`) and the candidates are tried fastest first: one whose estimate
+fits is traced whole, and the first that really fits is the choice. A smaller budget can only
 remove candidates, so the chosen step time never decreases as the budget shrinks, and a choice has
 always been traced and found to fit.
 """
@@ -46,6 +49,7 @@ class Setting:
 
 HYBRID_FRACTIONS = (0.5, 1.0)
 PARAMS_ON_HOST = "parallel.fsdp_cpu_offload"  # FSDP2's CPUOffloadPolicy: parameter offload
+GRADS_ON_HOST = "grad_offload"  # gradients to the host during backward (with swap or hybrid 1.0)
 
 
 def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
@@ -132,7 +136,33 @@ def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_
         settings.append(Setting("swap", {**off, "swap_optimizer": True}))
     if params_on_host:
         settings.append(Setting("params on host (FSDP2)", {**off, PARAMS_ON_HOST: True}))
-    return settings
+    return _with_gradient_offload(settings, cfg, auto)
+
+
+def _with_gradient_offload(settings: list[Setting], cfg: RunConfig | None, auto: set[str]) -> list[Setting]:
+    """Where `grad_offload` is searched (one rank, no data parallelism): every setting without it, and each
+    that steps every parameter from the host (swap, hybrid 1.0) also with it. Where a config fixes it on:
+    only those settings."""
+    if cfg is None or cfg.parallel.mode != "none":
+        return settings
+    if GRADS_ON_HOST not in auto:
+        return [s for s in settings if _steps_all_on_host(s, cfg)] if cfg.grad_offload else settings
+    without = [Setting(s.name, {**s.options, GRADS_ON_HOST: False}) for s in settings]
+    offloaded = [
+        Setting(f"{s.name} + grad offload", {**s.options, GRADS_ON_HOST: True})
+        for s in settings
+        if _steps_all_on_host(s, cfg)
+    ]
+    return without + offloaded
+
+
+def _steps_all_on_host(setting: Setting, cfg: RunConfig) -> bool:
+    """Whether the setting's optimizer steps every parameter from host gradients (what gradient offload needs)."""
+    options, hybrid = setting.options, cfg.hybrid_optimizer
+    if options.get("swap_optimizer", cfg.swap_optimizer):
+        return True
+    enabled = options.get("hybrid_optimizer.enable", hybrid.enable)
+    return bool(enabled) and options.get("hybrid_optimizer.offload_fraction", hybrid.offload_fraction) == 1.0
 
 
 @dataclass
@@ -193,8 +223,12 @@ def search(
     # The cost model counts FLOPs, so the same work in smaller micro-batches costs the same up to rounding:
     # equal times keep the listed order (the configured shape first).
     candidates.sort(key=lambda c: round(c.step_s, 6))
+    lean = LeanEstimate(config_for, activations, optimizers[0], by_activation, world_size)
     for candidate in candidates:
         problems = over_budget(candidate.estimated_device, candidate.estimated_host, device_budget, host_budget)
+        if problems and candidate.activation is not activations[0]:
+            lean.refine(candidate)
+            problems = over_budget(candidate.estimated_device, candidate.estimated_host, device_budget, host_budget)
         if problems:
             candidate.verdict = f"estimated {problems[0][1]}"
             continue
@@ -207,10 +241,46 @@ def search(
     return None, candidates
 
 
+class LeanEstimate:
+    """A second memory estimate, against the activation setting with the smallest traced peak (`lean`):
+    `peak(a, o0) + peak(lean, o) - peak(lean, o0)`, traced lazily per optimizer setting. The first estimate
+    adds an optimizer setting's saving as measured beside the full activations, where the peak sits
+    elsewhere (7B: gradient offload saves 28.8 GiB there, and the first estimate put checkpoint 1.0 + hybrid
+    1.0 + gradient offload at 29.6 GiB against a traced 18.2). The smaller estimate counts: a candidate is
+    always traced whole before it is chosen, so an estimate too low costs one trace, one too high a choice."""
+
+    def __init__(
+        self,
+        config_for: ConfigFor,
+        activations: list[Setting],
+        base_optimizer: Setting,
+        by_activation: dict[str, StepMemory],
+        world_size: int,
+    ) -> None:
+        self.config_for, self.world_size, self.by_activation = config_for, world_size, by_activation
+        self.lean = min(activations, key=lambda a: by_activation[a.name].device_peak_bytes)
+        self.traces = {base_optimizer.name: by_activation[self.lean.name]}
+        self.base = by_activation[self.lean.name]
+
+    def refine(self, candidate: Candidate) -> None:
+        """Lower the candidate's estimates to the lean ones where those are smaller."""
+        optimizer = candidate.optimizer
+        if optimizer.name not in self.traces:
+            options = {**self.lean.options, **optimizer.options}
+            self.traces[optimizer.name] = trace_step(self.config_for(options), self.world_size)
+        lean, by_a = self.traces[optimizer.name], self.by_activation[candidate.activation.name]
+        device = by_a.device_peak_bytes + lean.device_peak_bytes - self.base.device_peak_bytes
+        host = by_a.host_peak_bytes + lean.host_peak_bytes - self.base.host_peak_bytes
+        candidate.estimated_device = min(candidate.estimated_device, device)
+        candidate.estimated_host = min(candidate.estimated_host, host)
+
+
 def _candidate(
     activation: Setting, optimizer: Setting, by_a: StepMemory, by_o: StepMemory, base: StepMemory, hw: Hardware
 ) -> Candidate:
-    time = step_time(by_a.micro_batch_work, by_o.optimizer_work, by_a.micro_num, hw).step_s
+    # Gradient offload's copies run during backward: an optimizer setting's share of the micro-batch work.
+    micro_batch = by_a.micro_batch_work + by_o.micro_batch_work - base.micro_batch_work
+    time = step_time(micro_batch, by_o.optimizer_work, by_a.micro_num, hw).step_s
     device = by_a.device_peak_bytes + by_o.device_peak_bytes - base.device_peak_bytes
     host = by_a.host_peak_bytes + by_o.host_peak_bytes - base.host_peak_bytes
     return Candidate(activation, optimizer, time, device, host)

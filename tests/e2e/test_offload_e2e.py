@@ -55,6 +55,30 @@ def test_offload_configs_align_bitwise_with_baseline(tmp_path, mode):
         assert compared.returncode == 0, compared.stdout
 
 
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_gradient_offload_trains_the_baseline_curve_bitwise(tmp_path, dtype):
+    """Gradients on the host (several buckets per backward) under the swap optimizer and the hybrid one at
+    fraction 1.0: loss and grad norm equal the AdamW baseline's; no fp32 gradient buffer on the device."""
+    options = [*STEPS, f"model.dtype={dtype}"]
+    base = tmp_path / "base"
+    train(base, *options)
+    runs = {"internlm2_tiny_swap.py": [], "internlm2_tiny_hybrid.py": ["hybrid_optimizer.offload_fraction=1.0"]}
+    for name, optimizer in runs.items():
+        run = tmp_path / name
+        train(
+            run,
+            *options,
+            *optimizer,
+            "grad_offload=True",
+            "grad_offload_bucket_mb=0.25",
+            config=REPO / "configs" / name,
+        )
+        assert metrics(run)[-1]["grad_offload_host_bytes"] > 0
+        for metric in ("loss", "grad_norm"):
+            compared = loss_compare(str(base), str(run), "--exact", "--quiet", "--metric", metric)
+            assert compared.returncode == 0, compared.stdout
+
+
 def test_loss_compare_catches_a_changed_run(tmp_path):
     """The check above can fail: a different learning rate is misaligned (exit 1)."""
     base, other = tmp_path / "base", tmp_path / "other"
@@ -67,6 +91,7 @@ def test_loss_compare_catches_a_changed_run(tmp_path):
     "mode, config_name, other",
     [
         ("none", "internlm2_tiny_swap.py", "swap_optimizer_times=2"),
+        ("none", "internlm2_tiny_swap.py", "grad_offload=True"),
         ("fsdp2", "internlm2_tiny_swap.py", "swap_optimizer_times=2"),
         ("none", "internlm2_tiny_hybrid.py", "hybrid_optimizer.offload_fraction=1.0"),
         ("fsdp2", "internlm2_tiny_hybrid.py", "hybrid_optimizer.offload_fraction=1.0"),

@@ -113,10 +113,16 @@ def _spawn(work_dir, *options, resume=False):
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("dtype", ["torch.float16"])  # fp16: fp32 masters and the loss scaler's state
-def test_kill_9_and_resume_is_bitwise_in_low_precision(tmp_path, dtype):
+@pytest.mark.parametrize(
+    "dtype, offload",
+    [
+        ("torch.float16", []),  # fp32 masters and the loss scaler's state
+        ("torch.bfloat16", ["swap_optimizer=True", "grad_offload=True"]),  # host masters, states and gradients
+    ],
+)
+def test_kill_9_and_resume_is_bitwise_in_low_precision(tmp_path, dtype, offload):
     """SIGKILL mid-run, `--resume` from the last checkpoint: every step equals the uninterrupted run's."""
-    options = ["data.total_steps=40", "ckpt.checkpoint_every=3", "ckpt.keep_last=0", f"model.dtype={dtype}"]
+    options = ["data.total_steps=40", "ckpt.checkpoint_every=3", "ckpt.keep_last=0", f"model.dtype={dtype}", *offload]
     full, killed = tmp_path / "full", tmp_path / "killed"
     assert _spawn(full, *options).wait(timeout=600) == 0
     proc = _spawn(killed, *options)

@@ -597,3 +597,25 @@ def test_every_problem_of_a_config_in_one_report() -> None:
     assert lines[0] == "3 problems in the config:"
     assert any("parallel.tensor.size=2" in line for line in lines)
     assert any("model.num_layers=0" in line for line in lines) and any("model.hidden_size=0" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    "raw, fragments",
+    [
+        ({"grad_offload": True}, ["grad_offload=True needs", "swap_optimizer=True", "offload_fraction=1.0"]),
+        (
+            {"grad_offload": True, "hybrid_optimizer": {"enable": True, "offload_fraction": 0.5}},
+            ["grad_offload=True needs", "offload_fraction=0.5"],
+        ),
+        (
+            {"grad_offload": True, "swap_optimizer": True, "parallel": {"mode": "fsdp2"}},
+            ["grad_offload=True runs with parallel.mode='none'", "got 'fsdp2'", "fsdp_cpu_offload=True"],
+        ),
+        ({"grad_offload": True, "swap_optimizer": True, "grad_offload_bucket_mb": 0}, ["grad_offload_bucket_mb"]),
+    ],
+)
+def test_gradient_offload_needs_a_host_stepping_optimizer_and_one_rank(raw, fragments):
+    message = config_error(raw)
+    for fragment in fragments:
+        assert fragment in message, message
+    assert resolve_config({"grad_offload": True, "swap_optimizer": True}).grad_offload

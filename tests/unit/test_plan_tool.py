@@ -131,7 +131,7 @@ def test_search_space_keeps_what_the_config_fixes() -> None:
 
 
 @pytest.mark.parametrize("mode", ["none", "fsdp2"])
-def test_plan_searches_parameter_offload_under_fsdp2(monkeypatch, mode) -> None:
+def test_plan_searches_parameter_offload_under_fsdp2_and_gradient_offload_on_one_rank(monkeypatch, mode) -> None:
     from internlm_offload.planner import search
 
     searched = []
@@ -145,9 +145,17 @@ def test_plan_searches_parameter_offload_under_fsdp2(monkeypatch, mode) -> None:
     argv = ["--config", TINY, "--cfg-options", *SMALL, f"parallel.mode={mode}", "--device-memory", "20MiB"]
     plan.main(argv)
     on_host = [o for o in searched if o.get("parallel.fsdp_cpu_offload")]
+    grads_on_host = [o for o in searched if o.get("grad_offload")]
     if mode == "none":
-        assert not on_host and len(searched) == 4  # AdamW, hybrid 0.5 and 1.0, swap
-    else:  # the policy excludes the swap and hybrid optimizers
+        # AdamW, hybrid 0.5 and 1.0, swap; hybrid 1.0 and swap again with gradient offload
+        assert not on_host and len(searched) == 6
+        assert grads_on_host == [
+            {"swap_optimizer": False, "hybrid_optimizer.enable": True, "hybrid_optimizer.offload_fraction": 1.0}
+            | {"grad_offload": True},
+            {"swap_optimizer": True, "hybrid_optimizer.enable": False, "grad_offload": True},
+        ]
+    else:  # the policy excludes the swap and hybrid optimizers; gradient offload is a one-rank knob
+        assert not grads_on_host
         assert on_host == [
             {"swap_optimizer": False, "hybrid_optimizer.enable": False, "parallel.fsdp_cpu_offload": True}
         ]
@@ -180,3 +188,26 @@ def test_search_prefers_a_smaller_micro_batch_to_recomputation_at_equal_work(tmp
     report = json.loads(out.read_text())
     assert "data.micro_bsz=1" in report["cfg_options"] and "model.checkpoint=0.0" in report["cfg_options"]
     assert report["step_time_s"] == pytest.approx(smaller["step_time_s"])
+
+
+def test_search_refines_an_estimate_against_the_leanest_activation_setting(monkeypatch) -> None:
+    """The optimizer setting saves little beside the full activations (peak elsewhere) and much beside the
+    lean ones: the first estimate (85) is over the budget, the lean one (20) is not, and the candidate is
+    traced and chosen; without the refinement nothing would fit."""
+    from internlm_offload.planner import search
+    from internlm_offload.planner.cost import HARDWARE
+    from internlm_offload.planner.trace import StepMemory
+
+    peaks = {("full", "o0"): 100, ("lean", "o0"): 90, ("full", "o1"): 95, ("lean", "o1"): 20}
+    traced = []
+
+    def trace(options, world_size):
+        traced.append((options["a"], options["o"]))
+        return StepMemory(world_size, peaks[options["a"], options["o"]], 0, {}, [])
+
+    monkeypatch.setattr(search, "trace_step", trace)
+    activations = [search.Setting("full", {"a": "full"}), search.Setting("lean", {"a": "lean"})]
+    optimizers = [search.Setting("o0", {"o": "o0"}), search.Setting("o1", {"o": "o1"})]
+    chosen, candidates = search.search(lambda options: options, activations, optimizers, HARDWARE["h100"], 50, None)
+    assert chosen is not None and chosen.name == "lean + o1" and chosen.memory.device_peak_bytes == 20
+    assert traced.count(("lean", "o1")) == 2  # once for the estimate, once whole before the choice

@@ -26,6 +26,8 @@ CASES = {
     "bf16": ("internlm2_tiny.py", BF16),
     "bf16_swap": ("internlm2_tiny_swap.py", BF16),
     "bf16_hybrid_all": ("internlm2_tiny_hybrid.py", {**BF16, "cpu_offloading.enable": True, "model.checkpoint": 0.5}),
+    "bf16_swap_grads": ("internlm2_tiny_swap.py", {**BF16, "grad_offload": True, "grad_offload_bucket_mb": 0.25}),
+    "hybrid_grads": ("internlm2_tiny_hybrid.py", {"hybrid_optimizer.offload_fraction": 1.0, "grad_offload": True}),
 }
 
 
@@ -236,6 +238,20 @@ def test_traced_work_counts_what_each_feature_moves_and_computes():
     elements = base.optimizer_work.device_adamw_elements
     assert hybrid.optimizer_work.host_adamw_elements + hybrid.optimizer_work.device_adamw_elements == elements
     assert 0.45 * elements < hybrid.optimizer_work.host_adamw_elements <= 0.5 * elements
+
+
+def test_gradient_offload_moves_the_gradients_to_the_host_during_backward():
+    """bf16 swap: the fp32 master gradients leave the device (and the step's peak) for host memory; each
+    micro-batch copies its bf16 gradients out, and the step no longer copies fp32 gradients."""
+    kept = trace_step(config("bf16_swap"))
+    offloaded = trace_step(config("bf16_swap_grads"))
+    params = kept.components["model_params"]  # bf16
+    assert kept.components["gradients_at_step"] == 2 * params and offloaded.components["gradients_at_step"] == 0
+    # the swap chunks now carry their gradients: 1 / swap_optimizer_times (4) of them is on the device at a time
+    assert offloaded.device_peak_bytes <= kept.device_peak_bytes - 2 * params * 3 // 4
+    host_grads = offloaded.components["host_buffers"] - kept.components["host_buffers"]
+    assert 2 * params <= host_grads <= 2 * params + 2 * (1 << 20)  # fp32 grads + two staging buffers
+    assert offloaded.micro_batch_work.d2h_bytes == params and kept.micro_batch_work.d2h_bytes == 0
 
 
 def test_step_time_model():

@@ -1,0 +1,232 @@
+"""Gradient offload (ZeRO-Offload's schedule): every gradient leaves the device as backward produces it.
+
+What it may touch: the model's parameters' `.grad` (taken and dropped by a post-accumulate-grad hook), the
+`host_grad` attribute of the parameters the optimizer steps (views of one host buffer, which the swap and
+hybrid optimizers read instead of a device gradient), and the accelerator's streams, host memory and host
+threads. It never reads a config.
+
+Schedule of one micro-batch's backward (device picture; the cpu backend runs it on worker threads):
+- a parameter's hook takes its gradient into the open bucket (about `bucket_bytes` of gradients in their
+  own dtype, a larger gradient alone) and drops `.grad`: the device keeps a gradient only until its bucket
+  has been copied out;
+- a full bucket goes D2H on the copy stream into one of two pinned staging buffers, after the copy stream
+  waited for the compute stream (backward wrote the gradients); the grads are `record_stream`ed, so the
+  allocator does not hand their memory out before the copy read it;
+- a host thread waits for the copy and adds the staged bucket into the host gradients, in the stepped
+  parameter's dtype (fp32 for fp32 masters): the first micro-batch of a step copies, later ones add;
+- a bucket waits for its staging buffer only while the one before the last is still being copied or
+  added: the copies fall behind backward only when the host link or the host's adds are the slower part;
+- after backward the trainer calls `accumulate_grads()`, which sends the last, partial bucket.
+`grads()` waits for every add and returns the host gradients, which clipping, the non-finite guard and the
+optimizer's step read. The device never holds the fp32 gradient buffer of the masters.
+
+Numerics: the host adds are the additions the run without offload does on the device, in the same order
+(micro-batch by micro-batch), so gradients are bitwise that run's. With fp32 masters it adds into a zeroed
+buffer (`MasterWeights`): here the first gradient is added to 0.0 too (which turns -0.0 into +0.0), and a
+parameter without a gradient gets zeros. Otherwise autograd keeps the first gradient as it is and leaves
+`.grad` None without one: so does this class.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from typing import TYPE_CHECKING
+
+from internlm_offload.device import Accelerator, Event, HostArena, finish_and_close
+from internlm_offload.features import MemoryFeature
+from internlm_offload.log import get_logger
+
+if TYPE_CHECKING:
+    from internlm_offload.engine.precision import Masters
+
+logger = get_logger(__name__)
+
+STAGING_BUFFERS = 2  # one bucket on the link while the host adds the one before
+_ALIGNMENT = 64  # bytes between gradients in a staging buffer
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Gradients taken by the hooks and not yet sent: (index of the parameter, its device gradient)."""
+
+    grads: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+class GradOffload(MemoryFeature):
+    """The masters' gradient interface (`Masters`) over host-resident gradients; see the module docstring.
+
+    `pairs`: (model parameter whose `.grad` backward produces, parameter the optimizer steps) for every
+    trainable parameter; the two are one tensor without fp32 masters. `from_zeros` (fp32 masters): the first
+    gradient of a step is added to zeros and parameters without one get zeros; else the first is kept as it
+    is and those get none (autograd's rule).
+    """
+
+    def __init__(
+        self,
+        masters: Masters,
+        pairs: list[tuple[nn.Parameter, nn.Parameter]],
+        accelerator: Accelerator,
+        *,
+        bucket_bytes: int,
+        from_zeros: bool,
+    ) -> None:
+        self._masters = masters
+        self.module = masters.module
+        self._acc = accelerator
+        self._stepped = [stepped for _, stepped in pairs]
+        self._from_zeros = from_zeros
+        self._host = HostArena(accelerator, [(p.shape, p.dtype) for p in self._stepped], pinned=True)
+        self._host_grads = [self._host.view(i) for i in range(len(self._stepped))]
+        self._landed = [False] * len(self._stepped)
+        largest = max((_padded(p.numel() * p.element_size()) for p, _ in pairs), default=0)
+        self._capacity = max(bucket_bytes, largest)
+        self._staging = [accelerator.host_empty((self._capacity,), torch.uint8) for _ in range(STAGING_BUFFERS)]
+        self._in_flight: list[Future | None] = [None] * STAGING_BUFFERS
+        self._next_staging = 0
+        self._bucket = _Bucket()
+        self._copy_stream = accelerator.stream()
+        self._worker = accelerator.host_worker("grad-offload")
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(functools.partial(self._take_grad, index))
+            for index, (param, _) in enumerate(pairs)
+        ]
+        logger.info(
+            "Gradient offload: %d gradients to %.1f MiB of pinned host memory, buckets of %.1f MiB",
+            len(pairs),
+            self._host.nbytes / 2**20,
+            self._capacity / 2**20,
+        )
+
+    # ---- what the trainer calls (the `Masters` interface) -----------------------------------------
+
+    @property
+    def on_host(self) -> bool:
+        return self._masters.on_host
+
+    @property
+    def reduce_in_backward(self) -> bool:
+        """False: the data-parallel wrapper must not reduce gradients this class takes away in backward."""
+        return False
+
+    def master_params(self) -> Iterator[nn.Parameter]:
+        return self._masters.master_params()
+
+    def trainable_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        return self._masters.trainable_pairs()
+
+    def accumulate_grads(self) -> None:
+        """After a micro-batch's backward: send the last, partial bucket."""
+        self._send()
+
+    def reduce_grads(self, distributed: bool) -> None:
+        """Nothing: refused with data parallelism (the config says so)."""
+        if distributed:
+            raise NotImplementedError("gradient offload runs with parallel.mode='none'")
+
+    def grads(self) -> list[torch.Tensor]:
+        """This step's host gradients, once every bucket has been added; they are the `host_grad`s now."""
+        self._send()
+        for index, pending in enumerate(self._in_flight):
+            if pending is not None:
+                pending.result()  # re-raises a failure of the host thread
+                self._in_flight[index] = None
+        grads = []
+        for stepped, host, landed in zip(self._stepped, self._host_grads, self._landed):
+            if not landed and self._from_zeros:
+                host.zero_()
+            stepped.host_grad = host if landed or self._from_zeros else None
+            if stepped.host_grad is not None:
+                grads.append(host)
+        return grads
+
+    def copy_to_model(self) -> None:
+        self._masters.copy_to_model()
+
+    def after_step(self) -> None:
+        self._masters.after_step()
+
+    def release_grads(self) -> None:
+        """The step is over: the next micro-batch starts the host gradients afresh."""
+        for stepped in self._stepped:
+            stepped.host_grad = None
+        self._landed = [False] * len(self._stepped)
+        self._masters.release_grads()
+
+    # ---- MemoryFeature ------------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        staging = sum(buffer.numel() for buffer in self._staging)
+        return {"grad_offload_host_bytes": float(self._host.nbytes + staging)}
+
+    def close(self) -> None:
+        """Remove the hooks, finish the copies and adds, stop the copy stream and the host thread."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for pending in self._in_flight:
+            if pending is not None:
+                pending.result()
+        self._in_flight = [None] * STAGING_BUFFERS
+        self._worker.shutdown()
+        finish_and_close(self._copy_stream)
+
+    # ---- the schedule -------------------------------------------------------------------------------
+
+    def _take_grad(self, index: int, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: the gradient joins the open bucket and leaves `.grad`."""
+        grad = param.grad
+        param.grad = None
+        nbytes = _padded(grad.numel() * grad.element_size())
+        if self._bucket.nbytes + nbytes > self._capacity:
+            self._send()
+        self._bucket.grads.append((index, grad))
+        self._bucket.nbytes += nbytes
+
+    def _send(self) -> None:
+        """Copy the open bucket to a staging buffer on the copy stream; the host thread adds it when it lands."""
+        bucket, self._bucket = self._bucket, _Bucket()
+        if not bucket.grads:
+            return
+        slot = self._next_staging
+        self._next_staging = (slot + 1) % STAGING_BUFFERS
+        if self._in_flight[slot] is not None:
+            self._in_flight[slot].result()  # the staging buffer's last bucket has been added
+        staged, offset = [], 0
+        for _, grad in bucket.grads:
+            nbytes = grad.numel() * grad.element_size()
+            staged.append(self._staging[slot][offset : offset + nbytes].view(grad.dtype).view(grad.shape))
+            offset += _padded(nbytes)
+        device_grads = [grad for _, grad in bucket.grads]
+        self._copy_stream.wait_stream(self._acc.current_stream())  # backward wrote the gradients
+        self._acc.copy_async(staged, device_grads, self._copy_stream)
+        for grad in device_grads:
+            self._acc.record_stream(grad, self._copy_stream)  # dropped now, read by the copy later
+        copied = self._copy_stream.record_event()
+        indices = [index for index, _ in bucket.grads]
+        self._in_flight[slot] = self._worker.submit(self._add_landed, copied, indices, staged)
+
+    @torch.no_grad()  # grad mode is per thread
+    def _add_landed(self, copied: Event, indices: list[int], staged: list[torch.Tensor]) -> None:
+        """Host thread: once the bucket is in its staging buffer, add it into the host gradients."""
+        copied.synchronize()
+        for index, grad in zip(indices, staged):
+            host = self._host_grads[index]
+            if self._landed[index]:
+                host.add_(grad)
+            elif self._from_zeros:
+                torch.add(grad, 0.0, out=host)  # 0 + g in one pass: bitwise a zeroed buffer's first add
+            else:
+                host.copy_(grad)
+            self._landed[index] = True
+
+
+def _padded(nbytes: int) -> int:
+    return (nbytes + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT

@@ -348,7 +348,12 @@ def build_components(
             mixed_precision=policy.fsdp_mixed_precision(),
         ),
     }
-    model = build(PARALLEL, par.mode, "parallel.mode", model, ctx=ctx, **mode_args[par.mode])
+    wrapper = "none" if cfg.grad_offload and par.mode == "ddp" else par.mode
+    if wrapper != par.mode:
+        # Gradient offload takes the gradients in backward and reduces them itself; DDP would keep bucket
+        # buffers the size of the gradients on the device, unused. Ranks build the same weights from the seed.
+        logger.info("DDP: gradient offload reduces the gradients; the model is not wrapped")
+    model = build(PARALLEL, wrapper, "parallel.mode", model, ctx=ctx, **mode_args[wrapper])
     if meta:
         materialize_shards(model, ctx, seed=cfg.seed, on_host=par.fsdp_cpu_offload)
     log_build_memory(ctx)
@@ -364,7 +369,7 @@ def build_components(
         check_host=check_host_memory,
     )
     if cfg.grad_offload:
-        masters = offload_gradients(cfg, masters, ctx.accelerator)
+        masters = offload_gradients(cfg, masters, ctx.accelerator, distributed=ctx.distributed)
     scheduler = build_lr_scheduler(
         optimizer,
         base_lr=cfg.adam.lr,
@@ -375,14 +380,16 @@ def build_components(
     return Components(model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers)
 
 
-def offload_gradients(cfg: RunConfig, masters: Masters, accelerator: Accelerator) -> GradOffload:
-    """Gradient offload's hooks on the model's parameters, feeding the host gradients of what `masters` steps."""
+def offload_gradients(cfg: RunConfig, masters: Masters, accelerator: Accelerator, *, distributed: bool) -> GradOffload:
+    """Gradient offload's hooks on the model's parameters, feeding the host gradients of what `masters` steps
+    (averaged over the ranks when `distributed`)."""
     return GradOffload(
         masters,
         masters.trainable_pairs(),
         accelerator,
         bucket_bytes=int(cfg.grad_offload_bucket_mb * 2**20),
         from_zeros=isinstance(masters, MasterWeights),
+        reduce=distributed,
     )
 
 

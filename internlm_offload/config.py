@@ -430,7 +430,8 @@ class RunConfig(Section):
         description="ZeRO-Offload's gradient schedule: each gradient goes to host memory as backward produces it "
         "(bucketed, on a copy stream) and accumulates there in fp32; the device never holds the fp32 gradient "
         "buffer (4 bytes per parameter). Needs `swap_optimizer` or `hybrid_optimizer` with `offload_fraction=1.0`, "
-        "and `parallel.mode='none'`. Bitwise equal to the run without it. "
+        "and `parallel.mode` 'none' or 'ddp' (which then reduces the host gradients bucket by bucket after backward). "
+        "Bitwise equal to the run without it. "
         '`"auto"` (with `memory_budget`): the planner chooses.',
     )
     grad_offload_bucket_mb: float = Field(
@@ -520,9 +521,9 @@ class RunConfig(Section):
                 f"(got swap_optimizer={self.swap_optimizer}, hybrid_optimizer.enable={hybrid.enable}, "
                 f"offload_fraction={hybrid.offload_fraction})"
             )
-        if self.parallel.mode != "none":
+        if self.parallel.mode == "fsdp2":
             raise ValueError(
-                f"grad_offload=True runs with parallel.mode='none', got {self.parallel.mode!r}; under 'fsdp2', "
+                "grad_offload=True runs with parallel.mode 'none' or 'ddp', got 'fsdp2'; under 'fsdp2', "
                 "parallel.fsdp_cpu_offload=True moves the reduce-scattered gradient shards to the host"
             )
 
@@ -573,8 +574,11 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
             f"parallel.fsdp_cpu_offload='auto' needs parallel.mode='fsdp2' (FSDP2's CPU offload policy), "
             f"got {cfg.parallel.mode!r}"
         )
-    if "grad_offload" in auto and cfg.parallel.mode != "none":
-        raise ConfigError(f"grad_offload='auto' needs parallel.mode='none', got {cfg.parallel.mode!r}")
+    if "grad_offload" in auto and cfg.parallel.mode == "fsdp2":
+        raise ConfigError(
+            "grad_offload='auto' needs parallel.mode 'none' or 'ddp', got 'fsdp2' (there parallel.fsdp_cpu_offload "
+            "moves the gradient shards to the host)"
+        )
     # A 1-process ddp/fsdp2 run is legal (handy to debug the wrappers); several processes need one.
     if cfg.parallel.mode == "none" and world_size > 1:
         raise ConfigError(f"parallel.mode='none' with world size {world_size}: use parallel.mode='ddp' or 'fsdp2'")

@@ -34,6 +34,10 @@ from internlm_offload.tools.plan import option_strings
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "planner_validation.py"
 OFFLOAD = {"cpu_offloading.enable": True}
+# Gradient offload's rows: bf16 with fp32 masters, activations recomputed, two micro-batches: the fp32
+# gradient buffer (beside the second backward) is then part of the peak, as at 7B.
+BF16_LEAN = {"model.dtype": "torch.bfloat16", "model.checkpoint": 1.0, "data.micro_num": 2}
+HYBRID_ALL = {"hybrid_optimizer.enable": True, "hybrid_optimizer.offload_fraction": 1.0}
 SETTINGS: dict[str, dict[str, Any]] = {
     "baseline": {},
     "offload 3": {**OFFLOAD, "cpu_offloading.num_layers": 3},
@@ -44,6 +48,11 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "ckpt 0.5 + offload 6": {"model.checkpoint": 0.5, **OFFLOAD, "cpu_offloading.num_layers": 6},
     "swap": {"swap_optimizer": True, "swap_optimizer_times": 4},
     "hybrid 0.5": {"hybrid_optimizer.enable": True, "hybrid_optimizer.offload_fraction": 0.5},
+    "bf16 ckpt 1.0 + swap": {**BF16_LEAN, "swap_optimizer": True, "swap_optimizer_times": 4},
+    "bf16 ckpt 1.0 + swap + grad offload": {**BF16_LEAN, "swap_optimizer": True, "swap_optimizer_times": 4,
+                                            "grad_offload": True},
+    "bf16 ckpt 1.0 + hybrid 1.0": {**BF16_LEAN, **HYBRID_ALL},
+    "bf16 ckpt 1.0 + hybrid 1.0 + grad offload": {**BF16_LEAN, **HYBRID_ALL, "grad_offload": True},
     "all": {"model.checkpoint": 0.5, "selective_checkpoint": True, "selective_checkpoint_offload": True,
             **OFFLOAD, "cpu_offloading.num_layers": 3, "swap_optimizer": True, "swap_optimizer_times": 4,
             "use_pinned_optimizer_offload": True},

@@ -20,6 +20,15 @@ Schedule of one micro-batch's backward (device picture; the cpu backend runs it 
 `grads()` waits for every add and returns the host gradients, which clipping, the non-finite guard and the
 optimizer's step read. The device never holds the fp32 gradient buffer of the masters.
 
+Data parallelism (`reduce=True`, DDP's layout without its wrapper): once per step, after the last
+backward (`reduce_grads`), the host sums are averaged over the ranks bucket by bucket on the device: a
+bucket goes H2D in the stepped dtype, is all-reduced and comes back over the host gradients. The buckets
+are fixed at construction, in parameter order, so every rank issues the same all-reduces whatever its
+graph used (a parameter without a gradient on a rank takes part as zeros); hook order, which decides the
+backward buckets, may differ between ranks (an MoE router's choice of experts), and mismatched
+collectives would hang. The sums are the ones the run without offload all-reduces, as one fp32 buffer.
+Cost: 2 x (stepped dtype's bytes) per parameter over the host link per step, after backward.
+
 Numerics: the host adds are the additions the run without offload does on the device, in the same order
 (micro-batch by micro-batch), so gradients are bitwise that run's. With fp32 masters it adds into a zeroed
 buffer (`MasterWeights`): here the first gradient is added to 0.0 too (which turns -0.0 into +0.0), and a
@@ -35,6 +44,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from typing import TYPE_CHECKING
@@ -66,7 +76,8 @@ class GradOffload(MemoryFeature):
     `pairs`: (model parameter whose `.grad` backward produces, parameter the optimizer steps) for every
     trainable parameter; the two are one tensor without fp32 masters. `from_zeros` (fp32 masters): the first
     gradient of a step is added to zeros and parameters without one get zeros; else the first is kept as it
-    is and those get none (autograd's rule).
+    is and those get none (autograd's rule). `reduce`: average the gradients over the default process
+    group's ranks before they leave the device (module docstring).
     """
 
     def __init__(
@@ -77,21 +88,26 @@ class GradOffload(MemoryFeature):
         *,
         bucket_bytes: int,
         from_zeros: bool,
+        reduce: bool = False,
     ) -> None:
         self._masters = masters
         self.module = masters.module
         self._acc = accelerator
         self._stepped = [stepped for _, stepped in pairs]
         self._from_zeros = from_zeros
+        self._reduce = reduce
+        self._device = pairs[0][0].device if pairs else torch.device("cpu")  # where backward computes
         self._host = HostArena(accelerator, [(p.shape, p.dtype) for p in self._stepped], pinned=True)
         self._host_grads = [self._host.view(i) for i in range(len(self._stepped))]
         self._landed = [False] * len(self._stepped)
-        largest = max((_padded(p.numel() * p.element_size()) for p, _ in pairs), default=0)
+        # Bucket sizes count the stepped dtype's bytes, which a reduced bucket travels in (fp32 for masters).
+        largest = max((_padded(p.numel() * p.element_size()) for p in self._stepped), default=0)
         self._capacity = max(bucket_bytes, largest)
         self._staging = [accelerator.host_empty((self._capacity,), torch.uint8) for _ in range(STAGING_BUFFERS)]
         self._in_flight: list[Future | None] = [None] * STAGING_BUFFERS
         self._next_staging = 0
         self._bucket = _Bucket()
+        self._reduce_buckets = _fixed_buckets(self._stepped, self._capacity) if reduce else []
         self._copy_stream = accelerator.stream()
         self._worker = accelerator.host_worker("grad-offload")
         self._hooks = [
@@ -127,17 +143,20 @@ class GradOffload(MemoryFeature):
         self._send()
 
     def reduce_grads(self, distributed: bool) -> None:
-        """Nothing: refused with data parallelism (the config says so)."""
-        if distributed:
-            raise NotImplementedError("gradient offload runs with parallel.mode='none'")
+        """Average the host gradients over the ranks, bucket by bucket on the device (module docstring)."""
+        if distributed and not self._reduce:
+            raise RuntimeError("GradOffload was built without reduce=True for a distributed run")
+        if not distributed:
+            return
+        self._send()
+        self._finish_adds()  # the sums go back in: every add must have landed
+        for indices in self._reduce_buckets:
+            self._ship(indices, self._reduced(indices), replace=True)
 
     def grads(self) -> list[torch.Tensor]:
         """This step's host gradients, once every bucket has been added; they are the `host_grad`s now."""
         self._send()
-        for index, pending in enumerate(self._in_flight):
-            if pending is not None:
-                pending.result()  # re-raises a failure of the host thread
-                self._in_flight[index] = None
+        self._finish_adds()
         grads = []
         for stepped, host, landed in zip(self._stepped, self._host_grads, self._landed):
             if not landed and self._from_zeros:
@@ -171,10 +190,7 @@ class GradOffload(MemoryFeature):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        for pending in self._in_flight:
-            if pending is not None:
-                pending.result()
-        self._in_flight = [None] * STAGING_BUFFERS
+        self._finish_adds()
         self._worker.shutdown()
         finish_and_close(self._copy_stream)
 
@@ -184,48 +200,93 @@ class GradOffload(MemoryFeature):
         """Post-accumulate-grad hook: the gradient joins the open bucket and leaves `.grad`."""
         grad = param.grad
         param.grad = None
-        nbytes = _padded(grad.numel() * grad.element_size())
+        nbytes = _padded(grad.numel() * self._stepped[index].element_size())
         if self._bucket.nbytes + nbytes > self._capacity:
             self._send()
         self._bucket.grads.append((index, grad))
         self._bucket.nbytes += nbytes
 
     def _send(self) -> None:
-        """Copy the open bucket to a staging buffer on the copy stream; the host thread adds it when it lands."""
+        """Copy the open bucket to a staging buffer on the copy stream; the host thread adds it when it lands
+        (or, reducing, writes the reduced sums over the host gradients)."""
         bucket, self._bucket = self._bucket, _Bucket()
-        if not bucket.grads:
-            return
+        if bucket.grads:
+            self._ship([index for index, _ in bucket.grads], [grad for _, grad in bucket.grads], replace=False)
+
+    def _ship(self, indices: list[int], outgoing: list[torch.Tensor], replace: bool) -> None:
+        """Device tensors of the given parameters to the host: through a staging buffer, added (or written
+        over, `replace`) into the host gradients by the host thread."""
         slot = self._next_staging
         self._next_staging = (slot + 1) % STAGING_BUFFERS
         if self._in_flight[slot] is not None:
             self._in_flight[slot].result()  # the staging buffer's last bucket has been added
         staged, offset = [], 0
-        for _, grad in bucket.grads:
-            nbytes = grad.numel() * grad.element_size()
-            staged.append(self._staging[slot][offset : offset + nbytes].view(grad.dtype).view(grad.shape))
+        for tensor in outgoing:
+            nbytes = tensor.numel() * tensor.element_size()
+            staged.append(self._staging[slot][offset : offset + nbytes].view(tensor.dtype).view(tensor.shape))
             offset += _padded(nbytes)
-        device_grads = [grad for _, grad in bucket.grads]
-        self._copy_stream.wait_stream(self._acc.current_stream())  # backward wrote the gradients
-        self._acc.copy_async(staged, device_grads, self._copy_stream)
-        for grad in device_grads:
-            self._acc.record_stream(grad, self._copy_stream)  # dropped now, read by the copy later
+        self._copy_stream.wait_stream(self._acc.current_stream())  # backward (or the reduction) wrote them
+        self._acc.copy_async(staged, outgoing, self._copy_stream)
+        for tensor in outgoing:
+            self._acc.record_stream(tensor, self._copy_stream)  # dropped now, read by the copy later
         copied = self._copy_stream.record_event()
-        indices = [index for index, _ in bucket.grads]
-        self._in_flight[slot] = self._worker.submit(self._add_landed, copied, indices, staged)
+        self._in_flight[slot] = self._worker.submit(self._land, copied, indices, staged, replace)
+
+    @torch.no_grad()
+    def _reduced(self, indices: list[int]) -> list[torch.Tensor]:
+        """The parameters' host sums on the device (zeros where this rank has none), averaged over the ranks:
+        one flat buffer in their dtype, all-reduced once; a view of it per parameter."""
+        stepped = [self._stepped[index] for index in indices]
+        flat = torch.empty(sum(p.numel() for p in stepped), dtype=stepped[0].dtype, device=self._device)
+        sums, offset = [], 0
+        for index, param in zip(indices, stepped):
+            total = flat[offset : offset + param.numel()].view_as(param)
+            offset += param.numel()
+            if self._landed[index]:
+                total.copy_(self._host_grads[index], non_blocking=True)  # pinned: asynchronous on a device
+            else:
+                total.zero_()
+            sums.append(total)
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+        return sums
+
+    def _finish_adds(self) -> None:
+        """Wait until every bucket sent so far has landed in the host gradients."""
+        for index, pending in enumerate(self._in_flight):
+            if pending is not None:
+                pending.result()  # re-raises a failure of the host thread
+                self._in_flight[index] = None
 
     @torch.no_grad()  # grad mode is per thread
-    def _add_landed(self, copied: Event, indices: list[int], staged: list[torch.Tensor]) -> None:
-        """Host thread: once the bucket is in its staging buffer, add it into the host gradients."""
+    def _land(self, copied: Event, indices: list[int], staged: list[torch.Tensor], reduced: bool) -> None:
+        """Host thread: once the bucket is in its staging buffer, add it into the host gradients (reduced
+        sums replace them)."""
         copied.synchronize()
         for index, grad in zip(indices, staged):
             host = self._host_grads[index]
-            if self._landed[index]:
+            if reduced:
+                host.copy_(grad)
+            elif self._landed[index]:
                 host.add_(grad)
             elif self._from_zeros:
                 torch.add(grad, 0.0, out=host)  # 0 + g in one pass: bitwise a zeroed buffer's first add
             else:
                 host.copy_(grad)
             self._landed[index] = True
+
+
+def _fixed_buckets(params: list[torch.Tensor], capacity: int) -> list[list[int]]:
+    """Indices of consecutive parameters of one dtype, up to `capacity` bytes per bucket (a larger one alone)."""
+    buckets: list[list[int]] = []
+    filled = 0
+    for index, param in enumerate(params):
+        nbytes = _padded(param.numel() * param.element_size())
+        if not buckets or filled + nbytes > capacity or param.dtype != params[buckets[-1][0]].dtype:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(index)
+        filled += nbytes
+    return buckets
 
 
 def _padded(nbytes: int) -> int:

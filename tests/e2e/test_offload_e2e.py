@@ -55,24 +55,31 @@ def test_offload_configs_align_bitwise_with_baseline(tmp_path, mode):
         assert compared.returncode == 0, compared.stdout
 
 
-@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
-def test_gradient_offload_trains_the_baseline_curve_bitwise(tmp_path, dtype):
+SWAP_GRADS = {"internlm2_tiny_swap.py": []}
+HYBRID_GRADS = {"internlm2_tiny_hybrid.py": ["hybrid_optimizer.offload_fraction=1.0"]}
+
+
+@pytest.mark.parametrize(
+    "dtype, mode, runs",
+    [
+        ("torch.float32", "none", {**SWAP_GRADS, **HYBRID_GRADS}),
+        ("torch.bfloat16", "none", {**SWAP_GRADS, **HYBRID_GRADS}),
+        ("torch.bfloat16", "ddp", SWAP_GRADS),  # fp32 masters' sums reduced bucket by bucket
+        ("torch.float32", "ddp", HYBRID_GRADS),  # the model's own gradients (no masters) reduced
+    ],
+    ids=["fp32", "bf16", "bf16-ddp", "fp32-ddp"],
+)
+def test_gradient_offload_trains_the_baseline_curve_bitwise(tmp_path, dtype, mode, runs):
     """Gradients on the host (several buckets per backward) under the swap optimizer and the hybrid one at
-    fraction 1.0: loss and grad norm equal the AdamW baseline's; no fp32 gradient buffer on the device."""
-    options = [*STEPS, f"model.dtype={dtype}"]
+    fraction 1.0, on one rank or two (DDP): loss and grad norm equal the AdamW baseline's."""
+    nproc = 1 if mode == "none" else 2
+    options = [*STEPS, f"model.dtype={dtype}", f"parallel.mode={mode}"]
     base = tmp_path / "base"
-    train(base, *options)
-    runs = {"internlm2_tiny_swap.py": [], "internlm2_tiny_hybrid.py": ["hybrid_optimizer.offload_fraction=1.0"]}
+    train(base, *options, nproc=nproc)
     for name, optimizer in runs.items():
         run = tmp_path / name
-        train(
-            run,
-            *options,
-            *optimizer,
-            "grad_offload=True",
-            "grad_offload_bucket_mb=0.25",
-            config=REPO / "configs" / name,
-        )
+        config = REPO / "configs" / name
+        train(run, *options, *optimizer, "grad_offload=True", "grad_offload_bucket_mb=0.25", nproc=nproc, config=config)
         assert metrics(run)[-1]["grad_offload_host_bytes"] > 0
         for metric in ("loss", "grad_norm"):
             compared = loss_compare(str(base), str(run), "--exact", "--quiet", "--metric", metric)

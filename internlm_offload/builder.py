@@ -369,7 +369,8 @@ def build_components(
         check_host=check_host_memory,
     )
     if cfg.grad_offload:
-        masters = offload_gradients(cfg, masters, ctx.accelerator, distributed=ctx.distributed)
+        # DDP's reduction is gradient offload's own; FSDP2 reduce-scatters before the hooks see a gradient.
+        masters = offload_gradients(cfg, masters, ctx.accelerator, reduce=ctx.distributed and par.mode == "ddp")
     scheduler = build_lr_scheduler(
         optimizer,
         base_lr=cfg.adam.lr,
@@ -380,16 +381,16 @@ def build_components(
     return Components(model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers)
 
 
-def offload_gradients(cfg: RunConfig, masters: Masters, accelerator: Accelerator, *, distributed: bool) -> GradOffload:
+def offload_gradients(cfg: RunConfig, masters: Masters, accelerator: Accelerator, *, reduce: bool) -> GradOffload:
     """Gradient offload's hooks on the model's parameters, feeding the host gradients of what `masters` steps
-    (averaged over the ranks when `distributed`)."""
+    (averaged over the ranks by it when `reduce`)."""
     return GradOffload(
         masters,
         masters.trainable_pairs(),
         accelerator,
         bucket_bytes=int(cfg.grad_offload_bucket_mb * 2**20),
         from_zeros=isinstance(masters, MasterWeights),
-        reduce=distributed,
+        reduce=reduce,
     )
 
 

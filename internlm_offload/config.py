@@ -430,7 +430,8 @@ class RunConfig(Section):
         description="ZeRO-Offload's gradient schedule: each gradient goes to host memory as backward produces it "
         "(bucketed, on a copy stream) and accumulates there in fp32; the device never holds the fp32 gradient "
         "buffer (4 bytes per parameter). Needs `swap_optimizer` or `hybrid_optimizer` with `offload_fraction=1.0`, "
-        "and `parallel.mode` 'none' or 'ddp' (which then reduces the host gradients bucket by bucket after backward). "
+        "(excludes `parallel.fsdp_cpu_offload`, which moves FSDP2's gradient shards itself). Under DDP the host "
+        "gradients are averaged bucket by bucket after backward; under FSDP2 the reduce-scattered shards move. "
         "Bitwise equal to the run without it. "
         '`"auto"` (with `memory_budget`): the planner chooses.',
     )
@@ -521,11 +522,6 @@ class RunConfig(Section):
                 f"(got swap_optimizer={self.swap_optimizer}, hybrid_optimizer.enable={hybrid.enable}, "
                 f"offload_fraction={hybrid.offload_fraction})"
             )
-        if self.parallel.mode == "fsdp2":
-            raise ValueError(
-                "grad_offload=True runs with parallel.mode 'none' or 'ddp', got 'fsdp2'; under 'fsdp2', "
-                "parallel.fsdp_cpu_offload=True moves the reduce-scattered gradient shards to the host"
-            )
 
     def checkpointed_layers(self) -> int:
         """`int(num_layers * model.checkpoint)`: InternEvo's count of blocks under activation checkpointing."""
@@ -573,11 +569,6 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
         raise ConfigError(
             f"parallel.fsdp_cpu_offload='auto' needs parallel.mode='fsdp2' (FSDP2's CPU offload policy), "
             f"got {cfg.parallel.mode!r}"
-        )
-    if "grad_offload" in auto and cfg.parallel.mode == "fsdp2":
-        raise ConfigError(
-            "grad_offload='auto' needs parallel.mode 'none' or 'ddp', got 'fsdp2' (there parallel.fsdp_cpu_offload "
-            "moves the gradient shards to the host)"
         )
     # A 1-process ddp/fsdp2 run is legal (handy to debug the wrappers); several processes need one.
     if cfg.parallel.mode == "none" and world_size > 1:

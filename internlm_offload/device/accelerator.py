@@ -24,7 +24,9 @@ from internlm_offload.device.cpu_streams import CpuBackend, StreamRegistry
 from internlm_offload.device.host_buffers import REGISTER_MIN_BYTES, registered_empty
 from internlm_offload.device.streams import Event, Stream, copy_pairs
 
-BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+# Host tensors take part in collectives too (the norm of host gradients under FSDP2's CPU offload policy
+# or gradient offload): a device's group gets gloo beside its own backend for them, as torchtitan does.
+BACKENDS = {"cuda": "cuda:nccl,cpu:gloo", "npu": "npu:hccl,cpu:gloo", "cpu": "gloo"}
 
 
 @dataclass(frozen=True)

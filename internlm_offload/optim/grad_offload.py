@@ -29,6 +29,12 @@ backward buckets, may differ between ranks (an MoE router's choice of experts), 
 collectives would hang. The sums are the ones the run without offload all-reduces, as one fp32 buffer.
 Cost: 2 x (stepped dtype's bytes) per parameter over the host link per step, after backward.
 
+FSDP2 (DTensor parameters, its fp32 shards the masters): FSDP2 calls the hook on each sharded parameter
+once its reduce-scattered gradient shard is accumulated; that shard is what moves, and the host holds this
+rank's shards. `grads()` returns them laid out as the parameters' DTensors, so the gradient norm is taken
+over all ranks (a host tensors' collective: the device's group has gloo beside it); `host_grad` is the
+local shard, which the optimizers' CPU side works on.
+
 Numerics: the host adds are the additions the run without offload does on the device, in the same order
 (micro-batch by micro-batch), so gradients are bitwise that run's. With fp32 masters it adds into a zeroed
 buffer (`MasterWeights`): here the first gradient is added to 0.0 too (which turns -0.0 into +0.0), and a
@@ -52,6 +58,7 @@ from typing import TYPE_CHECKING
 from internlm_offload.device import Accelerator, Event, HostArena, finish_and_close
 from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
+from internlm_offload.optim.dtensor import laid_out_like, local_shard
 
 if TYPE_CHECKING:
     from internlm_offload.engine.precision import Masters
@@ -94,20 +101,21 @@ class GradOffload(MemoryFeature):
         self.module = masters.module
         self._acc = accelerator
         self._stepped = [stepped for _, stepped in pairs]
+        self._local = [local_shard(p.detach()) for p in self._stepped]  # this rank's shards (FSDP2)
         self._from_zeros = from_zeros
         self._reduce = reduce
         self._device = pairs[0][0].device if pairs else torch.device("cpu")  # where backward computes
-        self._host = HostArena(accelerator, [(p.shape, p.dtype) for p in self._stepped], pinned=True)
+        self._host = HostArena(accelerator, [(p.shape, p.dtype) for p in self._local], pinned=True)
         self._host_grads = [self._host.view(i) for i in range(len(self._stepped))]
         self._landed = [False] * len(self._stepped)
         # Bucket sizes count the stepped dtype's bytes, which a reduced bucket travels in (fp32 for masters).
-        largest = max((_padded(p.numel() * p.element_size()) for p in self._stepped), default=0)
+        largest = max((_padded(p.numel() * p.element_size()) for p in self._local), default=0)
         self._capacity = max(bucket_bytes, largest)
         self._staging = [accelerator.host_empty((self._capacity,), torch.uint8) for _ in range(STAGING_BUFFERS)]
         self._in_flight: list[Future | None] = [None] * STAGING_BUFFERS
         self._next_staging = 0
         self._bucket = _Bucket()
-        self._reduce_buckets = _fixed_buckets(self._stepped, self._capacity) if reduce else []
+        self._reduce_buckets = _fixed_buckets(self._local, self._capacity) if reduce else []
         self._copy_stream = accelerator.stream()
         self._worker = accelerator.host_worker("grad-offload")
         self._hooks = [
@@ -144,17 +152,16 @@ class GradOffload(MemoryFeature):
 
     def reduce_grads(self, distributed: bool) -> None:
         """Average the host gradients over the ranks, bucket by bucket on the device (module docstring)."""
-        if distributed and not self._reduce:
-            raise RuntimeError("GradOffload was built without reduce=True for a distributed run")
-        if not distributed:
-            return
+        if not (distributed and self._reduce):
+            return  # one rank, or FSDP2's reduce-scatter reduced them already
         self._send()
         self._finish_adds()  # the sums go back in: every add must have landed
         for indices in self._reduce_buckets:
             self._ship(indices, self._reduced(indices), replace=True)
 
     def grads(self) -> list[torch.Tensor]:
-        """This step's host gradients, once every bucket has been added; they are the `host_grad`s now."""
+        """This step's host gradients, once every bucket has been added (as DTensors for DTensor params); their
+        local tensors are the `host_grad`s now."""
         self._send()
         self._finish_adds()
         grads = []
@@ -163,7 +170,7 @@ class GradOffload(MemoryFeature):
                 host.zero_()
             stepped.host_grad = host if landed or self._from_zeros else None
             if stepped.host_grad is not None:
-                grads.append(host)
+                grads.append(laid_out_like(host, stepped))
         return grads
 
     def copy_to_model(self) -> None:
@@ -198,9 +205,9 @@ class GradOffload(MemoryFeature):
 
     def _take_grad(self, index: int, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook: the gradient joins the open bucket and leaves `.grad`."""
-        grad = param.grad
+        grad = local_shard(param.grad)  # FSDP2: the reduce-scattered shard
         param.grad = None
-        nbytes = _padded(grad.numel() * self._stepped[index].element_size())
+        nbytes = _padded(grad.numel() * self._local[index].element_size())
         if self._bucket.nbytes + nbytes > self._capacity:
             self._send()
         self._bucket.grads.append((index, grad))
@@ -236,7 +243,7 @@ class GradOffload(MemoryFeature):
     def _reduced(self, indices: list[int]) -> list[torch.Tensor]:
         """The parameters' host sums on the device (zeros where this rank has none), averaged over the ranks:
         one flat buffer in their dtype, all-reduced once; a view of it per parameter."""
-        stepped = [self._stepped[index] for index in indices]
+        stepped = [self._local[index] for index in indices]
         flat = torch.empty(sum(p.numel() for p in stepped), dtype=stepped[0].dtype, device=self._device)
         sums, offset = [], 0
         for index, param in zip(indices, stepped):

@@ -373,7 +373,11 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
 
     def _grads_in(self, chunk: _Chunk, active: dict[torch.Tensor, torch.Tensor]) -> _Chunk:
         """Copy a prefetched chunk's host gradients in (a no-op without them): they were not final at prefetch."""
-        pairs = [(chunk.view(s), self._grad(s.param)) for s in chunk.slots if s.key == GRAD and s.param in active]
+        pairs = [
+            (chunk.view(s), local_shard(self._grad(s.param)))
+            for s in chunk.slots
+            if s.key == GRAD and s.param in active
+        ]
         if pairs:  # queued behind the states' copy on the same stream: the new event covers both
             self.accelerator.copy_async(*zip(*pairs), self._h2d)
             chunk.copied_in = self._h2d.record_event()
@@ -393,7 +397,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
             if slot.key == PARAM:
                 pairs.append((chunk.view(slot), local_shard(slot.param.detach())))
             elif slot.key == GRAD and grads:
-                pairs.append((chunk.view(slot), self._grad(slot.param)))
+                pairs.append((chunk.view(slot), local_shard(self._grad(slot.param))))
         return pairs
 
     def _update(self, chunk: _Chunk, active: dict[torch.Tensor, torch.Tensor]) -> None:

@@ -140,10 +140,10 @@ def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_
 
 
 def _with_gradient_offload(settings: list[Setting], cfg: RunConfig | None, auto: set[str]) -> list[Setting]:
-    """Where `grad_offload` is searched (not under FSDP2, whose policy offloads gradients): every setting without it, and each
+    """Where `grad_offload` is searched: every setting without it, and each
     that steps every parameter from the host (swap, hybrid 1.0) also with it. Where a config fixes it on:
     only those settings."""
-    if cfg is None or cfg.parallel.mode == "fsdp2":
+    if cfg is None:
         return settings
     if GRADS_ON_HOST not in auto:
         return [s for s in settings if _steps_all_on_host(s, cfg)] if cfg.grad_offload else settings

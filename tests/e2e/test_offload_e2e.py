@@ -66,12 +66,13 @@ HYBRID_GRADS = {"internlm2_tiny_hybrid.py": ["hybrid_optimizer.offload_fraction=
         ("torch.bfloat16", "none", {**SWAP_GRADS, **HYBRID_GRADS}),
         ("torch.bfloat16", "ddp", SWAP_GRADS),  # fp32 masters' sums reduced bucket by bucket
         ("torch.float32", "ddp", HYBRID_GRADS),  # the model's own gradients (no masters) reduced
+        ("torch.bfloat16", "fsdp2", {**SWAP_GRADS, **HYBRID_GRADS}),  # fp32 shards' reduce-scattered gradients
     ],
-    ids=["fp32", "bf16", "bf16-ddp", "fp32-ddp"],
+    ids=["fp32", "bf16", "bf16-ddp", "fp32-ddp", "bf16-fsdp2"],
 )
 def test_gradient_offload_trains_the_baseline_curve_bitwise(tmp_path, dtype, mode, runs):
     """Gradients on the host (several buckets per backward) under the swap optimizer and the hybrid one at
-    fraction 1.0, on one rank or two (DDP): loss and grad norm equal the AdamW baseline's."""
+    fraction 1.0, on one rank or two (DDP, FSDP2): loss and grad norm equal the AdamW baseline's."""
     nproc = 1 if mode == "none" else 2
     options = [*STEPS, f"model.dtype={dtype}", f"parallel.mode={mode}"]
     base = tmp_path / "base"

@@ -85,7 +85,9 @@ def fsdp2(name: str, world_size: int, **extra):
     return resolve_config(load_config_file(CONFIGS / file, {**SMALL, **case_options, **options}), world_size=world_size)
 
 
-@pytest.mark.parametrize("name, world_size", [("baseline", 2), ("all", 2), ("bf16_hybrid_all", 4), ("bf16_swap", 8)])
+@pytest.mark.parametrize(
+    "name, world_size", [("baseline", 2), ("all", 2), ("bf16_hybrid_all", 4), ("bf16_swap", 8), ("bf16_swap_grads", 2)]
+)
 def test_fsdp2_meta_trace_predicts_the_real_step(name, world_size):
     """FSDP2 on meta tensors (its device assumptions stood in) against the same steps on real cpu tensors over
     the same fake process group: rank 0's peaks and components agree as in the single-process test."""

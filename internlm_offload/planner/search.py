@@ -9,8 +9,8 @@ planner (all of them for `tools/plan`, those set to "auto" in a config with `mem
 setting and the micro-batch shape, the optimizer's only on the optimizer setting (gradient offload's
 copies during backward are the optimizer setting's share of the micro-batch work), so A + O - 1 traces
 give every candidate's exact predicted time. Their memory is estimated as
-`peak(a, o0) + peak(a0, o) - peak(a0, o0)` (and, where that is over budget, also against the leanest
-activation setting: `LeanEstimate`) and the candidates are tried fastest first: one whose estimate
+`peak(a, o0) + peak(a0, o) - peak(a0, o0)` (and, where that is over budget, also along the leanest
+activation and optimizer settings: `LeanEstimate`) and the candidates are tried fastest first: one whose estimate
 fits is traced whole, and the first that really fits is the choice. A smaller budget can only
 remove candidates, so the chosen step time never decreases as the budget shrinks, and a choice has
 always been traced and found to fit.
@@ -223,7 +223,7 @@ def search(
     # The cost model counts FLOPs, so the same work in smaller micro-batches costs the same up to rounding:
     # equal times keep the listed order (the configured shape first).
     candidates.sort(key=lambda c: round(c.step_s, 6))
-    lean = LeanEstimate(config_for, activations, optimizers[0], by_activation, world_size)
+    lean = LeanEstimate(config_for, by_activation, by_optimizer, activations, optimizers, world_size)
     for candidate in candidates:
         problems = over_budget(candidate.estimated_device, candidate.estimated_host, device_budget, host_budget)
         if problems and candidate.activation is not activations[0]:
@@ -242,37 +242,53 @@ def search(
 
 
 class LeanEstimate:
-    """A second memory estimate, against the activation setting with the smallest traced peak (`lean`):
-    `peak(a, o0) + peak(lean, o) - peak(lean, o0)`, traced lazily per optimizer setting. The first estimate
-    adds an optimizer setting's saving as measured beside the full activations, where the peak sits
-    elsewhere (7B: gradient offload saves 28.8 GiB there, and the first estimate put checkpoint 1.0 + hybrid
-    1.0 + gradient offload at 29.6 GiB against a traced 18.2). The smaller estimate counts: a candidate is
-    always traced whole before it is chosen, so an estimate too low costs one trace, one too high a choice."""
+    """Two more memory estimates, along the leanest traced settings, for candidates the first puts over budget.
+
+    The first estimate adds an optimizer setting's saving as measured beside the base activations, where the
+    peak may sit elsewhere: gradient offload saves 28.8 GiB of 7B's peak there, and the first estimate put
+    checkpoint 1.0 + hybrid 1.0 + gradient offload at 29.6 GiB against a traced 18.2. So the candidate is
+    also estimated from traces at the activation setting with the smallest peak (`lean_activation`: its
+    optimizer column, traced lazily) and with the optimizer setting with the smallest peak (`lean_optimizer`:
+    its activation row, traced lazily), each as `peak(a, o') + peak(a', o) - peak(a', o')`; a candidate on
+    that row or column is estimated by its own trace. The smallest estimate counts: a candidate is always
+    traced whole before it is chosen, so an estimate too low costs one trace, one too high a choice.
+    """
 
     def __init__(
         self,
         config_for: ConfigFor,
-        activations: list[Setting],
-        base_optimizer: Setting,
         by_activation: dict[str, StepMemory],
+        by_optimizer: dict[str, StepMemory],
+        activations: list[Setting],
+        optimizers: list[Setting],
         world_size: int,
     ) -> None:
-        self.config_for, self.world_size, self.by_activation = config_for, world_size, by_activation
-        self.lean = min(activations, key=lambda a: by_activation[a.name].device_peak_bytes)
-        self.traces = {base_optimizer.name: by_activation[self.lean.name]}
-        self.base = by_activation[self.lean.name]
+        self.config_for, self.world_size = config_for, world_size
+        self.base_activation, self.base_optimizer = activations[0], optimizers[0]
+        self.lean_activation = min(activations, key=lambda a: by_activation[a.name].device_peak_bytes)
+        self.lean_optimizer = min(optimizers, key=lambda o: by_optimizer[o.name].device_peak_bytes)
+        # (activation, optimizer) names -> trace; the first estimate's row and column are traced already
+        self.traces = {(a.name, self.base_optimizer.name): by_activation[a.name] for a in activations}
+        self.traces |= {(self.base_activation.name, o.name): by_optimizer[o.name] for o in optimizers}
 
     def refine(self, candidate: Candidate) -> None:
         """Lower the candidate's estimates to the lean ones where those are smaller."""
-        optimizer = candidate.optimizer
-        if optimizer.name not in self.traces:
-            options = {**self.lean.options, **optimizer.options}
-            self.traces[optimizer.name] = trace_step(self.config_for(options), self.world_size)
-        lean, by_a = self.traces[optimizer.name], self.by_activation[candidate.activation.name]
-        device = by_a.device_peak_bytes + lean.device_peak_bytes - self.base.device_peak_bytes
-        host = by_a.host_peak_bytes + lean.host_peak_bytes - self.base.host_peak_bytes
-        candidate.estimated_device = min(candidate.estimated_device, device)
-        candidate.estimated_host = min(candidate.estimated_host, host)
+        a, o = candidate.activation, candidate.optimizer
+        for a_ref, o_ref in ((self.lean_activation, self.base_optimizer), (self.base_activation, self.lean_optimizer)):
+            if (a_ref, o_ref) == (self.base_activation, self.base_optimizer):  # the first estimate again
+                continue
+            beside, across, corner = self._trace(a, o_ref), self._trace(a_ref, o), self._trace(a_ref, o_ref)
+            device = beside.device_peak_bytes + across.device_peak_bytes - corner.device_peak_bytes
+            host = beside.host_peak_bytes + across.host_peak_bytes - corner.host_peak_bytes
+            candidate.estimated_device = min(candidate.estimated_device, device)
+            candidate.estimated_host = min(candidate.estimated_host, host)
+
+    def _trace(self, activation: Setting, optimizer: Setting) -> StepMemory:
+        key = (activation.name, optimizer.name)
+        if key not in self.traces:
+            options = {**activation.options, **optimizer.options}
+            self.traces[key] = trace_step(self.config_for(options), self.world_size)
+        return self.traces[key]
 
 
 def _candidate(

@@ -190,15 +190,24 @@ def test_search_prefers_a_smaller_micro_batch_to_recomputation_at_equal_work(tmp
     assert report["step_time_s"] == pytest.approx(smaller["step_time_s"])
 
 
-def test_search_refines_an_estimate_against_the_leanest_activation_setting(monkeypatch) -> None:
-    """The optimizer setting saves little beside the full activations (peak elsewhere) and much beside the
-    lean ones: the first estimate (85) is over the budget, the lean one (20) is not, and the candidate is
-    traced and chosen; without the refinement nothing would fit."""
+@pytest.mark.parametrize(
+    "peaks",
+    [
+        # the lean activation setting's column: 90 + 20 - 90 + ... = 20 for (lean, o1)
+        {("full", "o0"): 100, ("lean", "o0"): 90, ("full", "o1"): 95, ("lean", "o1"): 20},
+        # the base activation is the leanest; the lean optimizer's row gives (lean, o1) its own trace
+        {("full", "o0"): 100, ("lean", "o0"): 110, ("full", "o1"): 95, ("lean", "o1"): 20},
+    ],
+    ids=["lean-activation", "lean-optimizer"],
+)
+def test_search_refines_an_estimate_along_the_leanest_settings(monkeypatch, peaks) -> None:
+    """The optimizer setting saves little beside the base activations (the peak sits elsewhere) and much
+    beside the others: the first estimate (85 or 105) is over the budget, a lean one (20) is not, and the
+    candidate is traced and chosen; without the refinement nothing would fit."""
     from internlm_offload.planner import search
     from internlm_offload.planner.cost import HARDWARE
     from internlm_offload.planner.trace import StepMemory
 
-    peaks = {("full", "o0"): 100, ("lean", "o0"): 90, ("full", "o1"): 95, ("lean", "o1"): 20}
     traced = []
 
     def trace(options, world_size):

@@ -131,7 +131,7 @@ def test_search_space_keeps_what_the_config_fixes() -> None:
 
 
 @pytest.mark.parametrize("mode", ["none", "fsdp2"])
-def test_plan_searches_parameter_offload_under_fsdp2_and_gradient_offload_on_one_rank(monkeypatch, mode) -> None:
+def test_plan_searches_parameter_offload_under_fsdp2_and_gradient_offload(monkeypatch, mode) -> None:
     from internlm_offload.planner import search
 
     searched = []
@@ -146,20 +146,23 @@ def test_plan_searches_parameter_offload_under_fsdp2_and_gradient_offload_on_one
     plan.main(argv)
     on_host = [o for o in searched if o.get("parallel.fsdp_cpu_offload")]
     grads_on_host = [o for o in searched if o.get("grad_offload")]
-    if mode == "none":
-        # AdamW, hybrid 0.5 and 1.0, swap; hybrid 1.0 and swap again with gradient offload
+    # hybrid 1.0 and swap again with gradient offload, in every mode
+    assert [(o.get("hybrid_optimizer.offload_fraction"), o.get("swap_optimizer")) for o in grads_on_host] == [
+        (1.0, False),
+        (None, True),
+    ]
+    if mode == "none":  # AdamW, hybrid 0.5 and 1.0, swap, and the two above
         assert not on_host and len(searched) == 6
-        assert grads_on_host == [
-            {"swap_optimizer": False, "hybrid_optimizer.enable": True, "hybrid_optimizer.offload_fraction": 1.0}
-            | {"grad_offload": True},
-            {"swap_optimizer": True, "hybrid_optimizer.enable": False, "grad_offload": True},
-        ]
-    else:  # the policy excludes the swap and hybrid optimizers; gradient offload is a one-rank knob
-        assert not grads_on_host
+    else:  # the policy excludes the swap and hybrid optimizers, and so gradient offload
         assert on_host == [
-            {"swap_optimizer": False, "hybrid_optimizer.enable": False, "parallel.fsdp_cpu_offload": True}
+            {
+                "swap_optimizer": False,
+                "hybrid_optimizer.enable": False,
+                "parallel.fsdp_cpu_offload": True,
+                "grad_offload": False,
+            }
         ]
-        assert all(o.get("parallel.fsdp_cpu_offload") is False for o in searched[:-1])
+        assert all(o.get("parallel.fsdp_cpu_offload") is False for o in searched if o not in on_host)
 
 
 def test_smaller_micro_batches_keep_the_global_batch() -> None:

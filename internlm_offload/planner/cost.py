@@ -2,15 +2,18 @@
 
 The trace counts, per micro-batch and per optimizer step: matmul and attention FLOPs (torch's
 `FlopCounterMode`, recomputation included), bytes copied between host and device (every `copy_`
-whose source and destination lie in different tiers), and AdamW elements stepped on the device and on
-the host. `step_time` turns them into seconds with a `Hardware` row:
+whose source and destination lie in different tiers), bytes that additions into host tensors read and
+write (gradient offload's accumulation), and AdamW elements stepped on the device and on the host.
+`step_time` turns them into seconds with a `Hardware` row:
 
-    micro-batch = max(FLOPs / flops_per_s, copies / link_bytes_per_s)    activation copies overlap compute
+    micro-batch = max(FLOPs / flops_per_s, copies / link_bytes_per_s,   activation and gradient copies
+                      host adds / host_bytes_per_s)                      and the host's adds overlap compute
     optimizer   = max(device elements x 28 B / hbm_bytes_per_s,          the hybrid's CPU share overlaps
                       host elements / cpu_adam_elements_per_s)           the device step
                   + step copies / link_bytes_per_s                       swap and hybrid traffic, not hidden
     step        = micro_num x micro-batch + optimizer
 
+The host's memory bandwidth is the one the CPU AdamW rate assumes (`host_bytes_per_s`: elements/s x 28 B).
 Rows for common accelerators are assumptions (their sources say so, and the planner prints them);
 `calibrate()` measures this machine's rows instead (cpu: matmul, memcpy, fused AdamW).
 """
@@ -29,6 +32,7 @@ from internlm_offload.planner.tracker import StorageTracker, copies_meta_to_cpu
 
 ADAMW_BYTES_PER_ELEMENT = 28  # read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq (fp32)
 ADAMW_OPS = ("aten._fused_adamw_.default", "aten._fused_adam_.default")
+ADD_OPS = ("aten.add_.Tensor", "aten.add.out")
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class StepWork:
     d2h_bytes: int = 0
     device_adamw_elements: int = 0
     host_adamw_elements: int = 0
+    host_add_bytes: int = 0  # read and written by additions into host tensors (gradient offload's accumulation)
 
     def scaled(self, factor: float) -> StepWork:
         return StepWork(**{k: int(v * factor) for k, v in asdict(self).items()})
@@ -92,6 +97,8 @@ class WorkCounter(TorchDispatchMode):
             self._count_copy(args[0], args[1])
         elif copies_meta_to_cpu(func, args, kwargs):  # FSDP2's CPU offload policy moving a gradient shard
             self.work.d2h_bytes += args[0].numel() * args[0].element_size()
+        elif name in ADD_OPS:
+            self._count_add(args, kwargs or {})
         elif name in ADAMW_OPS:
             params = args[0]
             elements = sum(p.numel() for p in params)
@@ -100,6 +107,16 @@ class WorkCounter(TorchDispatchMode):
             else:
                 self.work.device_adamw_elements += elements
         return func(*args, **(kwargs or {}))
+
+    def _count_add(self, args: tuple, kwargs: dict) -> None:
+        """An addition into a host tensor: it reads and writes the result, and reads the added tensor."""
+        out = kwargs.get("out", args[0])
+        if self.tracker.tier_of(out) != "host":
+            return
+        added = [a for a in args if torch.is_tensor(a) and a is not out]
+        self.work.host_add_bytes += 2 * out.numel() * out.element_size() + sum(
+            a.numel() * a.element_size() for a in added
+        )
 
     def _count_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         tiers = (self.tracker.tier_of(src) or "device", self.tracker.tier_of(dst) or "device")
@@ -152,12 +169,18 @@ def step_time(micro_batch: StepWork, optimizer: StepWork, micro_num: int, hw: Ha
     """The model in the module docstring."""
     compute = micro_batch.flops / hw.flops_per_s
     activation_copies = (micro_batch.h2d_bytes + micro_batch.d2h_bytes) / hw.link_bytes_per_s
-    per_micro_batch = max(compute, activation_copies)
+    host_adds = micro_batch.host_add_bytes / host_bytes_per_s(hw)
+    per_micro_batch = max(compute, activation_copies, host_adds)
     device_update = optimizer.device_adamw_elements * ADAMW_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s
     host_update = optimizer.host_adamw_elements / hw.cpu_adam_elements_per_s
     copies = (optimizer.h2d_bytes + optimizer.d2h_bytes) / hw.link_bytes_per_s
     optimizer_s = max(device_update, host_update) + copies
     return StepTime(micro_num * per_micro_batch + optimizer_s, per_micro_batch, optimizer_s, hw)
+
+
+def host_bytes_per_s(hw: Hardware) -> float:
+    """Host memory bandwidth, as the row's CPU AdamW rate assumes it (that step is bound by it)."""
+    return hw.cpu_adam_elements_per_s * ADAMW_BYTES_PER_ELEMENT
 
 
 def calibrate(repeats: int = 5) -> Hardware:

@@ -254,10 +254,12 @@ def test_gradient_offload_moves_the_gradients_to_the_host_during_backward():
     host_grads = offloaded.components["host_buffers"] - kept.components["host_buffers"]
     assert 2 * params <= host_grads <= 2 * params + 2 * (1 << 20)  # fp32 grads + two staging buffers
     assert offloaded.micro_batch_work.d2h_bytes == params and kept.micro_batch_work.d2h_bytes == 0
+    # the host adds read and write the fp32 sum and read the bf16 gradient: 10 bytes per element
+    assert offloaded.micro_batch_work.host_add_bytes == 5 * params and kept.micro_batch_work.host_add_bytes == 0
 
 
 def test_step_time_model():
-    """micro_num x max(compute, activation copies) + max(device update, host update) + optimizer copies."""
+    """micro_num x max(compute, activation copies, host adds) + max(device update, host update) + optimizer copies."""
     hw = cost.Hardware(
         "x", flops_per_s=1e12, link_bytes_per_s=1e9, hbm_bytes_per_s=28e9, cpu_adam_elements_per_s=1e8, source="test"
     )
@@ -265,6 +267,9 @@ def test_step_time_model():
     optimizer = cost.StepWork(h2d_bytes=5e8, d2h_bytes=5e8, device_adamw_elements=1e9, host_adamw_elements=2e8)
     timing = cost.step_time(micro, optimizer, micro_num=4, hw=hw)
     assert timing.micro_batch_s == 3.0 and timing.optimizer_s == 2.0 + 1.0 and timing.step_s == 15.0
+    # host adds at the AdamW row's host bandwidth (1e8 elements/s x 28 B): 11.2e9 bytes take 4 s, the longest
+    micro.host_add_bytes = int(11.2e9)
+    assert cost.step_time(micro, optimizer, micro_num=4, hw=hw).micro_batch_s == pytest.approx(4.0)
 
 
 def test_calibrate_measures_this_machine():

@@ -15,6 +15,7 @@ OFFLOAD_CONFIGS = [
     "internlm2_tiny_swap.py",
     "internlm2_tiny_hybrid.py",
     "internlm2_tiny_all_offload.py",
+    "internlm2_tiny_grad_offload.py",
 ]
 # Data parallelism adds the gradient all-reduce (DDP) or DTensor params and states (FSDP2) to what the
 # hooks see: one config with every activation and swap feature, and the hybrid optimizer (its own grad
@@ -45,8 +46,10 @@ def test_offload_configs_align_bitwise_with_baseline(tmp_path, mode):
         record = metrics(run)[-1]
         if "swap" in name or "all" in name:
             assert record["optim_device_state_bytes"] == 0 and record["optim_host_state_bytes"] > 0
-        if "hybrid" in name:
+        if "hybrid" in name or "grad" in name:
             assert record["optim_host_state_bytes"] > 0
+        if "grad" in name:
+            assert record["grad_offload_host_bytes"] > 0
         if "act" in name or "ckpt" in name or "all" in name:
             assert "offload" in proc.stderr and record["act_offload_offloaded_bytes"] > 0
         compared = loss_compare(str(base), str(run), "--exact", "--quiet")

@@ -105,6 +105,10 @@ class Accelerator:
         """Total memory of the device `local_rank` uses; None on cpu, whose "device" memory is the host's."""
         return self._backend.device_memory_bytes(local_rank)
 
+    def device_count(self) -> int:
+        """Devices on this machine (0 on cpu)."""
+        return self._backend.device_count()
+
     def host_worker(self, name: str) -> Executor:
         """A host thread for CPU work that overlaps the device's (the hybrid optimizer's CPU step)."""
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
@@ -273,6 +277,9 @@ class DeviceBackend:
 
     def device_memory_bytes(self, local_rank: int) -> int | None:
         return int(self.module.get_device_properties(local_rank).total_memory)
+
+    def device_count(self) -> int:
+        return int(self.module.device_count())
 
     def current_device(self) -> torch.device:
         return torch.device(self.name, self.module.current_device())

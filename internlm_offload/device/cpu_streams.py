@@ -59,6 +59,9 @@ class CpuBackend:
     def device_memory_bytes(self, local_rank: int) -> int | None:
         return None  # "device" memory is the host's
 
+    def device_count(self) -> int:
+        return 0
+
     def current_device(self) -> torch.device:
         return torch.device("cpu")
 

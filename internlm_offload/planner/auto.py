@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from internlm_offload.config import RunConfig
 from internlm_offload.log import get_logger
-from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate
+from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate, shared_by
 from internlm_offload.planner.preflight import PreflightError
 from internlm_offload.planner.search import (
     Candidate,
@@ -23,6 +23,7 @@ from internlm_offload.planner.search import (
     smallest_peak,
 )
 from internlm_offload.sizes import human_bytes
+from internlm_offload.torchrun_env import env_local_world_size
 
 logger = get_logger(__name__)
 
@@ -30,8 +31,9 @@ HARDWARE_FOR = {"cuda": "h100", "npu": "910b"}  # assumed rows (cost.py); cpu: c
 
 
 def hardware_for(accelerator_name: str) -> Hardware:
+    """The accelerator's row, its host shared by this node's ranks (torchrun's LOCAL_WORLD_SIZE)."""
     row = HARDWARE_FOR.get(accelerator_name)
-    return HARDWARE[row] if row else calibrate()
+    return shared_by(HARDWARE[row] if row else calibrate(), env_local_world_size())
 
 
 def choose_auto_knobs(

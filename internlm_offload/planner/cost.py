@@ -14,6 +14,8 @@ write (gradient offload's accumulation), and AdamW elements stepped on the devic
     step        = micro_num x micro-batch + optimizer
 
 The host's memory bandwidth is the one the CPU AdamW rate assumes (`host_bytes_per_s`: elements/s x 28 B).
+Ranks on one node share it (`shared_by`): each gets its share for host adds and the CPU AdamW step, and
+its device's link is capped at that share; a row describes one device and the node's host.
 Rows for common accelerators are assumptions (their sources say so, and the planner prints them);
 `calibrate()` measures this machine's rows instead (cpu: matmul, memcpy, fused AdamW).
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -176,6 +178,20 @@ def step_time(micro_batch: StepWork, optimizer: StepWork, micro_num: int, hw: Ha
     copies = (optimizer.h2d_bytes + optimizer.d2h_bytes) / hw.link_bytes_per_s
     optimizer_s = max(device_update, host_update) + copies
     return StepTime(micro_num * per_micro_batch + optimizer_s, per_micro_batch, optimizer_s, hw)
+
+
+def shared_by(hw: Hardware, ranks_per_node: int) -> Hardware:
+    """The row one rank sees when `ranks_per_node` ranks share the node's host memory bandwidth: host adds and
+    the CPU AdamW step get its share, and its device's link carries at most that share."""
+    if ranks_per_node <= 1:
+        return hw
+    share = host_bytes_per_s(hw) / ranks_per_node
+    return replace(
+        hw,
+        link_bytes_per_s=min(hw.link_bytes_per_s, share),
+        cpu_adam_elements_per_s=hw.cpu_adam_elements_per_s / ranks_per_node,
+        source=f"{hw.source}; the host shared by {ranks_per_node} ranks per node",
+    )
 
 
 def host_bytes_per_s(hw: Hardware) -> float:

@@ -1,7 +1,7 @@
 """Predict one training step's memory per rank without allocating it, and check it against budgets.
 
     python -m internlm_offload.tools.plan --config configs/x.py [--cfg-options k=v ...] [--world-size N]
-        [--device-memory 80GiB] [--host-memory 512GiB] [--json plan.json] [--measure]
+        [--ranks-per-node R] [--device-memory 80GiB] [--host-memory 2TiB] [--json plan.json] [--measure]
 
 Traces three training steps of the configured run (forward, backward, optimizer step, with its offload
 hooks, checkpointing and optimizer) on meta tensors through the builder's own wiring (see
@@ -18,6 +18,10 @@ or all but one block) x optimizer settings (AdamW, hybrid 0.5/1.0, swap) for the
 that fits (`planner/search.py`), prints the alternatives with why each was rejected and the choice as
 a `--cfg-options` line; `--check-only` checks the config as given instead.
 
+Ranks on one node share its host: `--host-memory` is the node's, each rank's budget its share over
+`--ranks-per-node` (default: this machine's device count, or the world size up to 8 without devices),
+and the host's memory bandwidth (copies, host adds, the CPU AdamW step) is shared the same way.
+
 Exit codes: 0 the plan (or the choice) fits the budgets given, or none was given; 3 nothing fits (the
 line says what dominates, or the smallest peak found); 2 bad input (config, option or size).
 """
@@ -31,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
-from internlm_offload.planner.cost import HARDWARE, calibrate, step_time
+from internlm_offload.device import get_accelerator
+from internlm_offload.planner.cost import HARDWARE, calibrate, shared_by, step_time
 from internlm_offload.planner.tracker import largest_component
 from internlm_offload.sizes import human_bytes
 from internlm_offload.sizes import parse_size as config_size
@@ -60,8 +65,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="Python config file, as for train.py")
     p.add_argument("--cfg-options", nargs="+", action=DictAction, default={}, help="override config keys")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks the run will use")
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        help="ranks sharing one node's host memory and bandwidth (default: this machine's device count, or the "
+        "world size up to 8 on a machine without devices)",
+    )
     p.add_argument("--device-memory", help="device budget per rank, e.g. 80GiB")
-    p.add_argument("--host-memory", help="host budget per rank, e.g. 512GiB")
+    p.add_argument("--host-memory", help="host memory of a node, shared by its ranks, e.g. 2TiB")
     p.add_argument("--json", type=Path, help="write the plan here as JSON")
     p.add_argument("--measure", action="store_true", help="also run the steps for real on cpu (small configs)")
     p.add_argument(
@@ -121,8 +132,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.world_size < 1:
         raise PlanInputError(f"--world-size {args.world_size}: expected an integer >= 1")
+    ranks_per_node, assumed = ranks_on_a_node(args)
     device_budget = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
-    host_budget = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
+    node_host = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
+    host_budget = None if node_host is None else node_host // ranks_per_node
     raw = load_config_file(args.config, args.cfg_options)  # read once: the search's candidates merge into it
     cfg = resolve_config(raw, world_size=args.world_size)
     try:
@@ -132,12 +145,17 @@ def run(args: argparse.Namespace) -> int:
     except UnsupportedLayout as exc:
         raise PlanInputError(str(exc)) from None
     fits, reason = verdict(plan, device_budget, host_budget)
-    hardware = calibrate() if args.calibrate else HARDWARE[args.hardware]
+    hardware = shared_by(calibrate() if args.calibrate else HARDWARE[args.hardware], ranks_per_node)
     timing = step_time(memory.micro_batch_work, memory.optimizer_work, memory.micro_num, hardware)
     print(table(plan, measured))
     print(
         f"predicted step time {timing.step_s:.4g} s ({memory.micro_num} micro-batches x {timing.micro_batch_s:.4g} s "
         f"+ optimizer {timing.optimizer_s:.4g} s) on {hardware.name} [{hardware.source}]"
+    )
+    print(
+        f"{ranks_per_node} rank(s) per node{' (' + assumed + ')' if assumed else ''}: host peak "
+        f"{human_bytes(plan['host_peak_bytes'] * ranks_per_node)} per node"
+        + ("" if node_host is None else f" of {human_bytes(node_host)} ({human_bytes(host_budget)} per rank)")
     )
     print(f"{args.config} on {args.world_size} rank(s): {reason}")
     options = dict(args.cfg_options)
@@ -163,12 +181,29 @@ def run(args: argparse.Namespace) -> int:
         "config": str(args.config),
         "device_budget_bytes": device_budget,
         "host_budget_bytes": host_budget,
+        "ranks_per_node": ranks_per_node,
+        "node_host_budget_bytes": node_host,
         "measured": measured,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     return 0 if fits else EXIT_DOES_NOT_FIT
+
+
+def ranks_on_a_node(args: argparse.Namespace) -> tuple[int, str]:
+    """`--ranks-per-node`, or its default and the assumption behind it (empty when given)."""
+    if args.ranks_per_node is not None:
+        if not 1 <= args.ranks_per_node <= args.world_size:
+            raise PlanInputError(
+                f"--ranks-per-node {args.ranks_per_node}: expected an integer from 1 to --world-size ({args.world_size})"
+            )
+        return args.ranks_per_node, ""
+    devices = get_accelerator().device_count()
+    if devices:
+        return min(devices, args.world_size), f"assumed: this machine's {devices} devices"
+    ranks = min(args.world_size, 8)
+    return ranks, f"assumed: {ranks} of a node's 8 devices; set --ranks-per-node"
 
 
 def run_search(

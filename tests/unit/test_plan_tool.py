@@ -1,5 +1,6 @@
 """`python -m internlm_offload.tools.plan`: the report, the JSON, budgets and exit codes."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -55,6 +56,8 @@ def test_a_budget_below_the_peak_exits_3_naming_what_dominates(tmp_path, capsys)
         (["--device-memory", "80XB"], "--device-memory '80XB'"),
         (["--host-memory=-1GiB"], "--host-memory '-1GiB'"),
         (["--world-size", "0"], "--world-size 0"),
+        (["--ranks-per-node", "0"], "--ranks-per-node 0"),
+        (["--world-size", "2", "--ranks-per-node", "4"], "--ranks-per-node 4: expected an integer from 1 to"),
         (["--cfg-options", "model.nope=1"], "model.nope"),
     ],
 )
@@ -62,6 +65,36 @@ def test_bad_input_is_one_line_exit_2(argv, message, capsys):
     assert plan.main(["--config", TINY, *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("plan: error:") and message in err and "\n" not in err
+
+
+def test_ranks_on_a_node_share_its_host_memory_and_bandwidth(tmp_path, capsys):
+    """--host-memory is the node's: each of 4 ranks gets a quarter of it, and of the host's bandwidth (swap's
+    state copies then take more than twice as long as with one rank on the node)."""
+    steps = {}
+    for ranks in (1, 4):
+        out = tmp_path / f"{ranks}.json"
+        argv = ["--config", TINY, "--world-size", "4", "--ranks-per-node", str(ranks), "--check-only"]
+        options = [*SMALL, "data.global_bsz=16", "parallel.mode=fsdp2", "swap_optimizer=True"]
+        assert plan.main([*argv, "--host-memory", "4GiB", "--cfg-options", *options, "--json", str(out)]) == 0
+        report = json.loads(out.read_text())
+        assert report["ranks_per_node"] == ranks and report["host_budget_bytes"] == 4 * 2**30 // ranks
+        steps[ranks] = report["step_time"]
+    assert "4 rank(s) per node: host peak" in capsys.readouterr().out
+    # 84 GB/s of host bandwidth (the H100 row's) over 4 ranks: 21 GB/s each, below the 50 GB/s link
+    assert steps[4]["hardware"]["link_bytes_per_s"] == pytest.approx(21e9)
+    assert steps[4]["optimizer_s"] > 2 * steps[1]["optimizer_s"]
+
+
+def test_a_shared_host_divides_the_host_bandwidth():
+    from internlm_offload.planner.cost import HARDWARE, host_bytes_per_s, shared_by
+
+    h100 = HARDWARE["h100"]
+    assert shared_by(h100, 1) is h100
+    node = shared_by(h100, 8)  # 84 GB/s of host bandwidth over 8 ranks: 10.5 GB/s each, below the 50 GB/s link
+    assert node.link_bytes_per_s == pytest.approx(host_bytes_per_s(h100) / 8)
+    assert node.cpu_adam_elements_per_s == h100.cpu_adam_elements_per_s / 8
+    wide = shared_by(dataclasses.replace(h100, cpu_adam_elements_per_s=1e10), 2)  # 140 GB/s each
+    assert wide.link_bytes_per_s == h100.link_bytes_per_s  # the device's link is the limit
 
 
 @pytest.mark.parametrize(

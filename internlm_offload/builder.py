@@ -6,6 +6,8 @@ wrapping, so FSDP2 shards the same blocks the plan acted on.
 """
 
 import functools
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ from internlm_offload.data import StepLoader, StepSampler, Tokenizer, build_toke
 from internlm_offload.data.validation import find_validation_sets
 from internlm_offload.engine.evaluation import Evaluator
 from internlm_offload.device import Accelerator
+from internlm_offload.device.disk_buffers import DiskSpaceError
 from internlm_offload.engine.checkpoint import CheckpointManager, checkpoint_folder
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
@@ -45,6 +48,7 @@ from internlm_offload.optim.memory import (
     trainable_elements,
 )
 from internlm_offload.registry import DATASETS, MODELS, PARALLEL, build
+from internlm_offload.sizes import human_bytes
 
 logger = get_logger(__name__)
 
@@ -173,19 +177,23 @@ def build_optimizer(
     refuse offloaded states the machine's host memory cannot hold.
     """
     adam = cfg.adam
-    if check_host and (cfg.swap_optimizer or cfg.hybrid_optimizer.enable):
+    on_disk = cfg.nvme_offload.path is not None
+    if check_host and ((cfg.swap_optimizer and not on_disk) or cfg.hybrid_optimizer.enable):
         check_optimizer_host_memory(cfg, model)
+    if check_host and on_disk:
+        check_nvme_path(cfg.nvme_offload.path, trainable_elements(model) * SWAP_STATE_BYTES)
     groups = param_groups(model, adam.weight_decay)
     fused = fused_supported(accelerator.name) if adam.fused is None else adam.fused
     hyper = {"lr": adam.lr, "betas": (adam.adam_beta1, adam.adam_beta2), "eps": adam.adam_eps}
     if cfg.swap_optimizer:
-        return SwapAdamW(
+        return build_swap_optimizer(
             groups,
             fused=fused,
             swap_optimizer_times=cfg.swap_optimizer_times,
             use_pinned_optimizer_offload=cfg.use_pinned_optimizer_offload,
             swap_params=host_params,
             host_grads=cfg.grad_offload,
+            nvme_path=cfg.nvme_offload.path,
             accelerator=accelerator,
             **hyper,
         )
@@ -204,6 +212,28 @@ def build_optimizer(
             **hyper,
         )
     return AdamW(groups, fused=fused, **hyper)
+
+
+def build_swap_optimizer(groups: list[dict[str, Any]], **kwargs: Any) -> SwapAdamW:
+    """`SwapAdamW`; with an NVMe path its file is reserved now, and a disk that cannot hold it is a config error."""
+    try:
+        return SwapAdamW(groups, **kwargs)
+    except DiskSpaceError as exc:
+        raise ConfigError(f"nvme_offload.path: {exc}") from None
+
+
+def check_nvme_path(path: str, state_bytes: int) -> None:
+    """Refuse before training when the NVMe directory is missing, not writable, or cannot hold this node's
+    states (every local rank writes its own file there)."""
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"nvme_offload.path={path!r} is not a writable directory; create it on a local NVMe drive")
+    needed = state_bytes * env_local_world_size()
+    free = shutil.disk_usage(path).free
+    if needed > free:
+        raise ConfigError(
+            f"nvme_offload.path={path!r} has {human_bytes(free)} free; the swap optimizer's states of "
+            f"{env_local_world_size()} rank(s) on this node need {human_bytes(needed)}"
+        )
 
 
 def check_optimizer_host_memory(cfg: RunConfig, model: nn.Module) -> None:

@@ -310,6 +310,17 @@ class CpuOffloadingConfig(Section):
     pin_memory: bool = Field(True, description="Pinned host buffers where the device supports them.")
 
 
+class NvmeOffloadConfig(Section):
+    path: Optional[str] = Field(
+        None,
+        description="Directory on a local NVMe drive for the swap optimizer's states (the NVMe tier): one file "
+        "per rank, reserved at start (a missing or full directory is an error then, not when the config is "
+        "validated: the planner may run elsewhere), removed when the process "
+        "ends; host memory then holds the chunks in flight only. Checkpoints still go through DCP. "
+        "Needs `swap_optimizer`.",
+    )
+
+
 class MemoryBudgetConfig(Section):
     device: Optional[int] = Field(
         None,
@@ -435,6 +446,7 @@ class RunConfig(Section):
         "Bitwise equal to the run without it. "
         '`"auto"` (with `memory_budget`): the planner chooses.',
     )
+    nvme_offload: NvmeOffloadConfig = Field(default_factory=NvmeOffloadConfig)
     grad_offload_bucket_mb: float = Field(
         32.0,
         gt=0,
@@ -499,6 +511,8 @@ class RunConfig(Section):
             )
         if self.grad_offload:
             self._check_grad_offload()
+        if self.nvme_offload.path is not None:
+            self._check_nvme_path()
         if self.use_pinned_optimizer_offload and not self.swap_optimizer:
             raise ValueError(
                 "use_pinned_optimizer_offload=True is the host arena of the swap optimizer; it needs swap_optimizer=True"
@@ -521,6 +535,13 @@ class RunConfig(Section):
                 "hybrid_optimizer.enable=True with hybrid_optimizer.offload_fraction=1.0 "
                 f"(got swap_optimizer={self.swap_optimizer}, hybrid_optimizer.enable={hybrid.enable}, "
                 f"offload_fraction={hybrid.offload_fraction})"
+            )
+
+    def _check_nvme_path(self) -> None:
+        path = self.nvme_offload.path
+        if not self.swap_optimizer:
+            raise ValueError(
+                f"nvme_offload.path={path!r} holds the swap optimizer's states; it needs swap_optimizer=True"
             )
 
     def checkpointed_layers(self) -> int:

@@ -20,6 +20,7 @@ import torch
 
 from internlm_offload.device.cpu_checks import ComputeLedger
 from internlm_offload.device.cpu_memory import CpuMemory
+from internlm_offload.device.disk_buffers import DiskBuffer
 from internlm_offload.device.cpu_streams import CpuBackend, StreamRegistry
 from internlm_offload.device.host_buffers import REGISTER_MIN_BYTES, registered_empty
 from internlm_offload.device.streams import Event, Stream, copy_pairs
@@ -100,6 +101,10 @@ class Accelerator:
         `pin_memory=True` rounds every block up to a power of two, which would pin up to twice the bytes.
         """
         return self._backend.host_empty(torch.Size(shape), dtype, pinned and self.supports_pinned_memory)
+
+    def disk_buffer(self, directory: str, nbytes: int) -> DiskBuffer:
+        """`nbytes` of a new file under `directory`, mapped into memory (the NVMe tier; `disk_buffers`)."""
+        return DiskBuffer(directory, nbytes)
 
     def device_memory_bytes(self, local_rank: int = 0) -> int | None:
         """Total memory of the device `local_rank` uses; None on cpu, whose "device" memory is the host's."""

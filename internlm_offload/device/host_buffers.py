@@ -47,7 +47,12 @@ ALIGNMENT = 512  # bytes; keeps every view aligned for vectorised copies and DMA
 
 
 class HostArena:
-    """Host memory for tensors of the given shapes and dtypes, as views of one buffer."""
+    """Host memory for tensors of the given shapes and dtypes, as views of one buffer.
+
+    With `directory` the buffer is a file there, mapped (`Accelerator.disk_buffer`, the NVMe tier): the
+    views read and write it through the page cache, and `prefetch` / `write_back` page byte ranges in
+    ahead of use and out behind it; for host memory they do nothing.
+    """
 
     def __init__(
         self,
@@ -56,15 +61,30 @@ class HostArena:
         *,
         pinned: bool = True,
         alignment: int = ALIGNMENT,
+        directory: str | None = None,
     ) -> None:
         if ALIGNMENT % alignment:
             raise ValueError(f"alignment={alignment} must divide {ALIGNMENT}")
         self.offsets, total = aligned_offsets(specs, alignment)
         self.specs = list(specs)
         self.nbytes = _align(total)
+        self.disk = None if directory is None else accelerator.disk_buffer(directory, self.nbytes)
+        if self.disk is not None:
+            self.buffer: torch.Tensor | None = self.disk.tensor[: self.nbytes]  # a mapping starts page-aligned
+            return
         # Offsets are relative to the buffer, so the buffer itself starts aligned.
         raw = accelerator.host_empty((self.nbytes + ALIGNMENT,), torch.uint8, pinned=pinned)
-        self.buffer: torch.Tensor | None = aligned_within(raw, self.nbytes, ALIGNMENT)
+        self.buffer = aligned_within(raw, self.nbytes, ALIGNMENT)
+
+    def prefetch(self, start: int, nbytes: int) -> None:
+        """Disk: start reading these bytes in (they are about to be copied)."""
+        if self.disk is not None:
+            self.disk.prefetch(start, nbytes)
+
+    def write_back(self, start: int, nbytes: int) -> None:
+        """Disk: write these bytes out and drop them from memory, behind (nothing writes them any more)."""
+        if self.disk is not None:
+            self.disk.write_back(start, nbytes)
 
     def span(self, start: int, nbytes: int) -> torch.Tensor:
         """Bytes `[start, start + nbytes)` of the buffer, as a flat uint8 view."""
@@ -84,6 +104,8 @@ class HostArena:
     def release(self) -> None:
         """Free the buffer; views taken earlier keep their memory alive until dropped."""
         self.buffer = None
+        if self.disk is not None:
+            self.disk.release()
 
 
 def aligned_offsets(

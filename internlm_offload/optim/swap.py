@@ -36,6 +36,11 @@ With `host_grads=True` the gradients are host tensors too (`param.host_grad`, fr
 `optim.grad_offload`): each is copied in with its chunk, into the chunk's device buffer, and never out. A
 prefetched chunk's gradients are copied at `step()`, when they are final.
 
+With `nvme_path` (the NVMe tier) the arena is a file in that directory, mapped (`HostArena(directory=...)`,
+`device/disk_buffers.py`): the pipeline is the same, and it steers the kernel: a chunk's copy-in asks for
+the next chunk's pages to be read ahead, and a chunk's states are written back and dropped from memory
+once its copy-out landed; host memory then holds the chunks in flight, not the states.
+
 Memory saved vs time paid: the device holds `1 / swap_optimizer_times` of the optimizer states (8 bytes
 per fp32 parameter, 12 with amsgrad) instead of all of them; each step moves every state twice over the
 host link. More chunks: less device memory, smaller copies that overlap less well.
@@ -124,7 +129,8 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
     `1/times` of the states), `use_pinned_optimizer_offload` (the host slab holding every state is
     pinned; else pageable), `swap_params` (the params are host
     tensors with a device `main_grad`; see the module docstring), `host_grads` (the gradients are host
-    tensors, `host_grad`, swapped in with the states), `accelerator` (default: detected).
+    tensors, `host_grad`, swapped in with the states), `nvme_path` (the arena is a file in this directory,
+    the NVMe tier; see the module docstring), `accelerator` (default: detected).
     """
 
     def __init__(
@@ -143,6 +149,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         use_pinned_optimizer_offload: bool = False,
         swap_params: bool = False,
         host_grads: bool = False,
+        nvme_path: str | None = None,
         accelerator: Accelerator | None = None,
     ) -> None:
         if swap_optimizer_times < 1:
@@ -169,6 +176,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
             )
         self.swap_params = swap_params
         self.host_grads = host_grads
+        self.nvme_path = nvme_path
         self._chunks: list[_Chunk] | None = None
         self._layout_key: tuple | None = None
         self._budget = 0
@@ -179,6 +187,8 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         self._d2h = self.accelerator.stream()
         self._device_state_bytes = 0
         self._peak_device_state_bytes = 0
+        if nvme_path is not None:
+            self._ensure_layout()  # reserve the file now: a full disk fails at start, not at the first step
 
     # ------------------------------------------------------------------ layout
 
@@ -226,7 +236,13 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
                 if slot.key not in OUTSIDE_ARENA:
                     specs.append((slot.shape, slot.dtype))
                     owners.append(slot)
-        arena = HostArena(self.accelerator, specs, pinned=self.use_pinned_optimizer_offload, alignment=SLOT_ALIGNMENT)
+        arena = HostArena(
+            self.accelerator,
+            specs,
+            pinned=self.use_pinned_optimizer_offload,
+            alignment=SLOT_ALIGNMENT,
+            directory=self.nvme_path,
+        )
         for slot, offset in zip(owners, arena.offsets):
             self._arena_offsets[id(slot.param), slot.key] = offset
         for chunk in self._chunks:
@@ -234,12 +250,9 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
             chunk.arena_start = self._arena_offsets[id(states[0].param), states[0].key] - states[0].offset
             chunk.states_nbytes = states[-1].offset + states[-1].nbytes
         self._arena = arena
-        logger.info(
-            "Optimizer host arena: %d states in one %s %.1f MB buffer",
-            len(specs),
-            "pinned" if self.use_pinned_optimizer_offload else "pageable",
-            arena.nbytes / 2**20,
-        )
+        kind = "pinned host buffer" if self.use_pinned_optimizer_offload else "pageable host buffer"
+        where = f"file under {self.nvme_path}" if self.nvme_path else kind
+        logger.info("Optimizer arena: %d states in one %.1f MB %s", len(specs), arena.nbytes / 2**20, where)
         if old is not None:
             old.release()
 
@@ -367,6 +380,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         self._h2d.wait_stream(self.accelerator.current_stream())
         self.accelerator.copy_async(*zip(*self._copies(chunk, params=active, grads=active is not None)), self._h2d)
         chunk.copied_in = self._h2d.record_event()
+        self._prefetch_after(chunk)
         self._device_state_bytes += chunk.nbytes
         self._peak_device_state_bytes = max(self._peak_device_state_bytes, self._device_state_bytes)
         return chunk
@@ -445,9 +459,18 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         self.accelerator.copy_async(hosts, device_views, self._d2h)  # written on a copy thread
         chunk.copied_out = self._d2h.record_event()
 
+    def _prefetch_after(self, chunk: _Chunk) -> None:
+        """NVMe: the kernel reads the next chunk's states in while this one is copied and stepped."""
+        index = self._chunks.index(chunk) + 1
+        if index < len(self._chunks):
+            following = self._chunks[index]
+            self._arena.prefetch(following.arena_start, following.states_nbytes)
+
     def _release(self, chunk: _Chunk) -> None:
-        """Free a chunk's device buffer once its copy-out finished."""
+        """Free a chunk's device buffer once its copy-out finished (NVMe: its states are written back behind)."""
         chunk.copied_out.wait()
+        if chunk.stepped:
+            self._arena.write_back(chunk.arena_start, chunk.states_nbytes)
         self.accelerator.free_device_buffer(chunk.unstage())
         self._device_state_bytes -= chunk.nbytes
 
@@ -466,8 +489,11 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         return super().state_dict()
 
     def close(self) -> None:
-        """Finish the copies and stop the copy streams (cpu: their worker threads); no step afterwards."""
+        """Finish the copies and stop the copy streams (cpu: their worker threads) and the arena's write-backs;
+        no step afterwards."""
         finish_and_close(self._h2d, self._d2h)
+        if self._arena is not None and self._arena.disk is not None:
+            self._arena.disk.finish_writes()
 
     def finish_copies(self) -> None:
         """`step()` returns with its last copy-outs only ordered on the device; readers of the host

@@ -65,6 +65,10 @@ class PlanningAccelerator(Accelerator):
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device())
 
+    def disk_buffer(self, directory: str, nbytes: int) -> PlannedDiskBuffer:
+        with self.tracker.allocating(("disk",)):
+            return PlannedDiskBuffer(torch.empty(nbytes, dtype=torch.uint8, device=self.device()))
+
     def host_worker(self, name: str) -> Executor:
         return InlineExecutor()  # the tracker (a dispatch mode) sees the calling thread's ops only
 
@@ -88,6 +92,25 @@ class PlanningAccelerator(Accelerator):
 
     def reset_peak_memory_stats(self) -> None:
         self.tracker.reset_peaks()
+
+
+@dataclass
+class PlannedDiskBuffer:
+    """`DiskBuffer`'s interface over a tensor the tracker counts as disk: no file, nothing to page."""
+
+    tensor: torch.Tensor | None
+
+    def prefetch(self, start: int, nbytes: int) -> None:
+        pass
+
+    def write_back(self, start: int, nbytes: int) -> None:
+        pass
+
+    def finish_writes(self) -> None:
+        pass
+
+    def release(self) -> None:
+        self.tensor = None
 
 
 class InlineExecutor(Executor):

@@ -3,7 +3,7 @@
 `StorageTracker` is a dispatch mode that sees every op of the traced step (run on meta tensors) and
 records each new storage once (a DTensor's by its local shard), with its byte size and tier: "host"
 when the planning accelerator allocated it as host memory (`host_empty`, "pinned" too when asked
-page-locked), "device" otherwise. A storage stops counting when its last tensor is collected, exactly
+page-locked), "disk" for a file-backed buffer (`disk_buffer`, the NVMe tier), "device" otherwise. A storage stops counting when its last tensor is collected, exactly
 when the caching allocator would get the block back; so the current and peak bytes it reports are
 those of `memory_allocated()` / `max_memory_allocated()` on a device.
 """
@@ -24,7 +24,7 @@ from internlm_offload.device import storage_key
 from internlm_offload.sizes import human_bytes
 
 META = torch.device("meta")
-TIERS = ("device", "host", "pinned")  # "pinned": the host bytes asked for page-locked (a subset of "host")
+TIERS = ("device", "host", "pinned", "disk")  # "pinned": the host bytes asked for page-locked (a subset of "host")
 
 
 @dataclass
@@ -115,7 +115,13 @@ class StorageTracker(TorchDispatchMode):
     @contextlib.contextmanager
     def allocating_host(self, pinned: bool) -> Iterator[None]:
         """Storages created inside count as host memory (the planning accelerator's `host_empty`)."""
-        self._new_tiers = ("host", "pinned") if pinned else ("host",)
+        with self.allocating(("host", "pinned") if pinned else ("host",)):
+            yield
+
+    @contextlib.contextmanager
+    def allocating(self, tiers: tuple[str, ...]) -> Iterator[None]:
+        """Storages created inside count in `tiers` ("disk": the planning accelerator's `disk_buffer`)."""
+        self._new_tiers = tiers
         try:
             yield
         finally:

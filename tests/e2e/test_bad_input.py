@@ -51,6 +51,11 @@ def write_config(tmp_path, body: str):
             ["fsdp_cpu_offload=True", "excludes swap_optimizer"],
         ),
         (["data.type=text", "data.paths=[/no/such/file.txt]"], ["data.paths", "/no/such/file.txt"]),
+        (["nvme_offload.path=/tmp"], ["nvme_offload.path='/tmp'", "needs swap_optimizer=True"]),
+        (
+            ["swap_optimizer=True", "nvme_offload.path=/no/such/dir"],
+            ["nvme_offload.path='/no/such/dir' is not a writable directory"],
+        ),
         (["model.type=gpt9"], ["model.type", "'gpt9'", "internlm2"]),
         (["model.vocab_size=100"], ["model.vocab_size=100", "259"]),
     ],

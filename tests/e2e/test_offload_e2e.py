@@ -90,6 +90,28 @@ def test_gradient_offload_trains_the_baseline_curve_bitwise(tmp_path, dtype, mod
             assert compared.returncode == 0, compared.stdout
 
 
+def test_nvme_tier_trains_the_baseline_curve_and_resumes_bitwise(tmp_path):
+    """Swap states in a file on "NVMe" (here tmp_path's disk): the host arena's curve bitwise, and a host-arena
+    checkpoint resumed onto the disk tier continues it bitwise; no file is left behind."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    config = REPO / "configs" / "internlm2_tiny_swap.py"
+    common = ["data.total_steps=8", "ckpt.checkpoint_every=4", "ckpt.keep_last=0", "data.global_bsz=8"]
+    common.append("model.dtype=torch.bfloat16")
+    full, on_disk, resumed = tmp_path / "full", tmp_path / "on_disk", tmp_path / "resumed"
+    train(full, *common, config=config)
+    proc = train(on_disk, *common, f"nvme_offload.path={nvme}", config=config)
+    assert f"file under {nvme}" in proc.stderr
+    for metric in ("loss", "grad_norm"):
+        compared = loss_compare(str(full), str(on_disk), "--exact", "--quiet", "--metric", metric)
+        assert compared.returncode == 0, compared.stdout
+    shutil.copytree(full / "checkpoints" / "step_00000004", resumed / "checkpoints" / "step_00000004")
+    train(resumed, *common, f"nvme_offload.path={nvme}", config=config, resume=True)
+    expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(full) if r["step"] > 4]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(resumed)] == expected
+    assert not list(nvme.iterdir())
+
+
 def test_loss_compare_catches_a_changed_run(tmp_path):
     """The check above can fail: a different learning rate is misaligned (exit 1)."""
     base, other = tmp_path / "base", tmp_path / "other"

@@ -109,8 +109,9 @@ class GradOffload(MemoryFeature):
         self._host_grads = [self._host.view(i) for i in range(len(self._stepped))]
         self._landed = [False] * len(self._stepped)
         # Bucket sizes count the stepped dtype's bytes, which a reduced bucket travels in (fp32 for masters).
-        largest = max((_padded(p.numel() * p.element_size()) for p in self._local), default=0)
-        self._capacity = max(bucket_bytes, largest)
+        sizes = [_padded(p.numel() * p.element_size()) for p in self._local]
+        # A bucket holds at least the largest gradient, and need not exceed all of them (a small model).
+        self._capacity = max(min(bucket_bytes, sum(sizes)), max(sizes, default=0))
         self._staging = [accelerator.host_empty((self._capacity,), torch.uint8) for _ in range(STAGING_BUFFERS)]
         self._in_flight: list[Future | None] = [None] * STAGING_BUFFERS
         self._next_staging = 0

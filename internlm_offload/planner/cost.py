@@ -10,7 +10,8 @@ write (gradient offload's accumulation), and AdamW elements stepped on the devic
                       host adds / host_bytes_per_s)                      and the host's adds overlap compute
     optimizer   = max(device elements x 28 B / hbm_bytes_per_s,          the hybrid's CPU share overlaps
                       host elements / cpu_adam_elements_per_s)           the device step
-                  + step copies / link_bytes_per_s                       swap and hybrid traffic, not hidden
+                  + max(step copies / link_bytes_per_s,                  swap and hybrid traffic, not hidden;
+                        disk bytes / disk_bytes_per_s)                   NVMe reads and writes overlap it
     step        = micro_num x micro-batch + optimizer
 
 The host's memory bandwidth is the one the CPU AdamW rate assumes (`host_bytes_per_s`: elements/s x 28 B).
@@ -47,6 +48,9 @@ class Hardware:
     hbm_bytes_per_s: float  # device memory bandwidth (the device AdamW step is bound by it)
     cpu_adam_elements_per_s: float  # AdamW elements per second on the host, all cores
     source: str
+    # The NVMe tier's bandwidth per node (reads and writes together); no row measures it, so it is stated.
+    disk_bytes_per_s: float = 6e9
+    disk_source: str = "assumed: one NVMe drive per node, ~6 GB/s (PCIe 4.0 x4)"
 
 
 HARDWARE = {
@@ -72,6 +76,7 @@ class StepWork:
     device_adamw_elements: int = 0
     host_adamw_elements: int = 0
     host_add_bytes: int = 0  # read and written by additions into host tensors (gradient offload's accumulation)
+    disk_bytes: int = 0  # read from and written to the NVMe tier (copies from and to its mapped file)
 
     def scaled(self, factor: float) -> StepWork:
         return StepWork(**{k: int(v * factor) for k, v in asdict(self).items()})
@@ -123,6 +128,9 @@ class WorkCounter(TorchDispatchMode):
     def _count_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         tiers = (self.tracker.tier_of(src) or "device", self.tracker.tier_of(dst) or "device")
         nbytes = dst.numel() * dst.element_size()
+        if "disk" in tiers:  # through the page cache: a disk transfer and a host one
+            self.work.disk_bytes += nbytes
+            tiers = tuple("host" if tier == "disk" else tier for tier in tiers)
         if tiers == ("host", "device"):
             self.work.h2d_bytes += nbytes
         elif tiers == ("device", "host"):
@@ -176,7 +184,8 @@ def step_time(micro_batch: StepWork, optimizer: StepWork, micro_num: int, hw: Ha
     device_update = optimizer.device_adamw_elements * ADAMW_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s
     host_update = optimizer.host_adamw_elements / hw.cpu_adam_elements_per_s
     copies = (optimizer.h2d_bytes + optimizer.d2h_bytes) / hw.link_bytes_per_s
-    optimizer_s = max(device_update, host_update) + copies
+    disk = optimizer.disk_bytes / hw.disk_bytes_per_s  # the states' reads and writes, overlapping their copies
+    optimizer_s = max(device_update, host_update) + max(copies, disk)
     return StepTime(micro_num * per_micro_batch + optimizer_s, per_micro_batch, optimizer_s, hw)
 
 
@@ -190,6 +199,7 @@ def shared_by(hw: Hardware, ranks_per_node: int) -> Hardware:
         hw,
         link_bytes_per_s=min(hw.link_bytes_per_s, share),
         cpu_adam_elements_per_s=hw.cpu_adam_elements_per_s / ranks_per_node,
+        disk_bytes_per_s=hw.disk_bytes_per_s / ranks_per_node,
         source=f"{hw.source}; the host shared by {ranks_per_node} ranks per node",
     )
 

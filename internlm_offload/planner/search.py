@@ -50,6 +50,7 @@ class Setting:
 HYBRID_FRACTIONS = (0.5, 1.0)
 PARAMS_ON_HOST = "parallel.fsdp_cpu_offload"  # FSDP2's CPUOffloadPolicy: parameter offload
 GRADS_ON_HOST = "grad_offload"  # gradients to the host during backward (with swap or hybrid 1.0)
+NVME_PATH = "nvme_offload.path"  # the swap optimizer's states in a file (the NVMe tier)
 
 
 def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
@@ -156,6 +157,19 @@ def _with_gradient_offload(settings: list[Setting], cfg: RunConfig | None, auto:
     return without + offloaded
 
 
+def with_nvme(settings: list[Setting], cfg: RunConfig, path: str) -> list[Setting]:
+    """Each setting with the swap optimizer also with its states on NVMe under `path` (the planner never
+    touches it); the others without a path, which only the swap optimizer takes."""
+    off = {NVME_PATH: None} if cfg.nvme_offload.path else {}  # the config's own path, off where searched
+    plain = [Setting(s.name, {**s.options, **off}) for s in settings]
+    on_disk = [
+        Setting(f"{s.name} + NVMe", {**s.options, NVME_PATH: path})
+        for s in settings
+        if s.options.get("swap_optimizer", cfg.swap_optimizer)
+    ]
+    return plain + on_disk
+
+
 def _steps_all_on_host(setting: Setting, cfg: RunConfig) -> bool:
     """Whether the setting's optimizer steps every parameter from host gradients (what gradient offload needs)."""
     options, hybrid = setting.options, cfg.hybrid_optimizer
@@ -184,9 +198,16 @@ class Candidate:
         return {**self.activation.options, **self.optimizer.options}
 
 
-def over_budget(device: int, host: int, device_budget: int | None, host_budget: int | None) -> list[tuple[str, str]]:
-    """(tier, 'tier peak X > budget Y') for each peak over its budget; empty when both fit."""
-    peaks = (("device", device, device_budget), ("host", host, host_budget))
+def over_budget(
+    device: int,
+    host: int,
+    device_budget: int | None,
+    host_budget: int | None,
+    disk: int = 0,
+    disk_budget: int | None = None,
+) -> list[tuple[str, str]]:
+    """(tier, 'tier peak X > budget Y') for each peak over its budget; empty when all fit."""
+    peaks = (("device", device, device_budget), ("host", host, host_budget), ("disk", disk, disk_budget))
     return [
         (tier, f"{tier} peak {human_bytes(peak)} > budget {human_bytes(budget)}")
         for tier, peak, budget in peaks
@@ -202,6 +223,7 @@ def search(
     device_budget: int | None,
     host_budget: int | None,
     world_size: int = 1,
+    disk_budget: int | None = None,
 ) -> tuple[Candidate | None, list[Candidate]]:
     """The chosen candidate (None when nothing fits) and every candidate, fastest first, with its verdict.
 
@@ -233,7 +255,8 @@ def search(
             candidate.verdict = f"estimated {problems[0][1]}"
             continue
         memory = candidate.memory = trace_step(config_for(candidate.options), world_size)
-        problems = over_budget(memory.device_peak_bytes, memory.host_peak_bytes, device_budget, host_budget)
+        peaks = (memory.device_peak_bytes, memory.host_peak_bytes)
+        problems = over_budget(*peaks, device_budget, host_budget, memory.disk_peak_bytes, disk_budget)
         if not problems:
             candidate.verdict = "chosen"
             return candidate, candidates

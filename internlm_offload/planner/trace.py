@@ -74,6 +74,7 @@ class StepMemory:
     # before are released during it, so an offloaded block's figure nets its own against those.
     block_activation_bytes: list[int]
     first_step_device_peak_bytes: int = 0  # lazy state creation can make the first step's peak higher
+    disk_peak_bytes: int = 0  # the NVMe tier: the swap optimizer's states in a file
     micro_num: int = 1
     micro_batch_work: StepWork = field(default_factory=StepWork)  # one micro-batch of the steady step
     optimizer_work: StepWork = field(default_factory=StepWork)  # the steady step's `optimizer.step()`
@@ -271,7 +272,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
         handles = probe.hooks(parts.model, parts.layers)
         tracker.reset_peaks()
         trainer.train_step(batches)
-        peaks = {tier: tracker.peak_bytes(tier) for tier in ("device", "host")}
+        peaks = {tier: tracker.peak_bytes(tier) for tier in ("device", "host", "disk")}
         components = _components(parts, tracker, at_rest, probe)
         blocks = [probe.block_growth.get(i, 0) for i in range(len(parts.layers))]
         # The work is counted in a step of its own: the FLOP counter's module hooks move when a few
@@ -290,6 +291,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
             components=components,
             block_activation_bytes=blocks,
             first_step_device_peak_bytes=first_peak,
+            disk_peak_bytes=peaks["disk"],
             micro_num=cfg.data.micro_num,
             micro_batch_work=probe.micro_batch_work,
             optimizer_work=probe.optimizer_work,
@@ -333,6 +335,7 @@ def _components(parts: Any, tracker: StorageTracker, at_rest: dict[str, int], pr
         "host_params": params.get("host", 0),
         "host_master_weights": masters.get("host", 0),
         "host_optimizer_states": states.get("host", 0),
+        "disk_optimizer_states": states.get("disk", 0),
         "host_buffers": at_rest["host"] - host_known,  # offload pools, staging, arena padding
         "pinned_host_peak": tracker.peak_bytes("pinned"),
     }

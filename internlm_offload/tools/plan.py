@@ -29,6 +29,7 @@ line says what dominates, or the smallest peak found); 2 bad input (config, opti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ from typing import Any
 
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
 from internlm_offload.device import get_accelerator
-from internlm_offload.planner.cost import HARDWARE, calibrate, shared_by, step_time
+from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate, shared_by, step_time
 from internlm_offload.planner.tracker import largest_component
 from internlm_offload.sizes import human_bytes
 from internlm_offload.sizes import parse_size as config_size
@@ -73,6 +74,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--device-memory", help="device budget per rank, e.g. 80GiB")
     p.add_argument("--host-memory", help="host memory of a node, shared by its ranks, e.g. 2TiB")
+    p.add_argument(
+        "--disk-memory",
+        help="NVMe space of a node for the swap optimizer's states, shared by its ranks, e.g. 8TiB; with it the "
+        "search also tries the swap settings with their states on NVMe",
+    )
+    p.add_argument(
+        "--disk-bandwidth",
+        type=float,
+        help="NVMe read+write bandwidth of a node in GB/s (default: the assumption printed, 6 GB/s)",
+    )
+    p.add_argument(
+        "--nvme-path",
+        default="/local_nvme",
+        help="the directory the chosen nvme_offload.path names (the planner never touches it)",
+    )
     p.add_argument("--json", type=Path, help="write the plan here as JSON")
     p.add_argument("--measure", action="store_true", help="also run the steps for real on cpu (small configs)")
     p.add_argument(
@@ -95,11 +111,14 @@ def option_strings(options: dict[str, Any]) -> list[str]:
     return [f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}" for key, value in options.items()]
 
 
-def verdict(plan: dict[str, Any], device_budget: int | None, host_budget: int | None) -> tuple[bool, str]:
+def verdict(
+    plan: dict[str, Any], device_budget: int | None, host_budget: int | None, disk_budget: int | None = None
+) -> tuple[bool, str]:
     """Whether the predicted peaks fit the budgets, and a one-line reason."""
     from internlm_offload.planner.search import over_budget
 
-    problems = over_budget(plan["device_peak_bytes"], plan["host_peak_bytes"], device_budget, host_budget)
+    peaks = (plan["device_peak_bytes"], plan["host_peak_bytes"])
+    problems = over_budget(*peaks, device_budget, host_budget, plan["disk_peak_bytes"], disk_budget)
     if problems:
         return False, "does not fit: " + "; ".join(
             f"{text} (largest: {largest_component(plan['components'], tier)})" for tier, text in problems
@@ -115,6 +134,7 @@ def table(plan: dict[str, Any], measured: dict[str, Any] | None) -> str:
         *plan["components"].items(),
         ("device_peak", plan["device_peak_bytes"]),
         ("host_peak", plan["host_peak_bytes"]),
+        ("disk_peak", plan["disk_peak_bytes"]),
     ]
     for name, value in rows:
         line = f"{name:<28}{value / 2**20:>14.2f}"
@@ -136,6 +156,10 @@ def run(args: argparse.Namespace) -> int:
     device_budget = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     node_host = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
     host_budget = None if node_host is None else node_host // ranks_per_node
+    node_disk = parse_size(args.disk_memory, "--disk-memory") if args.disk_memory else None
+    disk_budget = None if node_disk is None else node_disk // ranks_per_node
+    if args.disk_bandwidth is not None and not args.disk_bandwidth > 0:
+        raise PlanInputError(f"--disk-bandwidth {args.disk_bandwidth}: expected GB/s > 0")
     raw = load_config_file(args.config, args.cfg_options)  # read once: the search's candidates merge into it
     cfg = resolve_config(raw, world_size=args.world_size)
     try:
@@ -144,14 +168,19 @@ def run(args: argparse.Namespace) -> int:
         measured = trace_step(cfg, args.world_size, measure=True).as_dict() if args.measure else None
     except UnsupportedLayout as exc:
         raise PlanInputError(str(exc)) from None
-    fits, reason = verdict(plan, device_budget, host_budget)
-    hardware = shared_by(calibrate() if args.calibrate else HARDWARE[args.hardware], ranks_per_node)
+    fits, reason = verdict(plan, device_budget, host_budget, disk_budget)
+    hardware = shared_by(row(args), ranks_per_node)
     timing = step_time(memory.micro_batch_work, memory.optimizer_work, memory.micro_num, hardware)
     print(table(plan, measured))
     print(
         f"predicted step time {timing.step_s:.4g} s ({memory.micro_num} micro-batches x {timing.micro_batch_s:.4g} s "
         f"+ optimizer {timing.optimizer_s:.4g} s) on {hardware.name} [{hardware.source}]"
     )
+    if memory.disk_peak_bytes:
+        print(
+            f"NVMe: {human_bytes(memory.disk_peak_bytes)} per rank, {human_bytes(memory.optimizer_work.disk_bytes)} "
+            f"read and written per step at {hardware.disk_bytes_per_s / 1e9:.3g} GB/s per rank [{hardware.disk_source}]"
+        )
     print(
         f"{ranks_per_node} rank(s) per node{' (' + assumed + ')' if assumed else ''}: host peak "
         f"{human_bytes(plan['host_peak_bytes'] * ranks_per_node)} per node"
@@ -161,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     options = dict(args.cfg_options)
     searched = None
     if (device_budget or host_budget) and not args.check_only:
-        searched, chosen = run_search(args, raw, memory, hardware, device_budget, host_budget)
+        searched, chosen = run_search(args, raw, memory, hardware, device_budget, host_budget, disk_budget)
         fits = chosen is not None
         if chosen is not None:
             memory, options = chosen.memory, {**options, **chosen.options}
@@ -183,12 +212,23 @@ def run(args: argparse.Namespace) -> int:
         "host_budget_bytes": host_budget,
         "ranks_per_node": ranks_per_node,
         "node_host_budget_bytes": node_host,
+        "disk_budget_bytes": disk_budget,
         "measured": measured,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     return 0 if fits else EXIT_DOES_NOT_FIT
+
+
+def row(args: argparse.Namespace) -> Hardware:
+    """The hardware row: `--hardware` (assumed) or `--calibrate` (measured), with `--disk-bandwidth`."""
+    hardware = calibrate() if args.calibrate else HARDWARE[args.hardware]
+    if args.disk_bandwidth is None:
+        return hardware
+    return dataclasses.replace(
+        hardware, disk_bytes_per_s=args.disk_bandwidth * 1e9, disk_source=f"--disk-bandwidth {args.disk_bandwidth} GB/s"
+    )
 
 
 def ranks_on_a_node(args: argparse.Namespace) -> tuple[int, str]:
@@ -213,6 +253,7 @@ def run_search(
     hardware: Any,
     device_budget: int | None,
     host_budget: int | None,
+    disk_budget: int | None = None,
 ) -> tuple[list[dict[str, Any]], Any]:
     """Search the settings, print the alternatives and the choice; (JSON rows, the chosen candidate or None).
 
@@ -225,6 +266,7 @@ def run_search(
         optimizer_settings,
         search,
         smallest_peak,
+        with_nvme,
     )
 
     config_for = candidate_configs(raw, world_size=args.world_size)
@@ -232,8 +274,10 @@ def run_search(
         activation_settings(len(memory.block_activation_bytes)), batch_settings(config_for({}))
     )
     optimizers = optimizer_settings(config_for({}))  # every knob searched (parameter offload under FSDP2)
+    if disk_budget is not None:
+        optimizers = with_nvme(optimizers, config_for({}), args.nvme_path)
     chosen, candidates = search(
-        config_for, activations, optimizers, hardware, device_budget, host_budget, args.world_size
+        config_for, activations, optimizers, hardware, device_budget, host_budget, args.world_size, disk_budget
     )
     print(f"\n{'setting':<52}{'step s':>11}{'est. device':>13}{'est. host':>11}  verdict")
     rows = []

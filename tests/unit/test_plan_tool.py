@@ -256,3 +256,26 @@ def test_search_refines_an_estimate_along_the_leanest_settings(monkeypatch, peak
     chosen, candidates = search.search(lambda options: options, activations, optimizers, HARDWARE["h100"], 50, None)
     assert chosen is not None and chosen.name == "lean + o1" and chosen.memory.device_peak_bytes == 20
     assert traced.count(("lean", "o1")) == 2  # once for the estimate, once whole before the choice
+
+
+def test_a_disk_budget_lets_the_search_put_the_states_on_nvme(tmp_path):
+    """Host memory too small for the swap optimizer's states: with --disk-memory the search tries the swap
+    settings with their states on NVMe, traces them on a disk tier, and chooses one; the states' reads and
+    writes are priced at --disk-bandwidth."""
+    base = tmp_path / "base.json"
+    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "swap_optimizer=True", "--json", str(base)]) == 0
+    swap = json.loads(base.read_text())
+    states = swap["components"]["host_optimizer_states"]
+    budgets = ["--device-memory", str(swap["device_peak_bytes"]), "--host-memory", str(states // 4)]
+    argv = ["--config", TINY, "--cfg-options", *SMALL, "model.checkpoint=1.0", *budgets]
+    out = tmp_path / "nvme.json"
+    assert plan.main([*argv, "--disk-memory", "1GiB", "--disk-bandwidth", "0.001", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "nvme_offload.path='/local_nvme'" in report["cfg_options"] and "+ NVMe" in report["verdict"]
+    # at 1 MB/s the NVMe settings are the slowest: every other one was tried first, and none fits
+    others = [row for row in report["search"] if "+ NVMe" not in row["setting"]]
+    assert others and all(row["verdict"].startswith(("estimated", "traced")) for row in others)
+    assert report["disk_peak_bytes"] == report["components"]["disk_optimizer_states"] >= 0.99 * states
+    assert report["components"]["host_optimizer_states"] == 0
+    # 1 MB/s: the states' bytes read and written each step take seconds, far beyond the link's time
+    assert report["step_time"]["optimizer_s"] > 2 * states / 1e6 * 0.99

@@ -2,7 +2,8 @@
 
     python -m internlm_offload.bench.optimizer [--quick] [--out bench_results/optimizer.json]
 
-Four parts, one process: the offload configurations against fused AdamW; CPU AdamW throughput
+Four parts, one process: the offload configurations against fused AdamW (the swap optimizer's states in
+host memory and, `swap_t4_nvme`, in a file under `--nvme-dir`, with this disk's measured bandwidth); CPU AdamW throughput
 (for-loop, foreach, fused, the hybrid optimizer's CPU path, DeepSpeedCPUAdam where it imports); the
 state round trip (offload + reload) of many small tensors through a coalesced arena vs one copy per
 tensor; and what one hand-off to a cpu side stream costs (it bounds how small chunks can usefully be).
@@ -35,19 +36,26 @@ import torch
 
 from internlm_offload.device import Accelerator, HostArena, aligned_offsets, host_buffers
 from internlm_offload.device.cpu_memory import rss_anon_bytes
+from internlm_offload.device.disk_buffers import DiskBuffer
 from internlm_offload.optim.adamw import AdamW
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer
 from internlm_offload.optim.interface import OffloadOptimizer
 from internlm_offload.optim.swap import SLOT_ALIGNMENT, SwapAdamW
 
 HYPER = {"lr": 1e-3, "weight_decay": 1e-2}
-QUICK = {"elements": 300_000, "tensors": 12, "repeats": 3, "warmup": 1, "round_trip_tensors": 40}
+QUICK = {"elements": 300_000, "tensors": 12, "repeats": 3, "warmup": 1, "round_trip_tensors": 40, "disk_test_mib": 4}
 Factory = Callable[[list[torch.Tensor], Accelerator], torch.optim.Optimizer]
 
 
-def _swap(times: int, arena: bool = False) -> Factory:
+def _swap(times: int, arena: bool = False, nvme: str | None = None) -> Factory:
     return lambda params, acc: SwapAdamW(
-        params, fused=True, swap_optimizer_times=times, use_pinned_optimizer_offload=arena, accelerator=acc, **HYPER
+        params,
+        fused=True,
+        swap_optimizer_times=times,
+        use_pinned_optimizer_offload=arena,
+        nvme_path=nvme,
+        accelerator=acc,
+        **HYPER,
     )
 
 
@@ -209,6 +217,35 @@ def throughput(case: Case, base: Case) -> dict[str, Any]:
         "gb_per_s_at_28_bytes": 28 * elements / median / 1e9,
         "vs_fused": median / statistics.median(base.times),
         "bitwise_equal_to_fused": all(torch.equal(p, b) for p, b in zip(case.params, base.params, strict=True)),
+    }
+
+
+def disk_bandwidth(directory: Path, nbytes: int, repeats: int) -> dict[str, Any]:
+    """This disk's bandwidth through the NVMe tier's own path: write `nbytes` into a mapped file and write them
+    back (msync, pages dropped), then read them in again (faults from the file); medians of `repeats`."""
+    disk = DiskBuffer(directory, nbytes)
+    data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    writes, reads = [], []
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            disk.tensor[:nbytes].copy_(data)
+            disk.write_back(0, nbytes)
+            disk.finish_writes()
+            writes.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            total = int(disk.tensor[:nbytes].sum())  # touches every page
+            reads.append(time.perf_counter() - start)
+            assert total == int(data.sum())
+    finally:
+        disk.release()
+    return {
+        "directory": str(directory),
+        "bytes": nbytes,
+        "write_gb_per_s": nbytes / statistics.median(writes) / 1e9,
+        "read_gb_per_s": nbytes / statistics.median(reads) / 1e9,
+        "write_s": writes,
+        "read_s": reads,
     }
 
 
@@ -413,6 +450,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--round-trip-tensors", type=int, default=2000, help="params in the offload+reload comparison")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--out", type=Path, default=Path("bench_results/optimizer.json"))
+    p.add_argument(
+        "--nvme-dir",
+        type=Path,
+        default=None,
+        help="directory for the NVMe row's states file and the disk bandwidth test (default: beside --out)",
+    )
+    p.add_argument("--disk-test-mib", type=int, default=512, help="bytes the disk bandwidth test writes and reads")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
     args = p.parse_args(argv)
     if args.quick:
@@ -433,8 +477,14 @@ def main(argv: list[str] | None = None) -> int:
     init, grads = seeded(sizes, seed=1), seeded(sizes, seed=2)
     deepspeed_missing = deepspeed_status()
     adamw_names = [n for n in CPU_ADAMW if n != "deepspeed_cpu_adam" or deepspeed_missing is None]
+    nvme_dir = args.nvme_dir or args.out.parent / "nvme"
+    nvme_dir.mkdir(parents=True, exist_ok=True)
+    configs = dict(CONFIGS)
+    if "swap_t4" in configs:
+        configs["swap_t4_nvme"] = _swap(4, nvme=str(nvme_dir))  # swap_t4 with its states in a file
     try:
-        cases = [build_case(name, init, grads, acc) for name in CONFIGS]
+        disk = disk_bandwidth(nvme_dir, args.disk_test_mib * 2**20, args.repeats)
+        cases = [build_case(name, init, grads, acc, configs) for name in configs]
         time_cases(cases, grads, args, acc)
         records = [summarize(case, cases[0]) for case in cases]
         floor = copy_floor(cases, grads, args.repeats, acc)
@@ -452,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "env": environment(args, sizes),
         "results": records,
+        "disk_bandwidth": disk,
         "swap_copy_floor": floor,
         "cpu_adamw": adamw,
         "deepspeed_cpu_adam": deepspeed_missing or "measured",
@@ -461,6 +512,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(report, indent=2))
     plot(records, args.out.with_suffix(".png"))
     print_table(records)
+    named = {r["name"]: r for r in records}
+    nvme, host = named.get("swap_t4_nvme"), named.get("swap_t4")
+    if nvme and host:
+        print(
+            f"NVMe tier ({nvme_dir}): disk writes {disk['write_gb_per_s']:.2f} GB/s, reads "
+            f"{disk['read_gb_per_s']:.2f} GB/s; swap_t4 on disk {nvme['step_s_median'] * 1e3:.1f} ms vs in host "
+            f"memory {host['step_s_median'] * 1e3:.1f} ms ({nvme['step_s_median'] / host['step_s_median']:.2f}x), "
+            f"bitwise {nvme['bitwise_equal']}"
+        )
     print(
         f"swap's copy floor: {floor['state_bytes'] / 2**20:.0f} MiB in and out {floor['copy_in_out_s'] * 1e3:.1f} ms "
         f"({floor['copy_gb_per_s']:.1f} GB/s moved) against a {floor['baseline_step_s'] * 1e3:.1f} ms step: "

@@ -514,12 +514,15 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
 
     def memory_stats(self) -> dict[str, int]:
         """Byte counts (sizes, not values): no wait for a write-back still running; metrics read them every step."""
-        host = sum(local_nbytes(t) for s in self.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        states = sum(local_nbytes(t) for s in self.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        on_disk = self.nvme_path is not None
         stats = {
             "device_state_bytes": self._device_state_bytes,
             "peak_device_state_bytes": self._peak_device_state_bytes,
-            "host_state_bytes": host,
+            "host_state_bytes": 0 if on_disk else states,
         }
+        if on_disk:
+            stats["disk_state_bytes"] = states
         if self.swap_params:
             stats["host_param_bytes"] = sum(local_nbytes(p) for g in self.param_groups for p in g["params"])
         return stats

@@ -15,7 +15,7 @@ def test_quick_run_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFix
     assert bench.main(["--quick", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     records = {rec["name"]: rec for rec in data["results"]}
-    assert list(records) == list(bench.CONFIGS)
+    assert list(records) == [*bench.CONFIGS, "swap_t4_nvme"]  # swap_t4 again, its states in a file
     assert all(rec["bitwise_equal"] for rec in records.values()), "a configuration changed the params"
     assert records["baseline_adamw_fused"]["ratio"] == 1.0
     for rec in records.values():
@@ -27,6 +27,12 @@ def test_quick_run_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFix
     assert 0 < peak["baseline_adamw_fused"] <= peak["swap_t1"] < 1.01 * peak["baseline_adamw_fused"]
     assert peak["hybrid_f1.0"] == 0 < peak["hybrid_f0.5"] == peak["hybrid_f0.5_no_overlap"]
     assert records["baseline_adamw_fused"]["host_state_bytes"] == 0 < records["swap_t4"]["host_state_bytes"]
+    nvme = records["swap_t4_nvme"]
+    assert nvme["host_state_bytes"] == 0 and nvme["disk_state_bytes"] == records["swap_t4"]["host_state_bytes"]
+    disk = data["disk_bandwidth"]
+    assert disk["write_gb_per_s"] > 0 and disk["read_gb_per_s"] > 0 and disk["bytes"] == 4 * 2**20
+    printed = capsys.readouterr().out
+    assert "NVMe tier" in printed and "hybrid_f0.5_no_overlap" in printed
     handoff = data["stream_handoff"]
     assert handoff["cpu_stream_round_trip_us"] > 0 and handoff["bare_threads_round_trip_us"] > 0
     floor = data["swap_copy_floor"]
@@ -36,7 +42,6 @@ def test_quick_run_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFix
     assert abs(env["elements"] - bench.QUICK["elements"]) <= env["tensors"]
     png = out.with_suffix(".png")
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "hybrid_f0.5_no_overlap" in capsys.readouterr().out
 
 
 def test_a_config_that_differs_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -181,7 +181,8 @@ def build_optimizer(
     if check_host and ((cfg.swap_optimizer and not on_disk) or cfg.hybrid_optimizer.enable):
         check_optimizer_host_memory(cfg, model)
     if check_host and on_disk:
-        check_nvme_path(cfg.nvme_offload.path, trainable_elements(model) * SWAP_STATE_BYTES)
+        fraction = 1.0 if cfg.swap_optimizer else cfg.hybrid_optimizer.offload_fraction
+        check_nvme_path(cfg.nvme_offload.path, int(trainable_elements(model) * fraction) * SWAP_STATE_BYTES)
     groups = param_groups(model, adam.weight_decay)
     fused = fused_supported(accelerator.name) if adam.fused is None else adam.fused
     hyper = {"lr": adam.lr, "betas": (adam.adam_beta1, adam.adam_beta2), "eps": adam.adam_eps}
@@ -209,6 +210,7 @@ def build_optimizer(
             accelerator=accelerator,
             cpu_mask=cpu_mask,
             grads_on_host=cfg.grad_offload,
+            nvme_path=cfg.nvme_offload.path,
             **hyper,
         )
     return AdamW(groups, fused=fused, **hyper)
@@ -224,14 +226,14 @@ def build_swap_optimizer(groups: list[dict[str, Any]], **kwargs: Any) -> SwapAda
 
 def check_nvme_path(path: str, state_bytes: int) -> None:
     """Refuse before training when the NVMe directory is missing, not writable, or cannot hold this node's
-    states (every local rank writes its own file there)."""
+    states (every local rank writes its own files there)."""
     if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"nvme_offload.path={path!r} is not a writable directory; create it on a local NVMe drive")
     needed = state_bytes * env_local_world_size()
     free = shutil.disk_usage(path).free
     if needed > free:
         raise ConfigError(
-            f"nvme_offload.path={path!r} has {human_bytes(free)} free; the swap optimizer's states of "
+            f"nvme_offload.path={path!r} has {human_bytes(free)} free; the offloaded optimizer states of "
             f"{env_local_world_size()} rank(s) on this node need {human_bytes(needed)}"
         )
 

@@ -313,11 +313,11 @@ class CpuOffloadingConfig(Section):
 class NvmeOffloadConfig(Section):
     path: Optional[str] = Field(
         None,
-        description="Directory on a local NVMe drive for the swap optimizer's states (the NVMe tier): one file "
-        "per rank, reserved at start (a missing or full directory is an error then, not when the config is "
-        "validated: the planner may run elsewhere), removed when the process "
-        "ends; host memory then holds the chunks in flight only. Checkpoints still go through DCP. "
-        "Needs `swap_optimizer`.",
+        description="Directory on a local NVMe drive for the offloaded optimizer states (the NVMe tier): the swap "
+        "optimizer's, or the hybrid optimizer's CPU share's; files per rank, reserved at start (a missing or full "
+        "directory is an error then, not when the config is validated: the planner may run elsewhere), removed when "
+        "the process ends; host memory then holds the chunks in flight only. Checkpoints still go through DCP. "
+        "Needs `swap_optimizer` or `hybrid_optimizer`.",
     )
 
 
@@ -538,10 +538,10 @@ class RunConfig(Section):
             )
 
     def _check_nvme_path(self) -> None:
-        path = self.nvme_offload.path
-        if not self.swap_optimizer:
+        if not (self.swap_optimizer or self.hybrid_optimizer.enable):
             raise ValueError(
-                f"nvme_offload.path={path!r} holds the swap optimizer's states; it needs swap_optimizer=True"
+                f"nvme_offload.path={self.nvme_offload.path!r} holds the offloaded optimizer states; it needs "
+                "swap_optimizer=True or hybrid_optimizer.enable=True"
             )
 
     def checkpointed_layers(self) -> int:

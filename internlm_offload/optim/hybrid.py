@@ -126,6 +126,9 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
             `offload_mask(params, offload_fraction)`.
         grads_on_host: gradient offload (`optim.grad_offload`) hands the CPU share's gradients over as host
             tensors (`param.host_grad`): no D2H copy of them, and no host grad buffer for host-resident params.
+        nvme_path: the CPU share's AdamW states live in files in this directory (the NVMe tier,
+            `device/disk_buffers.py`), one per piece: the next piece's are read ahead while one is stepped,
+            and a stepped piece's are written back and dropped from memory.
         **kwargs: hyper-parameters (lr, betas, eps, weight_decay, amsgrad, maximize, ...): the defaults
             of the param groups, passed to both sub-optimizers.
     """
@@ -144,6 +147,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         accelerator: Accelerator | None = None,
         cpu_mask: Sequence[bool] | None = None,
         grads_on_host: bool = False,
+        nvme_path: str | None = None,
         **kwargs: Any,
     ) -> None:
         if not 0.0 <= offload_fraction <= 1.0:
@@ -158,6 +162,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         self.pin_cpu_grads, self.pin_cpu_params = pin_cpu_grads, pin_cpu_params
         self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
         self.grads_on_host = grads_on_host
+        self.nvme_path = nvme_path
         self._d2h_stream: Stream = self._acc.stream()
         self._h2d_stream: Stream = self._acc.stream()
         self._host_arenas: list[HostArena] = []
@@ -349,15 +354,21 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
             arena.release()
 
     def memory_stats(self) -> dict[str, int]:
-        """Optimizer bytes on the device now, their peak during the last step, and bytes in host memory."""
-        host = sum(state_bytes(u.optimizer) + sum(s.nbytes() for s in u.slots) for u in self._cpu_units)
+        """Optimizer bytes on the device now, their peak during the last step, and bytes in host memory (and
+        on disk: the CPU share's states with `nvme_path`)."""
+        cpu_states = sum(state_bytes(u.optimizer) for u in self._cpu_units)
+        host = sum(sum(s.nbytes() for s in u.slots) for u in self._cpu_units)
+        host += 0 if self.nvme_path else cpu_states
         if self._states_offloaded:
             host += state_bytes(self._device_optimizer)
-        return {
+        stats = {
             "device_state_bytes": self._device_state_bytes(),
             "peak_device_state_bytes": self._peak_device_state_bytes,
             "host_state_bytes": int(host),
         }
+        if self.nvme_path:
+            stats["disk_state_bytes"] = int(cpu_states)
+        return stats
 
     @torch.no_grad()
     def sync_from_model(self) -> None:
@@ -465,9 +476,14 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
 
     @torch.no_grad()  # grad mode is per thread: the worker needs its own
     def _step_cpu_units(self) -> None:
-        for unit in self._cpu_units:
+        for index, unit in enumerate(self._cpu_units):
+            if index + 1 < len(self._cpu_units) and self._cpu_units[index + 1].slab is not None:
+                following = self._cpu_units[index + 1].slab
+                following.prefetch(0, following.nbytes)  # NVMe: read ahead while this piece steps
             self._wait_for_grads(unit)
             self._step_cpu_unit(unit)
+            if unit.slab is not None:
+                unit.slab.write_back(0, unit.slab.nbytes)  # NVMe: out of memory behind the step
 
     def _wait_for_grads(self, unit: CpuUnit) -> None:
         """Block the host until the unit's grads have landed: the CPU step reads them next."""
@@ -497,7 +513,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         if unit.slab is not None and len(unit.optimizer.state) == unit.slabbed_params:
             return
         old = unit.slab  # its views may be among the states copied: released after the copy
-        unit.slab = states_into_slab(unit.optimizer, self._acc, pinned=False)
+        unit.slab = states_into_slab(unit.optimizer, self._acc, pinned=False, directory=self.nvme_path)
         unit.slabbed_params = len(unit.optimizer.state)
         if old is not None:
             old.release()

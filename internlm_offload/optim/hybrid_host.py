@@ -86,11 +86,17 @@ class CpuUnit:
 
 
 def states_into_slab(
-    optimizer: Optimizer, accelerator: Accelerator, *, pinned: bool, reuse: HostArena | None = None
+    optimizer: Optimizer,
+    accelerator: Accelerator,
+    *,
+    pinned: bool,
+    reuse: HostArena | None = None,
+    directory: str | None = None,
 ) -> HostArena:
     """Copy `optimizer`'s state tensors (their local shards) into views of one host slab, laid out like them,
-    in their place; `reuse` is the slab when its layout matches (it is released otherwise). Blocking copies:
-    each is done before the tensor it replaces can be dropped."""
+    in their place; `reuse` is the slab when its layout matches (it is released otherwise); `directory`: the
+    slab is a file there (the NVMe tier). Blocking copies: each is done before the tensor it replaces can be
+    dropped."""
     states = [
         (state, name) for state in optimizer.state.values() for name, value in state.items() if torch.is_tensor(value)
     ]
@@ -98,7 +104,7 @@ def states_into_slab(
     if reuse is not None and reuse.specs != specs:
         reuse.release()
         reuse = None
-    slab = reuse or HostArena(accelerator, specs, pinned=pinned)
+    slab = reuse or HostArena(accelerator, specs, pinned=pinned, directory=directory)
     for index, (state, name) in enumerate(states):
         value = state[name]
         state[name] = laid_out_like(slab.view(index).copy_(local_shard(value)), value)

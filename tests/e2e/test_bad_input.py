@@ -51,7 +51,7 @@ def write_config(tmp_path, body: str):
             ["fsdp_cpu_offload=True", "excludes swap_optimizer"],
         ),
         (["data.type=text", "data.paths=[/no/such/file.txt]"], ["data.paths", "/no/such/file.txt"]),
-        (["nvme_offload.path=/tmp"], ["nvme_offload.path='/tmp'", "needs swap_optimizer=True"]),
+        (["nvme_offload.path=/tmp"], ["nvme_offload.path='/tmp'", "needs swap_optimizer=True or hybrid"]),
         (
             ["swap_optimizer=True", "nvme_offload.path=/no/such/dir"],
             ["nvme_offload.path='/no/such/dir' is not a writable directory"],

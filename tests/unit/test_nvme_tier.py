@@ -71,3 +71,29 @@ def test_swap_states_on_disk_step_bitwise_like_adamw_and_leave_memory(tmp_path):
     assert all(torch.equal(loaded.state[p]["exp_avg"], swap.state[p]["exp_avg"]) for p in params)
     swap.close()
     loaded.close()
+
+
+def test_hybrid_cpu_states_on_disk_step_bitwise_like_adamw_and_leave_memory(tmp_path):
+    from internlm_offload.optim import HybridDeviceOptimizer
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(257, 33)) for _ in range(6)]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    hybrid = HybridDeviceOptimizer(
+        params, offload_fraction=1.0, lr=1e-2, nvme_path=str(tmp_path), accelerator=Accelerator("cpu")
+    )
+    adamw = torch.optim.AdamW(copies, lr=1e-2, fused=True)
+    for _ in range(3):
+        for p, c in zip(params, copies):
+            p.grad = torch.randn_like(p)
+            c.grad = p.grad.clone()
+        hybrid.step()
+        adamw.step()
+    slabs = [unit.slab for unit in hybrid._cpu_units]
+    for slab in slabs:
+        slab.disk.finish_writes()
+    assert sum(slab.disk.resident_bytes() for slab in slabs) <= 4096 * len(slabs)  # every piece written back
+    assert hybrid.memory_stats()["disk_state_bytes"] == sum(p.numel() * 8 + 4 for p in params)  # + fp32 `step`
+    assert all(torch.equal(p, c) for p, c in zip(params, copies))
+    assert all(torch.equal(hybrid.state[p]["exp_avg_sq"], adamw.state[c]["exp_avg_sq"]) for p, c in zip(params, copies))
+    hybrid.close()

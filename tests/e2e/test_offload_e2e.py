@@ -112,6 +112,23 @@ def test_nvme_tier_trains_the_baseline_curve_and_resumes_bitwise(tmp_path):
     assert not list(nvme.iterdir())
 
 
+def test_nvme_tier_under_fsdp2_trains_the_baseline_curve_bitwise(tmp_path):
+    """Two ranks, each with its own states file (DTensor shards' states) in one directory, and gradient
+    offload: FSDP2's curve bitwise, nothing left behind."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    options = [*STEPS, "parallel.mode=fsdp2", "model.dtype=torch.bfloat16"]
+    base, on_disk = tmp_path / "base", tmp_path / "on_disk"
+    train(base, *options, nproc=2)
+    offload = [f"nvme_offload.path={nvme}", "grad_offload=True"]
+    train(on_disk, *options, *offload, nproc=2, config=REPO / "configs" / "internlm2_tiny_swap.py")
+    assert metrics(on_disk)[-1]["optim_disk_state_bytes"] > 0
+    for metric in ("loss", "grad_norm"):
+        compared = loss_compare(str(base), str(on_disk), "--exact", "--quiet", "--metric", metric)
+        assert compared.returncode == 0, compared.stdout
+    assert not list(nvme.iterdir())
+
+
 def test_loss_compare_catches_a_changed_run(tmp_path):
     """The check above can fail: a different learning rate is misaligned (exit 1)."""
     base, other = tmp_path / "base", tmp_path / "other"

@@ -83,8 +83,8 @@ class GradOffload(MemoryFeature):
     `pairs`: (model parameter whose `.grad` backward produces, parameter the optimizer steps) for every
     trainable parameter; the two are one tensor without fp32 masters. `from_zeros` (fp32 masters): the first
     gradient of a step is added to zeros and parameters without one get zeros; else the first is kept as it
-    is and those get none (autograd's rule). `reduce`: average the gradients over the default process
-    group's ranks before they leave the device (module docstring).
+    is and those get none (autograd's rule). `reduce`: average the host gradients over the default process
+    group's ranks after the last backward, on the device bucket by bucket (DDP; module docstring).
     """
 
     def __init__(

@@ -177,12 +177,12 @@ def build_optimizer(
     refuse offloaded states the machine's host memory cannot hold.
     """
     adam = cfg.adam
-    on_disk = cfg.nvme_offload.path is not None
+    on_disk = cfg.nvme_offload.directory is not None
     if check_host and ((cfg.swap_optimizer and not on_disk) or cfg.hybrid_optimizer.enable):
         check_optimizer_host_memory(cfg, model)
     if check_host and on_disk:
         fraction = 1.0 if cfg.swap_optimizer else cfg.hybrid_optimizer.offload_fraction
-        check_nvme_path(cfg.nvme_offload.path, int(trainable_elements(model) * fraction) * SWAP_STATE_BYTES)
+        check_nvme_path(cfg.nvme_offload.directory, int(trainable_elements(model) * fraction) * SWAP_STATE_BYTES)
     groups = param_groups(model, adam.weight_decay)
     fused = fused_supported(accelerator.name) if adam.fused is None else adam.fused
     hyper = {"lr": adam.lr, "betas": (adam.adam_beta1, adam.adam_beta2), "eps": adam.adam_eps}
@@ -194,7 +194,7 @@ def build_optimizer(
             use_pinned_optimizer_offload=cfg.use_pinned_optimizer_offload,
             swap_params=host_params,
             host_grads=cfg.grad_offload,
-            nvme_path=cfg.nvme_offload.path,
+            nvme_path=cfg.nvme_offload.directory,
             accelerator=accelerator,
             **hyper,
         )
@@ -210,7 +210,7 @@ def build_optimizer(
             accelerator=accelerator,
             cpu_mask=cpu_mask,
             grads_on_host=cfg.grad_offload,
-            nvme_path=cfg.nvme_offload.path,
+            nvme_path=cfg.nvme_offload.directory,
             **hyper,
         )
     return AdamW(groups, fused=fused, **hyper)

@@ -33,6 +33,7 @@ AUTO_KNOBS = (
     "hybrid_optimizer.offload_fraction",
     "parallel.fsdp_cpu_offload",
     "grad_offload",
+    "nvme_offload.enable",
 )
 
 
@@ -311,14 +312,24 @@ class CpuOffloadingConfig(Section):
 
 
 class NvmeOffloadConfig(Section):
+    enable: bool = Field(
+        False,
+        description="Keep the offloaded optimizer states in files under `path` (the NVMe tier): the swap "
+        "optimizer's, or the hybrid optimizer's CPU share's; host memory then holds the chunks in flight only. "
+        'Needs `path` and `swap_optimizer` or `hybrid_optimizer`. `"auto"` (with `memory_budget`): the planner '
+        "chooses.",
+    )
     path: Optional[str] = Field(
         None,
-        description="Directory on a local NVMe drive for the offloaded optimizer states (the NVMe tier): the swap "
-        "optimizer's, or the hybrid optimizer's CPU share's; files per rank, reserved at start (a missing or full "
-        "directory is an error then, not when the config is validated: the planner may run elsewhere), removed when "
-        "the process ends; host memory then holds the chunks in flight only. Checkpoints still go through DCP. "
-        "Needs `swap_optimizer` or `hybrid_optimizer`.",
+        description="Directory on a local NVMe drive: files per rank, reserved at start (a missing or full directory "
+        "is an error then, not when the config is validated: the planner may run elsewhere), removed when the "
+        "process ends. Checkpoints still go through DCP.",
     )
+
+    @property
+    def directory(self) -> str | None:
+        """Where the states go when the tier is on; None when it is off."""
+        return self.path if self.enable else None
 
 
 class MemoryBudgetConfig(Section):
@@ -511,8 +522,8 @@ class RunConfig(Section):
             )
         if self.grad_offload:
             self._check_grad_offload()
-        if self.nvme_offload.path is not None:
-            self._check_nvme_path()
+        if self.nvme_offload.enable:
+            self._check_nvme()
         if self.use_pinned_optimizer_offload and not self.swap_optimizer:
             raise ValueError(
                 "use_pinned_optimizer_offload=True is the host arena of the swap optimizer; it needs swap_optimizer=True"
@@ -537,11 +548,13 @@ class RunConfig(Section):
                 f"offload_fraction={hybrid.offload_fraction})"
             )
 
-    def _check_nvme_path(self) -> None:
+    def _check_nvme(self) -> None:
+        if self.nvme_offload.path is None:
+            raise ValueError("nvme_offload.enable=True needs nvme_offload.path, a directory on a local NVMe drive")
         if not (self.swap_optimizer or self.hybrid_optimizer.enable):
             raise ValueError(
-                f"nvme_offload.path={self.nvme_offload.path!r} holds the offloaded optimizer states; it needs "
-                "swap_optimizer=True or hybrid_optimizer.enable=True"
+                "nvme_offload.enable=True holds the offloaded optimizer states; it needs swap_optimizer=True or "
+                "hybrid_optimizer.enable=True"
             )
 
     def checkpointed_layers(self) -> int:
@@ -591,6 +604,8 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
             f"parallel.fsdp_cpu_offload='auto' needs parallel.mode='fsdp2' (FSDP2's CPU offload policy), "
             f"got {cfg.parallel.mode!r}"
         )
+    if "nvme_offload.enable" in auto and cfg.nvme_offload.path is None:
+        raise ConfigError("nvme_offload.enable='auto' needs nvme_offload.path, the directory the planner may choose")
     # A 1-process ddp/fsdp2 run is legal (handy to debug the wrappers); several processes need one.
     if cfg.parallel.mode == "none" and world_size > 1:
         raise ConfigError(f"parallel.mode='none' with world size {world_size}: use parallel.mode='ddp' or 'fsdp2'")

@@ -50,7 +50,7 @@ class Setting:
 HYBRID_FRACTIONS = (0.5, 1.0)
 PARAMS_ON_HOST = "parallel.fsdp_cpu_offload"  # FSDP2's CPUOffloadPolicy: parameter offload
 GRADS_ON_HOST = "grad_offload"  # gradients to the host during backward (with swap or hybrid 1.0)
-NVME_PATH = "nvme_offload.path"  # the swap optimizer's states in a file (the NVMe tier)
+NVME = "nvme_offload.enable"  # the offloaded optimizer states in files under nvme_offload.path (the NVMe tier)
 
 
 def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
@@ -137,7 +137,7 @@ def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_
         settings.append(Setting("swap", {**off, "swap_optimizer": True}))
     if params_on_host:
         settings.append(Setting("params on host (FSDP2)", {**off, PARAMS_ON_HOST: True}))
-    return _with_gradient_offload(settings, cfg, auto)
+    return _with_nvme_tier(_with_gradient_offload(settings, cfg, auto), cfg, auto)
 
 
 def _with_gradient_offload(settings: list[Setting], cfg: RunConfig | None, auto: set[str]) -> list[Setting]:
@@ -157,17 +157,24 @@ def _with_gradient_offload(settings: list[Setting], cfg: RunConfig | None, auto:
     return without + offloaded
 
 
-def with_nvme(settings: list[Setting], cfg: RunConfig, path: str) -> list[Setting]:
-    """Each setting with the swap optimizer also with its states on NVMe under `path` (the planner never
-    touches it); the others without a path, which only the swap optimizer takes."""
-    off = {NVME_PATH: None} if cfg.nvme_offload.path else {}  # the config's own path, off where searched
-    plain = [Setting(s.name, {**s.options, **off}) for s in settings]
-    on_disk = [
-        Setting(f"{s.name} + NVMe", {**s.options, NVME_PATH: path})
-        for s in settings
-        if s.options.get("swap_optimizer", cfg.swap_optimizer)
-    ]
-    return plain + on_disk
+def _with_nvme_tier(settings: list[Setting], cfg: RunConfig | None, auto: set[str]) -> list[Setting]:
+    """Where the NVMe tier is searched (the config names a directory): every setting without it, and each whose
+    optimizer offloads states (swap, hybrid) also with them on NVMe. Where a config fixes it on: only those."""
+    if cfg is None or cfg.nvme_offload.path is None:
+        return settings
+    if NVME not in auto:
+        return [s for s in settings if _offloads_states(s, cfg)] if cfg.nvme_offload.enable else settings
+    without = [Setting(s.name, {**s.options, NVME: False}) for s in settings]
+    on_disk = [Setting(f"{s.name} + NVMe", {**s.options, NVME: True}) for s in settings if _offloads_states(s, cfg)]
+    return without + on_disk
+
+
+def _offloads_states(setting: Setting, cfg: RunConfig) -> bool:
+    """Whether the setting's optimizer keeps states in host memory (swap, or hybrid with a CPU share)."""
+    options = setting.options
+    if options.get("swap_optimizer", cfg.swap_optimizer):
+        return True
+    return bool(options.get("hybrid_optimizer.enable", cfg.hybrid_optimizer.enable))
 
 
 def _steps_all_on_host(setting: Setting, cfg: RunConfig) -> bool:

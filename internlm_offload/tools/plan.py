@@ -76,8 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-memory", help="host memory of a node, shared by its ranks, e.g. 2TiB")
     p.add_argument(
         "--disk-memory",
-        help="NVMe space of a node for the swap optimizer's states, shared by its ranks, e.g. 8TiB; with it the "
-        "search also tries the swap settings with their states on NVMe",
+        help="NVMe space of a node for the offloaded optimizer states, shared by its ranks, e.g. 8TiB; with it the "
+        "search also tries the swap and hybrid settings with their states on NVMe",
     )
     p.add_argument(
         "--disk-bandwidth",
@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--nvme-path",
         default="/local_nvme",
-        help="the directory the chosen nvme_offload.path names (the planner never touches it)",
+        help="with --disk-memory, the nvme_offload.path a config without one gets (the planner never touches it)",
     )
     p.add_argument("--json", type=Path, help="write the plan here as JSON")
     p.add_argument("--measure", action="store_true", help="also run the steps for real on cpu (small configs)")
@@ -162,6 +162,11 @@ def run(args: argparse.Namespace) -> int:
         raise PlanInputError(f"--disk-bandwidth {args.disk_bandwidth}: expected GB/s > 0")
     raw = load_config_file(args.config, args.cfg_options)  # read once: the search's candidates merge into it
     cfg = resolve_config(raw, world_size=args.world_size)
+    if node_disk is not None and cfg.nvme_offload.path is None:
+        # A disk budget offers the NVMe tier: the search tries it (nvme_offload.enable) under this directory.
+        args.cfg_options = {**args.cfg_options, "nvme_offload.path": args.nvme_path}
+        raw = load_config_file(args.config, args.cfg_options)
+        cfg = resolve_config(raw, world_size=args.world_size)
     try:
         memory = trace_step(cfg, args.world_size)
         plan = memory.as_dict()
@@ -266,7 +271,6 @@ def run_search(
         optimizer_settings,
         search,
         smallest_peak,
-        with_nvme,
     )
 
     config_for = candidate_configs(raw, world_size=args.world_size)
@@ -274,8 +278,6 @@ def run_search(
         activation_settings(len(memory.block_activation_bytes)), batch_settings(config_for({}))
     )
     optimizers = optimizer_settings(config_for({}))  # every knob searched (parameter offload under FSDP2)
-    if disk_budget is not None:
-        optimizers = with_nvme(optimizers, config_for({}), args.nvme_path)
     chosen, candidates = search(
         config_for, activations, optimizers, hardware, device_budget, host_budget, args.world_size, disk_budget
     )

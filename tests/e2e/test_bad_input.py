@@ -51,10 +51,15 @@ def write_config(tmp_path, body: str):
             ["fsdp_cpu_offload=True", "excludes swap_optimizer"],
         ),
         (["data.type=text", "data.paths=[/no/such/file.txt]"], ["data.paths", "/no/such/file.txt"]),
-        (["nvme_offload.path=/tmp"], ["nvme_offload.path='/tmp'", "needs swap_optimizer=True or hybrid"]),
+        (["nvme_offload.enable=True"], ["nvme_offload.enable=True needs nvme_offload.path"]),
+        (["nvme_offload.enable=True", "nvme_offload.path=/tmp"], ["needs swap_optimizer=True or hybrid"]),
         (
-            ["swap_optimizer=True", "nvme_offload.path=/no/such/dir"],
+            ["swap_optimizer=True", "nvme_offload.enable=True", "nvme_offload.path=/no/such/dir"],
             ["nvme_offload.path='/no/such/dir' is not a writable directory"],
+        ),
+        (
+            ["swap_optimizer=True", "nvme_offload.enable=auto", "memory_budget.device=1GiB"],
+            ["nvme_offload.enable='auto' needs nvme_offload.path"],
         ),
         (["model.type=gpt9"], ["model.type", "'gpt9'", "internlm2"]),
         (["model.vocab_size=100"], ["model.vocab_size=100", "259"]),

@@ -62,13 +62,13 @@ def test_nvme_tier_trains_the_baseline_curve_and_resumes_bitwise(tmp_path):
     common.append("model.dtype=torch.bfloat16")
     full, on_disk, resumed = tmp_path / "full", tmp_path / "on_disk", tmp_path / "resumed"
     train(full, *common, config=config)
-    proc = train(on_disk, *common, f"nvme_offload.path={nvme}", config=config)
+    proc = train(on_disk, *common, "nvme_offload.enable=True", f"nvme_offload.path={nvme}", config=config)
     assert f"file under {nvme}" in proc.stderr
     for metric in ("loss", "grad_norm"):
         compared = loss_compare(str(full), str(on_disk), "--exact", "--quiet", "--metric", metric)
         assert compared.returncode == 0, compared.stdout
     shutil.copytree(full / "checkpoints" / "step_00000004", resumed / "checkpoints" / "step_00000004")
-    train(resumed, *common, f"nvme_offload.path={nvme}", config=config, resume=True)
+    train(resumed, *common, "nvme_offload.enable=True", f"nvme_offload.path={nvme}", config=config, resume=True)
     expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(full) if r["step"] > 4]
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(resumed)] == expected
     assert not list(nvme.iterdir())
@@ -82,7 +82,7 @@ def test_nvme_tier_under_fsdp2_trains_the_baseline_curve_bitwise(tmp_path):
     options = [*STEPS, "parallel.mode=fsdp2", "model.dtype=torch.bfloat16"]
     base, on_disk = tmp_path / "base", tmp_path / "on_disk"
     train(base, *options, nproc=2)
-    offload = [f"nvme_offload.path={nvme}", "grad_offload=True"]
+    offload = ["nvme_offload.enable=True", f"nvme_offload.path={nvme}", "grad_offload=True"]
     train(on_disk, *options, *offload, nproc=2, config=REPO / "configs" / "internlm2_tiny_swap.py")
     assert metrics(on_disk)[-1]["optim_disk_state_bytes"] > 0
     for metric in ("loss", "grad_norm"):

@@ -272,6 +272,7 @@ def test_a_disk_budget_lets_the_search_put_the_states_on_nvme(tmp_path):
     assert plan.main([*argv, "--disk-memory", "1GiB", "--disk-bandwidth", "0.001", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert "nvme_offload.path='/local_nvme'" in report["cfg_options"] and "+ NVMe" in report["verdict"]
+    assert "nvme_offload.enable=True" in report["cfg_options"]
     # at 1 MB/s the NVMe settings are the slowest: every other one was tried first, and none fits
     others = [row for row in report["search"] if "+ NVMe" not in row["setting"]]
     assert others and all(row["verdict"].startswith(("estimated", "traced")) for row in others)
@@ -279,3 +280,20 @@ def test_a_disk_budget_lets_the_search_put_the_states_on_nvme(tmp_path):
     assert report["components"]["host_optimizer_states"] == 0
     # 1 MB/s: the states' bytes read and written each step take seconds, far beyond the link's time
     assert report["step_time"]["optimizer_s"] > 2 * states / 1e6 * 0.99
+
+
+def test_the_nvme_tier_is_a_knob_where_the_config_names_a_directory() -> None:
+    """`nvme_offload.enable="auto"` with a path: the start-up search tries the optimizers that offload states
+    (swap, hybrid) with them on NVMe too; without a path there is nothing to try."""
+    from internlm_offload.config import load_config_file, resolve_config
+    from internlm_offload.planner.search import optimizer_settings
+
+    auto = {"swap_optimizer": "auto", "hybrid_optimizer.enable": "auto", "memory_budget.device": "1GiB"}
+    raw = load_config_file(TINY, {**auto, "nvme_offload.enable": "auto", "nvme_offload.path": "/nvme"})
+    cfg = resolve_config(raw)
+    settings = optimizer_settings(cfg, cfg.auto_knobs)
+    on_disk = [s.name for s in settings if s.options.get("nvme_offload.enable")]
+    assert on_disk == ["hybrid 0.5 + NVMe", "swap + NVMe"]
+    assert all(s.options.get("nvme_offload.enable") is False for s in settings if s.name not in on_disk)
+    without_path = resolve_config(load_config_file(TINY, auto))
+    assert not any("NVMe" in s.name for s in optimizer_settings(without_path, without_path.auto_knobs))

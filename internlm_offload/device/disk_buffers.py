@@ -18,6 +18,7 @@ staging would not make the step faster.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import shutil
@@ -112,8 +113,6 @@ def _pages(start: int, nbytes: int, limit: int) -> tuple[int, int]:
 
 def _mapping_rss(mapped: mmap.mmap) -> int:
     """The `Rss` of the mapping that holds `mapped`'s first byte, from /proc/self/smaps (0 if not found)."""
-    import ctypes
-
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
     found = False
     with open("/proc/self/smaps") as smaps:

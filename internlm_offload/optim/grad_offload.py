@@ -48,16 +48,16 @@ import functools
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from typing import TYPE_CHECKING
-
-from internlm_offload.device import Accelerator, Event, HostArena, finish_and_close
+from internlm_offload.device import Accelerator, Event, HostArena, aligned_offsets, finish_and_close
 from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
+from internlm_offload.optim.adamw import consecutive_runs
 from internlm_offload.optim.dtensor import laid_out_like, local_shard
 
 if TYPE_CHECKING:
@@ -116,7 +116,17 @@ class GradOffload(MemoryFeature):
         self._in_flight: list[Future | None] = [None] * STAGING_BUFFERS
         self._next_staging = 0
         self._bucket = _Bucket()
-        self._reduce_buckets = _fixed_buckets(self._local, self._capacity) if reduce else []
+        # Fixed by parameter order and dtype (module docstring), each within a staging buffer.
+        self._reduce_buckets = (
+            consecutive_runs(
+                range(len(self._local)),
+                group_of=lambda index: self._local[index].dtype,
+                size_of=lambda index: sizes[index],
+                target=self._capacity,
+            )
+            if reduce
+            else []
+        )
         self._copy_stream = accelerator.stream()
         self._worker = accelerator.host_worker("grad-offload")
         self._hooks = [
@@ -228,11 +238,12 @@ class GradOffload(MemoryFeature):
         self._next_staging = (slot + 1) % STAGING_BUFFERS
         if self._in_flight[slot] is not None:
             self._in_flight[slot].result()  # the staging buffer's last bucket has been added
-        staged, offset = [], 0
-        for tensor in outgoing:
-            nbytes = tensor.numel() * tensor.element_size()
-            staged.append(self._staging[slot][offset : offset + nbytes].view(tensor.dtype).view(tensor.shape))
-            offset += _padded(nbytes)
+        offsets, _ = aligned_offsets([(t.shape, t.dtype) for t in outgoing], _ALIGNMENT)
+        staging = self._staging[slot]
+        staged = [
+            staging[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for t, offset in zip(outgoing, offsets)
+        ]
         self._copy_stream.wait_stream(self._acc.current_stream())  # backward (or the reduction) wrote them
         self._acc.copy_async(staged, outgoing, self._copy_stream)
         for tensor in outgoing:
@@ -281,20 +292,6 @@ class GradOffload(MemoryFeature):
             else:
                 host.copy_(grad)
             self._landed[index] = True
-
-
-def _fixed_buckets(params: list[torch.Tensor], capacity: int) -> list[list[int]]:
-    """Indices of consecutive parameters of one dtype, up to `capacity` bytes per bucket (a larger one alone)."""
-    buckets: list[list[int]] = []
-    filled = 0
-    for index, param in enumerate(params):
-        nbytes = _padded(param.numel() * param.element_size())
-        if not buckets or filled + nbytes > capacity or param.dtype != params[buckets[-1][0]].dtype:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(index)
-        filled += nbytes
-    return buckets
 
 
 def _padded(nbytes: int) -> int:

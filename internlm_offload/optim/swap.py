@@ -387,11 +387,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
 
     def _grads_in(self, chunk: _Chunk, active: dict[torch.Tensor, torch.Tensor]) -> _Chunk:
         """Copy a prefetched chunk's host gradients in (a no-op without them): they were not final at prefetch."""
-        pairs = [
-            (chunk.view(s), local_shard(self._grad(s.param)))
-            for s in chunk.slots
-            if s.key == GRAD and s.param in active
-        ]
+        pairs = self._grad_copies(chunk, {id(p) for p in active})
         if pairs:  # queued behind the states' copy on the same stream: the new event covers both
             self.accelerator.copy_async(*zip(*pairs), self._h2d)
             chunk.copied_in = self._h2d.record_event()
@@ -406,13 +402,17 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         pairs = [(chunk.device[: chunk.states_nbytes], self._arena.span(chunk.arena_start, chunk.states_nbytes))]
         wanted = None if params is None else {id(p) for p in params}
         for slot in chunk.slots:
-            if wanted is not None and id(slot.param) not in wanted:
-                continue
-            if slot.key == PARAM:
+            if slot.key == PARAM and (wanted is None or id(slot.param) in wanted):
                 pairs.append((chunk.view(slot), local_shard(slot.param.detach())))
-            elif slot.key == GRAD and grads:
-                pairs.append((chunk.view(slot), local_shard(self._grad(slot.param))))
-        return pairs
+        return pairs + (self._grad_copies(chunk, wanted) if grads else [])
+
+    def _grad_copies(self, chunk: _Chunk, wanted: set[int] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device, host) pairs moving the host gradients of the chunk's `wanted` params (ids; None: all) in."""
+        return [
+            (chunk.view(slot), local_shard(self._grad(slot.param)))
+            for slot in chunk.slots
+            if slot.key == GRAD and (wanted is None or id(slot.param) in wanted)
+        ]
 
     def _update(self, chunk: _Chunk, active: dict[torch.Tensor, torch.Tensor]) -> None:
         """torch's AdamW kernel on the chunk's params that have grads, with the group's flags."""

@@ -18,6 +18,7 @@ always been traced and found to fit.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,32 +142,33 @@ def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_
 
 
 def _with_gradient_offload(settings: list[Setting], cfg: RunConfig | None, auto: set[str]) -> list[Setting]:
-    """Where `grad_offload` is searched: every setting without it, and each
-    that steps every parameter from the host (swap, hybrid 1.0) also with it. Where a config fixes it on:
-    only those settings."""
+    """`grad_offload` for the settings that step every parameter from host gradients (swap, hybrid 1.0)."""
     if cfg is None:
         return settings
-    if GRADS_ON_HOST not in auto:
-        return [s for s in settings if _steps_all_on_host(s, cfg)] if cfg.grad_offload else settings
-    without = [Setting(s.name, {**s.options, GRADS_ON_HOST: False}) for s in settings]
-    offloaded = [
-        Setting(f"{s.name} + grad offload", {**s.options, GRADS_ON_HOST: True})
-        for s in settings
-        if _steps_all_on_host(s, cfg)
-    ]
-    return without + offloaded
+    applies = functools.partial(_steps_all_on_host, cfg=cfg)
+    return _with_knob(settings, GRADS_ON_HOST, "grad offload", GRADS_ON_HOST in auto, cfg.grad_offload, applies)
 
 
 def _with_nvme_tier(settings: list[Setting], cfg: RunConfig | None, auto: set[str]) -> list[Setting]:
-    """Where the NVMe tier is searched (the config names a directory): every setting without it, and each whose
-    optimizer offloads states (swap, hybrid) also with them on NVMe. Where a config fixes it on: only those."""
+    """`nvme_offload.enable` for the settings whose optimizer offloads states (swap, hybrid), where the config
+    names a directory."""
     if cfg is None or cfg.nvme_offload.path is None:
         return settings
-    if NVME not in auto:
-        return [s for s in settings if _offloads_states(s, cfg)] if cfg.nvme_offload.enable else settings
-    without = [Setting(s.name, {**s.options, NVME: False}) for s in settings]
-    on_disk = [Setting(f"{s.name} + NVMe", {**s.options, NVME: True}) for s in settings if _offloads_states(s, cfg)]
-    return without + on_disk
+    applies = functools.partial(_offloads_states, cfg=cfg)
+    return _with_knob(settings, NVME, "NVMe", NVME in auto, cfg.nvme_offload.enable, applies)
+
+
+def _with_knob(
+    settings: list[Setting], knob: str, label: str, searched: bool, fixed_on: bool, applies: Callable[[Setting], bool]
+) -> list[Setting]:
+    """A boolean knob that only some settings take (`applies`). `searched`: every setting with it off, then
+    each it applies to with it on (named `+ label`). Else, fixed on: only the settings it applies to; fixed
+    off: the settings as they are."""
+    if not searched:
+        return [s for s in settings if applies(s)] if fixed_on else settings
+    without = [Setting(s.name, {**s.options, knob: False}) for s in settings]
+    with_it = [Setting(f"{s.name} + {label}", {**s.options, knob: True}) for s in settings if applies(s)]
+    return without + with_it
 
 
 def _offloads_states(setting: Setting, cfg: RunConfig) -> bool:
@@ -261,7 +263,7 @@ def search(
         if problems:
             candidate.verdict = f"estimated {problems[0][1]}"
             continue
-        memory = candidate.memory = trace_step(config_for(candidate.options), world_size)
+        memory = candidate.memory = lean.trace(candidate.activation, candidate.optimizer)
         peaks = (memory.device_peak_bytes, memory.host_peak_bytes)
         problems = over_budget(*peaks, device_budget, host_budget, memory.disk_peak_bytes, disk_budget)
         if not problems:
@@ -282,6 +284,9 @@ class LeanEstimate:
     its activation row, traced lazily), each as `peak(a, o') + peak(a', o) - peak(a', o')`; a candidate on
     that row or column is estimated by its own trace. The smallest estimate counts: a candidate is always
     traced whole before it is chosen, so an estimate too low costs one trace, one too high a choice.
+
+    It keeps every trace the search takes (`trace`): a candidate traced for an estimate, or on the first
+    estimate's row or column, is not traced again when it is tried.
     """
 
     def __init__(
@@ -307,13 +312,14 @@ class LeanEstimate:
         for a_ref, o_ref in ((self.lean_activation, self.base_optimizer), (self.base_activation, self.lean_optimizer)):
             if (a_ref, o_ref) == (self.base_activation, self.base_optimizer):  # the first estimate again
                 continue
-            beside, across, corner = self._trace(a, o_ref), self._trace(a_ref, o), self._trace(a_ref, o_ref)
+            beside, across, corner = self.trace(a, o_ref), self.trace(a_ref, o), self.trace(a_ref, o_ref)
             device = beside.device_peak_bytes + across.device_peak_bytes - corner.device_peak_bytes
             host = beside.host_peak_bytes + across.host_peak_bytes - corner.host_peak_bytes
             candidate.estimated_device = min(candidate.estimated_device, device)
             candidate.estimated_host = min(candidate.estimated_host, host)
 
-    def _trace(self, activation: Setting, optimizer: Setting) -> StepMemory:
+    def trace(self, activation: Setting, optimizer: Setting) -> StepMemory:
+        """The step traced with both settings (taken once per search)."""
         key = (activation.name, optimizer.name)
         if key not in self.traces:
             options = {**activation.options, **optimizer.options}

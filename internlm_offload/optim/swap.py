@@ -493,7 +493,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         no step afterwards."""
         finish_and_close(self._h2d, self._d2h)
         if self._arena is not None and self._arena.disk is not None:
-            self._arena.disk.finish_writes()
+            self._arena.disk.release()  # its write-backs finish and its thread stops; the states stay readable
 
     def finish_copies(self) -> None:
         """`step()` returns with its last copy-outs only ordered on the device; readers of the host

@@ -2,6 +2,7 @@
 
 import errno
 import os
+import threading
 
 import pytest
 import torch
@@ -71,6 +72,8 @@ def test_swap_states_on_disk_step_bitwise_like_adamw_and_leave_memory(tmp_path):
     assert all(torch.equal(loaded.state[p]["exp_avg"], swap.state[p]["exp_avg"]) for p in params)
     swap.close()
     loaded.close()
+    assert not any(t.name.startswith("disk-write-back") for t in threading.enumerate())  # close stopped them
+    assert torch.equal(swap.state[params[0]]["exp_avg"], adamw.state[copies[0]]["exp_avg"])  # still readable
 
 
 def test_hybrid_cpu_states_on_disk_step_bitwise_like_adamw_and_leave_memory(tmp_path):

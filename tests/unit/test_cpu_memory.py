@@ -154,7 +154,9 @@ def test_memory_kept_by_a_probe_is_what_it_leaves_behind() -> None:
         kept.append(torch.ones(2 * MIB, dtype=torch.float32))
         torch.ones(16 * MIB, dtype=torch.uint8).sum()  # freed before it returns
 
-    assert 8 * MIB <= acc.memory_kept_by(probe_that_keeps_8_mib) < 10 * MIB
+    # malloc's counters are the process's: other threads (gc, a previous test's stream workers) may free
+    # a few bytes during the probe, so the floor allows 64 KiB below the 8 MiB kept.
+    assert 8 * MIB - 64 * 1024 <= acc.memory_kept_by(probe_that_keeps_8_mib) < 10 * MIB
     assert acc.memory_kept_by(lambda: torch.ones(16 * MIB, dtype=torch.uint8).sum()) < 2 * MIB
     assert acc.device_memory_in_use() == 0
     acc.close_streams()

@@ -251,8 +251,12 @@ class LoadCkptInfo(Section):
         description='`("model",)`: weights only; the run starts at step 1 with a fresh optimizer, schedule and data '
         'order. `("all",)`: a full resume (step, optimizer, schedule, data position).',
     )
-    ckpt_type: Literal["internevo"] = Field(
-        "internevo", description="Checkpoint format: `internevo`, this trainer's own (DCP) checkpoints."
+    ckpt_type: Literal["internevo", "hf", "hf_llama", "llama"] = Field(
+        "internevo",
+        description="Checkpoint format: `internevo`: this trainer's own (DCP) checkpoints, or InternEvo's model files "
+        "(`model_tp*_pp*.pt`, `model_wp*_pp*.pt`, any tp/wp/pp/FSDP layout); `hf` / `hf_llama`: a Hugging Face "
+        "InternLM2 or Llama folder; `llama`: Meta's consolidated Llama folder. The last three load weights only "
+        "into `model.type='internlm2'` (docs/migrating.md).",
     )
 
     @field_validator("content", mode="before")
@@ -533,6 +537,12 @@ class RunConfig(Section):
             raise ValueError(
                 f"model.hidden_size={self.model.hidden_size} must be divisible by model.num_attention_heads={heads}, "
                 f"and that by model.num_kv_attention_heads={kv_heads}"
+            )
+        info = self.ckpt.load_ckpt_info
+        if info is not None and info.ckpt_type != "internevo" and self.model.type != "internlm2":
+            raise ValueError(
+                f"ckpt.load_ckpt_info.ckpt_type={info.ckpt_type!r} loads into model.type='internlm2'; for "
+                f"model.type={self.model.type!r} give the folder as model.hf_path"
             )
         if self.data.type == "text" and not self.data.paths:
             raise ValueError("data.type='text' needs data.paths (files or folders of .txt/.jsonl)")

@@ -239,7 +239,7 @@ def _ckpt(t: Translation) -> None:
         "ckpt.enable_internevo2hf_ckpt",
         ckpt.pop("enable_internevo2hf_ckpt", MISSING),
         False,
-        "export with `python -m internlm_offload.tools.export CKPT OUT --hf` (hf_causal_lm runs)",
+        "export with `python -m internlm_offload.tools.export CKPT OUT --hf`",
     )
     info = ckpt.get("load_ckpt_info")
     if isinstance(info, dict) and info.get("path") is None:
@@ -247,12 +247,6 @@ def _ckpt(t: Translation) -> None:
         info = None
     if isinstance(info, dict):
         info["path"] = _storage_path(t, "ckpt.load_ckpt_info.path", info.get("path"))
-        if info.get("ckpt_type") == "hf":
-            t.refused.append(
-                f"ckpt.load_ckpt_info.ckpt_type='hf': start from Hugging Face weights with "
-                f"model.type='hf_causal_lm' and model.hf_path={info['path']!r}"
-            )
-            info["ckpt_type"] = "internevo"
     folder = ckpt.get("load_ckpt_folder")
     if isinstance(folder, dict):  # InternEvo's older dict form of load_ckpt_info
         ckpt["load_ckpt_info"] = ckpt.get("load_ckpt_info") or folder

@@ -155,7 +155,7 @@ def train_in_runtime(
     if start.resume_from is not None:
         trainer.resume_from(start.resume_from)
     elif start.weights_from is not None:
-        trainer.load_weights_from(start.weights_from)
+        trainer.load_weights_from(start.weights_from, cfg.model)
     if ctx.is_main:
         write_run_files(cfg, work_dir, fresh=start.fresh)
     barrier(ctx)

@@ -52,6 +52,7 @@ from internlm_offload.engine.runtime import RunContext, all_gather_object, barri
 from internlm_offload.errors import CheckpointError, CheckpointWriteError
 from internlm_offload.log import get_logger
 from internlm_offload.sizes import human_bytes
+from internlm_offload.weights.sources import WeightsSource, foreign_source
 
 logger = get_logger(__name__)
 
@@ -471,7 +472,7 @@ class StartPlan:
 
     folder: Path  # this run's checkpoint folder
     resume_from: Path | None = None  # a full resume: model, optimizer, schedule, data position, RNG
-    weights_from: Path | None = None  # weights only: a new run from step 1
+    weights_from: WeightsSource | None = None  # weights only: a new run from step 1
 
     @property
     def fresh(self) -> bool:
@@ -492,9 +493,9 @@ def plan_start(cfg: RunConfig, work_dir: Path, *, resume: bool, ctx: RunContext 
     if resume_from is not None:
         check_same_precision(cfg, resume_from)
         return StartPlan(folder, resume_from=resume_from)
-    weights_from = find_weights_checkpoint(cfg)
-    if weights_from is not None:
-        require_intact(weights_from, ctx)
+    weights_from = find_weights_source(cfg)
+    if weights_from is not None and weights_from.kind == "dcp":
+        require_intact(weights_from.path, ctx)
     refuse_to_clobber(folder)
     return StartPlan(folder, weights_from=weights_from)
 
@@ -512,6 +513,7 @@ def find_resume_checkpoint(cfg: RunConfig, folder: Path, *, resume: bool, ctx: R
         return newest
     info = cfg.ckpt.load_ckpt_info
     if info is not None and info.content == ["all"]:
+        foreign_source(info, cfg.model)  # refuses another trainer's weights: they do not resume
         return require_intact(resolve_checkpoint_path(Path(info.path)), ctx)
     if cfg.ckpt.load_ckpt_folder:
         return require_intact(resolve_checkpoint_path(Path(cfg.ckpt.load_ckpt_folder)), ctx)
@@ -533,12 +535,16 @@ def check_same_precision(cfg: RunConfig, path: Path) -> None:
         )
 
 
-def find_weights_checkpoint(cfg: RunConfig) -> Path | None:
-    """`ckpt.load_ckpt_info` with `content=("model",)`: the checkpoint whose weights start this run."""
+def find_weights_source(cfg: RunConfig) -> WeightsSource | None:
+    """`ckpt.load_ckpt_info` with `content=("model",)`: the weights that start this run, this trainer's
+    checkpoint or another trainer's folder (checked against the model config before anything is built)."""
     info = cfg.ckpt.load_ckpt_info
     if info is None or info.content != ["model"]:
         return None
-    return resolve_checkpoint_path(Path(info.path))
+    foreign = foreign_source(info, cfg.model)
+    if foreign is not None:
+        return foreign
+    return WeightsSource(resolve_checkpoint_path(Path(info.path)), "dcp")
 
 
 def refuse_to_clobber(folder: Path) -> None:

@@ -89,7 +89,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(
-                f"{self.path}: entry {read_item.dest_index.fqn!r} would load {_refused_global(exc)}; "
+                f"{self.path}: entry {read_item.dest_index.fqn!r} would load {refused_global(exc)}; "
                 "checkpoint entries may hold only tensors and plain values: refusing to read it"
             ) from None
         value.seek(0)
@@ -115,7 +115,7 @@ def read_checkpoint(path: Path, state: dict[str, Any], *, no_dist: bool = False)
         raise
 
 
-def _refused_global(exc: Exception) -> str:
+def refused_global(exc: Exception) -> str:
     """What torch's weights-only unpickler refused, from its message ("... GLOBAL posix.system whose ...")."""
     words = str(exc).split()
     if "GLOBAL" in words[:-1]:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from internlm_offload.config import ModelConfig
 from internlm_offload.data import StepLoader
 from internlm_offload.data.loader import MicroBatch
 from internlm_offload.data.tokenized import IGNORE_INDEX
@@ -35,6 +36,7 @@ from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.optim.dtensor import is_dtensor, local_shard
 from internlm_offload.optim.interface import OffloadOptimizer
+from internlm_offload.weights.sources import WeightsSource, load_weights
 
 logger = get_logger(__name__)
 
@@ -169,9 +171,13 @@ class Trainer:
         if state.get("config_fingerprint") != self.settings.config_fingerprint:
             logger.warning("resuming with a config that differs from the checkpoint's")
 
-    def load_weights_from(self, path: Path) -> None:
-        """Start this run from another run's weights: step 0, fresh optimizer, schedule and data order."""
-        self.checkpoints.load_model(path, model=self.state_module)
+    def load_weights_from(self, source: WeightsSource, model: ModelConfig) -> None:
+        """Start this run from another run's weights (this trainer's checkpoint or another trainer's folder,
+        for the model `model`): step 0, fresh optimizer, schedule and data order."""
+        if source.kind == "dcp":
+            self.checkpoints.load_model(source.path, model=self.state_module)
+        else:
+            load_weights(self.state_module, source, model)
         self.masters.copy_to_model()
 
     def save_checkpoint(self) -> None:

@@ -208,6 +208,11 @@ class DecoderLayer(nn.Module):
         self.feed_forward.init_weights(std, out_std)
 
 
+def intermediate_size(hidden_size: int, mlp_ratio: float, multiple_of: int) -> int:
+    """SwiGLU's hidden width: `hidden_size * mlp_ratio`, truncated, then rounded up to a multiple of `multiple_of`."""
+    return multiple_of * math.ceil(int(hidden_size * mlp_ratio) / multiple_of)
+
+
 def _validate_args(**args: Any) -> None:
     """Raise ValueError naming the first bad InternLM2 constructor argument and its value."""
     int_args = (
@@ -282,7 +287,7 @@ class InternLM2(nn.Module):
         self.rope_base = rope_base
         self.init_std = init_std
         self.tie_word_embeddings = tie_word_embeddings
-        intermediate_size = multiple_of * math.ceil(int(hidden_size * mlp_ratio) / multiple_of)
+        intermediate = intermediate_size(hidden_size, mlp_ratio, multiple_of)
 
         # Built on meta so construction draws no random numbers: init_weights alone sets every weight, which
         # makes a direct build equal a meta build + to_empty + init_weights under the same seed.
@@ -291,7 +296,7 @@ class InternLM2(nn.Module):
             self.tok_embeddings = nn.Embedding(vocab_size, hidden_size)
             self.layers = nn.ModuleList(
                 DecoderLayer(
-                    hidden_size, num_attention_heads, num_kv_attention_heads, intermediate_size, norm_eps, attn_impl
+                    hidden_size, num_attention_heads, num_kv_attention_heads, intermediate, norm_eps, attn_impl
                 )
                 for _ in range(num_layers)
             )

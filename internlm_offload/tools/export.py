@@ -1,26 +1,40 @@
-"""Export a checkpoint's weights: one consolidated safetensors file, or a Hugging Face model folder.
+"""Export a checkpoint's weights: safetensors, a Hugging Face folder, or InternEvo's model files.
 
     python -m internlm_offload.tools.export CKPT OUT.safetensors [--dtype bfloat16]
-    python -m internlm_offload.tools.export CKPT OUT_DIR --hf            # hf_causal_lm runs only
+    python -m internlm_offload.tools.export CKPT OUT_DIR --hf                 # transformers, vLLM, ...
+    python -m internlm_offload.tools.export CKPT OUT_DIR --internevo [--tp N | --wp N]   # back to InternEvo
 
 CKPT is a run's checkpoint folder (its latest checkpoint is taken) or one `step_*` folder, written by
 any world size and parallel mode: DCP reassembles the full tensors in this one process, without a
 model or a process group. The weights are the fp32 masters; `--dtype` casts them on the way out.
-`--hf` writes `config.json` (from the run's `model.hf_config` or `model.hf_path`) and
-`model.safetensors` with Hugging Face's parameter names, which `AutoModelForCausalLM.from_pretrained`
-loads. Exit codes: 0 written, 2 bad input (one `error:` line).
+`--hf` writes `config.json` and `model.safetensors` that `AutoModelForCausalLM.from_pretrained` loads
+without remote code: a native `internlm2` run as `LlamaForCausalLM` (its architecture; the run's
+tokenizer folder is copied beside it), an `hf_causal_lm` run as its own architecture.
+`--internevo` writes InternEvo's layout of a native run (`model_tp{t}_pp0.pt` with InternEvo's names
+and fused wqkv, split for `--tp` tensor-parallel ranks, or `model_wp{w}_pp0.pt` for `--wp` ISP
+weight-parallel ranks), which InternEvo's `load_ckpt_info` reads. A folder is written beside OUT_DIR
+and renamed into place when complete. Exit codes: 0 written, 2 bad input (one `error:` line).
 """
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from internlm_offload.config import ModelConfig
 from internlm_offload.engine.checkpoint import CheckpointError, read_train_state, resolve_checkpoint_path
 from internlm_offload.engine.checkpoint_reader import read_checkpoint, read_metadata
+from internlm_offload.weights.convert import Heads, to_format
+from internlm_offload.weights.hf_folder import copy_tokenizer, set_dtype, write_llama_folder
+from internlm_offload.weights.internevo_files import write_internevo_files
+from internlm_offload.weights.names import HF_LLAMA, INTERNEVO
 
 MODEL_PREFIX = "model."
 HF_PREFIX = "hf_model."
@@ -54,19 +68,25 @@ def export_safetensors(weights: dict[str, torch.Tensor], out: Path, dtype: torch
     save_file(tensors, str(out), metadata={"format": "pt", "source": str(source)})
 
 
-def export_hf(weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype, model_cfg: dict) -> None:
-    """config.json + model.safetensors that `AutoModelForCausalLM.from_pretrained(out_dir)` loads."""
+def export_hf(weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype, run: dict) -> None:
+    """A folder `AutoModelForCausalLM.from_pretrained(out_dir)` loads: a native run as Llama (plus its
+    tokenizer), an hf_causal_lm run as its own architecture."""
+    model_cfg = run["model"]
+    if model_cfg["type"] == "internlm2":
+        model = native_model_config(model_cfg)
+        tensors = to_format(weights, HF_LLAMA, Heads(model.num_attention_heads, model.num_kv_attention_heads))
+        write_llama_folder(tensors, model, out_dir, dtype, max_positions=run["data"]["seq_len"])
+        copy_tokenizer(run["data"]["tokenizer"], out_dir)
+        return
     from transformers import AutoConfig
 
-    if model_cfg["type"] != "hf_causal_lm":
-        raise CheckpointError(f"--hf needs a run of model.type='hf_causal_lm'; this one is {model_cfg['type']!r}")
     if model_cfg.get("hf_path"):
         hf_config = AutoConfig.from_pretrained(
             model_cfg["hf_path"], local_files_only=True, trust_remote_code=model_cfg.get("trust_remote_code", False)
         )
     else:
         hf_config = AutoConfig.for_model(**model_cfg["hf_config"])
-    hf_config.torch_dtype = dtype
+    set_dtype(hf_config, dtype)
     hf_weights = {name.removeprefix(HF_PREFIX): t for name, t in weights.items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         hf_weights.pop("lm_head.weight", None)  # tied: transformers restores it from the embeddings
@@ -75,19 +95,67 @@ def export_hf(weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtyp
     export_safetensors(hf_weights, out_dir / "model.safetensors", dtype, out_dir)
 
 
+def export_internevo(
+    weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype, run: dict, *, tp: int, wp: int
+) -> None:
+    """InternEvo's model files of a native run: its names, fused wqkv, split for `tp` (or ISP's `wp`) ranks."""
+    if run["model"]["type"] != "internlm2":
+        raise CheckpointError(
+            f"--internevo needs a run of model.type='internlm2'; this one is {run['model']['type']!r}"
+        )
+    model = native_model_config(run["model"])
+    tensors = to_format(weights, INTERNEVO, Heads(model.num_attention_heads, model.num_kv_attention_heads))
+    write_internevo_files({name: t.to(dtype) for name, t in tensors.items()}, out_dir, tp=tp, wp=wp)
+
+
+def native_model_config(model_cfg: dict) -> ModelConfig:
+    """The run's `model` section as the schema (the checkpoint records it resolved)."""
+    try:
+        return ModelConfig.model_validate(model_cfg, strict=False)
+    except ValidationError as exc:
+        raise CheckpointError(f"the checkpoint's model config does not validate: {exc.errors()[0]['msg']}") from None
+
+
+def write_folder(out_dir: Path, write: Callable[[Path], None]) -> None:
+    """Run `write` into a new folder beside `out_dir`, then rename it into place: no half-written export."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise CheckpointError(f"{out_dir} exists and is not an empty folder; choose a new output folder")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        write(staging)
+        if out_dir.exists():
+            out_dir.rmdir()
+        staging.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", type=Path, help="a checkpoint folder (latest taken) or a step_* folder")
-    p.add_argument("out", type=Path, help="OUT.safetensors, or a folder with --hf")
-    p.add_argument("--hf", action="store_true", help="write a Hugging Face model folder (hf_causal_lm runs)")
+    p.add_argument("out", type=Path, help="OUT.safetensors, or a folder with --hf / --internevo")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--hf", action="store_true", help="write a Hugging Face model folder")
+    kind.add_argument("--internevo", action="store_true", help="write InternEvo's model files (native runs)")
+    split = p.add_mutually_exclusive_group()
+    split.add_argument("--tp", type=int, default=1, help="--internevo: tensor-parallel ranks to split for (mtp)")
+    split.add_argument("--wp", type=int, default=0, help="--internevo: ISP weight-parallel ranks to split for")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the written weights")
     args = p.parse_args(argv)
     try:
+        if (args.tp != 1 or args.wp) and not args.internevo:
+            raise ValueError("--tp and --wp split InternEvo's files: pass --internevo")
+        if args.tp < 1 or args.wp < 0:
+            raise ValueError(f"--tp={args.tp} / --wp={args.wp}: tp must be >= 1 and wp >= 0")
         path = resolve_checkpoint_path(args.checkpoint)
         weights = load_weights(path)
         dtype = DTYPES[args.dtype]
         if args.hf:
-            export_hf(weights, args.out, dtype, run_config(path)["model"])
+            write_folder(args.out, lambda out: export_hf(weights, out, dtype, run_config(path)))
+        elif args.internevo:
+            run = run_config(path)
+            write_folder(args.out, lambda out: export_internevo(weights, out, dtype, run, tp=args.tp, wp=args.wp))
         else:
             if args.out.suffix != ".safetensors":
                 raise CheckpointError(f"{args.out}: the output file must end in .safetensors (or pass --hf)")

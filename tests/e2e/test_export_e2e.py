@@ -54,7 +54,7 @@ def test_internlm2_checkpoint_exports_safetensors_in_bf16(tmp_path):
     assert all(torch.equal(tensors[k], weights[k].to(torch.bfloat16)) for k in weights)
 
 
-@pytest.mark.parametrize("case", ["missing", "not_safetensors", "hf_on_internlm2"])
+@pytest.mark.parametrize("case", ["missing", "not_safetensors", "tp_without_internevo"])
 def test_bad_export_input_is_one_line_exit_2(tmp_path, case):
     if case == "missing":
         proc = export(tmp_path / "nope", tmp_path / "w.safetensors")
@@ -65,5 +65,5 @@ def test_bad_export_input_is_one_line_exit_2(tmp_path, case):
         if case == "not_safetensors":
             proc, part = export(run / "checkpoints", tmp_path / "w.bin"), "must end in .safetensors"
         else:
-            proc, part = export(run / "checkpoints", tmp_path / "hf", "--hf"), "--hf needs a run of model.type"
+            proc, part = export(run / "checkpoints", tmp_path / "hf", "--hf", "--tp", "2"), "pass --internevo"
     assert proc.returncode == 2 and part in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

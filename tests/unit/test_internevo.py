@@ -1,5 +1,6 @@
 """InternEvo key translation: mapped, ignored and refused keys, one report for every problem."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -167,10 +168,16 @@ def test_internevo_moe_config_is_refused_in_one_line_naming_the_alternative():
     assert "\n" not in report and "model_type='INTERNLM_MoE'" in report and "hf_causal_lm" in report
 
 
-def test_hf_weights_through_load_ckpt_info_are_refused_with_the_hf_route():
+def test_hf_weights_through_load_ckpt_info_load_into_the_native_model():
+    """InternEvo's `ckpt_type="hf"` names a Hugging Face folder the native model starts from (storage prefix
+    dropped); only the native model takes it: an hf_causal_lm run names its folder as model.hf_path."""
     raw = load_config_file(SHRUNK)
     raw["ckpt"].update(
         auto_resume=False, load_ckpt_info=dict(path="local:/w/internlm3", content=("model",), ckpt_type="hf")
     )
-    with pytest.raises(ConfigError, match="model.type='hf_causal_lm' and model.hf_path='/w/internlm3'"):
+    info = resolve_config(copy.deepcopy(raw)).ckpt.load_ckpt_info
+    assert (info.path, info.ckpt_type, info.content) == ("/w/internlm3", "hf", ["model"])
+    raw.pop("model_type", None)
+    raw["model"] = dict(type="hf_causal_lm", hf_path="/w/internlm3")
+    with pytest.raises(ConfigError, match="ckpt_type='hf' loads into model.type='internlm2'; .* model.hf_path"):
         resolve_config(raw)

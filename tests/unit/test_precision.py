@@ -136,7 +136,7 @@ def test_internevo_grad_scaler_section_resolves():
         ({"grad_scaler": {"fp16": {"initial_scale": 0.5}}}, "fp16.min_scale <= fp16.initial_scale"),
         ({"grad_scaler": {"backoff_factor": 1.5}}, "grad_scaler.backoff_factor=1.5"),
         ({"ckpt": {"load_ckpt_info": {"path": "b", "content": ("optimizer",)}}}, "content"),
-        ({"ckpt": {"load_ckpt_info": {"path": "b", "ckpt_type": "hf"}}}, "ckpt_type='hf'"),
+        ({"ckpt": {"load_ckpt_info": {"path": "b", "ckpt_type": "safetensors"}}}, "ckpt_type='safetensors'"),
         ({"ckpt": {"load_ckpt_info": {"path": "b", "content": ("model", "all")}}}, 'use ("model",) or ("all",)'),
         ({"max_skipped_steps": 0}, "max_skipped_steps=0"),
         ({"mixed_precision": {"master_weight": False}}, "did you mean 'mixed_precision.master_weights'"),

@@ -16,6 +16,7 @@ from internlm_offload.engine.checkpoint import (
     plan_start,
 )
 from internlm_offload.engine.checkpoint_integrity import checkpoint_files, record_files
+from internlm_offload.weights.sources import WeightsSource
 
 
 def fake_checkpoint(folder: Path, step: int, dtype: str = "torch.float32") -> Path:
@@ -50,7 +51,9 @@ def test_resume_without_checkpoints_starts_from_scratch(tmp_path):
 def test_weights_only_start_loads_the_weights_at_step_1(tmp_path):
     source = fake_checkpoint(tmp_path / "other", 5, dtype="torch.bfloat16")  # any dtype: weights are cast
     cfg = resolve_config({"ckpt": {"load_ckpt_info": {"path": str(tmp_path / "other"), "content": ("model",)}}})
-    assert plan_start(cfg, tmp_path, resume=False) == StartPlan(tmp_path / "checkpoints", weights_from=source)
+    assert plan_start(cfg, tmp_path, resume=False) == StartPlan(
+        tmp_path / "checkpoints", weights_from=WeightsSource(source, "dcp")
+    )
 
 
 def test_a_fresh_run_over_earlier_checkpoints_is_refused(tmp_path):

@@ -1,0 +1,10 @@
+"""Model weights in and out of other trainers' formats: InternEvo's model files, Hugging Face and Meta folders.
+
+Every reader ends in the native model's parameter names with full (unsharded) tensors; every writer starts
+from them. The pieces, each usable alone:
+- `names`: the name tables (foreign name <-> native name), one per format;
+- `qkv`: the attention projections' foreign layouts (InternLM2's fused wqkv, Meta's interleaved RoPE rows);
+- `shards`: tensor-parallel pieces merged into full tensors and split back out;
+- `internevo_files`, `hf_folder`, `meta_llama`: one format's files each;
+- `sources`: which format a `ckpt.load_ckpt_info` names, and loading it into a built model.
+"""

@@ -1,0 +1,71 @@
+"""A whole state dict between native names and a format's (`names.NameTable`), with the row orders of `qkv`.
+
+Renames and row moves only: every tensor comes out bit for bit, so a round trip is exact.
+"""
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from internlm_offload.errors import CheckpointError
+from internlm_offload.weights.names import NameTable, is_derived
+from internlm_offload.weights.qkv import fuse_wqkv, halves_to_interleaved, interleaved_to_halves, split_wqkv
+
+_WQKV = re.compile(r"layers\.(\d+)\.attention\.wqkv\.weight$")
+_QUERY_KEY = re.compile(r"layers\.\d+\.attention\.w([qk])\.weight$")
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The attention shape the projections' row orders depend on."""
+
+    n_heads: int
+    n_kv_heads: int
+
+    def of(self, name: str) -> int:
+        """Heads of a native wq (query) or wk (key) name."""
+        return self.n_heads if _QUERY_KEY.search(name).group(1) == "q" else self.n_kv_heads
+
+
+def to_native(tensors: dict[str, torch.Tensor], table: NameTable, heads: Heads, where: str) -> dict[str, torch.Tensor]:
+    """Native-named tensors from a format's; RoPE tables are dropped, an unknown name is an error naming `where`."""
+    native: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if is_derived(name):
+            continue
+        target = table.to_native(name)
+        if target is None:
+            raise CheckpointError(f"{where}: {name!r} is not a {table.format} model weight this model has")
+        fused = _WQKV.match(target)
+        if fused is not None:
+            wq, wk, wv = split_wqkv(tensor, heads.n_heads, heads.n_kv_heads)
+            prefix = f"layers.{fused.group(1)}.attention"
+            native.update({f"{prefix}.wq.weight": wq, f"{prefix}.wk.weight": wk, f"{prefix}.wv.weight": wv})
+        elif table.rope_interleaved and _QUERY_KEY.search(target):
+            native[target] = interleaved_to_halves(tensor, heads.of(target))
+        else:
+            native[target] = tensor
+    return native
+
+
+def to_format(native: dict[str, torch.Tensor], table: NameTable, heads: Heads) -> dict[str, torch.Tensor]:
+    """A format's tensors from native ones; the inverse of `to_native`."""
+    fuses = table.to_foreign("layers.0.attention.wqkv.weight") is not None
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in native.items():
+        query_key_value = re.match(r"layers\.(\d+)\.attention\.w([qkv])\.weight$", name)
+        if fuses and query_key_value is not None:
+            if query_key_value.group(2) != "q":
+                continue  # fused with its wq
+            prefix = f"layers.{query_key_value.group(1)}.attention"
+            parts = (native[f"{prefix}.w{part}.weight"] for part in "qkv")
+            out[table.to_foreign(f"{prefix}.wqkv.weight")] = fuse_wqkv(*parts, heads.n_kv_heads)
+            continue
+        if table.rope_interleaved and _QUERY_KEY.search(name):
+            tensor = halves_to_interleaved(tensor, heads.of(name))
+        foreign = table.to_foreign(name)
+        if foreign is None:
+            raise CheckpointError(f"{name!r} has no {table.format} name")
+        out[foreign] = tensor
+    return out

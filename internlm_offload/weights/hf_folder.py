@@ -1,0 +1,198 @@
+"""Hugging Face model folders of InternLM2 and Llama: config.json against the native model's config, and
+the weights in (safetensors or .bin, sharded or not) and out (a `LlamaForCausalLM` folder).
+
+InternLM2's architecture is Llama's (RMSNorm, rotate-half RoPE, GQA, SwiGLU, no biases); its HF port only
+fuses wq, wk, wv (see `qkv`). So a native model goes out as Llama, which transformers, vLLM and the rest
+load without remote code, and both kinds come in.
+"""
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from internlm_offload.config import ModelConfig
+from internlm_offload.engine.checkpoint_reader import refused_global
+from internlm_offload.errors import CheckpointError
+from internlm_offload.model.internlm2 import intermediate_size
+from internlm_offload.weights.names import HF_INTERNLM2, HF_LLAMA, NameTable
+
+CONFIG = "config.json"
+TABLES = {"internlm2": HF_INTERNLM2, "llama": HF_LLAMA}
+# Files of a tokenizer folder that go beside exported weights.
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab*",
+    "merges.txt",
+    "*.model",
+    "chat_template*",
+)
+
+# config.json key -> the model.* key(s) that set it here.
+_SHAPE_KEYS = {
+    "hidden_size": "model.hidden_size",
+    "num_hidden_layers": "model.num_layers",
+    "num_attention_heads": "model.num_attention_heads",
+    "num_key_value_heads": "model.num_kv_attention_heads",
+    "intermediate_size": "model.mlp_ratio and model.multiple_of",
+    "vocab_size": "model.vocab_size",
+    "rms_norm_eps": "model.norm_eps",
+    "rope_theta": "model.rope_base",
+    "tie_word_embeddings": "model.tie_word_embeddings",
+}
+
+
+def llama_values(model: ModelConfig) -> dict[str, Any]:
+    """The config.json values (Llama's and InternLM2's keys) the native model `model` has."""
+    return {
+        "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_kv_attention_heads,
+        "intermediate_size": intermediate_size(model.hidden_size, model.mlp_ratio, model.multiple_of),
+        "vocab_size": model.vocab_size,
+        "rms_norm_eps": model.norm_eps,
+        "rope_theta": model.rope_base,
+        "tie_word_embeddings": model.tie_word_embeddings,
+    }
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    path = folder / CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no {CONFIG}; a Hugging Face model folder has one")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not JSON ({exc})") from None
+
+
+def name_table(folder: Path, hf: dict[str, Any]) -> NameTable:
+    """The names of the folder's architecture (config.json's model_type)."""
+    model_type = hf.get("model_type")
+    if model_type not in TABLES:
+        raise CheckpointError(
+            f"{folder / CONFIG}: model_type={model_type!r}; the native model loads {' and '.join(TABLES)} folders "
+            "(other architectures train as model.type='hf_causal_lm' with model.hf_path)"
+        )
+    return TABLES[model_type]
+
+
+def check_config(folder: Path, hf: dict[str, Any], model: ModelConfig) -> None:
+    """The folder's model must be the configured one; every difference in one line, with the key to set."""
+    problems = [
+        f"{key}={found!r} (set {_SHAPE_KEYS[key]} to match; it gives {wanted!r})"
+        for key, wanted in llama_values(model).items()
+        if (found := _hf_value(hf, key)) != wanted
+    ]
+    problems += _unsupported(hf)
+    if problems:
+        raise CheckpointError(f"{folder / CONFIG}: " + "; ".join(problems))
+
+
+def _hf_value(hf: dict[str, Any], key: str) -> Any:
+    """A config.json value with transformers' defaults (kv heads = heads, rope_theta 1e4, untied, eps 1e-6)."""
+    if key == "rope_theta":
+        return hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    if key == "num_key_value_heads":
+        return hf.get(key) or hf.get("num_attention_heads")
+    defaults = {"tie_word_embeddings": False, "rms_norm_eps": 1e-6}
+    return hf.get(key, defaults.get(key))
+
+
+def _unsupported(hf: dict[str, Any]) -> list[str]:
+    """What the native model does not build: biases, another activation, scaled RoPE, another head_dim."""
+    problems = [
+        f"{key}=True (the native model has no biases)" for key in ("bias", "attention_bias", "mlp_bias") if hf.get(key)
+    ]
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r} (the native model's MLP is SwiGLU: silu)")
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = (hf.get("rope_parameters") or {}).get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    if rope_type not in (None, "default"):
+        problems.append(f"RoPE scaling {rope_type!r} (the native model has plain RoPE)")
+    heads, hidden, head_dim = hf.get("num_attention_heads"), hf.get("hidden_size"), hf.get("head_dim")
+    if head_dim is not None and heads and hidden and head_dim != hidden // heads:
+        problems.append(f"head_dim={head_dim} (the native model's is hidden_size / num_attention_heads)")
+    return problems
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The folder's weight files: safetensors if any (listed by their index when sharded), else .bin."""
+    for suffix, stem in (("safetensors", "model"), ("bin", "pytorch_model")):
+        index = folder / f"{stem}.{suffix}.index.json"
+        if index.is_file():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            missing = [name for name in names if not (folder / name).is_file()]
+            if missing:
+                raise CheckpointError(f"{index}: lists {missing[0]}, which is not in the folder")
+            return [folder / name for name in names]
+        found = sorted(folder.glob(f"{stem}*.{suffix}"))
+        if found:
+            return found
+    raise CheckpointError(f"{folder}: no model*.safetensors or pytorch_model*.bin weights")
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's weight files, by the folder's names (data only: no pickled code)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weight_files(folder):
+        if path.suffix == ".safetensors":
+            tensors.update(load_file(str(path)))
+            continue
+        try:
+            tensors.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(f"{path} would load {refused_global(exc)}; refusing to read it") from None
+    return tensors
+
+
+def write_llama_folder(
+    tensors: dict[str, torch.Tensor], model: ModelConfig, out: Path, dtype: torch.dtype, max_positions: int
+) -> None:
+    """config.json + model.safetensors of a `LlamaForCausalLM`; `tensors` under Hugging Face Llama's names."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        **llama_values(model),
+        head_dim=model.hidden_size // model.num_attention_heads,
+        max_position_embeddings=max_positions,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        architectures=["LlamaForCausalLM"],
+    )
+    set_dtype(config, dtype)
+    if model.tie_word_embeddings:
+        tensors = {name: t for name, t in tensors.items() if name != "lm_head.weight"}  # restored from the embeddings
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    save_file(
+        {name: t.to(dtype).contiguous() for name, t in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+
+
+def set_dtype(config: Any, dtype: torch.dtype) -> None:
+    """Record the weights' dtype in a transformers config (`dtype` since 4.56, `torch_dtype` before)."""
+    setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
+
+
+def copy_tokenizer(tokenizer: str, out: Path) -> list[str]:
+    """Copy a tokenizer folder's files beside exported weights; the names copied (none for the byte tokenizer)."""
+    source = Path(tokenizer)
+    if not source.is_dir():
+        return []
+    copied = sorted({p.name for pattern in TOKENIZER_FILES for p in source.glob(pattern) if p.is_file()})
+    for name in copied:
+        shutil.copy2(source / name, out / name)
+    return copied

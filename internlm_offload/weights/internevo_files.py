@@ -1,0 +1,188 @@
+"""InternEvo's model files: one torch.save'd state dict per model-parallel rank, read merged and written split.
+
+The names in a folder (`internlm/checkpoint/components.py`, save_model_checkpoint):
+- `model_tp{t}_pp{p}.pt`: tensor parallel (mtp, msp, fsp) rank t, pipeline stage p;
+- `model_wp{w}_pp{p}.pt` (also read as `model_tp{t}_wp{w}_pp{p}.pt`): ISP, weight-parallel rank w; ISP's
+  tensor ranks split the sequence, not the weights, so their copies are alike and tp 0's is read;
+- `model_tp{t}_pp{p}_dp{d}.pt`: FSDP, data-parallel shard d of tensor rank t (FSDP splits along dim 0).
+A pipeline stage's file numbers its blocks from 0; the stages are contiguous runs of blocks in stage order.
+Tensor and weight parallel pieces are contiguous chunks along one dim, merged by `shards.merge_pieces`.
+Files load with `weights_only=True`: data, never code.
+"""
+
+import pickle
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from itertools import product
+from pathlib import Path
+
+import torch
+
+from internlm_offload.engine.checkpoint_reader import refused_global
+from internlm_offload.errors import CheckpointError
+from internlm_offload.weights.names import is_derived
+from internlm_offload.weights.shards import merge_pieces, split_even
+
+MODEL_FILE = re.compile(r"model_(?:tp(?P<tp>\d+)_)?(?:wp(?P<wp>\d+)_)?pp(?P<pp>\d+)(?:_dp(?P<dp>\d+))?\.pt$")
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+# How InternEvo's layers split their weights (`--internevo` export): (mtp dim, isp dim); None: replicated.
+_SPLIT_DIMS = {
+    "attention.wqkv": (0, 0),
+    "attention.wo": (1, 0),
+    "feed_forward.w1": (0, 0),
+    "feed_forward.w3": (0, 0),
+    "feed_forward.w2": (1, 0),
+    "tok_embeddings": (1, 1),  # InternEvo's embed_split_hidden=True: the hidden dim
+    "output": (0, 0),
+}
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    path: Path
+    tp: int
+    wp: int | None
+    pp: int
+    dp: int | None
+
+
+def model_files(folder: Path) -> list[ModelFile]:
+    """The InternEvo model files directly in `folder`."""
+    found = []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else ():
+        match = MODEL_FILE.match(path.name)
+        if match is not None:
+            index = {key: None if value is None else int(value) for key, value in match.groupdict().items()}
+            found.append(ModelFile(path, index["tp"] or 0, index["wp"], index["pp"], index["dp"]))
+    return found
+
+
+def is_internevo_folder(folder: Path) -> bool:
+    return bool(model_files(folder))
+
+
+def check_layout(folder: Path) -> list[ModelFile]:
+    """The folder's model files when they form one complete layout; a one-line error naming what is off."""
+    files = model_files(folder)
+    if not files:
+        raise CheckpointError(f"{folder}: no InternEvo model files (model_tp*_pp*.pt, model_wp*_pp*.pt)")
+    if len({(f.wp is None, f.dp is None) for f in files}) > 1:
+        raise CheckpointError(f"{folder}: model files of two layouts ({files[0].path.name}, {files[-1].path.name})")
+    if any(f.wp is not None and f.dp is not None for f in files):
+        raise CheckpointError(f"{folder}: {files[0].path.name}: ISP files with FSDP shards are not an InternEvo layout")
+    moe = sorted(folder.glob("model_moe_layer*"))
+    if moe:
+        raise CheckpointError(f"{moe[0]}: MoE expert files; the native model here has no experts")
+    present = {(f.tp, f.wp, f.pp, f.dp) for f in files}
+    for key in product(*(_indices({key[axis] for key in present}) for axis in range(4))):
+        if key not in present:
+            raise CheckpointError(f"{folder}: {_file_name(*key)} is missing")
+    return files
+
+
+def read_internevo_files(folder: Path, full_shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Full tensors under InternEvo's names (block numbers global) from a folder's model files.
+    `full_shapes`: each name's full shape, which decides how its pieces merge."""
+    files = check_layout(folder)
+    isp = files[0].wp is not None
+    stages: dict[int, dict[tuple[int, int], list[ModelFile]]] = defaultdict(lambda: defaultdict(list))
+    for f in files:
+        if isp and f.tp != 0:
+            continue  # ISP's tensor ranks hold the same weights
+        stages[f.pp][(f.tp, f.wp or 0)].append(f)
+    merged: dict[str, torch.Tensor] = {}
+    first_block = 0
+    for pp in sorted(stages):
+        stage = {
+            rank: _read_dp_shards(sorted(group, key=lambda f: f.dp or 0)) for rank, group in sorted(stages[pp].items())
+        }
+        names = next(iter(stage.values()))
+        blocks = _renumber(names, first_block)
+        for state in stage.values():
+            if state.keys() != names.keys():
+                extra = min(state.keys() ^ names.keys())
+                raise CheckpointError(f"{folder}: stage {pp}: {extra!r} is in some ranks' files and not others")
+        for name in names:
+            if is_derived(name):
+                continue
+            global_name = blocks.get(name, name)
+            if global_name in merged:
+                raise CheckpointError(f"{folder}: {global_name!r} is in two pipeline stages' files")
+            if global_name not in full_shapes:
+                where = folder / _file_name(0, 0 if isp else None, pp, None)
+                as_global = "" if global_name == name else f" (the folder's {global_name!r})"
+                raise CheckpointError(f"{where}: {name!r}{as_global} is not an InternEvo weight of this model")
+            pieces = [state[name] for state in stage.values()]
+            merged[global_name] = merge_pieces(pieces, full_shapes[global_name], f"{folder}: stage {pp}: {name}")
+        first_block += len({m.group(1) for m in map(_LAYER.match, names) if m})
+    missing = sorted(full_shapes.keys() - merged.keys())
+    if missing:
+        raise CheckpointError(
+            f"{folder}: no {missing[0]!r} in any model file (the model has {len(full_shapes)} weights)"
+        )
+    return merged
+
+
+def write_internevo_files(tensors: dict[str, torch.Tensor], folder: Path, *, tp: int = 1, wp: int = 0) -> list[Path]:
+    """Write InternEvo-named full tensors as InternEvo's files for `tp` tensor-parallel ranks (mtp), or for
+    `wp` weight-parallel ranks (ISP, when wp > 0); one pipeline stage."""
+    ranks, isp = (wp, True) if wp else (tp, False)
+    per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(ranks)]
+    for name, tensor in tensors.items():
+        dims = next((d for key, d in _SPLIT_DIMS.items() if name.endswith(f"{key}.weight")), None)
+        pieces = [tensor] * ranks if dims is None or ranks == 1 else split_even(tensor, ranks, dims[isp], name)
+        for state, piece in zip(per_rank, pieces):
+            state[name] = piece.contiguous()
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for rank, state in enumerate(per_rank):
+        path = folder / (_file_name(0, rank, 0, None) if isp else _file_name(rank, None, 0, None))
+        torch.save(state, path)
+        written.append(path)
+    return written
+
+
+def _indices(values: set[int | None]) -> list[int | None]:
+    """Every index an axis must have: 0 to the largest found (None: the layout has no such axis)."""
+    return [None] if values == {None} else list(range(max(values) + 1))
+
+
+def _file_name(tp: int, wp: int | None, pp: int, dp: int | None) -> str:
+    if wp is not None:
+        return f"model_wp{wp}_pp{pp}.pt"
+    return f"model_tp{tp}_pp{pp}" + ("" if dp is None else f"_dp{dp}") + ".pt"
+
+
+def _read_dp_shards(files: list[ModelFile]) -> dict[str, torch.Tensor]:
+    """One model-parallel rank's tensors; FSDP's data-parallel shards concatenated along dim 0."""
+    states = [load_model_file(f.path) for f in files]
+    if len(states) == 1:
+        return states[0]
+    return {name: torch.cat([state[name] for state in states], dim=0) for name in states[0]}
+
+
+def load_model_file(path: Path) -> dict[str, torch.Tensor]:
+    """One torch.save'd state dict of tensors, loaded as data only."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{path} would load {refused_global(exc)}; InternEvo model files may hold only tensors: "
+            "refusing to read it (FSDP files saved as ShardedTensor need InternEvo to save them once without FSDP)"
+        ) from None
+    except (RuntimeError, OSError, EOFError) as exc:
+        raise CheckpointError(f"{path}: not a readable torch file ({' '.join(str(exc).split())[:200]})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path}: not a state dict of tensors")
+    return state
+
+
+def _renumber(names: dict[str, torch.Tensor], first_block: int) -> dict[str, str]:
+    """Global names for one stage's block-local ones (`layers.0.` of stage p is block `first_block`)."""
+    return {
+        name: f"layers.{int(match.group(1)) + first_block}.{name[match.end() :]}"
+        for name in names
+        if (match := _LAYER.match(name)) is not None
+    }

@@ -1,0 +1,124 @@
+"""The weights a `ckpt.load_ckpt_info` names when they are not this trainer's own checkpoint: which format,
+checked before anything is built, then read as native full tensors and loaded into the built model.
+
+| ckpt_type  | folder                                             | read by           |
+|------------|----------------------------------------------------|-------------------|
+| internevo  | InternEvo's `model_tp*_pp*.pt` / `model_wp*_pp*.pt` | `internevo_files` |
+| hf         | Hugging Face InternLM2 or Llama (config.json)      | `hf_folder`       |
+| hf_llama   | the same                                           | `hf_folder`       |
+| llama      | Meta's params.json + consolidated.*.pth            | `meta_llama`      |
+
+(`internevo` on any other folder is this trainer's own DCP checkpoint, `engine.checkpoint`'s business.)
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from internlm_offload.config import LoadCkptInfo, ModelConfig
+from internlm_offload.errors import CheckpointError
+from internlm_offload.log import get_logger
+from internlm_offload.weights import hf_folder, meta_llama
+from internlm_offload.weights.convert import Heads, to_format, to_native
+from internlm_offload.weights.internevo_files import check_layout, is_internevo_folder, read_internevo_files
+from internlm_offload.weights.names import INTERNEVO, META_LLAMA, NameTable, is_derived
+
+logger = get_logger(__name__)
+
+KINDS = ("dcp", "internevo", "hf", "meta_llama")
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    """A folder of model weights a run starts from; `kind` is one of KINDS (`dcp`: this trainer's own)."""
+
+    path: Path
+    kind: str
+
+
+def foreign_source(info: LoadCkptInfo, model: ModelConfig) -> WeightsSource | None:
+    """The foreign weights `info` names, their layout and config checked against `model`; None for this
+    trainer's own checkpoints. Refuses a full resume (`content=("all",)`) of foreign weights."""
+    path = Path(info.path)
+    if info.ckpt_type == "internevo" and not is_internevo_folder(path):
+        return None
+    if not path.is_dir():
+        raise CheckpointError(f"ckpt.load_ckpt_info.path={str(path)!r}: no such folder")
+    if info.ckpt_type == "internevo":
+        check_layout(path)
+        source = WeightsSource(path, "internevo")
+    elif info.ckpt_type == "llama" and not meta_llama.is_meta_folder(path):
+        hint = ' (a Hugging Face folder: ckpt_type="hf_llama")' if (path / hf_folder.CONFIG).is_file() else ""
+        raise CheckpointError(f"{path}: no params.json and consolidated.*.pth of a Meta Llama checkpoint{hint}")
+    elif info.ckpt_type == "llama":
+        meta_llama.check_params(path, model)
+        source = WeightsSource(path, "meta_llama")
+    else:
+        hf = hf_folder.read_config(path)
+        hf_folder.name_table(path, hf)
+        hf_folder.check_config(path, hf, model)
+        hf_folder.weight_files(path)
+        source = WeightsSource(path, "hf")
+    if info.content != ["model"]:
+        raise CheckpointError(
+            f"ckpt.load_ckpt_info: {path} holds another trainer's model weights ({source.kind}); they start a "
+            'run with content=("model",); its optimizer and data states do not resume here'
+        )
+    return source
+
+
+def read_native_weights(
+    source: WeightsSource, model: ModelConfig, full_shapes: dict[str, torch.Size]
+) -> dict[str, torch.Tensor]:
+    """The source's weights as native full tensors, every name and shape checked against `full_shapes`."""
+    heads = Heads(model.num_attention_heads, model.num_kv_attention_heads)
+    expected = {name: torch.empty(shape, device="meta") for name, shape in full_shapes.items()}
+    if model.tie_word_embeddings:
+        expected.pop("output.weight", None)  # tied: the embeddings alone are saved (where a format allows)
+    if source.kind == "hf":
+        table = hf_folder.name_table(source.path, hf_folder.read_config(source.path))
+    else:
+        table = INTERNEVO if source.kind == "internevo" else META_LLAMA
+    shapes = {name: t.shape for name, t in to_format(expected, table, heads).items()}
+    if source.kind == "internevo":
+        foreign = read_internevo_files(source.path, shapes)
+    elif source.kind == "meta_llama":
+        foreign = meta_llama.read_meta_weights(source.path, shapes)
+    else:
+        foreign = hf_folder.read_weights(source.path)
+    if model.tie_word_embeddings:
+        foreign.pop(table.to_foreign("output.weight"), None)  # a writer may save the tied head too
+    _check_names_and_shapes(foreign, shapes, table, source.path)
+    native = to_native(foreign, table, heads, str(source.path))
+    if model.tie_word_embeddings:
+        native["output.weight"] = native["tok_embeddings.weight"]
+    return native
+
+
+def load_weights(model: nn.Module, source: WeightsSource, config: ModelConfig) -> None:
+    """Load the source's weights into `model` (plain, DDP's or FSDP2-sharded: each rank takes its part)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    full_shapes = {name: t.shape for name, t in get_model_state_dict(model).items()}
+    tensors = read_native_weights(source, config, full_shapes)
+    set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=True))
+    logger.info("Loaded %s model weights from %s; starting a new run at step 1", source.kind, source.path)
+
+
+def _check_names_and_shapes(
+    foreign: dict[str, torch.Tensor], shapes: dict[str, torch.Size], table: NameTable, folder: Path
+) -> None:
+    for name, tensor in foreign.items():
+        if is_derived(name):
+            continue
+        if name not in shapes:
+            raise CheckpointError(f"{folder}: {name!r} is not a {table.format} weight of this model")
+        if tensor.shape != shapes[name]:
+            raise CheckpointError(
+                f"{folder}: {name!r} has shape {tuple(tensor.shape)}; this model's is {tuple(shapes[name])}"
+            )
+    missing = sorted(shapes.keys() - foreign.keys())
+    if missing:
+        raise CheckpointError(f"{folder}: no {missing[0]!r} ({len(missing)} of the model's weights missing)")

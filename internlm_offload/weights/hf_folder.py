@@ -9,6 +9,7 @@ load without remote code, and both kinds come in.
 import json
 import pickle
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +149,7 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
             tensors.update(load_file(str(path)))
             continue
         try:
-            tensors.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            tensors.update(torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)))
         except pickle.UnpicklingError as exc:
             raise CheckpointError(f"{path} would load {refused_global(exc)}; refusing to read it") from None
     return tensors

@@ -12,6 +12,7 @@ Files load with `weights_only=True`: data, never code.
 
 import pickle
 import re
+import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
 from itertools import product
@@ -166,7 +167,8 @@ def _read_dp_shards(files: list[ModelFile]) -> dict[str, torch.Tensor]:
 def load_model_file(path: Path) -> dict[str, torch.Tensor]:
     """One torch.save'd state dict of tensors, loaded as data only."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        # mmap (pages shared by every rank reading the file) needs torch's zip format; older files load whole
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
             f"{path} would load {refused_global(exc)}; InternEvo model files may hold only tensors: "

@@ -1,0 +1,269 @@
+"""weights/: foreign layouts built by hand from their documented rules load into the native model bitwise.
+
+The fixtures here do not use the code under test: InternEvo's fused wqkv, its tensor/weight/pipeline/FSDP
+file layouts and Meta's RoPE row order are written out with explicit loops and index lists.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from internlm_offload.builder import build_model
+from internlm_offload.config import resolve_config
+from internlm_offload.errors import CheckpointError
+from internlm_offload.weights.convert import Heads, to_format, to_native
+from internlm_offload.weights.names import HF_INTERNLM2, HF_LLAMA, INTERNEVO, META_LLAMA
+from internlm_offload.weights.qkv import fuse_wqkv, split_wqkv
+from internlm_offload.weights.shards import merge_pieces
+from internlm_offload.weights.sources import foreign_source, read_native_weights
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 4, 64, 4, 2, 96
+HEAD_DIM = HIDDEN // HEADS
+
+
+def run_config(path: Path | None = None, ckpt_type: str = "internevo", content=("model",), **model):
+    raw = {
+        "model": dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                      num_kv_attention_heads=KV_HEADS, vocab_size=VOCAB, attn_impl="sdpa", **model),
+    }  # fmt: skip
+    if path is not None:
+        raw["ckpt"] = {"load_ckpt_info": {"path": str(path), "ckpt_type": ckpt_type, "content": content}}
+    return resolve_config(raw)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    """A native model's weights, random, by parameter name."""
+    torch.manual_seed(3)
+    model = build_model(run_config().model, torch.device("cpu"))
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def load(path: Path, ckpt_type: str = "internevo", **model) -> dict[str, torch.Tensor]:
+    cfg = run_config(path, ckpt_type, **model)
+    source = foreign_source(cfg.ckpt.load_ckpt_info, cfg.model)
+    shapes = {name: t.shape for name, t in build_model(cfg.model, torch.device("meta")).state_dict().items()}
+    return read_native_weights(source, cfg.model, shapes)
+
+
+def assert_bitwise(loaded: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert loaded.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+# ----------------------------------------------------------------------------- InternEvo's layout, by hand
+
+
+def internevo_wqkv(reference: dict[str, torch.Tensor], layer: int) -> torch.Tensor:
+    """InternEvo's `(h gs d)` rows: per kv head g, its query heads g*q_per_kv .. , then k head g, then v head g."""
+    wq, wk, wv = (reference[f"layers.{layer}.attention.w{p}.weight"] for p in "qkv")
+    q_per_kv, rows = HEADS // KV_HEADS, []
+    for g in range(KV_HEADS):
+        for j in range(q_per_kv):
+            head = g * q_per_kv + j
+            rows.append(wq[head * HEAD_DIM : (head + 1) * HEAD_DIM])
+        rows += [wk[g * HEAD_DIM : (g + 1) * HEAD_DIM], wv[g * HEAD_DIM : (g + 1) * HEAD_DIM]]
+    return torch.cat(rows)
+
+
+def internevo_state(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, tensor in reference.items():
+        if ".attention.w" in name and name.split(".")[3] in ("wq", "wk", "wv"):
+            layer = int(name.split(".")[1])
+            state[f"layers.{layer}.attention.wqkv.weight"] = internevo_wqkv(reference, layer)
+        else:
+            state[name] = tensor
+    return state
+
+
+# InternEvo's splits (mtp: column-parallel rows, row-parallel columns; isp: rows everywhere); norms replicated.
+MTP_DIMS = {"wqkv": 0, "wo": 1, "w1": 0, "w3": 0, "w2": 1, "tok_embeddings": 1, "output": 0}
+ISP_DIMS = {**{key: 0 for key in MTP_DIMS}, "tok_embeddings": 1}
+
+
+def split_for(state: dict[str, torch.Tensor], ranks: int, dims: dict[str, int]) -> list[dict[str, torch.Tensor]]:
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(ranks)]
+    for name, tensor in state.items():
+        key = name.split(".")[-2]
+        pieces = torch.chunk(tensor, ranks, dims[key]) if key in dims else [tensor] * ranks
+        for rank in range(ranks):
+            out[rank][name] = pieces[rank].clone()
+    return out
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["tp1", "tp2", "tp2_vocab_parallel_embedding", "isp_wp2", "isp_tp2_wp2", "pp2", "fsdp_dp2", "tp2_pp2"],
+)
+def test_internevo_layouts_load_bitwise(tmp_path, reference, layout):
+    state = internevo_state(reference)
+    folder = tmp_path / "internevo"
+    folder.mkdir()
+    tp = 2 if layout.startswith("tp2") else 1
+    dims = {**MTP_DIMS, "tok_embeddings": 0} if "vocab_parallel" in layout else MTP_DIMS
+    if layout.startswith("isp"):
+        for w, piece in enumerate(split_for(state, 2, ISP_DIMS)):
+            if layout == "isp_tp2_wp2":
+                for t in range(2):
+                    torch.save(piece, folder / f"model_tp{t}_wp{w}_pp0.pt")
+            else:
+                torch.save(piece, folder / f"model_wp{w}_pp0.pt")
+    elif layout == "fsdp_dp2":
+        for d in range(2):
+            torch.save(
+                {n: torch.chunk(t, 2, 0)[d].clone() for n, t in state.items()}, folder / f"model_tp0_pp0_dp{d}.pt"
+            )
+    else:
+        stages = 2 if layout.endswith("pp2") else 1
+        per_stage = LAYERS // stages
+        for p in range(stages):
+            blocks = range(p * per_stage, (p + 1) * per_stage)
+            stage = {}
+            for name, tensor in state.items():
+                if name.startswith("layers."):
+                    block = int(name.split(".")[1])
+                    if block in blocks:  # each stage numbers its blocks from 0
+                        stage[name.replace(f"layers.{block}.", f"layers.{block - blocks[0]}.", 1)] = tensor
+                elif (name == "tok_embeddings.weight") == (p == 0) or (
+                    name != "tok_embeddings.weight" and p == stages - 1
+                ):
+                    stage[name] = tensor
+            for t, piece in enumerate(split_for(stage, tp, dims)):
+                torch.save(piece, folder / f"model_tp{t}_pp{p}.pt")
+    assert_bitwise(load(folder), reference)
+
+
+def test_fused_wqkv_is_internevos_grouping(reference):
+    wq, wk, wv = (reference[f"layers.1.attention.w{p}.weight"] for p in "qkv")
+    fused = fuse_wqkv(wq, wk, wv, KV_HEADS)
+    assert torch.equal(fused, internevo_wqkv(reference, 1))
+    assert all(torch.equal(a, b) for a, b in zip(split_wqkv(fused, HEADS, KV_HEADS), (wq, wk, wv)))
+
+
+def test_every_format_round_trips_bitwise(reference):
+    heads = Heads(HEADS, KV_HEADS)
+    for table in (INTERNEVO, HF_INTERNLM2, HF_LLAMA, META_LLAMA):
+        assert_bitwise(to_native(to_format(reference, table, heads), table, heads, "x"), reference)
+
+
+def test_meta_rows_rotate_as_metas_interleaved_rope():
+    """Meta's query rows under Meta's RoPE (complex pairs x_2j + i x_2j+1) give, per head, the same values as
+    the converted rows under the native rotate-half RoPE (pairs x_j, x_j+d/2), in the halves' order."""
+    torch.manual_seed(0)
+    T, base = 7, 10000.0
+    model = build_model(run_config(rope_base=base).model, torch.device("cpu"))
+    wq_meta, x = torch.randn(HEADS * HEAD_DIM, HIDDEN, dtype=torch.float64), torch.randn(T, HIDDEN, dtype=torch.float64)
+    theta = base ** (-torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * theta  # (T, D/2)
+    q = torch.view_as_complex((x @ wq_meta.T).view(T, HEADS, HEAD_DIM // 2, 2).contiguous())
+    rotated = torch.view_as_real(q * torch.polar(torch.ones_like(angles), angles)[:, None]).flatten(-2)
+    (native,) = to_native({"layers.0.attention.wq.weight": wq_meta}, META_LLAMA, Heads(HEADS, KV_HEADS), "x").values()
+    cos, sin = model.rope_cos_sin(T, torch.float64)
+    from internlm_offload.model.internlm2 import apply_rope
+
+    ours = apply_rope((x @ native.T).view(1, T, HEADS, HEAD_DIM), cos, sin)[0]
+    halves = rotated.view(T, HEADS, HEAD_DIM // 2, 2).transpose(-1, -2).reshape(T, HEADS, HEAD_DIM)
+    torch.testing.assert_close(ours, halves, rtol=0, atol=1e-5)  # the native angles are computed in fp32
+
+
+def test_meta_consolidated_shards_load_bitwise(tmp_path, reference):
+    """Two model-parallel files of Meta's reference layout (rows interleaved per head, by an index list)."""
+    interleave = [j // 2 + (j % 2) * HEAD_DIM // 2 for j in range(HEAD_DIM)]  # Meta row j <- native row
+    state = {}
+    for name, tensor in reference.items():
+        kind = name.split(".")[-2]
+        if kind in ("wq", "wk"):
+            heads = HEADS if kind == "wq" else KV_HEADS
+            tensor = tensor.view(heads, HEAD_DIM, HIDDEN)[:, interleave].reshape(-1, HIDDEN)
+        state[name] = tensor
+    dims = {"wq": 0, "wk": 0, "wv": 0, "wo": 1, "w1": 0, "w3": 0, "w2": 1, "tok_embeddings": 1, "output": 0}
+    for rank, piece in enumerate(split_for(state, 2, dims)):
+        torch.save({**piece, "rope.freqs": torch.zeros(4)}, tmp_path / f"consolidated.{rank:02d}.pth")
+    params = dict(dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS, vocab_size=VOCAB, norm_eps=1e-6)
+    (tmp_path / "params.json").write_text(json.dumps(params))
+    assert_bitwise(load(tmp_path, "llama"), reference)
+
+
+def test_merge_reads_the_split_off_the_shapes():
+    full = torch.arange(24.0).view(4, 6)
+    assert torch.equal(merge_pieces(list(torch.chunk(full, 2, 0)), full.shape, "x"), full)
+    assert torch.equal(merge_pieces(list(torch.chunk(full, 3, 1)), full.shape, "x"), full)
+    assert merge_pieces([full, full.clone()], full.shape, "x") is full
+    with pytest.raises(CheckpointError, match=r"x: 2 piece\(s\) of shape \(4, 2\) do not make the model's \(4, 6\)"):
+        merge_pieces([full[:, :2], full[:, :2]], full.shape, "x")
+
+
+# ----------------------------------------------------------------------------- bad folders: one line each
+
+
+def internevo_tp2(folder: Path, reference) -> list[dict[str, torch.Tensor]]:
+    folder.mkdir()
+    pieces = split_for(internevo_state(reference), 2, MTP_DIMS)
+    for t, piece in enumerate(pieces):
+        torch.save(piece, folder / f"model_tp{t}_pp0.pt")
+    return pieces
+
+
+class _TouchFile:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+@pytest.mark.parametrize("case", ["missing_rank", "shapes", "unknown_name", "missing_name", "code", "resume"])
+def test_a_bad_internevo_folder_is_one_line_naming_file_and_key(tmp_path, reference, case):
+    folder = tmp_path / "ckpt"
+    pieces = internevo_tp2(folder, reference)
+    expected = {
+        "missing_rank": "model_tp1_pp0.pt is missing",
+        "shapes": "stage 0: layers.2.attention.wo.weight: 2 piece(s) of shape [(64, 32), (64, 31)] do not make",
+        "unknown_name": "model_tp0_pp0.pt: 'layers.0.attention.rotary.weight' is not an InternEvo weight of this model",
+        "missing_name": "no 'norm.weight' in any model file",
+        "code": "model_tp1_pp0.pt would load posix.system; InternEvo model files may hold only tensors",
+        "resume": 'they start a run with content=("model",)',
+    }[case]
+    content = ("all",) if case == "resume" else ("model",)
+    if case == "missing_rank":
+        torch.save(pieces[1], folder / "model_tp2_pp0.pt")
+        (folder / "model_tp1_pp0.pt").unlink()
+    elif case == "shapes":
+        pieces[1]["layers.2.attention.wo.weight"] = pieces[1]["layers.2.attention.wo.weight"][:, :31]
+        torch.save(pieces[1], folder / "model_tp1_pp0.pt")
+    elif case in ("unknown_name", "missing_name"):
+        for t, piece in enumerate(pieces):
+            if case == "unknown_name":
+                piece["layers.0.attention.rotary.weight"] = torch.zeros(2)
+            else:
+                del piece["norm.weight"]
+            torch.save(piece, folder / f"model_tp{t}_pp0.pt")
+    elif case == "code":
+        torch.save({**pieces[1], "hook": _TouchFile(tmp_path / "PWNED")}, folder / "model_tp1_pp0.pt")
+    with pytest.raises(CheckpointError) as err:
+        cfg = run_config(folder, content=content)
+        source = foreign_source(cfg.ckpt.load_ckpt_info, cfg.model)
+        read_native_weights(source, cfg.model, {n: t.shape for n, t in reference.items()})
+    assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_an_hf_folder_of_another_model_says_which_keys_to_set(tmp_path):
+    config = dict(model_type="llama", hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
+                  num_key_value_heads=KV_HEADS, intermediate_size=192, vocab_size=VOCAB, rms_norm_eps=1e-5)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as err:
+        load(tmp_path, "hf_llama")
+    message = str(err.value)
+    assert "config.json: num_hidden_layers=2 (set model.num_layers to match; it gives 4)" in message
+    assert "rms_norm_eps=1e-05 (set model.norm_eps to match; it gives 1e-06)" in message and "\n" not in message
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
+    with pytest.raises(CheckpointError, match="model_type='qwen2'; the native model loads internlm2 and llama"):
+        load(tmp_path, "hf")
+    with pytest.raises(CheckpointError, match='no params.json .* \\(a Hugging Face folder: ckpt_type="hf_llama"\\)'):
+        load(tmp_path, "llama")

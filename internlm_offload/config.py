@@ -282,7 +282,8 @@ class CkptConfig(Section):
     auto_resume: bool = Field(False, description="Continue from the latest checkpoint in `save_ckpt_folder`.")
     load_ckpt_info: Optional[LoadCkptInfo] = Field(
         None,
-        description='Start from another run\'s checkpoint: `dict(path=..., content=("model",), ckpt_type="internevo")`.',
+        description='Start from another run\'s checkpoint, or another trainer\'s model weights: `dict(path=..., '
+        'content=("model",), ckpt_type="internevo"|"hf"|"hf_llama"|"llama")` (docs/migrating.md).',
     )
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from internlm_offload.config import LoadCkptInfo, ModelConfig
 from internlm_offload.errors import CheckpointError
@@ -99,8 +100,6 @@ def read_native_weights(
 
 def load_weights(model: nn.Module, source: WeightsSource, config: ModelConfig) -> None:
     """Load the source's weights into `model` (plain, DDP's or FSDP2-sharded: each rank takes its part)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-
     full_shapes = {name: t.shape for name, t in get_model_state_dict(model).items()}
     tensors = read_native_weights(source, config, full_shapes)
     set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=True))

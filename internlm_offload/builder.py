@@ -76,6 +76,7 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
             tie_word_embeddings=cfg.tie_word_embeddings,
             init_std=cfg.init_std,
             attn_impl=cfg.attn_impl,
+            attention_bias=cfg.attention_bias,
         )
     with torch.device(device):
         try:

@@ -73,6 +73,11 @@ class ModelConfig(Section):
     norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
     rope_base: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     tie_word_embeddings: bool = Field(False, description="Share the embedding and output-head weights.")
+    attention_bias: bool = Field(
+        False,
+        description="Biases on the attention projections wq, wk, wv, wo (InternLM v1; InternEvo's `no_bias=False`; "
+        "Llama's `attention_bias`). The MLP and head never have biases.",
+    )
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
     attn_impl: Literal["auto", "sdpa", "flash", "eager"] = Field(
         "auto",
@@ -100,6 +105,8 @@ class ModelConfig(Section):
             self.num_kv_attention_heads = self.num_attention_heads
         if self.type == "hf_causal_lm" and (self.hf_path is None) == (self.hf_config is None):
             raise ValueError("model.type='hf_causal_lm' needs exactly one of model.hf_path and model.hf_config")
+        if self.type == "hf_causal_lm" and self.attention_bias:
+            raise ValueError("model.attention_bias is for model.type='internlm2'; an hf_causal_lm model has its own")
         if self.type != "hf_causal_lm" and self.attn_impl == "eager":
             raise ValueError(
                 f"model.attn_impl='eager' is for model.type='hf_causal_lm'; {self.type} has sdpa and flash"
@@ -282,7 +289,7 @@ class CkptConfig(Section):
     auto_resume: bool = Field(False, description="Continue from the latest checkpoint in `save_ckpt_folder`.")
     load_ckpt_info: Optional[LoadCkptInfo] = Field(
         None,
-        description='Start from another run\'s checkpoint, or another trainer\'s model weights: `dict(path=..., '
+        description="Start from another run's checkpoint, or another trainer's model weights: `dict(path=..., "
         'content=("model",), ckpt_type="internevo"|"hf"|"hf_llama"|"llama")` (docs/migrating.md).',
     )
 

@@ -21,8 +21,10 @@ from typing import Any
 
 MISSING = object()
 
-# model_type → this trainer's model (same architecture: RMSNorm, RoPE, GQA, SwiGLU, no biases).
+# model_type → this trainer's model (same architecture: RMSNorm, RoPE, GQA, SwiGLU; InternLM v1 adds biases
+# on the attention projections).
 MODEL_TYPES = {
+    "INTERNLM": "internlm2",
     "INTERNLM2_PUBLIC": "internlm2",
     "INTERNLM2": "internlm2",
     "INTERNLM3": "internlm2",
@@ -125,6 +127,16 @@ def _model(t: Translation) -> None:
     model = t.config.get("model", {})
     if not isinstance(model, dict):
         return
+    if model_type is not MISSING and "multiple_of" not in model:
+        model["multiple_of"] = 256  # InternEvo's FeedForward rounds its width up to a multiple of 256
+        t.mapped.append("model.multiple_of=256 (InternEvo's SwiGLU width rounding)")
+    no_bias = _pop(t, "model", "no_bias")
+    if no_bias is not MISSING or model_type == "INTERNLM":
+        # InternEvo: the attention projections have biases unless no_bias (InternLM v1's MHA always has them)
+        model["attention_bias"] = no_bias is False or (no_bias is MISSING and model_type == "INTERNLM")
+        t.mapped.append(
+            f"model.no_bias={no_bias if no_bias is not MISSING else 'unset'} -> model.attention_bias={model['attention_bias']}"
+        )
     _refuse_unless(
         t,
         "model.num_chunks",
@@ -139,13 +151,6 @@ def _model(t: Translation) -> None:
         _pop(t, "model", "apply_post_layer_norm"),
         False,
         "the decoder here is pre-norm; set False",
-    )
-    _refuse_unless(
-        t,
-        "model.no_bias",
-        _pop(t, "model", "no_bias"),
-        True,
-        "the decoder here has no biases (InternLM v1's qkv bias is not built); set True",
     )
     _refuse_unless(
         t,

@@ -1,4 +1,5 @@
-"""InternLM2-style decoder-only LM: RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases, no dropout."""
+"""InternLM2-style decoder-only LM: RMSNorm, RoPE, grouped-query attention, SwiGLU, no dropout; biases only on
+the attention projections, and only when asked (InternLM v1, Llama's `attention_bias`)."""
 
 import functools
 import math
@@ -110,16 +111,16 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings."""
 
-    def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, attn_impl: str) -> None:
+    def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, attn_impl: str, bias: bool = False) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = hidden_size // n_heads
         self.attn_impl = attn_impl
-        self.wq = nn.Linear(hidden_size, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * self.head_dim, hidden_size, bias=False)
+        self.wq = nn.Linear(hidden_size, n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * self.head_dim, hidden_size, bias=bias)
 
     def _use_flash(self, x: torch.Tensor) -> bool:
         """Whether this call goes to flash-attn (decided per call from the activation)."""
@@ -157,10 +158,14 @@ class Attention(nn.Module):
         return self.wo(out.reshape(B, T, C))  # (B, T, C)
 
     def init_weights(self, std: float, out_std: float) -> None:
-        """normal(0, std) for wq, wk, wv; normal(0, out_std) for wo, which writes into the residual stream."""
+        """normal(0, std) for wq, wk, wv; normal(0, out_std) for wo, which writes into the residual stream;
+        biases (if any) to zero."""
         for lin in (self.wq, self.wk, self.wv):
             nn.init.normal_(lin.weight, mean=0.0, std=std)
         nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
+        for lin in (self.wq, self.wk, self.wv, self.wo):
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
 
 
 class FeedForward(nn.Module):
@@ -186,11 +191,18 @@ class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then h + ffn(norm(h))."""
 
     def __init__(
-        self, hidden_size: int, n_heads: int, n_kv_heads: int, intermediate_size: int, norm_eps: float, attn_impl: str
+        self,
+        hidden_size: int,
+        n_heads: int,
+        n_kv_heads: int,
+        intermediate_size: int,
+        norm_eps: float,
+        attn_impl: str,
+        attention_bias: bool = False,
     ) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(hidden_size, norm_eps)
-        self.attention = Attention(hidden_size, n_heads, n_kv_heads, attn_impl)
+        self.attention = Attention(hidden_size, n_heads, n_kv_heads, attn_impl, bias=attention_bias)
         self.ffn_norm = RMSNorm(hidden_size, norm_eps)
         self.feed_forward = FeedForward(hidden_size, intermediate_size)
 
@@ -264,6 +276,7 @@ class InternLM2(nn.Module):
         tie_word_embeddings: bool = False,
         init_std: float = 0.02,
         attn_impl: str = "auto",
+        attention_bias: bool = False,
     ) -> None:
         super().__init__()
         _validate_args(
@@ -296,7 +309,13 @@ class InternLM2(nn.Module):
             self.tok_embeddings = nn.Embedding(vocab_size, hidden_size)
             self.layers = nn.ModuleList(
                 DecoderLayer(
-                    hidden_size, num_attention_heads, num_kv_attention_heads, intermediate, norm_eps, attn_impl
+                    hidden_size,
+                    num_attention_heads,
+                    num_kv_attention_heads,
+                    intermediate,
+                    norm_eps,
+                    attn_impl,
+                    attention_bias,
                 )
                 for _ in range(num_layers)
             )

@@ -12,7 +12,8 @@ from internlm_offload.errors import CheckpointError
 from internlm_offload.weights.names import NameTable, is_derived
 from internlm_offload.weights.qkv import fuse_wqkv, halves_to_interleaved, interleaved_to_halves, split_wqkv
 
-_WQKV = re.compile(r"layers\.(\d+)\.attention\.wqkv\.weight$")
+_WQKV = re.compile(r"layers\.(\d+)\.attention\.wqkv\.(weight|bias)$")
+_QKV = re.compile(r"layers\.(\d+)\.attention\.w([qkv])\.(weight|bias)$")
 _QUERY_KEY = re.compile(r"layers\.\d+\.attention\.w([qk])\.weight$")
 
 
@@ -39,9 +40,9 @@ def to_native(tensors: dict[str, torch.Tensor], table: NameTable, heads: Heads, 
             raise CheckpointError(f"{where}: {name!r} is not a {table.format} model weight this model has")
         fused = _WQKV.match(target)
         if fused is not None:
-            wq, wk, wv = split_wqkv(tensor, heads.n_heads, heads.n_kv_heads)
-            prefix = f"layers.{fused.group(1)}.attention"
-            native.update({f"{prefix}.wq.weight": wq, f"{prefix}.wk.weight": wk, f"{prefix}.wv.weight": wv})
+            block, kind = fused.groups()
+            parts = split_wqkv(tensor, heads.n_heads, heads.n_kv_heads)
+            native.update({f"layers.{block}.attention.w{p}.{kind}": t for p, t in zip("qkv", parts)})
         elif table.rope_interleaved and _QUERY_KEY.search(target):
             native[target] = interleaved_to_halves(tensor, heads.of(target))
         else:
@@ -54,13 +55,13 @@ def to_format(native: dict[str, torch.Tensor], table: NameTable, heads: Heads) -
     fuses = table.to_foreign("layers.0.attention.wqkv.weight") is not None
     out: dict[str, torch.Tensor] = {}
     for name, tensor in native.items():
-        query_key_value = re.match(r"layers\.(\d+)\.attention\.w([qkv])\.weight$", name)
+        query_key_value = _QKV.match(name)
         if fuses and query_key_value is not None:
-            if query_key_value.group(2) != "q":
+            block, part, kind = query_key_value.groups()
+            if part != "q":
                 continue  # fused with its wq
-            prefix = f"layers.{query_key_value.group(1)}.attention"
-            parts = (native[f"{prefix}.w{part}.weight"] for part in "qkv")
-            out[table.to_foreign(f"{prefix}.wqkv.weight")] = fuse_wqkv(*parts, heads.n_kv_heads)
+            parts = (native[f"layers.{block}.attention.w{p}.{kind}"] for p in "qkv")
+            out[table.to_foreign(f"layers.{block}.attention.wqkv.{kind}")] = fuse_wqkv(*parts, heads.n_kv_heads)
             continue
         if table.rope_interleaved and _QUERY_KEY.search(name):
             tensor = halves_to_interleaved(tensor, heads.of(name))

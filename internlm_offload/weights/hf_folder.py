@@ -22,7 +22,7 @@ from internlm_offload.model.internlm2 import intermediate_size
 from internlm_offload.weights.names import HF_INTERNLM2, HF_LLAMA, NameTable
 
 CONFIG = "config.json"
-TABLES = {"internlm2": HF_INTERNLM2, "llama": HF_LLAMA}
+TABLES = {"internlm2": HF_INTERNLM2, "llama": HF_LLAMA, "internlm": HF_LLAMA}  # InternLM v1's port: Llama's names
 # Files of a tokenizer folder that go beside exported weights.
 TOKENIZER_FILES = (
     "tokenizer*",
@@ -45,6 +45,7 @@ _SHAPE_KEYS = {
     "rms_norm_eps": "model.norm_eps",
     "rope_theta": "model.rope_base",
     "tie_word_embeddings": "model.tie_word_embeddings",
+    "attention_bias": "model.attention_bias",
 }
 
 
@@ -60,6 +61,7 @@ def llama_values(model: ModelConfig) -> dict[str, Any]:
         "rms_norm_eps": model.norm_eps,
         "rope_theta": model.rope_base,
         "tie_word_embeddings": model.tie_word_embeddings,
+        "attention_bias": model.attention_bias,
     }
 
 
@@ -100,6 +102,8 @@ def _hf_value(hf: dict[str, Any], key: str) -> Any:
     """A config.json value with transformers' defaults (kv heads = heads, rope_theta 1e4, untied, eps 1e-6)."""
     if key == "rope_theta":
         return hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    if key == "attention_bias":  # InternLM2's and InternLM v1's configs call it `bias`
+        return hf.get("attention_bias", hf.get("bias", False))
     if key == "num_key_value_heads":
         return hf.get(key) or hf.get("num_attention_heads")
     defaults = {"tie_word_embeddings": False, "rms_norm_eps": 1e-6}
@@ -107,10 +111,8 @@ def _hf_value(hf: dict[str, Any], key: str) -> Any:
 
 
 def _unsupported(hf: dict[str, Any]) -> list[str]:
-    """What the native model does not build: biases, another activation, scaled RoPE, another head_dim."""
-    problems = [
-        f"{key}=True (the native model has no biases)" for key in ("bias", "attention_bias", "mlp_bias") if hf.get(key)
-    ]
+    """What the native model does not build: MLP biases, another activation, scaled RoPE, another head_dim."""
+    problems = ["mlp_bias=True (the native model's MLP has no biases)"] if hf.get("mlp_bias") else []
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (the native model's MLP is SwiGLU: silu)")
     scaling = hf.get("rope_scaling") or {}
@@ -167,7 +169,6 @@ def write_llama_folder(
         head_dim=model.hidden_size // model.num_attention_heads,
         max_position_embeddings=max_positions,
         hidden_act="silu",
-        attention_bias=False,
         mlp_bias=False,
         architectures=["LlamaForCausalLM"],
     )

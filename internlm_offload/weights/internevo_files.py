@@ -22,11 +22,12 @@ import torch
 
 from internlm_offload.engine.checkpoint_reader import refused_global
 from internlm_offload.errors import CheckpointError
-from internlm_offload.weights.names import is_derived
+from internlm_offload.weights.names import bias_hint, is_derived
 from internlm_offload.weights.shards import merge_pieces, split_even
 
 MODEL_FILE = re.compile(r"model_(?:tp(?P<tp>\d+)_)?(?:wp(?P<wp>\d+)_)?pp(?P<pp>\d+)(?:_dp(?P<dp>\d+))?\.pt$")
-_LAYER = re.compile(r"^layers\.(\d+)\.")
+_LAYER = re.compile(r"^(layers|blocks)\.(\d+)\.")  # InternLM2's blocks, InternLM v1's
+_V1_QKV = re.compile(r"^(blocks\.\d+\.mixer\.)Wqkv\.(weight|bias)$")
 
 # How InternEvo's layers split their weights (`--internevo` export): (mtp dim, isp dim); None: replicated.
 _SPLIT_DIMS = {
@@ -97,7 +98,8 @@ def read_internevo_files(folder: Path, full_shapes: dict[str, torch.Size]) -> di
     first_block = 0
     for pp in sorted(stages):
         stage = {
-            rank: _read_dp_shards(sorted(group, key=lambda f: f.dp or 0)) for rank, group in sorted(stages[pp].items())
+            rank: _split_v1_qkv(_read_dp_shards(sorted(group, key=lambda f: f.dp or 0)))
+            for rank, group in sorted(stages[pp].items())
         }
         names = next(iter(stage.values()))
         blocks = _renumber(names, first_block)
@@ -114,10 +116,12 @@ def read_internevo_files(folder: Path, full_shapes: dict[str, torch.Size]) -> di
             if global_name not in full_shapes:
                 where = folder / _file_name(0, 0 if isp else None, pp, None)
                 as_global = "" if global_name == name else f" (the folder's {global_name!r})"
-                raise CheckpointError(f"{where}: {name!r}{as_global} is not an InternEvo weight of this model")
+                raise CheckpointError(
+                    f"{where}: {name!r}{as_global} is not an InternEvo weight of this model{bias_hint(name)}"
+                )
             pieces = [state[name] for state in stage.values()]
             merged[global_name] = merge_pieces(pieces, full_shapes[global_name], f"{folder}: stage {pp}: {name}")
-        first_block += len({m.group(1) for m in map(_LAYER.match, names) if m})
+        first_block += len({m.group(2) for m in map(_LAYER.match, names) if m})
     missing = sorted(full_shapes.keys() - merged.keys())
     if missing:
         raise CheckpointError(
@@ -181,10 +185,29 @@ def load_model_file(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _split_v1_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """InternLM v1's per-rank `Wqkv` (that rank's q rows, k rows, v rows) cut into `Wq`, `Wk`, `Wv` pieces,
+    which then merge across ranks like any column-parallel weight (`names.INTERNLM1`)."""
+    out = {}
+    for name, tensor in state.items():
+        match = _V1_QKV.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        for part, piece in zip("qkv", torch.chunk(tensor, 3, dim=0)):
+            out[f"{match.group(1)}W{part}.{match.group(2)}"] = piece
+    return out
+
+
+def file_names(folder: Path) -> list[str]:
+    """The tensor names of the folder's first model file (stage 0 of rank 0): which InternEvo model wrote it."""
+    return list(load_model_file(check_layout(folder)[0].path))
+
+
 def _renumber(names: dict[str, torch.Tensor], first_block: int) -> dict[str, str]:
     """Global names for one stage's block-local ones (`layers.0.` of stage p is block `first_block`)."""
     return {
-        name: f"layers.{int(match.group(1)) + first_block}.{name[match.end() :]}"
+        name: f"{match.group(1)}.{int(match.group(2)) + first_block}.{name[match.end() :]}"
         for name in names
         if (match := _LAYER.match(name)) is not None
     }

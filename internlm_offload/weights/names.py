@@ -1,15 +1,16 @@
 """Name tables between the native model's parameters and other formats; pure string maps.
 
 A table is a tuple of (foreign, native) templates where `{i}` stands for a block index. The native names
-are `InternLM2.state_dict()`'s; `layers.{i}.attention.wqkv.weight` is the one name that is not native: the
-fused projection that `qkv.split_wqkv` turns into wq, wk, wv.
+are `InternLM2.state_dict()`'s; `layers.{i}.attention.wqkv.weight` (and `.bias`) is the one name that is not
+native: the fused projection that `qkv.split_wqkv` turns into wq, wk, wv. A table may name weights a given
+model lacks (the attention biases); the model's own state dict decides which are expected.
 """
 
 import re
 from dataclasses import dataclass
 from functools import cached_property
 
-FUSED_WQKV = "layers.{i}.attention.wqkv.weight"
+FUSED_WQKV = ("layers.{i}.attention.wqkv.weight", "layers.{i}.attention.wqkv.bias")
 
 _BLOCK = (
     "layers.{i}.attention.wo.weight",
@@ -20,6 +21,8 @@ _BLOCK = (
     "layers.{i}.feed_forward.w3.weight",
 )
 _SEPARATE_QKV = tuple(f"layers.{{i}}.attention.{w}.weight" for w in ("wq", "wk", "wv"))
+_ATTENTION_BIASES = tuple(f"layers.{{i}}.attention.{w}.bias" for w in ("wq", "wk", "wv"))
+_WO_BIAS = "layers.{i}.attention.wo.bias"
 _ENDS = ("tok_embeddings.weight", "norm.weight", "output.weight")
 
 # Names that hold no parameter: RoPE tables some writers save (the native model derives its own).
@@ -47,6 +50,11 @@ class NameTable:
         return _translate(name, ((p, target) for _, _, p, target in self._patterns))
 
 
+def bias_hint(name: str) -> str:
+    """What to add to an error about a foreign name the model lacks, when it is a bias."""
+    return "; the folder's model has attention biases: model.attention_bias=True" if name.endswith(".bias") else ""
+
+
 def is_derived(name: str) -> bool:
     """A saved RoPE table, not a parameter: skipped on the way in."""
     return _DERIVED.search(name) is not None
@@ -69,7 +77,32 @@ def _identity(*names: str) -> tuple[tuple[str, str], ...]:
 
 
 # InternEvo's own model files (and the fused layout its InternLM2 trains): the native names, wqkv fused.
-INTERNEVO = NameTable("internevo", _identity(FUSED_WQKV, *_BLOCK, *_ENDS))
+INTERNEVO = NameTable("internevo", _identity(*FUSED_WQKV, *_BLOCK, _WO_BIAS, *_ENDS))
+
+# InternEvo's InternLM2 with `enable_qkv_fusion=False` (InternLM3's configs): the native names exactly.
+INTERNEVO_UNFUSED = NameTable("internevo", _identity(*_SEPARATE_QKV, *_ATTENTION_BIASES, *_BLOCK, _WO_BIAS, *_ENDS))
+
+# InternEvo's InternLM v1 (`model_type="INTERNLM"`). Its fused `blocks.{i}.mixer.Wqkv` holds, per tensor-
+# parallel rank, that rank's q rows, then k, then v; `internevo_files` cuts each rank's piece into the
+# `Wq`/`Wk`/`Wv` named here before the pieces merge.
+INTERNLM1 = NameTable(
+    "internevo (InternLM v1)",
+    (
+        ("embedding.weight", "tok_embeddings.weight"),
+        *(
+            (f"blocks.{{i}}.mixer.W{part}.{kind}", f"layers.{{i}}.attention.w{part}.{kind}")
+            for part in "qkv"
+            for kind in ("weight", "bias")
+        ),
+        ("blocks.{i}.mixer.out_proj.weight", "layers.{i}.attention.wo.weight"),
+        ("blocks.{i}.mixer.out_proj.bias", "layers.{i}.attention.wo.bias"),
+        ("blocks.{i}.norm1.weight", "layers.{i}.attention_norm.weight"),
+        ("blocks.{i}.norm2.weight", "layers.{i}.ffn_norm.weight"),
+        *((f"blocks.{{i}}.mlp.{w}.weight", f"layers.{{i}}.feed_forward.{w}.weight") for w in ("w1", "w2", "w3")),
+        ("norm.weight", "norm.weight"),
+        ("head.weight", "output.weight"),
+    ),
+)
 
 # Meta's consolidated Llama checkpoints: the native names, q/k/v separate (rows in Meta's RoPE order).
 META_LLAMA = NameTable("llama", _identity(*_SEPARATE_QKV, *_BLOCK, *_ENDS), rope_interleaved=True)
@@ -77,19 +110,21 @@ META_LLAMA = NameTable("llama", _identity(*_SEPARATE_QKV, *_BLOCK, *_ENDS), rope
 # Hugging Face InternLM2 (`InternLM2ForCausalLM`): InternEvo's names under `model.`, the head outside it.
 HF_INTERNLM2 = NameTable(
     "hf",
-    tuple((f"model.{name}", name) for name in (FUSED_WQKV, *_BLOCK, "tok_embeddings.weight", "norm.weight"))
+    tuple((f"model.{name}", name) for name in (*FUSED_WQKV, *_BLOCK, _WO_BIAS, "tok_embeddings.weight", "norm.weight"))
     + (("output.weight", "output.weight"),),
 )
 
-# Hugging Face Llama (`LlamaForCausalLM`), the architecture InternLM2's is.
+# Hugging Face Llama (`LlamaForCausalLM`), the architecture InternLM2's is; InternLM v1's HF port has the same
+# names (with the attention biases).
 HF_LLAMA = NameTable(
     "hf_llama",
     (
         ("model.embed_tokens.weight", "tok_embeddings.weight"),
-        ("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attention.wq.weight"),
-        ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.attention.wk.weight"),
-        ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.attention.wv.weight"),
-        ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attention.wo.weight"),
+        *(
+            (f"model.layers.{{i}}.self_attn.{hf}_proj.{kind}", f"layers.{{i}}.attention.{ours}.{kind}")
+            for hf, ours in (("q", "wq"), ("k", "wk"), ("v", "wv"), ("o", "wo"))
+            for kind in ("weight", "bias")
+        ),
         ("model.layers.{i}.input_layernorm.weight", "layers.{i}.attention_norm.weight"),
         ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.ffn_norm.weight"),
         ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.feed_forward.w1.weight"),

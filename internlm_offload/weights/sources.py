@@ -23,8 +23,21 @@ from internlm_offload.errors import CheckpointError
 from internlm_offload.log import get_logger
 from internlm_offload.weights import hf_folder, meta_llama
 from internlm_offload.weights.convert import Heads, to_format, to_native
-from internlm_offload.weights.internevo_files import check_layout, is_internevo_folder, read_internevo_files
-from internlm_offload.weights.names import INTERNEVO, META_LLAMA, NameTable, is_derived
+from internlm_offload.weights.internevo_files import (
+    check_layout,
+    file_names,
+    is_internevo_folder,
+    read_internevo_files,
+)
+from internlm_offload.weights.names import (
+    INTERNEVO,
+    INTERNEVO_UNFUSED,
+    INTERNLM1,
+    META_LLAMA,
+    NameTable,
+    bias_hint,
+    is_derived,
+)
 
 logger = get_logger(__name__)
 
@@ -80,8 +93,10 @@ def read_native_weights(
         expected.pop("output.weight", None)  # tied: the embeddings alone are saved (where a format allows)
     if source.kind == "hf":
         table = hf_folder.name_table(source.path, hf_folder.read_config(source.path))
+    elif source.kind == "internevo":
+        table = internevo_table(file_names(source.path))
     else:
-        table = INTERNEVO if source.kind == "internevo" else META_LLAMA
+        table = META_LLAMA
     shapes = {name: t.shape for name, t in to_format(expected, table, heads).items()}
     if source.kind == "internevo":
         foreign = read_internevo_files(source.path, shapes)
@@ -96,6 +111,16 @@ def read_native_weights(
     if model.tie_word_embeddings:
         native["output.weight"] = native["tok_embeddings.weight"]
     return native
+
+
+def internevo_table(names: list[str]) -> NameTable:
+    """The names of the InternEvo model that wrote files holding `names`: InternLM v1 (`blocks.*`), InternLM2
+    with a fused wqkv (the default), or with q, k, v apart (`enable_qkv_fusion=False`)."""
+    if any(name.startswith("blocks.") for name in names):
+        return INTERNLM1
+    if any(".attention.wq." in name for name in names):
+        return INTERNEVO_UNFUSED
+    return INTERNEVO
 
 
 def load_weights(model: nn.Module, source: WeightsSource, config: ModelConfig) -> None:
@@ -113,7 +138,7 @@ def _check_names_and_shapes(
         if is_derived(name):
             continue
         if name not in shapes:
-            raise CheckpointError(f"{folder}: {name!r} is not a {table.format} weight of this model")
+            raise CheckpointError(f"{folder}: {name!r} is not a {table.format} weight of this model{bias_hint(name)}")
         if tensor.shape != shapes[name]:
             raise CheckpointError(
                 f"{folder}: {name!r} has shape {tuple(tensor.shape)}; this model's is {tuple(shapes[name])}"

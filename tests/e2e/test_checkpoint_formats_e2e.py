@@ -36,9 +36,9 @@ def finetune_config(tmp_path: Path, path: Path, ckpt_type: str) -> Path:
     return config
 
 
-def native_model(path: Path | None = None, ckpt_type: str = "internevo") -> torch.nn.Module:
-    """The tiny native model (sdpa), with the weights of a foreign folder when given."""
-    raw = {"model": {**TINY_MODEL, "attn_impl": "sdpa"}}
+def native_model(path: Path | None = None, ckpt_type: str = "internevo", **model) -> torch.nn.Module:
+    """The tiny native model (sdpa, `model` settings on top), with the weights of a foreign folder when given."""
+    raw = {"model": {**TINY_MODEL, "attn_impl": "sdpa", **model}}
     if path is not None:
         raw["ckpt"] = {"load_ckpt_info": {"path": str(path), "ckpt_type": ckpt_type}}
     cfg = resolve_config(raw)
@@ -193,3 +193,54 @@ def test_bad_folders_and_outputs_are_one_line_exit_2(exported, tmp_path):
     assert sorted(p.name for p in exported["tp2"].iterdir()) == before
     assert_clean_error(export(exported["dcp"], tmp_path / "odd", "--internevo", "--tp", "3"), "into 3 equal pieces")
     assert not (tmp_path / "odd").exists() and not list(tmp_path.glob(".odd.*"))
+
+
+def test_internlm_v1_is_a_llama_with_attention_biases_and_loads_with_its_logits(tmp_path):
+    """A transformers Llama with `attention_bias=True` is InternLM v1's architecture: its HF folder, and InternEvo
+    v1 files written from it by hand (tp=2: each rank's Wqkv its own q, k, v rows), load with its logits and train."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(11)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=True,
+    )  # fmt: skip
+    reference = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)  # transformers zeroes them: make them count
+    reference.save_pretrained(tmp_path / "hf")
+    bias = {"attention_bias": True, "num_kv_attention_heads": 4}
+    assert_same_logits(reference, native_model(tmp_path / "hf", "hf_llama", **bias))
+    weights, v1 = reference.state_dict(), tmp_path / "internlm_v1"
+    v1.mkdir()
+    ranks: list[dict[str, torch.Tensor]] = [{}, {}]
+    whole = {"embedding.weight": ("model.embed_tokens.weight", 1), "head.weight": ("lm_head.weight", 0),
+             "norm.weight": ("model.norm.weight", None)}  # fmt: skip
+    for i in range(4):
+        hf = f"model.layers.{i}."
+        whole |= {
+            f"blocks.{i}.mixer.out_proj.weight": (f"{hf}self_attn.o_proj.weight", 1),
+            f"blocks.{i}.mixer.out_proj.bias": (f"{hf}self_attn.o_proj.bias", None),
+            f"blocks.{i}.norm1.weight": (f"{hf}input_layernorm.weight", None),
+            f"blocks.{i}.norm2.weight": (f"{hf}post_attention_layernorm.weight", None),
+            f"blocks.{i}.mlp.w1.weight": (f"{hf}mlp.gate_proj.weight", 0),
+            f"blocks.{i}.mlp.w3.weight": (f"{hf}mlp.up_proj.weight", 0),
+            f"blocks.{i}.mlp.w2.weight": (f"{hf}mlp.down_proj.weight", 1),
+        }
+        for kind in ("weight", "bias"):
+            q, k, v = (torch.chunk(weights[f"{hf}self_attn.{p}_proj.{kind}"], 2) for p in "qkv")
+            for rank in range(2):
+                ranks[rank][f"blocks.{i}.mixer.Wqkv.{kind}"] = torch.cat([q[rank], k[rank], v[rank]])
+    for name, (hf_name, dim) in whole.items():
+        tensor = weights[hf_name]
+        for rank, piece in enumerate([tensor] * 2 if dim is None else torch.chunk(tensor, 2, dim)):
+            ranks[rank][name] = piece.clone()
+    for rank, state in enumerate(ranks):
+        torch.save(state, v1 / f"model_tp{rank}_pp0.pt")
+    assert_same_logits(reference, native_model(v1, "internevo", **bias))
+    config_file = finetune_config(tmp_path, v1, "internevo")
+    config_file.write_text(config_file.read_text() + "model = dict(attention_bias=True, num_kv_attention_heads=4)\n")
+    train(tmp_path / "tuned", "data.total_steps=2", f"model.vocab_size={VOCAB}", config=config_file)
+    assert sorted(losses(tmp_path / "tuned")) == [1, 2]

@@ -181,3 +181,17 @@ def test_hf_weights_through_load_ckpt_info_load_into_the_native_model():
     raw["model"] = dict(type="hf_causal_lm", hf_path="/w/internlm3")
     with pytest.raises(ConfigError, match="ckpt_type='hf' loads into model.type='internlm2'; .* model.hf_path"):
         resolve_config(raw)
+
+
+@pytest.mark.parametrize(
+    "model_type, no_bias, bias",
+    [("INTERNLM", None, True), ("INTERNLM", True, False), ("INTERNLM2", None, False), ("INTERNLM2", False, True)],
+)
+def test_internevo_biases_and_swiglu_width_are_internevos(model_type, no_bias, bias):
+    """InternLM v1's attention has biases unless `no_bias`; InternEvo's SwiGLU width rounds to 256."""
+    model = {"num_layers": 2, "hidden_size": 96, "num_attention_heads": 4, "mlp_ratio": 8 / 3}
+    if no_bias is not None:
+        model["no_bias"] = no_bias
+    cfg = resolve_config({"model_type": model_type, "model": model})
+    assert cfg.model.attention_bias is bias and cfg.model.multiple_of == 256
+    assert resolve_config({"model_type": model_type, "model": {**model, "multiple_of": 64}}).model.multiple_of == 64

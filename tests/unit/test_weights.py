@@ -26,8 +26,8 @@ HEAD_DIM = HIDDEN // HEADS
 
 def run_config(path: Path | None = None, ckpt_type: str = "internevo", content=("model",), **model):
     raw = {
-        "model": dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                      num_kv_attention_heads=KV_HEADS, vocab_size=VOCAB, attn_impl="sdpa", **model),
+        "model": {**dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                         num_kv_attention_heads=KV_HEADS, vocab_size=VOCAB, attn_impl="sdpa"), **model},
     }  # fmt: skip
     if path is not None:
         raw["ckpt"] = {"load_ckpt_info": {"path": str(path), "ckpt_type": ckpt_type, "content": content}}
@@ -136,6 +136,61 @@ def test_internevo_layouts_load_bitwise(tmp_path, reference, layout):
             for t, piece in enumerate(split_for(stage, tp, dims)):
                 torch.save(piece, folder / f"model_tp{t}_pp{p}.pt")
     assert_bitwise(load(folder), reference)
+
+
+def test_internevo_files_with_q_k_v_apart_load_bitwise(tmp_path, reference):
+    """InternEvo's InternLM2 with `enable_qkv_fusion=False` (InternLM3's configs) saves the native names."""
+    for t, piece in enumerate(split_for(reference, 2, {**MTP_DIMS, "wq": 0, "wk": 0, "wv": 0})):
+        torch.save(piece, tmp_path / f"model_tp{t}_pp0.pt")
+    assert_bitwise(load(tmp_path), reference)
+
+
+def test_internlm_v1_files_load_bitwise_with_their_biases(tmp_path):
+    """InternLM v1 (`blocks.{i}.mixer.Wqkv` with bias, `out_proj`, `norm1/2`, `embedding`, `head`), tp=2 and
+    two pipeline stages: each tensor rank's Wqkv holds its own q rows, then k, then v."""
+    torch.manual_seed(5)
+    model = build_model(run_config(attention_bias=True, num_kv_attention_heads=HEADS).model, torch.device("cpu"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_()  # zero at init: make the biases count
+    reference = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    v1_names = {"attention_norm": "norm1", "ffn_norm": "norm2"}
+    ranks = [[{}, {}], [{}, {}]]  # [stage][tp rank]
+    for name, tensor in reference.items():
+        parts = name.split(".")
+        if name == "tok_embeddings.weight":
+            pieces, stage, v1 = torch.chunk(tensor, 2, 1), 0, "embedding.weight"
+        elif name == "output.weight":
+            pieces, stage, v1 = torch.chunk(tensor, 2, 0), 1, "head.weight"
+        elif name == "norm.weight":
+            pieces, stage, v1 = [tensor] * 2, 1, name
+        else:
+            block, module = int(parts[1]), parts[2]
+            stage, local = block // 2, f"blocks.{block % 2}"
+            if module in v1_names:
+                pieces, v1 = [tensor] * 2, f"{local}.{v1_names[module]}.weight"
+            elif module == "feed_forward":
+                pieces, v1 = torch.chunk(tensor, 2, 1 if parts[3] == "w2" else 0), f"{local}.mlp.{parts[3]}.weight"
+            elif parts[3] == "wo":
+                pieces = torch.chunk(tensor, 2, 1) if parts[4] == "weight" else [tensor] * 2  # row-parallel bias: whole
+                v1 = f"{local}.mixer.out_proj.{parts[4]}"
+            else:
+                continue  # wq, wk, wv: fused below
+        for rank in range(2):
+            ranks[stage][rank][v1] = pieces[rank].clone()
+    for block in range(LAYERS):
+        for kind in ("weight", "bias"):
+            q, k, v = (torch.chunk(reference[f"layers.{block}.attention.w{p}.{kind}"], 2, 0) for p in "qkv")
+            for rank in range(2):
+                fused = torch.cat([q[rank], k[rank], v[rank]])
+                ranks[block // 2][rank][f"blocks.{block % 2}.mixer.Wqkv.{kind}"] = fused
+    for stage in range(2):
+        for rank in range(2):
+            torch.save(ranks[stage][rank], tmp_path / f"model_tp{rank}_pp{stage}.pt")
+    assert_bitwise(load(tmp_path, attention_bias=True, num_kv_attention_heads=HEADS), reference)
+    with pytest.raises(CheckpointError, match=r"'blocks.0.mixer.out_proj.bias' .* model.attention_bias=True"):
+        load(tmp_path, num_kv_attention_heads=HEADS)
 
 
 def test_fused_wqkv_is_internevos_grouping(reference):

@@ -265,18 +265,19 @@ def build_loader(cfg: RunConfig, ctx: RunContext, tokenizer: Tokenizer | None) -
     data = cfg.data
     kwargs: dict[str, Any] = {"seq_len": data.seq_len}
     samples_per_micro_batch = data.micro_bsz
-    if data.type == "internevo":
-        kwargs.update(
-            micro_bsz=data.micro_bsz,
-            train_folder=data.train_folder,
-            pack_sample_into_one=data.pack_sample_into_one,
-            min_length=data.min_length,
-        )
+    if data.type in ("internevo", "chat"):
+        kwargs.update(micro_bsz=data.micro_bsz, pack_sample_into_one=data.pack_sample_into_one)
         samples_per_micro_batch = 1  # a sample is one pack: the whole micro-batch
+    if data.type == "internevo":
+        kwargs.update(train_folder=data.train_folder, min_length=data.min_length)
     else:
         kwargs["tokenizer"] = tokenizer
-    if data.type == "text":
+    if data.type in ("text", "chat"):
         kwargs["paths"] = data.paths
+    if data.type == "chat":
+        kwargs.update(
+            chat_template=data.chat_template, max_length=data.max_length, max_bad_fraction=data.max_bad_fraction
+        )
     dataset = build(DATASETS, data.type, "data.type", **kwargs)
     sampler = StepSampler(
         len(dataset),

@@ -117,10 +117,29 @@ class ModelConfig(Section):
 class DataConfig(Section):
     type: str = Field(
         "builtin",
-        description="Registered dataset: `builtin` (text shipped with Python), `text` (`paths`), or `internevo` "
-        "(InternEvo's tokenized `.bin`/`.bin.meta` folders; `builtin` becomes `internevo` when `train_folder` is set).",
+        description="Registered dataset: `builtin` (text shipped with Python), `text` (`paths`), `internevo` "
+        "(InternEvo's tokenized `.bin`/`.bin.meta` folders; `builtin` becomes `internevo` when `train_folder` is set), "
+        "or `chat` (XTuner's chat jsonl in `paths`, with the `tokenizer`'s chat template; docs/migrating.md).",
     )
-    paths: list[str] = Field([], description="`text` only: `.txt`/`.jsonl` files or folders of them.")
+    paths: list[str] = Field(
+        [], description="`text`: `.txt`/`.jsonl` files or folders of them; `chat`: `.jsonl` files or folders."
+    )
+    chat_template: Optional[str] = Field(
+        None,
+        description="`chat`: a Jinja chat template, or a `.jinja` file holding one; default: the tokenizer's own.",
+    )
+    max_length: Optional[int] = Field(
+        None,
+        ge=1,
+        description="`chat`: conversations are cut to this many tokens (XTuner's `max_length`); default `seq_len`.",
+    )
+    max_bad_fraction: float = Field(
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="`chat`: lines that hold no usable conversation (not JSON, unknown role, nothing to train) are "
+        "skipped and reported with file and line; more than this fraction of them stops the run (exit 2).",
+    )
     tokenizer: str = Field("byte", description="`byte` (259 tokens) or a local Hugging Face tokenizer folder.")
     seq_len: int = Field(128, ge=2, description="Tokens per sample.")
     micro_bsz: int = Field(2, ge=1, description="Samples per micro-batch, per rank.")
@@ -179,9 +198,11 @@ class DataConfig(Section):
     def _derive(self) -> "DataConfig":
         if self.train_folder is not None and self.type == "builtin":  # builtin = "no data given"
             self.type = "internevo"
-        if self.type == "internevo":
-            if self.train_folder is None:
-                raise ValueError("data.type='internevo' needs data.train_folder (a folder of .bin/.bin.meta files)")
+        if self.type == "chat" and not self.paths:
+            raise ValueError("data.type='chat' needs data.paths (.jsonl files or folders of XTuner chat data)")
+        if self.type == "internevo" and self.train_folder is None:
+            raise ValueError("data.type='internevo' needs data.train_folder (a folder of .bin/.bin.meta files)")
+        if self.type in ("internevo", "chat"):
             if self.pack_sample_into_one is None:
                 self.pack_sample_into_one = False
         else:
@@ -189,7 +210,7 @@ class DataConfig(Section):
                 raise ValueError(f"data.train_folder is read by data.type='internevo', not {self.type!r}")
             if self.pack_sample_into_one is False:
                 raise ValueError(
-                    f"data.pack_sample_into_one=False (documents kept apart) needs data.type='internevo'; "
+                    f"data.pack_sample_into_one=False (documents kept apart) needs data.type='internevo' or 'chat'; "
                     f"{self.type!r} packs documents into one stream"
                 )
             self.pack_sample_into_one = True

@@ -62,7 +62,8 @@ def _read_file(file: Path) -> list[str]:
 
 
 def _parse_jsonl(file: Path, text: str) -> list[str]:
-    """Return the "text" field of every non-blank line, naming file and line on a bad one."""
+    """Return the "text" (or XTuner's pretrain "content") field of every non-blank line, naming file and line
+    on a bad one."""
     documents = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -71,8 +72,9 @@ def _parse_jsonl(file: Path, text: str) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise DataError(f"data.paths: {file} line {lineno}: not valid JSON ({err.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise DataError(f'data.paths: {file} line {lineno}: expected an object with a string "text" field')
-        if record["text"]:
-            documents.append(record["text"])
+        document = record.get("text", record.get("content")) if isinstance(record, dict) else None
+        if not isinstance(document, str):
+            raise DataError(f'data.paths: {file} line {lineno}: expected an object with a string "text" or "content"')
+        if document:
+            documents.append(document)
     return documents

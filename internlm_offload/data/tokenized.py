@@ -17,8 +17,10 @@ same tokens as InternEvo's pack with the same index:
 import json
 import mmap
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -29,6 +31,19 @@ from internlm_offload.registry import DATASETS
 
 IGNORE_INDEX = -100
 SHUFFLE_SEED = 1024  # InternEvo's fixed per-file document shuffle
+
+
+class DocumentFile(Protocol):
+    """One file's documents, as the packer reads them: `lengths[i]` tokens each."""
+
+    path: Path
+    lengths: np.ndarray
+
+    def __len__(self) -> int: ...
+
+    def targets(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Document `index`: its token ids and, per token, whether it is a target (its loss counts)."""
+        ...
 
 
 @dataclass
@@ -61,6 +76,11 @@ class BinFile:
                 f"{int(self.lengths[index])}; the .meta belongs to another file, regenerate it"
             )
         return np.asarray(tokens, dtype=np.int64)
+
+    def targets(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """InternEvo's signs: a token id <= 0 is the id's absolute value, and not a target."""
+        tokens = self.document(index)
+        return np.abs(tokens), tokens > 0
 
     def _view(self) -> mmap.mmap:
         if self._mmap is None:
@@ -123,7 +143,7 @@ class _Chunk:
 class _FilePacks:
     """The packs of one file: its documents in InternEvo's shuffled order, cut every `pack_len` tokens."""
 
-    def __init__(self, file: BinFile, pack_len: int) -> None:
+    def __init__(self, file: DocumentFile, pack_len: int) -> None:
         self.file = file
         self.pack_len = pack_len
         order = np.arange(len(file))
@@ -148,16 +168,17 @@ class _FilePacks:
 
 
 class InternEvoPackedDataset:
-    """InternEvo's training packs over a folder of `.bin` files; sample i is one micro-batch."""
+    """InternEvo's training packs over files of documents (`.bin` files, or tokenized chat); sample i is one
+    micro-batch. `source` names the documents in errors (`data.train_folder: <folder> holds ...`)."""
 
     def __init__(
         self,
-        folder: str,
+        files: Sequence[DocumentFile],
         *,
         seq_len: int,
         micro_bsz: int,
         pack_sample_into_one: bool,
-        min_length: int,
+        source: str,
         vocab_size: int | None = None,
     ) -> None:
         self.seq_len = seq_len
@@ -165,14 +186,12 @@ class InternEvoPackedDataset:
         self.pack_len = seq_len * micro_bsz
         self.keep_documents_apart = not pack_sample_into_one
         self.vocab_size = vocab_size
-        files = [open_bin_file(path, min_length) for path in find_bin_files(folder, "data.train_folder")]
         self.files = [packs for packs in (_FilePacks(f, self.pack_len) for f in files) if packs.num_packs > 0]
         self._starts = np.cumsum([0] + [p.num_packs for p in self.files])
         if not self.files:
             tokens = sum(int(f.lengths.sum()) for f in files)
             raise DataError(
-                f"data.train_folder: {folder} holds {tokens} tokens in documents of >= data.min_length={min_length} "
-                f"tokens, fewer than one pack of seq_len * micro_bsz = {self.pack_len}"
+                f"{source} holds {tokens} tokens, fewer than one pack of seq_len * micro_bsz = {self.pack_len}"
             )
 
     @property
@@ -191,7 +210,7 @@ class InternEvoPackedDataset:
         packs = self.files[f]
         tokens, labels, positions = self._build(packs, index - int(self._starts[f]))
         self._check_vocab(tokens, packs.file.path)
-        inputs, labels = torch.from_numpy(np.abs(tokens)), torch.from_numpy(labels)
+        inputs, labels = torch.from_numpy(tokens), torch.from_numpy(labels)
         if self.keep_documents_apart:
             return inputs[None], labels[None], torch.from_numpy(positions)[None]
         return inputs.view(self.micro_bsz, self.seq_len), labels.view(self.micro_bsz, self.seq_len)
@@ -200,26 +219,26 @@ class InternEvoPackedDataset:
         """Tokens, labels and positions of one pack, from its document chunks."""
         tokens, labels, positions = [], [], []
         for chunk in packs.chunks(pack):
-            doc = packs.file.document(chunk.doc)
-            piece = doc[chunk.start : chunk.end]
-            # The label of a chunk's last token: the document's next token when the document goes on into
-            # the next pack (kept apart: InternEvo's cut packing), else nothing to predict.
-            goes_on = chunk.end < len(doc) and self.keep_documents_apart
-            tail = doc[chunk.end : chunk.end + 1] if goes_on else np.array([IGNORE_INDEX])
-            tokens.append(piece)
-            labels.append(np.concatenate([piece[1:], tail]))
-            positions.append(_piece_positions(len(piece), self.seq_len))
-        label = np.concatenate(labels)
-        label[label <= 0] = IGNORE_INDEX  # InternEvo: non-positive ids carry no loss
-        return np.concatenate(tokens), label, np.concatenate(positions)
+            ids, is_target = packs.file.targets(chunk.doc)
+            # Token i's label is token i+1 where that one is a target. The label of a chunk's last token: the
+            # document's next token when the document goes on into the next pack (kept apart: InternEvo's
+            # cut packing), else nothing to predict.
+            goes_on = chunk.end < len(ids) and self.keep_documents_apart
+            stop = chunk.end + 1 if goes_on else chunk.end
+            following = np.where(is_target[chunk.start + 1 : stop], ids[chunk.start + 1 : stop], IGNORE_INDEX)
+            padding = [] if goes_on else [IGNORE_INDEX]
+            tokens.append(ids[chunk.start : chunk.end])
+            labels.append(np.concatenate([following, np.array(padding, dtype=np.int64)]))
+            positions.append(_piece_positions(chunk.end - chunk.start, self.seq_len))
+        return np.concatenate(tokens), np.concatenate(labels), np.concatenate(positions)
 
     def _check_vocab(self, tokens: np.ndarray, path: Path) -> None:
         if self.vocab_size is None:
             return
-        largest = int(np.abs(tokens).max())
+        largest = int(tokens.max())
         if largest >= self.vocab_size:
             raise DataError(
-                f"data.train_folder: {path} has token id {largest}, but model.vocab_size={self.vocab_size}; "
+                f"{path} has token id {largest}, but model.vocab_size={self.vocab_size}; "
                 "the data was tokenized for a larger vocabulary"
             )
 
@@ -239,12 +258,13 @@ def build_internevo_dataset(
     vocab_size: int | None = None,
 ) -> InternEvoPackedDataset:
     """Build InternEvo's training packs over `train_folder`."""
+    files = [open_bin_file(path, min_length) for path in find_bin_files(train_folder, "data.train_folder")]
     return InternEvoPackedDataset(
-        train_folder,
+        files,
         seq_len=seq_len,
         micro_bsz=micro_bsz,
         pack_sample_into_one=pack_sample_into_one,
-        min_length=min_length,
+        source=f"data.train_folder: {train_folder} (documents of >= data.min_length={min_length} tokens)",
         vocab_size=vocab_size,
     )
 

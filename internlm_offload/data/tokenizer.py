@@ -50,6 +50,11 @@ class HFTokenizer:
         self.vocab_size: int = len(self._tok)
         self.eos_id: int = _first_not_none(self._tok.eos_token_id, self._tok.sep_token_id, 0)
 
+    @property
+    def backend(self) -> Any:
+        """The transformers tokenizer itself (chat templates, offset mappings)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         """Return the token ids of `text`, without special tokens."""
         return list(self._tok.encode(text, add_special_tokens=False))

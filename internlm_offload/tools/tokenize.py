@@ -1,19 +1,27 @@
 """Tokenize .txt/.jsonl documents into InternEvo's `.bin` + `.bin.meta` format (what `data.train_folder` reads).
 
     python -m internlm_offload.tools.tokenize INPUT [INPUT ...] OUT_DIR [--tokenizer byte|HF_DIR] [--no-eos]
+    python -m internlm_offload.tools.tokenize CHAT.jsonl [...] OUT_DIR --tokenizer HF_DIR --chat
+        [--chat-template FILE] [--max-length N] [--max-bad-fraction F]
 
 INPUT files and folders are read as `data.paths` reads them (a .txt file is one document, a .jsonl line
-with a "text" field is one). Each input file becomes `OUT_DIR/<name>.bin` with its `.bin.meta`; every
-document gets the tokenizer's eos appended unless `--no-eos`. Exit codes: 0 written, 2 bad input.
+with a "text" or "content" field is one). Each input file becomes `OUT_DIR/<name>.bin` with its `.bin.meta`;
+every document gets the tokenizer's eos appended unless `--no-eos`. With `--chat` the lines are XTuner's
+conversations, tokenized and masked as `data.type="chat"` does (`data/chat.py`); tokens that are not targets
+are written negative, InternEvo's "no loss" mark, so `data.train_folder` trains on the same labels (as in
+InternEvo, token id 0 is never a target). Exit codes: 0 written, 2 bad input.
 """
 
 import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from internlm_offload.data.chat import ChatEncoder, load_chat_template, read_chat_files
 from internlm_offload.data.corpus import DataError, read_documents
 from internlm_offload.data.tokenized import write_bin_file
-from internlm_offload.data.tokenizer import build_tokenizer
+from internlm_offload.data.tokenizer import HFTokenizer, build_tokenizer
 
 
 def tokenize_files(inputs: list[str], out_dir: Path, tokenizer_name: str, add_eos: bool) -> list[Path]:
@@ -31,6 +39,28 @@ def tokenize_files(inputs: list[str], out_dir: Path, tokenizer_name: str, add_eo
     return written
 
 
+def tokenize_chat_files(
+    inputs: list[str],
+    out_dir: Path,
+    tokenizer_name: str,
+    template: str | None,
+    max_length: int,
+    max_bad_fraction: float,
+) -> list[Path]:
+    """Write one .bin/.bin.meta pair per chat jsonl file, non-targets negative; returns the .bin paths."""
+    tokenizer = build_tokenizer(tokenizer_name)
+    if not isinstance(tokenizer, HFTokenizer):
+        raise DataError("--chat needs --tokenizer, a local Hugging Face tokenizer folder (its chat template)")
+    encoder = ChatEncoder(tokenizer.backend, load_chat_template(template), max_length)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for chat in read_chat_files(inputs, encoder, max_bad_fraction):
+        target = out_dir / f"{chat.path.stem}.bin"
+        write_bin_file(target, [np.where(is_target, ids, -ids) for ids, is_target in zip(chat.ids, chat.is_target)])
+        written.append(target)
+    return written
+
+
 def _files(path: Path) -> list[Path]:
     if path.is_dir():
         return sorted(p for p in path.iterdir() if p.suffix in (".txt", ".jsonl"))
@@ -43,12 +73,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path, help="folder for the .bin/.bin.meta files")
     parser.add_argument("--tokenizer", default="byte", help="'byte' or a local Hugging Face tokenizer folder")
     parser.add_argument("--no-eos", action="store_true", help="do not append eos to each document")
+    parser.add_argument("--chat", action="store_true", help="the inputs are XTuner chat jsonl (data.type='chat')")
+    parser.add_argument("--chat-template", help="--chat: a .jinja file or template (default: the tokenizer's)")
+    parser.add_argument("--max-length", type=int, default=4096, help="--chat: tokens kept per conversation")
+    parser.add_argument("--max-bad-fraction", type=float, default=0.01, help="--chat: bad lines tolerated")
     args = parser.parse_args(argv)
     if args.out_dir.exists() and not args.out_dir.is_dir():
         print(f"error: OUT_DIR {args.out_dir} is a file", file=sys.stderr)
         return 2
     try:
-        written = tokenize_files(args.inputs, args.out_dir, args.tokenizer, add_eos=not args.no_eos)
+        if args.chat:
+            written = tokenize_chat_files(
+                args.inputs, args.out_dir, args.tokenizer, args.chat_template, args.max_length, args.max_bad_fraction
+            )
+        else:
+            written = tokenize_files(args.inputs, args.out_dir, args.tokenizer, add_eos=not args.no_eos)
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

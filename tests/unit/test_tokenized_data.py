@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from internlm_offload.data import DataError, InternEvoPackedDataset
+from internlm_offload.data import DataError, build_internevo_dataset
 from internlm_offload.data.tokenized import IGNORE_INDEX, SHUFFLE_SEED, find_bin_files, open_bin_file, write_bin_file
 from internlm_offload.data.validation import find_validation_sets
 from internlm_offload.model.internlm2 import InternLM2
@@ -77,11 +77,15 @@ def test_broken_files_name_the_file_and_the_problem(tmp_path: Path, damage: str,
 
 def test_an_empty_folder_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="data.train_folder: no .bin files under"):
-        InternEvoPackedDataset(str(tmp_path), seq_len=8, micro_bsz=2, pack_sample_into_one=False, min_length=0)
+        build_internevo_dataset(
+            train_folder=str(tmp_path), seq_len=8, micro_bsz=2, pack_sample_into_one=False, min_length=0
+        )
 
 
 def test_token_ids_beyond_the_vocabulary_are_a_clear_error(folder: Path) -> None:
-    ds = InternEvoPackedDataset(str(folder), seq_len=8, micro_bsz=2, pack_sample_into_one=False, min_length=0)
+    ds = build_internevo_dataset(
+        train_folder=str(folder), seq_len=8, micro_bsz=2, pack_sample_into_one=False, min_length=0
+    )
     ds.vocab_size = 50
     with pytest.raises(DataError, match="model.vocab_size=50"):
         [ds[i] for i in range(len(ds))]
@@ -120,8 +124,8 @@ def test_packs_hold_internevos_tokens_labels_and_positions(tmp_path: Path, apart
     docs = _documents(3, 40, lo=2, hi=30)
     write_bin_file(tmp_path / "a.bin", docs)
     seq_len, micro_bsz = 8, 3
-    ds = InternEvoPackedDataset(
-        str(tmp_path), seq_len=seq_len, micro_bsz=micro_bsz, pack_sample_into_one=not apart, min_length=0
+    ds = build_internevo_dataset(
+        train_folder=str(tmp_path), seq_len=seq_len, micro_bsz=micro_bsz, pack_sample_into_one=not apart, min_length=0
     )
     assert len(ds) == sum(map(len, docs)) // (seq_len * micro_bsz)
     for pack in range(len(ds)):
@@ -137,7 +141,9 @@ def test_packs_hold_internevos_tokens_labels_and_positions(tmp_path: Path, apart
 
 
 def test_packs_do_not_cross_files_and_each_file_drops_its_tail(folder: Path) -> None:
-    ds = InternEvoPackedDataset(str(folder), seq_len=8, micro_bsz=2, pack_sample_into_one=False, min_length=0)
+    ds = build_internevo_dataset(
+        train_folder=str(folder), seq_len=8, micro_bsz=2, pack_sample_into_one=False, min_length=0
+    )
     per_file = [sum(map(len, _documents(s, n))) // 16 for s, n in ((0, 30), (1, 25))]
     assert len(ds) == sum(per_file)
     first_of_b = ds[per_file[0]][0].flatten().tolist()

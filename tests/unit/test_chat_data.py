@@ -1,0 +1,115 @@
+"""XTuner's chat data: labels only on the trained messages' tokens, checked against arrays written out by
+hand for a tokenizer built here (word-level, ChatML template; no download)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from chat_fixtures import TWO_TURN_IDS, TWO_TURN_LABELS, TWO_TURNS, X, save_chatml_tokenizer
+
+from internlm_offload.data import DataError, build_chat_dataset, build_internevo_dataset
+from internlm_offload.data.chat import BadLine, ChatEncoder, parse_conversation
+from internlm_offload.data.tokenizer import HFTokenizer
+from internlm_offload.tools.tokenize import main as tokenize_main
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_chatml_tokenizer(tmp_path_factory.mktemp("tok") / "chatml")
+
+
+@pytest.fixture(scope="module")
+def encoder(tokenizer_dir: Path) -> ChatEncoder:
+    return ChatEncoder(HFTokenizer(str(tokenizer_dir)).backend, None, max_length=64)
+
+
+def labels_of(encoder: ChatEncoder, record) -> tuple[list[int], list[int]]:
+    ids, is_target = encoder.encode(parse_conversation(json.dumps(record)))
+    labels = [int(ids[i + 1]) if is_target[i + 1] else X for i in range(len(ids) - 1)] + [X]
+    return ids.tolist(), labels
+
+
+@pytest.mark.parametrize("form", ["list", "messages", "dialogs"])
+def test_two_turns_train_only_the_assistant_tokens(encoder, form):
+    record = {"list": TWO_TURNS, "messages": {"messages": TWO_TURNS}, "dialogs": {"dialogs": TWO_TURNS}}[form]
+    assert labels_of(encoder, record) == (TWO_TURN_IDS, TWO_TURN_LABELS)
+
+
+def test_per_message_loss_flags_override_the_role_defaults(encoder):
+    turns = [dict(TWO_TURNS[0]), {**TWO_TURNS[1], "loss": False}, {**TWO_TURNS[2], "loss": True}, TWO_TURNS[3]]
+    # the first reply is not trained; the second question is, with its header and <|im_end|>
+    expected = [X] * 8 + [1, 4, 10, 11, 12, 2] + [X, X, 13, 14, 2, X]
+    assert labels_of(encoder, turns) == (TWO_TURN_IDS, expected)
+
+
+def test_a_system_message_is_context_and_pretrain_lines_train_every_token_with_eos(encoder):
+    system = [{"role": "system", "content": "be brief"}, *TWO_TURNS[:2]]
+    ids, labels = labels_of(encoder, system)
+    assert ids == [1, 6, 15, 16, 2, *TWO_TURN_IDS[:9]] and labels == [X] * 10 + [8, 9, 2, X]
+    for line in ({"content": "hello there"}, {"messages": [{"role": "pretrain", "content": "hello there"}]}):
+        assert labels_of(encoder, line) == ([7, 9, 3], [9, 3, X])
+
+
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("{not json", "not JSON"),
+        ("[]", "empty conversation"),
+        ('[{"role": "robot", "content": "hi"}]', "message 0 has role 'robot'"),
+        ('[{"role": "user", "content": "hi"}]', "nothing to train"),
+        ('{"text": "hi"}', 'expected a list of messages, or an object with "messages"'),
+        ('[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "loss": "yes"}]', "true or false"),
+        ('[{"role": "user", "content": [{"type": "image_url"}]}, {"role": "assistant", "content": "x"}]', "only text"),
+    ],
+)
+def test_a_bad_line_says_why(line, reason):
+    with pytest.raises(BadLine, match=reason):
+        parse_conversation(line)
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def chat_dataset(tokenizer_dir: Path, paths, **kwargs):
+    tok = HFTokenizer(str(tokenizer_dir))
+    options = dict(seq_len=10, micro_bsz=2, tokenizer=tok, paths=[str(p) for p in paths], max_length=20)
+    return build_chat_dataset(**{**options, **kwargs})
+
+
+def test_a_pack_keeps_conversations_apart_with_their_labels(tmp_path, tokenizer_dir):
+    data = write_jsonl(tmp_path / "sft.jsonl", [TWO_TURNS])
+    (tokens, labels, positions) = chat_dataset(tokenizer_dir, [data])[0]
+    assert tokens.flatten().tolist() == TWO_TURN_IDS and labels.flatten().tolist() == TWO_TURN_LABELS
+    assert positions.flatten().tolist() == list(range(10)) * 2  # restart every seq_len, as InternEvo's packs
+
+
+def test_bad_lines_are_counted_and_stop_the_run_above_the_fraction(tmp_path, tokenizer_dir, caplog):
+    data = write_jsonl(tmp_path / "sft.jsonl", [TWO_TURNS, "{oops", [], TWO_TURNS])
+    with pytest.raises(
+        DataError, match=r"2 of 4 lines .* are bad \(first: .*sft.jsonl line 2: not JSON.*max_bad_fraction=0.01"
+    ):
+        chat_dataset(tokenizer_dir, [data])
+    dataset = chat_dataset(tokenizer_dir, [data], max_bad_fraction=0.5)
+    assert len(dataset) == 2 and "sft.jsonl line 3: empty conversation" in caplog.text
+    with pytest.raises(DataError, match="needs data.tokenizer, a local Hugging Face tokenizer folder"):
+        build_chat_dataset(seq_len=10, micro_bsz=2, tokenizer=object(), paths=[str(data)])
+
+
+def test_tokenized_chat_bin_files_give_the_jsonl_paths_labels_pack_by_pack(tmp_path, tokenizer_dir):
+    """tools/tokenize --chat writes non-targets negative; data.train_folder then trains on the same labels."""
+    lines = [TWO_TURNS, [{**m, "loss": m["role"] == "user"} for m in TWO_TURNS], {"content": "hello there"}] * 5
+    data = write_jsonl(tmp_path / "sft.jsonl", lines)
+    out = tmp_path / "bin"
+    args = [str(data), str(out), "--tokenizer", str(tokenizer_dir), "--chat", "--max-length", "20"]
+    assert tokenize_main(args) == 0
+    from_jsonl = chat_dataset(tokenizer_dir, [data], seq_len=8, micro_bsz=3)
+    from_bin = build_internevo_dataset(
+        seq_len=8, micro_bsz=3, train_folder=str(out), pack_sample_into_one=False, min_length=0
+    )
+    assert len(from_jsonl) == len(from_bin) > 3
+    for pack in range(len(from_bin)):
+        assert all(torch.equal(a, b) for a, b in zip(from_jsonl[pack], from_bin[pack])), pack

@@ -411,6 +411,7 @@ def build_components(
         warmup_ratio=cfg.lr_scheduler.warmup_ratio,
         total_steps=cfg.lr_scheduler.total_steps,
         eta_min=cfg.lr_scheduler.eta_min,
+        decay=cfg.lr_scheduler.type,
     )
     return Components(model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers)
 

@@ -243,8 +243,12 @@ class AdamConfig(Section):
 
 
 class LrSchedulerConfig(Section):
+    type: Literal["cosine", "linear", "constant"] = Field(
+        "cosine",
+        description="Decay after the warmup: `cosine` (InternEvo's), `linear` or `constant` (XTuner's `lr_type`).",
+    )
     warmup_ratio: float = Field(0.05, ge=0, le=1, description="Linear warmup over this fraction of the steps.")
-    eta_min: float = Field(1e-5, ge=0, description="Final learning rate of the cosine decay.")
+    eta_min: float = Field(1e-5, ge=0, description="Final learning rate of the decay (`cosine`, `linear`).")
     total_steps: Optional[int] = Field(None, ge=1, description="Schedule length; default: `data.total_steps`.")
 
 

@@ -3,7 +3,7 @@
 from internlm_offload.optim.adamw import AdamW, param_groups
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer
 from internlm_offload.optim.interface import OffloadOptimizer
-from internlm_offload.optim.lr_scheduler import WarmupCosine, build_lr_scheduler
+from internlm_offload.optim.lr_scheduler import WarmupDecay, build_lr_scheduler
 from internlm_offload.optim.swap import SwapAdamW
 
 __all__ = [
@@ -13,5 +13,5 @@ __all__ = [
     "HybridDeviceOptimizer",
     "OffloadOptimizer",
     "SwapAdamW",
-    "WarmupCosine",
+    "WarmupDecay",
 ]

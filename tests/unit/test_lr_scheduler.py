@@ -1,4 +1,4 @@
-"""Unit tests for the warmup + cosine learning-rate schedule and its state_dict round trip."""
+"""Unit tests for the learning-rate schedules (warmup, then cosine, linear or constant) and their state_dict round trip."""
 
 import math
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from internlm_offload.optim import WarmupCosine, build_lr_scheduler
+from internlm_offload.optim import WarmupDecay, build_lr_scheduler
 
 BASE_LR = 1e-3
 ETA_MIN = 1e-5
@@ -70,7 +70,7 @@ def test_eta_min_zero_reaches_zero() -> None:
 
 
 def test_schedule_is_a_saveable_object() -> None:
-    schedule = WarmupCosine(base_lr=2.0, warmup_steps=4, total_steps=20, eta_min=0.5)
+    schedule = WarmupDecay(base_lr=2.0, warmup_steps=4, total_steps=20, eta_min=0.5)
     assert (schedule.warmup_steps, schedule.total_steps, schedule.min_ratio) == (4, 20, 0.25)
     assert schedule(0) == 0.25 and schedule(4) == 1.0 and schedule(20) == pytest.approx(0.25)
 
@@ -90,3 +90,18 @@ def test_state_dict_round_trip_continues_identically(tmp_path: Path) -> None:
     sched2.load_state_dict(state["scheduler"])
 
     assert lrs(opt2, sched2, steps=50) == lrs(opt, sched, steps=50)
+
+
+def test_linear_and_constant_decays_after_the_warmup() -> None:
+    """XTuner's `lr_type`: after a 10-step warmup, linear falls on a straight line to eta_min; constant stays."""
+    for decay, at_20, at_30, at_50 in (
+        ("linear", BASE_LR - 0.25 * (BASE_LR - ETA_MIN), (BASE_LR + ETA_MIN) / 2, ETA_MIN),
+        ("constant", BASE_LR, BASE_LR, BASE_LR),
+    ):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=BASE_LR)
+        sched = build_lr_scheduler(opt, base_lr=BASE_LR, warmup_ratio=0.2, total_steps=50, eta_min=ETA_MIN, decay=decay)
+        values = lrs(opt, sched, steps=50)
+        assert values[4] == pytest.approx(BASE_LR * 5 / 10, rel=1e-12)
+        assert [values[20], values[30], values[50]] == pytest.approx([at_20, at_30, at_50], rel=1e-12), decay
+    with pytest.raises(ValueError, match="lr_scheduler.type='step'"):
+        WarmupDecay(base_lr=1.0, warmup_steps=0, total_steps=2, eta_min=0.0, decay="step")

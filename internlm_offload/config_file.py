@@ -61,6 +61,12 @@ def _reject_imports(path: Path) -> None:
         tree = ast.parse(path.read_bytes(), filename=str(path))
     except SyntaxError as exc:  # also raised for a file that is not valid UTF-8
         raise ConfigError(f"--config {path}: syntax error at line {exc.lineno}: {exc.msg}") from exc
+    xtuner = next((node for node in ast.walk(tree) if _imports_xtuner(node)), None)
+    if xtuner is not None:
+        raise ConfigError(
+            f"{path} is an XTuner config (line {xtuner.lineno} imports xtuner): translate it with "
+            f"`python -m internlm_offload.tools.from_xtuner {path} --out new_config.py` and train that"
+        )
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             raise ConfigError(
@@ -71,6 +77,12 @@ def _reject_imports(path: Path) -> None:
         if not base.is_file():
             raise ConfigError(f"{path}: _base_ file not found: {base}")
         _reject_imports(base)
+
+
+def _imports_xtuner(node: ast.AST) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        return (node.module or "").split(".")[0] == "xtuner"
+    return isinstance(node, ast.Import) and any(alias.name.split(".")[0] == "xtuner" for alias in node.names)
 
 
 def _base_files(tree: ast.Module, path: Path) -> list[Path]:

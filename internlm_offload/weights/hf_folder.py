@@ -65,6 +65,32 @@ def llama_values(model: ModelConfig) -> dict[str, Any]:
     }
 
 
+def native_model_values(hf: dict[str, Any]) -> dict[str, Any] | None:
+    """The `model.*` settings of the native model a config.json describes; None when its architecture is not
+    the native one (another model_type, MLP biases, scaled RoPE, ...)."""
+    if hf.get("model_type") not in TABLES or _unsupported(hf):
+        return None
+    hidden, intermediate = hf["hidden_size"], hf["intermediate_size"]
+    ratio = intermediate / hidden
+    # the largest rounding that gives the folder's width back from hidden_size * mlp_ratio (any width: itself)
+    multiple_of = next(
+        m for m in (256, 128, 64, 32, 16, 8, 1, intermediate) if intermediate_size(hidden, ratio, m) == intermediate
+    )
+    return {
+        "num_layers": hf["num_hidden_layers"],
+        "hidden_size": hidden,
+        "num_attention_heads": hf["num_attention_heads"],
+        "num_kv_attention_heads": _hf_value(hf, "num_key_value_heads"),
+        "vocab_size": hf["vocab_size"],
+        "mlp_ratio": ratio,
+        "multiple_of": multiple_of,
+        "norm_eps": _hf_value(hf, "rms_norm_eps"),
+        "rope_base": float(_hf_value(hf, "rope_theta")),
+        "tie_word_embeddings": bool(_hf_value(hf, "tie_word_embeddings")),
+        "attention_bias": bool(_hf_value(hf, "attention_bias")),
+    }
+
+
 def read_config(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG
     if not path.is_file():

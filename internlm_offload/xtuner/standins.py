@@ -1,0 +1,134 @@
+"""Run an XTuner v1 config file and return its `trainer`, with recorders standing in for `xtuner` imports.
+
+An XTuner v1 config is Python: it imports config classes from `xtuner.v1` (`TrainerConfig`, `AdamWConfig`,
+`FSDPConfig`, ...), calls them with keywords, may mutate their attributes and read environment variables,
+and leaves one global, `trainer`. Without XTuner installed, every name imported from `xtuner` here is a
+`StandIn`: calling it gives a `Recorded` that keeps the class name and keywords, reads them back as
+attributes and records attribute writes. With a real XTuner importable, it is used and its objects are read
+the same way (`field`). The stand-ins live only while the file runs: `sys.modules` is restored after.
+"""
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import runpy
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = "xtuner"
+
+
+class Recorded:
+    """A call of an `xtuner` name: `name`, positional `args`, keywords (read back as attributes)."""
+
+    def __init__(self, name: str, args: tuple, kwargs: dict[str, Any]) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "args", args)
+        object.__setattr__(self, "kwargs", dict(kwargs))
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        # an attribute never given: a nested config the file may go on to mutate (`model_cfg.text_config.x = 1`)
+        return self.kwargs.setdefault(attr, Recorded(f"{self.name}.{attr}", (), {}))
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        self.kwargs[attr] = value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "Recorded":
+        return Recorded(f"{self.name}()", args, kwargs)
+
+    def __repr__(self) -> str:
+        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        return f"{self.name}({', '.join(parts)})"
+
+
+class StandIn:
+    """An `xtuner` class or function: calling it records the call."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Recorded:
+        return Recorded(self.name, args, kwargs)
+
+    def __getattr__(self, attr: str) -> "StandIn":  # classmethods such as `Config.from_hf(...)`
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return StandIn(f"{self.name}.{attr}")
+
+
+def field(obj: Any, name: str, default: Any = None) -> Any:
+    """A config object's field: a recorded keyword, or a real XTuner object's attribute; `default` if unset."""
+    if isinstance(obj, Recorded):
+        value = obj.kwargs.get(name, default)
+        return default if isinstance(value, Recorded) and not value.kwargs and not value.args else value
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def kind(obj: Any) -> str:
+    """The XTuner class name of a config object (`AdamWConfig`, ...)."""
+    return obj.name if isinstance(obj, Recorded) else type(obj).__name__
+
+
+class _StandInModule(types.ModuleType):
+    def __getattr__(self, name: str) -> StandIn:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return StandIn(name)
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds `xtuner` and every `xtuner.*` as an empty package whose names are stand-ins."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname == ROOT or fullname.startswith(ROOT + "."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _StandInModule(spec.name)
+        module.__path__ = []  # a package: submodules import through this finder too
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def real_xtuner_available() -> bool:
+    try:
+        return importlib.util.find_spec("xtuner.v1") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _stand_ins() -> Iterator[None]:
+    saved = {name: module for name, module in sys.modules.items() if name == ROOT or name.startswith(ROOT + ".")}
+    for name in saved:
+        del sys.modules[name]
+    finder = _StandInFinder()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n == ROOT or n.startswith(ROOT + ".")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def load_trainer(path: Path) -> Any:
+    """Run the XTuner config at `path` and return its `trainer` (a `Recorded`, or XTuner's own object)."""
+    context = contextlib.nullcontext() if real_xtuner_available() else _stand_ins()
+    with context:
+        names = runpy.run_path(str(path), run_name="__xtuner_config__")
+    if "trainer" not in names:
+        raise ValueError(f"{path}: no `trainer = TrainerConfig(...)` global (an XTuner v1 config defines one)")
+    return names["trainer"]

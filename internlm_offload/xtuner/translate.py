@@ -1,0 +1,287 @@
+"""An XTuner v1 `TrainerConfig` mapped onto this trainer's config schema, with a report of what did not carry.
+
+Every field of the trainer has one of three fates, as in `internevo.py`: carried (same meaning under this
+trainer's key), dropped (no counterpart here; the report says why and what changes), or fatal (the run would
+not be the same training: another optimizer, no data, no steps, a model only XTuner can build); any fatal
+problem makes the translation fail. XTuner's defaults (`xtuner/v1/config/*.py`) fill what a config leaves out.
+The model comes from `load_from`'s Hugging Face folder: InternLM2, InternLM and Llama folders load into the
+native model, anything else trains as `hf_causal_lm`.
+"""
+
+import math
+import os
+from dataclasses import dataclass, field as dataclass_field
+from pathlib import Path
+from typing import Any
+
+from internlm_offload.weights.hf_folder import native_model_values, read_config
+from internlm_offload.xtuner.standins import Recorded, field, kind
+
+# XTuner v1's defaults for the fields read here (xtuner/v1/config/optim.py, fsdp.py, loss; datasets/config.py).
+ADAMW_DEFAULTS = {"lr": 1e-5, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01, "max_grad_norm": 1.0}
+LR_DEFAULTS = {"lr_type": "constant", "warmup_ratio": 0.03, "lr_min": 1e-6}
+FSDP_DEFAULTS = {"recompute_ratio": 1.0, "cpu_offload": False, "tp_size": 1, "ep_size": 1}
+PACK_MAX_LENGTH = 32768
+ACTIVATION_OFFLOAD_ENV = "XTUNER_ACTIVATION_OFFLOAD"
+
+# TrainerConfig fields that change nothing about what is trained, and why they are not carried.
+NOT_CARRIED = {
+    "hf_interval": "export Hugging Face folders with `python -m internlm_offload.tools.export CKPT OUT --hf`",
+    "hf_max_keep": "see hf_interval",
+    "profile_step": "no profiler hook here",
+    "profile_time": "no profiler hook here",
+    "profile_memory": "metrics.jsonl has the memory of every step",
+    "intra_layer_micro_batch": "no intra-layer micro-batching here",
+    "hooks_config": "XTuner's hooks do not run here",
+    "grad_norm_dtype": "the gradient norm is computed in fp32 here",
+    "exp_tracker": "metrics.jsonl and TensorBoard (monitor.tensorboard) instead",
+    "log_dir": "logs go to --work-dir",
+    "resume_cfg": "resume with --resume or ckpt.auto_resume",
+    "load_checkpoint_cfg": "resume with --resume or ckpt.auto_resume",
+    "strict_load": "weights load strictly here",
+    "sp_size": "sequence parallel is not built yet: each rank holds whole sequences",
+}
+
+
+@dataclass
+class Translation:
+    """This trainer's config, and the report: carried fields, dropped ones with why, fatal problems."""
+
+    config: dict[str, Any] = dataclass_field(default_factory=dict)
+    carried: list[str] = dataclass_field(default_factory=list)
+    dropped: list[str] = dataclass_field(default_factory=list)
+    fatal: list[str] = dataclass_field(default_factory=list)
+
+    def set(self, section: str, key: str, value: Any) -> None:
+        (self.config.setdefault(section, {}) if section else self.config)[key] = value
+
+
+def translate_trainer(trainer: Any, source: Path) -> Translation:
+    """The whole mapping of one `TrainerConfig`."""
+    t = Translation()
+    _model(t, trainer)
+    _optimizer(t, trainer)
+    _schedule(t, trainer)
+    _fsdp(t, trainer)
+    _data(t, trainer)
+    _loss(t, trainer)
+    _run(t, trainer, source)
+    for name, why in NOT_CARRIED.items():
+        value = field(trainer, name)
+        if value not in (None, False, 1, 0, {}, []) and not (name == "sp_size" and value == 1):
+            t.dropped.append(f"{name}={_short(value)}: {why}")
+    return t
+
+
+def _model(t: Translation, trainer: Any) -> None:
+    load_from = field(trainer, "load_from")
+    if load_from is None:
+        t.fatal.append(
+            f"model_cfg={_short(field(trainer, 'model_cfg'))} without load_from: XTuner's model classes are not "
+            "built here; give load_from, a Hugging Face folder of the model (its config.json decides the model)"
+        )
+        return
+    folder = Path(str(load_from))
+    try:
+        hf = read_config(folder)
+    except Exception as exc:  # a missing or broken folder: CheckpointError names it
+        t.fatal.append(f"load_from={str(load_from)!r}: {exc}")
+        return
+    native = native_model_values(hf)
+    if native is None:
+        t.set("model", "type", "hf_causal_lm")
+        t.set("model", "hf_path", str(folder))
+        t.carried.append(f"load_from -> model.hf_path (model_type={hf.get('model_type')!r} trains as hf_causal_lm)")
+    else:
+        t.config["model"] = {"type": "internlm2", **native, **t.config.get("model", {})}
+        t.set("ckpt", "load_ckpt_info", {"path": str(folder), "content": ("model",), "ckpt_type": "hf"})
+        t.carried.append(f"load_from -> the native model ({hf.get('model_type')}), weights via ckpt.load_ckpt_info")
+    if field(trainer, "model_cfg") is not None:
+        t.carried.append("model_cfg -> read from load_from's config.json (its class is XTuner's)")
+    tokenizer = field(trainer, "tokenizer_path") or load_from
+    t.set("data", "tokenizer", str(tokenizer))
+
+
+def _optimizer(t: Translation, trainer: Any) -> None:
+    optim = field(trainer, "optim_cfg")
+    if optim is None or kind(optim) != "AdamWConfig":
+        t.fatal.append(f"optim_cfg={_short(optim)}: only AdamWConfig maps here (AdamW, its swap variant)")
+        return
+    lr, (beta1, beta2) = _get(optim, "lr", ADAMW_DEFAULTS), _get(optim, "betas", ADAMW_DEFAULTS)
+    t.config["adam"] = {
+        "lr": float(lr),
+        "adam_beta1": float(beta1),
+        "adam_beta2": float(beta2),
+        "adam_eps": float(_get(optim, "eps", ADAMW_DEFAULTS)),
+        "weight_decay": float(_get(optim, "weight_decay", ADAMW_DEFAULTS)),
+    }
+    clip = float(_get(optim, "max_grad_norm", ADAMW_DEFAULTS)) if field(trainer, "do_clip", True) else 0.0
+    t.set("hybrid_zero_optimizer", "clip_grad_norm", clip)
+    t.carried.append("optim_cfg (AdamWConfig: lr, betas, eps, weight_decay, max_grad_norm) -> adam, clip_grad_norm")
+    if field(optim, "swap_optimizer", False):
+        t.config["swap_optimizer"] = True
+        t.carried.append("optim_cfg.swap_optimizer -> swap_optimizer (chunked and overlapped here)")
+    if field(optim, "skip_grad_norm_threshold") is not None:
+        t.dropped.append(
+            f"optim_cfg.skip_grad_norm_threshold={field(optim, 'skip_grad_norm_threshold')}: steps are skipped "
+            "here only when the gradient norm is not finite"
+        )
+    if field(optim, "foreach") is not None:
+        t.dropped.append("optim_cfg.foreach: the AdamW kernel is chosen here (adam.fused)")
+
+
+def _schedule(t: Translation, trainer: Any) -> None:
+    lr = field(trainer, "lr_cfg")
+    lr_type = _get(lr, "lr_type", LR_DEFAULTS)
+    warmup, lr_min = float(_get(lr, "warmup_ratio", LR_DEFAULTS)), float(_get(lr, "lr_min", LR_DEFAULTS))
+    t.config["lr_scheduler"] = {"type": lr_type, "eta_min": lr_min}
+    t.config["lr_scheduler"]["warmup_ratio"] = warmup  # >= 1 (XTuner: steps) is resolved in _run
+    t.carried.append("lr_cfg (lr_type, warmup_ratio, lr_min) -> lr_scheduler (type, warmup_ratio, eta_min)")
+
+
+def _fsdp(t: Translation, trainer: Any) -> None:
+    fsdp = field(trainer, "fsdp_cfg")
+    ratio = float(_get(fsdp, "recompute_ratio", FSDP_DEFAULTS))
+    t.set("model", "checkpoint", ratio)
+    t.set("model", "dtype", "torch.bfloat16")  # XTuner computes in bf16 over fp32 sharded params (param_dtype)
+    t.set("parallel", "mode", "fsdp2")
+    t.carried.append("fsdp_cfg.recompute_ratio -> model.checkpoint; FSDP with bf16 compute -> parallel.mode='fsdp2', "
+                     "model.dtype='torch.bfloat16' with fp32 masters")  # fmt: skip
+    if _get(fsdp, "cpu_offload", FSDP_DEFAULTS):
+        t.set("parallel", "fsdp_cpu_offload", True)
+        t.carried.append("fsdp_cfg.cpu_offload -> parallel.fsdp_cpu_offload (FSDP2's CPUOffloadPolicy)")
+    for name, why in (("tp_size", "tensor parallel is not built yet"), ("ep_size", "no expert parallel here")):
+        if _get(fsdp, name, FSDP_DEFAULTS) != 1:
+            t.dropped.append(
+                f"fsdp_cfg.{name}={_get(fsdp, name, FSDP_DEFAULTS)}: {why}; every rank holds its FSDP shard"
+            )
+    for name in ("torch_compile", "float8_cfg", "hsdp_sharding_size", "fp32_lm_head"):
+        if field(fsdp, name) not in (None, False):
+            t.dropped.append(f"fsdp_cfg.{name}={_short(field(fsdp, name))}: not used here")
+    if field(fsdp, "reshard_after_forward") is False:
+        t.set("parallel", "reshard_after_forward", False)
+    offload = os.environ.get(ACTIVATION_OFFLOAD_ENV, "0").lower() in ("1", "true", "yes")
+    layers = t.config.get("model", {}).get("num_layers")
+    if offload and layers:
+        t.config["cpu_offloading"] = {"enable": True, "num_layers": layers - 1}
+        t.carried.append(
+            f"{ACTIVATION_OFFLOAD_ENV}=1 -> cpu_offloading.num_layers={layers - 1}: here the first blocks offload all "
+            "their saved activations (dense models too) instead of recomputing from an offloaded input"
+        )
+
+
+def _data(t: Translation, trainer: Any) -> None:
+    loader = field(trainer, "dataloader_cfg")
+    datasets = field(trainer, "dataset_cfg") or field(loader, "dataset_config_list") or []
+    paths, max_lengths, chat = [], [], False
+    for entry in datasets:
+        dataset, tokenize = field(entry, "dataset"), field(entry, "tokenize_fn")
+        anno = field(dataset, "anno_path")
+        if anno is None:
+            t.fatal.append(f"dataset {_short(dataset)}: no anno_path")
+            continue
+        paths.append(str(anno))
+        if field(dataset, "sample_ratio", 1.0) != 1.0:
+            t.dropped.append(
+                f"{anno}: sample_ratio={field(dataset, 'sample_ratio')}: every line is read once per epoch"
+            )
+        if kind(tokenize) == "OpenaiTokenizeFunctionConfig":
+            chat = True
+            max_lengths.append(field(tokenize, "max_length"))
+            template = field(tokenize, "chat_template")
+            if template is not None:
+                t.dropped.append(
+                    f"{anno}: chat_template={template!r}: the tokenizer's own chat template renders the messages "
+                    "here (XTuner's string templates mask the separator after a reply; here it is trained with it)"
+                )
+        elif kind(tokenize) != "PretrainTokenizeFunctionConfig":
+            t.fatal.append(f"{anno}: tokenize_fn={_short(tokenize)}: chat (Openai) and pretrain data map here")
+        elif field(tokenize, "add_bos_token", False) or not field(tokenize, "add_eos_token", True):
+            t.dropped.append(f"{anno}: add_bos_token / add_eos_token: documents get eos and no bos here")
+    if not paths:
+        t.fatal.append("no dataset (dataset_cfg or dataloader_cfg.dataset_config_list)")
+        return
+    pack = int(field(loader, "pack_max_length", PACK_MAX_LENGTH))
+    t.config["data"] = {**t.config.get("data", {}), "type": "chat" if chat else "text", "paths": paths}
+    t.config["data"].update(seq_len=pack, micro_bsz=1)
+    if chat and any(max_lengths):
+        t.config["data"]["max_length"] = min(pack, max(m for m in max_lengths if m))
+    t.carried.append(
+        f"datasets -> data.type={t.config['data']['type']!r}, data.paths; dataloader_cfg.pack_max_length -> "
+        "data.seq_len (one pack per micro-batch, conversations kept apart)"
+    )
+    batch = field(trainer, "global_batch_size")
+    if batch is not None:
+        t.config["data"]["global_bsz"] = int(batch)
+        t.carried.append("global_batch_size (packs per step) -> data.global_bsz")
+
+
+def _loss(t: Translation, trainer: Any) -> None:
+    loss = field(trainer, "loss_cfg")
+    if loss is None:
+        return
+    if field(loss, "mode") not in (None, "eager"):
+        t.dropped.append(f"loss_cfg.mode={field(loss, 'mode')!r}: the loss here is one cross-entropy over the logits")
+    if field(loss, "loss_reduction") not in (None, "token"):
+        t.dropped.append(
+            f"loss_cfg.loss_reduction={field(loss, 'loss_reduction')!r}: the mean over labelled tokens here"
+        )
+
+
+def _run(t: Translation, trainer: Any, source: Path) -> None:
+    steps, epochs = field(trainer, "total_step"), field(trainer, "total_epoch")
+    if steps is not None:
+        t.set("data", "total_steps", int(steps))
+        t.carried.append("total_step -> data.total_steps")
+    elif epochs is not None and "data" in t.config and not t.fatal:
+        packs = _count_packs(t.config)
+        batch = t.config["data"].get("global_bsz", 1)
+        t.set("data", "total_steps", max(1, math.ceil(epochs * packs / batch)))
+        t.carried.append(f"total_epoch={epochs} -> data.total_steps={t.config['data']['total_steps']} "
+                         f"({packs} packs of the data at {batch} per step)")  # fmt: skip
+    else:
+        t.fatal.append("neither total_step nor total_epoch: the run has no length")
+    total = t.config.get("data", {}).get("total_steps")
+    warmup = t.config.get("lr_scheduler", {}).get("warmup_ratio", 0.0)
+    if warmup >= 1 and total:  # XTuner reads warmup_ratio >= 1 as a step count
+        t.config["lr_scheduler"]["warmup_ratio"] = min(1.0, warmup / total)
+    work_dir = field(trainer, "work_dir")
+    t.config["JOB_NAME"] = Path(str(work_dir)).name if work_dir else source.stem
+    if work_dir:
+        t.carried.append(f"work_dir -> train.py --work-dir {work_dir}")
+    for name, section, key in (("seed", "", "seed"), ("checkpoint_interval", "ckpt", "checkpoint_every"),
+                               ("checkpoint_maxkeep", "ckpt", "keep_last"), ("auto_resume", "ckpt", "auto_resume")):  # fmt: skip
+        value = field(trainer, name)
+        if value is not None:
+            t.set(section, key, value)
+            t.carried.append(f"{name} -> {f'{section}.' if section else ''}{key}")
+
+
+def _count_packs(config: dict[str, Any]) -> int:
+    """How many packs the translated data makes: tokenizes it once, as the run will."""
+    from internlm_offload.data import build_tokenizer
+    from internlm_offload.data.chat import build_chat_dataset
+    from internlm_offload.data.packed import build_text_dataset
+
+    data = config["data"]
+    tokenizer = build_tokenizer(data["tokenizer"])
+    if data["type"] == "chat":
+        dataset = build_chat_dataset(
+            seq_len=data["seq_len"],
+            micro_bsz=1,
+            tokenizer=tokenizer,
+            paths=data["paths"],
+            max_length=data.get("max_length"),
+        )
+    else:
+        dataset = build_text_dataset(seq_len=data["seq_len"], tokenizer=tokenizer, paths=data["paths"])
+    return len(dataset)
+
+
+def _get(obj: Any, name: str, defaults: dict[str, Any]) -> Any:
+    return field(obj, name, defaults[name]) if obj is not None else defaults[name]
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if not isinstance(value, Recorded) else f"{value.name}(...)"
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,130 @@
+"""XTuner v1 configs, written as XTuner's examples are (imports from xtuner.v1, env knobs, a `trainer`),
+translate with a report of every dropped field and train 3 steps; what cannot carry stops in one line."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from chat_fixtures import WORDS, save_chatml_tokenizer
+from runner import REPO, losses, train
+from test_bad_input import assert_clean_error
+
+pytestmark = pytest.mark.e2e
+
+SFT = """\
+import os
+
+from xtuner.v1.config import AdamWConfig, FSDPConfig, LRConfig
+from xtuner.v1.datasets import DataloaderConfig, DatasetConfig, OpenaiTokenizeFunctionConfig
+from xtuner.v1.loss import CELossConfig
+from xtuner.v1.model import get_model_config_from_hf
+from xtuner.v1.train import TrainerConfig
+
+MODEL = {model!r}
+model_cfg = get_model_config_from_hf(MODEL)
+model_cfg.rope_scaling_cfg = None  # XTuner configs mutate their model configs
+dataset_config = [
+    {{
+        "dataset": DatasetConfig(name="sft", anno_path={data!r}, sample_ratio=1.0),
+        "tokenize_fn": OpenaiTokenizeFunctionConfig(chat_template="qwen3", max_length=48),
+    }}
+]
+dataloader_config = DataloaderConfig(dataset_config_list=dataset_config, pack_max_length=64, pack_level="soft")
+optim_cfg = {optim}
+lr_cfg = LRConfig(lr_type="linear", warmup_ratio=1, lr_min=1e-5)
+fsdp_cfg = FSDPConfig(recompute_ratio=0.5, cpu_offload=False, ep_size=int(os.environ.get("EP_SIZE", "1")))
+trainer = TrainerConfig(
+    model_cfg=model_cfg,
+    load_from=MODEL,
+    optim_cfg=optim_cfg,
+    lr_cfg=lr_cfg,
+    fsdp_cfg=fsdp_cfg,
+    dataloader_cfg=dataloader_config,
+    loss_cfg=CELossConfig(mode="chunk", chunk_size=1024),
+    global_batch_size=2,
+    {length},
+    work_dir="work_dirs/sft_tiny",
+    hf_interval=100,
+    seed=7,
+)
+"""
+ADAMW = 'AdamWConfig(lr=1e-3, foreach=False, swap_optimizer=os.environ.get("SWAP_OPTIMIZER", "0") == "1")'
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """An HF Llama folder holding its tokenizer (ChatML, built here), chat jsonl and pretrain jsonl."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("xtuner")
+    model = root / "model"
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(model)
+    save_chatml_tokenizer(model)
+    rng = random.Random(0)
+    say = lambda: " ".join(rng.choices(WORDS[4:], k=rng.randint(2, 8)))  # noqa: E731
+    sft, pretrain = root / "sft.jsonl", root / "pretrain.jsonl"
+    sft.write_text("".join(json.dumps([{"role": "user", "content": say()}, {"role": "assistant", "content": say()}])
+                           + "\n" for _ in range(40)))  # fmt: skip
+    pretrain.write_text("".join(json.dumps({"content": say()}) + "\n" for _ in range(60)))
+    return model, sft, pretrain
+
+
+def from_xtuner(config: Path, out: Path | None, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "internlm_offload.tools.from_xtuner", str(config)]
+    cmd += ["--out", str(out)] if out is not None else []
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_an_sft_config_translates_reports_and_trains(model_and_data, tmp_path):
+    model, sft, _ = model_and_data
+    config = tmp_path / "sft_tiny.py"
+    config.write_text(SFT.format(model=str(model), data=str(sft), optim=ADAMW, length="total_step=3"))
+    out = tmp_path / "translated.py"
+    proc = from_xtuner(config, out, env={"SWAP_OPTIMIZER": "1", "EP_SIZE": "2", "XTUNER_ACTIVATION_OFFLOAD": "1"})
+    assert proc.returncode == 0, proc.stderr
+    dropped = [line for line in proc.stderr.splitlines() if line.startswith("dropped: ")]
+    for field in ("chat_template='qwen3'", "fsdp_cfg.ep_size=2", "loss_cfg.mode='chunk'", "hf_interval=100"):
+        assert any(field in line for line in dropped), field
+    text = out.read_text()
+    for carried in ("swap_optimizer = True", "'type': 'chat'", "'checkpoint': 0.5",
+                    "'num_layers': 1", "'ckpt_type': 'hf'", "'type': 'linear'", "'global_bsz': 2"):  # fmt: skip
+        assert carried in text, carried
+    train(tmp_path / "run", "monitor.progress_bar=off", config=out, fast=False)
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3]
+
+
+def test_a_pretrain_config_counts_its_epochs_into_steps_and_trains(model_and_data, tmp_path):
+    model, _, pretrain = model_and_data
+    config = tmp_path / "pretrain_tiny.py"
+    text = SFT.format(model=str(model), data=str(pretrain), optim=ADAMW, length="total_epoch=1")
+    config.write_text(text.replace("OpenaiTokenizeFunctionConfig(chat_template=\"qwen3\", max_length=48)",
+                                   "PretrainTokenizeFunctionConfig(add_eos_token=True)").replace(
+        "OpenaiTokenizeFunctionConfig", "PretrainTokenizeFunctionConfig"))  # fmt: skip
+    out = tmp_path / "translated.py"
+    proc = from_xtuner(config, out)
+    assert proc.returncode == 0, proc.stderr
+    assert "total_epoch=1 -> data.total_steps=" in proc.stderr and "'type': 'text'" in out.read_text()
+    train(tmp_path / "run", "monitor.progress_bar=off", config=out, fast=False)
+    assert len(losses(tmp_path / "run")) >= 1
+
+
+def test_what_cannot_carry_stops_in_one_line_and_writes_nothing(model_and_data, tmp_path):
+    model, sft, _ = model_and_data
+    config = tmp_path / "muon.py"
+    config.write_text(SFT.format(model=str(model), data=str(sft), optim="MuonConfig(lr=1e-3)", length="total_step=3")
+                      .replace("from xtuner.v1.config import", "from xtuner.v1.config import MuonConfig,"))  # fmt: skip
+    out = tmp_path / "translated.py"
+    assert_clean_error(
+        from_xtuner(config, out), "cannot be carried over", "optim_cfg=MuonConfig(...): only AdamWConfig"
+    )
+    assert not out.exists()
+    proc = train(tmp_path / "run", config=config, check=False)
+    assert_clean_error(proc, "is an XTuner config", "python -m internlm_offload.tools.from_xtuner")

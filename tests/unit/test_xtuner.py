@@ -1,0 +1,49 @@
+"""XTuner v1 configs without XTuner: the stand-ins record what the file builds, and the mapping fills XTuner's
+defaults and names what it cannot carry."""
+
+import sys
+from pathlib import Path
+
+from internlm_offload.xtuner.standins import Recorded, field, kind, load_trainer
+from internlm_offload.xtuner.translate import translate_trainer
+
+CONFIG = """\
+import os
+from xtuner.v1.config import AdamWConfig, FSDPConfig
+from xtuner.v1.train import TrainerConfig
+from xtuner.v1.model import get_model_config_from_hf
+
+model_cfg = get_model_config_from_hf("/nowhere")
+model_cfg.text_config.ep_size = int(os.environ.get("EP_SIZE", "4"))
+trainer = TrainerConfig(model_cfg=model_cfg, optim_cfg=AdamWConfig(lr=2e-5), fsdp_cfg=FSDPConfig(tp_size=2), total_step=5)
+"""
+
+
+def test_the_file_runs_with_recorders_and_leaves_no_xtuner_module_behind(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.py"
+    path.write_text(CONFIG)
+    trainer = load_trainer(path)
+    assert kind(trainer) == "TrainerConfig" and field(trainer, "total_step") == 5
+    optim = field(trainer, "optim_cfg")
+    assert isinstance(optim, Recorded) and kind(optim) == "AdamWConfig" and field(optim, "lr") == 2e-5
+    assert field(optim, "betas", (0.9, 0.95)) == (0.9, 0.95)  # unset: the default asked for
+    model = field(trainer, "model_cfg")
+    assert model.args == ("/nowhere",) and model.text_config.ep_size == 4  # a mutation is recorded
+    assert not [name for name in sys.modules if name == "xtuner" or name.startswith("xtuner.")]
+
+
+def test_xtuners_defaults_fill_the_mapping_and_the_problems_are_named(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.py"
+    path.write_text(CONFIG)
+    t = translate_trainer(load_trainer(path), path)
+    assert t.config["adam"] == {
+        "lr": 2e-5,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.95,
+        "adam_eps": 1e-8,
+        "weight_decay": 0.01,
+    }
+    assert t.config["lr_scheduler"] == {"type": "constant", "eta_min": 1e-6, "warmup_ratio": 0.03}
+    assert t.config["model"]["checkpoint"] == 1.0  # FSDPConfig's recompute_ratio default
+    assert any("fsdp_cfg.tp_size=2" in line for line in t.dropped)
+    assert any("without load_from" in line for line in t.fatal) and any("no dataset" in line for line in t.fatal)

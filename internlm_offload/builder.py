@@ -261,6 +261,14 @@ def check_vocab(model_vocab: int, tokenizer_vocab: int, tokenizer_name: str) -> 
         )
 
 
+def build_metrics_log(cfg: RunConfig, work_dir: Path) -> MetricsLog:
+    """metrics.jsonl, and TensorBoard beside it when `monitor.tensorboard`; a missing package is a config error."""
+    try:
+        return MetricsLog(work_dir / "metrics.jsonl", work_dir / "tensorboard" if cfg.monitor.tensorboard else None)
+    except ImportError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def build_loader(cfg: RunConfig, ctx: RunContext, tokenizer: Tokenizer | None) -> StepLoader:
     data = cfg.data
     kwargs: dict[str, Any] = {"seq_len": data.seq_len}
@@ -486,7 +494,7 @@ def build_trainer(
         scheduler=parts.scheduler,
         loader=loader,
         checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
-        metrics=MetricsLog(work_dir / "metrics.jsonl") if ctx.is_main else None,
+        metrics=build_metrics_log(cfg, work_dir) if ctx.is_main else None,
         settings=trainer_settings(cfg, predicted_device_peak, runtime_memory),
         masters=parts.masters,
         features=parts.features,

@@ -321,6 +321,11 @@ class CkptConfig(Section):
 
 class MonitorConfig(Section):
     log_every: int = Field(1, ge=1, description="Log a line every N steps (metrics.jsonl gets every step).")
+    tensorboard: bool = Field(
+        False,
+        description="Also write metrics.jsonl's numbers to TensorBoard in `<work_dir>/tensorboard` (rank 0; needs "
+        "`pip install 'internlm_offload[tb]'`). InternEvo's `monitor.tensorboard` / `enable_tb` set it.",
+    )
     progress_bar: Literal["auto", "on", "off"] = Field(
         "auto", description="`auto`: a bar on a TTY, log lines otherwise."
     )

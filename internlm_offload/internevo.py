@@ -41,7 +41,7 @@ IGNORED = {
     "data": {"empty_cache_and_diag_interval", "diag_outlier_ratio", "use_packed_dataset", "tokenizer_path"},
     "ckpt": {"async_upload", "async_upload_tmp_folder", "oss_snapshot_freq", "stop_file_path"},
     "hybrid_zero_optimizer": {"overlap_sync_grad", "overlap_sync_param", "reduce_bucket_size"},
-    "monitor": {"alert", "tensorboard"},
+    "monitor": {"alert"},
     "loss": {"op_type"},
 }  # fmt: skip
 
@@ -65,6 +65,7 @@ def translate(raw: dict[str, Any], world_size: int = 1) -> Translation:
     _data(t)
     _optimizer(t)
     _ckpt(t)
+    _monitor(t)
     _parallel(t, world_size)
     return t
 
@@ -277,6 +278,20 @@ def _storage_path(t: Translation, name: str, value: Any) -> Any:
     if ":" in value.split("/")[0]:
         t.refused.append(f"{name}={value!r}: only local paths (optionally 'local:') are supported here")
     return value
+
+
+def _monitor(t: Translation) -> None:
+    """InternEvo's TensorBoard switches: `enable_tb`, and the `monitor.tensorboard` section (its queue settings)."""
+    enable_tb = _pop(t, "", "enable_tb")
+    if _pop(t, "", "tensorboard_folder") is not MISSING:
+        t.ignored.append("tensorboard_folder (TensorBoard writes to <work_dir>/tensorboard)")
+    section = t.config.get("monitor", {}).get("tensorboard") if isinstance(t.config.get("monitor"), dict) else None
+    if isinstance(section, dict):
+        t.config["monitor"]["tensorboard"] = True
+        t.mapped.append("monitor.tensorboard=dict(...) -> monitor.tensorboard=True (queue settings have no effect)")
+    if enable_tb is not MISSING:
+        _set(t, "monitor", "tensorboard", bool(enable_tb))
+        t.mapped.append(f"enable_tb={enable_tb} -> monitor.tensorboard={bool(enable_tb)}")
 
 
 def _parallel(t: Translation, world_size: int) -> None:

@@ -15,10 +15,12 @@ logger = get_logger(__name__)
 
 
 class MetricsLog:
-    """Appends one JSON object per step to `metrics.jsonl`; floats keep full `repr` precision."""
+    """Appends one JSON object per step to `metrics.jsonl`; floats keep full `repr` precision. With
+    `tensorboard_dir`, every number of a record also goes to TensorBoard under the same name."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None) -> None:
         self.path = path
+        self.tensorboard = TensorBoardScalars(tensorboard_dir) if tensorboard_dir is not None else None
 
     def truncate_after(self, step: int) -> None:
         """Drop records past `step` (a resumed run rewrites them), keeping the file's earlier lines."""
@@ -30,6 +32,43 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as out:
             out.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+class TensorBoardScalars:
+    """A TensorBoard run in `log_dir`: each numeric field of a record is a scalar at the record's step.
+
+    The writer opens at the first record with `purge_step` at its step, so a resumed run replaces the
+    events an earlier attempt wrote past its checkpoint, as `MetricsLog.truncate_after` does for the jsonl."""
+
+    def __init__(self, log_dir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ImportError(
+                f"monitor.tensorboard=True needs the tensorboard package: pip install 'internlm_offload[tb]' ({exc})"
+            ) from None
+        self._writer_class = SummaryWriter
+        self.log_dir = log_dir
+        self.writer: Any = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if self.writer is None:
+            self.writer = self._writer_class(log_dir=str(self.log_dir), purge_step=step)
+        for name, value in record.items():
+            if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def memory_record(accelerator: Accelerator) -> dict[str, int]:

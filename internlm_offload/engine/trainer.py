@@ -208,6 +208,8 @@ class Trainer:
         for feature in self.features:
             feature.close()
         self.ctx.accelerator.close_streams()
+        if self.metrics is not None:
+            self.metrics.close()
 
     # ------------------------------------------------------------------ one step
 

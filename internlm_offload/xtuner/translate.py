@@ -34,7 +34,6 @@ NOT_CARRIED = {
     "intra_layer_micro_batch": "no intra-layer micro-batching here",
     "hooks_config": "XTuner's hooks do not run here",
     "grad_norm_dtype": "the gradient norm is computed in fp32 here",
-    "exp_tracker": "metrics.jsonl and TensorBoard (monitor.tensorboard) instead",
     "log_dir": "logs go to --work-dir",
     "resume_cfg": "resume with --resume or ckpt.auto_resume",
     "load_checkpoint_cfg": "resume with --resume or ckpt.auto_resume",
@@ -245,6 +244,12 @@ def _run(t: Translation, trainer: Any, source: Path) -> None:
     warmup = t.config.get("lr_scheduler", {}).get("warmup_ratio", 0.0)
     if warmup >= 1 and total:  # XTuner reads warmup_ratio >= 1 as a step count
         t.config["lr_scheduler"]["warmup_ratio"] = min(1.0, warmup / total)
+    tracker = field(trainer, "exp_tracker")
+    if tracker == "tensorboard":
+        t.set("monitor", "tensorboard", True)
+        t.carried.append("exp_tracker='tensorboard' -> monitor.tensorboard (metrics.jsonl's numbers, same names)")
+    elif tracker is not None:
+        t.dropped.append(f"exp_tracker={tracker!r}: metrics.jsonl (and monitor.tensorboard) here")
     work_dir = field(trainer, "work_dir")
     t.config["JOB_NAME"] = Path(str(work_dir)).name if work_dir else source.stem
     if work_dir:

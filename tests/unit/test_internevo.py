@@ -195,3 +195,13 @@ def test_internevo_biases_and_swiglu_width_are_internevos(model_type, no_bias, b
     cfg = resolve_config({"model_type": model_type, "model": model})
     assert cfg.model.attention_bias is bias and cfg.model.multiple_of == 256
     assert resolve_config({"model_type": model_type, "model": {**model, "multiple_of": 64}}).model.multiple_of == 64
+
+
+def test_internevo_tensorboard_switches_turn_tensorboard_on():
+    cfg = resolve_config(load_config_file(SHRUNK))  # monitor.tensorboard=dict(queue_max_length=10)
+    assert cfg.monitor.tensorboard is True
+    assert (
+        resolve_config({"enable_tb": False, "monitor": {"tensorboard": {"queue_max_length": 1}}}).monitor.tensorboard
+        is False
+    )
+    assert resolve_config({"enable_tb": True, "tensorboard_folder": "local:/tb"}).monitor.tensorboard is True

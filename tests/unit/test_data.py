@@ -128,7 +128,7 @@ def test_read_documents_bad_json_line(tmp_path: Path) -> None:
         read_documents([str(path)])
 
 
-@pytest.mark.parametrize("line", ['{"content": "x"}', '{"text": 3}', '["text"]'])
+@pytest.mark.parametrize("line", ['{"body": "x"}', '{"text": 3}', '["text"]'])
 def test_read_documents_jsonl_without_text(tmp_path: Path, line: str) -> None:
     path = tmp_path / "notext.jsonl"
     path.write_text(f'{{"text": "ok"}}\n\n{line}\n', encoding="utf-8")
@@ -388,3 +388,9 @@ def test_read_documents_jsonl_non_ascii(tmp_path: Path) -> None:
     path = tmp_path / "u.jsonl"
     path.write_text(json.dumps({"text": "naïve 🙂"}) + "\n", encoding="utf-8")
     assert read_documents([str(path)]) == ["naïve 🙂"]
+
+
+def test_read_documents_reads_xtuners_pretrain_content_lines(tmp_path: Path) -> None:
+    path = tmp_path / "pretrain.jsonl"
+    path.write_text('{"content": "hello"}\n{"text": "world"}\n', encoding="utf-8")
+    assert read_documents([str(path)]) == ["hello", "world"]

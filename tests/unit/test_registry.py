@@ -29,7 +29,7 @@ def test_lookup_returns_registered_object(registry: Registry, name: str, expecte
 
 UNKNOWN = [
     (MODELS, "model.type", "llama", "model types: hf_causal_lm, internlm2"),
-    (DATASETS, "data.type", "parquet", "dataset types: builtin, internevo, text"),
+    (DATASETS, "data.type", "parquet", "dataset types: builtin, chat, internevo, text"),
     (PARALLEL, "parallel.mode", "tp", "parallel types: ddp, fsdp2, none"),
 ]
 
@@ -72,7 +72,7 @@ def test_registries_live_in_our_scope() -> None:
     for registry in (MODELS, DATASETS, PARALLEL):
         assert registry.scope == SCOPE == "internlm_offload"
     assert DATASETS.get("ConcatDataset") is None  # the root's names do not leak into ours
-    with pytest.raises(UnknownTypeError, match="registered dataset types: builtin, internevo, text$"):
+    with pytest.raises(UnknownTypeError, match="registered dataset types: builtin, chat, internevo, text$"):
         lookup(DATASETS, "ConcatDataset", "data.type")
 
 

@@ -7,18 +7,16 @@ load without remote code, and both kinds come in.
 """
 
 import json
-import pickle
 import shutil
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from internlm_offload.config import ModelConfig
-from internlm_offload.engine.checkpoint_reader import refused_global
 from internlm_offload.errors import CheckpointError
 from internlm_offload.model.internlm2 import intermediate_size
+from internlm_offload.weights.internevo_files import load_model_file
 from internlm_offload.weights.names import HF_INTERNLM2, HF_LLAMA, NameTable
 
 CONFIG = "config.json"
@@ -156,7 +154,10 @@ def weight_files(folder: Path) -> list[Path]:
     for suffix, stem in (("safetensors", "model"), ("bin", "pytorch_model")):
         index = folder / f"{stem}.{suffix}.index.json"
         if index.is_file():
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+                raise CheckpointError(f'{index}: not an index (JSON with a "weight_map")') from None
             missing = [name for name in names if not (folder / name).is_file()]
             if missing:
                 raise CheckpointError(f"{index}: lists {missing[0]}, which is not in the folder")
@@ -174,12 +175,14 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for path in weight_files(folder):
         if path.suffix == ".safetensors":
-            tensors.update(load_file(str(path)))
+            try:
+                tensors.update(load_file(str(path)))
+            except Exception as exc:  # safetensors raises its own error type for a damaged header or body
+                raise CheckpointError(
+                    f"{path}: not a readable safetensors file ({' '.join(str(exc).split())[:200]})"
+                ) from None
             continue
-        try:
-            tensors.update(torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)))
-        except pickle.UnpicklingError as exc:
-            raise CheckpointError(f"{path} would load {refused_global(exc)}; refusing to read it") from None
+        tensors.update(load_model_file(path))
     return tensors
 
 

@@ -175,8 +175,8 @@ def load_model_file(path: Path) -> dict[str, torch.Tensor]:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
-            f"{path} would load {refused_global(exc)}; InternEvo model files may hold only tensors: "
-            "refusing to read it (FSDP files saved as ShardedTensor need InternEvo to save them once without FSDP)"
+            f"{path} would load {refused_global(exc)}; model files may hold only tensors: refusing "
+            "to read it (InternEvo's FSDP files saved as ShardedTensor: save them once from InternEvo without FSDP)"
         ) from None
     except (RuntimeError, OSError, EOFError) as exc:
         raise CheckpointError(f"{path}: not a readable torch file ({' '.join(str(exc).split())[:200]})") from None

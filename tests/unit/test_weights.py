@@ -281,7 +281,7 @@ def test_a_bad_internevo_folder_is_one_line_naming_file_and_key(tmp_path, refere
         "shapes": "stage 0: layers.2.attention.wo.weight: 2 piece(s) of shape [(64, 32), (64, 31)] do not make",
         "unknown_name": "model_tp0_pp0.pt: 'layers.0.attention.rotary.weight' is not an InternEvo weight of this model",
         "missing_name": "no 'norm.weight' in any model file",
-        "code": "model_tp1_pp0.pt would load posix.system; InternEvo model files may hold only tensors",
+        "code": "model_tp1_pp0.pt would load posix.system; model files may hold only tensors",
         "resume": 'they start a run with content=("model",)',
     }[case]
     content = ("all",) if case == "resume" else ("model",)

@@ -42,6 +42,16 @@ NOT_CARRIED = {
 }
 
 
+# Values of those fields that change nothing even there (XTuner's defaults that turn a feature off).
+NEUTRAL = {
+    "sp_size": 1,
+    "intra_layer_micro_batch": 1,
+    "profile_step": None,
+    "profile_memory": False,
+    "strict_load": True,
+}
+
+
 @dataclass
 class Translation:
     """This trainer's config, and the report: carried fields, dropped ones with why, fatal problems."""
@@ -67,7 +77,7 @@ def translate_trainer(trainer: Any, source: Path) -> Translation:
     _run(t, trainer, source)
     for name, why in NOT_CARRIED.items():
         value = field(trainer, name)
-        if value not in (None, False, 1, 0, {}, []) and not (name == "sp_size" and value == 1):
+        if value not in (None, False, {}, []) and value != NEUTRAL.get(name):  # unset, off or XTuner's "off"
             t.dropped.append(f"{name}={_short(value)}: {why}")
     return t
 

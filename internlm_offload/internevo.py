@@ -35,12 +35,13 @@ MOE_MODEL_KEYS = {"num_experts", "top_k", "num_shared_experts", "first_k_dense_r
 
 # Keys that change nothing here, by section ("" is the top level).
 IGNORED = {
-    "": {"cudnn_deterministic", "cudnn_benchmark", "generation", "use_fp32_norm"},
+    "": {"cudnn_deterministic", "cudnn_benchmark", "generation", "use_fp32_norm", "use_apex_adam"},
     "model": {"embed_split_hidden", "parallel_output", "qk_interleaved", "enable_qkv_fusion", "use_flash_attn",
-              "max_position_embeddings"},
-    "data": {"empty_cache_and_diag_interval", "diag_outlier_ratio", "use_packed_dataset", "tokenizer_path"},
+              "max_position_embeddings", "mlp_layer_fusion"},
+    "data": {"empty_cache_and_diag_interval", "diag_outlier_ratio", "use_packed_dataset", "tokenizer_path", "use_shm"},
     "ckpt": {"async_upload", "async_upload_tmp_folder", "oss_snapshot_freq", "stop_file_path"},
-    "hybrid_zero_optimizer": {"overlap_sync_grad", "overlap_sync_param", "reduce_bucket_size"},
+    "hybrid_zero_optimizer": {"overlap_sync_grad", "overlap_sync_param", "reduce_bucket_size", "use_split_tensor_optim",
+                              "all_gather_size"},
     "monitor": {"alert"},
     "loss": {"op_type"},
 }  # fmt: skip

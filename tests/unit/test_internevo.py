@@ -205,3 +205,15 @@ def test_internevo_tensorboard_switches_turn_tensorboard_on():
         is False
     )
     assert resolve_config({"enable_tb": True, "tensorboard_folder": "local:/tb"}).monitor.tensorboard is True
+
+
+def test_internevo_develop_infrastructure_keys_are_ignored_by_name():
+    """Keys InternEvo's 2025 develop configs carry that change no numerics here (kernels, buffers, loading)."""
+    raw = {"use_apex_adam": False, "model": {"mlp_layer_fusion": True}, "data": {"use_shm": False},
+           "hybrid_zero_optimizer": {"use_split_tensor_optim": False, "all_gather_size": 512 * 1024 * 1024}}  # fmt: skip
+    t = translate(raw)
+    assert not t.refused and set(t.ignored) == {
+        "use_apex_adam", "model.mlp_layer_fusion", "data.use_shm",
+        "hybrid_zero_optimizer.use_split_tensor_optim", "hybrid_zero_optimizer.all_gather_size",
+    }  # fmt: skip
+    resolve_config(raw)

@@ -35,11 +35,12 @@ MOE_MODEL_KEYS = {"num_experts", "top_k", "num_shared_experts", "first_k_dense_r
 
 # Keys that change nothing here, by section ("" is the top level).
 IGNORED = {
-    "": {"cudnn_deterministic", "cudnn_benchmark", "generation", "use_fp32_norm", "use_apex_adam"},
+    "": {"cudnn_deterministic", "cudnn_benchmark", "generation", "use_fp32_norm", "use_apex_adam", "metric_dtype"},
     "model": {"embed_split_hidden", "parallel_output", "qk_interleaved", "enable_qkv_fusion", "use_flash_attn",
               "max_position_embeddings", "mlp_layer_fusion"},
-    "data": {"empty_cache_and_diag_interval", "diag_outlier_ratio", "use_packed_dataset", "tokenizer_path", "use_shm"},
-    "ckpt": {"async_upload", "async_upload_tmp_folder", "oss_snapshot_freq", "stop_file_path"},
+    "data": {"empty_cache_and_diag_interval", "diag_outlier_ratio", "use_packed_dataset", "tokenizer_path", "use_shm",
+             "shm_path", "packed_length"},
+    "ckpt": {"async_upload", "async_upload_tmp_folder", "oss_snapshot_freq", "stop_file_path", "generate_meta_data"},
     "hybrid_zero_optimizer": {"overlap_sync_grad", "overlap_sync_param", "reduce_bucket_size", "use_split_tensor_optim",
                               "all_gather_size"},
     "monitor": {"alert"},
@@ -104,6 +105,15 @@ def _drop_moe_keys(config: dict[str, Any]) -> None:
                 del part[key]
 
 
+def _internevo_only_keys(config: dict[str, Any]) -> bool:
+    """Whether a config carries keys only InternEvo's configs have (this trainer's own never do)."""
+    model, parallel = config.get("model"), config.get("parallel")
+    model_keys = {"num_chunks", "layer_norm_epsilon", "no_bias", "embed_split_hidden"}
+    return (isinstance(model, dict) and bool(model_keys & model.keys())) or (
+        isinstance(parallel, dict) and "zero1" in parallel
+    )
+
+
 def _refuse_unless(t: Translation, name: str, value: Any, allowed: Any, fix: str) -> None:
     if value is not MISSING and value != allowed and not (isinstance(allowed, tuple) and value in allowed):
         t.refused.append(f"{name}={value!r}: {fix}")
@@ -114,6 +124,11 @@ def _refuse_unless(t: Translation, name: str, value: Any, allowed: Any, fix: str
 
 def _model(t: Translation) -> None:
     model_type = _pop(t, "", "model_type")
+    given_type = isinstance(t.config.get("model"), dict) and "type" in t.config["model"]
+    if model_type is MISSING and not given_type and _internevo_only_keys(t.config):
+        # InternEvo's args_sanity_check: a config without model_type builds InternLM v1 (7B_sft.py has none)
+        model_type = "INTERNLM"
+        t.mapped.append("no model_type in an InternEvo config: InternEvo's default, 'INTERNLM' (v1)")
     if model_type in MOE_MODEL_TYPES:
         t.refused.append(
             f"model_type={model_type!r}: no InternEvo MoE model here; train an HF MoE model "
@@ -134,8 +149,9 @@ def _model(t: Translation) -> None:
         t.mapped.append("model.multiple_of=256 (InternEvo's SwiGLU width rounding)")
     no_bias = _pop(t, "model", "no_bias")
     if no_bias is not MISSING or model_type == "INTERNLM":
-        # InternEvo: the attention projections have biases unless no_bias (InternLM v1's MHA always has them)
-        model["attention_bias"] = no_bias is False or (no_bias is MISSING and model_type == "INTERNLM")
+        # InternEvo: the attention projections have biases unless no_bias; InternLM v1's always have them
+        # (modeling_internlm.py passes bias=True whatever no_bias says)
+        model["attention_bias"] = no_bias is False or model_type == "INTERNLM"
         t.mapped.append(
             f"model.no_bias={no_bias if no_bias is not MISSING else 'unset'} -> model.attention_bias={model['attention_bias']}"
         )
@@ -147,6 +163,16 @@ def _model(t: Translation) -> None:
         "interleaved pipeline chunks need pipeline parallelism; set 1",
     )
     _refuse_unless(t, "model.norm_type", _pop(t, "model", "norm_type"), "rmsnorm", "only rmsnorm here")
+    _refuse_unless(
+        t, "model.norm_head", _pop(t, "model", "norm_head"), False, "the head is not normalised here; set False"
+    )
+    _refuse_unless(
+        t,
+        "model.use_sliding_window",
+        _pop(t, "model", "use_sliding_window"),
+        False,
+        "sliding-window attention is not built here; set False",
+    )
     _refuse_unless(
         t,
         "model.apply_post_layer_norm",

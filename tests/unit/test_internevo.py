@@ -185,10 +185,11 @@ def test_hf_weights_through_load_ckpt_info_load_into_the_native_model():
 
 @pytest.mark.parametrize(
     "model_type, no_bias, bias",
-    [("INTERNLM", None, True), ("INTERNLM", True, False), ("INTERNLM2", None, False), ("INTERNLM2", False, True)],
+    [("INTERNLM", None, True), ("INTERNLM", True, True), ("INTERNLM2", None, False), ("INTERNLM2", False, True)],
 )
 def test_internevo_biases_and_swiglu_width_are_internevos(model_type, no_bias, bias):
-    """InternLM v1's attention has biases unless `no_bias`; InternEvo's SwiGLU width rounds to 256."""
+    """InternLM v1's attention always has biases (InternEvo ignores its no_bias), InternLM2's unless `no_bias`;
+    InternEvo's SwiGLU width rounds to 256."""
     model = {"num_layers": 2, "hidden_size": 96, "num_attention_heads": 4, "mlp_ratio": 8 / 3}
     if no_bias is not None:
         model["no_bias"] = no_bias
@@ -217,3 +218,19 @@ def test_internevo_develop_infrastructure_keys_are_ignored_by_name():
         "hybrid_zero_optimizer.use_split_tensor_optim", "hybrid_zero_optimizer.all_gather_size",
     }  # fmt: skip
     resolve_config(raw)
+
+
+def test_an_internevo_config_without_model_type_is_internlm_v1_as_in_internevo():
+    """7B_sft.py names no model_type: InternEvo builds InternLM v1 (attention biases, width rounded to 256)."""
+    raw = load_config_file(SHRUNK)
+    raw.pop("model_type")
+    cfg = resolve_config(raw)
+    assert cfg.model.type == "internlm2" and cfg.model.attention_bias and cfg.model.multiple_of == 256
+    assert not resolve_config({"model": {"num_layers": 2}}).model.attention_bias  # this trainer's own configs
+
+
+@pytest.mark.parametrize("key", ["norm_head", "use_sliding_window"])
+def test_internevo_model_features_not_built_here_are_refused_when_on(key):
+    with pytest.raises(ConfigError, match=f"model.{key}=True"):
+        resolve_config({"model_type": "INTERNLM2", "model": {key: True}})
+    resolve_config({"model_type": "INTERNLM2", "model": {key: False}})

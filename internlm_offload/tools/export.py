@@ -104,6 +104,11 @@ def export_internevo(
             f"--internevo needs a run of model.type='internlm2'; this one is {run['model']['type']!r}"
         )
     model = native_model_config(run["model"])
+    if tp > 1 and not wp and model.num_kv_attention_heads % tp:
+        raise CheckpointError(
+            f"--tp {tp}: the model's {model.num_kv_attention_heads} kv heads do not split into {tp} ranks (InternEvo's "
+            "tensor ranks hold whole kv groups of wqkv)"
+        )
     tensors = to_format(weights, INTERNEVO, Heads(model.num_attention_heads, model.num_kv_attention_heads))
     write_internevo_files({name: t.to(dtype) for name, t in tensors.items()}, out_dir, tp=tp, wp=wp)
 

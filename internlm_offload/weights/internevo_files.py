@@ -136,7 +136,7 @@ def write_internevo_files(tensors: dict[str, torch.Tensor], folder: Path, *, tp:
     ranks, isp = (wp, True) if wp else (tp, False)
     per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(ranks)]
     for name, tensor in tensors.items():
-        dims = next((d for key, d in _SPLIT_DIMS.items() if name.endswith(f"{key}.weight")), None)
+        dims = _split_dims(name)
         pieces = [tensor] * ranks if dims is None or ranks == 1 else split_even(tensor, ranks, dims[isp], name)
         for state, piece in zip(per_rank, pieces):
             state[name] = piece.contiguous()
@@ -147,6 +147,14 @@ def write_internevo_files(tensors: dict[str, torch.Tensor], folder: Path, *, tp:
         torch.save(state, path)
         written.append(path)
     return written
+
+
+def _split_dims(name: str) -> tuple[int, int] | None:
+    """(mtp dim, isp dim) a weight is split along; None: whole on every rank. A column-parallel bias splits
+    with its rows (wqkv's); a row-parallel bias (wo's) is whole."""
+    if name.endswith("attention.wqkv.bias"):
+        return _SPLIT_DIMS["attention.wqkv"]
+    return next((dims for key, dims in _SPLIT_DIMS.items() if name.endswith(f"{key}.weight")), None)
 
 
 def _indices(values: set[int | None]) -> list[int | None]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 from typing import Any
 
+from internlm_offload.errors import DataError
 from internlm_offload.weights.hf_folder import native_model_values, read_config
 from internlm_offload.xtuner.standins import Recorded, field, kind
 
@@ -96,7 +97,11 @@ def _model(t: Translation, trainer: Any) -> None:
     except Exception as exc:  # a missing or broken folder: CheckpointError names it
         t.fatal.append(f"load_from={str(load_from)!r}: {exc}")
         return
-    native = native_model_values(hf)
+    try:
+        native = native_model_values(hf)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a config.json missing a size
+        t.fatal.append(f"load_from={str(load_from)!r}: config.json lacks a usable {exc}")
+        return
     if native is None:
         t.set("model", "type", "hf_causal_lm")
         t.set("model", "hf_path", str(folder))
@@ -242,8 +247,14 @@ def _run(t: Translation, trainer: Any, source: Path) -> None:
     if steps is not None:
         t.set("data", "total_steps", int(steps))
         t.carried.append("total_step -> data.total_steps")
-    elif epochs is not None and "data" in t.config and not t.fatal:
-        packs = _count_packs(t.config)
+    elif epochs is not None and ("data" not in t.config or t.fatal):
+        pass  # the epochs cannot be counted without the data and model: the fatal problems above say why
+    elif epochs is not None:
+        try:
+            packs = _count_packs(t.config)
+        except (DataError, OSError) as exc:
+            t.fatal.append(f"total_epoch={epochs}: the data cannot be counted: {exc}")
+            return
         batch = t.config["data"].get("global_bsz", 1)
         t.set("data", "total_steps", max(1, math.ceil(epochs * packs / batch)))
         t.carried.append(f"total_epoch={epochs} -> data.total_steps={t.config['data']['total_steps']} "
@@ -267,6 +278,8 @@ def _run(t: Translation, trainer: Any, source: Path) -> None:
     for name, section, key in (("seed", "", "seed"), ("checkpoint_interval", "ckpt", "checkpoint_every"),
                                ("checkpoint_maxkeep", "ckpt", "keep_last"), ("auto_resume", "ckpt", "auto_resume")):  # fmt: skip
         value = field(trainer, name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            value = 0  # XTuner's -1 (no interval, keep all) is 0 here
         if value is not None:
             t.set(section, key, value)
             t.carried.append(f"{name} -> {f'{section}.' if section else ''}{key}")

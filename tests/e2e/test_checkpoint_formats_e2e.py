@@ -191,7 +191,9 @@ def test_bad_folders_and_outputs_are_one_line_exit_2(exported, tmp_path):
     before = sorted(p.name for p in exported["tp2"].iterdir())
     assert_clean_error(export(exported["dcp"], exported["tp2"], "--hf"), "exists and is not an empty folder")
     assert sorted(p.name for p in exported["tp2"].iterdir()) == before
-    assert_clean_error(export(exported["dcp"], tmp_path / "odd", "--internevo", "--tp", "3"), "into 3 equal pieces")
+    assert_clean_error(
+        export(exported["dcp"], tmp_path / "odd", "--internevo", "--tp", "3"), "2 kv heads do not split into 3 ranks"
+    )
     assert not (tmp_path / "odd").exists() and not list(tmp_path.glob(".odd.*"))
 
 

@@ -322,3 +322,17 @@ def test_an_hf_folder_of_another_model_says_which_keys_to_set(tmp_path):
         load(tmp_path, "hf")
     with pytest.raises(CheckpointError, match='no params.json .* \\(a Hugging Face folder: ckpt_type="hf_llama"\\)'):
         load(tmp_path, "llama")
+
+
+def test_a_biased_export_splits_wqkv_bias_with_its_rows_and_keeps_wo_bias_whole(tmp_path):
+    from internlm_offload.weights.internevo_files import write_internevo_files
+
+    torch.manual_seed(9)
+    model = build_model(run_config(attention_bias=True).model, torch.device("cpu"))
+    native = {name: t.detach().normal_() for name, t in model.state_dict().items()}
+    fused = to_format(native, INTERNEVO, Heads(HEADS, KV_HEADS))
+    write_internevo_files(fused, tmp_path, tp=2)
+    rank0 = torch.load(tmp_path / "model_tp0_pp0.pt", weights_only=True)
+    assert torch.equal(rank0["layers.0.attention.wqkv.bias"], fused["layers.0.attention.wqkv.bias"].chunk(2)[0])
+    assert torch.equal(rank0["layers.0.attention.wo.bias"], fused["layers.0.attention.wo.bias"])
+    assert_bitwise(load(tmp_path, attention_bias=True), native)

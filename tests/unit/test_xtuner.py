@@ -47,3 +47,16 @@ def test_xtuners_defaults_fill_the_mapping_and_the_problems_are_named(tmp_path: 
     assert t.config["model"]["checkpoint"] == 1.0  # FSDPConfig's recompute_ratio default
     assert any("fsdp_cfg.tp_size=2" in line for line in t.dropped)
     assert any("without load_from" in line for line in t.fatal) and any("no dataset" in line for line in t.fatal)
+
+
+def test_xtuners_minus_one_intervals_and_an_uncountable_epoch_are_handled(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.py"
+    path.write_text(
+        CONFIG.replace(
+            "total_step=5", "total_epoch=1, checkpoint_interval=-1, checkpoint_maxkeep=-1, load_from='/nowhere'"
+        )
+    )
+    t = translate_trainer(load_trainer(path), path)
+    assert t.config["ckpt"]["checkpoint_every"] == 0 and t.config["ckpt"]["keep_last"] == 0
+    assert any("load_from='/nowhere'" in line for line in t.fatal)
+    assert not any("neither total_step nor total_epoch" in line for line in t.fatal)

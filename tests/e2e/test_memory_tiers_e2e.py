@@ -91,10 +91,12 @@ def test_nvme_tier_under_fsdp2_trains_the_baseline_curve_bitwise(tmp_path):
     assert not list(nvme.iterdir())
 
 
-def test_fsdp2_cpu_offload_policy_aligns_with_fsdp2(tmp_path):
-    """FSDP2's own CPUOffloadPolicy (params, grads, states on the host) changes no bits on CPU."""
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_fsdp2_cpu_offload_policy_aligns_with_fsdp2(tmp_path, dtype):
+    """FSDP2's own CPUOffloadPolicy (params, grads, states on the host; bf16: the fp32 shards are the masters)
+    changes no bits on CPU, on two ranks."""
     base, offloaded = tmp_path / "base", tmp_path / "policy"
-    options = ["data.total_steps=4", "ckpt.enable_save_ckpt=False", "parallel.mode=fsdp2"]
+    options = ["data.total_steps=4", "ckpt.enable_save_ckpt=False", "parallel.mode=fsdp2", f"model.dtype={dtype}"]
     train(base, *options, nproc=2)
     proc = train(offloaded, *options, "parallel.fsdp_cpu_offload=True", nproc=2)
     assert "with CPU offload policy" in proc.stderr

@@ -118,10 +118,17 @@ def _spawn(work_dir, *options, resume=False):
     [
         ("torch.float16", []),  # fp32 masters and the loss scaler's state
         ("torch.bfloat16", ["swap_optimizer=True", "grad_offload=True"]),  # host masters, states and gradients
+        ("torch.bfloat16", ["swap_optimizer=True", "nvme_offload.enable=True", "nvme_offload.path={nvme}"]),
+        ("torch.bfloat16", ["parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=True"]),  # params on the host
     ],
+    ids=["fp16", "bf16-swap-grad-offload", "bf16-nvme", "bf16-fsdp-cpu-offload"],
 )
 def test_kill_9_and_resume_is_bitwise_in_low_precision(tmp_path, dtype, offload):
-    """SIGKILL mid-run, `--resume` from the last checkpoint: every step equals the uninterrupted run's."""
+    """SIGKILL mid-run, `--resume` from the last checkpoint: every step equals the uninterrupted run's (the
+    NVMe tier's file dies with the process: the states come back from the DCP checkpoint)."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    offload = [option.format(nvme=nvme) for option in offload]
     options = ["data.total_steps=40", "ckpt.checkpoint_every=3", "ckpt.keep_last=0", f"model.dtype={dtype}", *offload]
     full, killed = tmp_path / "full", tmp_path / "killed"
     assert _spawn(full, *options).wait(timeout=600) == 0

@@ -27,11 +27,13 @@ from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
 from internlm_offload.engine.parallel import materialize_shards
 from internlm_offload.engine.precision import MasterWeights, Masters, NoMasters, PrecisionPolicy, cast_model
-from internlm_offload.engine.runtime import RunContext, env_local_world_size, set_determinism
+from internlm_offload.engine.runtime import RunContext, data_parallel_group, env_local_world_size, set_determinism
+from internlm_offload.engine.tensor_parallel import align_grads_in_backward, apply_tensor_parallel
 from internlm_offload.engine.trainer import Trainer, TrainerSettings
 from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
+from internlm_offload.offload.plan import LayerMode
 from internlm_offload.offload.selective_offload import SelectiveOffloader
 from internlm_offload.optim import build_lr_scheduler, param_groups
 from internlm_offload.optim.adamw import AdamW, fused_supported
@@ -118,6 +120,7 @@ def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
     model = cfg.model
     return (
         cfg.parallel.mode == "fsdp2"
+        and cfg.parallel.tensor.size == 1  # tensor parallel distributes the whole model's seeded weights
         and cfg.parallel.meta_init
         and model.type == "internlm2"
         and not model.tie_word_embeddings
@@ -291,8 +294,8 @@ def build_loader(cfg: RunConfig, ctx: RunContext, tokenizer: Tokenizer | None) -
         len(dataset),
         micro_bsz=samples_per_micro_batch,
         micro_num=data.micro_num,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
+        rank=ctx.dp_rank,  # a tensor group's ranks read the same micro-batches
+        world_size=ctx.dp_size,
         seed=data.seed,
         shuffle=data.shuffle,
     )
@@ -306,12 +309,14 @@ def build_evaluator(cfg: RunConfig, ctx: RunContext) -> Evaluator | None:
     sets = find_validation_sets(data.valid_folder, seq_len=data.seq_len, min_length=data.min_length)
     evaluator = Evaluator(
         sets,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
+        rank=ctx.dp_rank,
+        world_size=ctx.dp_size,
         micro_bsz=data.micro_bsz,
         valid_micro_num=data.valid_micro_num,
         device=ctx.device,
         distributed=ctx.distributed,
+        loss_parallel=cfg.parallel.tensor.size > 1 and cfg.model.parallel_output,
+        group=data_parallel_group(ctx),
     )
     for name in evaluator.empty_sets:
         logger.warning("validation set %r has fewer documents than data-parallel ranks; skipped", name)
@@ -362,14 +367,32 @@ def build_components(
     model = build_model(cfg.model, torch.device("meta") if meta else ctx.device)
     if check_model is not None:
         check_model(model)
+    if ctx.tensor_size > 1:  # before the precision policy: the masters copy the DTensor shards
+        # fsp's gathers run again in backward where the layer plan leaves a block plain (checkpointed blocks
+        # keep only their input anyway; offloaded ones move what they save to the host)
+        plain = build_layer_plan(cfg, len(model.layers)).layers_with(LayerMode.PLAIN)
+        apply_tensor_parallel(
+            model,
+            ctx.mesh["tp"],
+            mode=cfg.parallel.tensor.mode,
+            parallel_output=cfg.model.parallel_output,
+            gather_again_in=set(plain),
+        )
     # The swap optimizer swaps the masters with its states, the hybrid one steps its CPU share on the host:
     # those masters then live in (pinned) host memory only.
     cpu_mask = hybrid_cpu_mask(cfg, model)
     host_names = host_master_names(cfg, model, cpu_mask)
     host_empty = ctx.accelerator.host_empty if host_names is None or host_names else None
     kept_masters = cast_model(
-        model, policy, fsdp=cfg.parallel.mode == "fsdp2", host_empty=host_empty, host_names=host_names
+        model,
+        policy,
+        fsdp=cfg.parallel.mode == "fsdp2",
+        host_empty=host_empty,
+        host_names=host_names,
+        reduce_group=data_parallel_group(ctx),
     )
+    if ctx.tensor_size > 1:  # after the cast (it may swap the parameters) and before any other grad hook
+        align_grads_in_backward(model)
     logger.info("Precision: %s", policy.describe())
     layers: nn.ModuleList = model.layers
     # 2.-3. per-layer plan, applied to the bare blocks
@@ -385,6 +408,7 @@ def build_components(
         "ddp": dict(bucket_cap_mb=par.bucket_cap_mb),
         "fsdp2": dict(
             layers=layers,
+            mesh=ctx.mesh["dp"] if ctx.mesh is not None else None,
             reshard_after_forward=par.reshard_after_forward,
             cpu_offload=par.fsdp_cpu_offload,
             mixed_precision=policy.fsdp_mixed_precision(),
@@ -455,6 +479,7 @@ def trainer_settings(
         skip_batches=tuple(cfg.data.skip_ranges()),
         predicted_device_peak_bytes=predicted_device_peak,
         runtime_memory_bytes=runtime_memory,
+        loss_parallel=cfg.parallel.tensor.size > 1 and cfg.model.parallel_output,
     )
 
 

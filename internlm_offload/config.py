@@ -79,6 +79,12 @@ class ModelConfig(Section):
         "Llama's `attention_bias`). The MLP and head never have biases.",
     )
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
+    parallel_output: bool = Field(
+        True,
+        description="Under tensor parallel (`parallel.tensor.size > 1`): the head's logits stay vocab-sharded and "
+        "the loss is computed on the shards (torch's `loss_parallel`), as InternEvo's `parallel_output=True`; False "
+        "gathers the whole logits on every rank. No effect otherwise.",
+    )
     attn_impl: Literal["auto", "sdpa", "flash", "eager"] = Field(
         "auto",
         description="Attention kernel: `sdpa`, `flash` (flash-attn; `flash_attention_2` for `hf_causal_lm`), "
@@ -148,7 +154,8 @@ class DataConfig(Section):
         None,
         ge=1,
         description="Samples per optimizer step over all ranks. When set, `micro_num` is derived as "
-        "`global_bsz / (micro_bsz * world_size)`, so runs on different world sizes see the same batches.",
+        "`global_bsz / (micro_bsz * data-parallel ranks)` (the world size over `parallel.tensor.size`), so runs on "
+        "different world sizes see the same batches.",
     )
     total_steps: int = Field(100, ge=1, description="Optimizer steps to train.")
     shuffle: bool = Field(True, description="Shuffle samples each epoch (seeded).")
@@ -256,6 +263,24 @@ class HybridZeroOptimizerConfig(Section):
     clip_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables.")
 
 
+class TensorParallelConfig(Section):
+    size: int = Field(1, ge=1, description="Tensor-parallel group size T (innermost: ranks r..r+T-1 form one group).")
+    mode: Literal["mtp", "msp", "fsp", "isp"] = Field(
+        "mtp",
+        description="InternEvo's tensor mode: `mtp` (column/row-parallel projections, activations replicated), "
+        "`msp` (mtp + sequence-sharded activations between them), `fsp` (msp, backward gathers the sequence again "
+        "instead of keeping it), `isp` (not built yet: refused). docs/parallelism.md.",
+    )
+
+
+class WeightParallelConfig(Section):
+    size: int = Field(1, ge=1, description="InternEvo's weight parallel (isp only, InternEvo's rule): not built yet.")
+    overlap: bool = Field(
+        False, description="InternEvo's weight all-gather overlap; no effect without weight parallel."
+    )
+    memory_pool: bool = Field(False, description="InternEvo's allocator pool for weight parallel: no effect here.")
+
+
 class ParallelConfig(Section):
     mode: Literal["none", "ddp", "fsdp2"] = Field(
         "none", description="`none` (one process), `ddp`, or `fsdp2` (`fully_shard` per block, then the root)."
@@ -268,6 +293,8 @@ class ParallelConfig(Section):
         "and the optimizer steps on the CPU (most device memory saved, slowest). Excludes the swap and hybrid optimizers. "
         '`"auto"` (with `memory_budget`): the planner chooses.',
     )
+    tensor: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    weight: WeightParallelConfig = Field(default_factory=WeightParallelConfig)
     meta_init: bool = Field(
         True,
         description="`fsdp2` with `internlm2` (untied embeddings, fp32 or fp32-master params): build on the meta "
@@ -576,6 +603,8 @@ class RunConfig(Section):
                 f"model.hidden_size={self.model.hidden_size} must be divisible by model.num_attention_heads={heads}, "
                 f"and that by model.num_kv_attention_heads={kv_heads}"
             )
+        if self.parallel.tensor.size > 1 or self.parallel.weight.size > 1:
+            self._check_tensor_parallel()
         info = self.ckpt.load_ckpt_info
         if info is not None and info.ckpt_type != "internevo" and self.model.type != "internlm2":
             raise ValueError(
@@ -585,6 +614,54 @@ class RunConfig(Section):
         if self.data.type == "text" and not self.data.paths:
             raise ValueError("data.type='text' needs data.paths (files or folders of .txt/.jsonl)")
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        """What the tensor modes need of the model and which features compose with them (docs/parallelism.md)."""
+        tensor, weight, model = self.parallel.tensor, self.parallel.weight, self.model
+        if weight.size > 1 and tensor.mode != "isp":
+            raise ValueError(
+                f"parallel.weight.size={weight.size} works only with parallel.tensor.mode='isp' (InternEvo's rule), "
+                f"got mode={tensor.mode!r}; set weight.size=1"
+            )
+        if tensor.mode == "isp":
+            raise ValueError(
+                f"parallel.tensor.mode='isp' (size {tensor.size}) is not built yet: use mode 'msp' or 'fsp' for "
+                "sequence-sharded activations, or 'mtp'"
+            )
+        T = tensor.size
+        if self.parallel.mode == "ddp":
+            raise ValueError(
+                f"parallel.mode='ddp' with parallel.tensor.size={T}: DDP does not take torch's tensor-parallel "
+                "DTensors; use parallel.mode='fsdp2' (FSDP2 over the data-parallel dim, tensor groups inside)"
+            )
+        if model.type != "internlm2":
+            raise ValueError(f"parallel.tensor.size={T} needs model.type='internlm2', got {model.type!r}")
+        if model.tie_word_embeddings:
+            raise ValueError(f"parallel.tensor.size={T}: model.tie_word_embeddings=True is not sharded here; set False")
+        from internlm_offload.model.internlm2 import intermediate_size
+
+        divisible = {
+            "model.num_attention_heads": model.num_attention_heads,
+            "model.num_kv_attention_heads": model.num_kv_attention_heads,
+            "the SwiGLU width (model.hidden_size * mlp_ratio rounded up to multiple_of)": intermediate_size(
+                model.hidden_size, model.mlp_ratio, model.multiple_of
+            ),
+        }
+        if tensor.mode in ("msp", "fsp"):
+            divisible["data.seq_len"] = self.data.seq_len
+        for name, value in divisible.items():
+            if value % T:
+                raise ValueError(
+                    f"parallel.tensor.size={T} (mode {tensor.mode!r}) must divide {name}={value}: each rank holds "
+                    f"1/{T} of it; choose a tensor size that divides it"
+                )
+        features = {
+            "parallel.fsdp_cpu_offload": self.parallel.fsdp_cpu_offload,
+            "selective_checkpoint_offload": self.selective_checkpoint_offload,
+        }
+        for name, on in features.items():
+            if on:
+                raise ValueError(f"{name}=True does not compose with parallel.tensor.size={T} yet; set it off")
 
     def _check_grad_offload(self) -> None:
         hybrid = self.hybrid_optimizer
@@ -642,7 +719,7 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
         raise ConfigError(report_problems(problems))
     cfg._migration = translation
     cfg._auto_knobs = auto
-    _derive_batch(cfg, world_size)
+    _derive_batch(cfg, _data_parallel_size(cfg, world_size))
     if cfg.lr_scheduler.total_steps is None:
         cfg.lr_scheduler.total_steps = cfg.data.total_steps
     if cfg.data.seed is None:
@@ -652,12 +729,32 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
             f"parallel.fsdp_cpu_offload='auto' needs parallel.mode='fsdp2' (FSDP2's CPU offload policy), "
             f"got {cfg.parallel.mode!r}"
         )
+    if auto and cfg.parallel.tensor.size > 1:
+        raise ConfigError(
+            f"{auto[0]}='auto' with parallel.tensor.size={cfg.parallel.tensor.size}: the planner does not search "
+            "under tensor parallel yet; set the memory knobs by hand"
+        )
     if "nvme_offload.enable" in auto and cfg.nvme_offload.path is None:
         raise ConfigError("nvme_offload.enable='auto' needs nvme_offload.path, the directory the planner may choose")
-    # A 1-process ddp/fsdp2 run is legal (handy to debug the wrappers); several processes need one.
-    if cfg.parallel.mode == "none" and world_size > 1:
-        raise ConfigError(f"parallel.mode='none' with world size {world_size}: use parallel.mode='ddp' or 'fsdp2'")
+    # A 1-process ddp/fsdp2 run is legal (handy to debug the wrappers); several data-parallel ranks need one.
+    data_parallel = _data_parallel_size(cfg, world_size)
+    if cfg.parallel.mode == "none" and data_parallel > 1:
+        raise ConfigError(
+            f"parallel.mode='none' with {data_parallel} data-parallel ranks (world size {world_size}, tensor size "
+            f"{cfg.parallel.tensor.size}): use parallel.mode='ddp' or 'fsdp2'"
+        )
     return cfg
+
+
+def _data_parallel_size(cfg: RunConfig, world_size: int) -> int:
+    """Ranks that read different micro-batches: the world over the tensor groups (tensor ranks innermost)."""
+    tensor = cfg.parallel.tensor.size
+    if tensor > world_size or world_size % tensor:
+        raise ConfigError(
+            f"parallel.tensor.size={tensor} must divide the world size {world_size} (torchrun --nproc-per-node x "
+            f"nodes); choose a tensor size that divides it"
+        )
+    return world_size // tensor
 
 
 def take_auto_knobs(raw: dict[str, Any]) -> tuple[str, ...]:
@@ -674,16 +771,16 @@ def take_auto_knobs(raw: dict[str, Any]) -> tuple[str, ...]:
     return tuple(auto)
 
 
-def _derive_batch(cfg: RunConfig, world_size: int) -> None:
+def _derive_batch(cfg: RunConfig, data_parallel: int) -> None:
     data = cfg.data
     if data.global_bsz is None:
-        data.global_bsz = data.micro_bsz * data.micro_num * world_size
+        data.global_bsz = data.micro_bsz * data.micro_num * data_parallel
         return
-    per_step = data.micro_bsz * world_size
+    per_step = data.micro_bsz * data_parallel
     if data.global_bsz % per_step:
         raise ConfigError(
-            f"data.global_bsz={data.global_bsz} is not divisible by data.micro_bsz * world_size = "
-            f"{data.micro_bsz} * {world_size}; choose a multiple of {per_step}"
+            f"data.global_bsz={data.global_bsz} is not divisible by data.micro_bsz * data-parallel ranks = "
+            f"{data.micro_bsz} * {data_parallel}; choose a multiple of {per_step}"
         )
     data.micro_num = data.global_bsz // per_step
 

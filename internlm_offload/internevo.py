@@ -6,7 +6,7 @@ of three fates here, listed in docs/migrating.md:
   `parallel.weight.size` → FSDP2, `local:` paths, ...);
 - ignored: no effect on the run here (alerts, tensorboard, communication overlap flags, ...); listed
   in one info line at start;
-- refused: honouring it would change the run (tensor or pipeline parallelism, boto3 storage, a beta2
+- refused: honouring it would change the run (pipeline parallelism, 2D sequence parallel, boto3 storage, a beta2
   schedule, ...); every refusal of a config is reported together, naming the key and what to change.
 Keys this trainer does not know at all are left alone: the schema refuses them as typos.
 
@@ -36,7 +36,7 @@ MOE_MODEL_KEYS = {"num_experts", "top_k", "num_shared_experts", "first_k_dense_r
 # Keys that change nothing here, by section ("" is the top level).
 IGNORED = {
     "": {"cudnn_deterministic", "cudnn_benchmark", "generation", "use_fp32_norm", "use_apex_adam", "metric_dtype"},
-    "model": {"embed_split_hidden", "parallel_output", "qk_interleaved", "enable_qkv_fusion", "use_flash_attn",
+    "model": {"embed_split_hidden", "qk_interleaved", "enable_qkv_fusion", "use_flash_attn",
               "max_position_embeddings", "mlp_layer_fusion"},
     "data": {"empty_cache_and_diag_interval", "diag_outlier_ratio", "use_packed_dataset", "tokenizer_path", "use_shm",
              "shm_path", "packed_length"},
@@ -46,6 +46,10 @@ IGNORED = {
     "monitor": {"alert"},
     "loss": {"op_type"},
 }  # fmt: skip
+
+
+# InternEvo's knobs of when weight parallel's all-gathers are launched (develop, 2025).
+WEIGHT_SCHEDULING = ("launch_allgather_before", "forward_overlap_per")
 
 
 @dataclass
@@ -322,35 +326,51 @@ def _monitor(t: Translation) -> None:
 
 
 def _parallel(t: Translation, world_size: int) -> None:
+    """InternEvo's parallel section: `tensor` and `weight` keep their meaning (checked by the schema), the
+    data-parallel wrapper follows from zero1.fsdp / weight parallel / the data-parallel size."""
     parallel = t.config.get("parallel")
     if not isinstance(parallel, dict) or "mode" in parallel:
         return
     internevo_keys = {"zero1", "tensor", "pipeline", "weight", "sequence_2D", "expert", "expert_weight"}
     if not internevo_keys & parallel.keys():
         return
-    tensor, pipeline, weight = (_size(parallel.pop(key, None)) for key in ("tensor", "pipeline", "weight"))
+    tensor, pipeline, weight = (_size(parallel.get(key)) for key in ("tensor", "pipeline", "weight"))
+    parallel.pop("pipeline", None)
     zero1 = parallel.pop("zero1", None)
     seq2d = parallel.pop("sequence_2D", None)
     parallel.pop("expert", None), parallel.pop("expert_weight", None)
-    if tensor > 1:
-        t.refused.append(f"parallel.tensor.size={tensor}: no tensor parallelism here; set 1 (FSDP2 shards instead)")
+    for key in ("tensor", "weight"):
+        if isinstance(parallel.get(key), int):  # InternEvo also takes `tensor=2`
+            parallel[key] = dict(size=parallel[key])
+    if isinstance(parallel.get("weight"), dict):  # weight parallel's all-gather scheduling: no effect here
+        for knob in WEIGHT_SCHEDULING:
+            if parallel["weight"].pop(knob, MISSING) is not MISSING:
+                t.ignored.append(f"parallel.weight.{knob}")
     if pipeline > 1:
         t.refused.append(f"parallel.pipeline.size={pipeline}: no pipeline parallelism here; set 1")
-    if weight > world_size:
-        t.refused.append(
-            f"parallel.weight.size={weight} is larger than the world size {world_size}; set at most "
-            f"{world_size} (weight parallelism maps onto FSDP2 over all ranks)"
-        )
     if isinstance(seq2d, dict) and seq2d.get("enable"):
-        t.refused.append("parallel.sequence_2D.enable=True: no sequence parallelism here; set False")
+        t.refused.append(
+            "parallel.sequence_2D.enable=True: 2D sequence parallel (ring attention over a context group) is not "
+            "built here; set False (isp's Ulysses is parallel.tensor.mode='isp')"
+        )
+    if tensor == 1 and weight > 1:
+        # isp over a tensor group of one: weight parallel alone is FSDP over `weight` ranks; here over all ranks
+        if weight > world_size:
+            t.refused.append(
+                f"parallel.weight.size={weight} is larger than the world size {world_size}; set at most "
+                f"{world_size} (weight parallelism maps onto FSDP2 over all ranks)"
+            )
+        parallel["weight"] = {**parallel["weight"], "size": 1}
+        t.mapped.append(f"parallel.weight.size={weight} with tensor.size=1 -> parallel.mode='fsdp2' over all ranks")
     fsdp = isinstance(zero1, dict) and bool(zero1.get("fsdp"))
-    if weight > 1 or fsdp:
-        parallel["mode"] = "fsdp2"
-    elif world_size > 1:
+    data_parallel = max(1, world_size // tensor)
+    if (tensor == 1 and weight > 1) or fsdp or (tensor > 1 and data_parallel > 1):
+        parallel["mode"] = "fsdp2"  # tensor parallel: FSDP2 over the data-parallel dim (DDP takes no DTensors)
+    elif data_parallel > 1:
         parallel["mode"] = "ddp"  # ZeRO-1 sharding of the optimizer states is not done here: all ranks hold them
     else:
         parallel["mode"] = "none"
-    t.mapped.append(f"parallel (zero1/tensor/pipeline/weight) -> parallel.mode={parallel['mode']!r}")
+    t.mapped.append(f"parallel (zero1/pipeline/weight) -> parallel.mode={parallel['mode']!r}")
 
 
 def _size(section: Any) -> int:

@@ -10,6 +10,7 @@ import torch.nn as nn
 from internlm_offload.data.tokenized import IGNORE_INDEX
 from internlm_offload.data.validation import ValidationSet
 from internlm_offload.engine.loss import token_loss_sum
+from internlm_offload.engine.tensor_parallel import local_loss, loss_context
 
 
 class Evaluator:
@@ -25,10 +26,15 @@ class Evaluator:
         valid_micro_num: int,
         device: torch.device,
         distributed: bool,
+        loss_parallel: bool = False,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
+        """`loss_parallel`: vocab-sharded logits (tensor parallel); `group`: the data-parallel ranks (None: all)."""
         self.sets = list(sets)
         self.device = device
         self.distributed = distributed
+        self.loss_parallel = loss_parallel
+        self.group = group
         sizes = dict(rank=rank, world_size=world_size, micro_bsz=micro_bsz, valid_micro_num=valid_micro_num)
         self._batches = {s.name: s.rank_batches(**sizes) for s in self.sets}
 
@@ -47,7 +53,7 @@ class Evaluator:
         finally:
             model.train(was_training)
         if self.distributed:
-            dist.all_reduce(sums)
+            dist.all_reduce(sums, group=self.group)
         per_set = sums.tolist()
         total_loss, total_tokens = (sum(col) for col in zip(*per_set))
         record = _loss_record("", total_loss, total_tokens)
@@ -63,9 +69,10 @@ class Evaluator:
             samples = [vset.sample(i) for i in indices]
             input_ids = torch.stack([s[0] for s in samples]).to(self.device)
             labels = torch.stack([s[1] for s in samples]).to(self.device)
-            out = model(input_ids)
-            logits = out[0] if isinstance(out, tuple) else out
-            loss = token_loss_sum(logits, labels)
+            with loss_context(self.loss_parallel):
+                out = model(input_ids)
+                logits = out[0] if isinstance(out, tuple) else out
+                loss = local_loss(token_loss_sum(logits, labels))
             acc += torch.stack([loss.double(), (labels != IGNORE_INDEX).sum().double()])
         return acc
 

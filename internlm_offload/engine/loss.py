@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from internlm_offload.optim.dtensor import is_dtensor
+
 CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk
 
 
@@ -26,7 +28,9 @@ def token_loss_sum(
     """Summed fp32 cross-entropy of (..., V) `logits` against `labels` (-100: no loss), in row chunks."""
     rows, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
     per_chunk = max(1, chunk_bytes // (rows.size(-1) * 4))
-    if rows.size(0) <= per_chunk:
+    # Vocab-sharded logits (tensor parallel's `loss_parallel`): torch's sharded cross-entropy over the whole
+    # micro-batch; each rank's fp32 temporaries are 1/T of the vocabulary's.
+    if rows.size(0) <= per_chunk or is_dtensor(rows):
         return _loss_sum(rows, labels, label_smoothing)
     return _ChunkedCrossEntropy.apply(rows, labels, label_smoothing, per_chunk)
 

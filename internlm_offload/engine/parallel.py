@@ -7,7 +7,7 @@ root for the embeddings, final norm and head.
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -37,12 +37,14 @@ def apply_fsdp2(
     *,
     ctx: RunContext,
     layers: nn.ModuleList,
+    mesh: DeviceMesh | None = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     mixed_precision: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
-    """`mixed_precision`: fp32 shards stay the masters; all-gathers cast, reduce-scatters stay fp32."""
-    mesh = init_device_mesh(ctx.accelerator.name, (ctx.world_size,))
+    """`mesh`: the data-parallel mesh (the "dp" dim under tensor parallel; default: all ranks).
+    `mixed_precision`: fp32 shards stay the masters; all-gathers cast, reduce-scatters stay fp32."""
+    mesh = mesh if mesh is not None else init_device_mesh(ctx.accelerator.name, (ctx.world_size,))
     policy = CPUOffloadPolicy(pin_memory=ctx.accelerator.supports_pinned_memory) if cpu_offload else OffloadPolicy()
     shard = dict(mesh=mesh, offload_policy=policy, mp_policy=mixed_precision or MixedPrecisionPolicy())
     for block in layers:
@@ -50,7 +52,7 @@ def apply_fsdp2(
     # The root keeps its params unsharded after forward: backward needs the head straight away.
     fully_shard(model, reshard_after_forward=False, **shard)
     offload = " with CPU offload policy" if cpu_offload else ""
-    logger.info("Applied FSDP2 over %d ranks%s: %d blocks + root", ctx.world_size, offload, len(layers))
+    logger.info("Applied FSDP2 over %d ranks%s: %d blocks + root", mesh.size(), offload, len(layers))
     return model
 
 

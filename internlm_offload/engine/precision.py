@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from internlm_offload.log import get_logger
+from internlm_offload.optim.dtensor import laid_out_like, local_shard
 
 logger = get_logger(__name__)
 
@@ -106,7 +107,9 @@ class MasterWeights:
         compute_dtype: torch.dtype,
         host_empty: Callable[[torch.Size, torch.dtype], torch.Tensor] | None = None,
         host_names: set[str] | None = None,
+        reduce_group: dist.ProcessGroup | None = None,
     ) -> None:
+        self._reduce_group = reduce_group  # the data-parallel ranks (None: the world)
         named = dict(model.named_parameters())
         if host_empty is None:
             host_names = set()
@@ -120,14 +123,15 @@ class MasterWeights:
         named_model = dict(model.named_parameters())
         self._pairs = [(named_model[name], master) for name, master in self.module.named_parameters()]
         self._trainable = [(p, m) for p, m in self._pairs if m.requires_grad]
-        self._numel = sum(m.numel() for _, m in self._trainable)
+        self._numel = sum(local_shard(m).numel() for _, m in self._trainable)  # tensor parallel: this rank's
         self._flat_grads: torch.Tensor | None = None
         self._grad_views: list[torch.Tensor] = []
         host_ids = {id(master) for master in hosted.values()}
         self._on_host = [id(master) in host_ids for _, master in self._pairs]
         for (param, master), on_host in zip(self._pairs, self._on_host):
             if on_host:
-                master.model_param = param  # the offload optimizer rounds its update into it
+                # the offload optimizer rounds its update into it (tensor parallel: the local shard, an alias)
+                master.model_param = local_shard(param.detach())
 
     @property
     def on_host(self) -> bool:
@@ -154,7 +158,7 @@ class MasterWeights:
             self._start_flat_grads()
         for (param, _), grad in zip(self._trainable, self._grad_views):
             if param.grad is not None:
-                grad.add_(param.grad)
+                grad.add_(local_shard(param.grad))
                 param.grad = None
 
     def _start_flat_grads(self) -> None:
@@ -163,27 +167,29 @@ class MasterWeights:
         self._flat_grads = torch.zeros(self._numel, dtype=torch.float32, device=device)
         self._grad_views, offset = [], 0
         for _, master in self._trainable:
-            view = self._flat_grads[offset : offset + master.numel()].view_as(master)
+            local = local_shard(master)
+            view = self._flat_grads[offset : offset + local.numel()].view_as(local)
             if getattr(master, "model_param", None) is not None:
-                master.main_grad = view  # a host tensor cannot hold a device `.grad`
+                # a host tensor cannot hold a device `.grad`; the offload optimizers read local shards
+                master.main_grad = view
             else:
-                master.grad = view
+                master.grad = laid_out_like(view, master)  # a DTensor param's grad: a DTensor of its layout
             self._grad_views.append(view)
-            offset += master.numel()
+            offset += local.numel()
 
     def grads(self) -> list[torch.Tensor]:
-        """This step's fp32 master gradients (on the device), e.g. to clip them."""
+        """This step's fp32 master gradients (on the device; DTensors for tensor-parallel params), e.g. to clip."""
         if self._flat_grads is None:
             self._start_flat_grads()
-        return list(self._grad_views)
+        return [laid_out_like(view, master) for view, (_, master) in zip(self._grad_views, self._trainable)]
 
     @torch.no_grad()
     def reduce_grads(self, distributed: bool) -> None:
         """Average the fp32 master grads over the ranks (DDP with masters never reduces in backward)."""
         if self._flat_grads is None:
             self._start_flat_grads()
-        if distributed:
-            dist.all_reduce(self._flat_grads, op=dist.ReduceOp.AVG)
+        if distributed and dist.get_world_size(self._reduce_group) > 1:
+            dist.all_reduce(self._flat_grads, op=dist.ReduceOp.AVG, group=self._reduce_group)
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -195,6 +201,7 @@ class MasterWeights:
         pairs = [pair for pair, hosted in zip(self._pairs, self._on_host) if hosted == on_host]
         if not pairs:
             return
+        pairs = [(local_shard(p), local_shard(m)) for p, m in pairs]  # tensor parallel: shard to shard
         if on_host:
             for param, master in pairs:
                 param.copy_(master)  # host to device: one copy per tensor
@@ -284,10 +291,13 @@ class Masters(Protocol):
 
 
 def _host_parameter(param: nn.Parameter, host_empty: Callable) -> nn.Parameter:
-    host = host_empty(param.shape, torch.float32)
+    """An fp32 copy of `param` in a host buffer; of a DTensor param (tensor parallel) its local shard, in the
+    param's layout (the offload optimizers work on local shards)."""
+    local = local_shard(param)
+    host = host_empty(local.shape, torch.float32)
     with torch.no_grad():
-        host.copy_(param)
-    return nn.Parameter(host, requires_grad=param.requires_grad)
+        host.copy_(local)
+    return nn.Parameter(laid_out_like(host, param), requires_grad=param.requires_grad)
 
 
 def cast_model(
@@ -297,6 +307,7 @@ def cast_model(
     fsdp: bool,
     host_empty: Callable | None = None,
     host_names: set[str] | None = None,
+    reduce_group: dist.ProcessGroup | None = None,
 ) -> MasterWeights | None:
     """Apply the policy to a freshly built fp32 model; returns the masters where this module keeps them.
 
@@ -309,6 +320,6 @@ def cast_model(
     if policy.uses_masters:
         if fsdp:
             return None  # FSDP2's MixedPrecisionPolicy: the fp32 shards are the masters
-        return MasterWeights(model, policy.compute_dtype, host_empty, host_names)
+        return MasterWeights(model, policy.compute_dtype, host_empty, host_names, reduce_group)
     model.to(policy.compute_dtype)
     return None

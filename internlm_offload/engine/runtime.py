@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from internlm_offload.device import Accelerator
 from internlm_offload.torchrun_env import (  # noqa: F401  (re-exported: callers read the environment here too)
@@ -27,6 +28,20 @@ class RunContext:
     local_rank: int
     world_size: int
     accelerator: Accelerator
+    # Tensor parallel: ranks r..r+T-1 (T = tensor_size) form one tensor group and read the same micro-batches;
+    # `mesh` is the ("dp", "tp") DeviceMesh over the world, None without tensor parallel.
+    tensor_size: int = 1
+    mesh: DeviceMesh | None = None
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which micro-batches it reads."""
+        return self.rank // self.tensor_size
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that read different micro-batches."""
+        return self.world_size // self.tensor_size
 
     @property
     def device(self) -> torch.device:
@@ -41,9 +56,10 @@ class RunContext:
         return dist.is_available() and dist.is_initialized()
 
 
-def init_runtime(accelerator: Accelerator, *, needs_group: bool = False) -> RunContext:
+def init_runtime(accelerator: Accelerator, *, needs_group: bool = False, tensor_size: int = 1) -> RunContext:
     """Join the process group when launched by torchrun (gloo on cpu, nccl/hccl on accelerators). Without
-    torchrun, `needs_group` (the ddp and fsdp2 wrappers) makes a group of this one process."""
+    torchrun, `needs_group` (the ddp and fsdp2 wrappers) makes a group of this one process. `tensor_size` > 1
+    builds the ("dp", "tp") mesh, tensor ranks innermost."""
     if not launched_by_torchrun():
         if needs_group and not dist.is_initialized():
             dist.init_process_group(backend=accelerator.dist_backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -53,7 +69,16 @@ def init_runtime(accelerator: Accelerator, *, needs_group: bool = False) -> RunC
     accelerator.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend=accelerator.dist_backend)
-    return RunContext(rank=rank, local_rank=local_rank, world_size=world_size, accelerator=accelerator)
+    mesh = None
+    if tensor_size > 1:
+        shape = (world_size // tensor_size, tensor_size)
+        mesh = init_device_mesh(accelerator.name, shape, mesh_dim_names=("dp", "tp"))
+    return RunContext(rank, local_rank, world_size, accelerator, tensor_size=tensor_size, mesh=mesh)
+
+
+def data_parallel_group(ctx: RunContext) -> dist.ProcessGroup | None:
+    """The group gradients are averaged over: the mesh's "dp" dim under tensor parallel, else the world (None)."""
+    return ctx.mesh["dp"].get_group() if ctx.mesh is not None else None
 
 
 def shutdown_runtime() -> None:

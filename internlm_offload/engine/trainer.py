@@ -31,6 +31,7 @@ from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog, Progress, memory_record
 from internlm_offload.engine.precision import Masters
 from internlm_offload.engine.runtime import RunContext
+from internlm_offload.engine.tensor_parallel import local_loss, loss_context
 from internlm_offload.errors import TrainingDiverged
 from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
@@ -63,6 +64,7 @@ class TrainerSettings:
     skip_batches: tuple[tuple[int, int], ...] = ()  # inclusive ranges of data-stream batch indices to discard
     predicted_device_peak_bytes: int | None = None  # the planner's steady-step peak, logged beside the measured
     runtime_memory_bytes: int = 0  # the runtime's own, measured at start-up; in neither figure, logged with them
+    loss_parallel: bool = False  # tensor parallel with vocab-sharded logits: forward, loss and backward under it
 
 
 @dataclass(frozen=True)
@@ -227,17 +229,18 @@ class Trainer:
         coefficient-weighted. Labels of -100 carry no loss. `on_backward_start` runs once backward begins.
         """
         input_ids, labels, *positions = (t.to(self.ctx.device, non_blocking=True) for t in micro_batch)
-        out = self.model(input_ids, *positions)
-        logits, aux_loss = out if isinstance(out, tuple) else (out, None)  # logits: (B, T, V)
-        loss_sum = token_loss_sum(logits, labels, label_smoothing=self.settings.label_smoothing)
-        objective = loss_sum * token_weight
-        if aux_loss is not None:
-            aux_loss = aux_loss.float()
-            objective = objective + aux_loss * aux_weight
-        if on_backward_start is not None:
-            objective.register_hook(lambda _: on_backward_start())  # the first grad backward computes
-        objective.backward()
-        return loss_sum.detach(), None if aux_loss is None else aux_loss.detach()
+        with loss_context(self.settings.loss_parallel):
+            out = self.model(input_ids, *positions)
+            logits, aux_loss = out if isinstance(out, tuple) else (out, None)  # logits: (B, T, V)
+            loss_sum = token_loss_sum(logits, labels, label_smoothing=self.settings.label_smoothing)
+            objective = loss_sum * token_weight
+            if aux_loss is not None:
+                aux_loss = aux_loss.float()
+                objective = objective + aux_loss * aux_weight
+            if on_backward_start is not None:
+                objective.register_hook(lambda _: on_backward_start())  # the first grad backward computes
+            objective.backward()
+        return local_loss(loss_sum).detach(), None if aux_loss is None else aux_loss.detach()
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
         """One optimizer step over this rank's micro-batches; skipped when the loss or grad norm is not finite."""
@@ -297,11 +300,11 @@ class Trainer:
         grads = self.masters.grads()
         if unscale != 1.0:
             torch._foreach_mul_(grads, unscale)  # a power of two: exact
-        norm = torch.nn.utils.get_total_norm(grads)
-        # clip_grad_norm_'s own rule and kernels, applied to the grad tensors (masters' grads need not be `.grad`)
-        torch.nn.utils.clip_grads_with_norm_([_GradHolder(g) for g in grads], max_norm, norm)
-        if is_dtensor(norm):  # FSDP2: a DTensor over the shards
-            norm = norm.full_tensor()
+        norm = total_norm(grads)
+        # clip_grad_norm_'s own rule and kernels, applied to the grad tensors (masters' grads need not be `.grad`);
+        # per mesh, as torch's foreach kernels take no mix of DTensors and plain tensors
+        for group in by_mesh(grads).values():
+            torch.nn.utils.clip_grads_with_norm_([_GradHolder(g) for g in group], max_norm, norm)
         return norm
 
     # ------------------------------------------------------------------ loop
@@ -447,6 +450,27 @@ class _GradHolder:
 
     def __init__(self, grad: torch.Tensor) -> None:
         self.grad = grad
+
+
+def by_mesh(tensors: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    """`tensors` grouped by their DTensor mesh (None: plain tensors), in first-seen order."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device_mesh if is_dtensor(tensor) else None, []).append(tensor)
+    return groups
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all gradients as a plain tensor. DTensors (FSDP2 shards, tensor-parallel shards) are
+    normed per mesh and gathered: torch cannot stack norms of different meshes, or of DTensors and plain
+    tensors (the replicated norms of mtp)."""
+    norms = []
+    for mesh, group in by_mesh(grads).items():
+        norm = torch.nn.utils.get_total_norm(group)
+        norms.append(norm.full_tensor() if mesh is not None else norm)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
 
 def all_finite(tensors: Iterator[torch.Tensor], *, distributed: bool) -> bool:

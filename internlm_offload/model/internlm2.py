@@ -134,17 +134,18 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: Documents | None = None
     ) -> torch.Tensor:
-        B, T, C = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KVH, D)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KVH, D)
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds whole heads of its column shard of wq/wk/wv
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, KVH, D)
+        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, KVH, D)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self._use_flash(x) and documents is not None:
             # varlen over the flattened batch; T bounds every document's length (no host sync for the max)
             cu = documents.cu_seqlens
             flat = (t.flatten(0, 1) for t in (q, k, v))  # (B*T, H or KVH, D)
-            out = _flash_attn_varlen_func()(*flat, cu, cu, T, T, causal=True).view(B, T, self.n_heads, self.head_dim)
+            out = _flash_attn_varlen_func()(*flat, cu, cu, T, T, causal=True).view(B, T, -1, self.head_dim)
         elif self._use_flash(x):
             # flash-attn takes (B, T, H, D) and handles fewer kv heads itself
             out = _flash_attn_func()(q, k, v, causal=True)  # (B, T, H, D)
@@ -155,7 +156,7 @@ class Attention(nn.Module):
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask, enable_gqa=True)
             out = out.transpose(1, 2)  # (B, T, H, D)
-        return self.wo(out.reshape(B, T, C))  # (B, T, C)
+        return self.wo(out.reshape(B, T, -1))  # (B, T, C)
 
     def init_weights(self, std: float, out_std: float) -> None:
         """normal(0, std) for wq, wk, wv; normal(0, out_std) for wo, which writes into the residual stream;

@@ -37,6 +37,7 @@ from internlm_offload.device import Accelerator, Event, PendingCopy, get_acceler
 from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.offload.host_copies import HostCopies
+from internlm_offload.optim.dtensor import Layout, is_dtensor, layout_of, local_shard, with_layout
 
 logger = get_logger(__name__)
 
@@ -94,6 +95,14 @@ class _Saved:
     stride: tuple[int, ...]
     offset: int
     requires_grad: bool
+
+
+@dataclass
+class _SavedShard:
+    """A saved DTensor (tensor parallel): its local shard saved as any tensor, its layout to rebuild it."""
+
+    local: Any  # what pack returned for the local shard
+    layout: Layout
 
 
 @dataclass
@@ -225,6 +234,8 @@ class ActivationOffloader(MemoryFeature):
         prefetches = index == self.num_layers and self.copies.h2d is not None
 
         def pack(t: torch.Tensor) -> Any:
+            if is_dtensor(t):  # only this rank's bytes move; unpack wraps them in the same layout again
+                return _SavedShard(pack(local_shard(t.detach())), layout_of(t))
             nbytes = t.numel() * t.element_size()
             if not offloaded or not self._should_offload(t, nbytes, module, index):
                 self._stats.add_resident(nbytes)
@@ -251,7 +262,8 @@ class ActivationOffloader(MemoryFeature):
         group = self._group(index, t.device)
         if group.param_storages is None:
             # Refreshed per forward: FSDP2 re-allocates unsharded parameter storages every all-gather.
-            group.param_storages = {storage_key(p) for p in module.parameters()}
+            # DTensor params (tensor parallel): their local shards are what a saved shard may alias.
+            group.param_storages = {storage_key(local_shard(p.detach())) for p in module.parameters()}
         return storage_key(t) not in group.param_storages
 
     def _is_host(self, t: torch.Tensor) -> bool:
@@ -298,6 +310,8 @@ class ActivationOffloader(MemoryFeature):
     # ------------------------------------------------------------------ unpack (backward)
 
     def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, _SavedShard):
+            return with_layout(self._unpack(saved.local), saved.layout)
         if isinstance(saved, _Resident):
             for group in saved.prefetch:
                 self._start_reload(group)

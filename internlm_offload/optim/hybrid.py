@@ -232,7 +232,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         """The host buffers a CPU-stepped param needs: role -> (shape, dtype, pinned)."""
         if _resident(param):
             # The param is the master; grads land in fp32, updates leave in the model param's dtype.
-            host = param.detach()
+            host = local_shard(param.detach())  # tensor parallel: the master is a DTensor of host shards
             staging = {"staging": (host.shape, param.model_param.dtype, self.pin_cpu_params)}
             if self.grads_on_host:  # its `host_grad` is in the master's dtype already
                 return staging
@@ -249,7 +249,8 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
 
     def _host_slot(self, param: torch.Tensor, views: dict[str, torch.Tensor]) -> HostSlot:
         if _resident(param):
-            return HostSlot(param, param.detach(), views.get("grad"), views["staging"], resident=True)
+            # its own master; a DTensor's (tensor parallel) local shard, which the CPU step updates in place
+            return HostSlot(param, local_shard(param.detach()), views.get("grad"), views["staging"], resident=True)
         views["master"].copy_(local_shard(param.detach()))
         return HostSlot(param, views["master"], views["grad"], views.get("staging"))
 

@@ -94,8 +94,11 @@ Cross-key rules: `cpu_offloading.num_layers` must be 0 unless `cpu_offloading.en
 `hybrid_optimizer.enable` exclude each other; `model.hidden_size` must be divisible by
 `model.num_attention_heads`, and that by `model.num_kv_attention_heads`; `model.type="hf_causal_lm"`
 needs exactly one of `model.hf_path` and `model.hf_config`; `data.type="text"` needs `data.paths`;
-`data.global_bsz` must be a multiple of `data.micro_bsz * world_size`; more than one process needs
-`parallel.mode` `ddp` or `fsdp2`.
+`data.global_bsz` must be a multiple of `data.micro_bsz` times the data-parallel ranks (the world size
+over `parallel.tensor.size`); more than one data-parallel rank needs `parallel.mode` `ddp` or `fsdp2`.
+`parallel.tensor.size > 1` must divide the world size, the heads, kv heads, vocabulary and SwiGLU width
+(and `data.seq_len` in msp/fsp), and excludes tied embeddings, `parallel.mode="ddp"`, selective
+checkpoint offload and parameter offload for now; `parallel.weight.size > 1` needs mode `isp`.
 """
 
 

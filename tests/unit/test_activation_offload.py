@@ -447,3 +447,48 @@ def test_async_offload_never_blocks_the_host_inside_hooks(monkeypatch):
     handle._copy_out = lambda slot, copy_out=handle._copy_out: copy_out(slot) or handle.copies.d2h.synchronize()
     step(model)  # control: a host wait in a hook is counted
     assert host_waits["stream.synchronize"] > 0
+
+
+@pytest.fixture
+def group_of_one():
+    """A gloo process group of this one process, for DTensors on a one-rank mesh."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_dtensor_activations_go_as_local_shards_and_dtensor_params_stay(group_of_one):
+    """Tensor parallel: a column-parallel linear saves its input and its weight's local shard, a
+    sequence-parallel norm saves DTensors. The DTensor activations go to the host as their local shards and
+    come back in their layout (bitwise gradients); a parameter's local shard never goes (FSDP2 frees its
+    storage after forward while a copy would still read it: a segfault on a copy thread under load)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
+
+    from internlm_offload.model.internlm2 import RMSNorm
+
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    reference = nn.Sequential(RMSNorm(64, 1e-6), nn.Linear(64, 64, bias=False))
+    x = torch.randn(2, 8, 64)
+    reference(x).sum().backward()
+    block = nn.Sequential(RMSNorm(64, 1e-6), nn.Linear(64, 64, bias=False))
+    block.load_state_dict(reference.state_dict())
+    parallelize_module(block, mesh, {"0": SequenceParallel(), "1": ColwiseParallel()})
+    layers = nn.ModuleList([block, nn.Identity()])
+    handle = offload_layers(layers, 1, mode="sync", min_offload_bytes=0)
+    out = layers[1](layers[0](x))
+    out.sum().backward()
+    assert handle.metrics()["act_offload_host_bytes"] >= 2 * x.numel() * 4  # DTensor activations, as shards
+    for ours, theirs in zip(block.parameters(), reference.parameters()):
+        grad = ours.grad.full_tensor() if isinstance(ours.grad, DTensor) else ours.grad
+        assert torch.equal(grad, theirs.grad)
+    handle.close()
+    # Only the weight (16 KiB) is above this threshold, the activations (4 KiB each) are below: nothing goes.
+    handle = offload_layers(layers, 1, mode="sync", min_offload_bytes=8 << 10)
+    layers[1](layers[0](x)).sum().backward()
+    assert handle.metrics()["act_offload_offloaded_bytes"] == 0
+    handle.close()

@@ -295,7 +295,7 @@ ERRORS = {
     "global_bsz not divisible": (
         {"data": dict(micro_bsz=4, global_bsz=6)},
         1,
-        ["data.global_bsz=6", "data.micro_bsz * world_size = 4 * 1", "multiple of 4"],
+        ["data.global_bsz=6", "data.micro_bsz * data-parallel ranks = 4 * 1", "multiple of 4"],
     ),
     "global_bsz not divisible by world size": (
         {"data": dict(micro_bsz=2, global_bsz=6), "parallel": dict(mode="ddp")},
@@ -592,10 +592,10 @@ def test_import_in_a_base_is_rejected_up_front(tmp_path: Path) -> None:
 
 def test_every_problem_of_a_config_in_one_report() -> None:
     with pytest.raises(ConfigError) as info:
-        resolve_config({"model": dict(num_layers=0, hidden_size=0), "parallel": dict(tensor=dict(size=2))})
+        resolve_config({"model": dict(num_layers=0, hidden_size=0), "parallel": dict(pipeline=dict(size=2))})
     lines = str(info.value).splitlines()
     assert lines[0] == "3 problems in the config:"
-    assert any("parallel.tensor.size=2" in line for line in lines)
+    assert any("parallel.pipeline.size=2" in line for line in lines)
     assert any("model.num_layers=0" in line for line in lines) and any("model.hidden_size=0" in line for line in lines)
 
 

@@ -35,22 +35,34 @@ def test_shipped_isp_parallel_settings_are_all_named_in_one_report():
     with pytest.raises(ConfigError) as info:
         resolve_config(raw, world_size=1)
     report = str(info.value)
-    assert report.startswith("3 problems in the config:")
-    for part in ("parallel.tensor.size=2", "parallel.weight.size=4", "parallel.sequence_2D.enable=True"):
+    assert report.startswith("2 problems in the config:")
+    for part in ("parallel.tensor.mode='isp' (size 2) is not built yet", "parallel.sequence_2D.enable=True"):
         assert part in report
 
 
 @pytest.mark.parametrize(
-    "parallel, world_size, mode",
+    "parallel, world_size, expected",
     [
-        (dict(zero1=dict(size=-1)), 2, "ddp"),
-        (dict(weight=dict(size=2)), 2, "fsdp2"),
-        (dict(zero1=dict(size=-1, fsdp=True)), 4, "fsdp2"),
-        (dict(zero1=dict(size=1)), 1, "none"),
+        (dict(zero1=dict(size=-1)), 2, {"mode": "ddp"}),
+        (dict(weight=dict(size=2)), 2, {"mode": "fsdp2", "weight": {"size": 1}}),
+        (dict(zero1=dict(size=-1, fsdp=True)), 4, {"mode": "fsdp2"}),
+        (dict(zero1=dict(size=1)), 1, {"mode": "none"}),
+        # tensor groups keep their section; several data-parallel ranks beside them take FSDP2 (DDP takes no DTensors)
+        (
+            dict(zero1=dict(size=-1), tensor=dict(size=2, mode="msp")),
+            2,
+            {"mode": "none", "tensor": {"size": 2, "mode": "msp"}},
+        ),
+        (
+            dict(zero1=dict(size=-1), tensor=dict(size=2, mode="fsp")),
+            4,
+            {"mode": "fsdp2", "tensor": {"size": 2, "mode": "fsp"}},
+        ),
+        (dict(tensor=2), 2, {"mode": "none", "tensor": {"size": 2}}),
     ],
 )
-def test_parallel_sections_map_onto_a_mode(parallel, world_size, mode):
-    assert translate({"parallel": parallel}, world_size).config["parallel"] == {"mode": mode}
+def test_parallel_sections_map_onto_a_mode(parallel, world_size, expected):
+    assert translate({"parallel": parallel}, world_size).config["parallel"] == expected
 
 
 def test_local_prefixes_and_model_only_load_without_auto_resume():

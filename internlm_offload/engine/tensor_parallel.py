@@ -1,0 +1,173 @@
+"""Tensor parallelism of InternEvo's `parallel.tensor` modes on torch's DTensor (`parallelize_module`).
+
+What it may touch: the model's submodules, which it replaces parameters of by DTensors over the tensor
+mesh; nothing else. The data-parallel wrappers (engine/parallel.py) come after it, the layer plan's
+checkpoint and offload hooks act on the blocks it returns.
+
+- `mtp` (Megatron TP): wq/wk/wv/w1/w3 column parallel, wo/w2 row parallel (their outputs all-reduced),
+  norms replicated plain modules; the embedding vocab-parallel, the head column parallel.
+- `msp` (Megatron SP): mtp plus sequence-sharded activations between the column and row regions:
+  norms are `SequenceParallel`, the block inputs all-gathered on the sequence before the projections and
+  the row outputs reduce-scattered back (torchtitan's plan).
+- `fsp` (flash-attn SP): msp's numerics; the projections' all-gathered inputs are not kept for backward
+  but gathered again there (`gather_in_backward_again`): InternEvo's fsp memory.
+
+With `parallel_output` (InternEvo's default) the head's logits stay vocab-sharded and the loss runs under
+`loss_parallel`; otherwise they are all-gathered. Each rank holds whole query heads and whole kv groups:
+the model views its projections with -1 heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Collection
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from internlm_offload.log import get_logger
+
+logger = get_logger(__name__)
+
+TENSOR_MODES = ("mtp", "msp", "fsp", "isp")
+SEQUENCE_SHARDED = ("msp", "fsp")
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    mode: str,
+    parallel_output: bool,
+    gather_again_in: Collection[int] | None = None,
+) -> None:
+    """Shard `model` (an InternLM2: tok_embeddings, layers, norm, output) over `tp_mesh` in `mode`.
+
+    `gather_again_in`: the blocks fsp gathers again in backward (default all); the others run msp's plan.
+    Activation offload and checkpointing save through saved-tensor hooks, which selective checkpointing's
+    own saves bypass: the layer plan's offloaded and checkpointed blocks are left out."""
+    if mode not in ("mtp", "msp", "fsp"):
+        raise ValueError(f"parallel.tensor.mode={mode!r} has no column/row plan; expected mtp, msp or fsp")
+    sequence = mode in SEQUENCE_SHARDED
+    between = Shard(1) if sequence else Replicate()  # the residual stream's layout between the blocks
+    head_output = Shard(-1) if parallel_output else Replicate()
+    top_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "output": ColwiseParallel(
+            input_layouts=between, output_layouts=head_output, use_local_output=not parallel_output
+        ),
+    }
+    if sequence:
+        top_plan["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, top_plan)
+    for index, block in enumerate(model.layers):
+        fsp = mode == "fsp" and (gather_again_in is None or index in gather_again_in)
+        parallelize_module(block, tp_mesh, _block_plan("fsp" if fsp else "msp" if sequence else "mtp"))
+        if fsp:
+            gather_in_backward_again(block.attention)
+            gather_in_backward_again(block.feed_forward)
+    logger.info(
+        "Applied tensor parallel %s over %d ranks (%s logits)",
+        mode,
+        tp_mesh.size(),
+        "vocab-sharded" if parallel_output else "gathered",
+    )
+
+
+def _block_plan(mode: str) -> dict:
+    """One decoder block's plan: column-parallel projections in, row-parallel out (torchtitan's shape)."""
+    sequence = mode in SEQUENCE_SHARDED
+    plan: dict = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate()),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate()),
+    }
+    if sequence:
+        plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+    if mode == "msp":  # fsp gathers inside its checkpointed region instead
+        gather = dict(desired_input_layouts=(Replicate(), None, None), use_local_output=True)
+        plan |= {
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None), **gather),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+        }
+    return plan
+
+
+# What fsp keeps of a column region in forward: the matmul and attention outputs. The rest (the sequence
+# all-gather of the region's input above all, and the cheap elementwise ops) runs again in backward.
+_SAVED_IN_FSP = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def _fsp_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_IN_FSP else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def gather_in_backward_again(module: nn.Module) -> None:
+    """fsp: `module` takes its input sequence-sharded, all-gathers it itself and runs under selective
+    checkpointing that saves only the matmul and attention outputs: backward keeps the sharded input (1/T
+    of msp's gathered one) and gathers it again, as InternEvo's fsp does."""
+    forward = module.forward
+    contexts = functools.partial(create_selective_checkpoint_contexts, _fsp_policy)
+
+    def gathered(x: DTensor, *args, **kwargs):
+        return forward(x.redistribute(placements=[Replicate()]).to_local(), *args, **kwargs)
+
+    @functools.wraps(forward)
+    def sharded_input_forward(x: DTensor, *args, **kwargs):
+        return checkpoint(gathered, x, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    module.forward = sharded_input_forward
+
+
+def loss_context(parallel_output: bool) -> contextlib.AbstractContextManager:
+    """Where the forward, the loss and its backward run: `loss_parallel` when logits are vocab-sharded."""
+    return loss_parallel() if parallel_output else contextlib.nullcontext()
+
+
+def align_grads_in_backward(model: nn.Module) -> None:
+    """Give every DTensor gradient its parameter's layout as soon as backward accumulates it: `Partial`
+    gradients of replicated parameters (sequence-parallel norms) are summed over the tensor group, a
+    replicated gradient of a sharded one (the vocab-parallel embedding's) is cut to this rank's shard.
+    Registered first, so the hooks that take gradients later (gradient offload, the hybrid optimizer's
+    host copies) and the masters, clipping and the optimizer all read each gradient as its parameter's
+    local shard. (FSDP2 replaces the parameters with its own and lays out their gradients itself.)"""
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_post_accumulate_grad_hook(_align_grad)
+
+
+@torch.no_grad()
+def _align_grad(param: torch.Tensor) -> None:
+    grad = param.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        param.grad = grad.redistribute(placements=param.placements)
+
+
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor (a replicated DTensor under `loss_parallel`)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss

@@ -1,0 +1,62 @@
+"""`parallel.tensor` / `parallel.weight`: what each tensor mode needs of the model and the world, one line each."""
+
+from typing import Any
+
+import pytest
+
+from internlm_offload.config import ConfigError, resolve_config
+
+MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=259)
+
+
+def resolve(world_size: int, options: dict[str, Any]):
+    """The small model's config with dotted `options` (`"parallel.tensor.size": 2`) set."""
+    raw: dict[str, Any] = {"model": dict(MODEL), "data": dict(seq_len=64, micro_bsz=2)}
+    for key, value in options.items():
+        *sections, name = key.split(".")
+        holder = raw
+        for section in sections:
+            holder = holder.setdefault(section, {})
+        holder[name] = value
+    return resolve_config(raw, world_size=world_size)
+
+
+def tensor(size: int, mode: str = "mtp", parallel: str = "none") -> dict[str, Any]:
+    return {"parallel.mode": parallel, "parallel.tensor": dict(size=size, mode=mode)}
+
+
+def test_data_parallel_size_is_the_world_over_the_tensor_groups():
+    cfg = resolve(4, {**tensor(2, "msp", "fsdp2"), "data.global_bsz": 8})
+    assert cfg.data.micro_num == 2  # 8 samples over 2 data-parallel ranks of 2-sample micro-batches
+    assert resolve(2, tensor(2)).parallel.tensor.size == 2  # one tensor group needs no data-parallel wrapper
+    assert resolve(2, {"parallel.tensor": dict(size=2)}).parallel.mode == "none"  # InternEvo's way, no mode
+
+
+@pytest.mark.parametrize(
+    "world_size, options, message",
+    [
+        (3, tensor(2), "parallel.tensor.size=2 must divide the world size 3"),
+        (1, tensor(2), "parallel.tensor.size=2 must divide the world size 1"),
+        (4, tensor(2), "parallel.mode='none' with 2 data-parallel ranks (world size 4, tensor size 2)"),
+        (4, tensor(2, parallel="ddp"), "parallel.mode='ddp' with parallel.tensor.size=2"),
+        (2, tensor(8), "must divide model.num_attention_heads=4"),
+        (2, {**tensor(4), "model.num_attention_heads": 8}, "must divide model.num_kv_attention_heads=2"),
+        (2, {**tensor(2, "msp"), "data.seq_len": 63}, "(mode 'msp') must divide data.seq_len=63"),
+        (2, {**tensor(2), "model.multiple_of": 5, "model.mlp_ratio": 1.0}, "must divide the SwiGLU width"),
+        (2, tensor(2, "isp"), "parallel.tensor.mode='isp' (size 2) is not built yet"),
+        (2, {**tensor(1), "parallel.weight": dict(size=2)}, "parallel.weight.size=2 works only with parallel.tensor"),
+        (2, {**tensor(2), "model.tie_word_embeddings": True}, "model.tie_word_embeddings=True is not sharded"),
+        (
+            2,
+            {**tensor(2), "selective_checkpoint": True, "selective_checkpoint_offload": True},
+            "selective_checkpoint_offload=True does not compose with parallel.tensor.size=2",
+        ),
+        (4, {**tensor(2, parallel="fsdp2"), "parallel.fsdp_cpu_offload": True}, "parallel.fsdp_cpu_offload=True does"),
+        (2, {**tensor(2), "model.checkpoint": "auto", "memory_budget.device": "1GiB"}, "model.checkpoint='auto' with"),
+    ],
+)
+def test_what_a_tensor_mode_cannot_take_is_one_line(world_size, options, message):
+    with pytest.raises(ConfigError) as info:
+        resolve(world_size, options)
+    assert message in str(info.value), str(info.value)
+    assert len(str(info.value).splitlines()) <= 2

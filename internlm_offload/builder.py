@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from internlm_offload.config import ConfigError, CpuOffloadingConfig, ModelConfig, RunConfig
 from internlm_offload.data import StepLoader, StepSampler, Tokenizer, build_tokenizer
@@ -28,6 +30,7 @@ from internlm_offload.engine.metrics import MetricsLog
 from internlm_offload.engine.parallel import materialize_shards
 from internlm_offload.engine.precision import MasterWeights, Masters, NoMasters, PrecisionPolicy, cast_model
 from internlm_offload.engine.runtime import RunContext, data_parallel_group, env_local_world_size, set_determinism
+from internlm_offload.engine.sequence_parallel import SequenceShard, apply_sequence_parallel
 from internlm_offload.engine.tensor_parallel import align_grads_in_backward, apply_tensor_parallel
 from internlm_offload.engine.trainer import Trainer, TrainerSettings
 from internlm_offload.features import MemoryFeature
@@ -112,6 +115,38 @@ def host_master_names(cfg: RunConfig, model: nn.Module, cpu_mask: list[bool]) ->
 
 def _optimizer_order(cfg: RunConfig, model: nn.Module) -> list[nn.Parameter]:
     return [p for group in param_groups(model, cfg.adam.weight_decay) for p in group["params"]]
+
+
+def sequence_shard(cfg: RunConfig, ctx: RunContext) -> SequenceShard | None:
+    """isp over a tensor group of several ranks: this rank's chunk of every sequence."""
+    if cfg.parallel.tensor.mode != "isp" or ctx.mesh is None:
+        return None
+    tp = ctx.mesh["tp"]
+    return SequenceShard(rank=tp.get_local_rank(), size=tp.size(), group=tp.get_group())
+
+
+def gradient_group(cfg: RunConfig, ctx: RunContext) -> dist.ProcessGroup | None:
+    """Whom gradients (and validation sums) are reduced over: the data-parallel dim under mtp/msp/fsp, whose
+    tensor ranks hold shards; every rank under isp (None), whose tensor ranks hold chunks of the sequence."""
+    return None if cfg.parallel.tensor.mode == "isp" else data_parallel_group(ctx)
+
+
+def fsdp_mesh(cfg: RunConfig, ctx: RunContext) -> DeviceMesh | None:
+    """FSDP2's mesh: the data-parallel dim under mtp/msp/fsp; under isp all ranks, sharded over groups of
+    `parallel.weight.size` and replicated across them (InternEvo's weight parallel; HSDP); None: all ranks."""
+    if cfg.parallel.tensor.mode != "isp":
+        return ctx.mesh["dp"] if ctx.mesh is not None else None
+    weight = cfg.parallel.weight.size
+    if weight in (1, ctx.world_size):
+        return None
+    shape = (ctx.world_size // weight, weight)
+    return init_device_mesh(ctx.accelerator.name, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def uses_loss_parallel(cfg: RunConfig) -> bool:
+    """Vocab-sharded logits: mtp/msp/fsp with `model.parallel_output` (isp keeps the head whole)."""
+    tensor = cfg.parallel.tensor
+    return tensor.size > 1 and tensor.mode != "isp" and cfg.model.parallel_output
 
 
 def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
@@ -315,8 +350,9 @@ def build_evaluator(cfg: RunConfig, ctx: RunContext) -> Evaluator | None:
         valid_micro_num=data.valid_micro_num,
         device=ctx.device,
         distributed=ctx.distributed,
-        loss_parallel=cfg.parallel.tensor.size > 1 and cfg.model.parallel_output,
-        group=data_parallel_group(ctx),
+        loss_parallel=uses_loss_parallel(cfg),
+        group=gradient_group(cfg, ctx),
+        sequence_shard=sequence_shard(cfg, ctx),
     )
     for name in evaluator.empty_sets:
         logger.warning("validation set %r has fewer documents than data-parallel ranks; skipped", name)
@@ -367,7 +403,8 @@ def build_components(
     model = build_model(cfg.model, torch.device("meta") if meta else ctx.device)
     if check_model is not None:
         check_model(model)
-    if ctx.tensor_size > 1:  # before the precision policy: the masters copy the DTensor shards
+    shard = sequence_shard(cfg, ctx)
+    if ctx.tensor_size > 1 and shard is None:  # before the precision policy: the masters copy the DTensor shards
         # fsp's gathers run again in backward where the layer plan leaves a block plain (checkpointed blocks
         # keep only their input anyway; offloaded ones move what they save to the host)
         plain = build_layer_plan(cfg, len(model.layers)).layers_with(LayerMode.PLAIN)
@@ -389,9 +426,13 @@ def build_components(
         fsdp=cfg.parallel.mode == "fsdp2",
         host_empty=host_empty,
         host_names=host_names,
-        reduce_group=data_parallel_group(ctx),
+        reduce_group=gradient_group(cfg, ctx),
     )
-    if ctx.tensor_size > 1:  # after the cast (it may swap the parameters) and before any other grad hook
+    if shard is not None:
+        # isp changes no parameter: the model takes its chunk of each sequence, attention exchanges heads
+        # (after the masters' copy of the model, which holds parameters only)
+        apply_sequence_parallel(model, shard)
+    elif ctx.tensor_size > 1:  # after the cast (it may swap the parameters), before any other grad hook
         align_grads_in_backward(model)
     logger.info("Precision: %s", policy.describe())
     layers: nn.ModuleList = model.layers
@@ -408,7 +449,7 @@ def build_components(
         "ddp": dict(bucket_cap_mb=par.bucket_cap_mb),
         "fsdp2": dict(
             layers=layers,
-            mesh=ctx.mesh["dp"] if ctx.mesh is not None else None,
+            mesh=fsdp_mesh(cfg, ctx),
             reshard_after_forward=par.reshard_after_forward,
             cpu_offload=par.fsdp_cpu_offload,
             mixed_precision=policy.fsdp_mixed_precision(),
@@ -479,7 +520,7 @@ def trainer_settings(
         skip_batches=tuple(cfg.data.skip_ranges()),
         predicted_device_peak_bytes=predicted_device_peak,
         runtime_memory_bytes=runtime_memory,
-        loss_parallel=cfg.parallel.tensor.size > 1 and cfg.model.parallel_output,
+        loss_parallel=uses_loss_parallel(cfg),
     )
 
 
@@ -525,6 +566,7 @@ def build_trainer(
         features=parts.features,
         scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,
         evaluator=evaluator,
+        sequence_shard=sequence_shard(cfg, ctx),
     )
 
 

@@ -269,12 +269,18 @@ class TensorParallelConfig(Section):
         "mtp",
         description="InternEvo's tensor mode: `mtp` (column/row-parallel projections, activations replicated), "
         "`msp` (mtp + sequence-sharded activations between them), `fsp` (msp, backward gathers the sequence again "
-        "instead of keeping it), `isp` (not built yet: refused). docs/parallelism.md.",
+        "instead of keeping it), `isp` (each rank 1/T of every sequence, Ulysses attention, weights whole or "
+        "sharded over `parallel.weight`; needs `parallel.mode` ddp or fsdp2). docs/parallelism.md.",
     )
 
 
 class WeightParallelConfig(Section):
-    size: int = Field(1, ge=1, description="InternEvo's weight parallel (isp only, InternEvo's rule): not built yet.")
+    size: int = Field(
+        1,
+        ge=1,
+        description="InternEvo's weight parallel (isp only, InternEvo's rule): FSDP2 shards the weights over groups "
+        "of this many ranks and replicates them across the groups (HSDP); needs `parallel.mode='fsdp2'`.",
+    )
     overlap: bool = Field(
         False, description="InternEvo's weight all-gather overlap; no effect without weight parallel."
     )
@@ -623,12 +629,10 @@ class RunConfig(Section):
                 f"parallel.weight.size={weight.size} works only with parallel.tensor.mode='isp' (InternEvo's rule), "
                 f"got mode={tensor.mode!r}; set weight.size=1"
             )
-        if tensor.mode == "isp":
-            raise ValueError(
-                f"parallel.tensor.mode='isp' (size {tensor.size}) is not built yet: use mode 'msp' or 'fsp' for "
-                "sequence-sharded activations, or 'mtp'"
-            )
         T = tensor.size
+        if tensor.mode == "isp":
+            self._check_isp()
+            return
         if self.parallel.mode == "ddp":
             raise ValueError(
                 f"parallel.mode='ddp' with parallel.tensor.size={T}: DDP does not take torch's tensor-parallel "
@@ -662,6 +666,38 @@ class RunConfig(Section):
         for name, on in features.items():
             if on:
                 raise ValueError(f"{name}=True does not compose with parallel.tensor.size={T} yet; set it off")
+
+    def _check_isp(self) -> None:
+        """isp: sequence chunks over the tensor group, Ulysses over its heads, weights whole (or FSDP2 over
+        the weight group), gradients summed by the data-parallel wrapper over all ranks."""
+        tensor, weight, model = self.parallel.tensor, self.parallel.weight, self.model
+        T = tensor.size
+        if model.type != "internlm2":
+            raise ValueError(f"parallel.tensor.mode='isp' needs model.type='internlm2', got {model.type!r}")
+        if T > 1 and self.parallel.mode == "none":
+            raise ValueError(
+                f"parallel.tensor.mode='isp' with size {T} needs parallel.mode 'ddp' or 'fsdp2': the wrapper sums "
+                "the gradients each rank computes from its chunk of the sequence"
+            )
+        if weight.size > 1 and self.parallel.mode != "fsdp2":
+            raise ValueError(
+                f"parallel.weight.size={weight.size} shards the weights with FSDP2: set parallel.mode='fsdp2', "
+                f"got {self.parallel.mode!r}"
+            )
+        divisible = {
+            "model.num_attention_heads": model.num_attention_heads,
+            "model.num_kv_attention_heads": model.num_kv_attention_heads,
+            "data.seq_len": self.data.seq_len,
+        }
+        for name, value in divisible.items():
+            if value % T:
+                raise ValueError(
+                    f"parallel.tensor.size={T} (mode 'isp') must divide {name}={value}: each rank holds 1/{T} of "
+                    "the sequence and, in attention, of the heads; choose a tensor size that divides it"
+                )
+        if self.parallel.fsdp_cpu_offload or self.selective_checkpoint_offload:
+            name = "parallel.fsdp_cpu_offload" if self.parallel.fsdp_cpu_offload else "selective_checkpoint_offload"
+            raise ValueError(f"{name}=True does not compose with parallel.tensor.mode='isp' yet; set it off")
 
     def _check_grad_offload(self) -> None:
         hybrid = self.hybrid_optimizer
@@ -738,7 +774,7 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
         raise ConfigError("nvme_offload.enable='auto' needs nvme_offload.path, the directory the planner may choose")
     # A 1-process ddp/fsdp2 run is legal (handy to debug the wrappers); several data-parallel ranks need one.
     data_parallel = _data_parallel_size(cfg, world_size)
-    if cfg.parallel.mode == "none" and data_parallel > 1:
+    if cfg.parallel.mode == "none" and data_parallel > 1 and cfg.parallel.tensor.mode != "isp":
         raise ConfigError(
             f"parallel.mode='none' with {data_parallel} data-parallel ranks (world size {world_size}, tensor size "
             f"{cfg.parallel.tensor.size}): use parallel.mode='ddp' or 'fsdp2'"
@@ -748,13 +784,13 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
 
 def _data_parallel_size(cfg: RunConfig, world_size: int) -> int:
     """Ranks that read different micro-batches: the world over the tensor groups (tensor ranks innermost)."""
-    tensor = cfg.parallel.tensor.size
-    if tensor > world_size or world_size % tensor:
-        raise ConfigError(
-            f"parallel.tensor.size={tensor} must divide the world size {world_size} (torchrun --nproc-per-node x "
-            f"nodes); choose a tensor size that divides it"
-        )
-    return world_size // tensor
+    for key, size in (("tensor", cfg.parallel.tensor.size), ("weight", cfg.parallel.weight.size)):
+        if size > world_size or world_size % size:
+            raise ConfigError(
+                f"parallel.{key}.size={size} must divide the world size {world_size} (torchrun --nproc-per-node "
+                f"x nodes); choose a size that divides it"
+            )
+    return world_size // cfg.parallel.tensor.size
 
 
 def take_auto_knobs(raw: dict[str, Any]) -> tuple[str, ...]:

@@ -364,10 +364,14 @@ def _parallel(t: Translation, world_size: int) -> None:
         t.mapped.append(f"parallel.weight.size={weight} with tensor.size=1 -> parallel.mode='fsdp2' over all ranks")
     fsdp = isinstance(zero1, dict) and bool(zero1.get("fsdp"))
     data_parallel = max(1, world_size // tensor)
-    if (tensor == 1 and weight > 1) or fsdp or (tensor > 1 and data_parallel > 1):
-        parallel["mode"] = "fsdp2"  # tensor parallel: FSDP2 over the data-parallel dim (DDP takes no DTensors)
-    elif data_parallel > 1:
-        parallel["mode"] = "ddp"  # ZeRO-1 sharding of the optimizer states is not done here: all ranks hold them
+    isp = isinstance(parallel.get("tensor"), dict) and parallel["tensor"].get("mode") == "isp"
+    if weight > 1 or fsdp or (tensor > 1 and data_parallel > 1 and not isp):
+        # weight parallel is FSDP2; other tensor modes take FSDP2 over the data-parallel dim (DDP takes no DTensors)
+        parallel["mode"] = "fsdp2"
+    elif data_parallel > 1 or (isp and tensor > 1):
+        # ZeRO-1 sharding of the optimizer states is not done here: all ranks hold them. isp: DDP sums the
+        # gradients of the sequence chunks too.
+        parallel["mode"] = "ddp"
     else:
         parallel["mode"] = "none"
     t.mapped.append(f"parallel (zero1/pipeline/weight) -> parallel.mode={parallel['mode']!r}")

@@ -10,6 +10,7 @@ import torch.nn as nn
 from internlm_offload.data.tokenized import IGNORE_INDEX
 from internlm_offload.data.validation import ValidationSet
 from internlm_offload.engine.loss import token_loss_sum
+from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import local_loss, loss_context
 
 
@@ -28,13 +29,16 @@ class Evaluator:
         distributed: bool,
         loss_parallel: bool = False,
         group: dist.ProcessGroup | None = None,
+        sequence_shard: SequenceShard | None = None,
     ) -> None:
-        """`loss_parallel`: vocab-sharded logits (tensor parallel); `group`: the data-parallel ranks (None: all)."""
+        """`loss_parallel`: vocab-sharded logits (tensor parallel); `group`: whom the sums are reduced over (None:
+        all ranks); `sequence_shard` (isp): the model returns this rank's chunk, the labels are cut to match."""
         self.sets = list(sets)
         self.device = device
         self.distributed = distributed
         self.loss_parallel = loss_parallel
         self.group = group
+        self.sequence_shard = sequence_shard
         sizes = dict(rank=rank, world_size=world_size, micro_bsz=micro_bsz, valid_micro_num=valid_micro_num)
         self._batches = {s.name: s.rank_batches(**sizes) for s in self.sets}
 
@@ -72,6 +76,8 @@ class Evaluator:
             with loss_context(self.loss_parallel):
                 out = model(input_ids)
                 logits = out[0] if isinstance(out, tuple) else out
+                if self.sequence_shard is not None:
+                    labels = self.sequence_shard.local(labels)
                 loss = local_loss(token_loss_sum(logits, labels))
             acc += torch.stack([loss.double(), (labels != IGNORE_INDEX).sum().double()])
         return acc

@@ -52,7 +52,9 @@ def apply_fsdp2(
     # The root keeps its params unsharded after forward: backward needs the head straight away.
     fully_shard(model, reshard_after_forward=False, **shard)
     offload = " with CPU offload policy" if cpu_offload else ""
-    logger.info("Applied FSDP2 over %d ranks%s: %d blocks + root", mesh.size(), offload, len(layers))
+    # a 2-D mesh is HSDP: shards over its last dim, replicas over its first (isp's weight parallel)
+    hsdp = f" (shards over {mesh.size(-1)}, {mesh.size(0)} replicas)" if mesh.ndim == 2 else ""
+    logger.info("Applied FSDP2 over %d ranks%s%s: %d blocks + root", mesh.size(), hsdp, offload, len(layers))
     return model
 
 

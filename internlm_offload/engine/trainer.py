@@ -31,6 +31,7 @@ from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog, Progress, memory_record
 from internlm_offload.engine.precision import Masters
 from internlm_offload.engine.runtime import RunContext
+from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import local_loss, loss_context
 from internlm_offload.errors import TrainingDiverged
 from internlm_offload.features import MemoryFeature
@@ -112,7 +113,10 @@ class Trainer:
         features: Sequence[MemoryFeature] = (),
         scaler: DynamicLossScaler | None = None,
         evaluator: Evaluator | None = None,
+        sequence_shard: SequenceShard | None = None,
     ) -> None:
+        """`sequence_shard` (isp): the model returns this rank's chunk of the sequence; the loss takes the
+        matching labels, weighted by the chunk count (the wrapper averages over every rank)."""
         self.ctx = ctx
         self.model = model
         self.optimizer = optimizer
@@ -125,6 +129,8 @@ class Trainer:
         self.masters = masters
         self.scaler = scaler
         self.evaluator = evaluator
+        self.sequence_shard = sequence_shard
+        self._chunks = sequence_shard.size if sequence_shard is not None else 1
         self._closed = False
         self._line_peaks: list[int] = []  # the device peaks of LINE_STEPS so far
         self.step = 0
@@ -232,6 +238,8 @@ class Trainer:
         with loss_context(self.settings.loss_parallel):
             out = self.model(input_ids, *positions)
             logits, aux_loss = out if isinstance(out, tuple) else (out, None)  # logits: (B, T, V)
+            if self.sequence_shard is not None:
+                labels = self.sequence_shard.local(labels)  # shifted before the split, as the tokens were
             loss_sum = token_loss_sum(logits, labels, label_smoothing=self.settings.label_smoothing)
             objective = loss_sum * token_weight
             if aux_loss is not None:
@@ -251,7 +259,10 @@ class Trainer:
         # ranks: a global token mean when ranks hold equally many labelled tokens (always, without -100
         # labels). The aux loss (a per-micro-batch mean) is averaged over micro-batches. fp16 multiplies
         # both by the loss scale, removed again before clipping.
-        token_weight, aux_weight = loss_scale / tokens_per_rank, loss_scale / len(micro_batches)
+        # isp: a rank's loss is its chunk's share of the sequences; times the chunk count, the wrapper's average
+        # over all ranks sums the chunks of a sequence and averages the data-parallel ranks.
+        token_weight = loss_scale * self._chunks / tokens_per_rank
+        aux_weight = loss_scale / len(micro_batches)
         sync_in_backward = self.masters.reduce_in_backward
         loss_sum = torch.zeros((), device=self.ctx.device, dtype=torch.float32)
         aux_sum = None
@@ -266,7 +277,9 @@ class Trainer:
                 aux_sum = micro_aux if aux_sum is None else aux_sum + micro_aux
             self.masters.accumulate_grads()  # fp32 accumulation over micro-batches
         self.masters.reduce_grads(self.ctx.distributed)
-        losses = [loss_sum / tokens_per_rank] + ([aux_sum / len(micro_batches)] if aux_sum is not None else [])
+        losses = [loss_sum * self._chunks / tokens_per_rank] + (
+            [aux_sum / len(micro_batches)] if aux_sum is not None else []
+        )
         # Stop requests ride on the loss all-reduce: every rank sees the same (averaged) flag, so all stop
         # after the same step. The flag goes first so that the loss stays at index 1.
         stop_flag = torch.tensor(float(self._stop.requested), device=self.ctx.device)

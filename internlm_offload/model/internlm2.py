@@ -121,6 +121,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * self.head_dim, hidden_size, bias=bias)
+        # isp (engine/sequence_parallel.py): exchange(t, scatter_dim, gather_dim) between sequence and heads
+        self.sequence_exchange: Callable[..., torch.Tensor] | None = None
 
     def _use_flash(self, x: torch.Tensor) -> bool:
         """Whether this call goes to flash-attn (decided per call from the activation)."""
@@ -141,22 +143,35 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, KVH, D)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        exchange = self.sequence_exchange
+        if exchange is not None:  # isp: this rank's tokens of all heads -> all tokens of its heads
+            q, k, v = (exchange(t, scatter_dim=2, gather_dim=1) for t in (q, k, v))
+        out = self._attend(q, k, v, documents, x)
+        if exchange is not None:
+            out = exchange(out, scatter_dim=1, gather_dim=2)
+        return self.wo(out.reshape(B, T, -1))  # (B, T, C)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None, x: torch.Tensor
+    ) -> torch.Tensor:
+        """Causal attention (within documents) of (B, S, H, D) queries over (B, S, KVH, D) keys and values."""
+        B, S = q.shape[:2]
         if self._use_flash(x) and documents is not None:
-            # varlen over the flattened batch; T bounds every document's length (no host sync for the max)
+            # varlen over the flattened batch; S bounds every document's length (no host sync for the max)
             cu = documents.cu_seqlens
-            flat = (t.flatten(0, 1) for t in (q, k, v))  # (B*T, H or KVH, D)
-            out = _flash_attn_varlen_func()(*flat, cu, cu, T, T, causal=True).view(B, T, -1, self.head_dim)
+            flat = (t.flatten(0, 1) for t in (q, k, v))  # (B*S, H or KVH, D)
+            out = _flash_attn_varlen_func()(*flat, cu, cu, S, S, causal=True).view(B, S, -1, self.head_dim)
         elif self._use_flash(x):
             # flash-attn takes (B, T, H, D) and handles fewer kv heads itself
             out = _flash_attn_func()(q, k, v, causal=True)  # (B, T, H, D)
         else:
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H or KVH, T, D)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H or KVH, S, D)
             if documents is None:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, D)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, S, D)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask, enable_gqa=True)
-            out = out.transpose(1, 2)  # (B, T, H, D)
-        return self.wo(out.reshape(B, T, -1))  # (B, T, C)
+            out = out.transpose(1, 2)  # (B, S, H, D)
+        return out
 
     def init_weights(self, std: float, out_std: float) -> None:
         """normal(0, std) for wq, wk, wv; normal(0, out_std) for wo, which writes into the residual stream;
@@ -301,6 +316,7 @@ class InternLM2(nn.Module):
         self.rope_base = rope_base
         self.init_std = init_std
         self.tie_word_embeddings = tie_word_embeddings
+        self.sequence_shard: Any = None  # isp: an engine.sequence_parallel.SequenceShard
         intermediate = intermediate_size(hidden_size, mlp_ratio, multiple_of)
 
         # Built on meta so construction draws no random numbers: init_weights alone sets every weight, which
@@ -367,11 +383,17 @@ class InternLM2(nn.Module):
         """Logits (B, T, V) for input_ids (B, T), in the model's dtype.
 
         `position_ids` (B, T) packs several documents per row: positions restart at 0 where a document
-        begins, and attention never crosses into another document.
+        begins, and attention never crosses into another document. With a `sequence_shard` (isp) the
+        logits are this rank's chunk of the sequence, (B, T / shard.size, V).
         """
+        documents = None if position_ids is None else Documents(position_ids)  # the whole sequence's
+        shard = self.sequence_shard
+        if shard is not None:  # isp: this rank's chunk of the tokens, at their own positions
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+            input_ids, position_ids = shard.local(input_ids), shard.local(position_ids)
         h = self.tok_embeddings(input_ids)  # (B, T, C)
         rope = self.rope_cos_sin(input_ids.shape[1], h.dtype, position_ids)
-        documents = None if position_ids is None else Documents(position_ids)
         for layer in self.layers:
             h = layer(h, rope, documents)
         return self.output(self.norm(h))  # (B, T, V)

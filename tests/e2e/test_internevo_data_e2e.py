@@ -88,13 +88,18 @@ def test_skip_batches_discards_the_named_batches(tokenized, tmp_path):
     assert "data.skip_batches: batch 1 discarded" in proc.stderr
 
 
-def test_packed_documents_and_validation_under_tensor_parallel(tokenized, tmp_path):
-    """msp at T=2: packed documents (positions restart per document, attention kept inside each) and the
-    validation sets give the one-process losses within 1e-5 (the tensor ranks read the same micro-batches)."""
+@pytest.mark.parametrize("mode", ["msp", "isp"])
+def test_packed_documents_and_validation_under_tensor_parallel(tokenized, tmp_path, mode):
+    """T=2: packed documents (positions restart per document, attention kept inside each; isp splits the
+    tokens, positions and labels of each sequence alike) and the validation sets give the one-process losses
+    within 1e-5 (the tensor ranks read the same micro-batches)."""
     one, tensor = tmp_path / "one", tmp_path / "tensor"
     options = _options(tokenized, "data.total_steps=4", "ckpt.enable_save_ckpt=False")
     train(one, *options)
-    train(tensor, *options, "parallel.tensor.size=2", "parallel.tensor.mode=msp", nproc=2)
+    layout = ["parallel.tensor.size=2", f"parallel.tensor.mode={mode}"] + (
+        ["parallel.mode=ddp"] if mode == "isp" else []
+    )
+    train(tensor, *options, *layout, nproc=2)
     got, want = metrics(tensor), metrics(one)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     for metric in ("loss", "valid_loss", "valid_loss/en"):

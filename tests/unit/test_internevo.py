@@ -23,7 +23,7 @@ def test_internevo_config_resolves_with_its_meaning():
     assert any("train_folder=None" in line for line in warnings)
 
 
-def test_shipped_isp_parallel_settings_are_all_named_in_one_report():
+def test_shipped_isp_parallel_settings_keep_their_meaning_and_2d_sequence_parallel_is_refused():
     raw = load_config_file(SHRUNK)
     raw["parallel"] = dict(
         zero1=dict(size=-1),
@@ -35,9 +35,10 @@ def test_shipped_isp_parallel_settings_are_all_named_in_one_report():
     with pytest.raises(ConfigError) as info:
         resolve_config(raw, world_size=1)
     report = str(info.value)
-    assert report.startswith("2 problems in the config:")
-    for part in ("parallel.tensor.mode='isp' (size 2) is not built yet", "parallel.sequence_2D.enable=True"):
-        assert part in report
+    assert "parallel.sequence_2D.enable=True" in report and "ring attention" in report
+    del raw["parallel"]["sequence_2D"]
+    cfg = resolve_config(raw, world_size=8)  # isp 2 over 8 ranks, weights sharded over groups of 4
+    assert cfg.parallel.mode == "fsdp2" and cfg.parallel.tensor.mode == "isp" and cfg.parallel.weight.size == 4
 
 
 @pytest.mark.parametrize(

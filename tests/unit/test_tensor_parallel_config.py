@@ -25,6 +25,14 @@ def tensor(size: int, mode: str = "mtp", parallel: str = "none") -> dict[str, An
     return {"parallel.mode": parallel, "parallel.tensor": dict(size=size, mode=mode)}
 
 
+def test_isp_sections_as_internevo_writes_them():
+    """isp over a tensor group takes a wrapper (DDP, or FSDP2 with weight parallel) even without data parallel."""
+    section = {"parallel.zero1": dict(size=-1), "parallel.tensor": dict(size=2, mode="isp")}
+    assert resolve(2, section).parallel.mode == "ddp"
+    weighted = resolve(4, {**section, "parallel.weight": dict(size=2, overlap=True)})
+    assert weighted.parallel.mode == "fsdp2" and weighted.parallel.weight.size == 2 and weighted.data.micro_num == 1
+
+
 def test_data_parallel_size_is_the_world_over_the_tensor_groups():
     cfg = resolve(4, {**tensor(2, "msp", "fsdp2"), "data.global_bsz": 8})
     assert cfg.data.micro_num == 2  # 8 samples over 2 data-parallel ranks of 2-sample micro-batches
@@ -43,7 +51,10 @@ def test_data_parallel_size_is_the_world_over_the_tensor_groups():
         (2, {**tensor(4), "model.num_attention_heads": 8}, "must divide model.num_kv_attention_heads=2"),
         (2, {**tensor(2, "msp"), "data.seq_len": 63}, "(mode 'msp') must divide data.seq_len=63"),
         (2, {**tensor(2), "model.multiple_of": 5, "model.mlp_ratio": 1.0}, "must divide the SwiGLU width"),
-        (2, tensor(2, "isp"), "parallel.tensor.mode='isp' (size 2) is not built yet"),
+        (2, tensor(2, "isp"), "parallel.tensor.mode='isp' with size 2 needs parallel.mode 'ddp' or 'fsdp2'"),
+        (2, {**tensor(2, "isp", "ddp"), "data.seq_len": 63}, "(mode 'isp') must divide data.seq_len=63"),
+        (4, {**tensor(2, "isp", "ddp"), "parallel.weight": dict(size=2)}, "shards the weights with FSDP2"),
+        (4, {**tensor(2, "isp", "fsdp2"), "parallel.weight": dict(size=3)}, "parallel.weight.size=3 must divide"),
         (2, {**tensor(1), "parallel.weight": dict(size=2)}, "parallel.weight.size=2 works only with parallel.tensor"),
         (2, {**tensor(2), "model.tie_word_embeddings": True}, "model.tie_word_embeddings=True is not sharded"),
         (

@@ -1,0 +1,62 @@
+"""InternEvo's `isp` (Intern sequence parallel): each rank of a tensor group holds 1/T of every sequence.
+
+What it may touch: the model's `sequence_shard` and its attention modules' `sequence_group` (set by
+`apply_sequence_parallel`); nothing else. Weights stay whole modules: the data-parallel wrapper over all
+ranks (DDP, or FSDP2 over the weight group: InternEvo's weight parallel) sums their gradients, which each
+rank computes from its part of the sequence.
+
+- The model takes the whole micro-batch and keeps its rank's contiguous chunk of the tokens (and of the
+  positions, for RoPE); packed documents' boundaries come from the whole sequence's positions.
+- Attention runs Ulysses: the local (B, s/T, H, D) queries, keys and values are exchanged so that each
+  rank holds the whole sequence for H/T heads (`all_to_all_single` with autograd, the one collective
+  written here), attends, and the output is exchanged back.
+- The loss takes the matching chunk of the labels (shifted before the split) and is weighted by T: the
+  wrapper's average over all ranks then sums the chunks of one sequence and averages the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from internlm_offload.log import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This rank's chunk of every sequence: chunk `rank` of `size` along the sequence dim."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup
+
+    def local(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's contiguous chunk of `tensor` along `dim` (the sequence length divides evenly)."""
+        return tensor.chunk(self.size, dim=dim)[self.rank]
+
+
+def sequence_all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split `x` along `scatter_dim` over the group's ranks and concatenate what they send along `gather_dim`
+    (rank order), with autograd: the backward is the reverse exchange. (B, s/T, H, D) with scatter 2, gather 1
+    becomes (B, s, H/T, D); scatter 1, gather 2 goes back."""
+    size = dist.get_world_size(group)
+    outgoing = x.movedim(scatter_dim, 0).contiguous()  # chunk j of dim 0 goes to rank j
+    incoming = all_to_all_single_autograd(outgoing, None, None, group)  # block i of dim 0 came from rank i
+    pieces = incoming.movedim(0, scatter_dim).chunk(size, dim=scatter_dim)
+    return torch.cat(pieces, dim=gather_dim)
+
+
+def apply_sequence_parallel(model: nn.Module, shard: SequenceShard) -> None:
+    """isp on an InternLM2: the model splits its input, each attention exchanges heads for sequence."""
+    model.sequence_shard = shard
+    exchange = functools.partial(sequence_all_to_all, group=shard.group)
+    for block in model.layers:
+        block.attention.sequence_exchange = exchange
+    logger.info("Applied tensor parallel isp over %d ranks (sequence chunks, Ulysses attention)", shard.size)

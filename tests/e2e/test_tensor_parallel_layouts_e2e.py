@@ -1,0 +1,108 @@
+"""Tensor parallel across layouts under torchrun over gloo: tensor groups beside data-parallel ranks (FSDP2 2-D,
+isp with weight parallel), checkpoints resumed on other layouts, the modes' memory, InternEvo's section as
+shipped. (Apart from test_tensor_parallel_e2e.py so that pytest-xdist's per-file distribution runs them beside it.)"""
+
+import shutil
+
+import pytest
+from runner import REPO, metrics, train
+from tensor_parallel_runs import NEAR, OFFLOAD, assert_curves, tensor
+
+pytestmark = pytest.mark.e2e
+
+
+def test_isp_2_by_weight_2_follows_data_parallel(tmp_path):
+    """Four processes, isp over pairs of ranks with FSDP2 sharding the weights over pairs and replicating
+    across them (InternEvo's weight parallel): DDP over two ranks' curve within 1e-5 for 12 steps; with
+    offload, swap and gradient offload bitwise its own."""
+    options = ["data.total_steps=12", "ckpt.enable_save_ckpt=False", "data.global_bsz=8"]
+    data_parallel, isp, offloaded = tmp_path / "dp2", tmp_path / "isp2_w2", tmp_path / "offloaded"
+    train(data_parallel, *options, "parallel.mode=ddp", nproc=2)
+    layout = ["parallel.tensor.size=2", "parallel.tensor.mode=isp", "parallel.weight.size=2", "parallel.mode=fsdp2"]
+    proc = train(isp, *options, *layout, nproc=4)
+    assert "Applied FSDP2 over 4 ranks (shards over 2, 2 replicas)" in proc.stderr
+    assert_curves(data_parallel, isp, NEAR)
+    train(offloaded, *options, *layout, *OFFLOAD, "swap_optimizer=True", "grad_offload=True", nproc=4)
+    assert_curves(isp, offloaded)
+
+
+def test_tensor_2_by_data_2_under_fsdp2_follows_data_parallel(tmp_path):
+    """Four processes, a (dp 2, tp 2) mesh, FSDP2 over dp: FSDP2 over two ranks' curve within 1e-5 for 12
+    steps (the two reduction orders drift apart: 1.6e-5 relative by step 20); with offload, swap and
+    gradient offload bitwise its own."""
+    options = ["data.total_steps=12", "ckpt.enable_save_ckpt=False", "parallel.mode=fsdp2", "data.global_bsz=8"]
+    data_parallel, both, offloaded = tmp_path / "dp2", tmp_path / "dp2_tp2", tmp_path / "offloaded"
+    # the whole model's seeded init on every rank, as tensor parallel builds it (a meta build draws per shard)
+    train(data_parallel, *options, "parallel.meta_init=False", nproc=2)
+    train(both, *options, *tensor("msp"), nproc=4)
+    assert_curves(data_parallel, both, NEAR)
+    train(offloaded, *options, *tensor("msp"), *OFFLOAD, "swap_optimizer=True", "grad_offload=True", nproc=4)
+    assert_curves(both, offloaded)
+
+
+def test_checkpoint_resumes_bitwise_and_continues_on_another_layout(tmp_path):
+    """A (dp 2, tp 2) checkpoint of step 3: resumed on the same layout steps 4..6 are the full run's; on one
+    process and on T=2 alone (DCP reshards the DTensors) it continues within 1e-5."""
+    options = ["data.total_steps=6", "ckpt.checkpoint_every=3", "ckpt.keep_last=0", "data.global_bsz=8"]
+    layout = [*tensor("msp"), "parallel.mode=fsdp2"]
+    full = tmp_path / "full"
+    train(full, *options, *layout, nproc=4)
+    expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(full) if r["step"] > 3]
+    resumes = {
+        "same": (layout, 4),
+        "one_process": ([], 1),
+        "tensor_only": ([*tensor("mtp")], 2),
+    }
+    for name, (other, nproc) in resumes.items():
+        run = tmp_path / name
+        shutil.copytree(full / "checkpoints" / "step_00000003", run / "checkpoints" / "step_00000003")
+        train(run, *options, *other, nproc=nproc, resume=True)
+        got = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(run)]
+        if name == "same":
+            assert got == expected
+        else:
+            assert [s for s, *_ in got] == [4, 5, 6]
+            for (_, loss, norm), (_, want_loss, want_norm) in zip(got, expected):
+                assert loss == pytest.approx(want_loss, rel=1e-5) and norm == pytest.approx(want_norm, rel=5e-3)
+
+
+def test_fsp_keeps_less_than_msp_and_msp_less_than_mtp(tmp_path):
+    """Longer sequences, one micro-batch: the measured device peaks order as InternEvo's modes promise
+    (msp shards the activations between the projections, fsp also drops the gathered inputs)."""
+    options = ["data.total_steps=3", "ckpt.enable_save_ckpt=False", "data.seq_len=1024", "model.hidden_size=256"]
+    options.append("data.micro_num=1")
+    peaks = {}
+    for mode in ("mtp", "msp", "fsp"):
+        run = tmp_path / mode
+        train(run, *options, *tensor(mode), nproc=2)
+        peaks[mode] = max(r["device_peak_mem_bytes"] for r in metrics(run)[1:])
+    assert peaks["fsp"] < peaks["msp"] < peaks["mtp"], peaks
+
+
+@pytest.mark.parametrize(
+    "mode, weight, wrapper", [("msp", 1, "FSDP2 over 2 ranks"), ("isp", 2, "FSDP2 over 4 ranks (shards over 2")]
+)
+def test_internevo_parallel_section_trains_as_shipped(tmp_path, mode, weight, wrapper):
+    """A parallel section written as InternEvo's configs ship it (zero1, tensor, pipeline 1, weight with its
+    overlap flags, sequence_2D off) and a cpu_offloading block, on four processes with size-only changes:
+    msp takes FSDP2 over the data-parallel dim, isp with weight 2 FSDP2 sharding over pairs of ranks."""
+    config = tmp_path / f"internevo_{mode}.py"
+    base = (REPO / "configs" / "internlm2_tiny.py").read_text().replace('"./_base_/', f'"{REPO}/configs/_base_/')
+    config.write_text(
+        base
+        + """
+parallel = dict(
+    _delete_=True,
+    zero1=dict(size=-1),
+    tensor=dict(size=2, mode="MODE"),
+    pipeline=dict(size=1, interleaved_overlap=True),
+    weight=dict(size=WEIGHT, overlap=True, memory_pool=True, launch_allgather_before="wo", forward_overlap_per="layer"),
+    sequence_2D=dict(enable=False, head_size=2, context_size=1, window_size=1, device_placement_strategy=dict(
+        head_first=True, interleaved=False)),
+)
+cpu_offloading = dict(enable=True, num_layers=1)
+""".replace("MODE", mode).replace("WEIGHT", str(weight))
+    )
+    proc = train(tmp_path / "run", "data.total_steps=3", "ckpt.enable_save_ckpt=False", nproc=4, config=config)
+    assert f"Applied tensor parallel {mode} over 2 ranks" in proc.stderr and f"Applied {wrapper}" in proc.stderr
+    assert len(metrics(tmp_path / "run")) == 3

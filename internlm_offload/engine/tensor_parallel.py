@@ -41,7 +41,6 @@ from internlm_offload.log import get_logger
 
 logger = get_logger(__name__)
 
-TENSOR_MODES = ("mtp", "msp", "fsp", "isp")
 SEQUENCE_SHARDED = ("msp", "fsp")
 
 

@@ -88,14 +88,21 @@ def test_skip_batches_discards_the_named_batches(tokenized, tmp_path):
     assert "data.skip_batches: batch 1 discarded" in proc.stderr
 
 
+@pytest.fixture(scope="module")
+def one_process_run(tokenized, tmp_path_factory):
+    """Four steps on one process with packed documents and validation: the tensor-parallel reference."""
+    run = tmp_path_factory.mktemp("one_process")
+    train(run, *_options(tokenized, "data.total_steps=4", "ckpt.enable_save_ckpt=False"))
+    return run
+
+
 @pytest.mark.parametrize("mode", ["msp", "isp"])
-def test_packed_documents_and_validation_under_tensor_parallel(tokenized, tmp_path, mode):
+def test_packed_documents_and_validation_under_tensor_parallel(tokenized, one_process_run, tmp_path, mode):
     """T=2: packed documents (positions restart per document, attention kept inside each; isp splits the
     tokens, positions and labels of each sequence alike) and the validation sets give the one-process losses
     within 1e-5 (the tensor ranks read the same micro-batches)."""
-    one, tensor = tmp_path / "one", tmp_path / "tensor"
+    one, tensor = one_process_run, tmp_path / "tensor"
     options = _options(tokenized, "data.total_steps=4", "ckpt.enable_save_ckpt=False")
-    train(one, *options)
     layout = ["parallel.tensor.size=2", f"parallel.tensor.mode={mode}"] + (
         ["parallel.mode=ddp"] if mode == "isp" else []
     )

@@ -13,9 +13,9 @@ pytestmark = pytest.mark.e2e
 
 def test_isp_2_by_weight_2_follows_data_parallel(tmp_path):
     """Four processes, isp over pairs of ranks with FSDP2 sharding the weights over pairs and replicating
-    across them (InternEvo's weight parallel): DDP over two ranks' curve within 1e-5 for 12 steps; with
+    across them (InternEvo's weight parallel): DDP over two ranks' curve within 1e-5 for 8 steps; with
     offload, swap and gradient offload bitwise its own."""
-    options = ["data.total_steps=12", "ckpt.enable_save_ckpt=False", "data.global_bsz=8"]
+    options = ["data.total_steps=8", "ckpt.enable_save_ckpt=False", "data.global_bsz=8"]
     data_parallel, isp, offloaded = tmp_path / "dp2", tmp_path / "isp2_w2", tmp_path / "offloaded"
     train(data_parallel, *options, "parallel.mode=ddp", nproc=2)
     layout = ["parallel.tensor.size=2", "parallel.tensor.mode=isp", "parallel.weight.size=2", "parallel.mode=fsdp2"]
@@ -27,10 +27,10 @@ def test_isp_2_by_weight_2_follows_data_parallel(tmp_path):
 
 
 def test_tensor_2_by_data_2_under_fsdp2_follows_data_parallel(tmp_path):
-    """Four processes, a (dp 2, tp 2) mesh, FSDP2 over dp: FSDP2 over two ranks' curve within 1e-5 for 12
+    """Four processes, a (dp 2, tp 2) mesh, FSDP2 over dp: FSDP2 over two ranks' curve within 1e-5 for 8
     steps (the two reduction orders drift apart: 1.6e-5 relative by step 20); with offload, swap and
     gradient offload bitwise its own."""
-    options = ["data.total_steps=12", "ckpt.enable_save_ckpt=False", "parallel.mode=fsdp2", "data.global_bsz=8"]
+    options = ["data.total_steps=8", "ckpt.enable_save_ckpt=False", "parallel.mode=fsdp2", "data.global_bsz=8"]
     data_parallel, both, offloaded = tmp_path / "dp2", tmp_path / "dp2_tp2", tmp_path / "offloaded"
     # the whole model's seeded init on every rank, as tensor parallel builds it (a meta build draws per shard)
     train(data_parallel, *options, "parallel.meta_init=False", nproc=2)

@@ -629,34 +629,29 @@ class RunConfig(Section):
                 f"parallel.weight.size={weight.size} works only with parallel.tensor.mode='isp' (InternEvo's rule), "
                 f"got mode={tensor.mode!r}; set weight.size=1"
             )
-        T = tensor.size
-        if tensor.mode == "isp":
-            self._check_isp()
-            return
-        if self.parallel.mode == "ddp":
-            raise ValueError(
-                f"parallel.mode='ddp' with parallel.tensor.size={T}: DDP does not take torch's tensor-parallel "
-                "DTensors; use parallel.mode='fsdp2' (FSDP2 over the data-parallel dim, tensor groups inside)"
-            )
+        T, mode = tensor.size, tensor.mode
         if model.type != "internlm2":
-            raise ValueError(f"parallel.tensor.size={T} needs model.type='internlm2', got {model.type!r}")
-        if model.tie_word_embeddings:
-            raise ValueError(f"parallel.tensor.size={T}: model.tie_word_embeddings=True is not sharded here; set False")
-        from internlm_offload.model.internlm2 import intermediate_size
-
+            raise ValueError(
+                f"parallel.tensor (size {T}, mode {mode!r}) needs model.type='internlm2', got {model.type!r}"
+            )
         divisible = {
             "model.num_attention_heads": model.num_attention_heads,
             "model.num_kv_attention_heads": model.num_kv_attention_heads,
-            "the SwiGLU width (model.hidden_size * mlp_ratio rounded up to multiple_of)": intermediate_size(
-                model.hidden_size, model.mlp_ratio, model.multiple_of
-            ),
         }
-        if tensor.mode in ("msp", "fsp"):
+        if mode == "isp":
+            self._check_isp_wrapper()
+        else:
+            self._check_column_row_parallel()
+            from internlm_offload.model.internlm2 import intermediate_size
+
+            width = intermediate_size(model.hidden_size, model.mlp_ratio, model.multiple_of)
+            divisible["the SwiGLU width (model.hidden_size * mlp_ratio rounded up to multiple_of)"] = width
+        if mode in ("msp", "fsp", "isp"):  # the modes that split the sequence
             divisible["data.seq_len"] = self.data.seq_len
         for name, value in divisible.items():
             if value % T:
                 raise ValueError(
-                    f"parallel.tensor.size={T} (mode {tensor.mode!r}) must divide {name}={value}: each rank holds "
+                    f"parallel.tensor.size={T} (mode {mode!r}) must divide {name}={value}: each rank holds "
                     f"1/{T} of it; choose a tensor size that divides it"
                 )
         features = {
@@ -667,37 +662,31 @@ class RunConfig(Section):
             if on:
                 raise ValueError(f"{name}=True does not compose with parallel.tensor.size={T} yet; set it off")
 
-    def _check_isp(self) -> None:
-        """isp: sequence chunks over the tensor group, Ulysses over its heads, weights whole (or FSDP2 over
-        the weight group), gradients summed by the data-parallel wrapper over all ranks."""
-        tensor, weight, model = self.parallel.tensor, self.parallel.weight, self.model
-        T = tensor.size
-        if model.type != "internlm2":
-            raise ValueError(f"parallel.tensor.mode='isp' needs model.type='internlm2', got {model.type!r}")
+    def _check_column_row_parallel(self) -> None:
+        """mtp / msp / fsp: the parameters become DTensors over the tensor group."""
+        T = self.parallel.tensor.size
+        if self.parallel.mode == "ddp":
+            raise ValueError(
+                f"parallel.mode='ddp' with parallel.tensor.size={T}: DDP does not take torch's tensor-parallel "
+                "DTensors; use parallel.mode='fsdp2' (FSDP2 over the data-parallel dim, tensor groups inside)"
+            )
+        if self.model.tie_word_embeddings:
+            raise ValueError(f"parallel.tensor.size={T}: model.tie_word_embeddings=True is not sharded here; set False")
+
+    def _check_isp_wrapper(self) -> None:
+        """isp: weights stay whole (or FSDP2 over the weight group); the data-parallel wrapper over all ranks
+        sums the gradients each rank computes from its chunk of the sequence."""
+        T, weight = self.parallel.tensor.size, self.parallel.weight.size
         if T > 1 and self.parallel.mode == "none":
             raise ValueError(
                 f"parallel.tensor.mode='isp' with size {T} needs parallel.mode 'ddp' or 'fsdp2': the wrapper sums "
                 "the gradients each rank computes from its chunk of the sequence"
             )
-        if weight.size > 1 and self.parallel.mode != "fsdp2":
+        if weight > 1 and self.parallel.mode != "fsdp2":
             raise ValueError(
-                f"parallel.weight.size={weight.size} shards the weights with FSDP2: set parallel.mode='fsdp2', "
+                f"parallel.weight.size={weight} shards the weights with FSDP2: set parallel.mode='fsdp2', "
                 f"got {self.parallel.mode!r}"
             )
-        divisible = {
-            "model.num_attention_heads": model.num_attention_heads,
-            "model.num_kv_attention_heads": model.num_kv_attention_heads,
-            "data.seq_len": self.data.seq_len,
-        }
-        for name, value in divisible.items():
-            if value % T:
-                raise ValueError(
-                    f"parallel.tensor.size={T} (mode 'isp') must divide {name}={value}: each rank holds 1/{T} of "
-                    "the sequence and, in attention, of the heads; choose a tensor size that divides it"
-                )
-        if self.parallel.fsdp_cpu_offload or self.selective_checkpoint_offload:
-            name = "parallel.fsdp_cpu_offload" if self.parallel.fsdp_cpu_offload else "selective_checkpoint_offload"
-            raise ValueError(f"{name}=True does not compose with parallel.tensor.mode='isp' yet; set it off")
 
     def _check_grad_offload(self) -> None:
         hybrid = self.hybrid_optimizer

@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from internlm_offload.log import get_logger
+from internlm_offload.optim.dtensor import is_dtensor
 
 logger = get_logger(__name__)
 
@@ -72,9 +73,11 @@ def apply_tensor_parallel(
         top_plan["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, top_plan)
     for index, block in enumerate(model.layers):
-        fsp = mode == "fsp" and (gather_again_in is None or index in gather_again_in)
-        parallelize_module(block, tp_mesh, _block_plan("fsp" if fsp else "msp" if sequence else "mtp"))
-        if fsp:
+        block_mode = mode
+        if mode == "fsp" and gather_again_in is not None and index not in gather_again_in:
+            block_mode = "msp"
+        parallelize_module(block, tp_mesh, _block_plan(block_mode))
+        if block_mode == "fsp":
             gather_in_backward_again(block.attention)
             gather_in_backward_again(block.feed_forward)
     logger.info(
@@ -100,14 +103,20 @@ def _block_plan(mode: str) -> dict:
     if sequence:
         plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
     if mode == "msp":  # fsp gathers inside its checkpointed region instead
-        gather = dict(desired_input_layouts=(Replicate(), None, None), use_local_output=True)
+        # attention takes (x, rope, documents), the MLP x: only x is gathered
         plan |= {
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None), **gather),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-            ),
+            "attention": _gather_input(extra_args=2),
+            "feed_forward": _gather_input(extra_args=0),
         }
     return plan
+
+
+def _gather_input(extra_args: int) -> PrepareModuleInput:
+    """All-gather a module's sequence-sharded first argument into a plain local tensor; leave the rest alone."""
+    rest = (None,) * extra_args
+    return PrepareModuleInput(
+        input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True
+    )
 
 
 # What fsp keeps of a column region in forward: the matmul and attention outputs. The rest (the sequence
@@ -156,17 +165,17 @@ def align_grads_in_backward(model: nn.Module) -> None:
     host copies) and the masters, clipping and the optimizer all read each gradient as its parameter's
     local shard. (FSDP2 replaces the parameters with its own and lays out their gradients itself.)"""
     for param in model.parameters():
-        if isinstance(param, DTensor) and param.requires_grad:
+        if is_dtensor(param) and param.requires_grad:
             param.register_post_accumulate_grad_hook(_align_grad)
 
 
 @torch.no_grad()
 def _align_grad(param: torch.Tensor) -> None:
     grad = param.grad
-    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+    if is_dtensor(grad) and tuple(grad.placements) != tuple(param.placements):
         param.grad = grad.redistribute(placements=param.placements)
 
 
 def local_loss(loss: torch.Tensor) -> torch.Tensor:
     """The loss as a plain tensor (a replicated DTensor under `loss_parallel`)."""
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return loss.full_tensor() if is_dtensor(loss) else loss

@@ -313,10 +313,11 @@ class Trainer:
         grads = self.masters.grads()
         if unscale != 1.0:
             torch._foreach_mul_(grads, unscale)  # a power of two: exact
-        norm = total_norm(grads)
+        groups = by_mesh(grads)
+        norm = total_norm(groups)
         # clip_grad_norm_'s own rule and kernels, applied to the grad tensors (masters' grads need not be `.grad`);
         # per mesh, as torch's foreach kernels take no mix of DTensors and plain tensors
-        for group in by_mesh(grads).values():
+        for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_([_GradHolder(g) for g in group], max_norm, norm)
         return norm
 
@@ -473,12 +474,12 @@ def by_mesh(tensors: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
     return groups
 
 
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all gradients as a plain tensor. DTensors (FSDP2 shards, tensor-parallel shards) are
-    normed per mesh and gathered: torch cannot stack norms of different meshes, or of DTensors and plain
-    tensors (the replicated norms of mtp)."""
+def total_norm(groups: dict[Any, list[torch.Tensor]]) -> torch.Tensor:
+    """The 2-norm of all gradients (`by_mesh`'s groups) as a plain tensor. DTensors (FSDP2 shards,
+    tensor-parallel shards) are normed per mesh and gathered: torch cannot stack norms of different meshes,
+    or of DTensors and plain tensors (the replicated norms of mtp)."""
     norms = []
-    for mesh, group in by_mesh(grads).items():
+    for mesh, group in groups.items():
         norm = torch.nn.utils.get_total_norm(group)
         norms.append(norm.full_tensor() if mesh is not None else norm)
     if len(norms) == 1:

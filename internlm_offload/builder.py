@@ -371,6 +371,7 @@ class Components:
     offloader: ActivationOffloader | None
     selective_offloader: SelectiveOffloader | None
     layers: nn.ModuleList  # the decoder blocks the layer plan acted on
+    sequence_shard: SequenceShard | None = None  # isp: this rank's chunk of every sequence
 
     @property
     def features(self) -> list[MemoryFeature]:
@@ -486,7 +487,7 @@ def build_components(
         eta_min=cfg.lr_scheduler.eta_min,
         decay=cfg.lr_scheduler.type,
     )
-    return Components(model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers)
+    return Components(model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers, shard)
 
 
 def offload_gradients(cfg: RunConfig, masters: Masters, accelerator: Accelerator, *, reduce: bool) -> GradOffload:
@@ -566,7 +567,7 @@ def build_trainer(
         features=parts.features,
         scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,
         evaluator=evaluator,
-        sequence_shard=sequence_shard(cfg, ctx),
+        sequence_shard=parts.sequence_shard,
     )
 
 

@@ -34,6 +34,7 @@ AUTO_KNOBS = (
     "parallel.fsdp_cpu_offload",
     "grad_offload",
     "nvme_offload.enable",
+    "parallel.tensor.mode",
 )
 
 
@@ -270,7 +271,8 @@ class TensorParallelConfig(Section):
         description="InternEvo's tensor mode: `mtp` (column/row-parallel projections, activations replicated), "
         "`msp` (mtp + sequence-sharded activations between them), `fsp` (msp, backward gathers the sequence again "
         "instead of keeping it), `isp` (each rank 1/T of every sequence, Ulysses attention, weights whole or "
-        "sharded over `parallel.weight`; needs `parallel.mode` ddp or fsdp2). docs/parallelism.md.",
+        "sharded over `parallel.weight`; needs `parallel.mode` ddp or fsdp2). docs/parallelism.md. "
+        '`"auto"` (with `memory_budget`): the planner chooses the fastest mode that fits.',
     )
 
 
@@ -736,6 +738,13 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
             f"{auto[0]}='auto' needs memory_budget.device, the device memory per rank the planner "
             "may use, e.g. memory_budget=dict(device='40GiB')"
         )
+    parallel = raw.get("parallel")
+    if "parallel.tensor.mode" in auto and isinstance(parallel, dict) and parallel.get("mode") == "ddp":
+        problems.append(
+            "parallel.tensor.mode='auto' with parallel.mode='ddp': only isp runs under DDP; set "
+            "parallel.tensor.mode='isp', or parallel.mode='fsdp2' for the planner to choose among all four modes"
+        )
+        parallel["tensor"]["mode"] = "isp"  # the one mode DDP takes: no second report of the same problem
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:
@@ -753,11 +762,6 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
         raise ConfigError(
             f"parallel.fsdp_cpu_offload='auto' needs parallel.mode='fsdp2' (FSDP2's CPU offload policy), "
             f"got {cfg.parallel.mode!r}"
-        )
-    if auto and cfg.parallel.tensor.size > 1:
-        raise ConfigError(
-            f"{auto[0]}='auto' with parallel.tensor.size={cfg.parallel.tensor.size}: the planner does not search "
-            "under tensor parallel yet; set the memory knobs by hand"
         )
     if "nvme_offload.enable" in auto and cfg.nvme_offload.path is None:
         raise ConfigError("nvme_offload.enable='auto' needs nvme_offload.path, the directory the planner may choose")
@@ -788,7 +792,9 @@ def take_auto_knobs(raw: dict[str, Any]) -> tuple[str, ...]:
     auto = []
     for knob in AUTO_KNOBS:
         section, _, key = knob.rpartition(".")
-        holder = raw.get(section) if section else raw
+        holder: Any = raw
+        for name in section.split(".") if section else ():
+            holder = holder.get(name) if isinstance(holder, dict) else None
         if isinstance(holder, dict) and holder.get(key) == AUTO:
             schema = schema_at(RunConfig, section.split(".")) if section else RunConfig
             holder[key] = schema.model_fields[key].default

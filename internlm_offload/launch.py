@@ -205,9 +205,6 @@ def run_preflight(
     use before the run; `traced`: the config's trace when the planner already made it."""
     from internlm_offload.planner.preflight import check_fits
 
-    if cfg.parallel.tensor.size > 1:
-        logger.info("Preflight skipped: the planner does not trace tensor parallel yet (docs/parallelism.md)")
-        return None
     try:
         prediction = check_fits(
             cfg,

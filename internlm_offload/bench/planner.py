@@ -58,9 +58,26 @@ SETTINGS: dict[str, dict[str, Any]] = {
             "use_pinned_optimizer_offload": True},
     "fsdp2 x2": {"parallel.mode": "fsdp2"},
     "fsdp2 x4 + swap + ckpt 0.5": {"parallel.mode": "fsdp2", "swap_optimizer": True, "model.checkpoint": 0.5},
+    "mtp 2": {"parallel.tensor.size": 2, "parallel.tensor.mode": "mtp"},
+    "msp 2": {"parallel.tensor.size": 2, "parallel.tensor.mode": "msp"},
+    "fsp 2": {"parallel.tensor.size": 2, "parallel.tensor.mode": "fsp"},
+    "isp 2": {"parallel.tensor.size": 2, "parallel.tensor.mode": "isp", "parallel.mode": "ddp"},
+    "msp 2 x fsdp2 2 + offload 3": {"parallel.tensor.size": 2, "parallel.tensor.mode": "msp", "parallel.mode": "fsdp2",
+                                    **OFFLOAD, "cpu_offloading.num_layers": 3},
+    "isp 2 x weight 2 + swap": {"parallel.tensor.size": 2, "parallel.tensor.mode": "isp", "parallel.mode": "fsdp2",
+                                "parallel.weight.size": 2, "swap_optimizer": True},
 }  # fmt: skip
 # Settings measured on several processes (torchrun, gloo); the others run on one.
-RANKS = {"fsdp2 x2": 2, "fsdp2 x4 + swap + ckpt 0.5": 4}
+RANKS = {
+    "fsdp2 x2": 2,
+    "fsdp2 x4 + swap + ckpt 0.5": 4,
+    "mtp 2": 2,
+    "msp 2": 2,
+    "fsp 2": 2,
+    "isp 2": 2,
+    "msp 2 x fsdp2 2 + offload 3": 4,
+    "isp 2 x weight 2 + swap": 4,
+}
 TOLERANCE = 0.05
 
 

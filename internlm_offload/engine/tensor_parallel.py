@@ -5,7 +5,8 @@ mesh; nothing else. The data-parallel wrappers (engine/parallel.py) come after i
 checkpoint and offload hooks act on the blocks it returns.
 
 - `mtp` (Megatron TP): wq/wk/wv/w1/w3 column parallel, wo/w2 row parallel (their outputs all-reduced),
-  norms replicated plain modules; the embedding vocab-parallel, the head column parallel.
+  norms replicated plain modules; the embedding vocab-parallel, the head column parallel. The column
+  projections of a module share one DTensor input, so backward reduces its gradient once per module.
 - `msp` (Megatron SP): mtp plus sequence-sharded activations between the column and row regions:
   norms are `SequenceParallel`, the block inputs all-gathered on the sequence before the projections and
   the row outputs reduce-scattered back (torchtitan's plan).
@@ -102,20 +103,23 @@ def _block_plan(mode: str) -> dict:
     }
     if sequence:
         plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
-    if mode == "msp":  # fsp gathers inside its checkpointed region instead
-        # attention takes (x, rope, documents), the MLP x: only x is gathered
+    if mode != "fsp":  # fsp gathers inside its checkpointed region instead
+        # attention takes (x, rope, documents), the MLP x: only x is laid out
         plan |= {
-            "attention": _gather_input(extra_args=2),
-            "feed_forward": _gather_input(extra_args=0),
+            "attention": _shared_input(Shard(1) if sequence else Replicate(), extra_args=2),
+            "feed_forward": _shared_input(Shard(1) if sequence else Replicate(), extra_args=0),
         }
     return plan
 
 
-def _gather_input(extra_args: int) -> PrepareModuleInput:
-    """All-gather a module's sequence-sharded first argument into a plain local tensor; leave the rest alone."""
+def _shared_input(layout: Shard | Replicate, extra_args: int) -> PrepareModuleInput:
+    """A module's first argument (in `layout`) as one replicated DTensor its column-parallel projections share
+    (all-gathered on the sequence from Shard(1)); the rest left alone. Shared, the projections' Partial input
+    gradients add up locally and are reduced once (a reduce-scatter back to Shard(1), an all-reduce for a
+    replicated input); a plain tensor would be wrapped by each projection and all-reduced by each."""
     rest = (None,) * extra_args
     return PrepareModuleInput(
-        input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True
+        input_layouts=(layout, *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=False
     )
 
 
@@ -142,8 +146,8 @@ def gather_in_backward_again(module: nn.Module) -> None:
     forward = module.forward
     contexts = functools.partial(create_selective_checkpoint_contexts, _fsp_policy)
 
-    def gathered(x: DTensor, *args, **kwargs):
-        return forward(x.redistribute(placements=[Replicate()]).to_local(), *args, **kwargs)
+    def gathered(x: DTensor, *args, **kwargs):  # a DTensor the projections share (see `_shared_input`)
+        return forward(x.redistribute(placements=[Replicate()]), *args, **kwargs)
 
     @functools.wraps(forward)
     def sharded_input_forward(x: DTensor, *args, **kwargs):

@@ -1,8 +1,8 @@
 """Knobs set to "auto" in a config: chosen at start-up by the planner's search, within `memory_budget`.
 
 `choose_auto_knobs(cfg, config_for, ...)` searches the settings of the knobs the config left to the
-planner (`search.activation_settings` / `optimizer_settings` over `cfg.auto_knobs`; the others stay as
-configured) for the fastest predicted step whose traced peaks fit `memory_budget.device` (and `.host`
+planner (`search.activation_settings` / `optimizer_settings` over `cfg.auto_knobs`, in each tensor mode
+when `parallel.tensor.mode` is one of them: `search.search_tensor_modes`; the others stay as configured) for the fastest predicted step whose traced peaks fit `memory_budget.device` (and `.host`
 when given), and returns the config with them set. Nothing fitting is a `PreflightError` (exit 2)
 naming the smallest traced peak. Step times come from the cost model with the hardware row of the
 accelerator (`HARDWARE_FOR`; cpu is calibrated on the spot).
@@ -19,8 +19,9 @@ from internlm_offload.planner.search import (
     ConfigFor,
     activation_settings,
     optimizer_settings,
-    search,
+    search_tensor_modes,
     smallest_peak,
+    tensor_mode_settings,
 )
 from internlm_offload.sizes import human_bytes
 from internlm_offload.torchrun_env import env_local_world_size
@@ -48,12 +49,16 @@ def choose_auto_knobs(
     runtime_note = f" less {human_bytes(runtime_bytes)} in use before the run" if runtime_bytes else ""
     activations = activation_settings(cfg.model.num_layers, cfg.auto_knobs)
     optimizers = optimizer_settings(cfg, cfg.auto_knobs)
-    chosen, candidates = search(
-        config_for, activations, optimizers, hardware_for(accelerator_name), device_budget, budget.host, world_size
+    modes = tensor_mode_settings(cfg, cfg.auto_knobs)
+    hardware = hardware_for(accelerator_name)
+    chosen, candidates, refused = search_tensor_modes(
+        config_for, modes, activations, optimizers, hardware, device_budget, budget.host, world_size
     )
+    for line in refused:
+        logger.info("memory_budget: tensor mode %s", line)
     for candidate in candidates:
         logger.info(
-            "memory_budget: %-34s step %.4g s, est. device %s, host %s: %s",
+            "memory_budget: %-39s step %.4g s, est. device %s, host %s: %s",
             candidate.name,
             candidate.step_s,
             human_bytes(candidate.estimated_device),

@@ -1,41 +1,60 @@
 """Step time from the traced step's work and a machine's throughputs: a stated model, not a measurement.
 
 The trace counts, per micro-batch and per optimizer step: matmul and attention FLOPs (torch's
-`FlopCounterMode`, recomputation included), bytes copied between host and device (every `copy_`
-whose source and destination lie in different tiers), bytes that additions into host tensors read and
-write (gradient offload's accumulation), and AdamW elements stepped on the device and on the host.
+`FlopCounterMode`, recomputation included; an op on DTensors counts this rank's share), bytes copied
+between host and device (every `copy_` whose source and destination lie in different tiers), bytes that
+additions into host tensors read and write (gradient offload's accumulation), AdamW elements stepped on
+the device and on the host, and the bytes each rank sends in the tensor and sequence parallel
+collectives (torch's functional collectives: DTensor's redistributions, Ulysses' all-to-all; ring
+algorithms, so a collective over n ranks sends (n-1)/n of its buffer, twice for an all-reduce).
 `step_time` turns them into seconds with a `Hardware` row:
 
     micro-batch = max(FLOPs / flops_per_s, copies / link_bytes_per_s,   activation and gradient copies
-                      host adds / host_bytes_per_s)                      and the host's adds overlap compute
+                      host adds / host_bytes_per_s)                      and the host's adds overlap compute;
+                  + collectives / collective_bytes_per_s                 the tensor-parallel ones do not
     optimizer   = max(device elements x 28 B / hbm_bytes_per_s,          the hybrid's CPU share overlaps
                       host elements / cpu_adam_elements_per_s)           the device step
                   + max(step copies / link_bytes_per_s,                  swap and hybrid traffic, not hidden;
                         disk bytes / disk_bytes_per_s)                   NVMe reads and writes overlap it
+                  + collectives / collective_bytes_per_s                 the norm over tensor shards
     step        = micro_num x micro-batch + optimizer
 
 The host's memory bandwidth is the one the CPU AdamW rate assumes (`host_bytes_per_s`: elements/s x 28 B).
 Ranks on one node share it (`shared_by`): each gets its share for host adds and the CPU AdamW step, and
 its device's link is capped at that share; a row describes one device and the node's host.
 Rows for common accelerators are assumptions (their sources say so, and the planner prints them);
-`calibrate()` measures this machine's rows instead (cpu: matmul, memcpy, fused AdamW).
+`calibrate()` measures this machine's rows instead (cpu: matmul, memcpy, fused AdamW; its collective
+bandwidth is stated: gloo's needs a process group of several processes).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from internlm_offload.planner.tracker import StorageTracker, copies_meta_to_cpu
 
 ADAMW_BYTES_PER_ELEMENT = 28  # read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq (fp32)
 ADAMW_OPS = ("aten._fused_adamw_.default", "aten._fused_adam_.default")
 ADD_OPS = ("aten.add_.Tensor", "aten.add.out")
+# Functional collectives (what DTensor and Ulysses issue) -> how many times its buffer a rank sends, times
+# (n-1)/n: all-gather and reduce-scatter send one buffer's worth (the larger side), all-reduce two. FSDP2's
+# and DDP's collectives (c10d ops on their own streams) overlap compute and are not priced.
+COLLECTIVES = {
+    "_c10d_functional.all_gather_into_tensor.default": 1,
+    "_c10d_functional.reduce_scatter_tensor.default": 1,
+    "_c10d_functional.all_reduce.default": 2,
+    "_c10d_functional.all_to_all_single.default": 1,
+}
 
 
 @dataclass(frozen=True)
@@ -51,18 +70,27 @@ class Hardware:
     # The NVMe tier's bandwidth per node (reads and writes together); no row measures it, so it is stated.
     disk_bytes_per_s: float = 6e9
     disk_source: str = "assumed: one NVMe drive per node, ~6 GB/s (PCIe 4.0 x4)"
+    # Bytes per second each rank sends in a collective within its node (NCCL's "bus bandwidth").
+    collective_bytes_per_s: float = 1e9
+    collective_source: str = "assumed: gloo over loopback TCP (measured here: 0.25-1.4 GB/s)"
 
 
 HARDWARE = {
     "h100": Hardware("H100 SXM 80GB", 400e12, 50e9, 2.7e12, 3e9,
                      "assumed: 40% MFU of 989 TFLOP/s dense bf16; PCIe 5.0 x16 ~50 GB/s; 80% of 3.35 TB/s HBM3; "
-                     "host fused AdamW 3e9 elem/s (~100 GB/s DRAM at 28 B/elem)"),
+                     "host fused AdamW 3e9 elem/s (~100 GB/s DRAM at 28 B/elem)",
+                     collective_bytes_per_s=360e9,
+                     collective_source="assumed: NVLink 4 (450 GB/s per direction), ~80% as NCCL's bus bandwidth"),
     "a100": Hardware("A100 SXM 80GB", 125e12, 25e9, 1.6e12, 3e9,
                      "assumed: 40% MFU of 312 TFLOP/s dense bf16; PCIe 4.0 x16 ~25 GB/s; 80% of 2.0 TB/s HBM2e; "
-                     "host fused AdamW 3e9 elem/s"),
+                     "host fused AdamW 3e9 elem/s",
+                     collective_bytes_per_s=230e9,
+                     collective_source="assumed: NVLink 3 (300 GB/s per direction), ~75% as NCCL's bus bandwidth"),
     "910b": Hardware("Ascend 910B", 125e12, 25e9, 1.3e12, 3e9,
                      "assumed: 40% of ~313 TFLOP/s fp16/bf16; PCIe 4.0 x16 ~25 GB/s; 80% of 1.6 TB/s HBM; "
-                     "host fused AdamW 3e9 elem/s"),
+                     "host fused AdamW 3e9 elem/s",
+                     collective_bytes_per_s=100e9,
+                     collective_source="assumed: HCCS within a node, ~100 GB/s as HCCL's bus bandwidth"),
 }  # fmt: skip
 
 
@@ -77,6 +105,7 @@ class StepWork:
     host_adamw_elements: int = 0
     host_add_bytes: int = 0  # read and written by additions into host tensors (gradient offload's accumulation)
     disk_bytes: int = 0  # read from and written to the NVMe tier (copies from and to its mapped file)
+    collective_bytes: int = 0  # sent by this rank in tensor and sequence parallel collectives
 
     def scaled(self, factor: float) -> StepWork:
         return StepWork(**{k: int(v * factor) for k, v in asdict(self).items()})
@@ -90,10 +119,14 @@ class StepWork:
 
 @dataclass(eq=False)
 class WorkCounter(TorchDispatchMode):
-    """Counts copies between tiers and AdamW elements while active (tiers from the tracker)."""
+    """Counts copies between tiers, AdamW elements and collective bytes while active (tiers from the tracker).
+
+    `sharded_flops_surplus`: what a FLOP counter beside it over-counts: it sees ops on DTensors with their
+    global shapes, while each rank computes the share its output's placements give it."""
 
     tracker: StorageTracker
     work: StepWork = field(default_factory=StepWork)
+    sharded_flops_surplus: int = 0
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -113,7 +146,12 @@ class WorkCounter(TorchDispatchMode):
                 self.work.host_adamw_elements += elements
             else:
                 self.work.device_adamw_elements += elements
-        return func(*args, **(kwargs or {}))
+        elif name in COLLECTIVES:
+            self.work.collective_bytes += _sent_bytes(name, args)
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in flop_registry and any(isinstance(a, DTensor) for a in args):
+            self.sharded_flops_surplus += _sharded_flops_surplus(func, args, kwargs or {}, out)
+        return out
 
     def _count_add(self, args: tuple, kwargs: dict) -> None:
         """An addition into a host tensor: it reads and writes the result, and reads the added tensor."""
@@ -135,6 +173,30 @@ class WorkCounter(TorchDispatchMode):
             self.work.h2d_bytes += nbytes
         elif tiers == ("device", "host"):
             self.work.d2h_bytes += nbytes
+
+
+def _sent_bytes(name: str, args: tuple) -> int:
+    """Bytes one rank sends in the functional collective `name` over its group (ring algorithms)."""
+    tensor = args[0]
+    group = dist.distributed_c10d._resolve_process_group(args[-1])  # every one takes its group's name last
+    ranks = group.size()
+    nbytes = tensor.numel() * tensor.element_size()
+    if name.startswith("_c10d_functional.all_gather"):
+        nbytes *= ranks  # its output is the larger side
+    return COLLECTIVES[name] * nbytes * (ranks - 1) // ranks
+
+
+def _sharded_flops_surplus(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """Global FLOPs of an op on DTensors minus this rank's share: the output's Shard and Partial mesh dims
+    divide the work, Replicate ones repeat it on every rank."""
+    result = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(result, DTensor):
+        return 0
+    total = flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+    shares = math.prod(
+        result.device_mesh.size(dim) for dim, placement in enumerate(result.placements) if not placement.is_replicate()
+    )
+    return total - total // shares
 
 
 def flash_cpu_flops() -> dict[Any, Any]:
@@ -180,12 +242,14 @@ def step_time(micro_batch: StepWork, optimizer: StepWork, micro_num: int, hw: Ha
     compute = micro_batch.flops / hw.flops_per_s
     activation_copies = (micro_batch.h2d_bytes + micro_batch.d2h_bytes) / hw.link_bytes_per_s
     host_adds = micro_batch.host_add_bytes / host_bytes_per_s(hw)
-    per_micro_batch = max(compute, activation_copies, host_adds)
+    collectives = micro_batch.collective_bytes / hw.collective_bytes_per_s  # on the critical path
+    per_micro_batch = max(compute, activation_copies, host_adds) + collectives
     device_update = optimizer.device_adamw_elements * ADAMW_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s
     host_update = optimizer.host_adamw_elements / hw.cpu_adam_elements_per_s
     copies = (optimizer.h2d_bytes + optimizer.d2h_bytes) / hw.link_bytes_per_s
     disk = optimizer.disk_bytes / hw.disk_bytes_per_s  # the states' reads and writes, overlapping their copies
-    optimizer_s = max(device_update, host_update) + max(copies, disk)
+    norm = optimizer.collective_bytes / hw.collective_bytes_per_s  # the gradient norm over tensor shards
+    optimizer_s = max(device_update, host_update) + max(copies, disk) + norm
     return StepTime(micro_num * per_micro_batch + optimizer_s, per_micro_batch, optimizer_s, hw)
 
 

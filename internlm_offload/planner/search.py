@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from internlm_offload.config import AUTO_KNOBS, RunConfig, merge_overrides, resolve_config
+from internlm_offload.config import AUTO_KNOBS, ConfigError, RunConfig, merge_overrides, resolve_config
 from internlm_offload.planner.cost import Hardware, step_time
 from internlm_offload.planner.trace import StepMemory, trace_step
 from internlm_offload.planner.tracker import largest_component
@@ -52,6 +52,8 @@ HYBRID_FRACTIONS = (0.5, 1.0)
 PARAMS_ON_HOST = "parallel.fsdp_cpu_offload"  # FSDP2's CPUOffloadPolicy: parameter offload
 GRADS_ON_HOST = "grad_offload"  # gradients to the host during backward (with swap or hybrid 1.0)
 NVME = "nvme_offload.enable"  # the offloaded optimizer states in files under nvme_offload.path (the NVMe tier)
+TENSOR_MODE = "parallel.tensor.mode"
+TENSOR_MODES = ("mtp", "msp", "fsp", "isp")
 
 
 def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
@@ -116,7 +118,11 @@ def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_
     switch_hybrid = "hybrid_optimizer.enable" in auto and not fixed_swap
     swap = "swap_optimizer" in auto and not fixed_hybrid
     params_on_host = (
-        PARAMS_ON_HOST in auto and cfg is not None and cfg.parallel.mode == "fsdp2" and not (fixed_swap or fixed_hybrid)
+        PARAMS_ON_HOST in auto
+        and cfg is not None
+        and cfg.parallel.mode == "fsdp2"
+        and cfg.parallel.tensor.size == 1  # FSDP2's CPU offload policy does not compose with tensor parallel
+        and not (fixed_swap or fixed_hybrid)
     )
     off = {
         **({"swap_optimizer": False} if swap else {}),
@@ -188,6 +194,14 @@ def _steps_all_on_host(setting: Setting, cfg: RunConfig) -> bool:
     return bool(enabled) and options.get("hybrid_optimizer.offload_fraction", hybrid.offload_fraction) == 1.0
 
 
+def tensor_mode_settings(cfg: RunConfig, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
+    """Each tensor mode when `parallel.tensor.mode` is searched and tensor groups have several ranks; else one
+    setting that changes nothing."""
+    if TENSOR_MODE not in set(auto) or cfg.parallel.tensor.size == 1:
+        return [Setting("", {})]
+    return [Setting(mode, {TENSOR_MODE: mode}) for mode in TENSOR_MODES]
+
+
 @dataclass
 class Candidate:
     activation: Setting
@@ -197,14 +211,16 @@ class Candidate:
     estimated_host: int
     verdict: str = "not tried: a faster one fits"
     memory: StepMemory | None = field(default=None, repr=False)
+    tensor_mode: Setting = field(default_factory=lambda: Setting("", {}))
 
     @property
     def name(self) -> str:
-        return f"{self.activation.name} + {self.optimizer.name}"
+        mode = f"{self.tensor_mode.name}: " if self.tensor_mode.name else ""
+        return f"{mode}{self.activation.name} + {self.optimizer.name}"
 
     @property
     def options(self) -> dict[str, Any]:
-        return {**self.activation.options, **self.optimizer.options}
+        return {**self.tensor_mode.options, **self.activation.options, **self.optimizer.options}
 
 
 def over_budget(
@@ -271,6 +287,52 @@ def search(
             return candidate, candidates
         candidate.verdict = f"traced {problems[0][1]}"
     return None, candidates
+
+
+def search_tensor_modes(
+    config_for: ConfigFor,
+    modes: list[Setting],
+    activations: list[Setting],
+    optimizers: list[Setting],
+    hardware: Hardware,
+    device_budget: int | None,
+    host_budget: int | None,
+    world_size: int = 1,
+    disk_budget: int | None = None,
+) -> tuple[Candidate | None, list[Candidate], list[str]]:
+    """`search` in each tensor mode (`tensor_mode_settings`): the fastest of the modes' choices, every
+    candidate fastest first, and a line for each mode the config cannot take (its config error).
+
+    A mode changes what both the activation and the optimizer settings cost (which weights are sharded,
+    which collectives run), so each mode is searched on its own traces."""
+    chosen: Candidate | None = None
+    candidates: list[Candidate] = []
+    refused: list[str] = []
+    for mode in modes:
+        in_mode = functools.partial(_in_mode, config_for, mode.options)
+        try:
+            in_mode({**activations[0].options, **optimizers[0].options})
+        except ConfigError as exc:
+            refused.append(f"{mode.name}: {exc}")
+            continue
+        best, tried = search(
+            in_mode, activations, optimizers, hardware, device_budget, host_budget, world_size, disk_budget
+        )
+        for candidate in tried:
+            candidate.tensor_mode = mode
+        candidates += tried
+        if best is not None and (chosen is None or best.step_s < chosen.step_s):
+            if chosen is not None:
+                chosen.verdict = f"fits; {mode.name} is faster"
+            chosen = best
+        elif best is not None:
+            best.verdict = f"fits; {chosen.tensor_mode.name} is faster"
+    candidates.sort(key=lambda c: round(c.step_s, 6))
+    return chosen, candidates, refused
+
+
+def _in_mode(config_for: ConfigFor, mode: dict[str, Any], overrides: dict[str, Any]) -> RunConfig:
+    return config_for({**mode, **overrides})
 
 
 class LeanEstimate:

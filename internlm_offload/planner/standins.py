@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import types
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -170,7 +171,8 @@ def fsdp2_on_meta() -> Iterator[None]:
       group lives): they go to meta instead;
     - its lazy init refuses parameters still on meta (and, with the CPU offload policy, anywhere but on
       cpu), which is all a planning trace has;
-    - it takes streams and events from `torch.<device type>`: meta's are cpu's, which do nothing;
+    - it takes streams and events from `torch.<device type>`: meta's are cpu's, which do nothing, except
+      that a stream records a (complete) event: HSDP's all-reduce must hand one over off the cpu;
     - with the CPU offload policy it copies each host shard to the device before the all-gather, a
       no-op from meta to meta: the copy is made on meta, counted as device memory (the shards themselves
       are counted as host memory by the trace, the gradient shards by the tracker's host copies).
@@ -193,7 +195,7 @@ def fsdp2_on_meta() -> Iterator[None]:
     FSDPParamGroup._validate_no_meta_params = lambda self: None
     FSDPParamGroup._validate_cpu_offload_params = lambda self: None
     FSDPParam.all_gather_inputs = property(copied_to_device)
-    torch.meta = torch.cpu
+    torch.meta = _meta_device_module()
     try:
         yield
     finally:
@@ -202,6 +204,21 @@ def fsdp2_on_meta() -> Iterator[None]:
         FSDPParamGroup._validate_cpu_offload_params = validate_on_cpu
         FSDPParam.all_gather_inputs = gather_inputs
         del torch.meta
+
+
+class _MetaStream(torch.cpu.Stream):
+    """cpu's stream, whose `record_event` returns a (complete) event where cpu's returns None."""
+
+    def record_event(self) -> torch.cpu.Event:
+        return torch.cpu.Event()
+
+
+def _meta_device_module() -> types.ModuleType:
+    """`torch.meta` for FSDP2's device handle: `torch.cpu` with `_MetaStream` streams."""
+    module = types.ModuleType("torch.meta")
+    module.__dict__.update(vars(torch.cpu))
+    module.Stream = _MetaStream
+    return module
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -107,7 +108,8 @@ class _Probe:
     _before: dict[Any, int] = field(default_factory=dict)
 
     def _counted(self) -> StepWork:
-        return dataclasses.replace(self.counter.work, flops=self.flops.get_total_flops())
+        flops = self.flops.get_total_flops() - self.counter.sharded_flops_surplus
+        return dataclasses.replace(self.counter.work, flops=flops)
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Work beyond `forwards` copies of the first micro-batch's (the swap optimizer's prefetch during
@@ -234,7 +236,7 @@ def _with_ddp_buckets(memory: StepMemory) -> StepMemory:
 def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> StepMemory:
     accelerator = PlanningAccelerator("cpu", meta=not measure)
     tracker = accelerator.tracker
-    ctx = RunContext(rank=0, local_rank=0, world_size=world_size, accelerator=accelerator)
+    tensor = cfg.parallel.tensor.size
     batches = micro_batches(cfg)  # real host tensors, as the loader's: the trainer counts their labels
     # Factory calls without a device (buffers made by `init_weights`) land on meta too.
     stand_ins = (
@@ -242,10 +244,11 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
         if measure
         else (fused_optimizers_on_meta(), flash_attention_on_meta(), fsdp2_on_meta(), torch.device("meta"))
     )
-    group = fake_process_group(world_size, needed=cfg.parallel.mode == "fsdp2")
+    group = fake_process_group(world_size, needed=cfg.parallel.mode == "fsdp2" or tensor > 1)
     with group, _quiet(), contextlib.ExitStack() as stack, tracker, tracker.counting_resizes():
         for stand_in in stand_ins:
             stack.enter_context(stand_in)
+        ctx = _rank_zero(world_size, tensor, accelerator)
         parts = build_components(cfg, ctx, check_host_memory=False)
         if cfg.parallel.fsdp_cpu_offload:
             for param in parts.model.parameters():  # FSDP2 keeps each shard in pinned host memory
@@ -261,6 +264,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
             settings=trainer_settings(cfg),
             masters=parts.masters,
             scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,
+            sequence_shard=parts.sequence_shard,
         )
         probe = _Probe(tracker)
         parts.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: probe.before_optimizer_step(optimizer))
@@ -298,6 +302,15 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
         )
         trainer.close()
     return memory
+
+
+def _rank_zero(world_size: int, tensor_size: int, accelerator: PlanningAccelerator) -> RunContext:
+    """Rank 0's context; with tensor parallel its ("dp", "tp") mesh over the fake process group."""
+    mesh = None
+    if tensor_size > 1:
+        shape = (world_size // tensor_size, tensor_size)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    return RunContext(0, 0, world_size, accelerator, tensor_size=tensor_size, mesh=mesh)
 
 
 def _grads_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -10,12 +10,12 @@ activations per block and the peaks. `--measure` runs the same steps for real on
 prints measured beside predicted (small configs only).
 
 The step time comes from a stated cost model (`planner/cost.py`) over the traced work: FLOPs,
-host<->device bytes and AdamW elements, with the throughputs of `--hardware` (assumed rows for H100,
+host<->device bytes, AdamW elements and the tensor-parallel collectives' bytes, with the throughputs of `--hardware` (assumed rows for H100,
 A100, Ascend 910B) or of this machine (`--calibrate`).
 
 With a budget the planner also searches activation settings (none, checkpoint 0.5/1.0, offload of half
-or all but one block) x optimizer settings (AdamW, hybrid 0.5/1.0, swap) for the fastest predicted step
-that fits (`planner/search.py`), prints the alternatives with why each was rejected and the choice as
+or all but one block) x optimizer settings (AdamW, hybrid 0.5/1.0, swap), in each tensor mode (mtp, msp,
+fsp, isp) when `parallel.tensor.size` > 1, for the fastest predicted step that fits (`planner/search.py`), prints the alternatives with why each was rejected and the choice as
 a `--cfg-options` line; `--check-only` checks the config as given instead.
 
 Ranks on one node share its host: `--host-memory` is the node's, each rank's budget its share over
@@ -65,7 +65,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m internlm_offload.tools.{PROG}", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="Python config file, as for train.py")
     p.add_argument("--cfg-options", nargs="+", action=DictAction, default={}, help="override config keys")
-    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks the run will use")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="ranks the run will use (the config's parallel.tensor.size of them form each tensor group)",
+    )
     p.add_argument(
         "--ranks-per-node",
         type=int,
@@ -181,6 +186,12 @@ def run(args: argparse.Namespace) -> int:
         f"predicted step time {timing.step_s:.4g} s ({memory.micro_num} micro-batches x {timing.micro_batch_s:.4g} s "
         f"+ optimizer {timing.optimizer_s:.4g} s) on {hardware.name} [{hardware.source}]"
     )
+    collectives = memory.micro_batch_work.collective_bytes
+    if collectives:
+        print(
+            f"tensor parallel: {human_bytes(collectives)} sent per rank per micro-batch at "
+            f"{hardware.collective_bytes_per_s / 1e9:.3g} GB/s [{hardware.collective_source}]"
+        )
     if memory.disk_peak_bytes:
         print(
             f"NVMe: {human_bytes(memory.disk_peak_bytes)} per rank, {human_bytes(memory.optimizer_work.disk_bytes)} "
@@ -269,8 +280,9 @@ def run_search(
         candidate_configs,
         micro_batch_settings,
         optimizer_settings,
-        search,
+        search_tensor_modes,
         smallest_peak,
+        tensor_mode_settings,
     )
 
     config_for = candidate_configs(raw, world_size=args.world_size)
@@ -278,9 +290,12 @@ def run_search(
         activation_settings(len(memory.block_activation_bytes)), batch_settings(config_for({}))
     )
     optimizers = optimizer_settings(config_for({}))  # every knob searched (parameter offload under FSDP2)
-    chosen, candidates = search(
-        config_for, activations, optimizers, hardware, device_budget, host_budget, args.world_size, disk_budget
+    modes = tensor_mode_settings(config_for({}))  # each tensor mode, with tensor groups of several ranks
+    chosen, candidates, refused = search_tensor_modes(
+        config_for, modes, activations, optimizers, hardware, device_budget, host_budget, args.world_size, disk_budget
     )
+    for line in refused:
+        print(f"tensor mode {line}")
     print(f"\n{'setting':<52}{'step s':>11}{'est. device':>13}{'est. host':>11}  verdict")
     rows = []
     for c in candidates:

@@ -2,7 +2,8 @@
 
 One of the benchmark's settings, on its 12-block validation model: the one with every feature (activation
 offload, checkpointing with selective offload, swap optimizer with its host arena), and FSDP2 on two
-processes (torchrun, gloo: rank 0's measured peak against its trace over the fake process group);
+processes (torchrun, gloo: rank 0's measured peak against its trace over the fake process group), fsp at T=2
+on two processes and isp 2 x weight 2 with the swap optimizer on four (the trace over a fake ("dp", "tp") mesh);
 `tests/e2e/test_memory_budget.py` measures another (the planner's choice), and
 `python -m internlm_offload.bench.planner` runs them all. Gradient offload's two rows (with and without it). And `make train`'s own memory line, within the
 planner's documented 3 %.
@@ -20,7 +21,7 @@ from internlm_offload.planner.trace import trace_step
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("setting", ["all", "fsdp2 x2"])
+@pytest.mark.parametrize("setting", ["all", "fsdp2 x2", "fsp 2", "isp 2 x weight 2 + swap"])
 def test_predicted_device_peak_is_within_5_percent_of_measured(setting: str) -> None:
     row = validate(CONFIG, setting, steps=2)
     assert abs(row["error"]) <= TOLERANCE, (

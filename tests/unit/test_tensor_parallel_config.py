@@ -63,7 +63,6 @@ def test_data_parallel_size_is_the_world_over_the_tensor_groups():
             "selective_checkpoint_offload=True does not compose with parallel.tensor.size=2",
         ),
         (4, {**tensor(2, parallel="fsdp2"), "parallel.fsdp_cpu_offload": True}, "parallel.fsdp_cpu_offload=True does"),
-        (2, {**tensor(2), "model.checkpoint": "auto", "memory_budget.device": "1GiB"}, "model.checkpoint='auto' with"),
     ],
 )
 def test_what_a_tensor_mode_cannot_take_is_one_line(world_size, options, message):

@@ -3,12 +3,19 @@ isp with weight parallel), checkpoints resumed on other layouts, the modes' memo
 shipped. (Apart from test_tensor_parallel_e2e.py so that pytest-xdist's per-file distribution runs them beside it.)"""
 
 import shutil
+import subprocess
+import sys
 
 import pytest
+import torch
 from runner import REPO, metrics, train
+from safetensors.torch import load_file
 from tensor_parallel_runs import NEAR, OFFLOAD, assert_curves, tensor
 
+from internlm_offload.tools.export import load_weights
+
 pytestmark = pytest.mark.e2e
+GATHER = REPO / "tests" / "e2e" / "gather_weights.py"
 
 
 def test_isp_2_by_weight_2_follows_data_parallel(tmp_path):
@@ -42,21 +49,27 @@ def test_tensor_2_by_data_2_under_fsdp2_follows_data_parallel(tmp_path):
 
 def test_checkpoint_resumes_bitwise_and_continues_on_another_layout(tmp_path):
     """A (dp 2, tp 2) checkpoint of step 3: resumed on the same layout steps 4..6 are the full run's; on one
-    process and on T=2 alone (DCP reshards the DTensors) it continues within 1e-5."""
+    process and on T=2 alone (DCP reshards the DTensors) it continues within 1e-5. The weights the resumed runs
+    hold, gathered from their shards, equal the checkpoint's full tensors as `tools.export` reads them, as a
+    one-process model-only load (`load_ckpt_info`) holds them, and as the HF export writes them."""
     options = ["data.total_steps=6", "ckpt.checkpoint_every=3", "ckpt.keep_last=0", "data.global_bsz=8"]
     layout = [*tensor("msp"), "parallel.mode=fsdp2"]
     full = tmp_path / "full"
     train(full, *options, *layout, nproc=4)
     expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(full) if r["step"] > 3]
+    checkpoint = full / "checkpoints" / "step_00000003"
     resumes = {
         "same": (layout, 4),
         "one_process": ([], 1),
         "tensor_only": ([*tensor("mtp")], 2),
     }
+    gathered = {}
     for name, (other, nproc) in resumes.items():
         run = tmp_path / name
-        shutil.copytree(full / "checkpoints" / "step_00000003", run / "checkpoints" / "step_00000003")
-        train(run, *options, *other, nproc=nproc, resume=True)
+        shutil.copytree(checkpoint, run / "checkpoints" / "step_00000003")
+        gathered[name] = tmp_path / f"{name}.pt"
+        env = {"GATHERED_WEIGHTS": str(gathered[name])}
+        train(run, *options, *other, nproc=nproc, resume=True, script=GATHER, env=env)
         got = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(run)]
         if name == "same":
             assert got == expected
@@ -64,6 +77,26 @@ def test_checkpoint_resumes_bitwise_and_continues_on_another_layout(tmp_path):
             assert [s for s, *_ in got] == [4, 5, 6]
             for (_, loss, norm), (_, want_loss, want_norm) in zip(got, expected):
                 assert loss == pytest.approx(want_loss, rel=1e-5) and norm == pytest.approx(want_norm, rel=5e-3)
+    model_only = tmp_path / "model_only.pt"
+    info = f"ckpt.load_ckpt_info.path={checkpoint}"  # content ("model",), this trainer's checkpoint
+    train(tmp_path / "load", "data.total_steps=1", info, script=GATHER, env={"GATHERED_WEIGHTS": str(model_only)})
+    exported = load_weights(checkpoint)  # the full tensors DCP reassembles in one process
+    for path in [*gathered.values(), model_only]:
+        weights = torch.load(path)
+        assert weights.keys() == exported.keys(), path
+        for key, value in exported.items():
+            assert torch.equal(weights[key], value), (path.name, key)
+    proc = subprocess.run(
+        [sys.executable, "-m", "internlm_offload.tools.export", str(checkpoint), str(tmp_path / "hf"), "--hf"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    # the vocab-parallel embedding (259 rows over 2 ranks: uneven shards) and head, as the run held them
+    assert torch.equal(hf["model.embed_tokens.weight"], exported["tok_embeddings.weight"])
+    assert torch.equal(hf["lm_head.weight"], exported["output.weight"])
 
 
 def test_fsp_keeps_less_than_msp_and_msp_less_than_mtp(tmp_path):

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.e2e
 
 TINY = REPO / "configs" / "internlm2_tiny.py"
 NO_CKPT = "ckpt.enable_save_ckpt=False"
+TENSOR_MSP = ["parallel.tensor.size=2", "parallel.tensor.mode=msp"]
 
 
 def tail_mean(work_dir, n=10):
@@ -47,16 +48,20 @@ def test_fp16_trains_finite_and_close_to_fp32_with_loss_scaling(tmp_path):
     assert abs(tail_mean(fp16) - tail_mean(fp32)) < 0.02, (tail_mean(fp16), tail_mean(fp32))
 
 
-def test_fp16_overflow_is_skipped_and_the_scale_backs_off(tmp_path):
-    """A scale of 2^30 overflows fp16 grads: steps are skipped until hysteresis and back-offs bring it down."""
+@pytest.mark.parametrize("layout, nproc", [([], 1), (TENSOR_MSP, 2)], ids=["one-process", "msp-2"])
+def test_fp16_overflow_is_skipped_and_the_scale_backs_off(tmp_path, layout, nproc):
+    """A scale of 2^30 overflows fp16 grads: steps are skipped until hysteresis and back-offs bring it down. Under
+    msp at T=2 each rank sees its shards' gradients: the non-finite check agrees over the ranks (or they would
+    part ways, one stepping and one not, and hang)."""
     options = [
         "data.total_steps=24",
         NO_CKPT,
         "model.dtype=torch.float16",
         f"grad_scaler.fp16.initial_scale={2**30}",
         f"grad_scaler.max_scale={2**30}",
+        *layout,
     ]
-    train(tmp_path, *options)
+    train(tmp_path, *options, nproc=nproc)
     records = metrics(tmp_path)
     assert records[0]["skipped"] and records[1]["skipped"]
     assert records[0]["loss_scale"] == records[1]["loss_scale"] == 2**30  # hysteresis=2: first back-off after 2
@@ -217,12 +222,20 @@ def test_bf16_offload_optimizer_resume_with_other_settings_is_bitwise(tmp_path, 
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(resumed)] == expected
 
 
-@pytest.mark.parametrize("signum, nproc", [(signal.SIGINT, 1), (signal.SIGTERM, 2)])
-def test_sigterm_or_ctrl_c_checkpoints_exits_0_and_resumes_bitwise(tmp_path, signum, nproc):
-    """Preemption: the signal finishes the step, writes a checkpoint, exits 0; --resume gives the full curve."""
+@pytest.mark.parametrize(
+    "signum, nproc, layout",
+    [
+        (signal.SIGINT, 1, []),
+        (signal.SIGTERM, 2, ["parallel.mode=ddp"]),
+        (signal.SIGTERM, 2, [*TENSOR_MSP, "model.dtype=torch.float16", "grad_scaler.fp16.growth_interval=3"]),
+    ],
+    ids=["ctrl-c", "sigterm-ddp", "sigterm-msp-fp16"],
+)
+def test_sigterm_or_ctrl_c_checkpoints_exits_0_and_resumes_bitwise(tmp_path, signum, nproc, layout):
+    """Preemption: the signal finishes the step, writes a checkpoint, exits 0; --resume gives the full curve
+    (under msp in fp16 the loss scaler's state and the DTensor shards included)."""
     options = ["data.total_steps=60", "ckpt.checkpoint_every=1000", "ckpt.keep_last=0", "monitor.progress_bar=off"]
-    if nproc > 1:
-        options.append("parallel.mode=ddp")
+    options += layout
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     train(full, *options, nproc=nproc)
     proc = _spawn_run(stopped, options, nproc)
@@ -240,8 +253,8 @@ def test_sigterm_or_ctrl_c_checkpoints_exits_0_and_resumes_bitwise(tmp_path, sig
     assert 3 <= stopped_at < 60
     assert (stopped / "checkpoints" / f"step_{stopped_at:08d}").is_dir()
     train(stopped, *options, nproc=nproc, resume=True)
-    assert [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(stopped)] == [
-        (r["step"], r["loss"], r["grad_norm"]) for r in metrics(full)
+    assert [(r["step"], r["loss"], r["grad_norm"], r.get("loss_scale")) for r in metrics(stopped)] == [
+        (r["step"], r["loss"], r["grad_norm"], r.get("loss_scale")) for r in metrics(full)
     ]
 
 

@@ -636,13 +636,17 @@ class RunConfig(Section):
             raise ValueError(
                 f"parallel.tensor (size {T}, mode {mode!r}) needs model.type='internlm2', got {model.type!r}"
             )
-        divisible = {
-            "model.num_attention_heads": model.num_attention_heads,
-            "model.num_kv_attention_heads": model.num_kv_attention_heads,
-        }
+        divisible = {"model.num_attention_heads": model.num_attention_heads}
+        kv_heads = model.num_kv_attention_heads or model.num_attention_heads
         if mode == "isp":
             self._check_isp_wrapper()
+            if kv_heads % T and T % kv_heads:  # Ulysses repeats kv heads up to T (sequence_parallel.py)
+                raise ValueError(
+                    f"parallel.tensor.size={T} (mode 'isp') and model.num_kv_attention_heads={kv_heads}: one must "
+                    "divide the other (each rank attends with whole kv heads, repeated where T exceeds them)"
+                )
         else:
+            divisible["model.num_kv_attention_heads"] = kv_heads
             self._check_column_row_parallel()
             from internlm_offload.model.internlm2 import intermediate_size
 

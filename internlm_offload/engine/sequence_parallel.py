@@ -9,7 +9,8 @@ rank computes from its part of the sequence.
   positions, for RoPE); packed documents' boundaries come from the whole sequence's positions.
 - Attention runs Ulysses: the local (B, s/T, H, D) queries, keys and values are exchanged so that each
   rank holds the whole sequence for H/T heads (`all_to_all_single` with autograd, the one collective
-  written here), attends, and the output is exchanged back.
+  written here), attends, and the output is exchanged back. Where T exceeds the kv heads, each kv head is
+  repeated to T before the exchange, as InternEvo does.
 - The loss takes the matching chunk of the labels (shifted before the split) and is weighted by T: the
   wrapper's average over all ranks then sums the chunks of one sequence and averages the data-parallel ranks.
 """
@@ -45,8 +46,15 @@ class SequenceShard:
 def sequence_all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Split `x` along `scatter_dim` over the group's ranks and concatenate what they send along `gather_dim`
     (rank order), with autograd: the backward is the reverse exchange. (B, s/T, H, D) with scatter 2, gather 1
-    becomes (B, s, H/T, D); scatter 1, gather 2 goes back."""
+    becomes (B, s, H/T, D); scatter 1, gather 2 goes back.
+
+    Fewer heads than ranks (grouped-query keys and values, T a multiple of their count): each head is repeated
+    T / heads times, consecutively, so rank i gets kv head i // repeats, the group of its H/T query heads; the
+    repeats' gradients add up in backward."""
     size = dist.get_world_size(group)
+    heads = x.shape[scatter_dim]
+    if heads < size:
+        x = x.repeat_interleave(size // heads, dim=scatter_dim)
     outgoing = x.movedim(scatter_dim, 0).contiguous()  # chunk j of dim 0 goes to rank j
     incoming = all_to_all_single_autograd(outgoing, None, None, group)  # block i of dim 0 came from rank i
     pieces = incoming.movedim(0, scatter_dim).chunk(size, dim=scatter_dim)

@@ -53,6 +53,16 @@ def test_data_parallel_size_is_the_world_over_the_tensor_groups():
         (2, {**tensor(2), "model.multiple_of": 5, "model.mlp_ratio": 1.0}, "must divide the SwiGLU width"),
         (2, tensor(2, "isp"), "parallel.tensor.mode='isp' with size 2 needs parallel.mode 'ddp' or 'fsdp2'"),
         (2, {**tensor(2, "isp", "ddp"), "data.seq_len": 63}, "(mode 'isp') must divide data.seq_len=63"),
+        (
+            2,
+            {
+                **tensor(2, "isp", "ddp"),
+                "model.hidden_size": 96,
+                "model.num_attention_heads": 6,
+                "model.num_kv_attention_heads": 3,
+            },
+            "parallel.tensor.size=2 (mode 'isp') and model.num_kv_attention_heads=3: one must divide the other",
+        ),
         (4, {**tensor(2, "isp", "ddp"), "parallel.weight": dict(size=2)}, "shards the weights with FSDP2"),
         (4, {**tensor(2, "isp", "fsdp2"), "parallel.weight": dict(size=3)}, "parallel.weight.size=3 must divide"),
         (2, {**tensor(1), "parallel.weight": dict(size=2)}, "parallel.weight.size=2 works only with parallel.tensor"),
@@ -70,3 +80,10 @@ def test_what_a_tensor_mode_cannot_take_is_one_line(world_size, options, message
         resolve(world_size, options)
     assert message in str(info.value), str(info.value)
     assert len(str(info.value).splitlines()) <= 2
+
+
+def test_isp_repeats_kv_heads_where_the_tensor_size_exceeds_them():
+    """Ulysses repeats each of the 2 kv heads for 4 ranks (InternEvo's rule); mtp would split a head."""
+    assert resolve(4, tensor(4, "isp", "ddp")).parallel.tensor.size == 4
+    with pytest.raises(ConfigError, match="must divide model.num_kv_attention_heads=2"):
+        resolve(4, tensor(4, "mtp"))

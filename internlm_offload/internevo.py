@@ -38,8 +38,8 @@ IGNORED = {
     "": {"cudnn_deterministic", "cudnn_benchmark", "generation", "use_fp32_norm", "use_apex_adam", "metric_dtype"},
     "model": {"embed_split_hidden", "qk_interleaved", "enable_qkv_fusion", "use_flash_attn",
               "max_position_embeddings", "mlp_layer_fusion"},
-    "data": {"empty_cache_and_diag_interval", "diag_outlier_ratio", "use_packed_dataset", "tokenizer_path", "use_shm",
-             "shm_path", "packed_length"},
+    "data": {"empty_cache_and_diag_interval", "diag_outlier_ratio", "tokenizer_path", "use_shm", "shm_path",
+             "packed_length"},
     "ckpt": {"async_upload", "async_upload_tmp_folder", "oss_snapshot_freq", "stop_file_path", "generate_meta_data"},
     "hybrid_zero_optimizer": {"overlap_sync_grad", "overlap_sync_param", "reduce_bucket_size", "use_split_tensor_optim",
                               "all_gather_size"},
@@ -191,6 +191,7 @@ def _model(t: Translation) -> None:
         (1, 1.0),
         "embedding gradient scaling is not implemented; set 1",
     )
+    _model_shape(t, model)
     eps = _pop(t, "model", "layer_norm_epsilon")
     if eps is not MISSING:
         model["norm_eps"] = float(eps)
@@ -204,10 +205,54 @@ def _model(t: Translation) -> None:
             model[key] = float(model[key])
 
 
+def _model_shape(t: Translation, model: dict[str, Any]) -> None:
+    """InternEvo's per-model switches of the decoder's shape (its llama and InternLM3 configs): the ones this
+    decoder has are mapped or no-ops, the others refused."""
+    biases = {key: _pop(t, "model", key) for key in ("qkv_bias", "o_bias")}
+    given = {key: value for key, value in biases.items() if value is not MISSING}
+    if len(set(given.values())) > 1:
+        t.refused.append(
+            f"model.qkv_bias={given['qkv_bias']!r} with model.o_bias={given['o_bias']!r}: model.attention_bias "
+            "puts biases on wq, wk, wv and wo alike; set both the same"
+        )
+    elif given:
+        model["attention_bias"] = bool(next(iter(given.values())))
+        names = " and ".join(f"model.{key}" for key in given)
+        t.mapped.append(f"{names} -> model.attention_bias={model['attention_bias']} (wq, wk, wv and wo)")
+    head_dim = _pop(t, "model", "head_dim")
+    heads, hidden = model.get("num_attention_heads"), model.get("hidden_size")
+    if head_dim is not MISSING and head_dim is not None:
+        if isinstance(heads, int) and isinstance(hidden, int) and heads and head_dim * heads == hidden:
+            t.ignored.append(f"model.head_dim={head_dim} (hidden_size / num_attention_heads)")
+        else:
+            t.refused.append(
+                f"model.head_dim={head_dim!r}: heads here are hidden_size / num_attention_heads "
+                f"({hidden} / {heads}); remove it or make them agree"
+            )
+    _refuse_unless(
+        t,
+        "model.add_unit_offset",
+        _pop(t, "model", "add_unit_offset"),
+        False,
+        "RMSNorm here scales by its weight, not 1 + weight; set False",
+    )
+    _refuse_unless(t, "model.use_swiglu", _pop(t, "model", "use_swiglu"), True, "the MLP here is SwiGLU; set True")
+
+
 def _data(t: Translation) -> None:
     data = t.config.get("data")
     if not isinstance(data, dict):
         return
+    packed = _pop(t, "data", "use_packed_dataset")
+    if packed is True:
+        t.ignored.append("data.use_packed_dataset (samples are packed here, as InternEvo's default)")
+    _refuse_unless(
+        t,
+        "data.use_packed_dataset",
+        packed,
+        True,
+        "samples are packed into data.seq_len here (pack_sample_into_one=False keeps documents apart); set True",
+    )
     if "train_folder" in data and data["train_folder"] is None:
         del data["train_folder"]
         data.setdefault("type", "builtin")

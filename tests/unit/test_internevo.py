@@ -247,3 +247,26 @@ def test_internevo_model_features_not_built_here_are_refused_when_on(key):
     with pytest.raises(ConfigError, match=f"model.{key}=True"):
         resolve_config({"model_type": "INTERNLM2", "model": {key: True}})
     resolve_config({"model_type": "INTERNLM2", "model": {key: False}})
+
+
+def test_internevo_decoder_shape_switches_are_mapped_or_refused():
+    """The llama / InternLM3 configs' switches: qkv and o biases together are attention_bias, a head_dim that is
+    hidden / heads and use_swiglu=True change nothing, the rest would change the model and is refused."""
+    model = {"num_layers": 2, "hidden_size": 96, "num_attention_heads": 4}
+    same = {**model, "qkv_bias": True, "o_bias": True, "head_dim": 24, "use_swiglu": True, "add_unit_offset": False}
+    t = translate({"model_type": "LLAMA2", "model": same, "data": {"use_packed_dataset": True}})
+    assert not t.refused and "model.head_dim=24 (hidden_size / num_attention_heads)" in t.ignored
+    assert resolve_config({"model_type": "LLAMA2", "model": same}).model.attention_bias is True
+    refused = {
+        "o_bias": "model.qkv_bias=True with model.o_bias=False",
+        "head_dim": "model.head_dim=32: heads here are hidden_size / num_attention_heads (96 / 4)",
+        "add_unit_offset": "model.add_unit_offset=True",
+        "use_swiglu": "model.use_swiglu=False",
+    }
+    changed = {"o_bias": False, "head_dim": 32, "add_unit_offset": True, "use_swiglu": False}
+    for key, part in refused.items():
+        with pytest.raises(ConfigError) as err:
+            resolve_config({"model_type": "LLAMA2", "model": {**same, key: changed[key]}})
+        assert part in str(err.value) and str(err.value).count("\n") == 0, str(err.value)
+    with pytest.raises(ConfigError, match="data.use_packed_dataset=False: samples are packed"):
+        resolve_config({"data": {"use_packed_dataset": False}})

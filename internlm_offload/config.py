@@ -660,13 +660,6 @@ class RunConfig(Section):
                     f"parallel.tensor.size={T} (mode {mode!r}) must divide {name}={value}: each rank holds "
                     f"1/{T} of it; choose a tensor size that divides it"
                 )
-        features = {
-            "parallel.fsdp_cpu_offload": self.parallel.fsdp_cpu_offload,
-            "selective_checkpoint_offload": self.selective_checkpoint_offload,
-        }
-        for name, on in features.items():
-            if on:
-                raise ValueError(f"{name}=True does not compose with parallel.tensor.size={T} yet; set it off")
 
     def _check_column_row_parallel(self) -> None:
         """mtp / msp / fsp: the parameters become DTensors over the tensor group."""

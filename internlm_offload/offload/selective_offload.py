@@ -42,6 +42,7 @@ from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.offload.checkpointing import expensive_ops
 from internlm_offload.offload.host_copies import CopyPair, HostCopies
+from internlm_offload.optim.dtensor import Layout, is_dtensor, layout_of, local_shard, with_layout
 
 logger = get_logger(__name__)
 
@@ -50,11 +51,12 @@ logger = get_logger(__name__)
 class _Recorded:
     """One recorded output tensor on its way to and from the host."""
 
-    host: torch.Tensor  # a view of a pooled buffer, with the output's shape and dtype
+    host: torch.Tensor  # a view of a pooled buffer, with the output's (local shard's) shape and dtype
     source: torch.Tensor | None  # the device tensor, held until the copy-out finished
     version: int
     device: torch.device
     loaded: torch.Tensor | None = None  # the device copy a replay hands to the recompute
+    layout: Layout | None = None  # a DTensor output's (tensor parallel): its local shard moves, this rebuilds it
 
 
 @dataclass
@@ -155,14 +157,16 @@ class SelectiveOffloader(MemoryFeature):
             if not isinstance(t, torch.Tensor):
                 outputs.append(None)
                 continue
-            nbytes = t.numel() * t.element_size()
+            local = local_shard(t)  # this rank's bytes only (a DTensor's shard under tensor parallel)
+            nbytes = local.numel() * local.element_size()
             buffer = self.copies.pool.take(nbytes)
             cache.buffers.append(buffer)
-            host = buffer.view(t.dtype).view(t.shape)
+            host = buffer.view(local.dtype).view(local.shape)
             # `t` itself, not `t.detach()`: below autograd a detached alias gets its own version counter,
             # which would hide an in-place change of the output.
-            outputs.append(_Recorded(host, t, t._version, t.device))
-            pairs.append((host, t))
+            layout = layout_of(t) if is_dtensor(t) else None
+            outputs.append(_Recorded(host, t, t._version, t.device, layout=layout))
+            pairs.append((host, local))
             self.offloaded_bytes += nbytes
         return pairs
 
@@ -227,9 +231,11 @@ class SelectiveOffloader(MemoryFeature):
         cache.replay_index += 1
         restored = []
         for r in entry.outputs:
-            restored.append(None if r is None else r.loaded)
-            if r is not None:
-                r.loaded = None
+            if r is None:
+                restored.append(None)
+                continue
+            restored.append(r.loaded if r.layout is None else with_layout(r.loaded, r.layout))
+            r.loaded = None
         if cache.replay_index == len(cache.entries):
             cache.load_started = False  # a second backward (retain_graph) loads again
         return tree_unflatten(restored, entry.structure)

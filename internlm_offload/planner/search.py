@@ -118,11 +118,7 @@ def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_
     switch_hybrid = "hybrid_optimizer.enable" in auto and not fixed_swap
     swap = "swap_optimizer" in auto and not fixed_hybrid
     params_on_host = (
-        PARAMS_ON_HOST in auto
-        and cfg is not None
-        and cfg.parallel.mode == "fsdp2"
-        and cfg.parallel.tensor.size == 1  # FSDP2's CPU offload policy does not compose with tensor parallel
-        and not (fixed_swap or fixed_hybrid)
+        PARAMS_ON_HOST in auto and cfg is not None and cfg.parallel.mode == "fsdp2" and not (fixed_swap or fixed_hybrid)
     )
     off = {
         **({"swap_optimizer": False} if swap else {}),

@@ -36,7 +36,7 @@ def test_isp_2_by_weight_2_follows_data_parallel(tmp_path):
 def test_tensor_2_by_data_2_under_fsdp2_follows_data_parallel(tmp_path):
     """Four processes, a (dp 2, tp 2) mesh, FSDP2 over dp: FSDP2 over two ranks' curve within 1e-5 for 8
     steps (the two reduction orders drift apart: 1.6e-5 relative by step 20); with offload, swap and
-    gradient offload bitwise its own."""
+    gradient offload bitwise its own, and with FSDP2's CPU offload policy (parameter offload)."""
     options = ["data.total_steps=8", "ckpt.enable_save_ckpt=False", "parallel.mode=fsdp2", "data.global_bsz=8"]
     data_parallel, both, offloaded = tmp_path / "dp2", tmp_path / "dp2_tp2", tmp_path / "offloaded"
     # the whole model's seeded init on every rank, as tensor parallel builds it (a meta build draws per shard)
@@ -45,6 +45,10 @@ def test_tensor_2_by_data_2_under_fsdp2_follows_data_parallel(tmp_path):
     assert_curves(data_parallel, both, NEAR)
     train(offloaded, *options, *tensor("msp"), *OFFLOAD, "swap_optimizer=True", "grad_offload=True", nproc=4)
     assert_curves(both, offloaded)
+    policy = tmp_path / "params_on_host"  # FSDP2's CPU offload policy over the 2-D shards
+    proc = train(policy, *options, *tensor("msp"), "parallel.fsdp_cpu_offload=True", nproc=4)
+    assert "with CPU offload policy" in proc.stderr
+    assert_curves(both, policy)
 
 
 def test_checkpoint_resumes_bitwise_and_continues_on_another_layout(tmp_path):

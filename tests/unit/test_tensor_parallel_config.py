@@ -67,12 +67,6 @@ def test_data_parallel_size_is_the_world_over_the_tensor_groups():
         (4, {**tensor(2, "isp", "fsdp2"), "parallel.weight": dict(size=3)}, "parallel.weight.size=3 must divide"),
         (2, {**tensor(1), "parallel.weight": dict(size=2)}, "parallel.weight.size=2 works only with parallel.tensor"),
         (2, {**tensor(2), "model.tie_word_embeddings": True}, "model.tie_word_embeddings=True is not sharded"),
-        (
-            2,
-            {**tensor(2), "selective_checkpoint": True, "selective_checkpoint_offload": True},
-            "selective_checkpoint_offload=True does not compose with parallel.tensor.size=2",
-        ),
-        (4, {**tensor(2, parallel="fsdp2"), "parallel.fsdp_cpu_offload": True}, "parallel.fsdp_cpu_offload=True does"),
     ],
 )
 def test_what_a_tensor_mode_cannot_take_is_one_line(world_size, options, message):

@@ -15,3 +15,5 @@ parallel = dict(
     sequence_2D=dict(enable=False, head_size=2, context_size=4, window_size=1,
                      device_placement_strategy=dict(head_first=True, interleaved=False)),
 )
+# InternEvo's block (num_layers=3 of 32 there; 1 of the 2 blocks here)
+cpu_offloading = dict(enable=True, num_layers=1)

@@ -36,3 +36,15 @@ def test_each_shipped_internevo_config_trains_three_steps(tmp_path, name):
     train(tmp_path, "data.seq_len=64", "data.total_steps=3", config=REPO / "tests" / "data" / name)
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["loss"] == r["loss"] for r in records)
+
+
+def test_isp_config_trains_with_its_shipped_tensor_and_weight_sizes(tmp_path):
+    """7B_isp_sft.py's parallel section at its own sizes (isp over 2 ranks, weight parallel over 4) and its
+    cpu_offloading block, on four processes: the section maps onto FSDP2 over the weight group."""
+    sizes = ["parallel.tensor.size=2", "parallel.weight.size=4"]
+    config = REPO / "tests" / "data" / "internevo_7b_isp_sft_shrunk.py"
+    proc = train(tmp_path, "data.seq_len=64", "data.total_steps=3", *sizes, nproc=4, config=config)
+    assert "Applied tensor parallel isp over 2 ranks" in proc.stderr and "Applied FSDP2 over 4 ranks" in proc.stderr
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3] and all(r["loss"] == r["loss"] for r in records)
+    assert records[-1]["act_offload_offloaded_bytes"] > 0

@@ -212,8 +212,9 @@ def _model_shape(t: Translation, model: dict[str, Any]) -> None:
     given = {key: value for key, value in biases.items() if value is not MISSING}
     if len(set(given.values())) > 1:
         t.refused.append(
-            f"model.qkv_bias={given['qkv_bias']!r} with model.o_bias={given['o_bias']!r}: model.attention_bias "
-            "puts biases on wq, wk, wv and wo alike; set both the same"
+            f"model.qkv_bias={given['qkv_bias']!r} with model.o_bias={given['o_bias']!r}: the decoder here has "
+            "biases on wq, wk, wv and wo alike or none (model.attention_bias); train such a model (Qwen2's "
+            "biases) as model.type='hf_causal_lm'"
         )
     elif given:
         model["attention_bias"] = bool(next(iter(given.values())))

@@ -10,6 +10,7 @@ on the world size. Each field's description is the config reference:
 Every problem is reported as one `ConfigError` line naming the key, the bad value and what is allowed.
 """
 
+import copy
 import hashlib
 import json
 from typing import Any, Literal, Optional
@@ -36,6 +37,7 @@ AUTO_KNOBS = (
     "nvme_offload.enable",
     "parallel.tensor.mode",
 )
+TENSOR_MODES = ("mtp", "msp", "fsp", "isp")  # InternEvo's `parallel.tensor.mode`s
 
 
 class Section(BaseModel):
@@ -735,13 +737,8 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
             f"{auto[0]}='auto' needs memory_budget.device, the device memory per rank the planner "
             "may use, e.g. memory_budget=dict(device='40GiB')"
         )
-    parallel = raw.get("parallel")
-    if "parallel.tensor.mode" in auto and isinstance(parallel, dict) and parallel.get("mode") == "ddp":
-        problems.append(
-            "parallel.tensor.mode='auto' with parallel.mode='ddp': only isp runs under DDP; set "
-            "parallel.tensor.mode='isp', or parallel.mode='fsdp2' for the planner to choose among all four modes"
-        )
-        parallel["tensor"]["mode"] = "isp"  # the one mode DDP takes: no second report of the same problem
+    if "parallel.tensor.mode" in auto:
+        raw["parallel"]["tensor"]["mode"] = _tensor_mode_placeholder(raw)
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:
@@ -781,6 +778,21 @@ def _data_parallel_size(cfg: RunConfig, world_size: int) -> int:
                 f"x nodes); choose a size that divides it"
             )
     return world_size // cfg.parallel.tensor.size
+
+
+def _tensor_mode_placeholder(raw: dict[str, Any]) -> str:
+    """`parallel.tensor.mode="auto"` holds the first mode the rest of the config can take until the planner
+    chose (under DDP only isp, with fewer kv heads than ranks only isp, ...): the others it tries and names as
+    refused. None taking it: mtp, whose problems the report then names."""
+    for mode in TENSOR_MODES:
+        candidate = copy.deepcopy(raw)
+        candidate["parallel"]["tensor"]["mode"] = mode
+        try:
+            RunConfig.model_validate(candidate)
+        except ValidationError:
+            continue
+        return mode
+    return TENSOR_MODES[0]
 
 
 def take_auto_knobs(raw: dict[str, Any]) -> tuple[str, ...]:

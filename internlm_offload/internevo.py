@@ -230,14 +230,15 @@ def _model_shape(t: Translation, model: dict[str, Any]) -> None:
                 f"model.head_dim={head_dim!r}: heads here are hidden_size / num_attention_heads "
                 f"({hidden} / {heads}); remove it or make them agree"
             )
-    _refuse_unless(
-        t,
-        "model.add_unit_offset",
-        _pop(t, "model", "add_unit_offset"),
-        False,
-        "RMSNorm here scales by its weight, not 1 + weight; set False",
-    )
-    _refuse_unless(t, "model.use_swiglu", _pop(t, "model", "use_swiglu"), True, "the MLP here is SwiGLU; set True")
+    switches = {
+        "add_unit_offset": (False, "RMSNorm here scales by its weight, not 1 + weight; set False"),
+        "use_swiglu": (True, "the MLP here is SwiGLU; set True"),
+    }
+    for key, (built, fix) in switches.items():
+        value = _pop(t, "model", key)
+        if value == built:
+            t.ignored.append(f"model.{key}={built} (what the decoder here is)")
+        _refuse_unless(t, f"model.{key}", value, built, fix)
 
 
 def _data(t: Translation) -> None:

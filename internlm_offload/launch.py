@@ -113,15 +113,17 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
     setup_logging(int(os.environ.get("RANK", "0")))
     accelerator.set_device(env_local_rank())
     runtime_bytes = accelerator.device_memory_in_use()  # the context and the like (engine/runtime_memory.py)
-    traced = None
+    traced, chosen = None, {}
     if cfg.auto_knobs:
-        cfg, traced = choose_auto_knobs(cfg, raw, accelerator, runtime_bytes)
+        cfg, traced, chosen = choose_auto_knobs(cfg, raw, accelerator, runtime_bytes)
     predicted = (traced.device_peak_bytes, traced.host_peak_bytes) if traced else None
     if cfg.preflight:
         predicted = run_preflight(cfg, args.config, accelerator, runtime_bytes, traced) or predicted
     predicted_peak = None if predicted is None else comparable_peak(cfg, accelerator, *predicted)
     tensor = cfg.parallel.tensor.size
     ctx = init_runtime(accelerator, needs_group=cfg.parallel.mode != "none" or tensor > 1, tensor_size=tensor)
+    if cfg.auto_knobs:
+        cfg = agree_on_auto_knobs(cfg, raw, ctx, chosen)
     try:
         return train_in_runtime(args, cfg, ctx, build_trainer, predicted_peak, runtime_bytes)
     finally:
@@ -178,8 +180,9 @@ def train_in_runtime(
 
 def choose_auto_knobs(
     cfg: RunConfig, raw: dict[str, Any], accelerator: Accelerator, runtime_bytes: int
-) -> tuple[RunConfig, Any]:
-    """Set the config's "auto" knobs with the planner (`planner/auto.py`); the chosen config and its trace.
+) -> tuple[RunConfig, Any, dict[str, Any]]:
+    """Set the config's "auto" knobs with the planner (`planner/auto.py`); the chosen config, its trace and the
+    chosen knob values.
 
     `raw`: the loaded config `cfg` was resolved from; the candidates are merges of it. `runtime_bytes`: the
     device memory in use before the run, which the budget has to hold as well."""
@@ -194,7 +197,21 @@ def choose_auto_knobs(
         )
     except UnsupportedLayout as exc:
         raise ConfigError(f"memory_budget with 'auto' knobs: {exc}") from None
-    return chosen_cfg, chosen.memory
+    return chosen_cfg, chosen.memory, chosen.options
+
+
+def agree_on_auto_knobs(cfg: RunConfig, raw: dict[str, Any], ctx: RunContext, chosen: dict[str, Any]) -> RunConfig:
+    """Every rank chose its "auto" knobs alone, before the process group existed, from its own step-time
+    measurements (cpu calibrates per rank): rank 0's choice is the run's, so that all ranks build one layout
+    (ranks in different tensor modes would wait on each other's collectives forever)."""
+    from internlm_offload.engine.runtime import all_gather_object
+    from internlm_offload.planner.search import candidate_configs
+
+    first = all_gather_object(ctx, chosen)[0]
+    if first == chosen:
+        return cfg
+    logger.warning("memory_budget: this rank chose %s; rank 0 chose %s, which the run takes", chosen, first)
+    return candidate_configs(raw, world_size=ctx.world_size)(first)
 
 
 def run_preflight(

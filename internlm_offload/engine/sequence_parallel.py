@@ -53,7 +53,7 @@ def sequence_all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: 
     repeats' gradients add up in backward."""
     size = dist.get_world_size(group)
     heads = x.shape[scatter_dim]
-    if heads < size:
+    if heads < size:  # only heads can be fewer: a sequence chunk holds at least T tokens
         x = x.repeat_interleave(size // heads, dim=scatter_dim)
     outgoing = x.movedim(scatter_dim, 0).contiguous()  # chunk j of dim 0 goes to rank j
     incoming = all_to_all_single_autograd(outgoing, None, None, group)  # block i of dim 0 came from rank i

@@ -6,7 +6,9 @@ between host and device (every `copy_` whose source and destination lie in diffe
 additions into host tensors read and write (gradient offload's accumulation), AdamW elements stepped on
 the device and on the host, and the bytes each rank sends in the tensor and sequence parallel
 collectives (torch's functional collectives: DTensor's redistributions, Ulysses' all-to-all; ring
-algorithms, so a collective over n ranks sends (n-1)/n of its buffer, twice for an all-reduce).
+algorithms, so a collective over n ranks sends (n-1)/n of its buffer, twice for an all-reduce). Collectives
+DTensor issues inside one of its own ops (loss_parallel's reductions over the vocabulary) are not seen; they
+move a few values per token. Elements and bytes of DTensors are their local shards'.
 `step_time` turns them into seconds with a `Hardware` row:
 
     micro-batch = max(FLOPs / flops_per_s, copies / link_bytes_per_s,   activation and gradient copies
@@ -37,10 +39,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from internlm_offload.optim.dtensor import is_dtensor, local_nbytes, local_shard
 from internlm_offload.planner.tracker import StorageTracker, copies_meta_to_cpu
 
 ADAMW_BYTES_PER_ELEMENT = 28  # read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq (fp32)
@@ -141,7 +143,7 @@ class WorkCounter(TorchDispatchMode):
             self._count_add(args, kwargs or {})
         elif name in ADAMW_OPS:
             params = args[0]
-            elements = sum(p.numel() for p in params)
+            elements = sum(local_shard(p).numel() for p in params)  # FSDP2 and tensor parallel step their shards
             if params and self.tracker.tier_of(params[0]) == "host":
                 self.work.host_adamw_elements += elements
             else:
@@ -149,7 +151,7 @@ class WorkCounter(TorchDispatchMode):
         elif name in COLLECTIVES:
             self.work.collective_bytes += _sent_bytes(name, args)
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in flop_registry and any(isinstance(a, DTensor) for a in args):
+        if func.overloadpacket in flop_registry and any(is_dtensor(a) for a in args):
             self.sharded_flops_surplus += _sharded_flops_surplus(func, args, kwargs or {}, out)
         return out
 
@@ -159,13 +161,11 @@ class WorkCounter(TorchDispatchMode):
         if self.tracker.tier_of(out) != "host":
             return
         added = [a for a in args if torch.is_tensor(a) and a is not out]
-        self.work.host_add_bytes += 2 * out.numel() * out.element_size() + sum(
-            a.numel() * a.element_size() for a in added
-        )
+        self.work.host_add_bytes += 2 * local_nbytes(out) + sum(local_nbytes(a) for a in added)
 
     def _count_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         tiers = (self.tracker.tier_of(src) or "device", self.tracker.tier_of(dst) or "device")
-        nbytes = dst.numel() * dst.element_size()
+        nbytes = local_nbytes(dst)
         if "disk" in tiers:  # through the page cache: a disk transfer and a host one
             self.work.disk_bytes += nbytes
             tiers = tuple("host" if tier == "disk" else tier for tier in tiers)
@@ -190,7 +190,7 @@ def _sharded_flops_surplus(func: Any, args: tuple, kwargs: dict, out: Any) -> in
     """Global FLOPs of an op on DTensors minus this rank's share: the output's Shard and Partial mesh dims
     divide the work, Replicate ones repeat it on every rank."""
     result = out[0] if isinstance(out, (tuple, list)) else out
-    if not isinstance(result, DTensor):
+    if not is_dtensor(result):
         return 0
     total = flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
     shares = math.prod(

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from internlm_offload.config import AUTO_KNOBS, ConfigError, RunConfig, merge_overrides, resolve_config
+from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, ConfigError, RunConfig, merge_overrides, resolve_config
 from internlm_offload.planner.cost import Hardware, step_time
 from internlm_offload.planner.trace import StepMemory, trace_step
 from internlm_offload.planner.tracker import largest_component
@@ -53,7 +53,6 @@ PARAMS_ON_HOST = "parallel.fsdp_cpu_offload"  # FSDP2's CPUOffloadPolicy: parame
 GRADS_ON_HOST = "grad_offload"  # gradients to the host during backward (with swap or hybrid 1.0)
 NVME = "nvme_offload.enable"  # the offloaded optimizer states in files under nvme_offload.path (the NVMe tier)
 TENSOR_MODE = "parallel.tensor.mode"
-TENSOR_MODES = ("mtp", "msp", "fsp", "isp")
 
 
 def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
@@ -301,7 +300,7 @@ def search_tensor_modes(
 
     A mode changes what both the activation and the optimizer settings cost (which weights are sharded,
     which collectives run), so each mode is searched on its own traces."""
-    chosen: Candidate | None = None
+    bests: list[Candidate] = []
     candidates: list[Candidate] = []
     refused: list[str] = []
     for mode in modes:
@@ -317,12 +316,12 @@ def search_tensor_modes(
         for candidate in tried:
             candidate.tensor_mode = mode
         candidates += tried
-        if best is not None and (chosen is None or best.step_s < chosen.step_s):
-            if chosen is not None:
-                chosen.verdict = f"fits; {mode.name} is faster"
-            chosen = best
-        elif best is not None:
-            best.verdict = f"fits; {chosen.tensor_mode.name} is faster"
+        bests += [best] if best is not None else []
+    # Equal times (mtp and msp send the same bytes and do the same FLOPs): the one with less memory.
+    chosen = min(bests, key=lambda c: (round(c.step_s, 6), c.memory.device_peak_bytes), default=None)
+    for best in bests:
+        if best is not chosen:
+            best.verdict = f"fits; {chosen.tensor_mode.name} is faster or leaner"
     candidates.sort(key=lambda c: round(c.step_s, 6))
     return chosen, candidates, refused
 
@@ -399,6 +398,8 @@ def _candidate(
 def smallest_peak(candidates: list[Candidate], config_for: ConfigFor, world_size: int = 1) -> str:
     """The candidate with the smallest estimated device peak, traced, and what dominates it: the
     'nothing fits' line."""
+    if not candidates:  # every tensor mode refused (`search_tensor_modes` names why)
+        return "no candidate: the config takes none of the tensor modes"
     best = min(candidates, key=lambda c: c.estimated_device)
     memory = best.memory or trace_step(config_for(best.options), world_size)
     return (

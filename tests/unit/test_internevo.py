@@ -256,6 +256,9 @@ def test_internevo_decoder_shape_switches_are_mapped_or_refused():
     same = {**model, "qkv_bias": True, "o_bias": True, "head_dim": 24, "use_swiglu": True, "add_unit_offset": False}
     t = translate({"model_type": "LLAMA2", "model": same, "data": {"use_packed_dataset": True}})
     assert not t.refused and "model.head_dim=24 (hidden_size / num_attention_heads)" in t.ignored
+    assert {f"model.{key} (what the decoder here is)" for key in ("use_swiglu=True", "add_unit_offset=False")} <= set(
+        t.ignored
+    )
     assert resolve_config({"model_type": "LLAMA2", "model": same}).model.attention_bias is True
     refused = {
         "o_bias": "model.qkv_bias=True with model.o_bias=False",

@@ -4,6 +4,7 @@ The result is a plain dict of the file's keys; the schema (`config.py`, `resolve
 completes it. Config files hold literals only: imports are refused before mmengine sees the file.
 """
 
+import argparse
 import ast
 import copy
 from pathlib import Path
@@ -42,6 +43,31 @@ def merge_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
     if overrides:
         _merge(cfg, overrides)
     return cfg.to_dict()
+
+
+def add_cfg_options(parser: argparse.ArgumentParser, help: str) -> None:
+    """`--cfg-options key=value ...` on `parser`, parsed by mmengine's `DictAction`. An item it cannot parse
+    (no `=`, unbalanced brackets: mmengine asserts) raises `ConfigError` naming it, out of `parse_args`."""
+    from mmengine.config import DictAction  # deferred, as in load_config_file
+
+    class CfgOptions(DictAction):
+        def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001 (argparse's signature)
+            for item in values or ():  # one at a time: the message names the item that fails
+                try:
+                    super().__call__(parser, namespace, [item], option_string)
+                except (AssertionError, ValueError, RecursionError) as exc:
+                    raise ConfigError(f"--cfg-options {item}: {_option_problem(item, exc)}") from None
+
+    parser.add_argument("--cfg-options", nargs="+", action=CfgOptions, default={}, metavar="KEY=VALUE", help=help)
+
+
+def _option_problem(item: str, exc: BaseException) -> str:
+    if "=" not in item:
+        return "expected key=value, e.g. model.checkpoint=0.5"
+    return (
+        f"cannot parse the value ({_one_line(exc)}); lists are written [a,b] or (a,b) with balanced brackets, "
+        'and a string holding brackets is quoted: key="[a"'
+    )
 
 
 def _merge(cfg: Any, overrides: dict[str, Any]) -> None:

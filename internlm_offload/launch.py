@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 # Only light imports here: a bad config and --print-config are answered before torch is imported
 # (about 1 s instead of 5); the runtime, the device and the checkpoint code load once the config is valid.
 from internlm_offload.config import ConfigError, RunConfig, load_config_file, resolve_config
+from internlm_offload.config_file import add_cfg_options
 from internlm_offload.errors import CheckpointError, CheckpointWriteError, DataError, TrainingDiverged
 from internlm_offload.log import get_logger, setup_logging
 from internlm_offload.registry import UnknownTypeError
@@ -57,17 +58,9 @@ class BuildTrainer(Protocol):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from mmengine.config import DictAction
-
     parser = argparse.ArgumentParser(description="Train an LLM from a Python config file.")
     parser.add_argument("--config", required=True, help="Python config file (mmengine syntax, `_base_` allowed)")
-    parser.add_argument(
-        "--cfg-options",
-        nargs="+",
-        action=DictAction,
-        default={},
-        help="override config keys, e.g. model.checkpoint=0.5 cpu_offloading.enable=True",
-    )
+    add_cfg_options(parser, help="override config keys, e.g. model.checkpoint=0.5 cpu_offloading.enable=True")
     parser.add_argument("--work-dir", help="output folder (default: work_dirs/<JOB_NAME>)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
@@ -77,9 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None, *, build_trainer: BuildTrainer) -> int:
     """Parse `argv`, start the run (`build_trainer` makes its trainer once everything is validated) and
     train; the exit code (module docstring)."""
-    args = parse_args(argv)
     try:
-        return run(args, build_trainer)
+        return run(parse_args(argv), build_trainer)
     except USER_ERRORS as exc:
         report_error(exc)
         return EXIT_BAD_INPUT

@@ -57,6 +57,7 @@ model = dict(num_layers=NUM_LAYERS, checkpoint=0.5)  # merged into the base's `m
 - **`--cfg-options key=value ...`** (`train.py`; mmengine `DictAction`): dotted keys applied after
   `_base_`, e.g. `--cfg-options model.checkpoint=0.5 cpu_offloading.enable=True adam.lr=3e-4`.
   Values parse as int, float, `true`/`false`, `None`, else string; `a,b` or `[a,b]` gives a list.
+  An item that does not parse (no `=`, unbalanced brackets) stops the command with one line naming it.
 - **Validation** happens after both: every key is checked against the schema below. An unknown key
   (a typo), a wrong type, a value out of range or a broken cross-key rule stops the run before it
   starts, with one `error:` line that names the key and the value.

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
+from internlm_offload.config_file import add_cfg_options
 from internlm_offload.device import get_accelerator
 from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate, shared_by, step_time
 from internlm_offload.planner.tracker import largest_component
@@ -60,11 +61,9 @@ def parse_size(text: str, option: str) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from mmengine.config import DictAction
-
     p = argparse.ArgumentParser(prog=f"python -m internlm_offload.tools.{PROG}", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="Python config file, as for train.py")
-    p.add_argument("--cfg-options", nargs="+", action=DictAction, default={}, help="override config keys")
+    add_cfg_options(p, help="override config keys")
     p.add_argument(
         "--world-size",
         type=int,
@@ -325,9 +324,8 @@ def run_search(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     try:
-        return run(args)
+        return run(parse_args(argv))
     except (PlanInputError, ConfigError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

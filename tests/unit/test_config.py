@@ -619,3 +619,21 @@ def test_gradient_offload_needs_an_optimizer_stepping_from_host_gradients(raw, f
     for fragment in fragments:
         assert fragment in message, message
     assert resolve_config({"grad_offload": True, "swap_optimizer": True}).grad_offload
+
+
+@pytest.mark.parametrize(
+    "item, part",
+    [
+        ("data.seq_len=[1,2", "cannot parse the value (Imbalanced brackets exist in [1,2)"),
+        ("model.checkpoint=[0.5]]", "balanced brackets"),
+        ("swap_optimizer", "expected key=value"),
+    ],
+)
+def test_an_unparsable_cfg_option_is_one_line_exit_2(item: str, part: str, capsys: Any) -> None:
+    """mmengine's DictAction asserts on these; the command names the item in one line instead of a traceback."""
+    from internlm_offload import launch
+
+    argv = ["--config", str(REPO / "configs/internlm2_tiny.py"), "--cfg-options", "data.seq_len=64", item]
+    assert launch.main(argv, build_trainer=None) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --cfg-options {item}: ") and part in err and "\n" not in err, err

@@ -59,6 +59,7 @@ def test_a_budget_below_the_peak_exits_3_naming_what_dominates(tmp_path, capsys)
         (["--ranks-per-node", "0"], "--ranks-per-node 0"),
         (["--world-size", "2", "--ranks-per-node", "4"], "--ranks-per-node 4: expected an integer from 1 to"),
         (["--cfg-options", "model.nope=1"], "model.nope"),
+        (["--cfg-options", "data.seq_len=[1,2"], "--cfg-options data.seq_len=[1,2: cannot parse the value"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(argv, message, capsys):

@@ -640,15 +640,14 @@ class RunConfig(Section):
             )
         divisible = {"model.num_attention_heads": model.num_attention_heads}
         kv_heads = model.num_kv_attention_heads or model.num_attention_heads
+        if kv_heads % T and T % kv_heads:  # kv heads are repeated up to T (Ulysses' exchange, KVHeadReplicas)
+            raise ValueError(
+                f"parallel.tensor.size={T} (mode {mode!r}) and model.num_kv_attention_heads={kv_heads}: one must "
+                "divide the other (each rank attends with whole kv heads, repeated where T exceeds them)"
+            )
         if mode == "isp":
             self._check_isp_wrapper()
-            if kv_heads % T and T % kv_heads:  # Ulysses repeats kv heads up to T (sequence_parallel.py)
-                raise ValueError(
-                    f"parallel.tensor.size={T} (mode 'isp') and model.num_kv_attention_heads={kv_heads}: one must "
-                    "divide the other (each rank attends with whole kv heads, repeated where T exceeds them)"
-                )
         else:
-            divisible["model.num_kv_attention_heads"] = kv_heads
             self._check_column_row_parallel()
             from internlm_offload.model.internlm2 import intermediate_size
 
@@ -782,7 +781,7 @@ def _data_parallel_size(cfg: RunConfig, world_size: int) -> int:
 
 def _tensor_mode_placeholder(raw: dict[str, Any]) -> str:
     """`parallel.tensor.mode="auto"` holds the first mode the rest of the config can take until the planner
-    chose (under DDP only isp, with fewer kv heads than ranks only isp, ...): the others it tries and names as
+    chose (under DDP or with tied embeddings only isp): the others it tries and names as
     refused. None taking it: mtp, whose problems the report then names."""
     for mode in TENSOR_MODES:
         candidate = copy.deepcopy(raw)

@@ -66,6 +66,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
                                     **OFFLOAD, "cpu_offloading.num_layers": 3},
     "isp 2 x weight 2 + swap": {"parallel.tensor.size": 2, "parallel.tensor.mode": "isp", "parallel.mode": "fsdp2",
                                 "parallel.weight.size": 2, "swap_optimizer": True},
+    "fsp 4 over 2 kv heads": {"parallel.tensor.size": 4, "parallel.tensor.mode": "fsp",
+                              "model.num_kv_attention_heads": 2},  # wk and wv whole on each rank (KVHeadReplicas)
 }  # fmt: skip
 # Settings measured on several processes (torchrun, gloo); the others run on one.
 RANKS = {
@@ -77,6 +79,7 @@ RANKS = {
     "isp 2": 2,
     "msp 2 x fsdp2 2 + offload 3": 4,
     "isp 2 x weight 2 + swap": 4,
+    "fsp 4 over 2 kv heads": 4,
 }
 TOLERANCE = 0.05
 

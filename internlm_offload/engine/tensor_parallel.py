@@ -15,7 +15,8 @@ checkpoint and offload hooks act on the blocks it returns.
 
 With `parallel_output` (InternEvo's default) the head's logits stay vocab-sharded and the loss runs under
 `loss_parallel`; otherwise they are all-gathered. Each rank holds whole query heads and whole kv groups:
-the model views its projections with -1 heads.
+the model views its projections with -1 heads. Where the tensor size exceeds the kv heads, wk and wv stay
+whole on every rank and each keeps the kv head of its query heads (`KVHeadReplicas`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from collections.abc import Collection
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -77,7 +79,7 @@ def apply_tensor_parallel(
         block_mode = mode
         if mode == "fsp" and gather_again_in is not None and index not in gather_again_in:
             block_mode = "msp"
-        parallelize_module(block, tp_mesh, _block_plan(block_mode))
+        parallelize_module(block, tp_mesh, _block_plan(block_mode, block.attention.n_kv_heads, tp_mesh.size()))
         if block_mode == "fsp":
             gather_in_backward_again(block.attention)
             gather_in_backward_again(block.feed_forward)
@@ -89,13 +91,14 @@ def apply_tensor_parallel(
     )
 
 
-def _block_plan(mode: str) -> dict:
+def _block_plan(mode: str, kv_heads: int, tensor_size: int) -> dict:
     """One decoder block's plan: column-parallel projections in, row-parallel out (torchtitan's shape)."""
     sequence = mode in SEQUENCE_SHARDED
+    kv = ColwiseParallel() if kv_heads % tensor_size == 0 else KVHeadReplicas(kv_heads)
     plan: dict = {
         "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
+        "attention.wk": kv,
+        "attention.wv": kv,
         "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate()),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
@@ -121,6 +124,34 @@ def _shared_input(layout: Shard | Replicate, extra_args: int) -> PrepareModuleIn
     return PrepareModuleInput(
         input_layouts=(layout, *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=False
     )
+
+
+class KVHeadReplicas(ParallelStyle):
+    """wk or wv where the tensor size T exceeds the kv heads (T a multiple of them): the weight stays whole on
+    every rank (replicated) and each rank keeps the output of kv head `rank // (T / kv_heads)`, the group of
+    its query heads (InternEvo's rule, as isp's all-to-all repeats them). The output's gradient is marked
+    Partial: the T / kv_heads ranks of one head add up their query heads' parts in the weight's gradient
+    reduction (`align_grads_in_backward`) and in the shared input's."""
+
+    def __init__(self, kv_heads: int) -> None:
+        super().__init__()
+        self.kv_heads = kv_heads
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=_replicated_input, output_fn=self._own_kv_head)
+
+    def _own_kv_head(self, module: nn.Module, output: DTensor, device_mesh: DeviceMesh) -> torch.Tensor:
+        width = output.shape[-1] // self.kv_heads
+        head = device_mesh.get_local_rank() // (device_mesh.size() // self.kv_heads)
+        return output.to_local(grad_placements=[Partial()]).narrow(-1, head * width, width)
+
+
+def _replicated_input(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+    """The projection's input as a replicated DTensor (it arrives as one where the module shares it)."""
+    x = inputs[0]
+    if not is_dtensor(x):
+        x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+    return (x, *inputs[1:])
 
 
 # What fsp keeps of a column region in forward: the matmul and attention outputs. The rest (the sequence

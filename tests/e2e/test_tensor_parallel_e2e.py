@@ -34,10 +34,12 @@ def one_process_offload(tmp_path_factory) -> dict[str, float]:
     return {key: metrics(run)[-1][key] for key in ("act_offload_offloaded_bytes", "sc_offload_offloaded_bytes")}
 
 
-@pytest.mark.parametrize("mode, size", [("mtp", 2), ("msp", 2), ("fsp", 2), ("isp", 2), ("isp", 4)])
+@pytest.mark.parametrize("mode, size", [("mtp", 2), ("msp", 2), ("fsp", 2), ("isp", 2), ("isp", 4), ("fsp", 4)])
 def test_each_mode_follows_the_one_process_curve(tmp_path, one_process, mode, size):
-    """fp32, T=2 on two processes: the loss within 1e-5 of one process for 20 steps. isp at T=4 over the tiny
-    model's 2 kv heads: Ulysses repeats each for two ranks (red when a rank takes the wrong kv head)."""
+    """fp32, T=2 on two processes: the loss within 1e-5 of one process for 20 steps. At T=4 over the tiny
+    model's 2 kv heads each serves two ranks: Ulysses repeats it (isp), wk and wv stay whole (fsp, and mtp/msp
+    with the same `KVHeadReplicas`). Red when a rank takes the wrong kv head, or (fsp) without the Partial
+    gradient of the kept head."""
     base = tmp_path / "base"
     proc = train(base, *STEPS, *tensor(mode, size), nproc=size)
     assert f"Applied tensor parallel {mode} over {size} ranks" in proc.stderr

@@ -179,7 +179,7 @@ def test_search_chooses_the_fastest_mode_that_fits_and_names_the_ones_the_config
 
 def test_auto_tensor_mode_holds_a_mode_the_config_can_take():
     """Until the planner chose, "auto" holds the first mode the rest of the config takes: isp under DDP, and isp
-    where the tensor size exceeds the kv heads (mtp/msp/fsp cannot split a head); the search then names the
+    with tied embeddings (the column modes shard the embedding and the head apart); the search then names the
     others as refused and chooses among what runs."""
     options = {"parallel.tensor.size": 2, "parallel.tensor.mode": "auto", "memory_budget.device": "1GiB"}
     raw = load_config_file(CONFIGS / "internlm2_tiny.py", {**SMALL, **options, "parallel.mode": "ddp"})
@@ -189,9 +189,9 @@ def test_auto_tensor_mode_holds_a_mode_the_config_can_take():
     modes, none = tensor_mode_settings(cfg, cfg.auto_knobs), [Setting("as configured", {})]
     chosen, _, refused = search_tensor_modes(config_for, modes, none, none, cost.HARDWARE["h100"], None, None, 2)
     assert chosen.tensor_mode.name == "isp" and [line.split(":")[0] for line in refused] == ["mtp", "msp", "fsp"]
-    four = load_config_file(CONFIGS / "internlm2_tiny.py", {**SMALL, **options, "parallel.tensor.size": 4})
-    four["parallel"]["mode"] = "fsdp2"
-    assert resolve_config(four, world_size=4).parallel.tensor.mode == "isp"  # the tiny model's 2 kv heads
+    tied = load_config_file(CONFIGS / "internlm2_tiny.py", {**SMALL, **options, "model.tie_word_embeddings": True})
+    tied["parallel"]["mode"] = "fsdp2"
+    assert resolve_config(tied, world_size=2).parallel.tensor.mode == "isp"
 
 
 def test_every_rank_takes_rank_zeros_choice(monkeypatch):

@@ -48,7 +48,11 @@ def test_data_parallel_size_is_the_world_over_the_tensor_groups():
         (4, tensor(2), "parallel.mode='none' with 2 data-parallel ranks (world size 4, tensor size 2)"),
         (4, tensor(2, parallel="ddp"), "parallel.mode='ddp' with parallel.tensor.size=2"),
         (2, tensor(8), "must divide model.num_attention_heads=4"),
-        (2, {**tensor(4), "model.num_attention_heads": 8}, "must divide model.num_kv_attention_heads=2"),
+        (
+            3,
+            {**tensor(3, "msp"), "model.hidden_size": 96, "model.num_attention_heads": 6},
+            "parallel.tensor.size=3 (mode 'msp') and model.num_kv_attention_heads=2: one must divide the other",
+        ),
         (2, {**tensor(2, "msp"), "data.seq_len": 63}, "(mode 'msp') must divide data.seq_len=63"),
         (2, {**tensor(2), "model.multiple_of": 5, "model.mlp_ratio": 1.0}, "must divide the SwiGLU width"),
         (2, tensor(2, "isp"), "parallel.tensor.mode='isp' with size 2 needs parallel.mode 'ddp' or 'fsdp2'"),
@@ -76,8 +80,8 @@ def test_what_a_tensor_mode_cannot_take_is_one_line(world_size, options, message
     assert len(str(info.value).splitlines()) <= 2
 
 
-def test_isp_repeats_kv_heads_where_the_tensor_size_exceeds_them():
-    """Ulysses repeats each of the 2 kv heads for 4 ranks (InternEvo's rule); mtp would split a head."""
-    assert resolve(4, tensor(4, "isp", "ddp")).parallel.tensor.size == 4
-    with pytest.raises(ConfigError, match="must divide model.num_kv_attention_heads=2"):
-        resolve(4, tensor(4, "mtp"))
+@pytest.mark.parametrize("mode", ["mtp", "msp", "fsp", "isp"])
+def test_every_mode_repeats_kv_heads_where_the_tensor_size_exceeds_them(mode):
+    """Each of the 2 kv heads serves 2 of 4 ranks (InternEvo's rule): isp's all-to-all repeats it, the column
+    modes keep wk and wv whole (`KVHeadReplicas`); 3 ranks over 2 kv heads are refused above."""
+    assert resolve(4, tensor(4, mode, "ddp" if mode == "isp" else "none")).parallel.tensor.size == 4

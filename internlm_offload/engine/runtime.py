@@ -69,11 +69,15 @@ def init_runtime(accelerator: Accelerator, *, needs_group: bool = False, tensor_
     accelerator.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend=accelerator.dist_backend)
-    mesh = None
-    if tensor_size > 1:
-        shape = (world_size // tensor_size, tensor_size)
-        mesh = init_device_mesh(accelerator.name, shape, mesh_dim_names=("dp", "tp"))
+    mesh = tensor_parallel_mesh(accelerator.name, world_size, tensor_size)
     return RunContext(rank, local_rank, world_size, accelerator, tensor_size=tensor_size, mesh=mesh)
+
+
+def tensor_parallel_mesh(device_type: str, world_size: int, tensor_size: int) -> DeviceMesh | None:
+    """The ("dp", "tp") mesh over the process group, tensor ranks innermost; None without tensor parallel."""
+    if tensor_size == 1:
+        return None
+    return init_device_mesh(device_type, (world_size // tensor_size, tensor_size), mesh_dim_names=("dp", "tp"))
 
 
 def data_parallel_group(ctx: RunContext) -> dist.ProcessGroup | None:

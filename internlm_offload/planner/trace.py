@@ -32,7 +32,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -40,7 +39,7 @@ from internlm_offload.builder import build_components, build_loss_scaler, traine
 from internlm_offload.config import RunConfig
 from internlm_offload.data.loader import MicroBatch
 from internlm_offload.device import storage_key
-from internlm_offload.engine.runtime import RunContext
+from internlm_offload.engine.runtime import RunContext, tensor_parallel_mesh
 from internlm_offload.engine.trainer import Trainer
 from internlm_offload.planner.cost import StepWork, WorkCounter, flash_cpu_flops
 from internlm_offload.planner.standins import (
@@ -306,10 +305,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
 
 def _rank_zero(world_size: int, tensor_size: int, accelerator: PlanningAccelerator) -> RunContext:
     """Rank 0's context; with tensor parallel its ("dp", "tp") mesh over the fake process group."""
-    mesh = None
-    if tensor_size > 1:
-        shape = (world_size // tensor_size, tensor_size)
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    mesh = tensor_parallel_mesh("cpu", world_size, tensor_size)
     return RunContext(0, 0, world_size, accelerator, tensor_size=tensor_size, mesh=mesh)
 
 

@@ -1,9 +1,10 @@
 """Knobs set to "auto" in a config: chosen at start-up by the planner's search, within `memory_budget`.
 
 `choose_auto_knobs(cfg, config_for, ...)` searches the settings of the knobs the config left to the
-planner (`search.activation_settings` / `optimizer_settings` over `cfg.auto_knobs`, in each tensor mode
-when `parallel.tensor.mode` is one of them: `search.search_tensor_modes`; the others stay as configured) for the fastest predicted step whose traced peaks fit `memory_budget.device` (and `.host`
-when given), and returns the config with them set. Nothing fitting is a `PreflightError` (exit 2)
+planner (`search.activation_settings` / `optimizer_settings` over `cfg.auto_knobs`, in each tensor mode when
+`parallel.tensor.mode` is one of them: `search.search_tensor_modes`; the others stay as configured) for the
+fastest predicted step whose traced peaks fit `memory_budget.device` (and `.host` when given), and returns the
+config with them set. Nothing fitting is a `PreflightError` (exit 2)
 naming the smallest traced peak. Step times come from the cost model with the hardware row of the
 accelerator (`HARDWARE_FOR`; cpu is calibrated on the spot).
 """

@@ -98,8 +98,9 @@ needs exactly one of `model.hf_path` and `model.hf_config`; `data.type="text"` n
 `data.global_bsz` must be a multiple of `data.micro_bsz` times the data-parallel ranks (the world size
 over `parallel.tensor.size`); more than one data-parallel rank needs `parallel.mode` `ddp` or `fsdp2`.
 `parallel.tensor.size > 1` must divide the world size, the heads, the SwiGLU width (mtp/msp/fsp) and
-`data.seq_len` (msp/fsp/isp), and it and the kv heads one the other (kv heads are repeated where T exceeds them); mtp/msp/fsp exclude tied embeddings and `parallel.mode="ddp"`, isp needs
-`ddp` or `fsdp2`; `parallel.weight.size > 1` needs mode `isp` and `fsdp2`, and divides the world.
+`data.seq_len` (msp/fsp/isp), and divide the kv heads or be a multiple of them (kv heads are repeated
+where T exceeds them); mtp/msp/fsp exclude tied embeddings and `parallel.mode="ddp"`, isp needs `ddp` or
+`fsdp2`; `parallel.weight.size > 1` needs mode `isp` and `fsdp2`, and divides the world.
 """
 
 

@@ -9,14 +9,15 @@ hooks, checkpointing and optimizer) on meta tensors through the builder's own wi
 activations per block and the peaks. `--measure` runs the same steps for real on cpu tensors and
 prints measured beside predicted (small configs only).
 
-The step time comes from a stated cost model (`planner/cost.py`) over the traced work: FLOPs,
-host<->device bytes, AdamW elements and the tensor-parallel collectives' bytes, with the throughputs of `--hardware` (assumed rows for H100,
-A100, Ascend 910B) or of this machine (`--calibrate`).
+The step time comes from a stated cost model (`planner/cost.py`) over the traced work: FLOPs, host<->device
+bytes, AdamW elements and the tensor-parallel collectives' bytes, with the throughputs of `--hardware`
+(assumed rows for H100, A100, Ascend 910B) or of this machine (`--calibrate`).
 
-With a budget the planner also searches activation settings (none, checkpoint 0.5/1.0, offload of half
-or all but one block) x optimizer settings (AdamW, hybrid 0.5/1.0, swap), in each tensor mode (mtp, msp,
-fsp, isp) when `parallel.tensor.size` > 1, for the fastest predicted step that fits (`planner/search.py`), prints the alternatives with why each was rejected and the choice as
-a `--cfg-options` line; `--check-only` checks the config as given instead.
+With a budget the planner also searches activation settings (none, checkpoint 0.5/1.0, offload of half or all
+but one block) x optimizer settings (AdamW, hybrid 0.5/1.0, swap), in each tensor mode (mtp, msp, fsp, isp)
+when `parallel.tensor.size` > 1, for the fastest predicted step that fits (`planner/search.py`), prints the
+alternatives with why each was rejected and the choice as a `--cfg-options` line; `--check-only` checks the
+config as given instead.
 
 Ranks on one node share its host: `--host-memory` is the node's, each rank's budget its share over
 `--ranks-per-node` (default: this machine's device count, or the world size up to 8 without devices),

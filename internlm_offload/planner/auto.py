@@ -4,9 +4,9 @@
 planner (`search.activation_settings` / `optimizer_settings` over `cfg.auto_knobs`, in each tensor mode when
 `parallel.tensor.mode` is one of them: `search.search_tensor_modes`; the others stay as configured) for the
 fastest predicted step whose traced peaks fit `memory_budget.device` (and `.host` when given), and returns the
-config with them set. Nothing fitting is a `PreflightError` (exit 2)
-naming the smallest traced peak. Step times come from the cost model with the hardware row of the
-accelerator (`HARDWARE_FOR`; cpu is calibrated on the spot).
+config with them set. Nothing fitting is a `PreflightError` (exit 2) naming the smallest traced peak. Step
+times come from the cost model with the hardware row of the accelerator (`HARDWARE_FOR`; cpu is calibrated on
+the spot).
 """
 
 from __future__ import annotations

@@ -316,7 +316,8 @@ def search_tensor_modes(
         for candidate in tried:
             candidate.tensor_mode = mode
         candidates += tried
-        bests += [best] if best is not None else []
+        if best is not None:
+            bests.append(best)
     # Equal times (mtp and msp send the same bytes and do the same FLOPs): the one with less memory.
     chosen = min(bests, key=lambda c: (round(c.step_s, 6), c.memory.device_peak_bytes), default=None)
     for best in bests:

@@ -5,8 +5,7 @@ records each new storage once (a DTensor's by its local shard), with its byte si
 when the planning accelerator allocated it as host memory (`host_empty`, "pinned" too when asked page-locked),
 "disk" for a file-backed buffer (`disk_buffer`, the NVMe tier), "device" otherwise. A storage stops counting
 when its last tensor is collected, exactly when the caching allocator would get the block back; so the current
-and peak bytes it reports are
-those of `memory_allocated()` / `max_memory_allocated()` on a device.
+and peak bytes it reports are those of `memory_allocated()` / `max_memory_allocated()` on a device.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from internlm_offload.optim.memory import (
     trainable_elements,
 )
 from internlm_offload.registry import DATASETS, MODELS, PARALLEL, build
-from internlm_offload.sizes import human_bytes
+from internlm_offload.config.sizes import human_bytes
 
 logger = get_logger(__name__)
 
@@ -200,21 +200,21 @@ def offload_settings(section: CpuOffloadingConfig) -> dict[str, Any]:
 
 def build_optimizer(
     cfg: RunConfig,
-    model: nn.Module,
+    masters: Masters,
     accelerator: Accelerator,
     *,
-    host_params: bool = False,
     cpu_mask: list[bool] | None = None,
     check_host: bool = True,
 ) -> OffloadOptimizer:
-    """AdamW, or its offloading variants, over `model`'s parameters (the fp32 masters where they exist).
+    """AdamW, or its offloading variants, over the parameters `masters` steps (the fp32 masters where they exist,
+    else the model's own through its data-parallel wrapper).
 
-    Every variant gets the same param groups (decay on matrices only) and the same `fused` choice.
-    `host_params`: the parameters are host-resident masters, swapped in with the states (their gradients too
-    with `grad_offload`, which hands them over as host tensors). `cpu_mask`: the
-    hybrid optimizer's placement (`hybrid_cpu_mask`), when the masters were placed by it already. `check_host`:
-    refuse offloaded states the machine's host memory cannot hold.
+    Every variant gets the same param groups (decay on matrices only) and the same `fused` choice. Host-resident
+    masters (`masters.on_host`) are swapped in with the states (their gradients too with `grad_offload`, which
+    hands them over as host tensors). `cpu_mask`: the hybrid optimizer's placement (`hybrid_cpu_mask`), when the
+    masters were placed by it already. `check_host`: refuse offloaded states the machine's host memory cannot hold.
     """
+    model, host_params = masters.module, masters.on_host
     adam = cfg.adam
     on_disk = cfg.nvme_offload.directory is not None
     if check_host and ((cfg.swap_optimizer and not on_disk) or cfg.hybrid_optimizer.enable):
@@ -390,38 +390,64 @@ def build_components(
     check_model: Callable[[nn.Module], None] | None = None,
     check_host_memory: bool = True,
 ) -> Components:
-    """Model, precision, layer plan, parallel wrapping, optimizer and schedule, in that order.
-
-    `check_model` runs on the bare model before anything else is allocated. The memory planner runs
-    this same function with its stand-in accelerator (meta tensors) and `check_host_memory=False`
-    (it predicts the host memory instead of asking the machine).
-    """
-    # 1. model, built in fp32 (on meta when FSDP2 materializes shards later); the precision policy keeps
-    # fp32 masters apart or casts it whole
+    """The run's model, masters, memory features, optimizer and schedule, one named step each, in this order.
+    `check_model` runs on the bare model; the planner passes `check_host_memory=False` (it predicts the host)."""
     policy = PrecisionPolicy.from_config(cfg.model.dtype, cfg.mixed_precision.master_weights)
-    meta = builds_on_meta(cfg, policy)
-    ctx.accelerator.mark_memory_baseline()  # device memory counts from here (cpu: see cpu_memory)
-    model = build_model(cfg.model, torch.device("meta") if meta else ctx.device)
+    on_meta = builds_on_meta(cfg, policy)
+    model = build_bare_model(cfg, ctx, on_meta=on_meta, check_model=check_model)
+    shard = sequence_shard(cfg, ctx)
+    if shard is None and ctx.tensor_size > 1:  # before the masters exist: they copy the DTensor shards
+        apply_tensor_parallel_plan(cfg, ctx, model)
+    cpu_mask = hybrid_cpu_mask(cfg, model)
+    kept_masters = apply_precision(cfg, ctx, model, policy, cpu_mask)
+    if shard is not None:  # isp changes no parameter: after the masters' copy, which holds parameters only
+        apply_sequence_parallel(model, shard)
+    elif ctx.tensor_size > 1:  # after the cast (it may swap the parameters), before any other gradient hook
+        align_grads_in_backward(model)
+    layers: nn.ModuleList = model.layers
+    offloader, selective_offloader = apply_memory_plan(cfg, layers, ctx.accelerator)
+    model = apply_data_parallel(cfg, ctx, model, layers, policy, materialize=on_meta)
+    masters: Masters = NoMasters(model) if kept_masters is None else kept_masters
+    optimizer = build_optimizer(cfg, masters, ctx.accelerator, cpu_mask=cpu_mask, check_host=check_host_memory)
+    if cfg.grad_offload:  # its hooks feed the host gradients the optimizer just built reads
+        masters = offload_gradients(cfg, ctx, masters)
+    scheduler = build_scheduler(cfg, optimizer)
+    return Components(model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers, shard)
+
+
+def build_bare_model(
+    cfg: RunConfig, ctx: RunContext, *, on_meta: bool, check_model: Callable[[nn.Module], None] | None
+) -> nn.Module:
+    """The model in fp32 (on meta when FSDP2 materializes the shards later); device memory counts from here."""
+    ctx.accelerator.mark_memory_baseline()  # cpu: see device/cpu_memory.py
+    model = build_model(cfg.model, torch.device("meta") if on_meta else ctx.device)
     if check_model is not None:
         check_model(model)
-    shard = sequence_shard(cfg, ctx)
-    if ctx.tensor_size > 1 and shard is None:  # before the precision policy: the masters copy the DTensor shards
-        # fsp's gathers run again in backward where the layer plan leaves a block plain (checkpointed blocks
-        # keep only their input anyway; offloaded ones move what they save to the host)
-        plain = build_layer_plan(cfg, len(model.layers)).layers_with(LayerMode.PLAIN)
-        apply_tensor_parallel(
-            model,
-            ctx.mesh["tp"],
-            mode=cfg.parallel.tensor.mode,
-            parallel_output=cfg.model.parallel_output,
-            gather_again_in=set(plain),
-        )
-    # The swap optimizer swaps the masters with its states, the hybrid one steps its CPU share on the host:
-    # those masters then live in (pinned) host memory only.
-    cpu_mask = hybrid_cpu_mask(cfg, model)
+    return model
+
+
+def apply_tensor_parallel_plan(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> None:
+    """mtp / msp / fsp over the "tp" mesh dim. fsp's gathers run again in backward where the layer plan leaves a
+    block plain (checkpointed blocks keep only their input anyway; offloaded ones move what they save)."""
+    plain = build_layer_plan(cfg, len(model.layers)).layers_with(LayerMode.PLAIN)
+    apply_tensor_parallel(
+        model,
+        ctx.mesh["tp"],
+        mode=cfg.parallel.tensor.mode,
+        parallel_output=cfg.model.parallel_output,
+        gather_again_in=set(plain),
+    )
+
+
+def apply_precision(
+    cfg: RunConfig, ctx: RunContext, model: nn.Module, policy: PrecisionPolicy, cpu_mask: list[bool]
+) -> MasterWeights | None:
+    """Cast the model per the precision policy; the fp32 masters it keeps apart, if any. The swap optimizer
+    swaps the masters with its states, the hybrid one steps its CPU share on the host: those masters then live
+    in (pinned) host memory only."""
     host_names = host_master_names(cfg, model, cpu_mask)
     host_empty = ctx.accelerator.host_empty if host_names is None or host_names else None
-    kept_masters = cast_model(
+    kept = cast_model(
         model,
         policy,
         fsdp=cfg.parallel.mode == "fsdp2",
@@ -429,32 +455,41 @@ def build_components(
         host_names=host_names,
         reduce_group=gradient_group(cfg, ctx),
     )
-    if shard is not None:
-        # isp changes no parameter: the model takes its chunk of each sequence, attention exchanges heads
-        # (after the masters' copy of the model, which holds parameters only)
-        apply_sequence_parallel(model, shard)
-    elif ctx.tensor_size > 1:  # after the cast (it may swap the parameters), before any other grad hook
-        align_grads_in_backward(model)
     logger.info("Precision: %s", policy.describe())
-    layers: nn.ModuleList = model.layers
-    # 2.-3. per-layer plan, applied to the bare blocks
+    return kept
+
+
+def apply_memory_plan(
+    cfg: RunConfig, layers: nn.ModuleList, accelerator: Accelerator
+) -> tuple[ActivationOffloader | None, SelectiveOffloader | None]:
+    """The per-block plan (offload / checkpoint / selective / plain) applied to the bare blocks."""
     plan = build_layer_plan(cfg, len(layers))
     logger.info("Layer plan (%d blocks):\n%s", len(layers), plan.table())
-    offloader, selective_offloader = apply_layer_plan(
-        layers, plan, **offload_settings(cfg.cpu_offloading), accelerator=ctx.accelerator
-    )
-    # 4. data parallelism
+    return apply_layer_plan(layers, plan, **offload_settings(cfg.cpu_offloading), accelerator=accelerator)
+
+
+def apply_data_parallel(
+    cfg: RunConfig,
+    ctx: RunContext,
+    model: nn.Module,
+    layers: nn.ModuleList,
+    policy: PrecisionPolicy,
+    *,
+    materialize: bool,
+) -> nn.Module:
+    """none | ddp | fsdp2 around the model (over the "dp" mesh dim under tensor parallel); a meta-built model's
+    shards are materialized and initialised after FSDP2 sharded it."""
     par = cfg.parallel
     mode_args: dict[str, dict[str, Any]] = {
         "none": {},
-        "ddp": dict(bucket_cap_mb=par.bucket_cap_mb),
-        "fsdp2": dict(
-            layers=layers,
-            mesh=fsdp_mesh(cfg, ctx),
-            reshard_after_forward=par.reshard_after_forward,
-            cpu_offload=par.fsdp_cpu_offload,
-            mixed_precision=policy.fsdp_mixed_precision(),
-        ),
+        "ddp": {"bucket_cap_mb": par.bucket_cap_mb},
+        "fsdp2": {
+            "layers": layers,
+            "mesh": fsdp_mesh(cfg, ctx),
+            "reshard_after_forward": par.reshard_after_forward,
+            "cpu_offload": par.fsdp_cpu_offload,
+            "mixed_precision": policy.fsdp_mixed_precision(),
+        },
     }
     wrapper = "none" if cfg.grad_offload and par.mode == "ddp" else par.mode
     if wrapper != par.mode:
@@ -462,44 +497,35 @@ def build_components(
         # buffers the size of the gradients on the device, unused. Ranks build the same weights from the seed.
         logger.info("DDP: gradient offload reduces the gradients; the model is not wrapped")
     model = build(PARALLEL, wrapper, "parallel.mode", model, ctx=ctx, **mode_args[wrapper])
-    if meta:
+    if materialize:
         materialize_shards(model, ctx, seed=cfg.seed, on_host=par.fsdp_cpu_offload)
     log_build_memory(ctx)
-    # 5. optimizer and schedule, over the parameters that hold the fp32 masters: without masters the model's
-    # own, seen through the data-parallel wrapper (which the trainer runs and checkpoints)
-    masters: Masters = NoMasters(model) if kept_masters is None else kept_masters
-    optimizer = build_optimizer(
-        cfg,
-        masters.module,
-        ctx.accelerator,
-        host_params=masters.on_host,
-        cpu_mask=cpu_mask,
-        check_host=check_host_memory,
-    )
-    if cfg.grad_offload:
-        # DDP's reduction is gradient offload's own; FSDP2 reduce-scatters before the hooks see a gradient.
-        masters = offload_gradients(cfg, masters, ctx.accelerator, reduce=ctx.distributed and par.mode == "ddp")
-    scheduler = build_lr_scheduler(
+    return model
+
+
+def build_scheduler(cfg: RunConfig, optimizer: OffloadOptimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    schedule = cfg.lr_scheduler
+    return build_lr_scheduler(
         optimizer,
         base_lr=cfg.adam.lr,
-        warmup_ratio=cfg.lr_scheduler.warmup_ratio,
-        total_steps=cfg.lr_scheduler.total_steps,
-        eta_min=cfg.lr_scheduler.eta_min,
-        decay=cfg.lr_scheduler.type,
+        warmup_ratio=schedule.warmup_ratio,
+        total_steps=schedule.total_steps,
+        eta_min=schedule.eta_min,
+        decay=schedule.type,
     )
-    return Components(model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers, shard)
 
 
-def offload_gradients(cfg: RunConfig, masters: Masters, accelerator: Accelerator, *, reduce: bool) -> GradOffload:
-    """Gradient offload's hooks on the model's parameters, feeding the host gradients of what `masters` steps
-    (averaged over the ranks by it when `reduce`)."""
+def offload_gradients(cfg: RunConfig, ctx: RunContext, masters: Masters) -> GradOffload:
+    """Gradient offload's hooks on the model's parameters, feeding the host gradients of what `masters` steps.
+    Under DDP it averages them over the ranks itself (the model runs unwrapped: `apply_data_parallel`); FSDP2
+    reduce-scatters before the hooks see a gradient."""
     return GradOffload(
         masters,
         masters.trainable_pairs(),
-        accelerator,
+        ctx.accelerator,
         bucket_bytes=int(cfg.grad_offload_bucket_mb * 2**20),
         from_zeros=isinstance(masters, MasterWeights),
-        reduce=reduce,
+        reduce=ctx.distributed and cfg.parallel.mode == "ddp",
     )
 
 
@@ -554,15 +580,41 @@ def build_trainer(
             loader.dataset.vocab_size = model.vocab_size
 
     parts = build_components(cfg, ctx, check_model=check_model)
-    return Trainer(
+    return make_trainer(
+        cfg,
+        ctx,
+        parts,
+        loader=loader,
+        checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
+        metrics=build_metrics_log(cfg, work_dir) if ctx.is_main else None,
+        evaluator=evaluator,
+        settings=trainer_settings(cfg, predicted_device_peak, runtime_memory),
+    )
+
+
+def make_trainer(
+    cfg: RunConfig,
+    ctx: RunContext,
+    parts: Components,
+    *,
+    trainer_class: type[Trainer] = Trainer,
+    loader: StepLoader | None = None,
+    checkpoints: CheckpointManager | None = None,
+    metrics: MetricsLog | None = None,
+    evaluator: Evaluator | None = None,
+    settings: TrainerSettings | None = None,
+) -> Trainer:
+    """The one place a `Trainer` is constructed: the run's (`build_trainer`) and the planner's traced step (no
+    data, checkpoints or metrics; `trainer_class` answers the host syncs of a step on meta tensors)."""
+    return trainer_class(
         ctx=ctx,
         model=parts.model,
         optimizer=parts.optimizer,
         scheduler=parts.scheduler,
         loader=loader,
-        checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
-        metrics=build_metrics_log(cfg, work_dir) if ctx.is_main else None,
-        settings=trainer_settings(cfg, predicted_device_peak, runtime_memory),
+        checkpoints=checkpoints,
+        metrics=metrics,
+        settings=settings or trainer_settings(cfg),
         masters=parts.masters,
         features=parts.features,
         scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 # Only light imports here: a bad config and --print-config are answered before torch is imported
 # (about 1 s instead of 5); the runtime, the device and the checkpoint code load once the config is valid.
 from internlm_offload.config import ConfigError, RunConfig, load_config_file, resolve_config
-from internlm_offload.config_file import add_cfg_options
+from internlm_offload.config.file import add_cfg_options
 from internlm_offload.errors import CheckpointError, CheckpointWriteError, DataError, TrainingDiverged
 from internlm_offload.log import get_logger, setup_logging
 from internlm_offload.registry import UnknownTypeError
@@ -122,6 +122,27 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
         shutdown_runtime()
 
 
+def probe_kernel_memory(cfg: RunConfig, accelerator: Accelerator) -> int:
+    """What the run's kernels keep after a one-block probe step (engine/runtime_memory.py); 0 for model types
+    without a one-block copy (`hf_causal_lm`: their kernels' memory shows in the step readings)."""
+    if cfg.model.type != "internlm2":
+        return 0
+    import torch
+
+    from internlm_offload.builder import build_model
+    from internlm_offload.engine.precision import DTYPES
+    from internlm_offload.engine.runtime_memory import kernel_memory
+    from internlm_offload.planner.trace import micro_batches
+
+    one_block = cfg.model.model_copy(update={"num_layers": 1})
+    return kernel_memory(
+        accelerator,
+        lambda: build_model(one_block, torch.device("meta")),
+        micro_batches(cfg)[0],
+        DTYPES[cfg.model.dtype],
+    )
+
+
 def train_in_runtime(
     args: argparse.Namespace,
     cfg: RunConfig,
@@ -133,7 +154,6 @@ def train_in_runtime(
     """Everything after the process group is joined: start plan, build, resume or load, train."""
     from internlm_offload.engine.checkpoint import plan_start
     from internlm_offload.engine.runtime import barrier, set_determinism
-    from internlm_offload.engine.runtime_memory import kernel_memory
 
     notes, warnings = cfg.migration_notes()
     for line in notes:
@@ -145,7 +165,7 @@ def train_in_runtime(
         raise ConfigError(f"--work-dir {work_dir} is a file; give a folder (it is created when missing)")
     start = plan_start(cfg, work_dir, resume=args.resume, ctx=ctx)
     set_determinism(cfg.seed, cfg.deterministic, ctx.accelerator)  # before the first kernels (cuBLAS workspace)
-    runtime_bytes += kernel_memory(cfg, ctx.accelerator)  # before the builder's memory baseline
+    runtime_bytes += probe_kernel_memory(cfg, ctx.accelerator)  # before the builder's memory baseline
     trainer = build_trainer(cfg, ctx, work_dir, predicted_device_peak=predicted_peak, runtime_memory=runtime_bytes)
     if start.resume_from is not None:
         trainer.resume_from(start.resume_from)

@@ -3,7 +3,8 @@
 seed = 1024
 deterministic = True
 device = "auto"
-parallel = dict(mode="none")
+# parallel.mode is left to its default ("none"): a `parallel.tensor` / `parallel.weight` section given without a mode
+# then takes the wrapper InternEvo picks for it (isp: DDP, or FSDP2 with weight parallel), named in the start-up log.
 ckpt = dict(checkpoint_every=50, keep_last=2, auto_resume=False)
 monitor = dict(log_every=10, progress_bar="auto")
 cpu_offloading = dict(enable=False, num_layers=0)

@@ -51,7 +51,7 @@ from internlm_offload.engine.checkpoint_reader import UnsafeCheckpointError, rea
 from internlm_offload.engine.runtime import RunContext, all_gather_object, barrier
 from internlm_offload.errors import CheckpointError, CheckpointWriteError
 from internlm_offload.log import get_logger
-from internlm_offload.sizes import human_bytes
+from internlm_offload.config.sizes import human_bytes
 from internlm_offload.weights.sources import WeightsSource, foreign_source
 
 logger = get_logger(__name__)

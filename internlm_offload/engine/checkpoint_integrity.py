@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from internlm_offload.sizes import human_bytes
+from internlm_offload.config.sizes import human_bytes
 
 MANIFEST = "manifest.json"
 READ_CHUNK = 8 << 20

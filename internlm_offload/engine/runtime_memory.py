@@ -20,41 +20,46 @@ memory line names both beside the measured and predicted peaks.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 
-from internlm_offload.builder import build_model
-from internlm_offload.config import RunConfig
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.loss import token_loss_sum
-from internlm_offload.engine.precision import DTYPES
 from internlm_offload.log import get_logger
-from internlm_offload.planner.trace import micro_batches
 
 logger = get_logger(__name__)
 
 
-def kernel_memory(cfg: RunConfig, accelerator: Accelerator) -> int:
-    """Bytes of device memory the run's kernels keep after their first use (module docstring); 0 for model
-    types without a one-block copy (`hf_causal_lm`: their kernels' memory shows in the step readings)."""
-    if cfg.model.type != "internlm2":
-        return 0
+def kernel_memory(
+    accelerator: Accelerator,
+    one_block_model: Callable[[], nn.Module],
+    batch: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+) -> int:
+    """Bytes of device memory the run's kernels keep after their first use (module docstring).
+
+    `one_block_model` builds a one-block copy of the run's model on the meta device; `batch` is one micro-batch
+    of the run's shape (tokens, labels, then what the model takes after the tokens: positions, boundaries).
+    """
     gc.collect()  # garbage from before (the preflight's trace) freed inside the probe would offset what it keeps
-    kept = accelerator.memory_kept_by(lambda: _one_block_step(cfg, accelerator.current_device()))
+    device = accelerator.current_device()
+    kept = accelerator.memory_kept_by(lambda: _one_block_step(one_block_model, batch, dtype, device))
     logger.info("Runtime memory: the kernels keep %.1f MiB after one probe step", kept / 2**20)
     return kept
 
 
-def _one_block_step(cfg: RunConfig, device: torch.device) -> None:
-    """Forward and backward of a one-block copy of the model on one micro-batch of the run's shape (the
-    planner's, packed rows included); frees all it allocated. Draws no random numbers: the weights are
-    zeros, which every kernel runs on as on any other values."""
-    model = build_model(cfg.model.model_copy(update={"num_layers": 1}), torch.device("meta"))
-    model = model.to_empty(device=device).to(DTYPES[cfg.model.dtype])
+def _one_block_step(
+    one_block_model: Callable[[], nn.Module], batch: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> None:
+    """Forward and backward of the one-block model on the micro-batch; frees all it allocated. Draws no random
+    numbers: the weights are zeros, which every kernel runs on as on any other values."""
+    model = one_block_model().to_empty(device=device).to(dtype)
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             tensor.zero_()
-    tokens, labels, *positions = (t.to(device) for t in micro_batches(cfg)[0])
+    tokens, labels, *positions = (t.to(device) for t in batch)
     token_loss_sum(model(tokens, *positions), labels).backward()
     del model, tokens, labels, positions
     gc.collect()  # the autograd graph's cycles hold activations until collected

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from internlm_offload.config import intermediate_size
 from internlm_offload.offload.activation import mark_not_offload
 from internlm_offload.registry import MODELS
 
@@ -234,11 +235,6 @@ class DecoderLayer(nn.Module):
         self.attention.init_weights(std, out_std)
         self.ffn_norm.reset_parameters()
         self.feed_forward.init_weights(std, out_std)
-
-
-def intermediate_size(hidden_size: int, mlp_ratio: float, multiple_of: int) -> int:
-    """SwiGLU's hidden width: `hidden_size * mlp_ratio`, truncated, then rounded up to a multiple of `multiple_of`."""
-    return multiple_of * math.ceil(int(hidden_size * mlp_ratio) / multiple_of)
 
 
 def _validate_args(**args: Any) -> None:

@@ -24,7 +24,7 @@ from internlm_offload.planner.search import (
     smallest_peak,
     tensor_mode_settings,
 )
-from internlm_offload.sizes import human_bytes
+from internlm_offload.config.sizes import human_bytes
 from internlm_offload.torchrun_env import env_local_world_size
 
 logger = get_logger(__name__)

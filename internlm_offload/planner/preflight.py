@@ -21,7 +21,7 @@ from internlm_offload.log import get_logger
 from internlm_offload.optim.memory import available_host_bytes
 from internlm_offload.planner.trace import StepMemory, trace_step
 from internlm_offload.planner.tracker import largest_component
-from internlm_offload.sizes import human_bytes
+from internlm_offload.config.sizes import human_bytes
 
 logger = get_logger(__name__)
 

@@ -27,7 +27,7 @@ from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, ConfigError, RunCo
 from internlm_offload.planner.cost import Hardware, step_time
 from internlm_offload.planner.trace import StepMemory, trace_step
 from internlm_offload.planner.tracker import largest_component
-from internlm_offload.sizes import human_bytes
+from internlm_offload.config.sizes import human_bytes
 
 ConfigFor = Callable[[dict[str, Any]], RunConfig]  # knob overrides -> the resolved config
 

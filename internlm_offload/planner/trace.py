@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.flop_counter import FlopCounterMode
 
-from internlm_offload.builder import build_components, build_loss_scaler, trainer_settings
+from internlm_offload.builder import build_components, make_trainer
 from internlm_offload.config import RunConfig
 from internlm_offload.data.loader import MicroBatch
 from internlm_offload.device import storage_key
@@ -252,19 +252,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
         if cfg.parallel.fsdp_cpu_offload:
             for param in parts.model.parameters():  # FSDP2 keeps each shard in pinned host memory
                 tracker.move_to(param, ("host", "pinned"))
-        trainer = (Trainer if measure else _TracingTrainer)(
-            ctx=ctx,
-            model=parts.model,
-            optimizer=parts.optimizer,
-            scheduler=parts.scheduler,
-            loader=None,
-            checkpoints=None,
-            metrics=None,
-            settings=trainer_settings(cfg),
-            masters=parts.masters,
-            scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,
-            sequence_shard=parts.sequence_shard,
-        )
+        trainer = make_trainer(cfg, ctx, parts, trainer_class=Trainer if measure else _TracingTrainer)
         probe = _Probe(tracker)
         parts.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: probe.before_optimizer_step(optimizer))
         parts.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: probe.after_optimizer_step())

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from internlm_offload.device import storage_key
-from internlm_offload.sizes import human_bytes
+from internlm_offload.config.sizes import human_bytes
 
 META = torch.device("meta")
 TIERS = ("device", "host", "pinned", "disk")  # "pinned": the host bytes asked for page-locked (a subset of "host")

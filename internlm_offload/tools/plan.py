@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
-from internlm_offload.config_file import add_cfg_options
+from internlm_offload.config.file import add_cfg_options
 from internlm_offload.device import get_accelerator
 from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate, shared_by, step_time
 from internlm_offload.planner.tracker import largest_component
-from internlm_offload.sizes import human_bytes
-from internlm_offload.sizes import parse_size as config_size
+from internlm_offload.config.sizes import human_bytes
+from internlm_offload.config.sizes import parse_size as config_size
 
 PROG = "plan"
 EXIT_BAD_INPUT = 2

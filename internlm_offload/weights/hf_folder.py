@@ -15,7 +15,7 @@ import torch
 
 from internlm_offload.config import ModelConfig
 from internlm_offload.errors import CheckpointError
-from internlm_offload.model.internlm2 import intermediate_size
+from internlm_offload.config import intermediate_size
 from internlm_offload.weights.internevo_files import load_model_file
 from internlm_offload.weights.names import HF_INTERNLM2, HF_LLAMA, NameTable
 

@@ -87,7 +87,7 @@ def test_resume_passes_damaged_checkpoints_to_the_newest_intact_one(tmp_path):
 
 
 def shard_size(step: Path) -> str:
-    from internlm_offload.sizes import human_bytes
+    from internlm_offload.config.sizes import human_bytes
 
     return human_bytes((step / "__0_0.distcp").stat().st_size)
 

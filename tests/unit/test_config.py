@@ -11,16 +11,8 @@ from typing import Any
 
 import pytest
 
-from internlm_offload.config import (
-    AdamConfig,
-    ConfigError,
-    CpuOffloadingConfig,
-    HybridOptimizerConfig,
-    ModelConfig,
-    RunConfig,
-    load_config_file,
-    resolve_config,
-)
+from internlm_offload.config import ConfigError, ModelConfig, RunConfig, load_config_file, resolve_config
+from internlm_offload.config.sections import AdamConfig, CpuOffloadingConfig, HybridOptimizerConfig
 from internlm_offload.offload import make_layer_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -637,3 +629,13 @@ def test_an_unparsable_cfg_option_is_one_line_exit_2(item: str, part: str, capsy
     assert launch.main(argv, build_trainer=None) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: --cfg-options {item}: ") and part in err and "\n" not in err, err
+
+
+def test_an_nvme_path_without_enable_is_said() -> None:
+    """DeepSpeed's users write only the path: the states would silently stay in host memory, so it is a warning
+    in the start-up log; with enable=True, or without a path, there is none."""
+    warnings = resolve_config({"swap_optimizer": True, "nvme_offload": {"path": "/tmp"}}).migration_notes()[1]
+    assert any("nvme_offload.path='/tmp' is set but nvme_offload.enable=False" in line for line in warnings)
+    enabled = resolve_config({"swap_optimizer": True, "nvme_offload": {"path": "/tmp", "enable": True}})
+    assert not any("nvme_offload" in line for line in enabled.migration_notes()[1])
+    assert not any("nvme_offload" in line for line in resolve_config({}).migration_notes()[1])

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
-from internlm_offload.internevo import translate
+from internlm_offload.config.internevo import translate
 
 SHRUNK = Path(__file__).resolve().parents[1] / "data" / "internevo_7b_sft_shrunk.py"
 

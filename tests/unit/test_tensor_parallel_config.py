@@ -4,7 +4,11 @@ from typing import Any
 
 import pytest
 
-from internlm_offload.config import ConfigError, resolve_config
+from pathlib import Path
+
+from internlm_offload.config import ConfigError, load_config_file, resolve_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=259)
 
@@ -23,6 +27,22 @@ def resolve(world_size: int, options: dict[str, Any]):
 
 def tensor(size: int, mode: str = "mtp", parallel: str = "none") -> dict[str, Any]:
     return {"parallel.mode": parallel, "parallel.tensor": dict(size=size, mode=mode)}
+
+
+@pytest.mark.parametrize(
+    ("world_size", "options", "wrapper"),
+    [
+        (2, {"parallel.tensor.size": 2, "parallel.tensor.mode": "isp"}, "ddp"),
+        (4, {"parallel.tensor.size": 2, "parallel.tensor.mode": "isp", "parallel.weight.size": 2}, "fsdp2"),
+    ],
+)
+def test_isp_on_the_shipped_config_picks_its_wrapper(world_size, options, wrapper):
+    """configs/internlm2_tiny.py with isp from the command line, no parallel.mode: the wrapper InternEvo's
+    translation picks (DDP; FSDP2 with weight parallel), named in the start-up notes."""
+    raw = load_config_file(REPO / "configs" / "internlm2_tiny.py", options)
+    cfg = resolve_config(raw, world_size=world_size)
+    assert cfg.parallel.mode == wrapper
+    assert any(f"parallel.mode={wrapper!r}" in line for line in cfg.migration_notes()[0])
 
 
 def test_isp_sections_as_internevo_writes_them():

@@ -1,0 +1,125 @@
+"""Resolve a loaded config: InternEvo keys translated, "auto" knobs set aside, the schema validated, then what
+depends on the world size derived and checked (the checks that need more than one section's values after
+validation live here, next to the schema).
+"""
+
+import copy
+from typing import Any
+
+from pydantic import ValidationError
+
+from internlm_offload.config.errors import report_problems, schema_at, validation_problem
+from internlm_offload.config.file import ConfigError
+from internlm_offload.config.internevo import translate
+from internlm_offload.config.schema import RunConfig
+from internlm_offload.config.sections import AUTO, AUTO_KNOBS, TENSOR_MODES
+
+
+def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
+    """Validate a raw config dict, fill defaults and derive the world-size dependent values.
+
+    InternEvo keys are translated first (`internevo.py`); every problem of the config (settings that
+    cannot be honoured here, schema errors) comes in one report.
+    """
+    raw = {k: v for k, v in raw.items() if not _is_constant(k)}
+    translation = translate(raw, world_size)
+    raw = translation.config
+    problems = list(translation.refused)
+    auto = take_auto_knobs(raw)
+    budget = raw.get("memory_budget")
+    if auto and not (isinstance(budget, dict) and budget.get("device") is not None):
+        problems.append(
+            f"{auto[0]}='auto' needs memory_budget.device, the device memory per rank the planner "
+            "may use, e.g. memory_budget=dict(device='40GiB')"
+        )
+    if "parallel.tensor.mode" in auto:
+        raw["parallel"]["tensor"]["mode"] = _tensor_mode_placeholder(raw)
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems += [validation_problem(err, RunConfig) for err in exc.errors()]
+    if problems:
+        raise ConfigError(report_problems(problems))
+    cfg._migration = translation
+    cfg._auto_knobs = auto
+    _derive_batch(cfg, _data_parallel_size(cfg, world_size))
+    if cfg.lr_scheduler.total_steps is None:
+        cfg.lr_scheduler.total_steps = cfg.data.total_steps
+    if cfg.data.seed is None:
+        cfg.data.seed = cfg.seed
+    if "parallel.fsdp_cpu_offload" in auto and cfg.parallel.mode != "fsdp2":
+        raise ConfigError(
+            f"parallel.fsdp_cpu_offload='auto' needs parallel.mode='fsdp2' (FSDP2's CPU offload policy), "
+            f"got {cfg.parallel.mode!r}"
+        )
+    if "nvme_offload.enable" in auto and cfg.nvme_offload.path is None:
+        raise ConfigError("nvme_offload.enable='auto' needs nvme_offload.path, the directory the planner may choose")
+    # A 1-process ddp/fsdp2 run is legal (handy to debug the wrappers); several data-parallel ranks need one.
+    data_parallel = _data_parallel_size(cfg, world_size)
+    if cfg.parallel.mode == "none" and data_parallel > 1 and cfg.parallel.tensor.mode != "isp":
+        raise ConfigError(
+            f"parallel.mode='none' with {data_parallel} data-parallel ranks (world size {world_size}, tensor size "
+            f"{cfg.parallel.tensor.size}): use parallel.mode='ddp' or 'fsdp2'"
+        )
+    return cfg
+
+
+def _data_parallel_size(cfg: RunConfig, world_size: int) -> int:
+    """Ranks that read different micro-batches: the world over the tensor groups (tensor ranks innermost)."""
+    for key, size in (("tensor", cfg.parallel.tensor.size), ("weight", cfg.parallel.weight.size)):
+        if size > world_size or world_size % size:
+            raise ConfigError(
+                f"parallel.{key}.size={size} must divide the world size {world_size} (torchrun --nproc-per-node "
+                f"x nodes); choose a size that divides it"
+            )
+    return world_size // cfg.parallel.tensor.size
+
+
+def _tensor_mode_placeholder(raw: dict[str, Any]) -> str:
+    """`parallel.tensor.mode="auto"` holds the first mode the rest of the config can take until the planner
+    chose (under DDP or with tied embeddings only isp): the others it tries and names as
+    refused. None taking it: mtp, whose problems the report then names."""
+    for mode in TENSOR_MODES:
+        candidate = copy.deepcopy(raw)
+        candidate["parallel"]["tensor"]["mode"] = mode
+        try:
+            RunConfig.model_validate(candidate)
+        except ValidationError:
+            continue
+        return mode
+    return TENSOR_MODES[0]
+
+
+def take_auto_knobs(raw: dict[str, Any]) -> tuple[str, ...]:
+    """Replace `"auto"` values of `AUTO_KNOBS` in `raw` by their schema defaults (the memory features
+    off) and return those knobs: the schema validates the rest, the planner chooses them later."""
+    auto = []
+    for knob in AUTO_KNOBS:
+        section, _, key = knob.rpartition(".")
+        holder: Any = raw
+        for name in section.split(".") if section else ():
+            holder = holder.get(name) if isinstance(holder, dict) else None
+        if isinstance(holder, dict) and holder.get(key) == AUTO:
+            schema = schema_at(RunConfig, section.split(".")) if section else RunConfig
+            holder[key] = schema.model_fields[key].default
+            auto.append(knob)
+    return tuple(auto)
+
+
+def _derive_batch(cfg: RunConfig, data_parallel: int) -> None:
+    data = cfg.data
+    if data.global_bsz is None:
+        data.global_bsz = data.micro_bsz * data.micro_num * data_parallel
+        return
+    per_step = data.micro_bsz * data_parallel
+    if data.global_bsz % per_step:
+        raise ConfigError(
+            f"data.global_bsz={data.global_bsz} is not divisible by data.micro_bsz * data-parallel ranks = "
+            f"{data.micro_bsz} * {data_parallel}; choose a multiple of {per_step}"
+        )
+    data.micro_num = data.global_bsz // per_step
+
+
+def _is_constant(key: str) -> bool:
+    """UPPER_CASE top-level names are the config file's own constants (InternEvo style), not keys."""
+    return key.isupper() and key != "JOB_NAME"

@@ -1,0 +1,273 @@
+"""The whole run's configuration: `RunConfig`, its sections (sections.py) and the checks across them.
+
+This module and `resolve.py` are the only places that know the config schema. Config files are plain Python
+with literals only, loaded by `file.py` (mmengine `Config.fromfile`, `_base_` inheritance, `--cfg-options`
+overrides); the typed schema (pydantic, unknown keys forbidden) checks every key, fills defaults and derives the
+values that depend on other keys; `resolve.py` adds what depends on the world size and the "auto" knobs.
+
+Every problem is reported as one `ConfigError` line naming the key, the bad value and what is allowed.
+"""
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import Field, PrivateAttr, model_validator
+
+from internlm_offload.config.internevo import Translation
+from internlm_offload.config.sections import (
+    AdamConfig,
+    CkptConfig,
+    CpuOffloadingConfig,
+    DataConfig,
+    GradScalerConfig,
+    HybridOptimizerConfig,
+    HybridZeroOptimizerConfig,
+    LossConfig,
+    LrSchedulerConfig,
+    MemoryBudgetConfig,
+    MixedPrecisionConfig,
+    ModelConfig,
+    MonitorConfig,
+    NvmeOffloadConfig,
+    ParallelConfig,
+    Section,
+    intermediate_size,
+)
+
+
+class RunConfig(Section):
+    """The whole resolved run configuration."""
+
+    JOB_NAME: str = Field(
+        "internlm2_tiny", min_length=1, description="Run name; default work dir `work_dirs/<JOB_NAME>`."
+    )
+    seed: int = Field(1024, ge=0, description="Seeds model init, data order and every RNG.")
+    deterministic: bool = Field(True, description="Deterministic algorithms: bitwise-reproducible runs.")
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field(
+        "auto", description="Accelerator; `auto` picks cuda > npu > cpu."
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    adam: AdamConfig = Field(default_factory=AdamConfig)
+    lr_scheduler: LrSchedulerConfig = Field(default_factory=LrSchedulerConfig)
+    hybrid_zero_optimizer: HybridZeroOptimizerConfig = Field(default_factory=HybridZeroOptimizerConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    ckpt: CkptConfig = Field(default_factory=CkptConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    cpu_offloading: CpuOffloadingConfig = Field(default_factory=CpuOffloadingConfig)
+    selective_checkpoint: bool = Field(
+        False, description="Checkpointed blocks keep matmul/attention outputs and recompute only cheap ops."
+    )
+    selective_checkpoint_offload: bool = Field(
+        False, description="Also offload what the selective policy keeps; needs `selective_checkpoint`."
+    )
+    swap_optimizer: bool = Field(
+        False,
+        description="AdamW states live on the host and visit the device inside `step()` (bitwise equal to AdamW). "
+        "Frees ~8 bytes per parameter of device memory, costs two host transfers of the states per step. "
+        '`"auto"` (with `memory_budget`): the planner chooses.',
+    )
+    swap_optimizer_times: int = Field(
+        16, ge=1, description="The swap optimizer holds at most 1/N of the states on the device at a time."
+    )
+    use_pinned_optimizer_offload: bool = Field(
+        False,
+        description="Pin the swap optimizer's host slab (all states, one copy per chunk each way), so its copies "
+        "overlap on a device; False keeps the slab pageable (copies then block the host). Needs `swap_optimizer`.",
+    )
+    hybrid_optimizer: HybridOptimizerConfig = Field(default_factory=HybridOptimizerConfig)
+    grad_offload: bool = Field(
+        False,
+        description="ZeRO-Offload's gradient schedule: each gradient goes to host memory as backward produces it "
+        "(bucketed, on a copy stream) and accumulates there in fp32; the device never holds the fp32 gradient "
+        "buffer (4 bytes per parameter). Needs `swap_optimizer` or `hybrid_optimizer` with `offload_fraction=1.0`, "
+        "(excludes `parallel.fsdp_cpu_offload`, which moves FSDP2's gradient shards itself). Under DDP the host "
+        "gradients are averaged bucket by bucket after backward; under FSDP2 the reduce-scattered shards move. "
+        "Bitwise equal to the run without it. "
+        '`"auto"` (with `memory_budget`): the planner chooses.',
+    )
+    nvme_offload: NvmeOffloadConfig = Field(default_factory=NvmeOffloadConfig)
+    grad_offload_bucket_mb: float = Field(
+        32.0,
+        gt=0,
+        description="Gradient offload copies gradients to the host in buckets of about this many MiB (a larger "
+        "gradient alone); two pinned staging buffers of this size (or of the largest gradient) take them.",
+    )
+    mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    grad_scaler: GradScalerConfig = Field(default_factory=GradScalerConfig)
+    max_skipped_steps: int = Field(
+        20,
+        ge=1,
+        description="Non-finite guard: a step whose loss or gradient norm is not finite skips the update (fp16 "
+        "overflows included); after this many consecutive skipped steps the run stops with exit code 3 and no "
+        "checkpoint of the bad state.",
+    )
+    memory_budget: MemoryBudgetConfig = Field(default_factory=MemoryBudgetConfig)
+    preflight: bool = Field(
+        True,
+        description="Before allocating the model, trace one step on meta tensors (seconds) and stop with exit code 2 "
+        "when its predicted device or host peak exceeds this machine's memory (see docs/planner.md).",
+    )
+
+    _migration: Translation | None = PrivateAttr(default=None)
+    _auto_knobs: tuple[str, ...] = PrivateAttr(default=())
+    _warnings: list[str] = PrivateAttr(default_factory=list)  # settings that take no effect as written
+
+    @property
+    def auto_knobs(self) -> tuple[str, ...]:
+        """The knobs the config left to the planner (`"auto"`); they hold placeholder values until it chose."""
+        return self._auto_knobs
+
+    def migration_notes(self) -> tuple[list[str], list[str]]:
+        """What the InternEvo key translation did to this config, and the settings that take no effect as written:
+        (info lines, warnings) for the start-up log."""
+        warnings = list(self._warnings)
+        t = self._migration
+        if t is None:
+            return [], warnings
+        notes = [f"InternEvo key: {line}" for line in t.mapped]
+        if t.ignored:
+            notes.append(f"InternEvo keys without effect here, ignored: {', '.join(t.ignored)}")
+        return notes, warnings + list(t.warnings)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        offload = self.cpu_offloading
+        if not offload.enable and offload.num_layers != 0:
+            raise ValueError(f"cpu_offloading.num_layers={offload.num_layers} needs cpu_offloading.enable=True")
+        if offload.num_layers >= self.model.num_layers:
+            raise ValueError(
+                f"cpu_offloading.num_layers={offload.num_layers} must be < model.num_layers={self.model.num_layers} "
+                "(the last block is never offloaded)"
+            )
+        if self.selective_checkpoint_offload and not self.selective_checkpoint:
+            raise ValueError("selective_checkpoint_offload=True needs selective_checkpoint=True")
+        if self.swap_optimizer and self.hybrid_optimizer.enable:
+            raise ValueError("swap_optimizer=True and hybrid_optimizer.enable=True exclude each other; choose one")
+        if self.parallel.fsdp_cpu_offload and self.parallel.mode != "fsdp2":
+            raise ValueError(f"parallel.fsdp_cpu_offload=True needs parallel.mode='fsdp2', got {self.parallel.mode!r}")
+        if self.parallel.fsdp_cpu_offload and (self.swap_optimizer or self.hybrid_optimizer.enable):
+            raise ValueError(
+                "parallel.fsdp_cpu_offload=True already keeps the optimizer states on the host; "
+                "it excludes swap_optimizer and hybrid_optimizer.enable"
+            )
+        if self.grad_offload:
+            self._check_grad_offload()
+        if self.nvme_offload.enable:
+            self._check_nvme()
+        elif self.nvme_offload.path is not None:
+            self._warnings.append(
+                f"nvme_offload.path={self.nvme_offload.path!r} is set but nvme_offload.enable=False: the optimizer "
+                "states stay in host memory; set nvme_offload.enable=True to keep them in files there"
+            )
+        if self.use_pinned_optimizer_offload and not self.swap_optimizer:
+            raise ValueError(
+                "use_pinned_optimizer_offload=True is the host arena of the swap optimizer; it needs swap_optimizer=True"
+            )
+        heads, kv_heads = self.model.num_attention_heads, self.model.num_kv_attention_heads
+        if self.model.hidden_size % heads or heads % kv_heads:
+            raise ValueError(
+                f"model.hidden_size={self.model.hidden_size} must be divisible by model.num_attention_heads={heads}, "
+                f"and that by model.num_kv_attention_heads={kv_heads}"
+            )
+        if self.parallel.tensor.size > 1 or self.parallel.weight.size > 1:
+            self._check_tensor_parallel()
+        info = self.ckpt.load_ckpt_info
+        if info is not None and info.ckpt_type != "internevo" and self.model.type != "internlm2":
+            raise ValueError(
+                f"ckpt.load_ckpt_info.ckpt_type={info.ckpt_type!r} loads into model.type='internlm2'; for "
+                f"model.type={self.model.type!r} give the folder as model.hf_path"
+            )
+        if self.data.type == "text" and not self.data.paths:
+            raise ValueError("data.type='text' needs data.paths (files or folders of .txt/.jsonl)")
+        return self
+
+    def _check_tensor_parallel(self) -> None:
+        """What the tensor modes need of the model and which features compose with them (docs/parallelism.md)."""
+        tensor, weight, model = self.parallel.tensor, self.parallel.weight, self.model
+        if weight.size > 1 and tensor.mode != "isp":
+            raise ValueError(
+                f"parallel.weight.size={weight.size} works only with parallel.tensor.mode='isp' (InternEvo's rule), "
+                f"got mode={tensor.mode!r}; set weight.size=1"
+            )
+        T, mode = tensor.size, tensor.mode
+        if model.type != "internlm2":
+            raise ValueError(
+                f"parallel.tensor (size {T}, mode {mode!r}) needs model.type='internlm2', got {model.type!r}"
+            )
+        divisible = {"model.num_attention_heads": model.num_attention_heads}
+        kv_heads = model.num_kv_attention_heads or model.num_attention_heads
+        if kv_heads % T and T % kv_heads:  # kv heads are repeated up to T (Ulysses' exchange, KVHeadReplicas)
+            raise ValueError(
+                f"parallel.tensor.size={T} (mode {mode!r}) and model.num_kv_attention_heads={kv_heads}: one must "
+                "divide the other (each rank attends with whole kv heads, repeated where T exceeds them)"
+            )
+        if mode == "isp":
+            self._check_isp_wrapper()
+        else:
+            self._check_column_row_parallel()
+            width = intermediate_size(model.hidden_size, model.mlp_ratio, model.multiple_of)
+            divisible["the SwiGLU width (model.hidden_size * mlp_ratio rounded up to multiple_of)"] = width
+        if mode in ("msp", "fsp", "isp"):  # the modes that split the sequence
+            divisible["data.seq_len"] = self.data.seq_len
+        for name, value in divisible.items():
+            if value % T:
+                raise ValueError(
+                    f"parallel.tensor.size={T} (mode {mode!r}) must divide {name}={value}: each rank holds "
+                    f"1/{T} of it; choose a tensor size that divides it"
+                )
+
+    def _check_column_row_parallel(self) -> None:
+        """mtp / msp / fsp: the parameters become DTensors over the tensor group."""
+        T = self.parallel.tensor.size
+        if self.parallel.mode == "ddp":
+            raise ValueError(
+                f"parallel.mode='ddp' with parallel.tensor.size={T}: DDP does not take torch's tensor-parallel "
+                "DTensors; use parallel.mode='fsdp2' (FSDP2 over the data-parallel dim, tensor groups inside)"
+            )
+        if self.model.tie_word_embeddings:
+            raise ValueError(f"parallel.tensor.size={T}: model.tie_word_embeddings=True is not sharded here; set False")
+
+    def _check_isp_wrapper(self) -> None:
+        """isp: weights stay whole (or FSDP2 over the weight group); the data-parallel wrapper over all ranks
+        sums the gradients each rank computes from its chunk of the sequence."""
+        T, weight = self.parallel.tensor.size, self.parallel.weight.size
+        if T > 1 and self.parallel.mode == "none":
+            raise ValueError(
+                f"parallel.tensor.mode='isp' with size {T} needs parallel.mode 'ddp' or 'fsdp2': the wrapper sums "
+                "the gradients each rank computes from its chunk of the sequence"
+            )
+        if weight > 1 and self.parallel.mode != "fsdp2":
+            raise ValueError(
+                f"parallel.weight.size={weight} shards the weights with FSDP2: set parallel.mode='fsdp2', "
+                f"got {self.parallel.mode!r}"
+            )
+
+    def _check_grad_offload(self) -> None:
+        hybrid = self.hybrid_optimizer
+        if not (self.swap_optimizer or (hybrid.enable and hybrid.offload_fraction == 1.0)):
+            raise ValueError(
+                "grad_offload=True needs an optimizer that steps from host gradients: swap_optimizer=True, or "
+                "hybrid_optimizer.enable=True with hybrid_optimizer.offload_fraction=1.0 "
+                f"(got swap_optimizer={self.swap_optimizer}, hybrid_optimizer.enable={hybrid.enable}, "
+                f"offload_fraction={hybrid.offload_fraction})"
+            )
+
+    def _check_nvme(self) -> None:
+        if self.nvme_offload.path is None:
+            raise ValueError("nvme_offload.enable=True needs nvme_offload.path, a directory on a local NVMe drive")
+        if not (self.swap_optimizer or self.hybrid_optimizer.enable):
+            raise ValueError(
+                "nvme_offload.enable=True holds the offloaded optimizer states; it needs swap_optimizer=True or "
+                "hybrid_optimizer.enable=True"
+            )
+
+    def checkpointed_layers(self) -> int:
+        """`int(num_layers * model.checkpoint)`: InternEvo's count of blocks under activation checkpointing."""
+        return int(self.model.num_layers * self.model.checkpoint)
+
+    def fingerprint(self) -> str:
+        """A short hash of the resolved config, recorded in metrics and checkpoints."""
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:12]

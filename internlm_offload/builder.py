@@ -24,7 +24,8 @@ from internlm_offload.data.validation import find_validation_sets
 from internlm_offload.engine.evaluation import Evaluator
 from internlm_offload.device import Accelerator
 from internlm_offload.device.disk_buffers import DiskSpaceError
-from internlm_offload.engine.checkpoint import CheckpointManager, checkpoint_folder
+from internlm_offload.engine.checkpoint import CheckpointManager
+from internlm_offload.engine.start_plan import checkpoint_folder
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
 from internlm_offload.engine.parallel import materialize_shards

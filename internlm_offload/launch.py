@@ -152,7 +152,7 @@ def train_in_runtime(
     runtime_bytes: int = 0,
 ) -> int:
     """Everything after the process group is joined: start plan, build, resume or load, train."""
-    from internlm_offload.engine.checkpoint import plan_start
+    from internlm_offload.engine.start_plan import plan_start
     from internlm_offload.engine.runtime import barrier, set_determinism
 
     notes, warnings = cfg.migration_notes()

@@ -7,14 +7,8 @@ import pytest
 import torch
 
 from internlm_offload.config import resolve_config
-from internlm_offload.engine.checkpoint import (
-    FORMAT_VERSION,
-    MANIFEST,
-    TRAIN_STATE,
-    CheckpointError,
-    StartPlan,
-    plan_start,
-)
+from internlm_offload.engine.checkpoint import FORMAT_VERSION, MANIFEST, TRAIN_STATE, CheckpointError
+from internlm_offload.engine.start_plan import StartPlan, plan_start
 from internlm_offload.engine.checkpoint_integrity import checkpoint_files, record_files
 from internlm_offload.weights.sources import WeightsSource
 

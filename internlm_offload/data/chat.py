@@ -163,12 +163,14 @@ class ChatFile:
     """One jsonl file's conversations, tokenized (the packer's `DocumentFile`)."""
 
     path: Path
-    ids: list[np.ndarray] = field(default_factory=list, repr=False)
-    is_target: list[np.ndarray] = field(default_factory=list, repr=False)
+    ids: list[np.ndarray] = field(repr=False)
+    is_target: list[np.ndarray] = field(repr=False)
+    # computed once: the packer reads a length per chunk of every pack
+    lengths: np.ndarray = field(init=False, repr=False)
 
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.array([len(ids) for ids in self.ids], dtype=np.int64)
+    def __post_init__(self) -> None:
+        self.lengths = np.array([len(ids) for ids in self.ids], dtype=np.int64)
+        self.lengths.flags.writeable = False
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -216,7 +218,7 @@ def read_chat_files(paths: Sequence[str], encoder: ChatEncoder, max_bad_fraction
     """Every conversation of `paths`, tokenized, one `ChatFile` per file; bad lines counted (see `BadLines`)."""
     bad, files = BadLines(), []
     for path in chat_files(paths):
-        chat = ChatFile(path)
+        ids, is_target = [], []
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError as err:
@@ -226,13 +228,13 @@ def read_chat_files(paths: Sequence[str], encoder: ChatEncoder, max_bad_fraction
                 continue
             bad.total += 1
             try:
-                ids, is_target = encoder.encode(parse_conversation(line))
+                tokens, targets = encoder.encode(parse_conversation(line))
             except BadLine as exc:
                 bad.add(path, lineno, str(exc))
                 continue
-            chat.ids.append(ids)
-            chat.is_target.append(is_target)
-        files.append(chat)
+            ids.append(tokens)
+            is_target.append(targets)
+        files.append(ChatFile(path, ids, is_target))
     bad.check(max_bad_fraction)
     return files
 

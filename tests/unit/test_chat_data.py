@@ -10,7 +10,7 @@ import torch
 from chat_fixtures import TWO_TURN_IDS, TWO_TURN_LABELS, TWO_TURNS, X, save_chatml_tokenizer
 
 from internlm_offload.data import DataError, build_chat_dataset, build_internevo_dataset
-from internlm_offload.data.chat import BadLine, ChatEncoder, parse_conversation
+from internlm_offload.data.chat import BadLine, ChatEncoder, parse_conversation, read_chat_files
 from internlm_offload.data.tokenizer import HFTokenizer
 from internlm_offload.tools.tokenize import main as tokenize_main
 
@@ -113,3 +113,12 @@ def test_tokenized_chat_bin_files_give_the_jsonl_paths_labels_pack_by_pack(tmp_p
     assert len(from_jsonl) == len(from_bin) > 3
     for pack in range(len(from_bin)):
         assert all(torch.equal(a, b) for a, b in zip(from_jsonl[pack], from_bin[pack])), pack
+
+
+def test_a_chat_files_lengths_are_computed_once(tmp_path, tokenizer_dir):
+    """The packer reads `lengths` for every chunk of every pack: one array, built when the file is read."""
+    data = write_jsonl(tmp_path / "sft.jsonl", [TWO_TURNS, TWO_TURNS[:2]])
+    encoder = ChatEncoder(HFTokenizer(str(tokenizer_dir)).backend, None, max_length=64)
+    (chat,) = read_chat_files([str(data)], encoder, max_bad_fraction=0.0)
+    assert chat.lengths is chat.lengths and chat.lengths.tolist() == [20, 9]
+    assert not chat.lengths.flags.writeable

@@ -63,12 +63,18 @@ class StandIn:
 
 
 def field(obj: Any, name: str, default: Any = None) -> Any:
-    """A config object's field: a recorded keyword, or a real XTuner object's attribute; `default` if unset."""
+    """A config object's field: a recorded keyword, or a real XTuner object's attribute; `default` if the
+    file did not set it (a pydantic object's `model_fields_set`: constructor keywords and assignments)."""
     if isinstance(obj, Recorded):
         value = obj.kwargs.get(name, default)
         return default if isinstance(value, Recorded) and not value.kwargs and not value.args else value
     if isinstance(obj, dict):
         return obj.get(name, default)
+    fields_set = getattr(obj, "model_fields_set", None)  # a real XTuner (pydantic) config object
+    if fields_set is not None and name not in fields_set:
+        # XTuner's default, not the user's choice: read as a recorder reads an unset keyword, so the report
+        # names only what the file set
+        return default
     return getattr(obj, name, default)
 
 

@@ -61,6 +61,22 @@ class StandIn:
             raise AttributeError(attr)
         return StandIn(f"{self.name}.{attr}")
 
+    # Annotations such as `-> Float8Config | None` are evaluated when the file defines the function.
+    def __or__(self, other: Any) -> "StandIn":
+        return StandIn(f"{self.name} | {_type_name(other)}")
+
+    def __ror__(self, other: Any) -> "StandIn":
+        return StandIn(f"{_type_name(other)} | {self.name}")
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _type_name(annotation: Any) -> str:
+    if annotation is None or annotation is type(None):
+        return "None"
+    return getattr(annotation, "name", None) or getattr(annotation, "__name__", None) or repr(annotation)
+
 
 def field(obj: Any, name: str, default: Any = None) -> Any:
     """A config object's field: a recorded keyword, or a real XTuner object's attribute; `default` if the

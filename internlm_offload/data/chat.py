@@ -215,10 +215,11 @@ def chat_files(paths: Sequence[str]) -> list[Path]:
 
 
 def read_chat_files(paths: Sequence[str], encoder: ChatEncoder, max_bad_fraction: float) -> list[ChatFile]:
-    """Every conversation of `paths`, tokenized, one `ChatFile` per file; bad lines counted (see `BadLines`)."""
+    """Every conversation of `paths`, tokenized, one `ChatFile` per file; bad lines counted (see `BadLines`),
+    conversations cut to no label by `max_length` dropped and counted per file."""
     bad, files = BadLines(), []
     for path in chat_files(paths):
-        ids, is_target = [], []
+        ids, is_target, cut = [], [], 0
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError as err:
@@ -232,8 +233,16 @@ def read_chat_files(paths: Sequence[str], encoder: ChatEncoder, max_bad_fraction
             except BadLine as exc:
                 bad.add(path, lineno, str(exc))
                 continue
+            if not targets[1:].any():  # its trained tokens were all past max_length: no label left
+                cut += 1
+                continue
             ids.append(tokens)
             is_target.append(targets)
+        if cut:
+            logger.warning(
+                "%s: %d of %d conversations have no trained token within data.max_length=%d tokens; dropped",
+                path, cut, cut + len(ids), encoder.max_length,
+            )  # fmt: skip
         files.append(ChatFile(path, ids, is_target))
     bad.check(max_bad_fraction)
     return files

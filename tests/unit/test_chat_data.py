@@ -122,3 +122,15 @@ def test_a_chat_files_lengths_are_computed_once(tmp_path, tokenizer_dir):
     (chat,) = read_chat_files([str(data)], encoder, max_bad_fraction=0.0)
     assert chat.lengths is chat.lengths and chat.lengths.tolist() == [20, 9]
     assert not chat.lengths.flags.writeable
+
+
+def test_conversations_cut_to_no_label_are_dropped_and_counted_per_file(tmp_path, tokenizer_dir, caplog):
+    """max_length=8 keeps the first reply of TWO_TURNS; a reply after a long question is cut away entirely."""
+    long_question = [{"role": "user", "content": "how are you fine thanks"}, {"role": "assistant", "content": "ok"}]
+    data = write_jsonl(tmp_path / "sft.jsonl", [TWO_TURNS, long_question, long_question])
+    other = write_jsonl(tmp_path / "other.jsonl", [TWO_TURNS])
+    encoder = ChatEncoder(HFTokenizer(str(tokenizer_dir)).backend, None, max_length=8)
+    sft, kept = read_chat_files([str(data), str(other)], encoder, max_bad_fraction=0.0)
+    assert len(sft) == len(kept) == 1 and sft.ids[0].tolist() == TWO_TURN_IDS[:8]
+    assert caplog.text.count("dropped") == 1
+    assert "sft.jsonl: 2 of 3 conversations have no trained token within data.max_length=8 tokens" in caplog.text

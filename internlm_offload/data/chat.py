@@ -11,6 +11,7 @@ Which tokens a message owns comes from the template's own rendering, never from 
 message k owns the characters the rendered conversation gains when message k is added (the header a
 template writes before a reply is rendered with the prompt, `add_generation_prompt=True`, so it is not the
 reply's), and a token belongs to the message its first character is in (the tokenizer's offset mapping).
+What the template writes before message 0 (a BOS, a default system prompt) is no message's: never trained.
 """
 
 import json
@@ -131,10 +132,41 @@ class ChatEncoder:
         full = self._apply(messages, generation_prompt=False, tools=conversation.tools)
         trained = np.zeros(max(len(full), 1), dtype=bool)
         for k, message in enumerate(conversation.messages):
-            begin = 0 if k == 0 else len(self._prefix(messages[:k], message["role"] == "assistant", conversation, full))
+            is_reply = message["role"] == "assistant"
+            if k == 0:
+                begin = self._first_begin(messages[0], is_reply, conversation.tools, full)
+            else:
+                begin = len(self._prefix(messages[:k], is_reply, conversation, full))
             end = len(self._prefix(messages[: k + 1], False, conversation, full))
             trained[begin:end] = message["loss"]
         return full, trained
+
+    def _first_begin(self, first: dict, is_reply: bool, tools: list | None, full: str) -> int:
+        """Where message 0's own characters start: after the template's prefix and, for a reply, after the
+        header the template writes before a reply (as for later replies)."""
+        prefix = self._template_prefix(first, tools, full)
+        if not is_reply:
+            return len(prefix)
+        alone = self._apply([first], generation_prompt=False, tools=tools)
+        header = self._apply([first], generation_prompt=True, tools=tools)[len(alone) :]
+        return len(prefix) + len(header) if full.startswith(prefix + header) else len(prefix)
+
+    def _template_prefix(self, first: dict, tools: list | None, full: str) -> str:
+        """What the template writes before message 0 (a BOS, a default system prompt): message 0 rendered
+        alone, less message 0's own span, which is what the template adds when it renders message 0 again
+        after it. A template that will not render that (it enforces turn order) or renders it otherwise:
+        the tokenizer's BOS where the conversation starts with it."""
+        alone = self._apply([first], generation_prompt=False, tools=tools)
+        try:
+            twice = self._apply([first, first], generation_prompt=False, tools=tools)
+        except BadLine:
+            twice = ""
+        span = twice[len(alone) :] if twice.startswith(alone) else ""
+        prefix = alone[: len(alone) - len(span)]
+        if span and alone.endswith(span) and full.startswith(prefix):
+            return prefix
+        bos = self.tokenizer.bos_token
+        return bos if isinstance(bos, str) and bos and full.startswith(bos) else ""
 
     def _prefix(self, messages: list[dict], generation_prompt: bool, conversation: Conversation, full: str) -> str:
         text = self._apply(messages, generation_prompt=generation_prompt, tools=conversation.tools)

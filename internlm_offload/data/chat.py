@@ -11,6 +11,7 @@ Which tokens a message owns comes from the template's own rendering, never from 
 message k owns the characters the rendered conversation gains when message k is added (the header a
 template writes before a reply is rendered with the prompt, `add_generation_prompt=True`, so it is not the
 reply's), and a token belongs to the message its first character is in (the tokenizer's offset mapping).
+What the template writes before message 0 (a BOS, a default system prompt) is no message's: never trained.
 """
 
 import json
@@ -131,10 +132,41 @@ class ChatEncoder:
         full = self._apply(messages, generation_prompt=False, tools=conversation.tools)
         trained = np.zeros(max(len(full), 1), dtype=bool)
         for k, message in enumerate(conversation.messages):
-            begin = 0 if k == 0 else len(self._prefix(messages[:k], message["role"] == "assistant", conversation, full))
+            is_reply = message["role"] == "assistant"
+            if k == 0:
+                begin = self._first_begin(messages[0], is_reply, conversation.tools, full)
+            else:
+                begin = len(self._prefix(messages[:k], is_reply, conversation, full))
             end = len(self._prefix(messages[: k + 1], False, conversation, full))
             trained[begin:end] = message["loss"]
         return full, trained
+
+    def _first_begin(self, first: dict, is_reply: bool, tools: list | None, full: str) -> int:
+        """Where message 0's own characters start: after the template's prefix and, for a reply, after the
+        header the template writes before a reply (as for later replies)."""
+        prefix = self._template_prefix(first, tools, full)
+        if not is_reply:
+            return len(prefix)
+        alone = self._apply([first], generation_prompt=False, tools=tools)
+        header = self._apply([first], generation_prompt=True, tools=tools)[len(alone) :]
+        return len(prefix) + len(header) if full.startswith(prefix + header) else len(prefix)
+
+    def _template_prefix(self, first: dict, tools: list | None, full: str) -> str:
+        """What the template writes before message 0 (a BOS, a default system prompt): message 0 rendered
+        alone, less message 0's own span, which is what the template adds when it renders message 0 again
+        after it. A template that will not render that (it enforces turn order) or renders it otherwise:
+        the tokenizer's BOS where the conversation starts with it."""
+        alone = self._apply([first], generation_prompt=False, tools=tools)
+        try:
+            twice = self._apply([first, first], generation_prompt=False, tools=tools)
+        except BadLine:
+            twice = ""
+        span = twice[len(alone) :] if twice.startswith(alone) else ""
+        prefix = alone[: len(alone) - len(span)]
+        if span and alone.endswith(span) and full.startswith(prefix):
+            return prefix
+        bos = self.tokenizer.bos_token
+        return bos if isinstance(bos, str) and bos and full.startswith(bos) else ""
 
     def _prefix(self, messages: list[dict], generation_prompt: bool, conversation: Conversation, full: str) -> str:
         text = self._apply(messages, generation_prompt=generation_prompt, tools=conversation.tools)
@@ -163,12 +195,14 @@ class ChatFile:
     """One jsonl file's conversations, tokenized (the packer's `DocumentFile`)."""
 
     path: Path
-    ids: list[np.ndarray] = field(default_factory=list, repr=False)
-    is_target: list[np.ndarray] = field(default_factory=list, repr=False)
+    ids: list[np.ndarray] = field(repr=False)
+    is_target: list[np.ndarray] = field(repr=False)
+    # computed once: the packer reads a length per chunk of every pack
+    lengths: np.ndarray = field(init=False, repr=False)
 
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.array([len(ids) for ids in self.ids], dtype=np.int64)
+    def __post_init__(self) -> None:
+        self.lengths = np.array([len(ids) for ids in self.ids], dtype=np.int64)
+        self.lengths.flags.writeable = False
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -213,10 +247,11 @@ def chat_files(paths: Sequence[str]) -> list[Path]:
 
 
 def read_chat_files(paths: Sequence[str], encoder: ChatEncoder, max_bad_fraction: float) -> list[ChatFile]:
-    """Every conversation of `paths`, tokenized, one `ChatFile` per file; bad lines counted (see `BadLines`)."""
+    """Every conversation of `paths`, tokenized, one `ChatFile` per file; bad lines counted (see `BadLines`),
+    conversations cut to no label by `max_length` dropped and counted per file."""
     bad, files = BadLines(), []
     for path in chat_files(paths):
-        chat = ChatFile(path)
+        ids, is_target, cut = [], [], 0
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError as err:
@@ -226,13 +261,21 @@ def read_chat_files(paths: Sequence[str], encoder: ChatEncoder, max_bad_fraction
                 continue
             bad.total += 1
             try:
-                ids, is_target = encoder.encode(parse_conversation(line))
+                tokens, targets = encoder.encode(parse_conversation(line))
             except BadLine as exc:
                 bad.add(path, lineno, str(exc))
                 continue
-            chat.ids.append(ids)
-            chat.is_target.append(is_target)
-        files.append(chat)
+            if not targets[1:].any():  # its trained tokens were all past max_length: no label left
+                cut += 1
+                continue
+            ids.append(tokens)
+            is_target.append(targets)
+        if cut:
+            logger.warning(
+                "%s: %d of %d conversations have no trained token within data.max_length=%d tokens; dropped",
+                path, cut, cut + len(ids), encoder.max_length,
+            )  # fmt: skip
+        files.append(ChatFile(path, ids, is_target))
     bad.check(max_bad_fraction)
     return files
 

@@ -5,7 +5,9 @@
         [--chat-template FILE] [--max-length N] [--max-bad-fraction F]
 
 INPUT files and folders are read as `data.paths` reads them (a .txt file is one document, a .jsonl line
-with a "text" or "content" field is one). Each input file becomes `OUT_DIR/<name>.bin` with its `.bin.meta`;
+with a "text" or "content" field is one). Each input file becomes a `.bin` with its `.bin.meta` at its path
+below the inputs' common folder (`a/x.txt b/x.txt` -> `OUT_DIR/a/x.bin`, `OUT_DIR/b/x.bin`; one file or
+one folder's files: `OUT_DIR/x.bin`), keeping its suffix where two would meet (`x.txt.bin`, `x.jsonl.bin`);
 every document gets the tokenizer's eos appended unless `--no-eos`. With `--chat` the lines are XTuner's
 conversations, tokenized and masked as `data.type="chat"` does (`data/chat.py`); tokens that are not targets
 are written negative, InternEvo's "no loss" mark, so `data.train_folder` trains on the same labels (as in
@@ -13,6 +15,7 @@ InternEvo, token id 0 is never a target). Exit codes: 0 written, 2 bad input.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -27,16 +30,30 @@ from internlm_offload.data.tokenizer import HFTokenizer, build_tokenizer
 def tokenize_files(inputs: list[str], out_dir: Path, tokenizer_name: str, add_eos: bool) -> list[Path]:
     """Write one .bin/.bin.meta pair per input file; returns the .bin paths."""
     tokenizer = build_tokenizer(tokenizer_name)
-    files = [f for path in inputs for f in _files(Path(path))]
+    files = list(dict.fromkeys(f.resolve() for path in inputs for f in _files(Path(path))))
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for file in files:
+    for file, target in zip(files, output_paths(files, out_dir)):
         eos = [tokenizer.eos_id] if add_eos else []
         documents = [tokenizer.encode(text) + eos for text in read_documents([str(file)])]
-        target = out_dir / f"{file.stem}.bin"
+        target.parent.mkdir(parents=True, exist_ok=True)
         write_bin_file(target, documents)
         written.append(target)
     return written
+
+
+def output_paths(files: list[Path], out_dir: Path) -> list[Path]:
+    """One `.bin` path per input file (resolved, distinct): its path below the files' common folder, suffix
+    swapped for `.bin`, or kept before it where two files differ only in their suffix."""
+    if not files:
+        return []
+    common = Path(os.path.commonpath([f.parent for f in files]))
+    stems = [f.relative_to(common).with_suffix("") for f in files]
+    meets = {stem for stem in stems if stems.count(stem) > 1}
+    return [
+        out_dir / (f"{rel}.bin" if stem in meets else f"{stem}.bin")
+        for f, stem, rel in zip(files, stems, (f.relative_to(common) for f in files))
+    ]
 
 
 def tokenize_chat_files(
@@ -52,10 +69,11 @@ def tokenize_chat_files(
     if not isinstance(tokenizer, HFTokenizer):
         raise DataError("--chat needs --tokenizer, a local Hugging Face tokenizer folder (its chat template)")
     encoder = ChatEncoder(tokenizer.backend, load_chat_template(template), max_length)
+    chats = {chat.path.resolve(): chat for chat in read_chat_files(inputs, encoder, max_bad_fraction)}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for chat in read_chat_files(inputs, encoder, max_bad_fraction):
-        target = out_dir / f"{chat.path.stem}.bin"
+    for chat, target in zip(chats.values(), output_paths(list(chats), out_dir)):
+        target.parent.mkdir(parents=True, exist_ok=True)
         write_bin_file(target, [np.where(is_target, ids, -ids) for ids, is_target in zip(chat.ids, chat.is_target)])
         written.append(target)
     return written

@@ -61,14 +61,36 @@ class StandIn:
             raise AttributeError(attr)
         return StandIn(f"{self.name}.{attr}")
 
+    # Annotations such as `-> Float8Config | None` are evaluated when the file defines the function.
+    def __or__(self, other: Any) -> "StandIn":
+        return StandIn(f"{self.name} | {_type_name(other)}")
+
+    def __ror__(self, other: Any) -> "StandIn":
+        return StandIn(f"{_type_name(other)} | {self.name}")
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _type_name(annotation: Any) -> str:
+    if annotation is None or annotation is type(None):
+        return "None"
+    return getattr(annotation, "name", None) or getattr(annotation, "__name__", None) or repr(annotation)
+
 
 def field(obj: Any, name: str, default: Any = None) -> Any:
-    """A config object's field: a recorded keyword, or a real XTuner object's attribute; `default` if unset."""
+    """A config object's field: a recorded keyword, or a real XTuner object's attribute; `default` if the
+    file did not set it (a pydantic object's `model_fields_set`: constructor keywords and assignments)."""
     if isinstance(obj, Recorded):
         value = obj.kwargs.get(name, default)
         return default if isinstance(value, Recorded) and not value.kwargs and not value.args else value
     if isinstance(obj, dict):
         return obj.get(name, default)
+    fields_set = getattr(obj, "model_fields_set", None)  # a real XTuner (pydantic) config object
+    if fields_set is not None and name not in fields_set:
+        # XTuner's default, not the user's choice: read as a recorder reads an unset keyword, so the report
+        # names only what the file set
+        return default
     return getattr(obj, name, default)
 
 

@@ -5,7 +5,8 @@ trainer's key), dropped (no counterpart here; the report says why and what chang
 not be the same training: another optimizer, no data, no steps, a model only XTuner can build); any fatal
 problem makes the translation fail. XTuner's defaults (`xtuner/v1/config/*.py`) fill what a config leaves out.
 The model comes from `load_from`'s Hugging Face folder: InternLM2, InternLM and Llama folders load into the
-native model, anything else trains as `hf_causal_lm`.
+native model, others train as `hf_causal_lm`, except families XTuner trains in a way not built here (experts
+balanced by a router bias, vision-language models, multi-token prediction): those are fatal, named.
 """
 
 import math
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from internlm_offload.errors import DataError
-from internlm_offload.weights.hf_folder import native_model_values, read_config
+from internlm_offload.weights.hf_folder import TABLES, native_model_values, read_config
 from internlm_offload.xtuner.standins import Recorded, field, kind
 
 # XTuner v1's defaults for the fields read here (xtuner/v1/config/optim.py, fsdp.py, loss; datasets/config.py).
@@ -97,6 +98,10 @@ def _model(t: Translation, trainer: Any) -> None:
     except Exception as exc:  # a missing or broken folder: CheckpointError names it
         t.fatal.append(f"load_from={str(load_from)!r}: {exc}")
         return
+    unbuilt = _not_built_here(hf, trainer)
+    if unbuilt:
+        t.fatal.append(f"load_from={str(load_from)!r}: {unbuilt}")
+        return
     try:
         native = native_model_values(hf)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a config.json missing a size
@@ -114,6 +119,24 @@ def _model(t: Translation, trainer: Any) -> None:
         t.carried.append("model_cfg -> read from load_from's config.json (its class is XTuner's)")
     tokenizer = field(trainer, "tokenizer_path") or load_from
     t.set("data", "tokenizer", str(tokenizer))
+
+
+def _not_built_here(hf: dict[str, Any], trainer: Any) -> str | None:
+    """Why XTuner's model of this config.json would not train the same here, naming the family; None if it would."""
+    reasons = []
+    if hf.get("n_routed_experts"):  # DeepSeek-V3 / GLM-MoE: experts balanced by a bias XTuner updates each step
+        reasons.append("its experts are balanced by a router bias, which is not updated here")
+    if "vision_config" in hf:
+        reasons.append("it is a vision-language model (only text models are built here)")
+    if field(field(trainer, "model_cfg"), "mtp_config") is not None:
+        reasons.append("model_cfg.mtp_config trains multi-token prediction, an extra loss not built here")
+    if not reasons:
+        return None
+    family = f"model_type={hf.get('model_type')!r}" + "".join(f" ({a})" for a in (hf.get("architectures") or [])[:1])
+    return (
+        f"{family} is not built here: {'; '.join(reasons)}. Built here: {', '.join(TABLES)} (native), and "
+        "as hf_causal_lm dense causal LMs and mixture-of-experts with a router aux loss (Mixtral, Qwen2/3-MoE)"
+    )
 
 
 def _optimizer(t: Translation, trainer: Any) -> None:

@@ -55,6 +55,67 @@ trainer = TrainerConfig(
 """
 ADAMW = 'AdamWConfig(lr=1e-3, foreach=False, swap_optimizer=os.environ.get("SWAP_OPTIMIZER", "0") == "1")'
 
+# XTuner's swap-optimizer example for GLM (examples/v1/config/sft_glm5p2.py), in its shape: env knobs, an
+# `X | None` annotation on a stand-in class, model_cfg mutations (multi-token prediction, experts, float8).
+GLM_SWAP = """\
+import os
+from typing import Literal, cast
+
+from xtuner.v1.config import AdamWConfig, FSDPConfig, LRConfig
+from xtuner.v1.datasets import OpenaiTokenizeFunctionConfig
+from xtuner.v1.datasets.config import DataloaderConfig, DatasetConfig
+from xtuner.v1.float8.config import Float8Config, ScalingGranularity
+from xtuner.v1.loss import CELossConfig
+from xtuner.v1.model import get_model_config_from_hf
+from xtuner.v1.module.mtp import MTPConfig
+from xtuner.v1.train import TrainerConfig
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    return os.environ.get(name, "1" if default else "0").lower() in ("1", "true", "yes", "on")
+
+
+def float8() -> Float8Config | None:  # the annotation the stand-ins must evaluate
+    return Float8Config(scaling_granularity_gemm=ScalingGranularity.TILEWISE) if env_flag("FP8") else None
+
+
+def no_dispatcher() -> None | str:
+    return None
+
+
+MODEL = os.environ["GLM_MODEL_PATH"]
+loss_cfg = CELossConfig(mode="chunk", chunk_size=1024)
+model_cfg = get_model_config_from_hf(MODEL)
+model_cfg.mtp_config = MTPConfig(num_layers=7, share_weights=True, loss_scaling_factor=0.1)
+model_cfg.dispatcher = no_dispatcher()
+model_cfg.ep_size = int(os.environ.get("EP_SIZE", "1"))
+model_cfg.float8_cfg = float8()
+model_cfg.lm_loss_cfg = loss_cfg
+if model_cfg.mtp_config is not None:
+    model_cfg.mtp_config.loss_type = cast(Literal["ce", "e2e_tv"], "ce")
+if hasattr(model_cfg.attention, "sparse_mla_backend"):
+    model_cfg.attention.sparse_mla_backend = "tilelang"
+dataset_config = [
+    {
+        "dataset": DatasetConfig(name="alpaca", anno_path=os.environ["ALPACA_PATH"], sample_ratio=1.0),
+        "tokenize_fn": OpenaiTokenizeFunctionConfig(chat_template="glm5.2", max_length=64),
+    }
+]
+trainer = TrainerConfig(
+    model_cfg=model_cfg,
+    load_from=MODEL,
+    tokenizer_path=MODEL,
+    optim_cfg=AdamWConfig(lr=1e-6, foreach=False, swap_optimizer=env_flag("SWAP_OPTIMIZER")),
+    dataloader_cfg=DataloaderConfig(dataset_config_list=dataset_config, pack_max_length=128),
+    lr_cfg=LRConfig(lr_type="cosine", warmup_ratio=0.0),
+    loss_cfg=loss_cfg,
+    fsdp_cfg=FSDPConfig(cpu_offload=False, ep_size=int(os.environ.get("EP_SIZE", "1"))),
+    global_batch_size=8,
+    total_step=10,
+    work_dir="work_dirs/glm_sft",
+)
+"""
+
 
 @pytest.fixture(scope="module")
 def model_and_data(tmp_path_factory) -> tuple[Path, Path, Path]:
@@ -129,3 +190,27 @@ def test_what_cannot_carry_stops_in_one_line_and_writes_nothing(model_and_data, 
     assert not out.exists()
     proc = train(tmp_path / "run", config=config, check=False)
     assert_clean_error(proc, "is an XTuner config", "python -m internlm_offload.tools.from_xtuner")
+
+
+def test_xtuners_glm_swap_example_stops_in_one_line_naming_the_family(tmp_path):
+    """Its `-> Float8Config | None` runs under the stand-ins; GLM's MoE (router-bias experts, multi-token
+    prediction) is not built here: one line names it and what is, exit 2."""
+    model = tmp_path / "glm"
+    model.mkdir()
+    glm = {"model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"], "n_routed_experts": 8,
+           "num_nextn_predict_layers": 1, "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 32}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(glm))
+    data = tmp_path / "alpaca.jsonl"
+    data.write_text(json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]) + "\n")
+    config = tmp_path / "sft_glm.py"
+    config.write_text(GLM_SWAP)
+    out = tmp_path / "translated.py"
+    env = {"GLM_MODEL_PATH": str(model), "ALPACA_PATH": str(data), "SWAP_OPTIMIZER": "1"}
+    line = assert_clean_error(
+        from_xtuner(config, out, env=env),
+        "model_type='glm_moe_dsa' (GlmMoeDsaForCausalLM) is not built here",
+        "router bias",
+        "model_cfg.mtp_config",
+        "Built here: internlm2, llama, internlm (native)",
+    )
+    assert "TypeError" not in line and not out.exists()

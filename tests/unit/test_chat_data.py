@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from chat_fixtures import TWO_TURN_IDS, TWO_TURN_LABELS, TWO_TURNS, X, save_chatml_tokenizer
+from chat_fixtures import BOS_PREFIX_IDS, TWO_TURN_IDS, TWO_TURN_LABELS, TWO_TURNS, X, save_chatml_tokenizer
 
 from internlm_offload.data import DataError, build_chat_dataset, build_internevo_dataset
-from internlm_offload.data.chat import BadLine, ChatEncoder, parse_conversation
+from internlm_offload.data.chat import BadLine, ChatEncoder, parse_conversation, read_chat_files
 from internlm_offload.data.tokenizer import HFTokenizer
 from internlm_offload.tools.tokenize import main as tokenize_main
 
@@ -50,6 +50,51 @@ def test_a_system_message_is_context_and_pretrain_lines_train_every_token_with_e
     assert ids == [1, 6, 15, 16, 2, *TWO_TURN_IDS[:9]] and labels == [X] * 10 + [8, 9, 2, X]
     for line in ({"content": "hello there"}, {"messages": [{"role": "pretrain", "content": "hello there"}]}):
         assert labels_of(encoder, line) == ([7, 9, 3], [9, 3, X])
+
+
+@pytest.fixture(scope="module")
+def bos_encoder(tmp_path_factory: pytest.TempPathFactory) -> ChatEncoder:
+    folder = save_chatml_tokenizer(tmp_path_factory.mktemp("tok") / "bos", bos=True)
+    return ChatEncoder(HFTokenizer(str(folder)).backend, None, max_length=64)
+
+
+@pytest.mark.parametrize(
+    "first, labels",
+    [
+        # a trained question: from its own header on, not the BOS and default system prompt before it
+        ({**TWO_TURNS[0], "loss": True}, [X] * 5 + [1, 4, 7, 2] + [X, X, 8, 9, 2, X]),
+        (TWO_TURNS[0], [X] * 11 + [8, 9, 2, X]),
+    ],
+)
+def test_the_templates_bos_and_default_system_prompt_are_never_trained(bos_encoder, first, labels):
+    assert labels_of(bos_encoder, [first, TWO_TURNS[1]]) == (BOS_PREFIX_IDS + TWO_TURN_IDS[:9], labels)
+    _, is_target = bos_encoder.encode(parse_conversation(json.dumps([first, TWO_TURNS[1]])))
+    assert not is_target[: len(BOS_PREFIX_IDS)].any()  # tools.tokenize --chat writes them negative
+
+
+def test_a_template_that_enforces_turn_order_has_its_bos_as_prefix(bos_encoder):
+    """It refuses to render message 0 twice (Gemma's and Llama 2's raise), so its prefix is the BOS it starts with."""
+    alternating = (
+        "{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    encoder = ChatEncoder(bos_encoder.tokenizer, alternating, max_length=64)
+    ids, is_target = encoder.encode(parse_conversation(json.dumps([{**TWO_TURNS[0], "loss": True}, TWO_TURNS[1]])))
+    assert ids.tolist() == BOS_PREFIX_IDS[:1] + TWO_TURN_IDS[:9]
+    assert is_target.tolist() == [False] + [True] * 4 + [False] * 2 + [True] * 3
+
+
+def test_a_first_reply_trains_from_its_text_as_every_reply(bos_encoder):
+    """Message 0 an assistant reply: the template's prefix and the reply header are context."""
+    ids, labels = labels_of(bos_encoder, [TWO_TURNS[1]])
+    assert ids == BOS_PREFIX_IDS + TWO_TURN_IDS[4:9] and labels == [X] * 7 + [8, 9, 2, X]
+
+
+def test_a_system_message_0_replaces_the_default_and_only_the_bos_is_the_prefix(bos_encoder):
+    ids, labels = labels_of(bos_encoder, [{"role": "system", "content": "ok", "loss": True}, *TWO_TURNS[:2]])
+    assert ids == [BOS_PREFIX_IDS[0], 1, 6, 17, 2, *TWO_TURN_IDS[:9]]
+    assert labels == [1, 6, 17, 2] + [X] * 6 + [8, 9, 2, X]
 
 
 @pytest.mark.parametrize(
@@ -113,3 +158,24 @@ def test_tokenized_chat_bin_files_give_the_jsonl_paths_labels_pack_by_pack(tmp_p
     assert len(from_jsonl) == len(from_bin) > 3
     for pack in range(len(from_bin)):
         assert all(torch.equal(a, b) for a, b in zip(from_jsonl[pack], from_bin[pack])), pack
+
+
+def test_a_chat_files_lengths_are_computed_once(tmp_path, tokenizer_dir):
+    """The packer reads `lengths` for every chunk of every pack: one array, built when the file is read."""
+    data = write_jsonl(tmp_path / "sft.jsonl", [TWO_TURNS, TWO_TURNS[:2]])
+    encoder = ChatEncoder(HFTokenizer(str(tokenizer_dir)).backend, None, max_length=64)
+    (chat,) = read_chat_files([str(data)], encoder, max_bad_fraction=0.0)
+    assert chat.lengths is chat.lengths and chat.lengths.tolist() == [20, 9]
+    assert not chat.lengths.flags.writeable
+
+
+def test_conversations_cut_to_no_label_are_dropped_and_counted_per_file(tmp_path, tokenizer_dir, caplog):
+    """max_length=8 keeps the first reply of TWO_TURNS; a reply after a long question is cut away entirely."""
+    long_question = [{"role": "user", "content": "how are you fine thanks"}, {"role": "assistant", "content": "ok"}]
+    data = write_jsonl(tmp_path / "sft.jsonl", [TWO_TURNS, long_question, long_question])
+    other = write_jsonl(tmp_path / "other.jsonl", [TWO_TURNS])
+    encoder = ChatEncoder(HFTokenizer(str(tokenizer_dir)).backend, None, max_length=8)
+    sft, kept = read_chat_files([str(data), str(other)], encoder, max_bad_fraction=0.0)
+    assert len(sft) == len(kept) == 1 and sft.ids[0].tolist() == TWO_TURN_IDS[:8]
+    assert caplog.text.count("dropped") == 1
+    assert "sft.jsonl: 2 of 3 conversations have no trained token within data.max_length=8 tokens" in caplog.text

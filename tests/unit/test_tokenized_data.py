@@ -255,3 +255,27 @@ def test_evaluation_runs_without_autograd_and_restores_train_mode(tmp_path: Path
     assert result["valid_loss"] == pytest.approx(loss_sum / count, rel=1e-6)
     assert result["valid_ppl"] == pytest.approx(np.exp(loss_sum / count), rel=1e-6)
     json.dumps(result)  # plain floats for metrics.jsonl
+
+
+# ---------------------------------------------------------------- tools.tokenize
+
+
+def test_tokenize_names_each_output_by_its_input_path(tmp_path: Path) -> None:
+    """Same-named inputs from different folders get their own .bin (they overwrote each other by stem)."""
+    from internlm_offload.tools.tokenize import main as tokenize_main
+
+    for name, text in (("a/x.txt", "one"), ("b/x.txt", "three"), ("b/x.jsonl", '{"text": "fifteen"}'), ("c.txt", "hi")):
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_text(text)
+    inputs = [str(tmp_path / "in" / name) for name in ("a/x.txt", "b/", "c.txt", "a/x.txt")]
+    for run in ("first", "again"):
+        assert tokenize_main([*inputs, str(tmp_path / run), "--no-eos"]) == 0
+    out = tmp_path / "first"
+    found = find_bin_files(str(out), "out")
+    assert [p.relative_to(out).as_posix() for p in found] == ["c.bin", "a/x.bin", "b/x.jsonl.bin", "b/x.txt.bin"]
+    documents = [json.loads(p.read_text())["tokens"] for p in found]  # one document each, byte tokens
+    assert documents == [list(b"hi"), list(b"one"), list(b"fifteen"), list(b"three")]
+    assert sorted(p.relative_to(tmp_path / "again") for p in (tmp_path / "again").rglob("*")) == sorted(
+        p.relative_to(out) for p in out.rglob("*")
+    )  # deterministic
+    assert tokenize_main([inputs[0], str(tmp_path / "one")]) == 0 and (tmp_path / "one" / "x.bin").is_file()

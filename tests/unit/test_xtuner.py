@@ -60,3 +60,58 @@ def test_xtuners_minus_one_intervals_and_an_uncountable_epoch_are_handled(tmp_pa
     assert t.config["ckpt"]["checkpoint_every"] == 0 and t.config["ckpt"]["keep_last"] == 0
     assert any("load_from='/nowhere'" in line for line in t.fatal)
     assert not any("neither total_step nor total_epoch" in line for line in t.fatal)
+
+
+def test_a_real_xtuner_objects_defaults_are_not_reported_as_dropped(tmp_path: Path) -> None:
+    """XTuner's configs are pydantic models: a field they default is not the user's choice (`model_fields_set`)."""
+    from pydantic import BaseModel
+
+    class AdamWConfig(BaseModel):  # shaped as xtuner.v1.config's, with defaults the report would name
+        lr: float = 1e-5
+        foreach: bool | None = False
+
+    class FSDPConfig(BaseModel):
+        torch_compile: bool = True
+        ep_size: int = 1
+
+    class TrainerConfig(BaseModel):
+        optim_cfg: AdamWConfig
+        fsdp_cfg: FSDPConfig | None = None
+        total_step: int | None = None
+        hf_interval: int | None = 500
+        hf_max_keep: int | None = 2
+        profile_time: bool = True
+        profile_memory: bool = False
+
+    trainer = TrainerConfig(optim_cfg=AdamWConfig(lr=2e-5), fsdp_cfg=FSDPConfig(), total_step=5, hf_max_keep=3)
+    trainer.profile_memory = True  # an assignment is the user's too
+    t = translate_trainer(trainer, tmp_path / "cfg.py")
+    assert t.config["adam"]["lr"] == 2e-5 and t.config["data"]["total_steps"] == 5
+    assert [line.split(":")[0] for line in t.dropped] == ["hf_max_keep=3", "profile_memory=True"]
+
+
+def test_stand_ins_take_union_annotations() -> None:
+    """`def f() -> Float8Config | None` evaluates its annotation when the config file runs."""
+    from internlm_offload.xtuner.standins import StandIn
+
+    cls = StandIn("Float8Config")
+    assert repr(cls | None) == "Float8Config | None" and repr(None | cls) == "None | Float8Config"
+    assert repr(cls | StandIn("MuonConfig") | int) == "Float8Config | MuonConfig | int"
+
+
+def test_a_model_family_trained_otherwise_by_xtuner_is_fatal_and_named(tmp_path: Path) -> None:
+    """Router-bias experts (DeepSeek-V3, GLM) are refused in one line; an aux-loss MoE still trains as hf_causal_lm."""
+    import json
+
+    for model_type, keys, refused in (("deepseek_v3", {"n_routed_experts": 8}, True),
+                                      ("qwen3_moe", {"num_experts": 8, "output_router_logits": False}, False)):  # fmt: skip
+        folder = tmp_path / model_type
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": model_type, **keys}))
+        path = tmp_path / f"{model_type}.py"
+        path.write_text(CONFIG.replace("total_step=5", f"total_step=5, load_from={str(folder)!r}"))
+        t = translate_trainer(load_trainer(path), path)
+        named = [line for line in t.fatal if f"model_type={model_type!r} is not built here" in line]
+        assert len(named) == int(refused), t.fatal
+        assert refused or t.config["model"] == {"type": "hf_causal_lm", "hf_path": str(folder), "checkpoint": 1.0,
+                                                "dtype": "torch.bfloat16"}  # fmt: skip

@@ -134,7 +134,8 @@ class DataConfig(Section):
     max_length: Optional[int] = Field(
         None,
         ge=1,
-        description="`chat`: conversations are cut to this many tokens (XTuner's `max_length`); default `seq_len`.",
+        description="`chat`: conversations are cut to this many tokens (XTuner's `max_length`); default `seq_len`. A "
+        "conversation with no trained token left after the cut is dropped (counted in the log).",
     )
     max_bad_fraction: float = Field(
         0.01,

@@ -53,6 +53,7 @@ PARAMS_ON_HOST = "parallel.fsdp_cpu_offload"  # FSDP2's CPUOffloadPolicy: parame
 GRADS_ON_HOST = "grad_offload"  # gradients to the host during backward (with swap or hybrid 1.0)
 NVME = "nvme_offload.enable"  # the offloaded optimizer states in files under nvme_offload.path (the NVMe tier)
 TENSOR_MODE = "parallel.tensor.mode"
+WRAPPER = "parallel.mode"  # a knob of its own where the config leaves it open: the settings that need FSDP2 set it
 
 
 def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
@@ -104,11 +105,14 @@ def micro_batch_settings(activations: list[Setting], batches: list[Setting]) -> 
     ]
 
 
-def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
+def optimizer_settings(
+    cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_KNOBS, *, free_wrapper: bool = False
+) -> list[Setting]:
     """AdamW, the hybrid optimizer (at each of `HYBRID_FRACTIONS` when its fraction is auto), the swap
     optimizer and, under FSDP2, its CPU offload policy (params, grads and states on the host, AdamW
     stepping there: it excludes the other two), over the `auto` knobs only; what a knob the config fixes
-    excludes is left out (`cfg`)."""
+    excludes is left out (`cfg`). `free_wrapper`: the config leaves `parallel.mode` open, so the CPU offload
+    policy is tried under any wrapper, its setting switching to FSDP2 (`WRAPPER`), which it needs."""
     auto = set(auto)
     if cfg is not None and cfg.parallel.fsdp_cpu_offload and PARAMS_ON_HOST not in auto:
         return [Setting("optimizer as configured", {})]
@@ -116,9 +120,8 @@ def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_
     fixed_hybrid = cfg is not None and cfg.hybrid_optimizer.enable and "hybrid_optimizer.enable" not in auto
     switch_hybrid = "hybrid_optimizer.enable" in auto and not fixed_swap
     swap = "swap_optimizer" in auto and not fixed_hybrid
-    params_on_host = (
-        PARAMS_ON_HOST in auto and cfg is not None and cfg.parallel.mode == "fsdp2" and not (fixed_swap or fixed_hybrid)
-    )
+    under_fsdp2 = cfg is not None and (cfg.parallel.mode == "fsdp2" or free_wrapper)
+    params_on_host = PARAMS_ON_HOST in auto and under_fsdp2 and not (fixed_swap or fixed_hybrid)
     off = {
         **({"swap_optimizer": False} if swap else {}),
         **({"hybrid_optimizer.enable": False} if switch_hybrid else {}),
@@ -138,7 +141,8 @@ def optimizer_settings(cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_
     if swap:
         settings.append(Setting("swap", {**off, "swap_optimizer": True}))
     if params_on_host:
-        settings.append(Setting("params on host (FSDP2)", {**off, PARAMS_ON_HOST: True}))
+        wrapper = {} if cfg.parallel.mode == "fsdp2" else {WRAPPER: "fsdp2"}
+        settings.append(Setting("params on host (FSDP2)", {**off, **wrapper, PARAMS_ON_HOST: True}))
     return _with_nvme_tier(_with_gradient_offload(settings, cfg, auto), cfg, auto)
 
 

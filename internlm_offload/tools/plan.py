@@ -153,6 +153,7 @@ def table(plan: dict[str, Any], measured: dict[str, Any] | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from internlm_offload.planner.search import WRAPPER
     from internlm_offload.planner.trace import UnsupportedLayout, trace_step  # heavy imports after parsing
 
     if args.world_size < 1:
@@ -204,12 +205,14 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"{args.config} on {args.world_size} rank(s): {reason}")
     options = dict(args.cfg_options)
+    parallel_mode = cfg.parallel.mode
     searched = None
     if (device_budget or host_budget) and not args.check_only:
         searched, chosen = run_search(args, raw, memory, hardware, device_budget, host_budget, disk_budget)
         fits = chosen is not None
         if chosen is not None:
             memory, options = chosen.memory, {**options, **chosen.options}
+            parallel_mode = chosen.options.get(WRAPPER, parallel_mode)
             plan = memory.as_dict()
             timing = step_time(memory.micro_batch_work, memory.optimizer_work, memory.micro_num, hardware)
             reason = f"chosen: {chosen.name}"
@@ -220,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         "fits": fits,
         "verdict": reason,
         "cfg_options": option_strings(options),
+        "parallel_mode": parallel_mode,
         "step_time_s": timing.step_s,
         "step_time": timing.as_dict(),
         "search": searched,
@@ -275,6 +279,7 @@ def run_search(
 
     `raw`: the loaded config (`--config` with `--cfg-options`); the candidates are merges of it."""
     from internlm_offload.planner.search import (
+        WRAPPER,
         activation_settings,
         batch_settings,
         candidate_configs,
@@ -289,7 +294,8 @@ def run_search(
     activations = micro_batch_settings(
         activation_settings(len(memory.block_activation_bytes)), batch_settings(config_for({}))
     )
-    optimizers = optimizer_settings(config_for({}))  # every knob searched (parameter offload under FSDP2)
+    # every knob searched; parameter offload switches the wrapper to FSDP2 unless the config names one
+    optimizers = optimizer_settings(config_for({}), free_wrapper=leaves_wrapper_open(raw))
     modes = tensor_mode_settings(config_for({}))  # each tensor mode, with tensor groups of several ranks
     chosen, candidates, refused = search_tensor_modes(
         config_for, modes, activations, optimizers, hardware, device_budget, host_budget, args.world_size, disk_budget
@@ -307,6 +313,7 @@ def run_search(
             {
                 "setting": c.name,
                 "cfg_options": option_strings(c.options),
+                "parallel_mode": c.options.get(WRAPPER, config_for({}).parallel.mode),
                 "step_time_s": c.step_s,
                 "estimated_device_peak_bytes": c.estimated_device,
                 "estimated_host_peak_bytes": c.estimated_host,
@@ -315,13 +322,21 @@ def run_search(
         )
     if chosen is not None:
         print(f"choice: --cfg-options {' '.join(option_strings(chosen.options))}")
+        mode = chosen.options.get(WRAPPER, config_for({}).parallel.mode)
         print(
-            f"{args.config} on {args.world_size} rank(s): fits with {chosen.name}, predicted step {chosen.step_s:.4g} s"
+            f"{args.config} on {args.world_size} rank(s): fits with {chosen.name} under parallel.mode={mode!r}, "
+            f"predicted step {chosen.step_s:.4g} s"
         )
     else:
         smallest = smallest_peak(candidates, config_for, args.world_size)
         print(f"{args.config} on {args.world_size} rank(s): nothing fits: {smallest}")
     return rows, chosen
+
+
+def leaves_wrapper_open(raw: dict[str, Any]) -> bool:
+    """Whether the loaded config (file and `--cfg-options`) names no `parallel.mode`: then the search may choose it."""
+    parallel = raw.get("parallel")
+    return not (isinstance(parallel, dict) and "mode" in parallel)
 
 
 def main(argv: list[str] | None = None) -> int:

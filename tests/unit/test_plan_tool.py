@@ -298,3 +298,30 @@ def test_the_nvme_tier_is_a_knob_where_the_config_names_a_directory() -> None:
     assert all(s.options.get("nvme_offload.enable") is False for s in settings if s.name not in on_disk)
     without_path = resolve_config(load_config_file(TINY, auto))
     assert not any("NVMe" in s.name for s in optimizer_settings(without_path, without_path.auto_knobs))
+
+
+def test_parameter_offload_switches_an_open_wrapper_to_fsdp2() -> None:
+    """One rank, no parallel.mode in the config (the default 'none'): parameter offload is still searched, its
+    setting switching the wrapper to FSDP2, and a budget only it fits chooses it; a config that names its wrapper
+    keeps it, and then parameter offload is not a candidate."""
+    from internlm_offload.config import load_config_file
+    from internlm_offload.planner.cost import HARDWARE
+    from internlm_offload.planner.search import activation_settings, candidate_configs, optimizer_settings, search
+
+    overrides = {"data.seq_len": 64, "data.micro_bsz": 2, "data.micro_num": 2, "model.dtype": "torch.bfloat16"}
+    raw = load_config_file(TINY, overrides)
+    assert plan.leaves_wrapper_open(raw)
+    config_for = candidate_configs(raw)
+    knob = ("parallel.fsdp_cpu_offload",)
+    optimizers = optimizer_settings(config_for({}), knob, free_wrapper=True)
+    assert [o.options for o in optimizers] == [
+        {"parallel.fsdp_cpu_offload": False},
+        {"parallel.mode": "fsdp2", "parallel.fsdp_cpu_offload": True},
+    ]
+    budget = 5 * 2**20  # as configured 9.1 MiB traced on the device; with FSDP2's CPU offload policy 4.2 MiB
+    chosen, tried = search(config_for, activation_settings(4, ()), optimizers, HARDWARE["h100"], budget, None)
+    assert chosen is not None and chosen.options["parallel.mode"] == "fsdp2", [(c.name, c.verdict) for c in tried]
+    assert chosen.memory.device_peak_bytes <= budget
+    named = load_config_file(TINY, {**overrides, "parallel.mode": "none"})
+    assert not plan.leaves_wrapper_open(named)
+    assert [o.options for o in optimizer_settings(candidate_configs(named)({}), knob)] == [{}]

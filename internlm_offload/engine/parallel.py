@@ -5,14 +5,19 @@ each decoder block as its own unit (so only one block's parameters are unsharded
 root for the embeddings, final norm and head.
 """
 
+import functools
+from typing import Any, Callable
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.log import get_logger
+from internlm_offload.optim.dtensor import is_dtensor
 from internlm_offload.registry import PARALLEL
 
 logger = get_logger(__name__)
@@ -65,30 +70,36 @@ def buffers_to(model: nn.Module, device: torch.device) -> None:
             module._buffers[name] = buffer.to(device)
 
 
-def materialize_shards(model: nn.Module, ctx: RunContext, *, seed: int, on_host: bool = False) -> None:
-    """Allocate a meta-built, FSDP2-sharded model on the device (`on_host`: in host memory, where FSDP2's
-    CPU offload policy keeps the shards; never all on the device at once) and initialize only this rank's
-    shards.
+def materialize_shards(model: nn.Module, ctx: RunContext, *, seed: int | None = None, on_host: bool = False) -> None:
+    """Allocate a meta-built, sharded model (FSDP2, alone or over tensor parallel's DTensors) on the device
+    (`on_host`: in host memory, where FSDP2's CPU offload policy keeps the shards) and initialize this rank's
+    shards as the slices of the weights a one-process build draws from the same seed.
 
-    One rank draws exactly today's weights (the same generator, the same order). Several ranks: on
-    devices where DTensor has its own RNG (cuda, npu) the shards come from one global, seeded stream;
-    elsewhere (cpu) DTensor draws each shard from the process generator, which is re-seeded per rank so
-    that shards differ from each other. Both are deterministic run to run.
+    Each parameter is drawn whole on the device, one at a time in the model's own draw order
+    (`init_weights`), and only this rank's part of it kept: the process generator advances exactly as in the
+    whole build, so every rank, every layout and the one-process run start from one model, on cpu and on
+    devices alike. The price is one whole parameter's memory above the shards while it is drawn.
+    (`seed` is not needed: the run's seeding before the build is the whole build's.)
     """
-    from torch.distributed.tensor._random import is_rng_supported_mesh
-
     if ctx.device.type != "meta":
         # The memory planner's trace stays on meta: FSDP2 re-pads a shard only off meta, so to_empty(meta)
         # would leave each parameter's old padded shard alive beside the new one.
         model.to_empty(device=torch.device("cpu") if on_host else ctx.device)
-    params = list(model.parameters())
-    mesh = getattr(params[0], "device_mesh", None) if params else None
-    if ctx.world_size > 1 and mesh is not None and not is_rng_supported_mesh(mesh):
-        torch.manual_seed(seed + 7919 * ctx.rank)
-    with torch.no_grad():
-        model.init_weights()
+    model.init_weights(apply=functools.partial(init_from_whole, device=ctx.device))
     if on_host and ctx.device.type != "meta":
         buffers_to(model, ctx.device)  # FSDP2 moves the shards it manages, never the buffers (RoPE's frequencies)
-    if ctx.world_size > 1:
-        torch.manual_seed(seed)  # the rest of the run draws as if the model had been built whole
     logger.info("Materialized and initialized this rank's shards (meta build)")
+
+
+@torch.no_grad()
+def init_from_whole(param: torch.Tensor, init: Callable[[torch.Tensor], Any], *, device: torch.device) -> None:
+    """Run `init` on a whole tensor of `param`'s global shape on `device` and keep this rank's part in `param`
+    (a DTensor's local shard, whatever its mesh and placements; a plain tensor whole)."""
+    whole = torch.empty(param.shape, dtype=param.dtype, device=device)
+    init(whole)
+    if is_dtensor(param):
+        # src_data_rank=None: every rank drew the same whole tensor, so each cuts its own part, no communication
+        part = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(part)
+    else:
+        param.copy_(whole)

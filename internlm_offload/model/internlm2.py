@@ -3,7 +3,7 @@ the attention projections, and only when asked (InternLM v1, Llama's `attention_
 
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,16 @@ from internlm_offload.offload.activation import mark_not_offload
 from internlm_offload.registry import MODELS
 
 ATTN_IMPLS = ("sdpa", "flash", "auto")
+
+# Fills one whole parameter in place, drawing from the torch RNG where it is random.
+ParamInit = Callable[[torch.Tensor], Any]
+# What `InternLM2.init_weights` does with each (parameter, init): by default `init(parameter)`.
+ApplyInit = Callable[[nn.Parameter, ParamInit], None]
+
+
+def normal_init(std: float) -> ParamInit:
+    """normal(0, std) in place."""
+    return functools.partial(nn.init.normal_, mean=0.0, std=std)
 
 
 @functools.cache
@@ -104,9 +114,8 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * self.weight.float()).to(x.dtype)
 
-    def reset_parameters(self) -> None:
-        """Weight to ones."""
-        nn.init.ones_(self.weight)
+    def param_inits(self) -> Iterator[tuple[nn.Parameter, ParamInit]]:
+        yield self.weight, nn.init.ones_
 
 
 class Attention(nn.Module):
@@ -174,15 +183,15 @@ class Attention(nn.Module):
             out = out.transpose(1, 2)  # (B, S, H, D)
         return out
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
         """normal(0, std) for wq, wk, wv; normal(0, out_std) for wo, which writes into the residual stream;
         biases (if any) to zero."""
         for lin in (self.wq, self.wk, self.wv):
-            nn.init.normal_(lin.weight, mean=0.0, std=std)
-        nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
+            yield lin.weight, normal_init(std)
+        yield self.wo.weight, normal_init(out_std)
         for lin in (self.wq, self.wk, self.wv, self.wo):
             if lin.bias is not None:
-                nn.init.zeros_(lin.bias)
+                yield lin.bias, nn.init.zeros_
 
 
 class FeedForward(nn.Module):
@@ -197,11 +206,11 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
         """normal(0, std) for w1, w3; normal(0, out_std) for w2, which writes into the residual stream."""
-        nn.init.normal_(self.w1.weight, mean=0.0, std=std)
-        nn.init.normal_(self.w3.weight, mean=0.0, std=std)
-        nn.init.normal_(self.w2.weight, mean=0.0, std=out_std)
+        yield self.w1.weight, normal_init(std)
+        yield self.w3.weight, normal_init(std)
+        yield self.w2.weight, normal_init(out_std)
 
 
 class DecoderLayer(nn.Module):
@@ -229,12 +238,12 @@ class DecoderLayer(nn.Module):
         h = x + self.attention(self.attention_norm(x), rope, documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        """Norms to ones, linears as in Attention/FeedForward.init_weights."""
-        self.attention_norm.reset_parameters()
-        self.attention.init_weights(std, out_std)
-        self.ffn_norm.reset_parameters()
-        self.feed_forward.init_weights(std, out_std)
+    def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
+        """Norms to ones, linears as in Attention/FeedForward.param_inits."""
+        yield from self.attention_norm.param_inits()
+        yield from self.attention.param_inits(std, out_std)
+        yield from self.ffn_norm.param_inits()
+        yield from self.feed_forward.param_inits(std, out_std)
 
 
 def _validate_args(**args: Any) -> None:
@@ -341,21 +350,31 @@ class InternLM2(nn.Module):
         self.to_empty(device=device)
         self.init_weights()
 
-    def init_weights(self) -> None:
-        """Set every weight from the current torch RNG (normal(0, init_std); residual outputs scaled) and reset RoPE."""
+    def init_weights(self, apply: ApplyInit | None = None) -> None:
+        """Reset RoPE and set every weight from the current torch RNG (normal(0, init_std); residual outputs
+        scaled), one parameter at a time in `param_inits` order. `apply(param, init)` replaces `init(param)`:
+        a sharded build draws each parameter whole and keeps its shard, so it draws what this one does."""
         if self.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
             # to_empty from meta makes a new Parameter per module, which unties a shared weight
             self.output.weight = self.tok_embeddings.weight
         with torch.no_grad():
             self.inv_freq.copy_(_rope_inv_freq(self.head_dim, self.rope_base, self.inv_freq.device))
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=self.init_std)
+            for param, init in self.param_inits():
+                if apply is None:
+                    init(param)
+                else:
+                    apply(param, init)
+
+    def param_inits(self) -> Iterator[tuple[nn.Parameter, ParamInit]]:
+        """Every parameter (a tied one once) with its init, in the order the seeded draws happen."""
+        yield self.tok_embeddings.weight, normal_init(self.init_std)
         # GPT-2: shrink the projections that write into the residual stream so its variance stays flat in depth.
         out_std = self.init_std / math.sqrt(2 * self.num_layers)
         for layer in self.layers:
-            layer.init_weights(self.init_std, out_std)
-        self.norm.reset_parameters()
+            yield from layer.param_inits(self.init_std, out_std)
+        yield from self.norm.param_inits()
         if not self.tie_word_embeddings:
-            nn.init.normal_(self.output.weight, mean=0.0, std=self.init_std)
+            yield self.output.weight, normal_init(self.init_std)
 
     def rope_cos_sin(
         self, seq_len: int, dtype: torch.dtype, position_ids: torch.Tensor | None = None

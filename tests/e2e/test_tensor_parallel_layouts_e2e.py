@@ -39,8 +39,7 @@ def test_tensor_2_by_data_2_under_fsdp2_follows_data_parallel(tmp_path):
     gradient offload bitwise its own, and with FSDP2's CPU offload policy (parameter offload)."""
     options = ["data.total_steps=8", "ckpt.enable_save_ckpt=False", "parallel.mode=fsdp2", "data.global_bsz=8"]
     data_parallel, both, offloaded = tmp_path / "dp2", tmp_path / "dp2_tp2", tmp_path / "offloaded"
-    # the whole model's seeded init on every rank, as tensor parallel builds it (a meta build draws per shard)
-    train(data_parallel, *options, "parallel.meta_init=False", nproc=2)
+    train(data_parallel, *options, nproc=2)  # its meta build starts from the one-process model, as tensor parallel
     train(both, *options, *tensor("msp"), nproc=4)
     assert_curves(data_parallel, both, NEAR)
     train(offloaded, *options, *tensor("msp"), *OFFLOAD, "swap_optimizer=True", "grad_offload=True", nproc=4)

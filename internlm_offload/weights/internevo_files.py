@@ -10,7 +10,6 @@ Tensor and weight parallel pieces are contiguous chunks along one dim, merged by
 Files load with `weights_only=True`: data, never code.
 """
 
-import pickle
 import re
 import zipfile
 from collections import defaultdict
@@ -20,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from internlm_offload.engine.checkpoint_reader import refused_global
 from internlm_offload.errors import CheckpointError
 from internlm_offload.weights.names import bias_hint, is_derived
+from internlm_offload.weights.safe_pickle import UnsafeCheckpointError, load_data
 from internlm_offload.weights.shards import merge_pieces, split_even
 
 MODEL_FILE = re.compile(r"model_(?:tp(?P<tp>\d+)_)?(?:wp(?P<wp>\d+)_)?pp(?P<pp>\d+)(?:_dp(?P<dp>\d+))?\.pt$")
@@ -178,14 +177,18 @@ def _read_dp_shards(files: list[ModelFile]) -> dict[str, torch.Tensor]:
 
 def load_model_file(path: Path) -> dict[str, torch.Tensor]:
     """One torch.save'd state dict of tensors, loaded as data only."""
+
+    def refusal(what: str) -> str:
+        return (
+            f"{path} would load {what}; model files may hold only tensors: refusing to read it (InternEvo's "
+            "FSDP files saved as ShardedTensor: save them once from InternEvo without FSDP)"
+        )
+
     try:
         # mmap (pages shared by every rank reading the file) needs torch's zip format; older files load whole
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(
-            f"{path} would load {refused_global(exc)}; model files may hold only tensors: refusing "
-            "to read it (InternEvo's FSDP files saved as ShardedTensor: save them once from InternEvo without FSDP)"
-        ) from None
+        state = load_data(path, refusal, map_location="cpu", mmap=zipfile.is_zipfile(path))
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
     except (RuntimeError, OSError, EOFError) as exc:
         raise CheckpointError(f"{path}: not a readable torch file ({' '.join(str(exc).split())[:200]})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

@@ -6,7 +6,6 @@ fuses wq, wk, wv (see `qkv`). So a native model goes out as Llama, which transfo
 load without remote code, and both kinds come in.
 """
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import torch
 from internlm_offload.config import ModelConfig
 from internlm_offload.errors import CheckpointError
 from internlm_offload.model.internlm2 import intermediate_size
-from internlm_offload.weights.internevo_files import load_model_file
+from internlm_offload.weights.files import load_model_file, read_json_object
 from internlm_offload.weights.names import HF_INTERNLM2, HF_LLAMA, NameTable
 
 CONFIG = "config.json"
@@ -93,10 +92,7 @@ def read_config(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {CONFIG}; a Hugging Face model folder has one")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not JSON ({exc})") from None
+    return read_json_object(path)
 
 
 def name_table(folder: Path, hf: dict[str, Any]) -> NameTable:
@@ -154,18 +150,31 @@ def weight_files(folder: Path) -> list[Path]:
     for suffix, stem in (("safetensors", "model"), ("bin", "pytorch_model")):
         index = folder / f"{stem}.{suffix}.index.json"
         if index.is_file():
-            try:
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-                raise CheckpointError(f'{index}: not an index (JSON with a "weight_map")') from None
-            missing = [name for name in names if not (folder / name).is_file()]
-            if missing:
-                raise CheckpointError(f"{index}: lists {missing[0]}, which is not in the folder")
-            return [folder / name for name in names]
+            return _indexed_files(folder, index)
         found = sorted(folder.glob(f"{stem}*.{suffix}"))
         if found:
             return found
     raise CheckpointError(f"{folder}: no model*.safetensors or pytorch_model*.bin weights")
+
+
+def _indexed_files(folder: Path, index: Path) -> list[Path]:
+    """The files a sharded folder's index names: each a file name inside `folder`."""
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f'{index}: not an index (JSON with a "weight_map" object)')
+    inside = folder.resolve()
+    for key, name in weight_map.items():
+        if not isinstance(name, str):
+            raise CheckpointError(f"{index}: weight_map[{key!r}] = {name!r}; each value must be a file name (a string)")
+        if Path(name).is_absolute() or not (folder / name).resolve().is_relative_to(inside):
+            raise CheckpointError(
+                f"{index}: weight_map[{key!r}] = {name!r} points outside {folder}; the files must be in the folder"
+            )
+    names = sorted(set(weight_map.values()))
+    missing = [name for name in names if not (folder / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{index}: lists {missing[0]}, which is not in the folder")
+    return [folder / name for name in names]
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -177,7 +186,7 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
         if path.suffix == ".safetensors":
             try:
                 tensors.update(load_file(str(path)))
-            except Exception as exc:  # safetensors raises its own error type for a damaged header or body
+            except Exception as exc:  # noqa: BLE001  safetensors raises its own type for a damaged header or body
                 raise CheckpointError(
                     f"{path}: not a readable safetensors file ({' '.join(str(exc).split())[:200]})"
                 ) from None

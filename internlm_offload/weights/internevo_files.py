@@ -11,7 +11,6 @@ Files load with `weights_only=True`: data, never code.
 """
 
 import re
-import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
 from itertools import product
@@ -20,8 +19,8 @@ from pathlib import Path
 import torch
 
 from internlm_offload.errors import CheckpointError
+from internlm_offload.weights.files import load_model_file
 from internlm_offload.weights.names import bias_hint, is_derived
-from internlm_offload.weights.safe_pickle import UnsafeCheckpointError, load_data
 from internlm_offload.weights.shards import merge_pieces, split_even
 
 MODEL_FILE = re.compile(r"model_(?:tp(?P<tp>\d+)_)?(?:wp(?P<wp>\d+)_)?pp(?P<pp>\d+)(?:_dp(?P<dp>\d+))?\.pt$")
@@ -170,30 +169,17 @@ def _file_name(tp: int, wp: int | None, pp: int, dp: int | None) -> str:
 def _read_dp_shards(files: list[ModelFile]) -> dict[str, torch.Tensor]:
     """One model-parallel rank's tensors; FSDP's data-parallel shards concatenated along dim 0."""
     states = [load_model_file(f.path) for f in files]
+    for f, state in zip(files[1:], states[1:]):
+        if state.keys() != states[0].keys():
+            name = min(state.keys() ^ states[0].keys())
+            holder = f if name in state else files[0]
+            raise CheckpointError(
+                f"{holder.path}: {name!r} is in this FSDP shard and not in every other shard of the same rank "
+                "(the shards of one rank hold the same names)"
+            )
     if len(states) == 1:
         return states[0]
     return {name: torch.cat([state[name] for state in states], dim=0) for name in states[0]}
-
-
-def load_model_file(path: Path) -> dict[str, torch.Tensor]:
-    """One torch.save'd state dict of tensors, loaded as data only."""
-
-    def refusal(what: str) -> str:
-        return (
-            f"{path} would load {what}; model files may hold only tensors: refusing to read it (InternEvo's "
-            "FSDP files saved as ShardedTensor: save them once from InternEvo without FSDP)"
-        )
-
-    try:
-        # mmap (pages shared by every rank reading the file) needs torch's zip format; older files load whole
-        state = load_data(path, refusal, map_location="cpu", mmap=zipfile.is_zipfile(path))
-    except UnsafeCheckpointError as exc:
-        raise CheckpointError(str(exc)) from None
-    except (RuntimeError, OSError, EOFError) as exc:
-        raise CheckpointError(f"{path}: not a readable torch file ({' '.join(str(exc).split())[:200]})") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{path}: not a state dict of tensors")
-    return state
 
 
 def _split_v1_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

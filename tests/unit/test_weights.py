@@ -336,3 +336,74 @@ def test_a_biased_export_splits_wqkv_bias_with_its_rows_and_keeps_wo_bias_whole(
     assert torch.equal(rank0["layers.0.attention.wqkv.bias"], fused["layers.0.attention.wqkv.bias"].chunk(2)[0])
     assert torch.equal(rank0["layers.0.attention.wo.bias"], fused["layers.0.attention.wo.bias"])
     assert_bitwise(load(tmp_path, attention_bias=True), native)
+
+
+# ----------------------------------------------------------------------------- malformed foreign files: one line each
+
+
+def write_hf_folder(folder: Path, reference: dict[str, torch.Tensor]) -> None:
+    """A Hugging Face Llama folder of `reference`: config.json and one model.safetensors."""
+    from safetensors.torch import save_file
+
+    from internlm_offload.weights.hf_folder import llama_values
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", **llama_values(run_config().model)}))
+    save_file(to_format(reference, HF_LLAMA, Heads(HEADS, KV_HEADS)), str(folder / "model.safetensors"))
+
+
+def write_meta_folder(folder: Path, reference: dict[str, torch.Tensor]) -> None:
+    """A Meta Llama folder of `reference`: params.json and one consolidated.00.pth."""
+    model = run_config().model
+    folder.mkdir()
+    params = {"dim": HIDDEN, "n_layers": LAYERS, "n_heads": HEADS, "n_kv_heads": KV_HEADS,
+              "norm_eps": model.norm_eps, "rope_theta": model.rope_base}  # fmt: skip
+    (folder / "params.json").write_text(json.dumps(params))
+    torch.save(to_format(reference, META_LLAMA, Heads(HEADS, KV_HEADS)), folder / "consolidated.00.pth")
+
+
+def write_index(folder: Path, weight_map: dict) -> None:
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["params_json_list", "config_json_string", "plain_text_pt", "fsdp_shards_apart", "index_int", "index_outside"],
+)
+def test_a_malformed_foreign_file_is_one_line_naming_file_and_key(tmp_path, reference, case):
+    folder = tmp_path / "ckpt"
+    ckpt_type = {"params_json_list": "llama", "config_json_string": "hf_llama", "index_int": "hf_llama"}.get(case)
+    if case == "params_json_list":
+        write_meta_folder(folder, reference)
+        (folder / "params.json").write_text("[4096, 32]")
+        expected = "params.json: holds a JSON list; it must be an object"
+    elif case == "config_json_string":
+        write_hf_folder(folder, reference)
+        (folder / "config.json").write_text('"llama"')
+        expected = "config.json: holds a JSON str; it must be an object"
+    elif case == "plain_text_pt":
+        internevo_tp2(folder, reference)
+        (folder / "model_tp1_pp0.pt").write_text("hello, not a torch file\n")
+        expected = "model_tp1_pp0.pt: not a readable torch file"
+    elif case == "fsdp_shards_apart":
+        folder.mkdir()
+        for d in range(2):
+            shard = {n: torch.chunk(t, 2, 0)[d].clone() for n, t in internevo_state(reference).items()}
+            if d == 1:
+                del shard["norm.weight"]
+            torch.save(shard, folder / f"model_tp0_pp0_dp{d}.pt")
+        expected = "model_tp0_pp0_dp0.pt: 'norm.weight' is in this FSDP shard and not in every other shard"
+    elif case == "index_int":
+        write_hf_folder(folder, reference)
+        write_index(folder, {"model.norm.weight": 1})
+        expected = "model.safetensors.index.json: weight_map['model.norm.weight'] = 1; each value must be a file"
+    else:  # an index naming a file beside the folder, which would be read from outside it
+        write_hf_folder(folder, reference)
+        (folder / "model.safetensors").rename(tmp_path / "beside.safetensors")
+        write_index(folder, {"model.norm.weight": "../beside.safetensors"})
+        ckpt_type = "hf_llama"
+        expected = "weight_map['model.norm.weight'] = '../beside.safetensors' points outside"
+    with pytest.raises(CheckpointError) as err:
+        load(folder, ckpt_type or "internevo")
+    message = str(err.value)
+    assert expected in message and "\n" not in message, message

@@ -177,12 +177,13 @@ def _indexed_files(folder: Path, index: Path) -> list[Path]:
     return [folder / name for name in names]
 
 
-def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's weight files, by the folder's names (data only: no pickled code)."""
+def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's weight files (`weight_files`), by the folder's names (data only: no pickled
+    code)."""
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
-    for path in weight_files(folder):
+    for path in files:
         if path.suffix == ".safetensors":
             try:
                 tensors.update(load_file(str(path)))

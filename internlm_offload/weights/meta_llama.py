@@ -48,9 +48,13 @@ def check_params(folder: Path, model: ModelConfig) -> None:
         raise CheckpointError(f"{path}: " + "; ".join(problems))
 
 
-def read_meta_weights(folder: Path, full_shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """Full tensors under Meta's names from the folder's consolidated files, merged in file order."""
-    files = sorted(folder.glob("consolidated.*.pth"))
+def weight_files(folder: Path) -> list[Path]:
+    """The folder's consolidated files in model-parallel rank order."""
+    return sorted(folder.glob("consolidated.*.pth"))
+
+
+def read_meta_weights(folder: Path, files: list[Path], full_shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Full tensors under Meta's names from the folder's consolidated `files`, merged in file order."""
     states = [load_model_file(path) for path in files]
     names = [name for name in states[0] if not is_derived(name)]
     merged = {}

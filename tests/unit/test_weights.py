@@ -407,3 +407,26 @@ def test_a_malformed_foreign_file_is_one_line_naming_file_and_key(tmp_path, refe
         load(folder, ckpt_type or "internevo")
     message = str(err.value)
     assert expected in message and "\n" not in message, message
+
+
+def test_an_internevo_folder_is_listed_once_and_each_file_read_once(tmp_path, reference, monkeypatch):
+    """foreign_source and read_native_weights together: one listing of the folder, one torch.load per file."""
+    folder = tmp_path / "internevo"
+    folder.mkdir()
+    for p, stage in enumerate(({"layers.0.": "layers.0.", "layers.1.": "layers.1.", "tok_embeddings": ""},
+                               {"layers.2.": "layers.0.", "layers.3.": "layers.1.", "norm": "", "output": ""})):  # fmt: skip
+        state = {}
+        for name, tensor in internevo_state(reference).items():
+            prefix = next((key for key in stage if name.startswith(key)), None)
+            if prefix is not None:
+                state[name.replace(prefix, stage[prefix], 1) if stage[prefix] else name] = tensor
+        for t, piece in enumerate(split_for(state, 2, MTP_DIMS)):
+            torch.save(piece, folder / f"model_tp{t}_pp{p}.pt")
+    listings, reads = [], []
+    iterdir, glob, torch_load = Path.iterdir, Path.glob, torch.load
+    monkeypatch.setattr(Path, "iterdir", lambda self: listings.append(self) or iterdir(self))
+    monkeypatch.setattr(Path, "glob", lambda self, *a, **k: listings.append(self) or glob(self, *a, **k))
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: reads.append(Path(f).name) or torch_load(f, *a, **k))
+    assert_bitwise(load(folder), reference)
+    assert listings == [folder]
+    assert sorted(reads) == ["model_tp0_pp0.pt", "model_tp0_pp1.pt", "model_tp1_pp0.pt", "model_tp1_pp1.pt"]

@@ -8,5 +8,6 @@ from them. The pieces, each usable alone:
 - `safe_pickle`: pickles unpickled as data, never code (also the engine's checkpoint reader's);
 - `files`: one foreign file read as data (a state dict of tensors, a JSON object) or one line naming it;
 - `internevo_files`, `hf_folder`, `meta_llama`: one format's files each;
-- `sources`: which format a `ckpt.load_ckpt_info` names, and loading it into a built model.
+- `sources`: which format a `ckpt.load_ckpt_info` names, and loading it into a built model (read on rank 0,
+  broadcast to the others).
 """

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -133,11 +134,40 @@ def internevo_table(names: list[str]) -> NameTable:
 
 
 def load_weights(model: nn.Module, source: WeightsSource, config: ModelConfig) -> None:
-    """Load the source's weights into `model` (plain, DDP's or FSDP2-sharded: each rank takes its part)."""
+    """Load the source's weights into `model` (plain, DDP's or FSDP2-sharded: each rank takes its part).
+
+    Under several processes rank 0 alone reads the files; torch's `broadcast_from_rank0` sends each tensor to
+    the other ranks, which keep their shard of it. Every rank holding a full copy at once is what this avoids.
+    """
     full_shapes = {name: t.shape for name, t in get_model_state_dict(model).items()}
-    tensors = read_native_weights(source, config, full_shapes)
-    set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=True))
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        tensors = read_native_weights(source, config, full_shapes)
+        set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=True))
+    else:
+        tensors = _read_on_rank0(source, config, full_shapes)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+        set_model_state_dict(model, tensors, options=options)
     logger.info("Loaded %s model weights from %s; starting a new run at step 1", source.kind, source.path)
+
+
+def _read_on_rank0(
+    source: WeightsSource, config: ModelConfig, full_shapes: dict[str, torch.Size]
+) -> dict[str, torch.Tensor]:
+    """Rank 0: the native tensors; other ranks: {}. A rank-0 failure is raised on every rank (the others would
+    otherwise wait in the broadcast for tensors that never come)."""
+    tensors: dict[str, torch.Tensor] = {}
+    failure: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            tensors = read_native_weights(source, config, full_shapes)
+        except Exception as exc:
+            failure[0] = str(exc) if isinstance(exc, CheckpointError) else f"rank 0 failed reading {source.path}"
+            dist.broadcast_object_list(failure, src=0)
+            raise
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise CheckpointError(failure[0])
+    return tensors
 
 
 def _check_names_and_shapes(

@@ -21,9 +21,12 @@ def load_model_file(path: Path) -> dict[str, torch.Tensor]:
             "FSDP files saved as ShardedTensor: save them once from InternEvo without FSDP)"
         )
 
+    zipped = zipfile.is_zipfile(path)
+    if not zipped and not _starts_as_pickle(path):
+        raise CheckpointError(f"{path}: not a torch file (neither torch.save's zip archive nor a pickle)")
     try:
         # mmap (tensors backed by the page cache, not copied) needs torch's zip format; older files load whole
-        state = load_data(path, refusal, map_location="cpu", mmap=zipfile.is_zipfile(path))
+        state = load_data(path, refusal, map_location="cpu", mmap=zipped)
     except UnsafeCheckpointError as exc:
         raise CheckpointError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001  a file that is no pickle fails anywhere in the unpickler (KeyError, ...)
@@ -32,6 +35,13 @@ def load_model_file(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: not a state dict of tensors")
     return state
+
+
+def _starts_as_pickle(path: Path) -> bool:
+    """Whether the file opens with pickle's PROTO opcode, as torch.save's legacy (pre-zip) format does; text
+    or other binary data would otherwise reach the unpickler and fail as a refused "operand"."""
+    with path.open("rb") as file:
+        return file.read(1) == b"\x80"
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

@@ -387,7 +387,7 @@ def test_a_malformed_foreign_file_is_one_line_naming_file_and_key(tmp_path, refe
     elif case == "plain_text_pt":
         internevo_tp2(folder, reference)
         (folder / "model_tp1_pp0.pt").write_text("hello, not a torch file\n")
-        expected = "model_tp1_pp0.pt: not a readable torch file"
+        expected = "model_tp1_pp0.pt: not a torch file (neither torch.save's zip archive nor a pickle)"
     elif case == "fsdp_shards_apart":
         folder.mkdir()
         for d in range(2):

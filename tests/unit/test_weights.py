@@ -412,6 +412,19 @@ def test_a_malformed_foreign_file_is_one_line_naming_file_and_key(tmp_path, refe
     assert expected in message and "\n" not in message, message
 
 
+def test_an_index_may_name_files_that_link_out_of_the_folder(tmp_path, reference):
+    """The Hugging Face cache's snapshot folders hold links into its blobs folder: the names are checked, not
+    where the links lead."""
+    folder = tmp_path / "snapshot"
+    write_hf_folder(folder, reference)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (folder / "model.safetensors").rename(blobs / "5f3a")
+    (folder / "model-00001-of-00001.safetensors").symlink_to(blobs / "5f3a")
+    write_index(folder, {"model.norm.weight": "model-00001-of-00001.safetensors"})
+    assert_bitwise(load(folder, "hf_llama"), reference)
+
+
 def test_an_internevo_folder_is_listed_once_and_each_file_read_once(tmp_path, reference, monkeypatch):
     """foreign_source and read_native_weights together: one listing of the folder, one torch.load per file."""
     folder = tmp_path / "internevo"

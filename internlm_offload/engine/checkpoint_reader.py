@@ -7,22 +7,23 @@ so a checkpoint downloaded or shared from elsewhere could run code on load. Here
 unpickler resolves only DCP's metadata classes, torch sizes, dtypes and layouts, and plain builtins,
 and every non-tensor entry must load under `torch.load(weights_only=True)` first. Anything else is
 refused with `UnsafeCheckpointError` naming the file and what it would have loaded, before any of it
-runs. (Tensor entries already load with `weights_only=True` inside DCP.)
+runs. (Tensor entries already load with `weights_only=True` inside DCP.) The unpicklers themselves are
+`weights.safe_pickle`'s, shared with the foreign-weights readers.
 """
 
 from __future__ import annotations
 
 import io
-import pickle
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+
+from internlm_offload.weights.safe_pickle import AllowListUnpickler, UnsafeCheckpointError, load_data, torch_dtype
 
 # What DCP (torch 2.6 - 2.13) writes into a `.metadata`, by module.
 _METADATA_CLASSES = {
@@ -39,26 +40,16 @@ _METADATA_CLASSES = {
 }  # fmt: skip
 
 
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint file would load something other than data (a callable, a foreign class)."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
+def _metadata_unpickler(stream: Any, path: str) -> AllowListUnpickler:
     """Unpickles a DCP `.metadata`, resolving only the names in `_METADATA_CLASSES` and torch's dtypes."""
 
-    def __init__(self, file: Any, path: str) -> None:
-        super().__init__(file)
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafeCheckpointError(
-            f"{self.path} would load {module}.{name}; a checkpoint's metadata may hold only DCP's metadata "
+    def refusal(module: str, name: str) -> str:
+        return (
+            f"{path} would load {module}.{name}; a checkpoint's metadata may hold only DCP's metadata "
             "classes, torch sizes and dtypes and plain values: refusing to read it"
         )
+
+    return AllowListUnpickler(stream, _METADATA_CLASSES, refusal, also=torch_dtype)
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -67,7 +58,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
-            metadata = _MetadataUnpickler(stream, str(path)).load()
+            metadata = _metadata_unpickler(stream, str(path)).load()
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
         # As DCP's own reader does: older checkpoints carry no storage_meta; the load id marks this read.
@@ -85,13 +76,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.path = path
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        try:
-            torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(
-                f"{self.path}: entry {read_item.dest_index.fqn!r} would load {refused_global(exc)}; "
+        def refusal(what: str) -> str:
+            return (
+                f"{self.path}: entry {read_item.dest_index.fqn!r} would load {what}; "
                 "checkpoint entries may hold only tensors and plain values: refusing to read it"
-            ) from None
+            )
+
+        load_data(value, refusal)
         value.seek(0)
         super().load_bytes(read_item, value)  # the same bytes, now known to hold data only
 
@@ -113,11 +104,3 @@ def read_checkpoint(path: Path, state: dict[str, Any], *, no_dist: bool = False)
         if refusal is not None:
             raise refusal from None
         raise
-
-
-def refused_global(exc: Exception) -> str:
-    """What torch's weights-only unpickler refused, from its message ("... GLOBAL posix.system whose ...")."""
-    words = str(exc).split()
-    if "GLOBAL" in words[:-1]:
-        return words[words.index("GLOBAL") + 1]
-    return "something other than data"

@@ -5,6 +5,9 @@ from them. The pieces, each usable alone:
 - `names`: the name tables (foreign name <-> native name), one per format;
 - `qkv`: the attention projections' foreign layouts (InternLM2's fused wqkv, Meta's interleaved RoPE rows);
 - `shards`: tensor-parallel pieces merged into full tensors and split back out;
+- `safe_pickle`: pickles unpickled as data, never code (also the engine's checkpoint reader's);
+- `files`: one foreign file read as data (a state dict of tensors, a JSON object) or one line naming it;
 - `internevo_files`, `hf_folder`, `meta_llama`: one format's files each;
-- `sources`: which format a `ckpt.load_ckpt_info` names, and loading it into a built model.
+- `sources`: which format a `ckpt.load_ckpt_info` names, and loading it into a built model (read on rank 0,
+  broadcast to the others).
 """

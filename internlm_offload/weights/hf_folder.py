@@ -6,17 +6,15 @@ fuses wq, wk, wv (see `qkv`). So a native model goes out as Llama, which transfo
 load without remote code, and both kinds come in.
 """
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from internlm_offload.config import ModelConfig
+from internlm_offload.config import ModelConfig, intermediate_size
 from internlm_offload.errors import CheckpointError
-from internlm_offload.config import intermediate_size
-from internlm_offload.weights.internevo_files import load_model_file
+from internlm_offload.weights.files import load_model_file, read_json_object
 from internlm_offload.weights.names import HF_INTERNLM2, HF_LLAMA, NameTable
 
 CONFIG = "config.json"
@@ -93,10 +91,7 @@ def read_config(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {CONFIG}; a Hugging Face model folder has one")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not JSON ({exc})") from None
+    return read_json_object(path)
 
 
 def name_table(folder: Path, hf: dict[str, Any]) -> NameTable:
@@ -154,30 +149,44 @@ def weight_files(folder: Path) -> list[Path]:
     for suffix, stem in (("safetensors", "model"), ("bin", "pytorch_model")):
         index = folder / f"{stem}.{suffix}.index.json"
         if index.is_file():
-            try:
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-                raise CheckpointError(f'{index}: not an index (JSON with a "weight_map")') from None
-            missing = [name for name in names if not (folder / name).is_file()]
-            if missing:
-                raise CheckpointError(f"{index}: lists {missing[0]}, which is not in the folder")
-            return [folder / name for name in names]
+            return _indexed_files(folder, index)
         found = sorted(folder.glob(f"{stem}*.{suffix}"))
         if found:
             return found
     raise CheckpointError(f"{folder}: no model*.safetensors or pytorch_model*.bin weights")
 
 
-def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's weight files, by the folder's names (data only: no pickled code)."""
+def _indexed_files(folder: Path, index: Path) -> list[Path]:
+    """The files a sharded folder's index names: each a file name inside `folder`."""
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f'{index}: not an index (JSON with a "weight_map" object)')
+    for key, name in weight_map.items():
+        if not isinstance(name, str):
+            raise CheckpointError(f"{index}: weight_map[{key!r}] = {name!r}; each value must be a file name (a string)")
+        # by the name alone: the files themselves may be links out of the folder (the Hugging Face cache's are)
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(
+                f"{index}: weight_map[{key!r}] = {name!r} points outside {folder}; the files must be in the folder"
+            )
+    names = sorted(set(weight_map.values()))
+    missing = [name for name in names if not (folder / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{index}: lists {missing[0]}, which is not in the folder")
+    return [folder / name for name in names]
+
+
+def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's weight files (`weight_files`), by the folder's names (data only: no pickled
+    code)."""
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
-    for path in weight_files(folder):
+    for path in files:
         if path.suffix == ".safetensors":
             try:
                 tensors.update(load_file(str(path)))
-            except Exception as exc:  # safetensors raises its own error type for a damaged header or body
+            except Exception as exc:  # noqa: BLE001  safetensors raises its own type for a damaged header or body
                 raise CheckpointError(
                     f"{path}: not a readable safetensors file ({' '.join(str(exc).split())[:200]})"
                 ) from None

@@ -10,9 +10,7 @@ Tensor and weight parallel pieces are contiguous chunks along one dim, merged by
 Files load with `weights_only=True`: data, never code.
 """
 
-import pickle
 import re
-import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
 from itertools import product
@@ -20,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from internlm_offload.engine.checkpoint_reader import refused_global
 from internlm_offload.errors import CheckpointError
+from internlm_offload.weights.files import load_model_file
 from internlm_offload.weights.names import bias_hint, is_derived
 from internlm_offload.weights.shards import merge_pieces, split_even
 
@@ -50,10 +48,15 @@ class ModelFile:
     dp: int | None
 
 
-def model_files(folder: Path) -> list[ModelFile]:
-    """The InternEvo model files directly in `folder`."""
+def list_folder(folder: Path) -> list[Path]:
+    """The folder's entries, sorted: the one listing a load makes ([] when `folder` is not a folder)."""
+    return sorted(folder.iterdir()) if folder.is_dir() else []
+
+
+def model_files(entries: list[Path]) -> list[ModelFile]:
+    """The InternEvo model files among a folder's `entries`."""
     found = []
-    for path in sorted(folder.iterdir()) if folder.is_dir() else ():
+    for path in entries:
         match = MODEL_FILE.match(path.name)
         if match is not None:
             index = {key: None if value is None else int(value) for key, value in match.groupdict().items()}
@@ -61,20 +64,17 @@ def model_files(folder: Path) -> list[ModelFile]:
     return found
 
 
-def is_internevo_folder(folder: Path) -> bool:
-    return bool(model_files(folder))
-
-
-def check_layout(folder: Path) -> list[ModelFile]:
-    """The folder's model files when they form one complete layout; a one-line error naming what is off."""
-    files = model_files(folder)
+def check_layout(folder: Path, entries: list[Path]) -> list[ModelFile]:
+    """The model files among the folder's `entries` when they form one complete layout; a one-line error
+    naming what is off."""
+    files = model_files(entries)
     if not files:
         raise CheckpointError(f"{folder}: no InternEvo model files (model_tp*_pp*.pt, model_wp*_pp*.pt)")
     if len({(f.wp is None, f.dp is None) for f in files}) > 1:
         raise CheckpointError(f"{folder}: model files of two layouts ({files[0].path.name}, {files[-1].path.name})")
     if any(f.wp is not None and f.dp is not None for f in files):
         raise CheckpointError(f"{folder}: {files[0].path.name}: ISP files with FSDP shards are not an InternEvo layout")
-    moe = sorted(folder.glob("model_moe_layer*"))
+    moe = [path for path in entries if path.name.startswith("model_moe_layer")]
     if moe:
         raise CheckpointError(f"{moe[0]}: MoE expert files; the native model here has no experts")
     present = {(f.tp, f.wp, f.pp, f.dp) for f in files}
@@ -84,21 +84,29 @@ def check_layout(folder: Path) -> list[ModelFile]:
     return files
 
 
-def read_internevo_files(folder: Path, full_shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """Full tensors under InternEvo's names (block numbers global) from a folder's model files.
+def read_model_files(paths: list[Path]) -> dict[Path, dict[str, torch.Tensor]]:
+    """The tensors of a checked layout's files (`check_layout`), each file read once, in order; ISP's tensor
+    ranks above 0 are skipped (they hold rank 0's weights)."""
+    files = model_files(paths)
+    isp = files[0].wp is not None
+    return {f.path: load_model_file(f.path) for f in files if not (isp and f.tp != 0)}
+
+
+def merge_model_files(
+    folder: Path, states: dict[Path, dict[str, torch.Tensor]], full_shapes: dict[str, torch.Size]
+) -> dict[str, torch.Tensor]:
+    """Full tensors under InternEvo's names (block numbers global) from `read_model_files`' states.
     `full_shapes`: each name's full shape, which decides how its pieces merge."""
-    files = check_layout(folder)
+    files = model_files(list(states))
     isp = files[0].wp is not None
     stages: dict[int, dict[tuple[int, int], list[ModelFile]]] = defaultdict(lambda: defaultdict(list))
     for f in files:
-        if isp and f.tp != 0:
-            continue  # ISP's tensor ranks hold the same weights
         stages[f.pp][(f.tp, f.wp or 0)].append(f)
     merged: dict[str, torch.Tensor] = {}
     first_block = 0
     for pp in sorted(stages):
         stage = {
-            rank: _split_v1_qkv(_read_dp_shards(sorted(group, key=lambda f: f.dp or 0)))
+            rank: _split_v1_qkv(_merge_dp_shards(sorted(group, key=lambda f: f.dp or 0), states))
             for rank, group in sorted(stages[pp].items())
         }
         names = next(iter(stage.values()))
@@ -168,29 +176,20 @@ def _file_name(tp: int, wp: int | None, pp: int, dp: int | None) -> str:
     return f"model_tp{tp}_pp{pp}" + ("" if dp is None else f"_dp{dp}") + ".pt"
 
 
-def _read_dp_shards(files: list[ModelFile]) -> dict[str, torch.Tensor]:
+def _merge_dp_shards(files: list[ModelFile], states: dict[Path, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """One model-parallel rank's tensors; FSDP's data-parallel shards concatenated along dim 0."""
-    states = [load_model_file(f.path) for f in files]
-    if len(states) == 1:
-        return states[0]
-    return {name: torch.cat([state[name] for state in states], dim=0) for name in states[0]}
-
-
-def load_model_file(path: Path) -> dict[str, torch.Tensor]:
-    """One torch.save'd state dict of tensors, loaded as data only."""
-    try:
-        # mmap (pages shared by every rank reading the file) needs torch's zip format; older files load whole
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(
-            f"{path} would load {refused_global(exc)}; model files may hold only tensors: refusing "
-            "to read it (InternEvo's FSDP files saved as ShardedTensor: save them once from InternEvo without FSDP)"
-        ) from None
-    except (RuntimeError, OSError, EOFError) as exc:
-        raise CheckpointError(f"{path}: not a readable torch file ({' '.join(str(exc).split())[:200]})") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{path}: not a state dict of tensors")
-    return state
+    if len(files) == 1:
+        return states[files[0].path]
+    first = states[files[0].path]
+    for f in files[1:]:
+        if states[f.path].keys() != first.keys():
+            name = min(states[f.path].keys() ^ first.keys())
+            holder = f if name in states[f.path] else files[0]
+            raise CheckpointError(
+                f"{holder.path}: {name!r} is in this FSDP shard and not in every other shard of the same rank "
+                "(the shards of one rank hold the same names)"
+            )
+    return {name: torch.cat([states[f.path][name] for f in files], dim=0) for name in first}
 
 
 def _split_v1_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -205,11 +204,6 @@ def _split_v1_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for part, piece in zip("qkv", torch.chunk(tensor, 3, dim=0)):
             out[f"{match.group(1)}W{part}.{match.group(2)}"] = piece
     return out
-
-
-def file_names(folder: Path) -> list[str]:
-    """The tensor names of the folder's first model file (stage 0 of rank 0): which InternEvo model wrote it."""
-    return list(load_model_file(check_layout(folder)[0].path))
 
 
 def _renumber(names: dict[str, torch.Tensor], first_block: int) -> dict[str, str]:

@@ -4,15 +4,13 @@ model-parallel rank of Meta's reference code (pieces merged by `shards.merge_pie
 The names are the native ones; the query and key rows are in Meta's interleaved RoPE order (see `qkv`).
 """
 
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from internlm_offload.config import ModelConfig
 from internlm_offload.errors import CheckpointError
-from internlm_offload.weights.internevo_files import load_model_file
+from internlm_offload.weights.files import load_model_file, read_json_object
 from internlm_offload.weights.names import is_derived
 from internlm_offload.weights.shards import merge_pieces
 
@@ -28,7 +26,7 @@ def check_params(folder: Path, model: ModelConfig) -> None:
     path = folder / PARAMS
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {PARAMS}; a Meta Llama checkpoint folder has one")
-    params: dict[str, Any] = json.loads(path.read_text())
+    params = read_json_object(path)
     wanted = {
         "dim": (model.hidden_size, "model.hidden_size"),
         "n_layers": (model.num_layers, "model.num_layers"),
@@ -50,9 +48,13 @@ def check_params(folder: Path, model: ModelConfig) -> None:
         raise CheckpointError(f"{path}: " + "; ".join(problems))
 
 
-def read_meta_weights(folder: Path, full_shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """Full tensors under Meta's names from the folder's consolidated files, merged in file order."""
-    files = sorted(folder.glob("consolidated.*.pth"))
+def weight_files(folder: Path) -> list[Path]:
+    """The folder's consolidated files in model-parallel rank order."""
+    return sorted(folder.glob("consolidated.*.pth"))
+
+
+def read_meta_weights(folder: Path, files: list[Path], full_shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Full tensors under Meta's names from the folder's consolidated `files`, merged in file order."""
     states = [load_model_file(path) for path in files]
     names = [name for name in states[0] if not is_derived(name)]
     merged = {}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -25,9 +26,10 @@ from internlm_offload.weights import hf_folder, meta_llama
 from internlm_offload.weights.convert import Heads, to_format, to_native
 from internlm_offload.weights.internevo_files import (
     check_layout,
-    file_names,
-    is_internevo_folder,
-    read_internevo_files,
+    list_folder,
+    merge_model_files,
+    model_files,
+    read_model_files,
 )
 from internlm_offload.weights.names import (
     INTERNEVO,
@@ -46,35 +48,36 @@ KINDS = ("dcp", "internevo", "hf", "meta_llama")
 
 @dataclass(frozen=True)
 class WeightsSource:
-    """A folder of model weights a run starts from; `kind` is one of KINDS (`dcp`: this trainer's own)."""
+    """A folder of model weights a run starts from; `kind` is one of KINDS (`dcp`: this trainer's own).
+    `files`: a foreign folder's weight files, listed and checked once by `foreign_source`."""
 
     path: Path
     kind: str
+    files: tuple[Path, ...] = ()
 
 
 def foreign_source(info: LoadCkptInfo, model: ModelConfig) -> WeightsSource | None:
     """The foreign weights `info` names, their layout and config checked against `model`; None for this
     trainer's own checkpoints. Refuses a full resume (`content=("all",)`) of foreign weights."""
     path = Path(info.path)
-    if info.ckpt_type == "internevo" and not is_internevo_folder(path):
+    entries = list_folder(path) if info.ckpt_type == "internevo" else []
+    if info.ckpt_type == "internevo" and not model_files(entries):
         return None
     if not path.is_dir():
         raise CheckpointError(f"ckpt.load_ckpt_info.path={str(path)!r}: no such folder")
     if info.ckpt_type == "internevo":
-        check_layout(path)
-        source = WeightsSource(path, "internevo")
+        source = WeightsSource(path, "internevo", tuple(f.path for f in check_layout(path, entries)))
     elif info.ckpt_type == "llama" and not meta_llama.is_meta_folder(path):
         hint = ' (a Hugging Face folder: ckpt_type="hf_llama")' if (path / hf_folder.CONFIG).is_file() else ""
         raise CheckpointError(f"{path}: no params.json and consolidated.*.pth of a Meta Llama checkpoint{hint}")
     elif info.ckpt_type == "llama":
         meta_llama.check_params(path, model)
-        source = WeightsSource(path, "meta_llama")
+        source = WeightsSource(path, "meta_llama", tuple(meta_llama.weight_files(path)))
     else:
         hf = hf_folder.read_config(path)
         hf_folder.name_table(path, hf)
         hf_folder.check_config(path, hf, model)
-        hf_folder.weight_files(path)
-        source = WeightsSource(path, "hf")
+        source = WeightsSource(path, "hf", tuple(hf_folder.weight_files(path)))
     if info.content != ["model"]:
         raise CheckpointError(
             f"ckpt.load_ckpt_info: {path} holds another trainer's model weights ({source.kind}); they start a "
@@ -91,19 +94,7 @@ def read_native_weights(
     expected = {name: torch.empty(shape, device="meta") for name, shape in full_shapes.items()}
     if model.tie_word_embeddings:
         expected.pop("output.weight", None)  # tied: the embeddings alone are saved (where a format allows)
-    if source.kind == "hf":
-        table = hf_folder.name_table(source.path, hf_folder.read_config(source.path))
-    elif source.kind == "internevo":
-        table = internevo_table(file_names(source.path))
-    else:
-        table = META_LLAMA
-    shapes = {name: t.shape for name, t in to_format(expected, table, heads).items()}
-    if source.kind == "internevo":
-        foreign = read_internevo_files(source.path, shapes)
-    elif source.kind == "meta_llama":
-        foreign = meta_llama.read_meta_weights(source.path, shapes)
-    else:
-        foreign = hf_folder.read_weights(source.path)
+    table, shapes, foreign = _read_foreign(source, expected, heads)
     if model.tie_word_embeddings:
         foreign.pop(table.to_foreign("output.weight"), None)  # a writer may save the tied head too
     _check_names_and_shapes(foreign, shapes, table, source.path)
@@ -111,6 +102,25 @@ def read_native_weights(
     if model.tie_word_embeddings:
         native["output.weight"] = native["tok_embeddings.weight"]
     return native
+
+
+def _read_foreign(
+    source: WeightsSource, expected: dict[str, torch.Tensor], heads: Heads
+) -> tuple[NameTable, dict[str, torch.Size], dict[str, torch.Tensor]]:
+    """The source's tensors under its own names, with its name table and the shapes `expected` (native, on
+    the meta device) has under them; each file of `source.files` read once."""
+    files = list(source.files)
+    if source.kind == "internevo":
+        states = read_model_files(files)
+        table = internevo_table(list(next(iter(states.values()))))  # the first file's names tell the model
+        shapes = {name: t.shape for name, t in to_format(expected, table, heads).items()}
+        return table, shapes, merge_model_files(source.path, states, shapes)
+    if source.kind == "meta_llama":
+        shapes = {name: t.shape for name, t in to_format(expected, META_LLAMA, heads).items()}
+        return META_LLAMA, shapes, meta_llama.read_meta_weights(source.path, files, shapes)
+    table = hf_folder.name_table(source.path, hf_folder.read_config(source.path))
+    shapes = {name: t.shape for name, t in to_format(expected, table, heads).items()}
+    return table, shapes, hf_folder.read_weights(files)
 
 
 def internevo_table(names: list[str]) -> NameTable:
@@ -124,11 +134,40 @@ def internevo_table(names: list[str]) -> NameTable:
 
 
 def load_weights(model: nn.Module, source: WeightsSource, config: ModelConfig) -> None:
-    """Load the source's weights into `model` (plain, DDP's or FSDP2-sharded: each rank takes its part)."""
+    """Load the source's weights into `model` (plain, DDP's or FSDP2-sharded: each rank takes its part).
+
+    Under several processes rank 0 alone reads the files; torch's `broadcast_from_rank0` sends each tensor to
+    the other ranks, which keep their shard of it. Every rank holding a full copy at once is what this avoids.
+    """
     full_shapes = {name: t.shape for name, t in get_model_state_dict(model).items()}
-    tensors = read_native_weights(source, config, full_shapes)
-    set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=True))
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        tensors = read_native_weights(source, config, full_shapes)
+        set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=True))
+    else:
+        tensors = _read_on_rank0(source, config, full_shapes)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+        set_model_state_dict(model, tensors, options=options)
     logger.info("Loaded %s model weights from %s; starting a new run at step 1", source.kind, source.path)
+
+
+def _read_on_rank0(
+    source: WeightsSource, config: ModelConfig, full_shapes: dict[str, torch.Size]
+) -> dict[str, torch.Tensor]:
+    """Rank 0: the native tensors; other ranks: {}. A rank-0 failure is raised on every rank (the others would
+    otherwise wait in the broadcast for tensors that never come)."""
+    tensors: dict[str, torch.Tensor] = {}
+    failure: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            tensors = read_native_weights(source, config, full_shapes)
+        except Exception as exc:
+            failure[0] = str(exc) if isinstance(exc, CheckpointError) else f"rank 0 failed reading {source.path}"
+            dist.broadcast_object_list(failure, src=0)
+            raise
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise CheckpointError(failure[0])
+    return tensors
 
 
 def _check_names_and_shapes(

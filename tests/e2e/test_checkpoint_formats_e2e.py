@@ -197,6 +197,21 @@ def test_bad_folders_and_outputs_are_one_line_exit_2(exported, tmp_path):
     assert not (tmp_path / "odd").exists() and not list(tmp_path.glob(".odd.*"))
 
 
+def test_a_malformed_file_found_by_rank_0_stops_both_ranks_with_its_line(exported, tmp_path):
+    """Rank 0 alone reads the files: a plain-text model file ends both workers with exit 2 and rank 0's line."""
+    folder = tmp_path / "text"
+    folder.mkdir()
+    (folder / "model_tp0_pp0.pt").write_bytes((exported["tp2"] / "model_tp0_pp0.pt").read_bytes())
+    (folder / "model_tp1_pp0.pt").write_text("not a torch file\n")
+    config = finetune_config(tmp_path, folder, "internevo")
+    proc = train(tmp_path / "run", f"model.vocab_size={VOCAB}", "parallel.mode=fsdp2", nproc=2, config=config,
+                 check=False)  # fmt: skip
+    assert "(exitcode: 2)" in proc.stderr, proc.stderr[-3000:]  # torchrun itself exits 1 for a failed worker
+    errors = [line for line in proc.stderr.splitlines() if "error: " in line]
+    assert errors and all("model_tp1_pp0.pt: not a torch file" in line for line in errors), errors
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_internlm_v1_is_a_llama_with_attention_biases_and_loads_with_its_logits(tmp_path):
     """A transformers Llama with `attention_bias=True` is InternLM v1's architecture: its HF folder, and InternEvo
     v1 files written from it by hand (tp=2: each rank's Wqkv its own q, k, v rows), load with its logits and train."""

@@ -6,6 +6,8 @@ file layouts and Meta's RoPE row order are written out with explicit loops and i
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from internlm_offload.weights.qkv import fuse_wqkv, split_wqkv
 from internlm_offload.weights.shards import merge_pieces
 from internlm_offload.weights.sources import foreign_source, read_native_weights
 
+REPO = Path(__file__).resolve().parents[2]
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 4, 64, 4, 2, 96
 HEAD_DIM = HIDDEN // HEADS
 
@@ -336,3 +339,219 @@ def test_a_biased_export_splits_wqkv_bias_with_its_rows_and_keeps_wo_bias_whole(
     assert torch.equal(rank0["layers.0.attention.wqkv.bias"], fused["layers.0.attention.wqkv.bias"].chunk(2)[0])
     assert torch.equal(rank0["layers.0.attention.wo.bias"], fused["layers.0.attention.wo.bias"])
     assert_bitwise(load(tmp_path, attention_bias=True), native)
+
+
+# ----------------------------------------------------------------------------- malformed foreign files: one line each
+
+
+def write_hf_folder(folder: Path, reference: dict[str, torch.Tensor]) -> None:
+    """A Hugging Face Llama folder of `reference`: config.json and one model.safetensors."""
+    from safetensors.torch import save_file
+
+    from internlm_offload.weights.hf_folder import llama_values
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", **llama_values(run_config().model)}))
+    save_file(to_format(reference, HF_LLAMA, Heads(HEADS, KV_HEADS)), str(folder / "model.safetensors"))
+
+
+def write_meta_folder(folder: Path, reference: dict[str, torch.Tensor]) -> None:
+    """A Meta Llama folder of `reference`: params.json and one consolidated.00.pth."""
+    model = run_config().model
+    folder.mkdir()
+    params = {"dim": HIDDEN, "n_layers": LAYERS, "n_heads": HEADS, "n_kv_heads": KV_HEADS,
+              "norm_eps": model.norm_eps, "rope_theta": model.rope_base}  # fmt: skip
+    (folder / "params.json").write_text(json.dumps(params))
+    torch.save(to_format(reference, META_LLAMA, Heads(HEADS, KV_HEADS)), folder / "consolidated.00.pth")
+
+
+def write_index(folder: Path, weight_map: dict) -> None:
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["params_json_list", "config_json_string", "plain_text_pt", "fsdp_shards_apart", "index_int", "index_outside"],
+)
+def test_a_malformed_foreign_file_is_one_line_naming_file_and_key(tmp_path, reference, case):
+    folder = tmp_path / "ckpt"
+    ckpt_type = {"params_json_list": "llama", "config_json_string": "hf_llama", "index_int": "hf_llama"}.get(case)
+    if case == "params_json_list":
+        write_meta_folder(folder, reference)
+        (folder / "params.json").write_text("[4096, 32]")
+        expected = "params.json: holds a JSON list; it must be an object"
+    elif case == "config_json_string":
+        write_hf_folder(folder, reference)
+        (folder / "config.json").write_text('"llama"')
+        expected = "config.json: holds a JSON str; it must be an object"
+    elif case == "plain_text_pt":
+        internevo_tp2(folder, reference)
+        (folder / "model_tp1_pp0.pt").write_text("hello, not a torch file\n")
+        expected = "model_tp1_pp0.pt: not a torch file (neither torch.save's zip archive nor a pickle)"
+    elif case == "fsdp_shards_apart":
+        folder.mkdir()
+        for d in range(2):
+            shard = {n: torch.chunk(t, 2, 0)[d].clone() for n, t in internevo_state(reference).items()}
+            if d == 1:
+                del shard["norm.weight"]
+            torch.save(shard, folder / f"model_tp0_pp0_dp{d}.pt")
+        expected = "model_tp0_pp0_dp0.pt: 'norm.weight' is in this FSDP shard and not in every other shard"
+    elif case == "index_int":
+        write_hf_folder(folder, reference)
+        write_index(folder, {"model.norm.weight": 1})
+        expected = "model.safetensors.index.json: weight_map['model.norm.weight'] = 1; each value must be a file"
+    else:  # an index naming a file beside the folder, which would be read from outside it
+        write_hf_folder(folder, reference)
+        (folder / "model.safetensors").rename(tmp_path / "beside.safetensors")
+        write_index(folder, {"model.norm.weight": "../beside.safetensors"})
+        ckpt_type = "hf_llama"
+        expected = "weight_map['model.norm.weight'] = '../beside.safetensors' points outside"
+    with pytest.raises(CheckpointError) as err:
+        load(folder, ckpt_type or "internevo")
+    message = str(err.value)
+    assert expected in message and "\n" not in message, message
+
+
+def test_an_index_may_name_files_that_link_out_of_the_folder(tmp_path, reference):
+    """The Hugging Face cache's snapshot folders hold links into its blobs folder: the names are checked, not
+    where the links lead."""
+    folder = tmp_path / "snapshot"
+    write_hf_folder(folder, reference)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (folder / "model.safetensors").rename(blobs / "5f3a")
+    (folder / "model-00001-of-00001.safetensors").symlink_to(blobs / "5f3a")
+    write_index(folder, {"model.norm.weight": "model-00001-of-00001.safetensors"})
+    assert_bitwise(load(folder, "hf_llama"), reference)
+
+
+def test_an_internevo_folder_is_listed_once_and_each_file_read_once(tmp_path, reference, monkeypatch):
+    """foreign_source and read_native_weights together: one listing of the folder, one torch.load per file."""
+    folder = tmp_path / "internevo"
+    folder.mkdir()
+    for p, stage in enumerate(({"layers.0.": "layers.0.", "layers.1.": "layers.1.", "tok_embeddings": ""},
+                               {"layers.2.": "layers.0.", "layers.3.": "layers.1.", "norm": "", "output": ""})):  # fmt: skip
+        state = {}
+        for name, tensor in internevo_state(reference).items():
+            prefix = next((key for key in stage if name.startswith(key)), None)
+            if prefix is not None:
+                state[name.replace(prefix, stage[prefix], 1) if stage[prefix] else name] = tensor
+        for t, piece in enumerate(split_for(state, 2, MTP_DIMS)):
+            torch.save(piece, folder / f"model_tp{t}_pp{p}.pt")
+    listings, reads = [], []
+    iterdir, glob, torch_load = Path.iterdir, Path.glob, torch.load
+    monkeypatch.setattr(Path, "iterdir", lambda self: listings.append(self) or iterdir(self))
+    monkeypatch.setattr(Path, "glob", lambda self, *a, **k: listings.append(self) or glob(self, *a, **k))
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: reads.append(Path(f).name) or torch_load(f, *a, **k))
+    assert_bitwise(load(folder), reference)
+    assert listings == [folder]
+    assert sorted(reads) == ["model_tp0_pp0.pt", "model_tp0_pp1.pt", "model_tp1_pp0.pt", "model_tp1_pp1.pt"]
+
+
+# ----------------------------------------------------------------------------- two processes: rank 0 reads, the rest receive
+
+BROADCAST_SCRIPT = r"""
+import json
+import os
+import sys
+from pathlib import Path
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from internlm_offload.builder import build_model
+from internlm_offload.errors import CheckpointError
+from internlm_offload.weights.sources import foreign_source, load_weights
+
+sys.path.insert(0, os.environ["TEST_DIR"])
+from test_weights import run_config
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+folders, reference = json.loads(sys.argv[1]), torch.load(sys.argv[2], weights_only=True)
+WEIGHT_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin")
+opened = []  # every weight file this rank opens: Python's open() (torch.load) and safetensors' safe_open
+
+
+def audit(event, args):
+    if event == "open" and isinstance(args[0], str) and args[0].endswith(WEIGHT_SUFFIXES):
+        opened.append(Path(args[0]).name)
+
+
+sys.addaudithook(audit)
+safe_open = safetensors.torch.safe_open
+safetensors.torch.safe_open = lambda f, *a, **k: opened.append(Path(f).name) or safe_open(f, *a, **k)
+
+report = {}
+for (ckpt_type, folder), wrap in [(item, wrap) for item in folders for wrap in ("plain", "fsdp2")]:
+    cfg = run_config(Path(folder), ckpt_type)
+    torch.manual_seed(100 + rank)  # other weights than the files', and other on each rank
+    model = build_model(cfg.model, torch.device("cpu"))
+    if wrap == "fsdp2":
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opened.clear()
+    try:
+        load_weights(model, foreign_source(cfg.ckpt.load_ckpt_info, cfg.model), cfg.model)
+    except CheckpointError as exc:
+        report[f"{Path(folder).name}/{wrap}"] = {"error": str(exc), "opened": sorted(set(opened))}
+        continue
+    for name, param in model.state_dict().items():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        assert torch.equal(full, reference[name]), (folder, wrap, name)
+    report[f"{Path(folder).name}/{wrap}"] = {"opened": sorted(set(opened))}
+import internlm_offload
+
+print(f"REPORT rank={rank} {internlm_offload.__file__} " + json.dumps(report), flush=True)
+from internlm_offload.engine.runtime import shutdown_runtime
+
+shutdown_runtime()
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_two_ranks_load_foreign_weights_read_by_rank_0_alone(tmp_path, reference):
+    """InternEvo, Hugging Face and Meta folders into a plain and an FSDP2 model on 2 gloo ranks: every rank ends
+    with the files' weights bitwise, rank 1 opens no weight file, and rank 0's read failure is rank 1's too."""
+    internevo_tp2(tmp_path / "internevo", reference)
+    write_hf_folder(tmp_path / "hf", reference)
+    write_meta_folder(tmp_path / "meta", reference)
+    for t, piece in enumerate(internevo_tp2(tmp_path / "broken", reference)):
+        del piece["norm.weight"]  # found missing only once the files are read
+        torch.save(piece, tmp_path / "broken" / f"model_tp{t}_pp0.pt")
+    kinds = {"internevo": "internevo", "hf": "hf_llama", "meta": "llama", "broken": "internevo"}
+    folders = [(ckpt_type, str(tmp_path / name)) for name, ckpt_type in kinds.items()]
+    torch.save(reference, tmp_path / "reference.pt")
+    script = tmp_path / "broadcast.py"
+    script.write_text(BROADCAST_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # this checkout's package
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path,
+           "TEST_DIR": str(Path(__file__).parent)}  # fmt: skip
+    proc = subprocess.run(
+        [*cmd, json.dumps(folders), str(tmp_path / "reference.pt")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=280, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    reports = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("REPORT rank="):
+            rank, package, report = line.removeprefix("REPORT rank=").split(" ", 2)
+            assert package == str(REPO / "internlm_offload" / "__init__.py"), package  # this checkout's code
+            reports[int(rank)] = json.loads(report)
+    assert sorted(reports) == [0, 1], proc.stdout[-3000:]
+    files = {"internevo": ["model_tp0_pp0.pt", "model_tp1_pp0.pt"], "hf": ["model.safetensors"],
+             "meta": ["consolidated.00.pth"], "broken": ["model_tp0_pp0.pt", "model_tp1_pp0.pt"]}  # fmt: skip
+    for wrap in ("plain", "fsdp2"):
+        for folder, names in files.items():
+            assert reports[0][f"{folder}/{wrap}"]["opened"] == names, (folder, wrap, reports[0])
+            assert reports[1][f"{folder}/{wrap}"]["opened"] == [], (folder, wrap, reports[1])
+        errors = [reports[rank][f"broken/{wrap}"].get("error") for rank in (0, 1)]
+        assert errors[0] == errors[1] and "no 'norm.weight' in any model file" in errors[0], errors

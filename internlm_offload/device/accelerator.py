@@ -20,9 +20,9 @@ import torch
 
 from internlm_offload.device.cpu_checks import ComputeLedger
 from internlm_offload.device.cpu_memory import CpuMemory
-from internlm_offload.device.disk_buffers import DiskBuffer
 from internlm_offload.device.cpu_streams import CpuBackend, StreamRegistry
-from internlm_offload.device.host_buffers import REGISTER_MIN_BYTES, registered_empty
+from internlm_offload.device.disk_buffers import DiskBuffer
+from internlm_offload.device.host_alloc import REGISTER_MIN_BYTES, registered_empty
 from internlm_offload.device.streams import Event, Stream, copy_pairs
 
 # Host tensors take part in collectives too (the norm of host gradients under FSDP2's CPU offload policy

@@ -3,7 +3,8 @@
 - `accelerator`: `Accelerator` (devices, streams, events, memory readings, host allocation) and its
   cuda/npu backend;
 - `streams`: the stream and event interface, `finish_and_close`;
-- `copy_lane`: `CopyTimer`, the seconds a stream spent copying;
+- `copy_lane`: `CopyLane`, the copy recipe every offload path uses (wait, copy, keep alive, event), timed
+  by `CopyTimer`;
 - `cpu_streams`, `cpu_checks`, `cpu_memory`: the cpu backend, which emulates side streams with worker
   threads, fails on a missing wait, and reads "device memory" from the kernel;
 - `layout`: the page size, `round_up`, tensors at aligned offsets of a flat buffer (`aligned_views`);
@@ -18,7 +19,7 @@ Import from here; the modules behind it are free to move.
 """
 
 from internlm_offload.device.accelerator import BACKENDS, Accelerator, get_accelerator, is_available
-from internlm_offload.device.copy_lane import CopyTimer
+from internlm_offload.device.copy_lane import CopyLane, CopyTimer
 from internlm_offload.device.cpu_checks import OrderingError
 from internlm_offload.device.host_buffers import HostArena, HostPool, PendingCopy
 from internlm_offload.device.layout import PAGE_BYTES, aligned_offsets, aligned_views, aligned_within, round_up, view_at
@@ -28,6 +29,7 @@ __all__ = [
     "BACKENDS",
     "PAGE_BYTES",
     "Accelerator",
+    "CopyLane",
     "CopyTimer",
     "Event",
     "HostArena",

@@ -211,8 +211,9 @@ class Accelerator:
     def copy_async(
         self, dst: torch.Tensor | Sequence[torch.Tensor], src: torch.Tensor | Sequence[torch.Tensor], stream: Stream
     ) -> None:
-        """`dst.copy_(src)` on `stream`, or pairwise for two sequences (one stream task); the caller orders it
-        with events."""
+        """`dst.copy_(src)` on `stream`, or pairwise for two sequences (one stream task), and nothing else: no
+        wait, no keep-alive, no event (the benches time bare copies with it). Offload code copies through
+        `CopyLane`, which does the whole recipe."""
         if isinstance(dst, torch.Tensor):
             stream.submit(dst.copy_, src, non_blocking=True)
         elif dst:

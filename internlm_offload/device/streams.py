@@ -1,18 +1,13 @@
 """Streams and events: the portable interface every backend implements, and helpers over it.
 
-Portable pattern (on cpu, work reaches a side stream only through `Stream.submit`):
-
-    copy_stream.wait_stream(acc.current_stream())  # the source is ready
-    acc.copy_async(host_buf, device_tensor, copy_stream)
-    done = copy_stream.record_event()
-    ...
-    done.wait()  # the current stream waits before it reuses or frees either buffer
+On cpu, work reaches a side stream only through `Stream.submit`. The copy recipe built on these
+(wait for the producer, copy, keep dropped tensors alive, record the event) is `copy_lane.CopyLane`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -74,10 +69,10 @@ class Event(ABC):
         """True once the event is complete; an event never recorded is complete."""
 
 
-def copy_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """`dst.copy_(src, non_blocking=True)` for each pair: several copies as one stream task."""
+def copy_pairs(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], non_blocking: bool = True) -> None:
+    """`dst.copy_(src)` for each pair: several copies as one stream task."""
     for dst, src in zip(dsts, srcs, strict=True):
-        dst.copy_(src, non_blocking=True)
+        dst.copy_(src, non_blocking=non_blocking)
 
 
 def finish_and_close(*streams: Stream | None) -> None:

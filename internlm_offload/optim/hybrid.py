@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from internlm_offload.device import Accelerator, HostArena, Stream, finish_and_close, get_accelerator
+from internlm_offload.device import Accelerator, CopyLane, Event, HostArena, Stream, finish_and_close, get_accelerator
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import fused_supported
 from internlm_offload.optim.dtensor import is_dtensor, laid_out_like, local_nbytes, local_shard
@@ -59,12 +59,13 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
     everything on the device, 1.0 moves every trainable param. Frozen params stay on the device.
 
     Step schedule (`overlap_cpu_optimizer_d2h_h2d=True`):
-    1. the copy streams wait for the compute stream, then every CPU param's grad goes D2H on the
-       `d2h` stream, one event per piece (the CPU share is cut into up to `CPU_STEP_PIECES` pieces of
+    1. every CPU param's grad goes D2H on the `d2h` lane (`device.CopyLane`), after the compute stream,
+       one event per piece (the CPU share is cut into up to `CPU_STEP_PIECES` pieces of
        consecutive params of one group, a CPU optimizer each);
     2. a host worker thread takes the pieces in order: it waits for the piece's grads, steps its CPU
        optimizer and sends the updated masters H2D on the `h2d` stream (cast to the param dtype on
-       the host first), overlapping the next piece's copies;
+       the host first), overlapping the next piece's copies, after an event the compute stream recorded
+       when `step()` began;
     3. meanwhile the calling thread steps the device sub-optimizer on the compute stream (on a
        device its kernels run while the host steps; on the cpu backend the two run side by side);
     4. `step()` joins the worker, and the compute stream waits for `h2d` before `step()` returns: the
@@ -163,8 +164,8 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
         self.grads_on_host = grads_on_host
         self.nvme_path = nvme_path
-        self._d2h_stream: Stream = self._acc.stream()
-        self._h2d_stream: Stream = self._acc.stream()
+        self._d2h, self._h2d = CopyLane(self._acc), CopyLane(self._acc)
+        self._params_read: Event | None = None  # recorded at step(): the H2D copies of the step wait for it
         self._host_arenas: list[HostArena] = []
         self._offload_slab: HostArena | None = None  # the device states' host copy, kept for the next offload
         self._cpu_worker: Executor | None = None  # started by the first overlapped step
@@ -328,9 +329,9 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
             self._refresh_masters(keep_if_rounds_to_param=True)
         self._sync_param_groups()
         compute = self._acc.current_stream()
-        # Grads are final, and the old params no longer read, only once the compute stream gets here.
-        self._d2h_stream.wait_stream(compute)
-        self._h2d_stream.wait_stream(compute)
+        # Grads are final, and the old params no longer read, only once the compute stream gets here: the D2H
+        # copies wait for it as they start, the H2D copies (later, from the CPU step) for this event.
+        self._params_read = compute.record_event()
         self._start_grad_copies()
         if self.overlap_cpu_optimizer_d2h_h2d and self._cpu_units:
             if self._cpu_worker is None:
@@ -349,7 +350,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         the host slabs; the optimizer cannot step afterwards."""
         if self._cpu_worker is not None:
             self._cpu_worker.shutdown()
-        finish_and_close(self._d2h_stream, self._h2d_stream)
+        finish_and_close(self._d2h.stream, self._h2d.stream)
         slabs = [self._offload_slab, *(unit.slab for unit in self._cpu_units)]
         for arena in [*self._host_arenas, *(slab for slab in slabs if slab is not None)]:
             arena.release()
@@ -460,8 +461,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
                 if slot.has_grad and slot.landing is not None:
                     landings.append(slot.landing)
                     grads.append(local_shard(grad))
-            self._acc.copy_async(landings, grads, self._d2h_stream)
-            unit.grads_ready = self._d2h_stream.record_event()
+            unit.grads_ready = self._d2h.copy(landings, grads)
 
     def _step_device(self) -> None:
         for param, master in self._device_masters:
@@ -503,7 +503,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
                 # Cast on the host so the H2D copy moves the param dtype's bytes, not fp32.
                 params.append(slot.local_param)
                 sources.append(slot.master if slot.staging is None else slot.staging.copy_(slot.master))
-        self._acc.copy_async(params, sources, self._h2d_stream)
+        self._h2d.copy(params, sources, after=self._params_read)
 
     def _move_states_to_host_tier(self, unit: CpuUnit) -> None:
         """Keep the CPU step's states in one host slab: the sub-optimizer creates them lazily as plain cpu
@@ -521,7 +521,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
 
     def _wait_for_params(self, compute: Stream) -> None:
         """The compute stream waits for the H2D copies: the next forward must read the updated params."""
-        compute.wait_stream(self._h2d_stream)
+        compute.wait_stream(self._h2d.stream)
 
     # ---- state internals ------------------------------------------------------------------------
 
@@ -533,7 +533,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         optimizer state mid-run keeps its fp32 masters; any param changed since (a loaded checkpoint)
         restarts from the param's value (the fp32 masters' extra bits are not in checkpoints).
         """
-        self._h2d_stream.synchronize()  # an H2D copy of the last step may still read a master
+        self._h2d.stream.synchronize()  # an H2D copy of the last step may still read a master
         for unit in self._cpu_units:
             for slot in unit.slots:
                 if slot.resident:  # the param is its own master: nothing to refresh

@@ -5,15 +5,9 @@ elements, keep their master copy, grad buffer and optimizer states in host memor
 a CPU optimizer; the rest are stepped on the device. Per step only grads go D2H and updated params go
 H2D (the param dtype's bytes each way); the states never move.
 
-Host-resident params (fp32 master weights of a low-precision model): a param that carries
-`model_param` lives in host memory already; its gradient is `main_grad` (on the device) and its
-updated value goes H2D into `model_param`, cast to that tensor's dtype on the host. The CPU optimizer
-steps the param itself, so no second master copy exists. Such params must fall in the CPU share.
-
-Device memory saved vs time paid: every offloaded element frees its device optimizer states (8 B for
-fp32 AdamW, +4 B with amsgrad, +4 B fp32 master when `param_update_in_fp32`) and costs host memory for
-the master copy, a grad buffer and the states, plus one D2H and one H2D copy and a CPU AdamW pass
-(memory-bandwidth bound, ~28 B read/written per fp32 element) per step.
+A host-resident param (an fp32 master of a low-precision model, carrying `model_param`) is its own host
+master: its gradient is `main_grad` and its update goes H2D into `model_param`. The schedule, memory
+figures, numerics and checkpoints: docs/optimizer_offload.md.
 """
 
 from __future__ import annotations
@@ -53,60 +47,13 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
     """Steps the first `offload_fraction` of the params on the CPU and the rest on the device.
 
-    Placement: params are walked in `param_groups` order; the longest leading run of trainable params
-    whose element count stays within `offload_fraction` x (trainable elements) is CPU-stepped. The CPU
-    share never exceeds the fraction (Megatron's HDO instead overshoots by up to one param); 0.0 keeps
-    everything on the device, 1.0 moves every trainable param. Frozen params stay on the device.
-
-    Step schedule (`overlap_cpu_optimizer_d2h_h2d=True`):
-    1. every CPU param's grad goes D2H on the `d2h` lane (`device.CopyLane`), after the compute stream,
-       one event per piece (the CPU share is cut into up to `CPU_STEP_PIECES` pieces of
-       consecutive params of one group, a CPU optimizer each);
-    2. a host worker thread takes the pieces in order: it waits for the piece's grads, steps its CPU
-       optimizer and sends the updated masters H2D on the `h2d` stream (cast to the param dtype on
-       the host first), overlapping the next piece's copies, after an event the compute stream recorded
-       when `step()` began;
-    3. meanwhile the calling thread steps the device sub-optimizer on the compute stream (on a
-       device its kernels run while the host steps; on the cpu backend the two run side by side);
-    4. `step()` joins the worker, and the compute stream waits for `h2d` before `step()` returns: the
-       next forward sees new params.
-    Without overlap, one CPU optimizer mirrors the param groups and steps after the device one,
-    once all grads have landed.
-
-    Host memory: the masters, grad landing buffers and staging buffers are views of one slab per
-    pinnedness (`HostArena`), not a pinned allocation each (pinning rounds every allocation up).
-
-    Numerics: on the cpu backend (both sides fused AdamW on cpu) params and states are bitwise equal
-    to `torch.optim.AdamW(fused=True)` over the same params, and, with `param_update_in_fp32`, to that
-    AdamW over fp32 master copies fed with the upcast grads. Where the device kernel differs from the
-    cpu one (cuda fused vs cpu fused; both round differently: FMA contraction, sqrt/division, vector
-    tails) device-stepped params drift by a few fp32 ulps per step. Expected tolerance after 50 steps
-    at lr <= 1e-2 with |p| ~ 1: fp32 params and states within `rtol=1e-5, atol=1e-6`
-    (`torch.testing.assert_close`); bf16 params updated through fp32 masters within 1 bf16 ulp of the
-    reference (masters a few fp32 ulps apart round to different bf16 values only near a rounding
-    boundary, and then to neighbours). The bound is asserted on cpu with a different kernel (for-loop
-    AdamW) on the device side; it was not measured on cuda here.
-
-    Checkpoints: `state_dict()` has the layout of one `torch.optim.AdamW` holding every param (state
-    keyed by param index, plain hyper-parameters in the groups, no classes), so it loads with
-    `torch.load(weights_only=True)` and into a plain AdamW, and any AdamW state dict loads here,
-    whatever `offload_fraction` either side used. Masters are not in it: the first `step()` and the
-    first after `load_state_dict()` refresh them from the params (`torch.distributed.checkpoint`'s
-    `set_state_dict` loads the optimizer before the model), keeping an fp32 master that still rounds
-    to its param. After loading model weights alone mid-run, call `sync_from_model()`. Loading copies
-    into the live state tensors and updates our param groups in place; kernel keys there (`fused`,
-    `foreach`, ...) are informational, each sub-optimizer keeps its own. `optimizer.state` is a live
-    view of the sub-optimizers' state, so there is one copy of every state tensor and nothing to keep
-    in sync.
-
-    DTensor params (FSDP2 `fully_shard`): placement uses the global element counts, so every rank
-    CPU-steps the same params; the CPU side keeps host copies of this rank's shards (`to_local()`)
-    and its grads' shards, the device side steps the DTensors. `optimizer.state[p]` of a CPU-stepped
-    DTensor param holds local (plain) tensors; `state_dict()` wraps them as DTensors laid out like the
-    param (mesh, placements, global shape), as a plain AdamW over the DTensors would have them, so
-    `get_state_dict` / `dcp.save` / `dcp.load` / `set_state_dict` save and reshard them, and
-    `load_state_dict()` takes each DTensor state's local shard. `step()` with zero grads and lr 0 (how
-    `set_state_dict` creates missing states) leaves the params unchanged.
+    Placement: the longest leading run of trainable params (`param_groups` order) whose elements stay within
+    `offload_fraction` of the trainable elements is CPU-stepped (never more: 0.0 keeps all on the device, 1.0
+    moves all); frozen params stay on the device. A step: the CPU share's grads go D2H, a host thread steps
+    it piece by piece while the calling thread steps the device share, updated params go H2D behind each
+    piece, and the compute stream waits for them before `step()` returns. `state_dict()` is that of one
+    `torch.optim.AdamW` over every param, whatever the fraction on either side. The schedule, host memory,
+    numerics, checkpoints and DTensor params in detail: docs/optimizer_offload.md.
 
     Args:
         params: params or param-group dicts, as for any torch optimizer.

@@ -20,9 +20,9 @@ import torch
 
 from internlm_offload.device.cpu_checks import ComputeLedger
 from internlm_offload.device.cpu_memory import CpuMemory
-from internlm_offload.device.disk_buffers import DiskBuffer
 from internlm_offload.device.cpu_streams import CpuBackend, StreamRegistry
-from internlm_offload.device.host_buffers import REGISTER_MIN_BYTES, registered_empty
+from internlm_offload.device.disk_buffers import DiskBuffer
+from internlm_offload.device.host_alloc import REGISTER_MIN_BYTES, registered_empty
 from internlm_offload.device.streams import Event, Stream, copy_pairs
 
 # Host tensors take part in collectives too (the norm of host gradients under FSDP2's CPU offload policy
@@ -211,8 +211,9 @@ class Accelerator:
     def copy_async(
         self, dst: torch.Tensor | Sequence[torch.Tensor], src: torch.Tensor | Sequence[torch.Tensor], stream: Stream
     ) -> None:
-        """`dst.copy_(src)` on `stream`, or pairwise for two sequences (one stream task); the caller orders it
-        with events."""
+        """`dst.copy_(src)` on `stream`, or pairwise for two sequences (one stream task), and nothing else: no
+        wait, no keep-alive, no event (the benches time bare copies with it). Offload code copies through
+        `CopyLane`, which does the whole recipe."""
         if isinstance(dst, torch.Tensor):
             stream.submit(dst.copy_, src, non_blocking=True)
         elif dst:

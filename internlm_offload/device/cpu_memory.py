@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -35,7 +34,6 @@ from internlm_offload.log import get_logger
 
 logger = get_logger(__name__)
 
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 # Only for the `RssAnon` fallback: blocks of 1 MiB or more get mappings of their own, so freeing one
 # returns it to the kernel; smaller tensors and Python objects stay on the heap.
 MMAP_THRESHOLD_BYTES = 1 << 20

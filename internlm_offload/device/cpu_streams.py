@@ -7,7 +7,7 @@ the host (main stream) or queues a wait (side stream). Before each task runs, th
 `cpu_checks` runs; under `check_ordering()` every submission is checked against the ordering ledger.
 
 "Device memory" is the process's anonymous resident memory (`cpu_memory`); host buffers live in
-/dev/shm files (`host_buffers`), so moving data to the host shows up as a drop, as on a GPU.
+/dev/shm files (`host_alloc`), so moving data to the host shows up as a drop, as on a GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from internlm_offload.device.cpu_checks import ComputeLedger, check_alive, task_tensors
 from internlm_offload.device.cpu_memory import CpuMemory
-from internlm_offload.device.host_buffers import shm_empty
+from internlm_offload.device.host_alloc import shm_empty
 from internlm_offload.device.streams import Event, Stream, StreamError, storage_key
 
 

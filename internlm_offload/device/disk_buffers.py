@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-PAGE_BYTES = mmap.PAGESIZE
+from internlm_offload.device.layout import PAGE_BYTES, round_up
 
 
 class DiskSpaceError(OSError):
@@ -40,7 +40,7 @@ class DiskBuffer:
 
     def __init__(self, directory: str | Path, nbytes: int) -> None:
         directory = Path(directory)
-        self.nbytes = _round_up(max(nbytes, 1))
+        self.nbytes = round_up(max(nbytes, 1), PAGE_BYTES)
         try:
             fd, path = tempfile.mkstemp(prefix="optimizer_states.", suffix=".bin", dir=directory)
         except OSError as exc:
@@ -102,13 +102,9 @@ class DiskBuffer:
         os.posix_fadvise(self._fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
 
 
-def _round_up(nbytes: int) -> int:
-    return (nbytes + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES
-
-
 def _pages(start: int, nbytes: int, limit: int) -> tuple[int, int]:
     """The pages covering `[start, start + nbytes)`, within the buffer."""
-    return start // PAGE_BYTES * PAGE_BYTES, min(_round_up(start + nbytes), limit)
+    return start // PAGE_BYTES * PAGE_BYTES, min(round_up(start + nbytes, PAGE_BYTES), limit)
 
 
 def _mapping_rss(mapped: mmap.mmap) -> int:

@@ -1,4 +1,4 @@
-"""Host memory: one allocation path (`Accelerator.host_empty`) and the two layouts built on it.
+"""Host memory layouts over one allocation path (`Accelerator.host_empty`, `host_alloc` beneath it).
 
 - `HostArena`: a fixed-layout slab. Many tensors as aligned views of one buffer, allocated once (the
   swap and hybrid optimizers' states and masters): one pinning call and one copy per chunk instead of
@@ -6,40 +6,22 @@
 - `HostPool`: a recycling pool. Buffers pooled by byte size and handed out again once their last
   reader finished (the activation offloaders' transient copies), so no host memory is allocated after
   the first step.
-
-Underneath, per backend: on cuda a large pinned buffer is ordinary memory registered with the driver
-(`registered_empty`); on cpu host buffers are files mapped from `SHM_DIR` (`shm_empty`), so their pages
-count as `RssShmem`, not as the `RssAnon` the cpu backend reports as device memory.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import tempfile
-import weakref
 from collections.abc import Sequence
-from contextlib import suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from internlm_offload.device.host_alloc import SHM_DIR  # noqa: F401  the benches report it from here
+from internlm_offload.device.layout import TensorSpec, aligned_offsets, aligned_within, round_up, view_at
+from internlm_offload.device.streams import Event
+
 if TYPE_CHECKING:
     from internlm_offload.device.accelerator import Accelerator
-    from internlm_offload.device.streams import Event
-
-# The cpu backend's host tier: a tmpfs directory (module global so tests can point it elsewhere).
-SHM_DIR = "/dev/shm"
-# Smaller host buffers use ordinary memory: a mapping costs at least a page and one of the process's maps.
-SHM_MIN_BYTES = 4096
-# cuda: pinned buffers from this size up are registered ordinary memory (exact size); smaller ones come
-# from the caching host allocator, whose power-of-two rounding costs little there.
-REGISTER_MIN_BYTES = 1 << 20
-PAGE_BYTES = 4096
-# Share of SHM_DIR left free for others (DataLoader workers, torch.multiprocessing): beyond it, ordinary memory.
-SHM_RESERVE_FRACTION = 0.25
-
 
 # ---- the fixed-layout slab -------------------------------------------------------------------------
 
@@ -57,7 +39,7 @@ class HostArena:
     def __init__(
         self,
         accelerator: Accelerator,
-        specs: Sequence[tuple[torch.Size | tuple[int, ...], torch.dtype]],
+        specs: Sequence[TensorSpec],
         *,
         pinned: bool = True,
         alignment: int = ALIGNMENT,
@@ -67,7 +49,7 @@ class HostArena:
             raise ValueError(f"alignment={alignment} must divide {ALIGNMENT}")
         self.offsets, total = aligned_offsets(specs, alignment)
         self.specs = list(specs)
-        self.nbytes = _align(total)
+        self.nbytes = round_up(total, ALIGNMENT)
         self.disk = None if directory is None else accelerator.disk_buffer(directory, self.nbytes)
         if self.disk is not None:
             self.buffer: torch.Tensor | None = self.disk.tensor[: self.nbytes]  # a mapping starts page-aligned
@@ -96,32 +78,13 @@ class HostArena:
         """The tensor at slot `index` (uninitialised until written)."""
         if self.buffer is None:
             raise RuntimeError("HostArena.view after release()")
-        shape, dtype = self.specs[index]
-        start = self.offsets[index]
-        nbytes = math.prod(shape) * dtype.itemsize
-        return self.buffer[start : start + nbytes].view(dtype).view(shape)
+        return view_at(self.buffer, self.offsets[index], *self.specs[index])
 
     def release(self) -> None:
         """Free the buffer; views taken earlier keep their memory alive until dropped."""
         self.buffer = None
         if self.disk is not None:
             self.disk.release()
-
-
-def aligned_offsets(
-    specs: Sequence[tuple[torch.Size | tuple[int, ...], torch.dtype]], alignment: int
-) -> tuple[list[int], int]:
-    """Byte offsets of tensors packed in order, each starting on a multiple of `alignment`; and the end."""
-    offsets, total = [], 0
-    for shape, dtype in specs:
-        total = _align(total, alignment)
-        offsets.append(total)
-        total += math.prod(shape) * dtype.itemsize
-    return offsets, total
-
-
-def _align(offset: int, alignment: int = ALIGNMENT) -> int:
-    return (offset + alignment - 1) // alignment * alignment
 
 
 # ---- the recycling pool --------------------------------------------------------------------------
@@ -163,59 +126,3 @@ class HostPool:
     def clear(self) -> None:
         self.free.clear()
         self.allocated_bytes = 0
-
-
-# ---- allocation, per backend: registered pinned memory (cuda); on cpu, files mapped from SHM_DIR ------
-
-
-def aligned_within(raw: torch.Tensor, nbytes: int, alignment: int) -> torch.Tensor:
-    """The first `nbytes` of the flat uint8 `raw` that start on a multiple of `alignment` (allocate
-    `nbytes + alignment` for them): plain allocations only promise 64-byte alignment."""
-    start = -raw.data_ptr() % alignment
-    return raw[start : start + nbytes]
-
-
-def registered_empty(cudart: Any, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """Page-aligned ordinary host memory registered with the driver (page-locked), unregistered with its storage.
-
-    The registered pages lie wholly inside this allocation, so no other buffer shares them.
-    """
-    nbytes = shape.numel() * dtype.itemsize
-    span = -(-nbytes // PAGE_BYTES) * PAGE_BYTES
-    raw = torch.empty(span + PAGE_BYTES, dtype=torch.uint8)
-    pages = aligned_within(raw, span, PAGE_BYTES)
-    code = int(cudart.cudaHostRegister(pages.data_ptr(), span, 0))
-    if code != 0:
-        raise RuntimeError(f"cudaHostRegister of {span} bytes failed with error {code}")
-    weakref.finalize(raw.untyped_storage(), cudart.cudaHostUnregister, pages.data_ptr())
-    return pages[:nbytes].view(dtype).view(shape)
-
-
-def shm_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous cpu tensor on a shared-memory storage, or an ordinary one when that is not possible."""
-    nbytes = shape.numel() * dtype.itemsize
-    storage = _shm_storage(nbytes) if nbytes >= SHM_MIN_BYTES else None
-    if storage is None:
-        return torch.empty(shape, dtype=dtype)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
-
-
-def _shm_storage(nbytes: int) -> torch.UntypedStorage | None:
-    """`nbytes` of storage mapped from a fresh file in SHM_DIR, unlinked at once; None when that fails."""
-    try:
-        fs = os.statvfs(SHM_DIR)
-        if (fs.f_bavail * fs.f_frsize - nbytes) < SHM_RESERVE_FRACTION * fs.f_blocks * fs.f_frsize:
-            return None
-        fd, path = tempfile.mkstemp(prefix="internlm_offload-", dir=SHM_DIR)
-    except OSError:
-        return None
-    try:
-        # Reserve the pages now: on a full tmpfs a first touch of a sparse mapping would raise SIGBUS.
-        os.posix_fallocate(fd, 0, nbytes)
-        return torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
-    except (OSError, RuntimeError):
-        return None
-    finally:
-        os.close(fd)  # the mapping keeps the pages; once unlinked they go with the last mapping
-        with suppress(OSError):
-            os.unlink(path)

@@ -1,26 +1,16 @@
 """Streams and events: the portable interface every backend implements, and helpers over it.
 
-Portable pattern (on cpu, work reaches a side stream only through `Stream.submit`):
-
-    copy_stream.wait_stream(acc.current_stream())  # the source is ready
-    acc.copy_async(host_buf, device_tensor, copy_stream)
-    done = copy_stream.record_event()
-    ...
-    done.wait()  # the current stream waits before it reuses or frees either buffer
+On cpu, work reaches a side stream only through `Stream.submit`. The copy recipe built on these
+(wait for the producer, copy, keep dropped tensors alive, record the event) is `copy_lane.CopyLane`.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from internlm_offload.device.accelerator import Accelerator
 
 
 class StreamError(RuntimeError):
@@ -79,10 +69,10 @@ class Event(ABC):
         """True once the event is complete; an event never recorded is complete."""
 
 
-def copy_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """`dst.copy_(src, non_blocking=True)` for each pair: several copies as one stream task."""
+def copy_pairs(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], non_blocking: bool = True) -> None:
+    """`dst.copy_(src)` for each pair: several copies as one stream task."""
     for dst, src in zip(dsts, srcs, strict=True):
-        dst.copy_(src, non_blocking=True)
+        dst.copy_(src, non_blocking=non_blocking)
 
 
 def finish_and_close(*streams: Stream | None) -> None:
@@ -108,47 +98,3 @@ def storage_key(tensor: torch.Tensor) -> int:
     Not `data_ptr()`: meta storages (the memory planner's trace) all have a null data pointer.
     """
     return tensor.untyped_storage()._cdata
-
-
-class CopyTimer:
-    """Seconds a stream spent running the work handed to `run`, summed.
-
-    Timing on the host around a device copy would time only its enqueue. On cpu the work runs in the
-    stream's worker thread and is timed there; on a device a pair of timing events brackets it on the
-    stream, and `seconds()` adds the pairs that have completed (it never waits for the others).
-    """
-
-    def __init__(self, accelerator: Accelerator) -> None:
-        self.accelerator = accelerator
-        self._seconds = 0.0
-        self._pending: list[tuple[Any, Any]] = []
-        self._lock = threading.Lock()
-
-    def run(self, stream: Stream, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Submit `fn(*args, **kwargs)` to `stream`, timed."""
-        module = self.accelerator.module
-        if module is None:
-            stream.submit(self._timed, fn, args, kwargs)
-            return
-        start, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
-        start.record(stream.raw)
-        stream.submit(fn, *args, **kwargs)
-        end.record(stream.raw)
-        self._pending.append((start, end))
-
-    def seconds(self) -> float:
-        """The total so far: every timed piece of work that has finished."""
-        still_running = []
-        for start, end in self._pending:
-            if end.query():
-                self._seconds += start.elapsed_time(end) / 1e3  # milliseconds
-            else:
-                still_running.append((start, end))
-        self._pending = still_running
-        return self._seconds
-
-    def _timed(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        begin = time.perf_counter()
-        fn(*args, **kwargs)
-        with self._lock:
-            self._seconds += time.perf_counter() - begin

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from internlm_offload.device import Accelerator, Event, HostArena, aligned_offsets, finish_and_close
+from internlm_offload.device import Accelerator, CopyLane, Event, HostArena, aligned_views, finish_and_close, round_up
 from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import consecutive_runs
@@ -109,7 +109,7 @@ class GradOffload(MemoryFeature):
         self._host_grads = [self._host.view(i) for i in range(len(self._stepped))]
         self._landed = [False] * len(self._stepped)
         # Bucket sizes count the stepped dtype's bytes, which a reduced bucket travels in (fp32 for masters).
-        sizes = [_padded(p.numel() * p.element_size()) for p in self._local]
+        sizes = [round_up(p.numel() * p.element_size(), _ALIGNMENT) for p in self._local]
         # A bucket holds at least the largest gradient, and need not exceed all of them (a small model).
         self._capacity = max(min(bucket_bytes, sum(sizes)), max(sizes, default=0))
         self._staging = [accelerator.host_empty((self._capacity,), torch.uint8) for _ in range(STAGING_BUFFERS)]
@@ -127,7 +127,7 @@ class GradOffload(MemoryFeature):
             if reduce
             else []
         )
-        self._copy_stream = accelerator.stream()
+        self._lane = CopyLane(accelerator)
         self._worker = accelerator.host_worker("grad-offload")
         self._hooks = [
             param.register_post_accumulate_grad_hook(functools.partial(self._take_grad, index))
@@ -210,7 +210,7 @@ class GradOffload(MemoryFeature):
         self._hooks = []
         self._finish_adds()
         self._worker.shutdown()
-        finish_and_close(self._copy_stream)
+        finish_and_close(self._lane.stream)
 
     # ---- the schedule -------------------------------------------------------------------------------
 
@@ -218,7 +218,7 @@ class GradOffload(MemoryFeature):
         """Post-accumulate-grad hook: the gradient joins the open bucket and leaves `.grad`."""
         grad = local_shard(param.grad)  # FSDP2: the reduce-scattered shard
         param.grad = None
-        nbytes = _padded(grad.numel() * self._local[index].element_size())
+        nbytes = round_up(grad.numel() * self._local[index].element_size(), _ALIGNMENT)
         if self._bucket.nbytes + nbytes > self._capacity:
             self._send()
         self._bucket.grads.append((index, grad))
@@ -238,17 +238,9 @@ class GradOffload(MemoryFeature):
         self._next_staging = (slot + 1) % STAGING_BUFFERS
         if self._in_flight[slot] is not None:
             self._in_flight[slot].result()  # the staging buffer's last bucket has been added
-        offsets, _ = aligned_offsets([(t.shape, t.dtype) for t in outgoing], _ALIGNMENT)
-        staging = self._staging[slot]
-        staged = [
-            staging[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            for t, offset in zip(outgoing, offsets)
-        ]
-        self._copy_stream.wait_stream(self._acc.current_stream())  # backward (or the reduction) wrote them
-        self._acc.copy_async(staged, outgoing, self._copy_stream)
-        for tensor in outgoing:
-            self._acc.record_stream(tensor, self._copy_stream)  # dropped now, read by the copy later
-        copied = self._copy_stream.record_event()
+        staged = aligned_views(self._staging[slot], [(t.shape, t.dtype) for t in outgoing], _ALIGNMENT)
+        # After backward (or the reduction) wrote them; they are dropped now and read by the copy later.
+        copied = self._lane.copy(staged, outgoing, keep_alive=outgoing)
         self._in_flight[slot] = self._worker.submit(self._land, copied, indices, staged, replace)
 
     @torch.no_grad()
@@ -292,7 +284,3 @@ class GradOffload(MemoryFeature):
             else:
                 host.copy_(grad)
             self._landed[index] = True
-
-
-def _padded(nbytes: int) -> int:
-    return (nbytes + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT

@@ -5,15 +5,9 @@ elements, keep their master copy, grad buffer and optimizer states in host memor
 a CPU optimizer; the rest are stepped on the device. Per step only grads go D2H and updated params go
 H2D (the param dtype's bytes each way); the states never move.
 
-Host-resident params (fp32 master weights of a low-precision model): a param that carries
-`model_param` lives in host memory already; its gradient is `main_grad` (on the device) and its
-updated value goes H2D into `model_param`, cast to that tensor's dtype on the host. The CPU optimizer
-steps the param itself, so no second master copy exists. Such params must fall in the CPU share.
-
-Device memory saved vs time paid: every offloaded element frees its device optimizer states (8 B for
-fp32 AdamW, +4 B with amsgrad, +4 B fp32 master when `param_update_in_fp32`) and costs host memory for
-the master copy, a grad buffer and the states, plus one D2H and one H2D copy and a CPU AdamW pass
-(memory-bandwidth bound, ~28 B read/written per fp32 element) per step.
+A host-resident param (an fp32 master of a low-precision model, carrying `model_param`) is its own host
+master: its gradient is `main_grad` and its update goes H2D into `model_param`. The schedule, memory
+figures, numerics and checkpoints: docs/optimizer_offload.md.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from internlm_offload.device import Accelerator, HostArena, Stream, finish_and_close, get_accelerator
+from internlm_offload.device import Accelerator, CopyLane, Event, HostArena, Stream, finish_and_close, get_accelerator
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import fused_supported
 from internlm_offload.optim.dtensor import is_dtensor, laid_out_like, local_nbytes, local_shard
@@ -53,59 +47,13 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
     """Steps the first `offload_fraction` of the params on the CPU and the rest on the device.
 
-    Placement: params are walked in `param_groups` order; the longest leading run of trainable params
-    whose element count stays within `offload_fraction` x (trainable elements) is CPU-stepped. The CPU
-    share never exceeds the fraction (Megatron's HDO instead overshoots by up to one param); 0.0 keeps
-    everything on the device, 1.0 moves every trainable param. Frozen params stay on the device.
-
-    Step schedule (`overlap_cpu_optimizer_d2h_h2d=True`):
-    1. the copy streams wait for the compute stream, then every CPU param's grad goes D2H on the
-       `d2h` stream, one event per piece (the CPU share is cut into up to `CPU_STEP_PIECES` pieces of
-       consecutive params of one group, a CPU optimizer each);
-    2. a host worker thread takes the pieces in order: it waits for the piece's grads, steps its CPU
-       optimizer and sends the updated masters H2D on the `h2d` stream (cast to the param dtype on
-       the host first), overlapping the next piece's copies;
-    3. meanwhile the calling thread steps the device sub-optimizer on the compute stream (on a
-       device its kernels run while the host steps; on the cpu backend the two run side by side);
-    4. `step()` joins the worker, and the compute stream waits for `h2d` before `step()` returns: the
-       next forward sees new params.
-    Without overlap, one CPU optimizer mirrors the param groups and steps after the device one,
-    once all grads have landed.
-
-    Host memory: the masters, grad landing buffers and staging buffers are views of one slab per
-    pinnedness (`HostArena`), not a pinned allocation each (pinning rounds every allocation up).
-
-    Numerics: on the cpu backend (both sides fused AdamW on cpu) params and states are bitwise equal
-    to `torch.optim.AdamW(fused=True)` over the same params, and, with `param_update_in_fp32`, to that
-    AdamW over fp32 master copies fed with the upcast grads. Where the device kernel differs from the
-    cpu one (cuda fused vs cpu fused; both round differently: FMA contraction, sqrt/division, vector
-    tails) device-stepped params drift by a few fp32 ulps per step. Expected tolerance after 50 steps
-    at lr <= 1e-2 with |p| ~ 1: fp32 params and states within `rtol=1e-5, atol=1e-6`
-    (`torch.testing.assert_close`); bf16 params updated through fp32 masters within 1 bf16 ulp of the
-    reference (masters a few fp32 ulps apart round to different bf16 values only near a rounding
-    boundary, and then to neighbours). The bound is asserted on cpu with a different kernel (for-loop
-    AdamW) on the device side; it was not measured on cuda here.
-
-    Checkpoints: `state_dict()` has the layout of one `torch.optim.AdamW` holding every param (state
-    keyed by param index, plain hyper-parameters in the groups, no classes), so it loads with
-    `torch.load(weights_only=True)` and into a plain AdamW, and any AdamW state dict loads here,
-    whatever `offload_fraction` either side used. Masters are not in it: the first `step()` and the
-    first after `load_state_dict()` refresh them from the params (`torch.distributed.checkpoint`'s
-    `set_state_dict` loads the optimizer before the model), keeping an fp32 master that still rounds
-    to its param. After loading model weights alone mid-run, call `sync_from_model()`. Loading copies
-    into the live state tensors and updates our param groups in place; kernel keys there (`fused`,
-    `foreach`, ...) are informational, each sub-optimizer keeps its own. `optimizer.state` is a live
-    view of the sub-optimizers' state, so there is one copy of every state tensor and nothing to keep
-    in sync.
-
-    DTensor params (FSDP2 `fully_shard`): placement uses the global element counts, so every rank
-    CPU-steps the same params; the CPU side keeps host copies of this rank's shards (`to_local()`)
-    and its grads' shards, the device side steps the DTensors. `optimizer.state[p]` of a CPU-stepped
-    DTensor param holds local (plain) tensors; `state_dict()` wraps them as DTensors laid out like the
-    param (mesh, placements, global shape), as a plain AdamW over the DTensors would have them, so
-    `get_state_dict` / `dcp.save` / `dcp.load` / `set_state_dict` save and reshard them, and
-    `load_state_dict()` takes each DTensor state's local shard. `step()` with zero grads and lr 0 (how
-    `set_state_dict` creates missing states) leaves the params unchanged.
+    Placement: the longest leading run of trainable params (`param_groups` order) whose elements stay within
+    `offload_fraction` of the trainable elements is CPU-stepped (never more: 0.0 keeps all on the device, 1.0
+    moves all); frozen params stay on the device. A step: the CPU share's grads go D2H, a host thread steps
+    it piece by piece while the calling thread steps the device share, updated params go H2D behind each
+    piece, and the compute stream waits for them before `step()` returns. `state_dict()` is that of one
+    `torch.optim.AdamW` over every param, whatever the fraction on either side. The schedule, host memory,
+    numerics, checkpoints and DTensor params in detail: docs/optimizer_offload.md.
 
     Args:
         params: params or param-group dicts, as for any torch optimizer.
@@ -163,8 +111,8 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
         self.grads_on_host = grads_on_host
         self.nvme_path = nvme_path
-        self._d2h_stream: Stream = self._acc.stream()
-        self._h2d_stream: Stream = self._acc.stream()
+        self._d2h, self._h2d = CopyLane(self._acc), CopyLane(self._acc)
+        self._params_read: Event | None = None  # recorded at step(): the H2D copies of the step wait for it
         self._host_arenas: list[HostArena] = []
         self._offload_slab: HostArena | None = None  # the device states' host copy, kept for the next offload
         self._cpu_worker: Executor | None = None  # started by the first overlapped step
@@ -328,9 +276,9 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
             self._refresh_masters(keep_if_rounds_to_param=True)
         self._sync_param_groups()
         compute = self._acc.current_stream()
-        # Grads are final, and the old params no longer read, only once the compute stream gets here.
-        self._d2h_stream.wait_stream(compute)
-        self._h2d_stream.wait_stream(compute)
+        # Grads are final, and the old params no longer read, only once the compute stream gets here: the D2H
+        # copies wait for it as they start, the H2D copies (later, from the CPU step) for this event.
+        self._params_read = compute.record_event()
         self._start_grad_copies()
         if self.overlap_cpu_optimizer_d2h_h2d and self._cpu_units:
             if self._cpu_worker is None:
@@ -349,7 +297,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         the host slabs; the optimizer cannot step afterwards."""
         if self._cpu_worker is not None:
             self._cpu_worker.shutdown()
-        finish_and_close(self._d2h_stream, self._h2d_stream)
+        finish_and_close(self._d2h.stream, self._h2d.stream)
         slabs = [self._offload_slab, *(unit.slab for unit in self._cpu_units)]
         for arena in [*self._host_arenas, *(slab for slab in slabs if slab is not None)]:
             arena.release()
@@ -460,8 +408,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
                 if slot.has_grad and slot.landing is not None:
                     landings.append(slot.landing)
                     grads.append(local_shard(grad))
-            self._acc.copy_async(landings, grads, self._d2h_stream)
-            unit.grads_ready = self._d2h_stream.record_event()
+            unit.grads_ready = self._d2h.copy(landings, grads)
 
     def _step_device(self) -> None:
         for param, master in self._device_masters:
@@ -503,7 +450,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
                 # Cast on the host so the H2D copy moves the param dtype's bytes, not fp32.
                 params.append(slot.local_param)
                 sources.append(slot.master if slot.staging is None else slot.staging.copy_(slot.master))
-        self._acc.copy_async(params, sources, self._h2d_stream)
+        self._h2d.copy(params, sources, after=self._params_read)
 
     def _move_states_to_host_tier(self, unit: CpuUnit) -> None:
         """Keep the CPU step's states in one host slab: the sub-optimizer creates them lazily as plain cpu
@@ -521,7 +468,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
 
     def _wait_for_params(self, compute: Stream) -> None:
         """The compute stream waits for the H2D copies: the next forward must read the updated params."""
-        compute.wait_stream(self._h2d_stream)
+        compute.wait_stream(self._h2d.stream)
 
     # ---- state internals ------------------------------------------------------------------------
 
@@ -533,7 +480,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         optimizer state mid-run keeps its fp32 masters; any param changed since (a loaded checkpoint)
         restarts from the param's value (the fp32 masters' extra bits are not in checkpoints).
         """
-        self._h2d_stream.synchronize()  # an H2D copy of the last step may still read a master
+        self._h2d.stream.synchronize()  # an H2D copy of the last step may still read a master
         for unit in self._cpu_units:
             for slot in unit.slots:
                 if slot.resident:  # the param is its own master: nothing to refresh

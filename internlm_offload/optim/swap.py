@@ -58,7 +58,17 @@ import torch
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from internlm_offload.device import Accelerator, Event, HostArena, aligned_offsets, finish_and_close, get_accelerator
+from internlm_offload.device import (
+    Accelerator,
+    CopyLane,
+    Event,
+    HostArena,
+    aligned_offsets,
+    finish_and_close,
+    get_accelerator,
+    round_up,
+    view_at,
+)
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import consecutive_runs
 from internlm_offload.optim.dtensor import laid_out_like, local_nbytes, local_shard
@@ -108,9 +118,7 @@ class _Chunk:
     def stage(self, buffer: torch.Tensor) -> None:
         """Take `buffer` as the chunk's device memory (views made once: the step reads each several times)."""
         self.device = buffer
-        self.views = {
-            (id(s.param), s.key): buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.slots
-        }
+        self.views = {(id(s.param), s.key): view_at(buffer, s.offset, s.shape, s.dtype) for s in self.slots}
 
     def unstage(self) -> torch.Tensor:
         """Give up the device memory; returns the buffer."""
@@ -183,8 +191,8 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         self._arena: HostArena | None = None
         self._arena_offsets: dict[tuple[int, str], int] = {}
         self._prefetched: _Chunk | None = None
-        self._h2d = self.accelerator.stream()
-        self._d2h = self.accelerator.stream()
+        self._h2d = CopyLane(self.accelerator)
+        self._d2h = CopyLane(self.accelerator)
         self._device_state_bytes = 0
         self._peak_device_state_bytes = 0
         if nvme_path is not None:
@@ -207,7 +215,11 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
             return
         self._finish_pending()
         per_param = [(p, g, self._slot_specs(p, g)) for g in self.param_groups for p in g["params"] if p.requires_grad]
-        total = sum(_padded(shape.numel() * dtype.itemsize) for _, _, specs in per_param for _, shape, dtype in specs)
+        total = sum(
+            round_up(shape.numel() * dtype.itemsize, SLOT_ALIGNMENT)
+            for _, _, specs in per_param
+            for _, shape, dtype in specs
+        )
         self._budget = max(1, math.ceil(total / self.swap_optimizer_times))
         self._chunks = _cut_chunks(per_param, target=max(1, self._budget // 2))
         self._build_arena()
@@ -375,11 +387,9 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
     def _copy_in(self, chunk: _Chunk, active: Collection[torch.Tensor] | None = None) -> _Chunk:
         """Start moving the chunk's states in (those of `active` params only, when given per tensor)."""
         chunk.stage(self.accelerator.device_buffer(chunk.nbytes))
-        # The buffer may be memory the compute stream just released (after it waited for a copy-out):
-        # the copy-in must not start before that point.
-        self._h2d.wait_stream(self.accelerator.current_stream())
-        self.accelerator.copy_async(*zip(*self._copies(chunk, params=active, grads=active is not None)), self._h2d)
-        chunk.copied_in = self._h2d.record_event()
+        # The buffer may be memory the compute stream just released (after it waited for a copy-out): the
+        # lane's copy starts after the compute stream's work so far.
+        chunk.copied_in = self._h2d.copy(*zip(*self._copies(chunk, params=active, grads=active is not None)))
         self._prefetch_after(chunk)
         self._device_state_bytes += chunk.nbytes
         self._peak_device_state_bytes = max(self._peak_device_state_bytes, self._device_state_bytes)
@@ -389,8 +399,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         """Copy a prefetched chunk's host gradients in (a no-op without them): they were not final at prefetch."""
         pairs = self._grad_copies(chunk, {id(p) for p in active})
         if pairs:  # queued behind the states' copy on the same stream: the new event covers both
-            self.accelerator.copy_async(*zip(*pairs), self._h2d)
-            chunk.copied_in = self._h2d.record_event()
+            chunk.copied_in = self._h2d.copy(*zip(*pairs))
         return chunk
 
     def _copies(
@@ -454,10 +463,8 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
                 model_param.copy_(target)  # rounds into the model's dtype, on the compute stream
 
     def _copy_out(self, chunk: _Chunk) -> None:
-        self._d2h.wait_stream(self.accelerator.current_stream())  # the update is done
         device_views, hosts = zip(*self._copies(chunk, params=chunk.stepped))
-        self.accelerator.copy_async(hosts, device_views, self._d2h)  # written on a copy thread
-        chunk.copied_out = self._d2h.record_event()
+        chunk.copied_out = self._d2h.copy(hosts, device_views)  # the lane waits for the update first
 
     def _prefetch_after(self, chunk: _Chunk) -> None:
         """NVMe: the kernel reads the next chunk's states in while this one is copied and stepped."""
@@ -491,14 +498,14 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
     def close(self) -> None:
         """Finish the copies and stop the copy streams (cpu: their worker threads) and the arena's write-backs;
         no step afterwards."""
-        finish_and_close(self._h2d, self._d2h)
+        finish_and_close(self._h2d.stream, self._d2h.stream)
         if self._arena is not None and self._arena.disk is not None:
             self._arena.disk.release()  # its write-backs finish and its thread stops; the states stay readable
 
     def finish_copies(self) -> None:
         """`step()` returns with its last copy-outs only ordered on the device; readers of the host
         states' values (state_dict, load_state_dict, checkpoints) wait for them here."""
-        self._d2h.synchronize()
+        self._d2h.stream.synchronize()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load AdamW's layout (ours or a plain AdamW's) and move every state into host buffers."""
@@ -541,14 +548,10 @@ def _cut_chunks(per_param: list[tuple[torch.Tensor, dict, list]], target: int) -
 
     def size(item: tuple[torch.Tensor, dict, list]) -> int:
         # Every slot starts aligned, so a chunk's size is the sum of its slots' padded sizes.
-        return sum(_padded(shape.numel() * dtype.itemsize) for _, shape, dtype in item[2])
+        return sum(round_up(shape.numel() * dtype.itemsize, SLOT_ALIGNMENT) for _, shape, dtype in item[2])
 
     runs = consecutive_runs(per_param, group_of=lambda item: id(item[1]), size_of=size, target=target)
     return [_layout_chunk(run[0][1], [(param, specs) for param, _, specs in run]) for run in runs]
-
-
-def _padded(nbytes: int) -> int:
-    return (nbytes + SLOT_ALIGNMENT - 1) // SLOT_ALIGNMENT * SLOT_ALIGNMENT
 
 
 def _layout_chunk(group: dict, members: list[tuple[torch.Tensor, list]]) -> _Chunk:
@@ -559,4 +562,4 @@ def _layout_chunk(group: dict, members: list[tuple[torch.Tensor, list]]) -> _Chu
     offsets, end = aligned_offsets([(shape, dtype) for _, _, shape, dtype in entries], SLOT_ALIGNMENT)
     slots = [_Slot(p, k, off, torch.Size(shape), dtype) for (p, k, shape, dtype), off in zip(entries, offsets)]
     params = [p for p, _ in members]
-    return _Chunk(group, params, slots, _padded(end), has_complex=any(p.is_complex() for p in params))
+    return _Chunk(group, params, slots, round_up(end, SLOT_ALIGNMENT), has_complex=any(p.is_complex() for p in params))

@@ -244,8 +244,8 @@ def delayed_handle(model: InternLM2, delay_s: float):
     handle = offload_layers(model.layers, 3, mode="async", accelerator=Accelerator("cpu"))
     handle.copies.d2h.close()
     handle.copies.h2d.close()
-    handle.copies.d2h = handle.accelerator.stream(delay_s=delay_s)  # injected copy latency
-    handle.copies.h2d = handle.accelerator.stream(delay_s=delay_s)
+    handle.copies.d2h_lane.stream = handle.accelerator.stream(delay_s=delay_s)  # injected copy latency
+    handle.copies.h2d_lane.stream = handle.accelerator.stream(delay_s=delay_s)
     return handle
 
 
@@ -374,15 +374,18 @@ def test_a_host_buffer_is_not_reused_while_an_unconsumed_prefetch_reads_it():
     model = tiny_model()
     handle = delayed_handle(model, 0.05)
     in_flight: set[int] = set()
-    run, copy, take = handle.copies._h2d_timer.run, handle.copies._copy, handle.copies.pool.take
+    timer = handle.copies.h2d_lane._timer
+    run, take = timer.run, handle.copies.pool.take
 
-    def tracked_run(stream, fn, dst, src):
-        in_flight.add(src.data_ptr())
-        run(stream, tracked_copy, dst, src)
+    def tracked_run(stream, copy, dsts, srcs, **kwargs):
+        sources = {src.data_ptr() for src in srcs}
+        in_flight.update(sources)
 
-    def tracked_copy(dst, src):
-        copy(dst, src)
-        in_flight.discard(src.data_ptr())
+        def tracked_copy(dsts, srcs, **kwargs):
+            copy(dsts, srcs, **kwargs)
+            in_flight.difference_update(sources)
+
+        run(stream, tracked_copy, dsts, srcs, **kwargs)
 
     handed_out_busy = []
 
@@ -391,7 +394,7 @@ def test_a_host_buffer_is_not_reused_while_an_unconsumed_prefetch_reads_it():
         handed_out_busy.append(buffer.data_ptr() in in_flight)
         return buffer
 
-    handle.copies._h2d_timer.run, handle.copies.pool.take = tracked_run, checked_take
+    timer.run, handle.copies.pool.take = tracked_run, checked_take
     _unconsumed_prefetch(handle, model)
     assert in_flight, "the scenario must leave a prefetch in flight"
     handed_out_busy.clear()

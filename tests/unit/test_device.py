@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from internlm_offload.device.cpu_memory import host_rss_bytes
 from internlm_offload.device import Accelerator, StreamError, get_accelerator
+from internlm_offload.device.cpu_memory import host_rss_bytes
 
 DELAY_S = 0.3  # injected copy latency; far above thread wake-up times
 
@@ -400,7 +400,7 @@ def test_large_pinned_buffers_are_registered_at_their_exact_size(monkeypatch: py
     their storage, instead of the caching host allocator's power-of-two blocks."""
     import gc
 
-    import internlm_offload.device.host_buffers as device_mod
+    import internlm_offload.device.host_alloc as device_mod
 
     calls: list = []
     cudart = SimpleNamespace(

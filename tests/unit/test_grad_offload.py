@@ -127,7 +127,7 @@ def test_a_copy_started_before_backward_wrote_the_gradients_is_refused(wait_remo
     acc = Accelerator("cpu")
     model, offload = offloaded(torch.bfloat16, acc)
     if wait_removed:
-        offload._copy_stream.wait_stream = lambda other: None
+        offload._lane.stream.wait_stream = lambda other: None
     with acc.check_ordering():
         if wait_removed:
             with pytest.raises(OrderingError):
@@ -142,7 +142,7 @@ def test_slow_copies_land_before_they_are_added():
     the dropped device gradients stay alive until their copy read them (`record_stream`)."""
     acc = Accelerator("cpu")
     model, offload = offloaded(torch.bfloat16, acc)
-    offload._copy_stream = acc.stream(delay_s=0.01)
+    offload._lane.stream = acc.stream(delay_s=0.01)
     expected = reference_grads(torch.bfloat16)  # first: its time must not hide a missing wait
     for tokens in micro_batches():
         backward(model, offload, tokens)

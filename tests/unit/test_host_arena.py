@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import internlm_offload.device.host_buffers as device_mod
+import internlm_offload.device.host_alloc as device_mod
 from internlm_offload.device import Accelerator
 from internlm_offload.device.host_buffers import ALIGNMENT, HostArena
 

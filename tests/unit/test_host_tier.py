@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import internlm_offload.device.host_buffers as device_mod
-from internlm_offload.device.cpu_memory import rss_anon_bytes, rss_shmem_bytes
+import internlm_offload.device.host_alloc as device_mod
 from internlm_offload.device import Accelerator
+from internlm_offload.device.cpu_memory import rss_anon_bytes, rss_shmem_bytes
 
 MB = 1 << 20
 PREFIX = "internlm_offload-"

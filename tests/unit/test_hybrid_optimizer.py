@@ -488,8 +488,8 @@ def test_offloaded_states_share_one_slab_reused_by_the_next_offload(monkeypatch)
 
 
 def slow_copy_streams(opt: HybridDeviceOptimizer, delay_s: float = 0.02) -> None:
-    opt._d2h_stream = opt._acc.stream(delay_s=delay_s)
-    opt._h2d_stream = opt._acc.stream(delay_s=delay_s)
+    opt._d2h.stream = opt._acc.stream(delay_s=delay_s)
+    opt._h2d.stream = opt._acc.stream(delay_s=delay_s)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "bulk"])
@@ -508,11 +508,11 @@ def test_without_the_grad_wait_the_cpu_step_reads_stale_grads(monkeypatch):
     monkeypatch.setattr(HybridDeviceOptimizer, "_wait_for_grads", lambda self, unit: None)
     params, ref_params = make_params(), make_params()
     opt, ref = hybrid(params, offload_fraction=0.5), reference(ref_params)
-    gate = held_back(opt._d2h_stream)
+    gate = held_back(opt._d2h.stream)
     train(opt, params, 1)
     stepped = [p.detach().clone() for p in params]
     gate.set()
-    opt._d2h_stream.synchronize()
+    opt._d2h.stream.synchronize()
     train(ref, ref_params, 1)
     assert not all(torch.equal(a, b) for a, b in zip(stepped, ref_params))
 
@@ -523,12 +523,12 @@ def test_without_the_param_wait_the_next_forward_reads_stale_params(monkeypatch)
     train(opt, params, 1)  # the first step refreshes the masters, which waits for the H2D stream itself
     train(ref, ref_params, 2)
     monkeypatch.setattr(HybridDeviceOptimizer, "_wait_for_params", lambda self, compute: None)
-    gate = held_back(opt._h2d_stream)
+    gate = held_back(opt._h2d.stream)
     train(opt, params, 1, start=1)
     # What a forward right after step() would see: the H2D copies have not landed.
     assert not all(torch.equal(a, b) for a, b in zip(params, ref_params))
     gate.set()
-    opt._h2d_stream.synchronize()
+    opt._h2d.stream.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))  # the copies were only late
 
 
@@ -541,11 +541,11 @@ def test_the_master_refresh_waits_for_the_last_steps_param_copies(monkeypatch):
     train(opt, params, 1)
     train(ref, ref_params, 2)
     monkeypatch.setattr(HybridDeviceOptimizer, "_wait_for_params", lambda self, compute: None)  # the device's host
-    gate = held_back(opt._h2d_stream)
+    gate = held_back(opt._h2d.stream)
     train(opt, params, 1, start=1)  # its H2D copies are held behind the gate
     # Waiting for the H2D stream lets the copies go: no timing involved either way.
-    synchronize = opt._h2d_stream.synchronize
-    monkeypatch.setattr(opt._h2d_stream, "synchronize", lambda: gate.set() or synchronize())
+    synchronize = opt._h2d.stream.synchronize
+    monkeypatch.setattr(opt._h2d.stream, "synchronize", lambda: gate.set() or synchronize())
     opt.sync_from_model()
     gate.set()
     synchronize()
@@ -562,11 +562,11 @@ def test_close_waits_for_the_copies_and_reports_a_failed_one():
     params = make_params()
     opt = hybrid(params, offload_fraction=0.5)
     train(opt, params, 1)
-    opt._h2d_stream.submit(_fail, "an H2D copy failed")
+    opt._h2d.stream.submit(_fail, "an H2D copy failed")
     with pytest.raises(StreamError) as failure:
         opt.close()
     assert str(failure.value.__cause__) == "an H2D copy failed"
-    assert opt._d2h_stream.closed and opt._h2d_stream.closed
+    assert opt._d2h.stream.closed and opt._h2d.stream.closed
 
 
 # ---- validation ---------------------------------------------------------------------------------

@@ -2,19 +2,18 @@
 
 With `Accelerator.check_ordering()` a side-stream task submitted before its stream waited for the compute
 work that last touched its memory raises `OrderingError` (see `device.cpu_checks`). Each offload path runs
-clean under it; removing any one of its `wait_stream(compute)` calls (by the name of the function that
-makes it, and for the hybrid optimizer by stream) makes it raise.
+clean under it; removing the wait for the compute stream of any one of its copy lanes (`device.CopyLane`,
+through which every offload path copies) makes it raise.
 """
 
-import sys
 from collections.abc import Callable
+from operator import attrgetter
 
 import pytest
 import torch
 from stream_gates import held_back
 
-from internlm_offload.device import Accelerator, Stream, StreamError
-from internlm_offload.device import OrderingError
+from internlm_offload.device import Accelerator, CopyLane, OrderingError, StreamError
 from internlm_offload.offload import offload_layers
 from internlm_offload.offload.selective_offload import apply_selective_offload
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer
@@ -68,16 +67,16 @@ def _hybrid(acc: Accelerator) -> tuple[object, Callable[[], None]]:
     return opt, _optimizer_steps(opt, params)
 
 
-# site -> (build the path, the function making the wait, which of the path's streams waits, or None: any)
+# site -> (build the path, the copy lane whose wait is removed: attributes from the path's object)
 SITES = {
-    "activation offload: D2H waits for the activation": (_activation_offload, "to_host", None),
-    "activation offload: H2D waits before reusing memory": (_activation_offload, "reload", None),
-    "selective offload: D2H waits for the output": (_selective_offload, "to_host", None),
-    "selective offload: H2D waits before reusing memory": (_selective_offload, "reload", None),
-    "swap: copy-in waits for compute's last use of the buffer": (_swap, "_copy_in", None),
-    "swap: copy-out waits for the update": (_swap, "_copy_out", None),
-    "hybrid: grads D2H wait for backward": (_hybrid, "step", "_d2h_stream"),
-    "hybrid: params H2D wait for compute's last read": (_hybrid, "step", "_h2d_stream"),
+    "activation offload: D2H waits for the activation": (_activation_offload, "copies.d2h_lane"),
+    "activation offload: H2D waits before reusing memory": (_activation_offload, "copies.h2d_lane"),
+    "selective offload: D2H waits for the output": (_selective_offload, "copies.d2h_lane"),
+    "selective offload: H2D waits before reusing memory": (_selective_offload, "copies.h2d_lane"),
+    "swap: copy-in waits for compute's last use of the buffer": (_swap, "_h2d"),
+    "swap: copy-out waits for the update": (_swap, "_d2h"),
+    "hybrid: grads D2H wait for backward": (_hybrid, "_d2h"),
+    "hybrid: params H2D wait for compute's last read": (_hybrid, "_h2d"),
 }
 
 
@@ -97,24 +96,23 @@ def test_offload_paths_are_ordered(build) -> None:
 
 @pytest.mark.parametrize("site", list(SITES))
 def test_removing_a_compute_wait_is_caught(site: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    build, function, stream_attr = SITES[site]
+    build, lane_path = SITES[site]
     acc = Accelerator("cpu")
     owner, run = build(acc)
+    lane = attrgetter(lane_path)(owner)
     removed = []
-    real_wait_stream = Stream.wait_stream
+    real_wait_for = CopyLane._wait_for
 
-    def wait_stream(stream: Stream, other: Stream) -> None:
-        if sys._getframe(1).f_code.co_name == function and (
-            stream_attr is None or stream is getattr(owner, stream_attr)
-        ):
-            removed.append(stream)
+    def wait_for(self: CopyLane, producer: object) -> None:
+        if self is lane:
+            removed.append(producer)
             return  # the bug: this wait is gone
-        real_wait_stream(stream, other)
+        real_wait_for(self, producer)
 
-    monkeypatch.setattr(Stream, "wait_stream", wait_stream)
+    monkeypatch.setattr(CopyLane, "_wait_for", wait_for)
     with pytest.raises(OrderingError, match="make it wait for the compute stream"), acc.check_ordering():
         run()
-    assert removed, f"{function} made no wait_stream call: the site list is stale"
+    assert removed, f"{lane_path} made no wait: the site list is stale"
     monkeypatch.undo()
     acc.close_streams()
 

@@ -98,9 +98,9 @@ def test_no_host_memory_is_allocated_after_the_first_step(monkeypatch):
 
 
 def _delayed(handle, delay_s: float):
-    for name in ("d2h", "h2d"):
-        getattr(handle.copies, name).close()
-        setattr(handle.copies, name, CPU.stream(delay_s=delay_s))  # injected copy latency
+    for lane in (handle.copies.d2h_lane, handle.copies.h2d_lane):
+        lane.stream.close()
+        lane.stream = CPU.stream(delay_s=delay_s)  # injected copy latency
 
 
 def test_slow_copies_stay_bitwise_and_dropping_the_load_wait_is_caught():

@@ -315,8 +315,8 @@ def test_memory_stats_do_not_wait_for_the_write_back(acc: Accelerator) -> None:
     opt = SwapAdamW(params, lr=1e-2, accelerator=acc)
     run_steps(opt, params, 0, 2)
     waits = []
-    sync = opt._d2h.synchronize
-    opt._d2h.synchronize = lambda: waits.append(1) or sync()
+    sync = opt._d2h.stream.synchronize
+    opt._d2h.stream.synchronize = lambda: waits.append(1) or sync()
     stats = opt.memory_stats()
     assert waits == [] and stats["host_state_bytes"] > 0
     opt.state_dict()  # reading the values does wait
@@ -630,11 +630,11 @@ def test_close_waits_for_the_copies_and_reports_a_failed_one(acc: Accelerator) -
     params = make_params(SHAPES)
     opt = SwapAdamW(params, lr=1e-2, swap_optimizer_times=3, accelerator=acc)
     run_steps(opt, params, 0, 1)
-    opt._d2h.submit(_fail, "a copy-out failed")
+    opt._d2h.stream.submit(_fail, "a copy-out failed")
     with pytest.raises(StreamError) as failure:
         opt.close()
     assert str(failure.value.__cause__) == "a copy-out failed"
-    assert opt._h2d.closed and opt._d2h.closed
+    assert opt._h2d.stream.closed and opt._d2h.stream.closed
 
 
 # ---------------------------------------------------------------- races
@@ -644,10 +644,10 @@ RACE_SHAPES = [((4096,), "train"), ((3000,), "train"), ((5000,), "train"), ((777
 
 
 def _delay_streams(opt: SwapAdamW, acc: Accelerator, h2d_s: float, d2h_s: float) -> None:
-    opt._h2d.close()
-    opt._d2h.close()
-    opt._h2d = acc.stream(delay_s=h2d_s)
-    opt._d2h = acc.stream(delay_s=d2h_s)
+    opt._h2d.stream.close()
+    opt._d2h.stream.close()
+    opt._h2d.stream = acc.stream(delay_s=h2d_s)
+    opt._d2h.stream = acc.stream(delay_s=d2h_s)
 
 
 @pytest.fixture
@@ -686,7 +686,7 @@ def test_skipping_copy_in_wait_is_caught(
         return chunk
 
     monkeypatch.setattr(SwapAdamW, "_copy_in", copy_in_without_wait)
-    gate = held_back(opt._h2d)  # the copy-ins certainly have not run when the buffers are freed
+    gate = held_back(opt._h2d.stream)  # the copy-ins certainly have not run when the buffers are freed
     with pytest.raises(RuntimeError, match="freed while cpu-stream-.* may still use it"):
         run_steps(opt, params, 1, 2)
     gate.set()
@@ -706,7 +706,7 @@ def test_skipping_copy_out_wait_is_caught(
         chunk.copied_out = self.accelerator.event()  # never recorded: already complete
 
     monkeypatch.setattr(SwapAdamW, "_copy_out", copy_out_without_event)
-    gate = held_back(opt._d2h)  # the copy-outs certainly have not run when the buffers are freed
+    gate = held_back(opt._d2h.stream)  # the copy-outs certainly have not run when the buffers are freed
     with pytest.raises(RuntimeError, match="freed while cpu-stream-.* may still use it"):
         run_steps(opt, params, 1, 2)
     gate.set()
@@ -855,7 +855,7 @@ def test_prefetch_before_step_stays_bitwise(
     prefetched = []
     for step in range(8):
         opt.prefetch()
-        opt._h2d.synchronize()  # the early copy has landed: a stale one cannot be fixed by luck
+        opt._h2d.stream.synchronize()  # the early copy has landed: a stale one cannot be fixed by luck
         prefetched.append(opt._prefetched is not None)
         run_steps(ref, ref_params, step, step + 1)
         run_steps(opt, params, step, step + 1)
@@ -908,7 +908,7 @@ def test_state_dict_waits_for_the_last_copy_outs(acc: Accelerator) -> None:
     late = {id(p): {k: v.clone() for k, v in ref.state[rp].items()} for p, rp in zip(params, ref_params)}
     for p in params:
         for key in ("exp_avg", "exp_avg_sq"):
-            acc.copy_async(opt.state[p][key], late[id(p)][key], opt._d2h)
+            acc.copy_async(opt.state[p][key], late[id(p)][key], opt._d2h.stream)
             opt.state[p][key].zero_()
     saved = opt.state_dict()
     for i, rp in enumerate(ref_params):

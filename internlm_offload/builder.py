@@ -151,12 +151,12 @@ def uses_loss_parallel(cfg: RunConfig) -> bool:
 
 
 def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
-    """Meta build + per-shard init: FSDP2, our own decoder (its init_weights works on shards), untied
-    embeddings (materializing unties them), and fp32 params (the init happens before any cast)."""
+    """Meta build + per-shard init: FSDP2 (tensor parallel included), our own decoder (each parameter drawn whole,
+    this rank's part kept), untied embeddings (materializing unties them), and fp32 params (the init happens before
+    any cast)."""
     model = cfg.model
     return (
         cfg.parallel.mode == "fsdp2"
-        and cfg.parallel.tensor.size == 1  # tensor parallel distributes the whole model's seeded weights
         and cfg.parallel.meta_init
         and model.type == "internlm2"
         and not model.tie_word_embeddings
@@ -499,7 +499,7 @@ def apply_data_parallel(
         logger.info("DDP: gradient offload reduces the gradients; the model is not wrapped")
     model = build(PARALLEL, wrapper, "parallel.mode", model, ctx=ctx, **mode_args[wrapper])
     if materialize:
-        materialize_shards(model, ctx, seed=cfg.seed, on_host=par.fsdp_cpu_offload)
+        materialize_shards(model, ctx, on_host=par.fsdp_cpu_offload)
     log_build_memory(ctx)
     return model
 

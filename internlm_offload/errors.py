@@ -1,7 +1,7 @@
 """The errors that end a run with a documented exit code (`launch.py` maps them to codes).
 
 Kept free of torch so that `launch` can name them before anything heavy is imported: a bad config or
-`--print-config` answers in about a second. `ConfigError` lives with the schema (`config_file.py`).
+`--print-config` answers in about a second. `ConfigError` lives with the schema (`config/file.py`).
 """
 
 

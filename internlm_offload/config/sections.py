@@ -303,8 +303,9 @@ class ParallelConfig(Section):
     meta_init: bool = Field(
         True,
         description="`fsdp2` with `internlm2` (untied embeddings, fp32 or fp32-master params): build on the meta "
-        "device, shard, then materialize and initialize only this rank's shards, so a model larger than one "
-        "rank's memory can start. Other cases build the whole model first.",
+        "device, shard, then materialize this rank's shards as slices of the one-process build's weights (each "
+        "parameter drawn whole, one at a time: one parameter's memory above the shards), so a model larger than "
+        "one rank's memory starts from the same model as one process. Other cases build the whole model first.",
     )
 
 

@@ -70,7 +70,7 @@ def buffers_to(model: nn.Module, device: torch.device) -> None:
             module._buffers[name] = buffer.to(device)
 
 
-def materialize_shards(model: nn.Module, ctx: RunContext, *, seed: int | None = None, on_host: bool = False) -> None:
+def materialize_shards(model: nn.Module, ctx: RunContext, *, on_host: bool = False) -> None:
     """Allocate a meta-built, sharded model (FSDP2, alone or over tensor parallel's DTensors) on the device
     (`on_host`: in host memory, where FSDP2's CPU offload policy keeps the shards) and initialize this rank's
     shards as the slices of the weights a one-process build draws from the same seed.
@@ -79,7 +79,6 @@ def materialize_shards(model: nn.Module, ctx: RunContext, *, seed: int | None = 
     (`init_weights`), and only this rank's part of it kept: the process generator advances exactly as in the
     whole build, so every rank, every layout and the one-process run start from one model, on cpu and on
     devices alike. The price is one whole parameter's memory above the shards while it is drawn.
-    (`seed` is not needed: the run's seeding before the build is the whole build's.)
     """
     if ctx.device.type != "meta":
         # The memory planner's trace stays on meta: FSDP2 re-pads a shard only off meta, so to_empty(meta)

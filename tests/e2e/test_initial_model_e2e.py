@@ -65,6 +65,7 @@ def test_fsdp2_over_tensor_parallel_starts_from_the_one_process_model(one_proces
     losses = {}
     for meta in (True, False):
         name = f"msp_meta_{meta}"
-        got, losses[meta], _ = run(tmp_path, name, *layout, f"parallel.meta_init={meta}", nproc=4)
+        got, losses[meta], log = run(tmp_path, name, *layout, f"parallel.meta_init={meta}", nproc=4)
+        assert (META in log) == meta, name  # the meta build runs under tensor parallel too
         assert_same_weights(got, weights, name)
     assert losses[True] == losses[False], losses

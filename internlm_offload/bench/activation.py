@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from internlm_offload.device import Accelerator, host_buffers
+from internlm_offload.device import Accelerator, host_alloc
 from internlm_offload.device.cpu_memory import PeakSampler, rss_anon_bytes
 from internlm_offload.model.internlm2 import InternLM2
 from internlm_offload.offload import apply_activation_checkpointing
@@ -252,8 +252,8 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "loadavg_at_end": os.getloadavg(),
-        "shm_dir": host_buffers.SHM_DIR,
-        "shm_writable": os.access(host_buffers.SHM_DIR, os.W_OK),
+        "shm_dir": host_alloc.SHM_DIR,
+        "shm_writable": os.access(host_alloc.SHM_DIR, os.W_OK),
         "memory_pass_malloc_mmap_threshold": MMAP_THRESHOLD,
         "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": VOCAB},
         "batch": args.batch,

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from internlm_offload.device import Accelerator, HostArena, aligned_offsets, host_buffers
+from internlm_offload.device import Accelerator, HostArena, aligned_offsets, host_alloc
 from internlm_offload.device.cpu_memory import rss_anon_bytes
 from internlm_offload.device.disk_buffers import DiskBuffer
 from internlm_offload.optim.adamw import AdamW
@@ -398,8 +398,8 @@ def environment(args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
         "warmup": args.warmup,
         "steps_per_config": 1 + args.warmup + args.repeats,
         "hyper": HYPER,
-        "shm_dir": host_buffers.SHM_DIR,
-        "shm_writable": os.access(host_buffers.SHM_DIR, os.W_OK),
+        "shm_dir": host_alloc.SHM_DIR,
+        "shm_writable": os.access(host_alloc.SHM_DIR, os.W_OK),
         "loadavg_1m_at_end": os.getloadavg()[0],  # other processes on the box skew the times
     }
 

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from internlm_offload.device.host_alloc import SHM_DIR  # noqa: F401  the benches report it from here
 from internlm_offload.device.layout import TensorSpec, aligned_offsets, aligned_within, round_up, view_at
 from internlm_offload.device.streams import Event
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from runner import REPO, metrics, train
 from safetensors.torch import load_file
-from tensor_parallel_runs import NEAR, OFFLOAD, assert_curves, tensor
+from tensor_parallel_runs import CALM, NEAR, OFFLOAD, assert_curves, tensor
 
 from internlm_offload.tools.export import load_weights
 
@@ -18,30 +18,33 @@ pytestmark = pytest.mark.e2e
 GATHER = REPO / "tests" / "e2e" / "gather_weights.py"
 
 
-def test_isp_2_by_weight_2_follows_data_parallel(tmp_path):
+# Four processes, 8 steps, two data-parallel ranks of micro-batch 2 x 2: one process's curve of the same global
+# batch (micro-batch 2 x 4) is each 2-D layout's reference; test_train_e2e.py holds DDP and FSDP2 on two ranks
+# to it.
+LAYOUT_STEPS = ["data.total_steps=8", "ckpt.enable_save_ckpt=False", "data.global_bsz=8", *CALM]
+
+
+def test_isp_2_by_weight_2_follows_data_parallel(tmp_path, one_process_reference):
     """Four processes, isp over pairs of ranks with FSDP2 sharding the weights over pairs and replicating
-    across them (InternEvo's weight parallel): DDP over two ranks' curve within 1e-5 for 8 steps; with
-    offload, swap and gradient offload bitwise its own."""
-    options = ["data.total_steps=8", "ckpt.enable_save_ckpt=False", "data.global_bsz=8"]
-    data_parallel, isp, offloaded = tmp_path / "dp2", tmp_path / "isp2_w2", tmp_path / "offloaded"
-    train(data_parallel, *options, "parallel.mode=ddp", nproc=2)
+    across them (InternEvo's weight parallel): the data-parallel curve (one process's) within 1e-5 for 8
+    steps; with offload, swap and gradient offload bitwise its own."""
+    isp, offloaded = tmp_path / "isp2_w2", tmp_path / "offloaded"
     layout = ["parallel.tensor.size=2", "parallel.tensor.mode=isp", "parallel.weight.size=2", "parallel.mode=fsdp2"]
-    proc = train(isp, *options, *layout, nproc=4)
+    proc = train(isp, *LAYOUT_STEPS, *layout, nproc=4)
     assert "Applied FSDP2 over 4 ranks (shards over 2, 2 replicas)" in proc.stderr
-    assert_curves(data_parallel, isp, NEAR)
-    train(offloaded, *options, *layout, *OFFLOAD, "swap_optimizer=True", "grad_offload=True", nproc=4)
+    assert_curves(one_process_reference(*LAYOUT_STEPS), isp, NEAR)
+    train(offloaded, *LAYOUT_STEPS, *layout, *OFFLOAD, "swap_optimizer=True", "grad_offload=True", nproc=4)
     assert_curves(isp, offloaded)
 
 
-def test_tensor_2_by_data_2_under_fsdp2_follows_data_parallel(tmp_path):
-    """Four processes, a (dp 2, tp 2) mesh, FSDP2 over dp: FSDP2 over two ranks' curve within 1e-5 for 8
-    steps (the two reduction orders drift apart: 1.6e-5 relative by step 20); with offload, swap and
-    gradient offload bitwise its own, and with FSDP2's CPU offload policy (parameter offload)."""
-    options = ["data.total_steps=8", "ckpt.enable_save_ckpt=False", "parallel.mode=fsdp2", "data.global_bsz=8"]
-    data_parallel, both, offloaded = tmp_path / "dp2", tmp_path / "dp2_tp2", tmp_path / "offloaded"
-    train(data_parallel, *options, nproc=2)  # its meta build starts from the one-process model, as tensor parallel
+def test_tensor_2_by_data_2_under_fsdp2_follows_data_parallel(tmp_path, one_process_reference):
+    """Four processes, a (dp 2, tp 2) mesh, FSDP2 over dp: the data-parallel curve (one process's) within
+    1e-5 for 8 steps; with offload, swap and gradient offload bitwise its own, and with FSDP2's CPU offload
+    policy (parameter offload)."""
+    options = [*LAYOUT_STEPS, "parallel.mode=fsdp2"]
+    both, offloaded = tmp_path / "dp2_tp2", tmp_path / "offloaded"
     train(both, *options, *tensor("msp"), nproc=4)
-    assert_curves(data_parallel, both, NEAR)
+    assert_curves(one_process_reference(*LAYOUT_STEPS), both, NEAR)
     train(offloaded, *options, *tensor("msp"), *OFFLOAD, "swap_optimizer=True", "grad_offload=True", nproc=4)
     assert_curves(both, offloaded)
     policy = tmp_path / "params_on_host"  # FSDP2's CPU offload policy over the 2-D shards

@@ -9,6 +9,7 @@ from internlm_offload.config import resolve_config
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.optim.records import ParamRecord
+from internlm_offload.optim.swap import SwapAdamW
 
 PROTOCOL_ATTRIBUTES = ("main_grad", "model_param", "host_grad")
 OPTIMIZERS = {
@@ -126,3 +127,13 @@ def test_a_record_names_the_model_tensor_exactly_when_its_master_lives_on_the_ho
         ParamRecord(param, param, "host")
     with pytest.raises(ValueError, match="model_param exactly when"):
         ParamRecord(param, param, "device", model_param=param.detach())
+
+
+def test_swap_optimizer_refuses_host_records_without_swap_params():
+    """A host master's record without `swap_params`: its update would never reach the model."""
+    master = torch.nn.Parameter(torch.ones(3))
+    model = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    record = ParamRecord(model, master, "host", model_param=model.detach())
+    with pytest.raises(ValueError, match="need swap_params=True"):
+        SwapAdamW([master], records=[record], accelerator=Accelerator("cpu"))
+    SwapAdamW([master], records=[record], swap_params=True, accelerator=Accelerator("cpu")).close()

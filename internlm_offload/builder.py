@@ -29,7 +29,7 @@ from internlm_offload.engine.start_plan import checkpoint_folder
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
 from internlm_offload.engine.parallel import materialize_shards
-from internlm_offload.engine.precision import MasterWeights, Masters, NoMasters, PrecisionPolicy, cast_model
+from internlm_offload.engine.precision import MasterWeights, NoMasters, PrecisionPolicy, cast_model
 from internlm_offload.engine.runtime import RunContext, data_parallel_group, env_local_world_size, set_determinism
 from internlm_offload.engine.sequence_parallel import SequenceShard, apply_sequence_parallel
 from internlm_offload.engine.tensor_parallel import align_grads_in_backward, apply_tensor_parallel
@@ -45,6 +45,7 @@ from internlm_offload.optim.grad_offload import GradOffload
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer
 from internlm_offload.optim.hybrid_host import offload_mask
 from internlm_offload.optim.interface import OffloadOptimizer
+from internlm_offload.optim.records import Masters
 from internlm_offload.optim.swap import SwapAdamW
 from internlm_offload.optim.memory import (
     HYBRID_CPU_BYTES,
@@ -210,10 +211,10 @@ def build_optimizer(
     """AdamW, or its offloading variants, over the parameters `masters` steps (the fp32 masters where they exist,
     else the model's own through its data-parallel wrapper).
 
-    Every variant gets the same param groups (decay on matrices only) and the same `fused` choice. Host-resident
-    masters (`masters.on_host`) are swapped in with the states (their gradients too with `grad_offload`, which
-    hands them over as host tensors). `cpu_mask`: the hybrid optimizer's placement (`hybrid_cpu_mask`), when the
-    masters were placed by it already. `check_host`: refuse offloaded states the machine's host memory cannot hold.
+    Every variant gets the same param groups (decay on matrices only) and `fused` choice; the offloading ones the
+    masters' records. Host masters (`masters.on_host`) are swapped in with the states (their gradients too with
+    `grad_offload`, as host tensors in the records). `cpu_mask`: the hybrid optimizer's placement, when the masters
+    were placed by it already (`hybrid_cpu_mask`). `check_host`: refuse states the host memory cannot hold.
     """
     model, host_params = masters.module, masters.on_host
     adam = cfg.adam
@@ -235,6 +236,7 @@ def build_optimizer(
             swap_params=host_params,
             host_grads=cfg.grad_offload,
             nvme_path=cfg.nvme_offload.directory,
+            records=masters.records(),
             accelerator=accelerator,
             **hyper,
         )
@@ -251,6 +253,7 @@ def build_optimizer(
             cpu_mask=cpu_mask,
             grads_on_host=cfg.grad_offload,
             nvme_path=cfg.nvme_offload.directory,
+            records=masters.records(),
             **hyper,
         )
     return AdamW(groups, fused=fused, **hyper)
@@ -522,7 +525,6 @@ def offload_gradients(cfg: RunConfig, ctx: RunContext, masters: Masters) -> Grad
     reduce-scatters before the hooks see a gradient."""
     return GradOffload(
         masters,
-        masters.trainable_pairs(),
         ctx.accelerator,
         bucket_bytes=int(cfg.grad_offload_bucket_mb * 2**20),
         from_zeros=isinstance(masters, MasterWeights),

@@ -13,10 +13,11 @@ parallel mode:
   (one flat buffer per step); under DDP that buffer is all-reduced in fp32 once per step (DDP itself
   then never communicates). After a step the masters are rounded into the model's parameters.
   Masters may live in host memory: all of them for the swap optimizer (which swaps them in with
-  their states), the CPU share for the hybrid optimizer (which steps them there). A host master's
-  device gradient is `master.main_grad` instead of `.grad`, it carries `model_param`, and the
-  optimizer writes the rounded update into the model itself. With the swap optimizer the device then
-  holds only the low-precision parameters between steps.
+  their states), the CPU share for the hybrid optimizer (which steps them there). Each trainable
+  master has a `ParamRecord` (optim/records.py) that this module creates and hands to the optimizers:
+  a host master's device gradient is its record's `device_grad` instead of `.grad`, its record's
+  `model_param` is the model's parameter, and the optimizer writes the rounded update into it. With
+  the swap optimizer the device then holds only the low-precision parameters between steps.
 
 Pure low precision (`master_weights=False`) casts the whole model, grads and states included.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from internlm_offload.log import get_logger
 from internlm_offload.optim.dtensor import laid_out_like, local_shard
+from internlm_offload.optim.records import ParamRecord
 
 logger = get_logger(__name__)
 
@@ -98,7 +99,9 @@ class MasterWeights:
     `after_step()` after a successful optimizer step (`copy_to_model()` after loading the masters).
 
     `host_empty(shape, dtype)`: where given, the masters named in `host_names` (all when None) are
-    placed in host buffers from it.
+    placed in host buffers from it. `records()`: one `ParamRecord` per trainable master, created here; this
+    class writes their `device_grad` (host masters) when a step's gradient buffer starts and clears it in
+    `release_grads()`.
     """
 
     def __init__(
@@ -122,16 +125,16 @@ class MasterWeights:
         model.to(compute_dtype)
         named_model = dict(model.named_parameters())
         self._pairs = [(named_model[name], master) for name, master in self.module.named_parameters()]
-        self._trainable = [(p, m) for p, m in self._pairs if m.requires_grad]
-        self._numel = sum(local_shard(m).numel() for _, m in self._trainable)  # tensor parallel: this rank's
-        self._flat_grads: torch.Tensor | None = None
-        self._grad_views: list[torch.Tensor] = []
         host_ids = {id(master) for master in hosted.values()}
         self._on_host = [id(master) in host_ids for _, master in self._pairs]
-        for (param, master), on_host in zip(self._pairs, self._on_host):
-            if on_host:
-                # the offload optimizer rounds its update into it (tensor parallel: the local shard, an alias)
-                master.model_param = local_shard(param.detach())
+        self._records = [
+            _record(param, master, on_host)
+            for (param, master), on_host in zip(self._pairs, self._on_host)
+            if master.requires_grad
+        ]
+        self._numel = sum(local_shard(r.master).numel() for r in self._records)  # tensor parallel: this rank's
+        self._flat_grads: torch.Tensor | None = None
+        self._grad_views: list[torch.Tensor] = []
 
     @property
     def on_host(self) -> bool:
@@ -147,31 +150,33 @@ class MasterWeights:
         """The fp32 masters, kept apart from the model's parameters."""
         return self.module.parameters()
 
-    def trainable_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
-        """(model parameter backward gives a gradient, master the optimizer steps) for each trainable master."""
-        return list(self._trainable)
+    def records(self) -> list[ParamRecord]:
+        """The record of each trainable master, in parameter order (the same objects on every call)."""
+        return list(self._records)
 
     @torch.no_grad()
     def accumulate_grads(self) -> None:
         """Add the model's low-precision grads into the fp32 master grads and free the former."""
         if self._flat_grads is None:
             self._start_flat_grads()
-        for (param, _), grad in zip(self._trainable, self._grad_views):
+        for record, grad in zip(self._records, self._grad_views):
+            param = record.model
             if param.grad is not None:
                 grad.add_(local_shard(param.grad))
                 param.grad = None
 
     def _start_flat_grads(self) -> None:
         # One buffer per step, so DDP's reduction is a single fp32 all-reduce; freed after the step.
-        device = self._trainable[0][0].device  # the model's device, where the grads are produced
+        device = self._records[0].model.device  # the model's device, where the grads are produced
         self._flat_grads = torch.zeros(self._numel, dtype=torch.float32, device=device)
         self._grad_views, offset = [], 0
-        for _, master in self._trainable:
+        for record in self._records:
+            master = record.master
             local = local_shard(master)
             view = self._flat_grads[offset : offset + local.numel()].view_as(local)
-            if getattr(master, "model_param", None) is not None:
+            if record.on_host:
                 # a host tensor cannot hold a device `.grad`; the offload optimizers read local shards
-                master.main_grad = view
+                record.device_grad = view
             else:
                 master.grad = laid_out_like(view, master)  # a DTensor param's grad: a DTensor of its layout
             self._grad_views.append(view)
@@ -181,7 +186,7 @@ class MasterWeights:
         """This step's fp32 master gradients (on the device; DTensors for tensor-parallel params), e.g. to clip."""
         if self._flat_grads is None:
             self._start_flat_grads()
-        return [laid_out_like(view, master) for view, (_, master) in zip(self._grad_views, self._trainable)]
+        return [laid_out_like(view, record.master) for view, record in zip(self._grad_views, self._records)]
 
     @torch.no_grad()
     def reduce_grads(self, distributed: bool) -> None:
@@ -217,10 +222,9 @@ class MasterWeights:
 
     def release_grads(self) -> None:
         """Drop the step's fp32 grad buffer (the optimizer's `zero_grad(set_to_none=True)` drops the views)."""
-        for _, master in self._trainable:
-            master.grad = None
-            if getattr(master, "model_param", None) is not None:
-                master.main_grad = None
+        for record in self._records:
+            record.master.grad = None
+            record.device_grad = None
         self._flat_grads = None
         self._grad_views = []
 
@@ -232,6 +236,7 @@ class NoMasters:
 
     def __init__(self, model: nn.Module) -> None:
         self.module = model
+        self._records = [ParamRecord(p, p) for p in model.parameters() if p.requires_grad]
 
     @property
     def on_host(self) -> bool:
@@ -246,9 +251,10 @@ class NoMasters:
         """None: the model's parameters are the ones stepped."""
         return iter(())
 
-    def trainable_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
-        """(parameter, parameter) for each trainable one: the tensor backward gives a gradient is the one stepped."""
-        return [(p, p) for p in self.module.parameters() if p.requires_grad]
+    def records(self) -> list[ParamRecord]:
+        """A device record per trainable parameter, made at construction: the tensor backward gives a gradient is
+        the one stepped."""
+        return list(self._records)
 
     def accumulate_grads(self) -> None:
         """Nothing: the model's grads accumulate in place over micro-batches."""
@@ -270,24 +276,12 @@ class NoMasters:
         """Nothing: `zero_grad(set_to_none=True)` frees the model's grads."""
 
 
-class Masters(Protocol):
-    """What the trainer asks of the parameters it steps: `MasterWeights`, `NoMasters`, or gradient offload
-    (`optim.grad_offload.GradOffload`, which wraps either and keeps the gradients in host memory)."""
-
-    module: nn.Module
-
-    @property
-    def on_host(self) -> bool: ...
-    @property
-    def reduce_in_backward(self) -> bool: ...
-    def master_params(self) -> Iterator[nn.Parameter]: ...
-    def trainable_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]: ...
-    def accumulate_grads(self) -> None: ...
-    def grads(self) -> list[torch.Tensor]: ...
-    def reduce_grads(self, distributed: bool) -> None: ...
-    def copy_to_model(self) -> None: ...
-    def after_step(self) -> None: ...
-    def release_grads(self) -> None: ...
+def _record(param: nn.Parameter, master: nn.Parameter, on_host: bool) -> ParamRecord:
+    """A host master's record names the model's parameter its update is rounded into (tensor parallel: the local
+    shard, an alias)."""
+    if not on_host:
+        return ParamRecord(param, master)
+    return ParamRecord(param, master, "host", model_param=local_shard(param.detach()))
 
 
 def _host_parameter(param: nn.Parameter, host_empty: Callable) -> nn.Parameter:

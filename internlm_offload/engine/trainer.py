@@ -29,7 +29,6 @@ from internlm_offload.engine.interrupts import GracefulStop
 from internlm_offload.engine.loss import token_loss_sum
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog, Progress, memory_record
-from internlm_offload.engine.precision import Masters
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import local_loss, loss_context
@@ -38,6 +37,7 @@ from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.optim.dtensor import is_dtensor, local_shard
 from internlm_offload.optim.interface import OffloadOptimizer
+from internlm_offload.optim.records import Masters
 from internlm_offload.weights.sources import WeightsSource, load_weights
 
 logger = get_logger(__name__)

@@ -1,9 +1,9 @@
 """Gradient offload (ZeRO-Offload's schedule): every gradient leaves the device as backward produces it.
 
 What it may touch: the model's parameters' `.grad` (taken and dropped by a post-accumulate-grad hook), the
-`host_grad` attribute of the parameters the optimizer steps (views of one host buffer, which the swap and
-hybrid optimizers read instead of a device gradient), and the accelerator's streams, host memory and host
-threads. It never reads a config.
+`host_grad` field of the masters' `ParamRecord`s (optim/records.py: views of one host buffer, which the swap
+and hybrid optimizers read instead of a device gradient), and the accelerator's streams, host memory and
+host threads. It never reads a config.
 
 Schedule of one micro-batch's backward (device picture; the cpu backend runs it on worker threads):
 - a parameter's hook takes its gradient into the open bucket (about `bucket_bytes` of gradients in their
@@ -32,8 +32,8 @@ Cost: 2 x (stepped dtype's bytes) per parameter over the host link per step, aft
 FSDP2 (DTensor parameters, its fp32 shards the masters): FSDP2 calls the hook on each sharded parameter
 once its reduce-scattered gradient shard is accumulated; that shard is what moves, and the host holds this
 rank's shards. `grads()` returns them laid out as the parameters' DTensors, so the gradient norm is taken
-over all ranks (a host tensors' collective: the device's group has gloo beside it); `host_grad` is the
-local shard, which the optimizers' CPU side works on.
+over all ranks (a host tensors' collective: the device's group has gloo beside it); a record's `host_grad` is
+the local shard, which the optimizers' CPU side works on.
 
 Numerics: the host adds are the additions the run without offload does on the device, in the same order
 (micro-batch by micro-batch), so gradients are bitwise that run's. With fp32 masters it adds into a zeroed
@@ -48,7 +48,6 @@ import functools
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -59,9 +58,7 @@ from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import consecutive_runs
 from internlm_offload.optim.dtensor import laid_out_like, local_shard
-
-if TYPE_CHECKING:
-    from internlm_offload.engine.precision import Masters
+from internlm_offload.optim.records import Masters, ParamRecord
 
 logger = get_logger(__name__)
 
@@ -80,17 +77,18 @@ class _Bucket:
 class GradOffload(MemoryFeature):
     """The masters' gradient interface (`Masters`) over host-resident gradients; see the module docstring.
 
-    `pairs`: (model parameter whose `.grad` backward produces, parameter the optimizer steps) for every
-    trainable parameter; the two are one tensor without fp32 masters. `from_zeros` (fp32 masters): the first
-    gradient of a step is added to zeros and parameters without one get zeros; else the first is kept as it
-    is and those get none (autograd's rule). `reduce`: average the host gradients over the default process
-    group's ranks after the last backward, on the device bucket by bucket (DDP; module docstring).
+    Works on `masters.records()`: hooks on each record's `model` (whose `.grad` backward produces), host
+    gradients shaped like its `master` (the parameter the optimizer steps; the two are one tensor without fp32
+    masters), handed over in its `host_grad` from `grads()` until `release_grads()`. `from_zeros` (fp32
+    masters): the first gradient of a step is added to zeros and parameters without one get zeros; else the
+    first is kept as it is and those get none (autograd's rule). `reduce`: average the host gradients over the
+    default process group's ranks after the last backward, on the device bucket by bucket (DDP; module
+    docstring).
     """
 
     def __init__(
         self,
         masters: Masters,
-        pairs: list[tuple[nn.Parameter, nn.Parameter]],
         accelerator: Accelerator,
         *,
         bucket_bytes: int,
@@ -100,14 +98,14 @@ class GradOffload(MemoryFeature):
         self._masters = masters
         self.module = masters.module
         self._acc = accelerator
-        self._stepped = [stepped for _, stepped in pairs]
-        self._local = [local_shard(p.detach()) for p in self._stepped]  # this rank's shards (FSDP2)
+        self._records = masters.records()
+        self._local = [local_shard(r.master.detach()) for r in self._records]  # this rank's shards (FSDP2)
         self._from_zeros = from_zeros
         self._reduce = reduce
-        self._device = pairs[0][0].device if pairs else torch.device("cpu")  # where backward computes
+        self._device = self._records[0].model.device if self._records else torch.device("cpu")  # backward's
         self._host = HostArena(accelerator, [(p.shape, p.dtype) for p in self._local], pinned=True)
-        self._host_grads = [self._host.view(i) for i in range(len(self._stepped))]
-        self._landed = [False] * len(self._stepped)
+        self._host_grads = [self._host.view(i) for i in range(len(self._records))]
+        self._landed = [False] * len(self._records)
         # Bucket sizes count the stepped dtype's bytes, which a reduced bucket travels in (fp32 for masters).
         sizes = [round_up(p.numel() * p.element_size(), _ALIGNMENT) for p in self._local]
         # A bucket holds at least the largest gradient, and need not exceed all of them (a small model).
@@ -130,12 +128,12 @@ class GradOffload(MemoryFeature):
         self._lane = CopyLane(accelerator)
         self._worker = accelerator.host_worker("grad-offload")
         self._hooks = [
-            param.register_post_accumulate_grad_hook(functools.partial(self._take_grad, index))
-            for index, (param, _) in enumerate(pairs)
+            record.model.register_post_accumulate_grad_hook(functools.partial(self._take_grad, index))
+            for index, record in enumerate(self._records)
         ]
         logger.info(
             "Gradient offload: %d gradients to %.1f MiB of pinned host memory, buckets of %.1f MiB",
-            len(pairs),
+            len(self._records),
             self._host.nbytes / 2**20,
             self._capacity / 2**20,
         )
@@ -154,8 +152,9 @@ class GradOffload(MemoryFeature):
     def master_params(self) -> Iterator[nn.Parameter]:
         return self._masters.master_params()
 
-    def trainable_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
-        return self._masters.trainable_pairs()
+    def records(self) -> list[ParamRecord]:
+        """The wrapped masters' records, whose `host_grad` this class writes."""
+        return self._masters.records()
 
     def accumulate_grads(self) -> None:
         """After a micro-batch's backward: send the last, partial bucket."""
@@ -172,16 +171,16 @@ class GradOffload(MemoryFeature):
 
     def grads(self) -> list[torch.Tensor]:
         """This step's host gradients, once every bucket has been added (as DTensors for DTensor params); their
-        local tensors are the `host_grad`s now."""
+        local tensors are the records' `host_grad`s now."""
         self._send()
         self._finish_adds()
         grads = []
-        for stepped, host, landed in zip(self._stepped, self._host_grads, self._landed):
+        for record, host, landed in zip(self._records, self._host_grads, self._landed):
             if not landed and self._from_zeros:
                 host.zero_()
-            stepped.host_grad = host if landed or self._from_zeros else None
-            if stepped.host_grad is not None:
-                grads.append(laid_out_like(host, stepped))
+            record.host_grad = host if landed or self._from_zeros else None
+            if record.host_grad is not None:
+                grads.append(laid_out_like(host, record.master))
         return grads
 
     def copy_to_model(self) -> None:
@@ -192,9 +191,9 @@ class GradOffload(MemoryFeature):
 
     def release_grads(self) -> None:
         """The step is over: the next micro-batch starts the host gradients afresh."""
-        for stepped in self._stepped:
-            stepped.host_grad = None
-        self._landed = [False] * len(self._stepped)
+        for record in self._records:
+            record.host_grad = None
+        self._landed = [False] * len(self._records)
         self._masters.release_grads()
 
     # ---- MemoryFeature ------------------------------------------------------------------------------

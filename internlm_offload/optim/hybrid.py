@@ -5,9 +5,10 @@ elements, keep their master copy, grad buffer and optimizer states in host memor
 a CPU optimizer; the rest are stepped on the device. Per step only grads go D2H and updated params go
 H2D (the param dtype's bytes each way); the states never move.
 
-A host-resident param (an fp32 master of a low-precision model, carrying `model_param`) is its own host
-master: its gradient is `main_grad` and its update goes H2D into `model_param`. The schedule, memory
-figures, numerics and checkpoints: docs/optimizer_offload.md.
+A host-resident param (an fp32 master of a low-precision model whose `ParamRecord`, optim/records.py, is
+placed on the host) is its own host master: its gradient is the record's `device_grad` and its update goes
+H2D into the record's `model_param`. The schedule, memory figures, numerics and checkpoints:
+docs/optimizer_offload.md.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from internlm_offload.optim.hybrid_host import (
 )
 from internlm_offload.optim.hybrid_state import StateView, group_of, hyper_params, is_shard_state, placed, state_bytes
 from internlm_offload.optim.interface import OffloadOptimizer
+from internlm_offload.optim.records import ParamRecord, records_by_master
 
 __all__ = ["CPU_STEP_PIECES", "HybridDeviceOptimizer", "offload_mask"]  # offload_mask: the placement's rule
 
@@ -73,7 +75,10 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
             (the builder does, to put their fp32 masters in host memory); default
             `offload_mask(params, offload_fraction)`.
         grads_on_host: gradient offload (`optim.grad_offload`) hands the CPU share's gradients over as host
-            tensors (`param.host_grad`): no D2H copy of them, and no host grad buffer for host-resident params.
+            tensors (the records' `host_grad`): no D2H copy of them, and no host grad buffer for host-resident
+            params.
+        records: the params' `ParamRecord`s from the masters layer (where each gradient is, which params live on
+            the host); without them every param is a device param whose gradient is its `.grad`.
         nvme_path: the CPU share's AdamW states live in files in this directory (the NVMe tier,
             `device/disk_buffers.py`), one per piece: the next piece's are read ahead while one is stepped,
             and a stepped piece's are written back and dropped from memory.
@@ -96,6 +101,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         cpu_mask: Sequence[bool] | None = None,
         grads_on_host: bool = False,
         nvme_path: str | None = None,
+        records: Iterable[ParamRecord] | None = None,
         **kwargs: Any,
     ) -> None:
         if not 0.0 <= offload_fraction <= 1.0:
@@ -111,6 +117,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
         self.grads_on_host = grads_on_host
         self.nvme_path = nvme_path
+        self._records = records_by_master(records)
         self._d2h, self._h2d = CopyLane(self._acc), CopyLane(self._acc)
         self._params_read: Event | None = None  # recorded at step(): the H2D copies of the step wait for it
         self._host_arenas: list[HostArena] = []
@@ -127,9 +134,9 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         all_params = [p for group in self.param_groups for p in group["params"]]
         placement = cpu_placement(all_params, offload_fraction, cpu_mask)
         offloaded = {id(p) for p, cpu in zip(all_params, placement) if cpu}
-        if any(_resident(p) and id(p) not in offloaded for p in all_params):
+        if any(self._resident(p) and id(p) not in offloaded for p in all_params):
             raise ValueError(
-                "a host-resident param (one with `model_param`) falls outside the CPU share of "
+                "a host-resident param (its record placed on the host) falls outside the CPU share of "
                 f"offload_fraction={offload_fraction}: place exactly the CPU share on the host"
             )
         cpu_cls = cpu_optimizer_cls or functools.partial(torch.optim.AdamW, fused=True)
@@ -178,11 +185,11 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
 
     def _buffer_specs(self, param: torch.Tensor) -> dict[str, tuple[torch.Size, torch.dtype, bool]]:
         """The host buffers a CPU-stepped param needs: role -> (shape, dtype, pinned)."""
-        if _resident(param):
+        if self._resident(param):
             # The param is the master; grads land in fp32, updates leave in the model param's dtype.
             host = local_shard(param.detach())  # tensor parallel: the master is a DTensor of host shards
-            staging = {"staging": (host.shape, param.model_param.dtype, self.pin_cpu_params)}
-            if self.grads_on_host:  # its `host_grad` is in the master's dtype already
+            staging = {"staging": (host.shape, self._records[id(param)].model_param.dtype, self.pin_cpu_params)}
+            if self.grads_on_host:  # its record's `host_grad` is in the master's dtype already
                 return staging
             return {"grad": (host.shape, host.dtype, self.pin_cpu_grads), **staging}
         local = local_shard(param.detach())  # this rank's shard of a DTensor param
@@ -196,11 +203,17 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         return specs
 
     def _host_slot(self, param: torch.Tensor, views: dict[str, torch.Tensor]) -> HostSlot:
-        if _resident(param):
+        record = self._records.get(id(param))
+        if self._resident(param):
             # its own master; a DTensor's (tensor parallel) local shard, which the CPU step updates in place
-            return HostSlot(param, local_shard(param.detach()), views.get("grad"), views["staging"], resident=True)
+            return HostSlot(param, local_shard(param.detach()), views.get("grad"), views["staging"], record=record)
         views["master"].copy_(local_shard(param.detach()))
-        return HostSlot(param, views["master"], views["grad"], views.get("staging"))
+        return HostSlot(param, views["master"], views["grad"], views.get("staging"), record=record)
+
+    def _resident(self, param: torch.Tensor) -> bool:
+        """A host-resident param: its record places it on the host, with the device tensor its updates go to."""
+        record = self._records.get(id(param))
+        return record is not None and record.on_host
 
     def _cpu_unit(
         self, cls: Callable[..., Optimizer], groups: list[tuple[int, list[HostSlot]]], kwargs: dict
@@ -546,8 +559,3 @@ def _default_device_cls(accelerator: Accelerator) -> Callable[..., Optimizer]:
     if fused_supported(accelerator.name):
         return functools.partial(torch.optim.AdamW, fused=True)
     return torch.optim.AdamW
-
-
-def _resident(param: torch.Tensor) -> bool:
-    """A host-resident param: it carries the device tensor its updates go to (`model_param`)."""
-    return getattr(param, "model_param", None) is not None

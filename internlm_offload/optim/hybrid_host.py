@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from internlm_offload.device import Accelerator, Event, HostArena
 from internlm_offload.optim.adamw import consecutive_runs
 from internlm_offload.optim.dtensor import laid_out_like, local_nbytes, local_shard
+from internlm_offload.optim.records import ParamRecord
 
 # With overlap the CPU share is stepped in this many pieces (fewer when it has fewer params), each as
 # soon as its own grads have landed: enough to hide all but the first piece's copy, few enough that a
@@ -30,29 +31,35 @@ class HostSlot:
     For a DTensor param (FSDP2) the host buffers hold this rank's shard: `local(param)` / `local(param.grad)`.
     """
 
-    param: torch.Tensor  # the model's param, on the device (a DTensor under FSDP2)
+    param: torch.Tensor  # the param the hybrid optimizer steps, on the device (a DTensor under FSDP2)
     master: torch.Tensor  # host copy the CPU optimizer updates (fp32 when updated in fp32)
-    grad: torch.Tensor | None  # host grad in the master dtype (None: grads arrive as `host_grad` in it)
+    grad: torch.Tensor | None  # host grad in the master dtype (None: grads arrive as the record's `host_grad`)
     staging: torch.Tensor | None  # host buffer in the param dtype when it differs from the master's
     has_grad: bool = False  # whether `param.grad` existed at the start of the current step
-    resident: bool = False  # the param lives on the host and is its own master (see optim.hybrid)
+    record: ParamRecord | None = None  # the masters layer's record of `param`, when it was handed one
+
+    @property
+    def resident(self) -> bool:
+        """The param lives on the host and is its own master (see optim.hybrid)."""
+        return self.record is not None and self.record.on_host
 
     @property
     def local_param(self) -> torch.Tensor:
         """The device tensor the master mirrors: the param, or its local shard (an alias) for a DTensor;
-        for a host-resident param, the device tensor that receives its value."""
-        return self.param.model_param.detach() if self.resident else local_shard(self.param.detach())
+        for a host-resident param, the device tensor that receives its value (its record's `model_param`)."""
+        return self.record.model_param if self.resident else local_shard(self.param.detach())
 
     @property
     def device_grad(self) -> torch.Tensor | None:
-        """`main_grad` for a host-resident param; its `.grad` when DCP's state init sets zero grads."""
-        main_grad = getattr(self.param, "main_grad", None) if self.resident else None
-        return self.param.grad if main_grad is None else main_grad
+        """The record's `device_grad` for a host-resident param; else (or when DCP's state init sets zero grads)
+        its `.grad`."""
+        grad = None if self.record is None else self.record.device_grad
+        return self.param.grad if grad is None else grad
 
     @property
     def host_grad(self) -> torch.Tensor | None:
         """The param's gradient when gradient offload already brought it to the host (`optim.grad_offload`)."""
-        return getattr(self.param, "host_grad", None)
+        return None if self.record is None else self.record.host_grad
 
     def step_grad(self) -> torch.Tensor:
         """The host gradient the CPU step applies, in the master's dtype (upcast on the host where needed)."""

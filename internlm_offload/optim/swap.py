@@ -27,14 +27,17 @@ The update is torch's own AdamW kernel (`torch.optim.adam.adam` with the group's
 and states are bitwise those of `torch.optim.AdamW` with the same arguments.
 
 With `swap_params=True` the parameters themselves live on the host too (fp32 master weights of a
-low-precision model, as ZeRO-Offload keeps them): each parameter then carries `main_grad`, its
-gradient on the device, and may carry `model_param`, the device tensor (e.g. the bf16 weight the model
-computes with) that receives the updated value in its own dtype. The parameter is swapped in and out
-with its states, so between steps the device holds neither masters nor states.
+low-precision model, as ZeRO-Offload keeps them): each parameter's `ParamRecord` (optim/records.py,
+`records=`) then holds `device_grad`, its gradient on the device, and `model_param`, the device tensor
+(e.g. the bf16 weight the model computes with) that receives the updated value in its own dtype. The
+parameter is swapped in and out with its states, so between steps the device holds neither masters nor
+states.
 
-With `host_grads=True` the gradients are host tensors too (`param.host_grad`, from gradient offload,
-`optim.grad_offload`): each is copied in with its chunk, into the chunk's device buffer, and never out. A
-prefetched chunk's gradients are copied at `step()`, when they are final.
+With `host_grads=True` the gradients are host tensors too (the records' `host_grad`, from gradient
+offload, `optim.grad_offload`): each is copied in with its chunk, into the chunk's device buffer, and never
+out. A prefetched chunk's gradients are copied at `step()`, when they are final.
+
+Without records every parameter's gradient is its `.grad` (plain swap AdamW).
 
 With `nvme_path` (the NVMe tier) the arena is a file in that directory, mapped (`HostArena(directory=...)`,
 `device/disk_buffers.py`): the pipeline is the same, and it steers the kernel: a chunk's copy-in asks for
@@ -50,7 +53,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +76,7 @@ from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import consecutive_runs
 from internlm_offload.optim.dtensor import laid_out_like, local_nbytes, local_shard
 from internlm_offload.optim.interface import OffloadOptimizer
+from internlm_offload.optim.records import ParamRecord, records_by_master
 
 logger = get_logger(__name__)
 
@@ -136,9 +140,11 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
     Extra args (InternEvo's key names): `swap_optimizer_times` (the step's device memory is
     `1/times` of the states), `use_pinned_optimizer_offload` (the host slab holding every state is
     pinned; else pageable), `swap_params` (the params are host
-    tensors with a device `main_grad`; see the module docstring), `host_grads` (the gradients are host
-    tensors, `host_grad`, swapped in with the states), `nvme_path` (the arena is a file in this directory,
-    the NVMe tier; see the module docstring), `accelerator` (default: detected).
+    tensors with a device gradient; see the module docstring), `host_grads` (the gradients are host
+    tensors, swapped in with the states), `nvme_path` (the arena is a file in this directory, the NVMe
+    tier; see the module docstring), `records` (the params' `ParamRecord`s, from the masters layer: where
+    each gradient is and which model tensor an update goes to; without them, `.grad` and the param itself),
+    `accelerator` (default: detected).
     """
 
     def __init__(
@@ -158,6 +164,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         swap_params: bool = False,
         host_grads: bool = False,
         nvme_path: str | None = None,
+        records: Iterable[ParamRecord] | None = None,
         accelerator: Accelerator | None = None,
     ) -> None:
         if swap_optimizer_times < 1:
@@ -185,6 +192,9 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         self.swap_params = swap_params
         self.host_grads = host_grads
         self.nvme_path = nvme_path
+        self._records = records_by_master(records)
+        if not swap_params and any(record.on_host for record in self._records.values()):
+            raise ValueError("records of host-resident masters need swap_params=True: they are swapped in and out")
         self._chunks: list[_Chunk] | None = None
         self._layout_key: tuple | None = None
         self._budget = 0
@@ -364,12 +374,10 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         return active
 
     def _grad(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The gradient to apply: `host_grad` with gradient offload, else `main_grad` (on the device) for a
-        host-resident parameter; its `.grad` when DCP's state init steps with zero grads set on the params."""
-        if self.host_grads and getattr(param, "host_grad", None) is not None:
-            return param.host_grad
-        main_grad = getattr(param, "main_grad", None) if self.swap_params else None
-        return param.grad if main_grad is None else main_grad
+        """The gradient to apply: its record's (host with gradient offload, else on the device for a host-resident
+        parameter); its `.grad` without one, or when DCP's state init steps with zero grads set on the params."""
+        record = self._records.get(id(param))
+        return param.grad if record is None else record.grad()
 
     def _admit(self, upcoming: deque, staged: deque, copying_out: deque, active: Collection[torch.Tensor]) -> None:
         """Start copy-ins while the device budget allows; free finished copy-outs to make room."""
@@ -458,9 +466,9 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
         for p, target in zip(chunk.stepped, targets):
-            model_param = getattr(p, "model_param", None) if self.swap_params else None
-            if model_param is not None:
-                model_param.copy_(target)  # rounds into the model's dtype, on the compute stream
+            record = self._records.get(id(p))
+            if record is not None and record.on_host:
+                record.model_param.copy_(target)  # rounds into the model's dtype, on the compute stream
 
     def _copy_out(self, chunk: _Chunk) -> None:
         device_views, hosts = zip(*self._copies(chunk, params=chunk.stepped))

@@ -41,6 +41,7 @@ from internlm_offload.data.loader import MicroBatch
 from internlm_offload.device import storage_key
 from internlm_offload.engine.runtime import RunContext, tensor_parallel_mesh
 from internlm_offload.engine.trainer import Trainer
+from internlm_offload.optim.records import ParamRecord
 from internlm_offload.planner.cost import StepWork, WorkCounter, flash_cpu_flops
 from internlm_offload.planner.standins import (
     PlanningAccelerator,
@@ -96,6 +97,7 @@ class _Probe:
     """Readings taken by hooks during the steady step (the last micro-batch's forward wins: all save the same)."""
 
     tracker: StorageTracker
+    records: list[ParamRecord]  # the masters' records: where `step()` finds each gradient
     block_growth: dict[int, int] = field(default_factory=dict)
     forward_growth: int = 0
     grads_bytes: int = 0
@@ -113,7 +115,7 @@ class _Probe:
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Work beyond `forwards` copies of the first micro-batch's (the swap optimizer's prefetch during
         the last backward) happens once per step: it goes with the optimizer's."""
-        self.grads_bytes = _grads_bytes(optimizer)
+        self.grads_bytes = _grads_bytes(optimizer, self.records)
         if self.counter is not None:
             total = self._counted()
             self.micro_batch_work = self.micro_batch_work or total
@@ -253,7 +255,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
             for param in parts.model.parameters():  # FSDP2 keeps each shard in pinned host memory
                 tracker.move_to(param, ("host", "pinned"))
         trainer = make_trainer(cfg, ctx, parts, trainer_class=Trainer if measure else _TracingTrainer)
-        probe = _Probe(tracker)
+        probe = _Probe(tracker, parts.masters.records())
         parts.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: probe.before_optimizer_step(optimizer))
         parts.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: probe.after_optimizer_step())
         tracker.reset_peaks()
@@ -297,14 +299,15 @@ def _rank_zero(world_size: int, tensor_size: int, accelerator: PlanningAccelerat
     return RunContext(0, 0, world_size, accelerator, tensor_size=tensor_size, mesh=mesh)
 
 
-def _grads_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the distinct gradients `step()` reads (`main_grad` of host-resident masters)."""
+def _grads_bytes(optimizer: torch.optim.Optimizer, records: list[ParamRecord]) -> int:
+    """Bytes of the distinct device gradients `step()` reads (the records' `device_grad` for host-resident
+    masters, else `.grad`)."""
+    device_grads = {id(r.master): r.device_grad for r in records if r.device_grad is not None}
     seen: set[int] = set()
     total = 0
     for group in optimizer.param_groups:
         for p in group["params"]:
-            grad = getattr(p, "main_grad", None)
-            grad = p.grad if grad is None else grad
+            grad = device_grads.get(id(p), p.grad)
             local = None if grad is None else plain_tensors(grad)[0]  # a DTensor's local shard
             if local is not None and storage_key(local) not in seen:
                 seen.add(storage_key(local))

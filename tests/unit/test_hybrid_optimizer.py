@@ -14,6 +14,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from internlm_offload.device import StreamError, storage_key
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer, offload_mask
+from internlm_offload.optim.records import ParamRecord
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -735,19 +736,25 @@ def test_fsdp2_two_ranks_bitwise_and_dcp_round_trip(tmp_path):
 # ---- host-resident params (fp32 masters of a low-precision model) ----------------------------------
 
 
+def host_record(master: torch.Tensor) -> ParamRecord:
+    """The record MasterWeights makes for a host master: the bf16 model parameter its updates are rounded into."""
+    model = torch.nn.Parameter(master.detach().to(torch.bfloat16))
+    return ParamRecord(model, master, "host", model_param=model.detach())
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "bulk"])
 def test_host_resident_cpu_share_steps_in_place_and_writes_the_model(overlap):
-    """The CPU share is its own master (`model_param` + `main_grad`): no second copy, bf16 model updated."""
+    """The CPU share is its own master (its record's `model_param` + `device_grad`): no second copy, bf16 model
+    updated."""
     params, ref_params = make_params(), make_params()
     resident = [i for i, on_cpu in enumerate(CPU_AT_HALF) if on_cpu]
-    for i in resident:
-        params[i].model_param = params[i].detach().to(torch.bfloat16)
-    opt = hybrid(params, offload_fraction=0.5, overlap_cpu_optimizer_d2h_h2d=overlap)
+    records = {i: host_record(params[i]) for i in resident}
+    opt = hybrid(params, offload_fraction=0.5, overlap_cpu_optimizer_d2h_h2d=overlap, records=records.values())
     ref = reference(ref_params)
     for step in range(20):
         for i, (p, g) in enumerate(zip(params, grads(step, params))):
             if i in resident:
-                p.main_grad, p.grad = g, None
+                records[i].device_grad, p.grad = g, None
             else:
                 p.grad = g
         for p, g in zip(ref_params, grads(step, ref_params)):
@@ -756,13 +763,13 @@ def test_host_resident_cpu_share_steps_in_place_and_writes_the_model(overlap):
         ref.step()
     assert_bitwise(opt, params, ref, ref_params)
     for i in resident:
-        assert torch.equal(params[i].model_param, ref_params[i].detach().to(torch.bfloat16))
+        assert torch.equal(records[i].model_param, ref_params[i].detach().to(torch.bfloat16))
         slot = next(s for u in opt._cpu_units for s in u.slots if s.param is params[i])
         assert slot.master.data_ptr() == params[i].data_ptr()  # stepped in place, no second master
 
 
 def test_host_resident_param_outside_the_cpu_share_is_refused():
     params = make_params()
-    params[4].model_param = params[4].detach().to(torch.bfloat16)  # device-stepped at 0.5
+    record = host_record(params[4])  # device-stepped at 0.5
     with pytest.raises(ValueError, match="outside the CPU share"):
-        hybrid(params, offload_fraction=0.5)
+        hybrid(params, offload_fraction=0.5, records=[record])

@@ -23,6 +23,7 @@ from stream_gates import held_back
 
 import internlm_offload.optim.swap as swap_mod
 from internlm_offload.device import Accelerator, StreamError
+from internlm_offload.optim.records import ParamRecord
 from internlm_offload.optim.swap import SLOT_ALIGNMENT, SWAPPED_KEYS, SwapAdamW, _Chunk
 
 REPO = Path(__file__).resolve().parents[2]
@@ -800,29 +801,38 @@ def test_host_memory_preflight_refuses_what_does_not_fit() -> None:
 
 @pytest.mark.parametrize("times", [1, 3])
 def test_swapped_masters_match_adamw_on_device_masters_and_write_the_model(acc, times):
-    """`swap_params`: fp32 masters on the host, grads in `main_grad`, updates rounded into `model_param`."""
+    """`swap_params`: fp32 masters on the host, grads in their records' `device_grad`, updates rounded into the
+    records' `model_param`."""
     gen = torch.Generator().manual_seed(3)
     shapes = [(33, 17), (7,), (4097,)]
     reference = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-    masters = []
+    masters, records = [], []
     for ref in reference:
         host = torch.nn.Parameter(acc.host_empty(ref.shape, torch.float32).copy_(ref.detach()))
-        host.model_param = ref.detach().to(torch.bfloat16)
+        model = torch.nn.Parameter(ref.detach().to(torch.bfloat16))
         masters.append(host)
+        records.append(ParamRecord(model, host, "host", model_param=model.detach()))
     expected = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, fused=True)
     swapped = SwapAdamW(
-        masters, lr=1e-2, weight_decay=0.1, fused=True, swap_optimizer_times=times, swap_params=True, accelerator=acc
+        masters,
+        lr=1e-2,
+        weight_decay=0.1,
+        fused=True,
+        swap_optimizer_times=times,
+        swap_params=True,
+        records=records,
+        accelerator=acc,
     )
     for _ in range(5):
-        for ref, master in zip(reference, masters):
+        for ref, record in zip(reference, records):
             grad = torch.randn(ref.shape, generator=gen)
-            ref.grad, master.main_grad = grad, grad.clone()
+            ref.grad, record.device_grad = grad, grad.clone()
         expected.step()
         swapped.step()
         swapped.finish_copies()
-        for ref, master in zip(reference, masters):
+        for ref, master, record in zip(reference, masters, records):
             assert torch.equal(master, ref) and master.grad is None
-            assert torch.equal(master.model_param, ref.detach().to(torch.bfloat16))
+            assert torch.equal(record.model_param, ref.detach().to(torch.bfloat16))
     stats = swapped.memory_stats()
     assert stats["device_state_bytes"] == 0 and stats["host_param_bytes"] == sum(m.numel() * 4 for m in masters)
     for ref, master in zip(reference, masters):

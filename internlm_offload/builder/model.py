@@ -1,0 +1,234 @@
+"""The model steps of a run: build it, split it over the tensor group, cast it per the precision policy, apply the
+per-block memory plan and wrap it for data parallelism (each an `apply_*` with plain arguments below the config)."""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from internlm_offload.builder.optimizer import host_master_names
+from internlm_offload.config import ConfigError, CpuOffloadingConfig, ModelConfig, RunConfig
+from internlm_offload.device import Accelerator
+from internlm_offload.engine.parallel import materialize_shards
+from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
+from internlm_offload.engine.runtime import RunContext, data_parallel_group
+from internlm_offload.engine.sequence_parallel import SequenceShard
+from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
+from internlm_offload.log import get_logger
+from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
+from internlm_offload.offload.plan import LayerMode
+from internlm_offload.offload.selective_offload import SelectiveOffloader
+from internlm_offload.registry import MODELS, PARALLEL, build
+
+logger = get_logger(__name__)
+
+
+def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
+    """Construct the model in fp32 on `device`; weights are a pure function of the torch seed.
+
+    The precision policy (`cast_model`) then decides which copy is cast to the compute dtype.
+    """
+    if cfg.type == "hf_causal_lm":
+        kwargs: dict[str, Any] = dict(
+            path=cfg.hf_path, config=cfg.hf_config, trust_remote_code=cfg.trust_remote_code, attn_impl=cfg.attn_impl
+        )
+    else:
+        kwargs = dict(
+            num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_attention_heads,
+            num_kv_attention_heads=cfg.num_kv_attention_heads,
+            vocab_size=cfg.vocab_size,
+            mlp_ratio=cfg.mlp_ratio,
+            multiple_of=cfg.multiple_of,
+            norm_eps=cfg.norm_eps,
+            rope_base=cfg.rope_base,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            init_std=cfg.init_std,
+            attn_impl=cfg.attn_impl,
+            attention_bias=cfg.attention_bias,
+        )
+    with torch.device(device):
+        try:
+            return build(MODELS, cfg.type, "model.type", **kwargs)
+        except ValueError as exc:  # the HF wrapper names its argument (model.<name>) and the fix
+            if cfg.type != "hf_causal_lm":
+                raise
+            message = " ".join(str(exc).split())
+            if message.startswith(("hf_path", "hf_config", "attn_impl")):
+                message = f"model.{message}"  # the wrapper's messages start with its argument: a model.* key
+            elif not message.startswith("model."):
+                message = f"model.type='hf_causal_lm': {message}"
+            raise ConfigError(message) from None
+
+
+def sequence_shard(cfg: RunConfig, ctx: RunContext) -> SequenceShard | None:
+    """isp over a tensor group of several ranks: this rank's chunk of every sequence."""
+    if cfg.parallel.tensor.mode != "isp" or ctx.mesh is None:
+        return None
+    tp = ctx.mesh["tp"]
+    return SequenceShard(rank=tp.get_local_rank(), size=tp.size(), group=tp.get_group())
+
+
+def gradient_group(cfg: RunConfig, ctx: RunContext) -> dist.ProcessGroup | None:
+    """Whom gradients (and validation sums) are reduced over: the data-parallel dim under mtp/msp/fsp, whose
+    tensor ranks hold shards; every rank under isp (None), whose tensor ranks hold chunks of the sequence."""
+    return None if cfg.parallel.tensor.mode == "isp" else data_parallel_group(ctx)
+
+
+def fsdp_mesh(cfg: RunConfig, ctx: RunContext) -> DeviceMesh | None:
+    """FSDP2's mesh: the data-parallel dim under mtp/msp/fsp; under isp all ranks, sharded over groups of
+    `parallel.weight.size` and replicated across them (InternEvo's weight parallel; HSDP); None: all ranks."""
+    if cfg.parallel.tensor.mode != "isp":
+        return ctx.mesh["dp"] if ctx.mesh is not None else None
+    weight = cfg.parallel.weight.size
+    if weight in (1, ctx.world_size):
+        return None
+    shape = (ctx.world_size // weight, weight)
+    return init_device_mesh(ctx.accelerator.name, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def uses_loss_parallel(cfg: RunConfig) -> bool:
+    """Vocab-sharded logits: mtp/msp/fsp with `model.parallel_output` (isp keeps the head whole)."""
+    tensor = cfg.parallel.tensor
+    return tensor.size > 1 and tensor.mode != "isp" and cfg.model.parallel_output
+
+
+def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
+    """Meta build + per-shard init: FSDP2 (tensor parallel included), our own decoder (each parameter drawn whole,
+    this rank's part kept), untied embeddings (materializing unties them), and fp32 params (the init happens before
+    any cast)."""
+    model = cfg.model
+    return (
+        cfg.parallel.mode == "fsdp2"
+        and cfg.parallel.meta_init
+        and model.type == "internlm2"
+        and not model.tie_word_embeddings
+        and policy.param_dtype == torch.float32
+    )
+
+
+def log_build_memory(ctx: RunContext) -> None:
+    mib = 2**20
+    acc = ctx.accelerator
+    logger.info(
+        "Model built: %.1f MiB of device memory on this rank (peak %.1f MiB)",
+        acc.memory_allocated() / mib,
+        acc.max_memory_allocated() / mib,
+    )
+
+
+def build_layer_plan(cfg: RunConfig, num_layers: int) -> LayerPlan:
+    offload = cfg.cpu_offloading
+    try:
+        return make_layer_plan(
+            num_layers,
+            offload_layers=offload.num_layers,
+            checkpoint_ratio=cfg.model.checkpoint,
+            selective=cfg.selective_checkpoint,
+            selective_offload=cfg.selective_checkpoint_offload,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def offload_settings(section: CpuOffloadingConfig) -> dict[str, Any]:
+    """The `cpu_offloading` section as `apply_layer_plan`'s plain keyword arguments."""
+    return dict(
+        offload_enabled=section.enable,
+        mode=section.mode,
+        pin_memory=section.pin_memory,
+        min_offload_bytes=section.min_offload_bytes,
+        prefetch_layers=section.prefetch_layers,
+    )
+
+
+def build_bare_model(
+    cfg: RunConfig, ctx: RunContext, *, on_meta: bool, check_model: Callable[[nn.Module], None] | None
+) -> nn.Module:
+    """The model in fp32 (on meta when FSDP2 materializes the shards later); device memory counts from here."""
+    ctx.accelerator.mark_memory_baseline()  # cpu: see device/cpu_memory.py
+    model = build_model(cfg.model, torch.device("meta") if on_meta else ctx.device)
+    if check_model is not None:
+        check_model(model)
+    return model
+
+
+def apply_tensor_parallel_plan(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> None:
+    """mtp / msp / fsp over the "tp" mesh dim. fsp's gathers run again in backward where the layer plan leaves a
+    block plain (checkpointed blocks keep only their input anyway; offloaded ones move what they save)."""
+    plain = build_layer_plan(cfg, len(model.layers)).layers_with(LayerMode.PLAIN)
+    apply_tensor_parallel(
+        model,
+        ctx.mesh["tp"],
+        mode=cfg.parallel.tensor.mode,
+        parallel_output=cfg.model.parallel_output,
+        gather_again_in=set(plain),
+    )
+
+
+def apply_precision(
+    cfg: RunConfig, ctx: RunContext, model: nn.Module, policy: PrecisionPolicy, cpu_mask: list[bool]
+) -> MasterWeights | None:
+    """Cast the model per the precision policy; the fp32 masters it keeps apart, if any. The swap optimizer
+    swaps the masters with its states, the hybrid one steps its CPU share on the host: those masters then live
+    in (pinned) host memory only."""
+    host_names = host_master_names(cfg, model, cpu_mask)
+    host_empty = ctx.accelerator.host_empty if host_names is None or host_names else None
+    kept = cast_model(
+        model,
+        policy,
+        fsdp=cfg.parallel.mode == "fsdp2",
+        host_empty=host_empty,
+        host_names=host_names,
+        reduce_group=gradient_group(cfg, ctx),
+    )
+    logger.info("Precision: %s", policy.describe())
+    return kept
+
+
+def apply_memory_plan(
+    cfg: RunConfig, layers: nn.ModuleList, accelerator: Accelerator
+) -> tuple[ActivationOffloader | None, SelectiveOffloader | None]:
+    """The per-block plan (offload / checkpoint / selective / plain) applied to the bare blocks."""
+    plan = build_layer_plan(cfg, len(layers))
+    logger.info("Layer plan (%d blocks):\n%s", len(layers), plan.table())
+    return apply_layer_plan(layers, plan, **offload_settings(cfg.cpu_offloading), accelerator=accelerator)
+
+
+def apply_data_parallel(
+    cfg: RunConfig,
+    ctx: RunContext,
+    model: nn.Module,
+    layers: nn.ModuleList,
+    policy: PrecisionPolicy,
+    *,
+    materialize: bool,
+) -> nn.Module:
+    """none | ddp | fsdp2 around the model (over the "dp" mesh dim under tensor parallel); a meta-built model's
+    shards are materialized and initialised after FSDP2 sharded it."""
+    par = cfg.parallel
+    mode_args: dict[str, dict[str, Any]] = {
+        "none": {},
+        "ddp": {"bucket_cap_mb": par.bucket_cap_mb},
+        "fsdp2": {
+            "layers": layers,
+            "mesh": fsdp_mesh(cfg, ctx),
+            "reshard_after_forward": par.reshard_after_forward,
+            "cpu_offload": par.fsdp_cpu_offload,
+            "mixed_precision": policy.fsdp_mixed_precision(),
+        },
+    }
+    wrapper = "none" if cfg.grad_offload and par.mode == "ddp" else par.mode
+    if wrapper != par.mode:
+        # Gradient offload takes the gradients in backward and reduces them itself; DDP would keep bucket
+        # buffers the size of the gradients on the device, unused. Ranks build the same weights from the seed.
+        logger.info("DDP: gradient offload reduces the gradients; the model is not wrapped")
+    model = build(PARALLEL, wrapper, "parallel.mode", model, ctx=ctx, **mode_args[wrapper])
+    if materialize:
+        materialize_shards(model, ctx, on_host=par.fsdp_cpu_offload)
+    log_build_memory(ctx)
+    return model

@@ -1,0 +1,172 @@
+"""The optimizer steps of a run: AdamW or its offloading variants over the masters, their host and disk checks,
+the learning-rate schedule and gradient offload's hooks."""
+
+import functools
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from internlm_offload.config import ConfigError, RunConfig
+from internlm_offload.config.sizes import human_bytes
+from internlm_offload.device import Accelerator
+from internlm_offload.device.disk_buffers import DiskSpaceError
+from internlm_offload.engine.precision import MasterWeights
+from internlm_offload.engine.runtime import RunContext, env_local_world_size
+from internlm_offload.optim import build_lr_scheduler, param_groups
+from internlm_offload.optim.adamw import AdamW, fused_supported
+from internlm_offload.optim.grad_offload import GradOffload
+from internlm_offload.optim.hybrid import HybridDeviceOptimizer
+from internlm_offload.optim.hybrid_host import offload_mask
+from internlm_offload.optim.interface import OffloadOptimizer
+from internlm_offload.optim.memory import (
+    HYBRID_CPU_BYTES,
+    SWAP_STATE_BYTES,
+    HostMemoryError,
+    check_host_memory,
+    trainable_elements,
+)
+from internlm_offload.optim.records import Masters
+from internlm_offload.optim.swap import SwapAdamW
+
+
+def hybrid_cpu_mask(cfg: RunConfig, model: nn.Module) -> list[bool]:
+    """Which params, in the optimizer's order (`param_groups`), the hybrid optimizer steps on the CPU (none
+    without it). Placed once, before the masters exist: their CPU share lives in host memory."""
+    fraction = cfg.hybrid_optimizer.offload_fraction if cfg.hybrid_optimizer.enable else 0.0
+    return offload_mask(_optimizer_order(cfg, model), fraction)
+
+
+def host_master_names(cfg: RunConfig, model: nn.Module, cpu_mask: list[bool]) -> set[str] | None:
+    """Names of the fp32 masters kept in host memory: all (None) for the swap optimizer, the hybrid one's CPU
+    share (`cpu_mask`) otherwise (none without it)."""
+    if cfg.swap_optimizer:
+        return None
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {names[id(p)] for p, on_cpu in zip(_optimizer_order(cfg, model), cpu_mask, strict=True) if on_cpu}
+
+
+def _optimizer_order(cfg: RunConfig, model: nn.Module) -> list[nn.Parameter]:
+    return [p for group in param_groups(model, cfg.adam.weight_decay) for p in group["params"]]
+
+
+def build_optimizer(
+    cfg: RunConfig,
+    masters: Masters,
+    accelerator: Accelerator,
+    *,
+    cpu_mask: list[bool] | None = None,
+    check_host: bool = True,
+) -> OffloadOptimizer:
+    """AdamW, or its offloading variants, over the parameters `masters` steps (the fp32 masters where they exist,
+    else the model's own through its data-parallel wrapper).
+
+    Every variant gets the same param groups (decay on matrices only) and `fused` choice; the offloading ones the
+    masters' records. Host masters (`masters.on_host`) are swapped in with the states (their gradients too with
+    `grad_offload`, as host tensors in the records). `cpu_mask`: the hybrid optimizer's placement, when the masters
+    were placed by it already (`hybrid_cpu_mask`). `check_host`: refuse states the host memory cannot hold.
+    """
+    model, host_params = masters.module, masters.on_host
+    adam = cfg.adam
+    on_disk = cfg.nvme_offload.directory is not None
+    if check_host and ((cfg.swap_optimizer and not on_disk) or cfg.hybrid_optimizer.enable):
+        check_optimizer_host_memory(cfg, model)
+    if check_host and on_disk:
+        fraction = 1.0 if cfg.swap_optimizer else cfg.hybrid_optimizer.offload_fraction
+        check_nvme_path(cfg.nvme_offload.directory, int(trainable_elements(model) * fraction) * SWAP_STATE_BYTES)
+    groups = param_groups(model, adam.weight_decay)
+    fused = fused_supported(accelerator.name) if adam.fused is None else adam.fused
+    hyper = {"lr": adam.lr, "betas": (adam.adam_beta1, adam.adam_beta2), "eps": adam.adam_eps}
+    if cfg.swap_optimizer:
+        return build_swap_optimizer(
+            groups,
+            fused=fused,
+            swap_optimizer_times=cfg.swap_optimizer_times,
+            use_pinned_optimizer_offload=cfg.use_pinned_optimizer_offload,
+            swap_params=host_params,
+            host_grads=cfg.grad_offload,
+            nvme_path=cfg.nvme_offload.directory,
+            records=masters.records(),
+            accelerator=accelerator,
+            **hyper,
+        )
+    if cfg.hybrid_optimizer.enable:
+        hybrid = cfg.hybrid_optimizer
+        # The CPU side keeps the optimizer's default (fused AdamW on cpu); the device side gets the run's choice.
+        return HybridDeviceOptimizer(
+            groups,
+            offload_fraction=hybrid.offload_fraction,
+            gpu_optimizer_cls=functools.partial(torch.optim.AdamW, fused=fused),
+            param_update_in_fp32=hybrid.param_update_in_fp32,
+            overlap_cpu_optimizer_d2h_h2d=hybrid.overlap_cpu_optimizer_d2h_h2d,
+            accelerator=accelerator,
+            cpu_mask=cpu_mask,
+            grads_on_host=cfg.grad_offload,
+            nvme_path=cfg.nvme_offload.directory,
+            records=masters.records(),
+            **hyper,
+        )
+    return AdamW(groups, fused=fused, **hyper)
+
+
+def build_swap_optimizer(groups: list[dict[str, Any]], **kwargs: Any) -> SwapAdamW:
+    """`SwapAdamW`; with an NVMe path its file is reserved now, and a disk that cannot hold it is a config error."""
+    try:
+        return SwapAdamW(groups, **kwargs)
+    except DiskSpaceError as exc:
+        raise ConfigError(f"nvme_offload.path: {exc}") from None
+
+
+def check_nvme_path(path: str, state_bytes: int) -> None:
+    """Refuse before training when the NVMe directory is missing, not writable, or cannot hold this node's
+    states (every local rank writes its own files there)."""
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"nvme_offload.path={path!r} is not a writable directory; create it on a local NVMe drive")
+    needed = state_bytes * env_local_world_size()
+    free = shutil.disk_usage(path).free
+    if needed > free:
+        raise ConfigError(
+            f"nvme_offload.path={path!r} has {human_bytes(free)} free; the offloaded optimizer states of "
+            f"{env_local_world_size()} rank(s) on this node need {human_bytes(needed)}"
+        )
+
+
+def check_optimizer_host_memory(cfg: RunConfig, model: nn.Module) -> None:
+    """Refuse before training when the host cannot hold the offloaded optimizer states."""
+    elements = trainable_elements(model)
+    if cfg.swap_optimizer:
+        required, what = elements * SWAP_STATE_BYTES, "swap_optimizer (AdamW states on the host)"
+    else:
+        fraction = cfg.hybrid_optimizer.offload_fraction
+        required, what = int(elements * fraction) * HYBRID_CPU_BYTES, "hybrid_optimizer (CPU-stepped params)"
+    try:
+        check_host_memory(required, what, world_local=env_local_world_size())
+    except HostMemoryError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def build_scheduler(cfg: RunConfig, optimizer: OffloadOptimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    schedule = cfg.lr_scheduler
+    return build_lr_scheduler(
+        optimizer,
+        base_lr=cfg.adam.lr,
+        warmup_ratio=schedule.warmup_ratio,
+        total_steps=schedule.total_steps,
+        eta_min=schedule.eta_min,
+        decay=schedule.type,
+    )
+
+
+def offload_gradients(cfg: RunConfig, ctx: RunContext, masters: Masters) -> GradOffload:
+    """Gradient offload's hooks on the model's parameters, feeding the host gradients of what `masters` steps.
+    Under DDP it averages them over the ranks itself (the model runs unwrapped: `apply_data_parallel`); FSDP2
+    reduce-scatters before the hooks see a gradient."""
+    return GradOffload(
+        masters,
+        ctx.accelerator,
+        bucket_bytes=int(cfg.grad_offload_bucket_mb * 2**20),
+        from_zeros=isinstance(masters, MasterWeights),
+        reduce=ctx.distributed and cfg.parallel.mode == "ddp",
+    )

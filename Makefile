@@ -5,7 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/internlm2_tiny.py
-PYTEST_ARGS ?=
+# `--durations=25` prints the slowest tests at the end of every run (CI time is watched).
+PYTEST_ARGS ?= --durations=25
 # Test processes (pytest-xdist); a file's tests stay in one process (module fixtures are built once).
 # Most tests run train.py in subprocesses with one thread each, so one worker per core keeps them busy.
 PYTEST_WORKERS ?= 2

@@ -639,3 +639,16 @@ def test_an_nvme_path_without_enable_is_said() -> None:
     enabled = resolve_config({"swap_optimizer": True, "nvme_offload": {"path": "/tmp", "enable": True}})
     assert not any("nvme_offload" in line for line in enabled.migration_notes()[1])
     assert not any("nvme_offload" in line for line in resolve_config({}).migration_notes()[1])
+
+
+def test_a_delete_marker_without_a_base_section_is_dropped(tmp_path: Path) -> None:
+    """`_delete_=True` for a section the bases do not set (configs/_base_/runtime.py leaves `parallel` out) replaces
+    nothing: the section loads as written, without the marker (mmengine keeps it there)."""
+    config = write(
+        tmp_path / "run.py",
+        f'_base_ = ["{REPO}/configs/internlm2_tiny.py"]\nparallel = dict(_delete_=True, mode="ddp")\n'
+        "model = dict(_delete_=True, num_layers=2)\n",
+    )
+    raw = load_config_file(config)
+    assert raw["parallel"] == {"mode": "ddp"} and raw["model"] == {"num_layers": 2}
+    assert resolve_config(raw).parallel.mode == "ddp"

@@ -154,7 +154,8 @@ def test_search_chooses_the_fastest_mode_that_fits_and_names_the_ones_the_config
     """T = 2 on 2 ranks without a data-parallel wrapper: isp needs one (refused, with the config's own line). A
     device budget between fsp's peak and msp's leaves fsp alone; without a budget the fastest mode wins."""
     raw = load_config_file(
-        CONFIGS / "planner_validation.py", {"parallel.tensor.size": 2, "parallel.tensor.mode": "mtp"}
+        CONFIGS / "planner_validation.py",
+        {"parallel.mode": "none", "parallel.tensor.size": 2, "parallel.tensor.mode": "mtp"},
     )
     config_for = candidate_configs(raw, world_size=2)
     auto = ["parallel.tensor.mode"]

@@ -52,17 +52,7 @@ def merge_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
     cfg = Config(copy.deepcopy(raw))  # the caller's dict stays as it was: every candidate starts from it
     if overrides:
         _merge(cfg, overrides)
-    return _without_delete_markers(cfg.to_dict())
-
-
-def _without_delete_markers(value: Any) -> Any:
-    """`_delete_=True` replaces a base's dict; mmengine keeps the marker where the bases hold no such dict, and it
-    means nothing there: drop it (a section written for a base that sets it, e.g. `parallel`, loads either way)."""
-    if isinstance(value, dict):
-        return {key: _without_delete_markers(item) for key, item in value.items() if key != "_delete_"}
-    if isinstance(value, list):
-        return [_without_delete_markers(item) for item in value]
-    return value
+    return cfg.to_dict()
 
 
 def add_cfg_options(parser: argparse.ArgumentParser, help: str) -> None:

@@ -96,8 +96,12 @@ def build_components(
 
 
 def trainer_settings(
-    cfg: RunConfig, predicted_device_peak: int | None = None, runtime_memory: int = 0
+    cfg: RunConfig,
+    predicted_device_peak: int | None = None,
+    runtime_memory: int = 0,
+    work_dir: Path | None = None,
 ) -> TrainerSettings:
+    """`work_dir`: where the run writes (its profiler traces too); None for the planner's traces."""
     return TrainerSettings(
         total_steps=cfg.data.total_steps,
         clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm,
@@ -114,6 +118,8 @@ def trainer_settings(
         predicted_device_peak_bytes=predicted_device_peak,
         runtime_memory_bytes=runtime_memory,
         loss_parallel=uses_loss_parallel(cfg),
+        profile_step=cfg.monitor.profile_step,
+        profile_dir=None if work_dir is None else work_dir / "profile",
     )
 
 
@@ -154,7 +160,7 @@ def build_trainer(
         checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
         metrics=build_metrics_log(cfg, work_dir) if ctx.is_main else None,
         evaluator=evaluator,
-        settings=trainer_settings(cfg, predicted_device_peak, runtime_memory),
+        settings=trainer_settings(cfg, predicted_device_peak, runtime_memory, work_dir),
     )
 
 

@@ -362,6 +362,13 @@ class MonitorConfig(Section):
     progress_bar: Literal["auto", "on", "off"] = Field(
         "auto", description="`auto`: a bar on a TTY, log lines otherwise."
     )
+    profile_step: int = Field(
+        0,
+        ge=0,
+        description="Run this step (counted from 1) under `torch.profiler` and write a Chrome trace per rank to "
+        "`<work_dir>/profile/step<N>_rank<R>.json.gz`; 0: never. `python -m internlm_offload.tools.trace_overlap "
+        "TRACE` measures how much of the offload copying overlaps compute. XTuner's `profile_step` sets it.",
+    )
 
 
 class CpuOffloadingConfig(Section):

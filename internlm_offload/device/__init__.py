@@ -18,7 +18,7 @@ Imports among these modules run one way, low to high: `layout`, `streams`, `cpu_
 Import from here; the modules behind it are free to move.
 """
 
-from internlm_offload.device.accelerator import BACKENDS, Accelerator, get_accelerator, is_available
+from internlm_offload.device.accelerator import BACKENDS, Accelerator, accelerator_for, get_accelerator, is_available
 from internlm_offload.device.copy_lane import CopyLane, CopyTimer
 from internlm_offload.device.cpu_checks import OrderingError
 from internlm_offload.device.host_buffers import HostArena, HostPool, PendingCopy
@@ -38,6 +38,7 @@ __all__ = [
     "PendingCopy",
     "Stream",
     "StreamError",
+    "accelerator_for",
     "aligned_offsets",
     "aligned_views",
     "aligned_within",

@@ -10,13 +10,14 @@ reads "device memory" from the kernel, strictly enough that a missing wait fails
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.profiler
 
 from internlm_offload.device.cpu_checks import ComputeLedger
 from internlm_offload.device.cpu_memory import CpuMemory
@@ -77,6 +78,12 @@ class Accelerator:
     def synchronize(self) -> None:
         """Block until all streams are idle (cpu: every open side stream)."""
         self._backend.synchronize()
+
+    def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
+        """What `torch.profiler` records here: host operators, plus the kernels and copies on cuda (npu
+        traces need torch_npu's own profiler, so host operators only)."""
+        host = torch.profiler.ProfilerActivity.CPU
+        return [host, torch.profiler.ProfilerActivity.CUDA] if self.name == "cuda" else [host]
 
     def manual_seed_all(self, seed: int) -> None:
         self._backend.manual_seed_all(seed)
@@ -234,6 +241,18 @@ def get_accelerator(name: str = "auto") -> Accelerator:
     if not is_available(name):
         raise ValueError(f"device={name!r} is not available on this machine; use 'auto' or 'cpu'")
     return Accelerator(name)
+
+
+def accelerator_for(tensors: Iterable[torch.Tensor]) -> Accelerator:
+    """The accelerator of the device the first of `tensors` lives on; `get_accelerator()` when there are none.
+
+    Host (and meta) tensors get the cpu accelerator: a model built on the host is offloaded by the cpu
+    emulation even on a machine with a GPU, rather than treated as already offloaded.
+    """
+    for tensor in tensors:
+        kind = tensor.device.type
+        return Accelerator(kind if kind in ("cuda", "npu") else "cpu")
+    return get_accelerator()
 
 
 def is_available(name: str) -> bool:

@@ -29,6 +29,7 @@ from internlm_offload.engine.interrupts import GracefulStop
 from internlm_offload.engine.loss import token_loss_sum
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog, Progress, memory_record
+from internlm_offload.engine.profiling import profiled_step
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import local_loss, loss_context
@@ -66,6 +67,8 @@ class TrainerSettings:
     predicted_device_peak_bytes: int | None = None  # the planner's steady-step peak, logged beside the measured
     runtime_memory_bytes: int = 0  # the runtime's own, measured at start-up; in neither figure, logged with them
     loss_parallel: bool = False  # tensor parallel with vocab-sharded logits: forward, loss and backward under it
+    profile_step: int = 0  # run this step under torch.profiler; 0: never
+    profile_dir: Path | None = None  # where its traces go
 
 
 @dataclass(frozen=True)
@@ -371,7 +374,8 @@ class Trainer:
             self.ctx.accelerator.reset_peak_memory_stats()
             start = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
-            result = self.train_step(micro_batches)
+            with self._profiled(self.step + 1):
+                result = self.train_step(micro_batches)
             step_time = time.perf_counter() - start
             self.step += 1
             self.tokens_seen += tokens_per_step
@@ -404,6 +408,18 @@ class Trainer:
             if result.stop:
                 self.stopped_by = self._stop.signal_name or "a signal on another rank"
                 return
+
+    def _profiled(self, step: int) -> contextlib.AbstractContextManager:
+        settings = self.settings
+        if settings.profile_dir is None:
+            return contextlib.nullcontext()
+        return profiled_step(
+            step,
+            profile_step=settings.profile_step,
+            out_dir=settings.profile_dir,
+            accelerator=self.ctx.accelerator,
+            rank=self.ctx.rank,
+        )
 
     def _count_skip(self, result: StepResult) -> None:
         if not result.skipped:

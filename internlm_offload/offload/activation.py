@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from internlm_offload.device import Accelerator, Event, PendingCopy, get_accelerator, storage_key
+from internlm_offload.device import Accelerator, Event, PendingCopy, accelerator_for, storage_key
 from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.offload.host_copies import HostCopies
@@ -53,6 +53,26 @@ def mark_not_offload(*tensors: torch.Tensor) -> None:
 def no_offload() -> contextlib.AbstractContextManager:
     """A region whose saved tensors stay on the device (innermost saved-tensor hooks win)."""
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """All bytes of `t`'s storage as a flat uint8 tensor that shares it.
+
+    Built from views where the storage holds whole elements of `t`'s dtype: PyTorch's CUDA sanitizer
+    counts `set_` as a write, which would read as a race with a side-stream copy of the same storage
+    (a tensor that several blocks save, such as the rotary tables)."""
+    nbytes, itemsize = t.untyped_storage().nbytes(), t.element_size()
+    if nbytes % itemsize:
+        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    return t.as_strided((nbytes // itemsize,), (1,), 0).view(torch.uint8)
+
+
+def typed_view(raw: torch.Tensor, saved: _Saved) -> torch.Tensor:
+    """The saved tensor over `raw`, its storage's bytes (by views where they hold whole elements, as above)."""
+    if raw.numel() % saved.dtype.itemsize:
+        tensor = torch.empty(0, dtype=saved.dtype, device=raw.device)
+        return tensor.set_(raw.untyped_storage(), saved.offset, saved.size, saved.stride)
+    return raw.view(saved.dtype).as_strided(saved.size, saved.stride, saved.offset)
 
 
 @dataclass
@@ -145,7 +165,7 @@ class ActivationOffloader(MemoryFeature):
         self.mode = mode
         self.min_offload_bytes = min_offload_bytes
         self.prefetch_layers = prefetch_layers
-        self.accelerator = accelerator or get_accelerator("auto")
+        self.accelerator = accelerator or accelerator_for(layers.parameters())
         if mode == "async" and self.accelerator.supports_pinned_memory and not pin_memory:
             logger.warning(
                 "activation offload: mode='async' with pin_memory=False copies from pageable memory, which blocks "
@@ -281,10 +301,9 @@ class ActivationOffloader(MemoryFeature):
 
     def _offload(self, t: torch.Tensor, index: int) -> _Saved:
         group = self._group(index, t.device)
-        storage = t.untyped_storage()
         key = storage_key(t)
         if key not in group.slots:
-            source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            source = storage_bytes(t)
             slot = _Slot(host=self.copies.pool.take(source.numel()), source=source)
             group.slots[key] = slot
             group.nbytes += source.numel()
@@ -325,8 +344,7 @@ class ActivationOffloader(MemoryFeature):
             self._start_reload(ahead)
         slot = group.slots[saved.key]
         assert slot.reloaded is not None
-        tensor = torch.empty(0, dtype=saved.dtype, device=slot.reloaded.device)
-        tensor.set_(slot.reloaded.untyped_storage(), saved.offset, saved.size, saved.stride)
+        tensor = typed_view(slot.reloaded, saved)
         group.unpacked += 1
         if group.unpacked == group.packed:
             # Every saved tensor of the group is back with autograd: our device references can go.

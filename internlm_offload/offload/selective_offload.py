@@ -61,9 +61,11 @@ class _Recorded:
 
 @dataclass
 class _Entry:
-    """The outputs of one recorded op (None for non-tensor outputs) and their pytree structure."""
+    """The outputs of one recorded op and their pytree structure. Non-tensor outputs are kept as they are:
+    cuda's flash attention returns its sequence lengths as ints, torch_npu's fused attention its seed and
+    offset, and the replay must hand back those exact values."""
 
-    outputs: list[_Recorded | None]
+    outputs: list[_Recorded | Any]
     structure: Any
 
 
@@ -83,7 +85,7 @@ class _BlockCache:
     replay_index: int = 0
 
     def recorded(self) -> list[_Recorded]:
-        return [r for entry in self.entries for r in entry.outputs if r is not None]
+        return [r for entry in self.entries for r in entry.outputs if isinstance(r, _Recorded)]
 
 
 class SelectiveOffloader(MemoryFeature):
@@ -141,11 +143,11 @@ class SelectiveOffloader(MemoryFeature):
 
     def store(self, cache: _BlockCache, out: Any) -> None:
         flat, structure = tree_flatten(out)
-        outputs: list[_Recorded | None] = []
+        outputs: list[_Recorded | Any] = []
         self.copies.to_host(self._record_all(cache, flat, outputs))
         cache.entries.append(_Entry(outputs, structure))
 
-    def _record_all(self, cache: _BlockCache, flat: list[Any], outputs: list[_Recorded | None]) -> list[CopyPair]:
+    def _record_all(self, cache: _BlockCache, flat: list[Any], outputs: list[_Recorded | Any]) -> list[CopyPair]:
         """Record the tensors of `flat` into `outputs`; returns each one's copy out.
 
         Every host buffer is taken before any copy is queued: taking a buffer that a reload may still read
@@ -155,7 +157,7 @@ class SelectiveOffloader(MemoryFeature):
         pairs: list[CopyPair] = []
         for t in flat:
             if not isinstance(t, torch.Tensor):
-                outputs.append(None)
+                outputs.append(t)
                 continue
             local = local_shard(t)  # this rank's bytes only (a DTensor's shard under tensor parallel)
             nbytes = local.numel() * local.element_size()
@@ -231,8 +233,8 @@ class SelectiveOffloader(MemoryFeature):
         cache.replay_index += 1
         restored = []
         for r in entry.outputs:
-            if r is None:
-                restored.append(None)
+            if not isinstance(r, _Recorded):
+                restored.append(r)
                 continue
             restored.append(r.loaded if r.layout is None else with_layout(r.loaded, r.layout))
             r.loaded = None

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from internlm_offload.device import Accelerator, CopyLane, Event, HostArena, Stream, finish_and_close, get_accelerator
+from internlm_offload.device import Accelerator, CopyLane, Event, HostArena, Stream, accelerator_for, finish_and_close
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import fused_supported
 from internlm_offload.optim.dtensor import is_dtensor, laid_out_like, local_nbytes, local_shard
@@ -70,7 +70,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         pin_cpu_params: page-lock the host buffer updates leave from (async H2D).
         overlap_cpu_optimizer_d2h_h2d: the CPU share in pieces, stepped on a host thread while the
             device steps, pipelined with the copies.
-        accelerator: where the device params live (default: `get_accelerator()`).
+        accelerator: where the device params live (default: the params' device's, `accelerator_for`).
         cpu_mask: which params, in `param_groups` order, the CPU steps, when the caller placed them already
             (the builder does, to put their fp32 masters in host memory); default
             `offload_mask(params, offload_fraction)`.
@@ -110,7 +110,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
             raise ValueError(f"hyper-parameters must be plain values (checkpoints load with weights_only), got {bad}")
         self._built = False
         super().__init__(params, dict(kwargs))
-        self._acc = accelerator if accelerator is not None else get_accelerator()
+        self._acc = accelerator if accelerator is not None else accelerator_for(self._params_in_order())
         self.offload_fraction = offload_fraction
         self.param_update_in_fp32 = param_update_in_fp32
         self.pin_cpu_grads, self.pin_cpu_params = pin_cpu_grads, pin_cpu_params

@@ -66,9 +66,9 @@ from internlm_offload.device import (
     CopyLane,
     Event,
     HostArena,
+    accelerator_for,
     aligned_offsets,
     finish_and_close,
-    get_accelerator,
     round_up,
     view_at,
 )
@@ -144,7 +144,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
     tensors, swapped in with the states), `nvme_path` (the arena is a file in this directory, the NVMe
     tier; see the module docstring), `records` (the params' `ParamRecord`s, from the masters layer: where
     each gradient is and which model tensor an update goes to; without them, `.grad` and the param itself),
-    `accelerator` (default: detected).
+    `accelerator` (default: the params' device's, `accelerator_for`).
     """
 
     def __init__(
@@ -181,7 +181,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
             fused=fused,
         )
         self.swap_optimizer_times = swap_optimizer_times
-        self.accelerator = accelerator or get_accelerator("auto")
+        self.accelerator = accelerator or accelerator_for(p for g in self.param_groups for p in g["params"])
         self.use_pinned_optimizer_offload = use_pinned_optimizer_offload
         if self.accelerator.supports_pinned_memory and not use_pinned_optimizer_offload:
             logger.warning(

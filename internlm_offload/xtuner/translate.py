@@ -30,8 +30,7 @@ ACTIVATION_OFFLOAD_ENV = "XTUNER_ACTIVATION_OFFLOAD"
 NOT_CARRIED = {
     "hf_interval": "export Hugging Face folders with `python -m internlm_offload.tools.export CKPT OUT --hf`",
     "hf_max_keep": "see hf_interval",
-    "profile_step": "no profiler hook here",
-    "profile_time": "no profiler hook here",
+    "profile_time": "monitor.profile_step's trace has the times of every operator",
     "profile_memory": "metrics.jsonl has the memory of every step",
     "intra_layer_micro_batch": "no intra-layer micro-batching here",
     "hooks_config": "XTuner's hooks do not run here",
@@ -48,7 +47,6 @@ NOT_CARRIED = {
 NEUTRAL = {
     "sp_size": 1,
     "intra_layer_micro_batch": 1,
-    "profile_step": None,
     "profile_memory": False,
     "strict_load": True,
 }
@@ -294,6 +292,10 @@ def _run(t: Translation, trainer: Any, source: Path) -> None:
         t.carried.append("exp_tracker='tensorboard' -> monitor.tensorboard (metrics.jsonl's numbers, same names)")
     elif tracker is not None:
         t.dropped.append(f"exp_tracker={tracker!r}: metrics.jsonl (and monitor.tensorboard) here")
+    profile_step = field(trainer, "profile_step")
+    if isinstance(profile_step, int) and not isinstance(profile_step, bool) and profile_step > 0:
+        t.set("monitor", "profile_step", profile_step)
+        t.carried.append("profile_step -> monitor.profile_step (a torch.profiler trace of that step)")
     work_dir = field(trainer, "work_dir")
     t.config["JOB_NAME"] = Path(str(work_dir)).name if work_dir else source.stem
     if work_dir:

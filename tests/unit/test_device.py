@@ -439,3 +439,21 @@ def test_finish_and_close_raises_what_the_stream_left_behind() -> None:
         finish_and_close(stream, None, other)
     assert sorted(done) == [1, 2]
     assert all(s.closed and not s.is_alive for s in (stream, other))  # both threads stopped despite the failure
+
+
+def test_offloaders_take_the_accelerator_of_their_tensors_not_of_the_machine(monkeypatch):
+    """On a machine with a GPU, a model built on the host is offloaded by the cpu emulation: with the machine's
+    accelerator (cuda) its host tensors would count as offloaded already and nothing would move."""
+    from internlm_offload.device import accelerator as accelerator_module
+    from internlm_offload.device import accelerator_for
+    from internlm_offload.offload.activation import ActivationOffloader
+    from internlm_offload.optim.hybrid import HybridDeviceOptimizer
+    from internlm_offload.optim.swap import SwapAdamW
+
+    monkeypatch.setattr(accelerator_module, "is_available", lambda name: True)  # as on a machine with cuda
+    assert get_accelerator().name == "cuda" and accelerator_for([]).name == "cuda"
+    layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    assert accelerator_for([torch.empty(1, device="meta")]).name == "cpu"
+    assert ActivationOffloader(layers, 1).accelerator.name == "cpu"
+    assert SwapAdamW(layers.parameters()).accelerator.name == "cpu"
+    assert HybridDeviceOptimizer(layers.parameters(), offload_fraction=0.5)._acc.name == "cpu"

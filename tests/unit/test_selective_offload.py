@@ -10,6 +10,7 @@ from stream_gates import held_back
 from internlm_offload.device import Accelerator
 from internlm_offload.model import InternLM2
 from internlm_offload.offload.activation import offload_layers
+from internlm_offload.offload import selective_offload
 from internlm_offload.offload.selective_offload import apply_selective_offload
 
 L = 4
@@ -160,3 +161,50 @@ def test_async_selective_offload_never_blocks_the_host_inside_hooks(monkeypatch)
     handle.load = lambda cache: handle.copies.h2d.synchronize() or load(cache)
     step(model)  # control: a host wait in a hook is counted
     assert host_waits["stream.synchronize"] > 0
+
+
+@torch.library.custom_op("internlm_offload_test::scale_and_width", mutates_args=())
+def scale_and_width(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """An expensive op with a non-tensor output, as cuda's flash attention (its sequence lengths) has."""
+    return x @ w, x.shape[-1]
+
+
+def _scale_and_width_backward(ctx, grad: torch.Tensor, _width: object) -> tuple[torch.Tensor, torch.Tensor]:
+    x, w = ctx.saved_tensors
+    return grad @ w.T, x.T @ grad
+
+
+def _save_inputs(ctx, inputs: tuple, output: object) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+torch.library.register_autograd(
+    "internlm_offload_test::scale_and_width", _scale_and_width_backward, setup_context=_save_inputs
+)
+
+
+class UsesWidth(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, width = scale_and_width(x, self.w)
+        return (y / width).relu()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_non_tensor_outputs_of_expensive_ops_are_replayed_as_they_were(monkeypatch, mode):
+    """The replay hands back an expensive op's ints too (None in their place breaks the recompute)."""
+    op = torch.ops.internlm_offload_test.scale_and_width.default
+    monkeypatch.setattr(selective_offload, "expensive_ops", lambda: frozenset({op}))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for offload in (False, True):
+        layers = nn.ModuleList([UsesWidth(), nn.Identity()])
+        if offload:
+            apply_selective_offload(layers, [0], accelerator=CPU, mode=mode)
+        inp = x.clone().requires_grad_()
+        layers[0](inp).sum().backward()
+        grads.append((inp.grad, layers[0].w.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

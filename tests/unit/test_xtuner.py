@@ -80,13 +80,17 @@ def test_a_real_xtuner_objects_defaults_are_not_reported_as_dropped(tmp_path: Pa
         total_step: int | None = None
         hf_interval: int | None = 500
         hf_max_keep: int | None = 2
+        profile_step: int | None = None
         profile_time: bool = True
         profile_memory: bool = False
 
-    trainer = TrainerConfig(optim_cfg=AdamWConfig(lr=2e-5), fsdp_cfg=FSDPConfig(), total_step=5, hf_max_keep=3)
+    trainer = TrainerConfig(
+        optim_cfg=AdamWConfig(lr=2e-5), fsdp_cfg=FSDPConfig(), total_step=5, hf_max_keep=3, profile_step=3
+    )
     trainer.profile_memory = True  # an assignment is the user's too
     t = translate_trainer(trainer, tmp_path / "cfg.py")
     assert t.config["adam"]["lr"] == 2e-5 and t.config["data"]["total_steps"] == 5
+    assert t.config["monitor"]["profile_step"] == 3
     assert [line.split(":")[0] for line in t.dropped] == ["hf_max_keep=3", "profile_memory=True"]
 
 

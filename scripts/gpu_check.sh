@@ -6,6 +6,9 @@
 #   2. step times of a mid-size model, baseline against the offload configs (interleaved, two rounds);
 #   3. one profiled step of the everything-offloaded config and how much of its copying overlaps kernels.
 # Usage: scripts/gpu_check.sh OUT_DIR   (writes unit.log, csan_e2e.log, timing.json, trace.json.gz, overlap.json, run.log)
+# About 6-7 minutes on an H200; the e2e stage alone needs ~4 (seven train.py runs under the sanitizer in one test).
+# The sanitizer prints each race (the two accesses, their streams and stacks) to stderr before it raises; the
+# e2e runner keeps only the last 4000 characters of a failing run's stderr, so rerun that config by hand to read it.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -23,7 +26,7 @@ timeout "${UNIT_TIMEOUT:-200}" $py -m pytest -q -p no:cacheprovider -n 8 --dist 
     tests/unit/test_hybrid_optimizer.py tests/unit/test_grad_offload.py tests/unit/test_copy_lane.py \
     tests/unit/test_ordering.py >"$out/unit.log" 2>&1 &
 unit=$!
-TORCH_CUDA_SANITIZER=1 timeout "${CSAN_TIMEOUT:-220}" $py -m pytest -q -p no:cacheprovider -n 6 --dist load \
+TORCH_CUDA_SANITIZER=1 timeout "${CSAN_TIMEOUT:-300}" $py -m pytest -q -p no:cacheprovider -n 8 --dist load \
     tests/e2e/test_offload_e2e.py -k "none or catches" >"$out/csan_e2e.log" 2>&1
 log "sanitizer e2e exit $? ($(tail -1 "$out/csan_e2e.log"))"
 wait $unit

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))  # helpers shared with the unit tests (chat_fixtures.py)
 
-from runner import train  # found through the path above
+from runner import BASELINE_NPROC, baseline_options, train  # found through the path above
 
 
 def _run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -21,22 +21,40 @@ def _run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def one_process_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """`reference(*options)`: the run dir of train.py on one process with `options`, trained once per pytest run.
-    Under `--dist loadfile` two files on two workers may ask for the same run: the first trains it holding
-    the run's lock, the other waits on the lock and reads it."""
-    root = _run_root(tmp_path_factory) / "one_process_references"
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`reference(*options, nproc=1)`: the run dir of train.py on `nproc` processes with `options`, trained once
+    per pytest run. Under `--dist loadfile` two files on two workers may ask for the same run: the first trains it
+    holding the run's lock, the other waits on the lock and reads it. The runs are shared: read them, never write."""
+    root = _run_root(tmp_path_factory) / "reference_runs"
     root.mkdir(exist_ok=True)
 
-    def reference(*options: str) -> Path:
-        key = hashlib.sha256("\0".join(options).encode()).hexdigest()[:16]
+    def reference(*options: str, nproc: int = 1) -> Path:
+        key = hashlib.sha256("\0".join([str(nproc), *options]).encode()).hexdigest()[:16]
         run, done = root / key, root / f"{key}.done"
         with open(root / f"{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if train() raises
             if not done.exists():
                 shutil.rmtree(run, ignore_errors=True)  # what a failed attempt left
-                train(run, *options)
-                done.write_text("\n".join(options) + "\n")
+                train(run, *options, nproc=nproc)
+                done.write_text(f"nproc={nproc}\n" + "\n".join(options) + "\n")
         return run
 
     return reference
+
+
+@pytest.fixture(scope="session")
+def one_process_reference(reference_run: Callable[..., Path]) -> Callable[..., Path]:
+    """`reference(*options)`: `reference_run` on one process (the tensor-parallel files' fp32 references)."""
+    return reference_run
+
+
+@pytest.fixture(scope="session")
+def baseline(reference_run: Callable[..., Path]) -> Callable[..., Path]:
+    """`baseline(mode, dtype)`: the plain run (no memory feature) of runner.BASELINE under `parallel.mode=mode`
+    (one process for "none", two for DDP and FSDP2) in `dtype`, trained once per pytest run. The offload, tier
+    and precision files compare their variants with it; test_train_e2e repeats and resumes it."""
+
+    def run(mode: str = "none", dtype: str = "torch.float32") -> Path:
+        return reference_run(*baseline_options(mode, dtype), nproc=BASELINE_NPROC[mode])
+
+    return run

@@ -10,6 +10,15 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "internlm2_tiny.py"
 # Small and fast: the tests check equality, not learning.
 FAST = ["data.seq_len=64", "data.micro_bsz=2", "data.micro_num=2", "monitor.progress_bar=off"]
+# The baseline several files compare with (conftest's `baseline` fixture trains each once per pytest run): 8 steps
+# of a global batch of 8, checkpoints at steps 4 and 8 (test_train_e2e resumes from them; saving changes no bits).
+BASELINE = ["data.total_steps=8", "data.global_bsz=8", "ckpt.checkpoint_every=4", "ckpt.keep_last=0"]
+BASELINE_NPROC = {"none": 1, "ddp": 2, "fsdp2": 2}
+
+
+def baseline_options(mode: str = "none", dtype: str = "torch.float32") -> list[str]:
+    """The options of the baseline under `mode` in `dtype` (a variant adds its own to these)."""
+    return [*BASELINE, f"parallel.mode={mode}", f"model.dtype={dtype}"]
 
 
 def train(

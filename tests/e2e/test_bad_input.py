@@ -203,9 +203,9 @@ def test_work_dir_that_is_a_file_is_one_line(tmp_path):
     assert work_file.read_text() == "not a folder"
 
 
-def test_resume_with_another_dtype_is_one_line_and_keeps_the_run(tmp_path):
+def test_resume_with_another_dtype_is_one_line_and_keeps_the_run(saved_run, tmp_path):
     work_dir = tmp_path / "wd"
-    train(work_dir, "data.total_steps=2")
+    shutil.copytree(saved_run, work_dir)  # a 2-step fp32 run of its own
     before = (work_dir / "metrics.jsonl").read_text()
     proc = train(work_dir, "data.total_steps=4", "model.dtype=torch.bfloat16", resume=True, check=False)
     assert_clean_error(proc, "model.dtype=torch.float32", "this run has model.dtype=torch.bfloat16", "load_ckpt_info")

@@ -38,10 +38,18 @@ def _options(data, *extra):
     return [f"data.train_folder={data / 'train'}", f"data.valid_folder={data / 'valid'}", *DATA, *extra]
 
 
-def test_tokenized_folder_trains_validates_and_resumes_bitwise(tokenized, tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
+@pytest.fixture(scope="module")
+def one_process_run(tokenized, tmp_path_factory):
+    """Four steps on one process with packed documents and validation, checkpoints at 2 and 4: the resume test's
+    full run and the tensor-parallel reference (trained once for both)."""
+    run = tmp_path_factory.mktemp("one_process")
+    train(run, *_options(tokenized, "data.total_steps=4", "ckpt.checkpoint_every=2"))
+    return run
+
+
+def test_tokenized_folder_trains_validates_and_resumes_bitwise(tokenized, one_process_run, tmp_path):
+    full, resumed = one_process_run, tmp_path / "resumed"
     options = _options(tokenized, "data.total_steps=4", "ckpt.checkpoint_every=2")
-    train(full, *options)
     records = metrics(full)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert ["valid_loss" in r for r in records] == [False, True, False, True]
@@ -86,14 +94,6 @@ def test_skip_batches_discards_the_named_batches(tokenized, tmp_path):
     assert [r["step"] for r in skip] == [1, 2, 3]
     assert skip[0]["loss"] == plain[0]["loss"] and skip[1]["loss"] != plain[1]["loss"]
     assert "data.skip_batches: batch 1 discarded" in proc.stderr
-
-
-@pytest.fixture(scope="module")
-def one_process_run(tokenized, tmp_path_factory):
-    """Four steps on one process with packed documents and validation: the tensor-parallel reference."""
-    run = tmp_path_factory.mktemp("one_process")
-    train(run, *_options(tokenized, "data.total_steps=4", "ckpt.enable_save_ckpt=False"))
-    return run
 
 
 @pytest.mark.parametrize("mode", ["msp", "isp"])

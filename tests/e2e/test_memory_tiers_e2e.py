@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from runner import REPO, metrics, train
+from runner import REPO, baseline_options, metrics, train
 
 pytestmark = pytest.mark.e2e
 
-STEPS = ["data.total_steps=8", "ckpt.enable_save_ckpt=False", "data.global_bsz=8"]
+NO_CKPT = "ckpt.enable_save_ckpt=False"
 
 
 def loss_compare(*args: str) -> subprocess.CompletedProcess:
@@ -35,13 +35,13 @@ HYBRID_GRADS = {"internlm2_tiny_hybrid.py": ["hybrid_optimizer.offload_fraction=
     ],
     ids=["fp32", "bf16", "bf16-ddp", "fp32-ddp", "bf16-fsdp2"],
 )
-def test_gradient_offload_trains_the_baseline_curve_bitwise(tmp_path, dtype, mode, runs):
+def test_gradient_offload_trains_the_baseline_curve_bitwise(tmp_path, baseline, dtype, mode, runs):
     """Gradients on the host (several buckets per backward) under the swap optimizer and the hybrid one at
-    fraction 1.0, on one rank or two (DDP, FSDP2): loss and grad norm equal the AdamW baseline's."""
+    fraction 1.0, on one rank or two (DDP, FSDP2): loss and grad norm equal the AdamW baseline's (the suite's
+    shared one, conftest.py)."""
     nproc = 1 if mode == "none" else 2
-    options = [*STEPS, f"model.dtype={dtype}", f"parallel.mode={mode}"]
-    base = tmp_path / "base"
-    train(base, *options, nproc=nproc)
+    options = [*baseline_options(mode, dtype), NO_CKPT]
+    base = baseline(mode, dtype)
     for name, optimizer in runs.items():
         run = tmp_path / name
         config = REPO / "configs" / name
@@ -74,14 +74,13 @@ def test_nvme_tier_trains_the_baseline_curve_and_resumes_bitwise(tmp_path):
     assert not list(nvme.iterdir())
 
 
-def test_nvme_tier_under_fsdp2_trains_the_baseline_curve_bitwise(tmp_path):
+def test_nvme_tier_under_fsdp2_trains_the_baseline_curve_bitwise(tmp_path, baseline):
     """Two ranks, each with its own states file (DTensor shards' states) in one directory, and gradient
-    offload: FSDP2's curve bitwise, nothing left behind."""
+    offload: FSDP2's curve (the shared baseline's) bitwise, nothing left behind."""
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    options = [*STEPS, "parallel.mode=fsdp2", "model.dtype=torch.bfloat16"]
-    base, on_disk = tmp_path / "base", tmp_path / "on_disk"
-    train(base, *options, nproc=2)
+    options = [*baseline_options("fsdp2", "torch.bfloat16"), NO_CKPT]
+    base, on_disk = baseline("fsdp2", "torch.bfloat16"), tmp_path / "on_disk"
     offload = ["nvme_offload.enable=True", f"nvme_offload.path={nvme}", "grad_offload=True"]
     train(on_disk, *options, *offload, nproc=2, config=REPO / "configs" / "internlm2_tiny_swap.py")
     assert metrics(on_disk)[-1]["optim_disk_state_bytes"] > 0
@@ -92,12 +91,11 @@ def test_nvme_tier_under_fsdp2_trains_the_baseline_curve_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
-def test_fsdp2_cpu_offload_policy_aligns_with_fsdp2(tmp_path, dtype):
+def test_fsdp2_cpu_offload_policy_aligns_with_fsdp2(tmp_path, baseline, dtype):
     """FSDP2's own CPUOffloadPolicy (params, grads, states on the host; bf16: the fp32 shards are the masters)
-    changes no bits on CPU, on two ranks."""
-    base, offloaded = tmp_path / "base", tmp_path / "policy"
-    options = ["data.total_steps=4", "ckpt.enable_save_ckpt=False", "parallel.mode=fsdp2", f"model.dtype={dtype}"]
-    train(base, *options, nproc=2)
+    changes no bits on CPU, on two ranks (against the suite's shared FSDP2 baseline)."""
+    base, offloaded = baseline("fsdp2", dtype), tmp_path / "policy"
+    options = [*baseline_options("fsdp2", dtype), NO_CKPT]
     proc = train(offloaded, *options, "parallel.fsdp_cpu_offload=True", nproc=2)
     assert "with CPU offload policy" in proc.stderr
     assert loss_compare(str(base), str(offloaded), "--exact", "--quiet").returncode == 0

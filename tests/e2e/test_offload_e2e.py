@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from runner import REPO, metrics, train
+from runner import REPO, baseline_options, metrics, train
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +22,6 @@ OFFLOAD_CONFIGS = [
 # path), cover them; "none" runs every config. (Swap and hybrid alone under FSDP2 are unit-tested on two
 # ranks, and resumed across settings below.)
 PARALLEL_OFFLOAD_CONFIGS = ["internlm2_tiny_hybrid.py", "internlm2_tiny_all_offload.py"]
-STEPS = ["data.total_steps=8", "ckpt.enable_save_ckpt=False", "data.global_bsz=8"]
 
 
 def offload_configs(mode: str) -> list[str]:
@@ -36,13 +35,14 @@ def loss_compare(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("mode", ["none", "ddp", "fsdp2"])
-def test_offload_configs_align_bitwise_with_baseline(tmp_path, mode):
+def test_offload_configs_align_bitwise_with_baseline(tmp_path, baseline, mode):
+    """Each config against the suite's shared fp32 baseline of `mode` (conftest.py), of which it is a variant."""
     nproc = 1 if mode == "none" else 2
-    base = tmp_path / "base"
-    train(base, *STEPS, f"parallel.mode={mode}", nproc=nproc)
+    base = baseline(mode)
     for name in offload_configs(mode):
         run = tmp_path / name
-        proc = train(run, *STEPS, f"parallel.mode={mode}", nproc=nproc, config=REPO / "configs" / name)
+        options = [*baseline_options(mode), "ckpt.enable_save_ckpt=False"]
+        proc = train(run, *options, nproc=nproc, config=REPO / "configs" / name)
         record = metrics(run)[-1]
         if "swap" in name or "all" in name:
             assert record["optim_device_state_bytes"] == 0 and record["optim_host_state_bytes"] > 0

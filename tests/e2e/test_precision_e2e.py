@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from runner import REPO, metrics, train
+from runner import REPO, baseline_options, metrics, train
 from test_offload_e2e import loss_compare, offload_configs
 
 pytestmark = pytest.mark.e2e
@@ -74,17 +74,11 @@ def test_fp16_overflow_is_skipped_and_the_scale_backs_off(tmp_path, layout, npro
 
 
 @pytest.mark.parametrize("mode", ["none", "ddp", "fsdp2"])
-def test_bf16_offload_configs_align_bitwise_with_the_bf16_baseline(tmp_path, mode):
+def test_bf16_offload_configs_align_bitwise_with_the_bf16_baseline(tmp_path, baseline, mode):
+    """Each offload config in bf16 against the suite's shared bf16 baseline of `mode` (conftest.py)."""
     nproc = 1 if mode == "none" else 2
-    options = [
-        "data.total_steps=5",
-        NO_CKPT,
-        "data.global_bsz=8",
-        "model.dtype=torch.bfloat16",
-        f"parallel.mode={mode}",
-    ]
-    base = tmp_path / "base"
-    train(base, *options, nproc=nproc)
+    options = [*baseline_options(mode, "torch.bfloat16"), NO_CKPT]
+    base = baseline(mode, "torch.bfloat16")
     for name in offload_configs(mode):
         run = tmp_path / name
         train(run, *options, nproc=nproc, config=REPO / "configs" / name)
@@ -134,7 +128,9 @@ def test_kill_9_and_resume_is_bitwise_in_low_precision(tmp_path, dtype, offload)
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     offload = [option.format(nvme=nvme) for option in offload]
-    options = ["data.total_steps=40", "ckpt.checkpoint_every=3", "ckpt.keep_last=0", f"model.dtype={dtype}", *offload]
+    # 12 steps, as the rank killed under torchrun in test_checkpoint_failures_e2e.py: killed once step 6's
+    # checkpoint is written, resumed from it or a later one, every step compared
+    options = ["data.total_steps=12", "ckpt.checkpoint_every=3", "ckpt.keep_last=0", f"model.dtype={dtype}", *offload]
     full, killed = tmp_path / "full", tmp_path / "killed"
     assert _spawn(full, *options).wait(timeout=600) == 0
     proc = _spawn(killed, *options)
@@ -145,7 +141,7 @@ def test_kill_9_and_resume_is_bitwise_in_low_precision(tmp_path, dtype, offload)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     steps_before = len(metrics(killed))
-    assert 6 <= steps_before < 40
+    assert 6 <= steps_before < 12
     assert _spawn(killed, *options, resume=True).wait(timeout=600) == 0
     expected = [(r["step"], r["loss"], r["grad_norm"], r["lr"], r.get("loss_scale")) for r in metrics(full)]
     got = [(r["step"], r["loss"], r["grad_norm"], r["lr"], r.get("loss_scale")) for r in metrics(killed)]
@@ -181,14 +177,15 @@ def test_diverging_run_stops_with_one_line_and_keeps_only_finite_checkpoints(tmp
 
 
 @pytest.mark.parametrize("source_mode, dtype", [("none", "torch.float32"), ("fsdp2", "torch.bfloat16")])
-def test_model_only_load_starts_a_fresh_run_from_trained_weights(tmp_path, source_mode, dtype):
-    """Weights of a run written under any layout; step 1, fresh schedule and optimizer, lower loss than scratch."""
+def test_model_only_load_starts_a_fresh_run_from_trained_weights(tmp_path, reference_run, source_mode, dtype):
+    """Weights of a run written under any layout; step 1, fresh schedule and optimizer, lower loss than scratch
+    (the run from scratch is the same for both sources: trained once per pytest run)."""
     nproc = 1 if source_mode == "none" else 2
     source = tmp_path / "source"
     train(source, "data.total_steps=30", f"parallel.mode={source_mode}", f"model.dtype={dtype}", nproc=nproc)
-    scratch, tuned = tmp_path / "scratch", tmp_path / "tuned"
+    tuned = tmp_path / "tuned"
     options = ["data.total_steps=3", NO_CKPT, "data.seed=7"]
-    train(scratch, *options)
+    scratch = reference_run(*options)
     config = tmp_path / "finetune.py"  # as users write it, InternEvo's key
     config.write_text(
         f"_base_ = [{str(TINY)!r}]\n"
@@ -235,8 +232,8 @@ def test_bf16_offload_optimizer_resume_with_other_settings_is_bitwise(tmp_path, 
 def test_sigterm_or_ctrl_c_checkpoints_exits_0_and_resumes_bitwise(tmp_path, signum, nproc, layout):
     """Preemption: the signal finishes the step, writes a checkpoint, exits 0; --resume gives the full curve
     (under msp in fp16 the loss scaler's state and the DTensor shards included)."""
-    # 30 steps: the signal goes out as the third step's line appears, and lands within the step after it
-    options = ["data.total_steps=30", "ckpt.checkpoint_every=1000", "ckpt.keep_last=0", "monitor.progress_bar=off"]
+    # 12 steps: the signal goes out as the third step's line appears, and lands within the step after it
+    options = ["data.total_steps=12", "ckpt.checkpoint_every=1000", "ckpt.keep_last=0", "monitor.progress_bar=off"]
     options += layout
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     train(full, *options, nproc=nproc)
@@ -252,7 +249,7 @@ def test_sigterm_or_ctrl_c_checkpoints_exits_0_and_resumes_bitwise(tmp_path, sig
         assert proc.returncode == 0, stderr[-3000:]
         assert "Traceback" not in stderr and f"Stopped by {signal.Signals(signum).name}" in stderr
     stopped_at = len(metrics(stopped))
-    assert 3 <= stopped_at < 30
+    assert 3 <= stopped_at < 12
     assert (stopped / "checkpoints" / f"step_{stopped_at:08d}").is_dir()
     train(stopped, *options, nproc=nproc, resume=True)
     assert [(r["step"], r["loss"], r["grad_norm"], r.get("loss_scale")) for r in metrics(stopped)] == [

@@ -37,13 +37,26 @@ def test_isp_2_by_weight_2_follows_data_parallel(tmp_path, one_process_reference
     assert_curves(isp, offloaded)
 
 
-def test_tensor_2_by_data_2_under_fsdp2_follows_data_parallel(tmp_path, one_process_reference):
+# The (dp 2, tp 2) msp run under FSDP2 that two tests below read: its curve and its checkpoint of step 3.
+DP2_TP2 = [*tensor("msp"), "parallel.mode=fsdp2"]
+DP2_TP2_SAVED = ["data.total_steps=8", "data.global_bsz=8", *CALM, "ckpt.checkpoint_every=3", "ckpt.keep_last=0"]
+
+
+@pytest.fixture(scope="module")
+def dp2_tp2(tmp_path_factory):
+    """Four processes, (dp 2, tp 2) msp under FSDP2, 8 steps with checkpoints at 3 and 6 (launched once for the
+    curve test and the resume test)."""
+    run = tmp_path_factory.mktemp("dp2_tp2") / "run"
+    train(run, *DP2_TP2_SAVED, *DP2_TP2, nproc=4)
+    return run
+
+
+def test_tensor_2_by_data_2_under_fsdp2_follows_data_parallel(tmp_path, one_process_reference, dp2_tp2):
     """Four processes, a (dp 2, tp 2) mesh, FSDP2 over dp: the data-parallel curve (one process's) within
     1e-5 for 8 steps; with offload, swap and gradient offload bitwise its own, and with FSDP2's CPU offload
     policy (parameter offload)."""
     options = [*LAYOUT_STEPS, "parallel.mode=fsdp2"]
-    both, offloaded = tmp_path / "dp2_tp2", tmp_path / "offloaded"
-    train(both, *options, *tensor("msp"), nproc=4)
+    both, offloaded = dp2_tp2, tmp_path / "offloaded"
     assert_curves(one_process_reference(*LAYOUT_STEPS), both, NEAR)
     train(offloaded, *options, *tensor("msp"), *OFFLOAD, "swap_optimizer=True", "grad_offload=True", nproc=4)
     assert_curves(both, offloaded)
@@ -53,15 +66,12 @@ def test_tensor_2_by_data_2_under_fsdp2_follows_data_parallel(tmp_path, one_proc
     assert_curves(both, policy)
 
 
-def test_checkpoint_resumes_bitwise_and_continues_on_another_layout(tmp_path):
-    """A (dp 2, tp 2) checkpoint of step 3: resumed on the same layout steps 4..6 are the full run's; on one
+def test_checkpoint_resumes_bitwise_and_continues_on_another_layout(tmp_path, dp2_tp2):
+    """A (dp 2, tp 2) checkpoint of step 3: resumed on the same layout steps 4..8 are the full run's; on one
     process and on T=2 alone (DCP reshards the DTensors) it continues within 1e-5. The weights the resumed runs
     hold, gathered from their shards, equal the checkpoint's full tensors as `tools.export` reads them, as a
     one-process model-only load (`load_ckpt_info`) holds them, and as the HF export writes them."""
-    options = ["data.total_steps=6", "ckpt.checkpoint_every=3", "ckpt.keep_last=0", "data.global_bsz=8"]
-    layout = [*tensor("msp"), "parallel.mode=fsdp2"]
-    full = tmp_path / "full"
-    train(full, *options, *layout, nproc=4)
+    options, layout, full = DP2_TP2_SAVED, DP2_TP2, dp2_tp2
     expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(full) if r["step"] > 3]
     checkpoint = full / "checkpoints" / "step_00000003"
     resumes = {
@@ -80,7 +90,7 @@ def test_checkpoint_resumes_bitwise_and_continues_on_another_layout(tmp_path):
         if name == "same":
             assert got == expected
         else:
-            assert [s for s, *_ in got] == [4, 5, 6]
+            assert [s for s, *_ in got] == [4, 5, 6, 7, 8]
             for (_, loss, norm), (_, want_loss, want_norm) in zip(got, expected):
                 assert loss == pytest.approx(want_loss, rel=1e-5) and norm == pytest.approx(want_norm, rel=5e-3)
     model_only = tmp_path / "model_only.pt"

@@ -4,23 +4,22 @@ import math
 import shutil
 
 import pytest
-from runner import REPO, losses, metrics, train
+from runner import BASELINE_NPROC, REPO, baseline_options, losses, metrics, train
 
 pytestmark = pytest.mark.e2e
 
-STEPS = ["data.total_steps=8", "data.global_bsz=8", "ckpt.checkpoint_every=4", "ckpt.keep_last=0"]
-LAYOUTS = {"none": 1, "ddp": 2, "fsdp2": 2}
+LAYOUTS = BASELINE_NPROC  # one process, DDP and FSDP2 on two
 
 
 @pytest.fixture(scope="module")
-def full_runs(tmp_path_factory):
-    """Each layout trained twice, 8 steps, checkpoints at 4 and 8 (shared by the tests below)."""
+def full_runs(tmp_path_factory, baseline):
+    """Each layout trained twice, 8 steps, checkpoints at 4 and 8 (shared by the tests below): the first is the
+    suite's shared baseline (conftest.py), the second this file's own."""
     runs = {}
     for mode, nproc in LAYOUTS.items():
-        for attempt in ("a", "b"):
-            work_dir = tmp_path_factory.mktemp(f"{mode}_{attempt}")
-            train(work_dir, *STEPS, f"parallel.mode={mode}", nproc=nproc)
-            runs[mode, attempt] = work_dir
+        runs[mode, "a"] = baseline(mode)
+        runs[mode, "b"] = tmp_path_factory.mktemp(f"{mode}_b")
+        train(runs[mode, "b"], *baseline_options(mode), nproc=nproc)
     return runs
 
 
@@ -37,7 +36,7 @@ def test_resume_is_bitwise(full_runs, tmp_path, mode):
     full = full_runs[mode, "a"]
     resumed = tmp_path / "resumed"
     shutil.copytree(full / "checkpoints" / "step_00000004", resumed / "checkpoints" / "step_00000004")
-    train(resumed, *STEPS, f"parallel.mode={mode}", nproc=LAYOUTS[mode], resume=True)
+    train(resumed, *baseline_options(mode), nproc=LAYOUTS[mode], resume=True)
     expected = [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in metrics(full) if r["step"] > 4]
     got = [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in metrics(resumed)]
     assert got == expected
@@ -81,7 +80,7 @@ def test_fresh_run_in_used_work_dir_is_refused_and_keeps_checkpoints(full_runs, 
     work_dir = tmp_path / "used"
     shutil.copytree(full_runs["none", "a"], work_dir)
     before = sorted(p.name for p in (work_dir / "checkpoints").iterdir())
-    proc = train(work_dir, *STEPS, check=False)
+    proc = train(work_dir, *baseline_options(), check=False)
     assert proc.returncode == 2
     assert "already holds checkpoints" in proc.stderr and "--resume" in proc.stderr
     assert sorted(p.name for p in (work_dir / "checkpoints").iterdir()) == before

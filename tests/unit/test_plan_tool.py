@@ -10,6 +10,9 @@ from internlm_offload.tools import plan
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "internlm2_tiny.py")
 SMALL = ["data.seq_len=64", "data.micro_bsz=2", "data.micro_num=2", "data.global_bsz=4"]
+# The searches below: what they check (the order of choices, the NVMe tier's place in it) does not depend on the
+# depth, and two blocks halve each of their 15 to 30 traces (CI time).
+SEARCHED = [*SMALL, "model.num_layers=2"]
 
 
 def test_json_report_and_measured_column(tmp_path, capsys):
@@ -107,14 +110,16 @@ def test_sizes(text, expected):
 
 def test_search_picks_the_fastest_setting_that_fits_and_never_speeds_up_as_the_budget_shrinks(tmp_path, capsys):
     out = tmp_path / "base.json"
-    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--json", str(out)]) == 0
+    assert plan.main(["--config", TINY, "--cfg-options", *SEARCHED, "--json", str(out)]) == 0
     baseline = json.loads(out.read_text())
     chosen = []
     for fraction in (1.0, 0.6):
         budget = int(baseline["device_peak_bytes"] * fraction)
         out = tmp_path / f"{fraction}.json"
         assert (
-            plan.main(["--config", TINY, "--cfg-options", *SMALL, "--device-memory", str(budget), "--json", str(out)])
+            plan.main(
+                ["--config", TINY, "--cfg-options", *SEARCHED, "--device-memory", str(budget), "--json", str(out)]
+            )
             == 0
         )
         report = json.loads(out.read_text())
@@ -123,7 +128,7 @@ def test_search_picks_the_fastest_setting_that_fits_and_never_speeds_up_as_the_b
         chosen.append(report["step_time_s"])
     assert chosen == sorted(chosen) and chosen[0] == pytest.approx(baseline["step_time_s"])
     assert "choice: --cfg-options" in capsys.readouterr().out
-    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--device-memory", "1MiB"]) == 3
+    assert plan.main(["--config", TINY, "--cfg-options", *SEARCHED, "--device-memory", "1MiB"]) == 3
     assert "nothing fits: smallest device peak" in capsys.readouterr().out.splitlines()[-1]
 
 
@@ -264,11 +269,11 @@ def test_a_disk_budget_lets_the_search_put_the_states_on_nvme(tmp_path):
     settings with their states on NVMe, traces them on a disk tier, and chooses one; the states' reads and
     writes are priced at --disk-bandwidth."""
     base = tmp_path / "base.json"
-    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "swap_optimizer=True", "--json", str(base)]) == 0
+    assert plan.main(["--config", TINY, "--cfg-options", *SEARCHED, "swap_optimizer=True", "--json", str(base)]) == 0
     swap = json.loads(base.read_text())
     states = swap["components"]["host_optimizer_states"]
     budgets = ["--device-memory", str(swap["device_peak_bytes"]), "--host-memory", str(states // 4)]
-    argv = ["--config", TINY, "--cfg-options", *SMALL, "model.checkpoint=1.0", *budgets]
+    argv = ["--config", TINY, "--cfg-options", *SEARCHED, "model.checkpoint=1.0", *budgets]
     out = tmp_path / "nvme.json"
     assert plan.main([*argv, "--disk-memory", "1GiB", "--disk-bandwidth", "0.001", "--json", str(out)]) == 0
     report = json.loads(out.read_text())

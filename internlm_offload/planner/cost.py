@@ -17,7 +17,9 @@ move a few values per token. Elements and bytes of DTensors are their local shar
     optimizer   = max(device elements x 28 B / hbm_bytes_per_s,          the hybrid's CPU share overlaps
                       host elements / cpu_adam_elements_per_s)           the device step
                   + max(step copies / link_bytes_per_s,                  swap and hybrid traffic, not hidden;
-                        disk bytes / disk_bytes_per_s)                   NVMe reads and writes overlap it
+                        disk bytes / disk_bytes_per_s)                   the two directions overlap on a
+                                                                         device (the larger counts; both on
+                                                                         cpu), NVMe reads and writes too
                   + collectives / collective_bytes_per_s                 the norm over tensor shards
     step        = micro_num x micro-batch + optimizer
 
@@ -75,12 +77,21 @@ class Hardware:
     # Bytes per second each rank sends in a collective within its node (NCCL's "bus bandwidth").
     collective_bytes_per_s: float = 1e9
     collective_source: str = "assumed: gloo over loopback TCP (measured here: 0.25-1.4 GB/s)"
+    # A device's copy engines move both directions at once (the swap optimizer's swap-in of one chunk beside
+    # the swap-out of the one before); on cpu both directions are memcpy over one memory bus.
+    duplex_link: bool = True
 
 
 HARDWARE = {
     "h100": Hardware("H100 SXM 80GB", 400e12, 50e9, 2.7e12, 3e9,
                      "assumed: 40% MFU of 989 TFLOP/s dense bf16; PCIe 5.0 x16 ~50 GB/s; 80% of 3.35 TB/s HBM3; "
                      "host fused AdamW 3e9 elem/s (~100 GB/s DRAM at 28 B/elem)",
+                     collective_bytes_per_s=360e9,
+                     collective_source="assumed: NVLink 4 (450 GB/s per direction), ~80% as NCCL's bus bandwidth"),
+    "h200": Hardware("H200 SXM 141GB", 400e12, 50e9, 3.8e12, 3e9,
+                     "assumed: 40% MFU of 989 TFLOP/s dense bf16; link measured by scripts/gpu_check.sh on one H200 "
+                     "(2026-11-26): 49-55 GB/s per direction, pinned, PCIe 5.0 x16; 80% of 4.8 TB/s HBM3e; "
+                     "host fused AdamW 3e9 elem/s",
                      collective_bytes_per_s=360e9,
                      collective_source="assumed: NVLink 4 (450 GB/s per direction), ~80% as NCCL's bus bandwidth"),
     "a100": Hardware("A100 SXM 80GB", 125e12, 25e9, 1.6e12, 3e9,
@@ -246,7 +257,8 @@ def step_time(micro_batch: StepWork, optimizer: StepWork, micro_num: int, hw: Ha
     per_micro_batch = max(compute, activation_copies, host_adds) + collectives
     device_update = optimizer.device_adamw_elements * ADAMW_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s
     host_update = optimizer.host_adamw_elements / hw.cpu_adam_elements_per_s
-    copies = (optimizer.h2d_bytes + optimizer.d2h_bytes) / hw.link_bytes_per_s
+    both_ways = (optimizer.h2d_bytes, optimizer.d2h_bytes)
+    copies = (max(both_ways) if hw.duplex_link else sum(both_ways)) / hw.link_bytes_per_s
     disk = optimizer.disk_bytes / hw.disk_bytes_per_s  # the states' reads and writes, overlapping their copies
     norm = optimizer.collective_bytes / hw.collective_bytes_per_s  # the gradient norm over tensor shards
     optimizer_s = max(device_update, host_update) + max(copies, disk) + norm
@@ -293,6 +305,7 @@ def calibrate(repeats: int = 5) -> Hardware:
         elements,
         f"measured by --calibrate: {n}x{n} fp32 matmul, {src.nbytes >> 20} MiB copy_, fused AdamW over "
         f"{param.numel() >> 20} Mi elements; medians of {repeats}",
+        duplex_link=False,
     )
 
 

@@ -497,11 +497,12 @@ class InternLM2(nn.Module):
 
     def _take_router_stats(self) -> list[RouterStats]:
         """This forward's router statistics, cleared from the layers (a recompute in backward sets them again;
-        clearing keeps the forward's graph from living on in the module)."""
+        clearing keeps the forward's graph from living on in the module); the tokens per expert recorded."""
         stats = []
         for moe in self.moe_layers():
             stats.append(moe.stats)
             moe.stats = None
+            moe.record_load()
         return stats
 
     def aux_loss(self, stats: list[RouterStats]) -> torch.Tensor:

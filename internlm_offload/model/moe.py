@@ -93,7 +93,10 @@ class MoE(nn.Module):
             else:  # InternEvo MoE: softmax(Linear(H, 2)) weighs (routed, shared)
                 self.coefficient = nn.Linear(hidden_size, 2)
         self.stats: RouterStats | None = None  # set by every forward, read (and cleared) by the model
-        self.tokens_per_expert: torch.Tensor | None = None  # (E,) after capacity, for monitoring; detached
+        self.tokens_per_expert: torch.Tensor | None = None  # (E,) after capacity, last forward; detached
+        # (E,) fp32 sum of tokens_per_expert over the model's forwards since the last `take_load`: added by the
+        # model after its forward (a recompute in backward would count a block's forward twice), on the device
+        self.load: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -114,6 +117,16 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = self._mix_shared(x, out)
         return out.view(shape)
+
+    def record_load(self) -> None:
+        """Add the last forward's tokens per expert to `load` (no host sync)."""
+        counts = self.tokens_per_expert
+        self.load = counts.clone() if self.load is None else self.load + counts
+
+    def take_load(self) -> torch.Tensor | None:
+        """`load` since the last call, and reset it."""
+        load, self.load = self.load, None
+        return load
 
     def _mix_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         shared = self.shared_experts(x)

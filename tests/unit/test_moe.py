@@ -234,3 +234,15 @@ def test_loop_fallback_where_rows_are_misaligned() -> None:
     assert not experts.uses_grouped_mm(x)
     out = experts(x, torch.tensor([2.0, 0.0, 4.0]))
     assert torch.allclose(out, per_expert_reference(experts, x, [2, 0, 4]), rtol=1e-6, atol=1e-7)
+
+
+def test_meta_tensors_trace_the_grouped_shapes() -> None:
+    """The planner traces on meta, where fp32 has no grouped GEMM kernel and no counts: the stand-in makes tensors of
+    the grouped path's shapes, and backward reaches every expert weight."""
+    with torch.device("meta"):
+        experts = GroupedExperts(4, H, I)
+        x = torch.empty(10, H, requires_grad=True)
+        out = experts(x, torch.empty(4))
+    assert out.shape == (10, H) and out.is_meta
+    out.backward(torch.empty_like(out))
+    assert x.grad.shape == x.shape and experts.w1.grad.shape == experts.w1.shape

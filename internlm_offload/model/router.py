@@ -40,15 +40,22 @@ class RouterStats:
 
 
 def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """(E,) fp32 count of each expert id in `indices`; ids >= E (dropped choices) are not counted.
+    """(E,) fp32 count of each expert id in `indices`; ids >= E (dropped choices, written as E) are not counted.
 
-    `histc` has fixed bounds, so no host sync (bincount would sync on cuda for its output size). histc rejects
-    integer input on cpu, so cpu counts floats (exact below 2**24); cuda counts ints (its float histc is not
-    deterministic). Bin E catches the out-of-range ids and is cut off.
+    No host sync: the output size is fixed (bincount would sync on an accelerator to find it). cpu: `histc` on
+    floats (it rejects integers on cpu; exact below 2**24). Elsewhere `scatter_add_`, which torch makes
+    deterministic under `use_deterministic_algorithms` (histc on cuda raises there instead).
     """
     values = indices.reshape(-1)
-    values = values.float() if values.device.type == "cpu" else values.int()
-    return torch.histc(values, bins=num_experts + 1, min=0, max=num_experts + 1)[:num_experts].float()
+    if values.device.type != "cpu":
+        return scatter_counts(values, num_experts)
+    return torch.histc(values.float(), bins=num_experts + 1, min=0, max=num_experts + 1)[:num_experts]
+
+
+def scatter_counts(values: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`expert_counts` of flat int64 ids in [0, E] by `scatter_add_` (any device)."""
+    ones = torch.ones_like(values, dtype=torch.float32)
+    return torch.zeros(num_experts + 1, device=values.device).scatter_add_(0, values, ones)[:num_experts]
 
 
 class Router(nn.Module):

@@ -11,7 +11,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from internlm_offload.model.experts import GroupedExperts, _grouped_linear
 from internlm_offload.model.moe import MoE
-from internlm_offload.model.router import capacity_keep, expert_counts, gshard_capacity
+from internlm_offload.model.router import capacity_keep, expert_counts, gshard_capacity, scatter_counts
 
 H, I, E, K = 32, 24, 8, 2  # widths multiples of 4: fp32 rows on 16-byte strides, the grouped GEMM's rule
 
@@ -177,9 +177,12 @@ def test_gshard_without_dropping_computes_every_choice() -> None:
 
 
 def test_expert_counts_without_ints_on_cpu() -> None:
-    """histc on cpu rejects ints: counted as floats; ids >= E (dropped) are not counted."""
+    """histc on cpu rejects ints: counted as floats; ids >= E (dropped) are not counted. The accelerators' path
+    (scatter_add_) counts the same, run here on meta for its shapes and on cpu for its values."""
     ids = torch.tensor([[0, 3], [3, 1], [4, 4]])
     assert expert_counts(ids, 4).tolist() == [1.0, 1.0, 0.0, 2.0]
+    assert scatter_counts(ids.reshape(-1), 4).tolist() == [1.0, 1.0, 0.0, 2.0]
+    assert expert_counts(ids.to("meta"), 4).shape == (4,)
 
 
 def per_expert_reference(experts: GroupedExperts, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:

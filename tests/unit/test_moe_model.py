@@ -208,3 +208,24 @@ def test_same_seed_same_losses_bitwise(moe_type: str) -> None:
     (a, model_a), (b, model_b) = run(), run()
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert all(torch.equal(p, q) for p, q in zip(model_a.parameters(), model_b.parameters()))
+
+
+def test_expert_load_sums_forwards_once_each_even_when_recomputed() -> None:
+    """ExpertLoad logs the tokens per expert of every forward since the last step: a checkpointed block, recomputed
+    in backward, is counted once."""
+    from torch.utils.checkpoint import checkpoint
+
+    from internlm_offload.engine.expert_load import ExpertLoad
+
+    model = InternLM2(**TINY, num_experts=E, top_k=K, moe_type="Dropless")
+    load = ExpertLoad(model.layers)
+    plain = [layer.forward for layer in model.layers]
+    for layer, forward in zip(model.layers, plain):
+        layer.forward = lambda *args, f=forward: checkpoint(f, *args, use_reentrant=False)
+    for seed in (1, 2):
+        logits, aux = model(tokens(seed))
+        (logits.float().pow(2).mean() + aux).backward()
+    figures = load.metrics()
+    routed = 2 * 2 * 16 * K * 2  # forwards x rows x tokens x choices x sparse blocks
+    assert sum(figures["moe_tokens_per_expert"]) == routed and figures["moe_max_load"] >= 1.0
+    assert load.metrics() == {}  # taken: nothing until the next forward

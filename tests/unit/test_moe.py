@@ -249,3 +249,35 @@ def test_meta_tensors_trace_the_grouped_shapes() -> None:
     assert out.shape == (10, H) and out.is_meta
     out.backward(torch.empty_like(out))
     assert x.grad.shape == x.shape and experts.w1.grad.shape == experts.w1.shape
+
+
+SYNCING_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "bincount", "unique", "repeat_interleave.Tensor")
+
+
+@pytest.mark.parametrize("moe_type", ["GShard", "Dropless"])
+def test_routing_reads_nothing_back_to_the_host(moe_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward and backward of a block on the grouped path run no op whose output size or value an accelerator
+    would have to send to the host (a host sync per block and micro-batch): no .item()/.tolist(), no nonzero,
+    bincount, unique or boolean indexing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    reads: list[str] = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append("tolist") or tolist(t))
+    moe = MoE(H, I, E, K, moe_type=moe_type, num_shared_experts=1)
+    randomize(moe, 0)
+    x = torch.randn(2, 12, H, requires_grad=True)
+    with Ops() as ops:
+        F.mse_loss(moe(x), torch.zeros(2, 12, H)).backward()
+    synced = [name for name in ops.names if any(op in name for op in SYNCING_OPS)]
+    assert not synced and not reads, (synced, reads)
+    assert any("grouped_mm" in name for name in ops.names)

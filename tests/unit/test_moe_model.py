@@ -229,3 +229,20 @@ def test_expert_load_sums_forwards_once_each_even_when_recomputed() -> None:
     routed = 2 * 2 * 16 * K * 2  # forwards x rows x tokens x choices x sparse blocks
     assert sum(figures["moe_tokens_per_expert"]) == routed and figures["moe_max_load"] >= 1.0
     assert load.metrics() == {}  # taken: nothing until the next forward
+
+
+def test_every_parameter_is_initialised_once_and_a_meta_build_matches() -> None:
+    """FSDP2's meta build draws each parameter through `param_inits`: every MoE, shared-expert, q/k-norm and bias
+    parameter is there once, and meta + to_empty + init_weights equals a direct build under the same seed."""
+    kwargs = dict(**{**TINY, "num_layers": 3}, num_experts=E, top_k=K, num_shared_experts=1, mlp_only_layers=(0,))
+    kwargs.update(head_dim=32, qk_norm=True, qkv_bias=True, o_bias=False)
+    torch.manual_seed(5)
+    direct = InternLM2(**kwargs)
+    inited = [id(p) for p, _ in direct.param_inits()]
+    assert sorted(inited) == sorted(id(p) for p in direct.parameters())
+    with torch.device("meta"):
+        meta = InternLM2(**kwargs)
+    meta.to_empty(device="cpu")
+    torch.manual_seed(5)
+    meta.init_weights()
+    assert all(torch.equal(a, b) for a, b in zip(direct.state_dict().values(), meta.state_dict().values()))

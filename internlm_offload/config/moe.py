@@ -62,10 +62,11 @@ def check_moe(model: Any) -> None:
         )
     if model.top_k > model.num_experts:
         raise ValueError(f"model.top_k={model.top_k} must be <= model.num_experts={model.num_experts}")
-    given = model.moe_layer_kwargs.model_fields_set
+    kwargs = model.moe_layer_kwargs
     foreign = GSHARD_ONLY if model.moe_type == "Dropless" else DROPLESS_ONLY
     for key in foreign:
-        if key in given:
+        # a default is no option taken: a dumped config (checkpoints store one) writes every key
+        if getattr(kwargs, key) != type(kwargs).model_fields[key].default:
             owner = "GShard" if key in GSHARD_ONLY else "Dropless"
             raise ValueError(
                 f"model.moe_layer_kwargs.{key} is a moe_type='{owner}' option; model.moe_type={model.moe_type!r}"

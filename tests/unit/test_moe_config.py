@@ -106,3 +106,11 @@ def test_moe_type_refusal_exits_2(capsys: Any) -> None:
     assert launch.main(argv, build_trainer=None) == 2
     err = capsys.readouterr().err.strip()
     assert "model.moe_type='MegaBlock-D': supported here: GShard, Dropless" in err and "\n" not in err, err
+
+
+def test_a_dumped_moe_config_validates_again() -> None:
+    """Checkpoints store `model_dump()`, every moe_layer_kwargs key included: the other type's keys at their defaults
+    are no option taken, so export and resume read it back."""
+    for moe_type in ("GShard", "Dropless"):
+        cfg = resolve_config({"model": {**MOE, "moe_type": moe_type}})
+        assert resolve_config({"model": cfg.model.model_dump()}).model == cfg.model

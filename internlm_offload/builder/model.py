@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from internlm_offload.builder.optimizer import host_master_names
 from internlm_offload.config import ConfigError, CpuOffloadingConfig, ModelConfig, RunConfig
+from internlm_offload.config.moe import moe_kwargs
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.parallel import materialize_shards
 from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
@@ -26,10 +27,11 @@ from internlm_offload.registry import MODELS, PARALLEL, build
 logger = get_logger(__name__)
 
 
-def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
+def build_model(cfg: ModelConfig, device: torch.device, moe_loss_coeff: float = 1.0) -> nn.Module:
     """Construct the model in fp32 on `device`; weights are a pure function of the torch seed.
 
-    The precision policy (`cast_model`) then decides which copy is cast to the compute dtype.
+    The precision policy (`cast_model`) then decides which copy is cast to the compute dtype. A mixture-of-experts
+    model multiplies its load-balancing loss by `moe_loss_coeff` (`loss.moe_loss_coeff`).
     """
     if cfg.type == "hf_causal_lm":
         kwargs: dict[str, Any] = dict(
@@ -50,7 +52,24 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
             init_std=cfg.init_std,
             attn_impl=cfg.attn_impl,
             attention_bias=cfg.attention_bias,
+            qkv_bias=cfg.qkv_bias,
+            o_bias=cfg.o_bias,
+            head_dim=cfg.head_dim,
+            qk_norm=cfg.qk_norm,
         )
+        if cfg.num_experts:
+            kwargs.update(
+                num_experts=cfg.num_experts,
+                top_k=cfg.top_k,
+                moe_type=cfg.moe_type,
+                num_shared_experts=cfg.num_shared_experts,
+                shared_expert_gate=cfg.shared_expert_gate,
+                moe_layer_kwargs=moe_kwargs(cfg),
+                mlp_only_layers=tuple(cfg.mlp_only_layers),
+                decoder_sparse_step=cfg.decoder_sparse_step,
+                dense_intermediate_size=cfg.dense_intermediate_size,
+                moe_loss_coeff=moe_loss_coeff,
+            )
     with torch.device(device):
         try:
             return build(MODELS, cfg.type, "model.type", **kwargs)
@@ -151,7 +170,7 @@ def build_bare_model(
 ) -> nn.Module:
     """The model in fp32 (on meta when FSDP2 materializes the shards later); device memory counts from here."""
     ctx.accelerator.mark_memory_baseline()  # cpu: see device/cpu_memory.py
-    model = build_model(cfg.model, torch.device("meta") if on_meta else ctx.device)
+    model = build_model(cfg.model, torch.device("meta") if on_meta else ctx.device, cfg.loss.moe_loss_coeff)
     if check_model is not None:
         check_model(model)
     return model

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from internlm_offload.builder.data import build_evaluator, build_loader, build_metrics_log, check_vocab
 from internlm_offload.builder.model import (
@@ -23,6 +23,7 @@ from internlm_offload.config import RunConfig
 from internlm_offload.data import StepLoader, build_tokenizer
 from internlm_offload.engine.checkpoint import CheckpointManager
 from internlm_offload.engine.evaluation import Evaluator
+from internlm_offload.engine.expert_load import ExpertLoad
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
 from internlm_offload.engine.precision import NoMasters, PrecisionPolicy
@@ -60,7 +61,9 @@ class Components:
         hooks = [self.offloader, self.selective_offloader]
         if isinstance(self.masters, GradOffload):
             hooks.append(self.masters)
-        return [*(feature for feature in hooks if feature is not None), self.optimizer]
+        expert_load = ExpertLoad(self.layers)
+        monitors = [expert_load] if expert_load.moes else []
+        return [*(feature for feature in hooks if feature is not None), self.optimizer, *monitors]
 
 
 def build_components(

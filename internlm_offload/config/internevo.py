@@ -210,26 +210,21 @@ def _model_shape(t: Translation, model: dict[str, Any]) -> None:
     decoder has are mapped or no-ops, the others refused."""
     biases = {key: _pop(t, "model", key) for key in ("qkv_bias", "o_bias")}
     given = {key: value for key, value in biases.items() if value is not MISSING}
-    if len(set(given.values())) > 1:
-        t.refused.append(
-            f"model.qkv_bias={given['qkv_bias']!r} with model.o_bias={given['o_bias']!r}: the decoder here has "
-            "biases on wq, wk, wv and wo alike or none (model.attention_bias); train such a model (Qwen2's "
-            "biases) as model.type='hf_causal_lm'"
-        )
-    elif given:
-        model["attention_bias"] = bool(next(iter(given.values())))
-        names = " and ".join(f"model.{key}" for key in given)
-        t.mapped.append(f"{names} -> model.attention_bias={model['attention_bias']} (wq, wk, wv and wo)")
+    if len(set(given.values())) == 1 and len(given) == 2:
+        model["attention_bias"] = bool(given["qkv_bias"])
+        t.mapped.append(f"model.qkv_bias and model.o_bias -> model.attention_bias={model['attention_bias']}")
+    else:  # apart, as Qwen2's biases on q, k, v without one on o
+        for key, value in given.items():
+            model[key] = bool(value)
+            t.mapped.append(f"model.{key}={value!r} -> model.{key}={model[key]}")
     head_dim = _pop(t, "model", "head_dim")
     heads, hidden = model.get("num_attention_heads"), model.get("hidden_size")
     if head_dim is not MISSING and head_dim is not None:
         if isinstance(heads, int) and isinstance(hidden, int) and heads and head_dim * heads == hidden:
             t.ignored.append(f"model.head_dim={head_dim} (hidden_size / num_attention_heads)")
-        else:
-            t.refused.append(
-                f"model.head_dim={head_dim!r}: heads here are hidden_size / num_attention_heads "
-                f"({hidden} / {heads}); remove it or make them agree"
-            )
+        else:  # Qwen3's: heads wider than hidden / heads
+            model["head_dim"] = head_dim
+            t.mapped.append(f"model.head_dim={head_dim!r} (apart from hidden_size / num_attention_heads)")
     switches = {
         "add_unit_offset": (False, "RMSNorm here scales by its weight, not 1 + weight; set False"),
         "use_swiglu": (True, "the MLP here is SwiGLU; set True"),

@@ -167,7 +167,11 @@ class RunConfig(Section):
                 "use_pinned_optimizer_offload=True is the host arena of the swap optimizer; it needs swap_optimizer=True"
             )
         heads, kv_heads = self.model.num_attention_heads, self.model.num_kv_attention_heads
-        if self.model.hidden_size % heads or heads % kv_heads:
+        if heads % kv_heads:
+            raise ValueError(
+                f"model.num_attention_heads={heads} must be divisible by model.num_kv_attention_heads={kv_heads}"
+            )
+        if self.model.head_dim is None and self.model.hidden_size % heads:
             raise ValueError(
                 f"model.hidden_size={self.model.hidden_size} must be divisible by model.num_attention_heads={heads}, "
                 f"and that by model.num_kv_attention_heads={kv_heads}"
@@ -193,6 +197,11 @@ class RunConfig(Section):
                 f"got mode={tensor.mode!r}; set weight.size=1"
             )
         T, mode = tensor.size, tensor.mode
+        if model.num_experts:
+            raise ValueError(
+                f"parallel.tensor (size {T}, mode {mode!r}) with model.num_experts={model.num_experts}: the experts "
+                "are not sharded over a tensor group yet (expert parallel is not built); set parallel.tensor.size=1"
+            )
         if model.type != "internlm2":
             raise ValueError(
                 f"parallel.tensor (size {T}, mode {mode!r}) needs model.type='internlm2', got {model.type!r}"

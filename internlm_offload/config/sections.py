@@ -8,8 +8,10 @@ docs/config_reference.md); the whole run's model, its cross-field checks and the
 import math
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from internlm_offload.config.base import Section
+from internlm_offload.config.moe import MoeLayerKwargsConfig, check_moe
 from internlm_offload.config.sizes import parse_size
 
 # Knobs a config may set to "auto" (with `memory_budget`): the memory planner chooses them at start-up.
@@ -32,12 +34,6 @@ TENSOR_MODES = ("mtp", "msp", "fsp", "isp")  # InternEvo's `parallel.tensor.mode
 def intermediate_size(hidden_size: int, mlp_ratio: float, multiple_of: int) -> int:
     """SwiGLU's hidden width: `hidden_size * mlp_ratio`, truncated, then rounded up to a multiple of `multiple_of`."""
     return multiple_of * math.ceil(int(hidden_size * mlp_ratio) / multiple_of)
-
-
-class Section(BaseModel):
-    """Base for every config section: strict types, unknown keys rejected."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
 
 
 class ModelConfig(Section):
@@ -75,6 +71,65 @@ class ModelConfig(Section):
         description="Biases on the attention projections wq, wk, wv, wo (InternLM v1; InternEvo's `no_bias=False`; "
         "Llama's `attention_bias`). The MLP and head never have biases.",
     )
+    qkv_bias: Optional[bool] = Field(
+        None,
+        description="Biases on wq, wk, wv (InternEvo's `qkv_bias`, Qwen2's); default: `attention_bias`.",
+    )
+    o_bias: Optional[bool] = Field(
+        None, description="A bias on wo (InternEvo's `o_bias`; Qwen2 has none); default: `attention_bias`."
+    )
+    head_dim: Optional[int] = Field(
+        None,
+        ge=2,
+        multiple_of=2,
+        description="Width of one attention head (Qwen3's `head_dim`: 128 with hidden 2048 and 32 heads); default "
+        "`hidden_size / num_attention_heads`.",
+    )
+    qk_norm: bool = Field(
+        False,
+        description="RMSNorm of q and k over each head's `head_dim`, before RoPE (Qwen3; InternEvo's `use_qk_norm`).",
+    )
+    num_experts: int = Field(
+        0,
+        ge=0,
+        description="Mixture of experts: routed experts per sparse block (model/moe.py); 0: every block dense.",
+    )
+    top_k: int = Field(1, ge=1, description="Experts each token is routed to (<= `num_experts`).")
+    moe_type: str = Field(
+        "GShard",
+        description="`GShard`: capacity per expert, choices over it dropped (InternEvo's fused gating); "
+        "`Dropless`: every routed choice computed. InternEvo's MegaBlock variants need GPU-only packages: refused.",
+    )
+    num_shared_experts: int = Field(
+        0,
+        ge=0,
+        description="Shared experts: one SwiGLU of `num_shared_experts` times the expert width, run on every token "
+        "(InternEvo's `residual_mlp`; `moe_use_residual=True` means 1).",
+    )
+    moe_use_residual: Optional[bool] = Field(
+        None, description="InternEvo's legacy name: True is `num_shared_experts=1`."
+    )
+    shared_expert_gate: Literal["softmax", "sigmoid"] = Field(
+        "softmax",
+        description="How shared experts mix in: `softmax`, out = routed * c0 + shared * c1 with c = softmax(Linear(H, "
+        "2)) (InternEvo's InternLM-MoE and Mixtral); `sigmoid`, out = routed + sigmoid(Linear(H, 1, no bias)) * "
+        "shared (Qwen2-MoE's `shared_expert_gate`).",
+    )
+    moe_layer_kwargs: MoeLayerKwargsConfig = Field(
+        default_factory=MoeLayerKwargsConfig, description="InternEvo's per-layer MoE options (below)."
+    )
+    mlp_only_layers: list[int] = Field(
+        [], description="Qwen's: blocks (0-based) kept dense in a mixture-of-experts model."
+    )
+    decoder_sparse_step: int = Field(
+        1, ge=1, description="Qwen's: block i is sparse iff (i + 1) % decoder_sparse_step == 0 (1: all)."
+    )
+    dense_intermediate_size: Optional[int] = Field(
+        None,
+        ge=1,
+        description="SwiGLU width of the dense blocks of a mixture-of-experts model (Qwen's `intermediate_size`); "
+        "default: the expert width (`hidden_size * mlp_ratio` rounded up to `multiple_of`).",
+    )
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
     parallel_output: bool = Field(
         True,
@@ -102,10 +157,16 @@ class ModelConfig(Section):
     def _bool_checkpoint(cls, value: Any) -> Any:
         return float(value) if isinstance(value, bool) else value
 
+    @field_validator("mlp_only_layers", mode="before")
+    @classmethod
+    def _tuple_layers(cls, value: Any) -> Any:
+        return list(value) if isinstance(value, tuple) else value
+
     @model_validator(mode="after")
     def _derive(self) -> "ModelConfig":
         if self.num_kv_attention_heads is None:
             self.num_kv_attention_heads = self.num_attention_heads
+        check_moe(self)
         if self.type == "hf_causal_lm" and (self.hf_path is None) == (self.hf_config is None):
             raise ValueError("model.type='hf_causal_lm' needs exactly one of model.hf_path and model.hf_config")
         if self.type == "hf_causal_lm" and self.attention_bias:
@@ -448,6 +509,12 @@ class HybridOptimizerConfig(Section):
 class LossConfig(Section):
     label_smoothing: float = Field(
         0.0, ge=0, lt=1, description="Cross-entropy label smoothing (InternEvo's `loss.label_smoothing`)."
+    )
+    moe_loss_coeff: float = Field(
+        1.0,
+        ge=0,
+        description="Mixture of experts: the load-balancing loss is multiplied by this and added to the training "
+        "loss (InternEvo's; its configs use 0.1 to 0.001); logged apart as `moe_aux_loss`, already multiplied.",
     )
 
 

@@ -60,6 +60,12 @@ def _one_block_step(
         for tensor in [*model.parameters(), *model.buffers()]:
             tensor.zero_()
     tokens, labels, *positions = (t.to(device) for t in batch)
-    token_loss_sum(model(tokens, *positions), labels).backward()
+    out = model(tokens, *positions)
+    if isinstance(out, tuple):  # a mixture of experts: (logits, aux_loss)
+        loss = token_loss_sum(out[0], labels) + out[1]
+    else:
+        loss = token_loss_sum(out, labels)
+    loss.backward()
+    del out, loss
     del model, tokens, labels, positions
     gc.collect()  # the autograd graph's cycles hold activations until collected

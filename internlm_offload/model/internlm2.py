@@ -1,5 +1,10 @@
 """InternLM2-style decoder-only LM: RMSNorm, RoPE, grouped-query attention, SwiGLU, no dropout; biases only on
-the attention projections, and only when asked (InternLM v1, Llama's `attention_bias`)."""
+the attention projections, and only when asked (InternLM v1, Llama's `attention_bias`, Qwen2's on q, k, v alone).
+
+Qwen3's attention (an explicit `head_dim`, RMSNorm of q and k per head) and mixture-of-experts feed-forwards
+(`num_experts > 0`, model/moe.py) are options of the same decoder; an MoE model's forward returns
+`(logits, aux_loss)`, its load-balancing loss already times `moe_loss_coeff`.
+"""
 
 import functools
 import math
@@ -10,20 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from internlm_offload.config import intermediate_size
+from internlm_offload.model.mlp import FeedForward, ParamInit, normal_init
+from internlm_offload.model.moe import MoE
+from internlm_offload.model.router import RouterStats, dropless_aux_loss, global_aux_loss, gshard_aux_loss
 from internlm_offload.offload.activation import mark_not_offload
 from internlm_offload.registry import MODELS
 
 ATTN_IMPLS = ("sdpa", "flash", "auto")
 
-# Fills one whole parameter in place, drawing from the torch RNG where it is random.
-ParamInit = Callable[[torch.Tensor], Any]
 # What `InternLM2.init_weights` does with each (parameter, init): by default `init(parameter)`.
 ApplyInit = Callable[[nn.Parameter, ParamInit], None]
-
-
-def normal_init(std: float) -> ParamInit:
-    """normal(0, std) in place."""
-    return functools.partial(nn.init.normal_, mean=0.0, std=std)
 
 
 @functools.cache
@@ -121,16 +122,33 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings."""
 
-    def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, attn_impl: str, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        n_heads: int,
+        n_kv_heads: int,
+        attn_impl: str,
+        bias: bool = False,
+        *,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        o_bias: bool | None = None,
+    ) -> None:
+        """`bias` is on wq, wk, wv, and on wo unless `o_bias` says otherwise (Qwen2: q, k, v only). `head_dim`
+        defaults to hidden_size / n_heads (Qwen3 sets its own); `qk_norm` RMS-normalises q and k per head."""
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
-        self.head_dim = hidden_size // n_heads
+        self.head_dim = head_dim or hidden_size // n_heads
         self.attn_impl = attn_impl
         self.wq = nn.Linear(hidden_size, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=bias)
-        self.wo = nn.Linear(n_heads * self.head_dim, hidden_size, bias=bias)
+        self.wo = nn.Linear(n_heads * self.head_dim, hidden_size, bias=bias if o_bias is None else o_bias)
+        # Qwen3: RMSNorm over each head's dim, before RoPE; one weight shared by all heads
+        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         # isp (engine/sequence_parallel.py): exchange(t, scatter_dim, gather_dim) between sequence and heads
         self.sequence_exchange: Callable[..., torch.Tensor] | None = None
 
@@ -151,6 +169,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, KVH, D)
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, KVH, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         exchange = self.sequence_exchange
@@ -192,25 +212,9 @@ class Attention(nn.Module):
         for lin in (self.wq, self.wk, self.wv, self.wo):
             if lin.bias is not None:
                 yield lin.bias, nn.init.zeros_
-
-
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)  # gate
-        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)  # up
-        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)  # down
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
-        """normal(0, std) for w1, w3; normal(0, out_std) for w2, which writes into the residual stream."""
-        yield self.w1.weight, normal_init(std)
-        yield self.w3.weight, normal_init(std)
-        yield self.w2.weight, normal_init(out_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                yield from norm.param_inits()
 
 
 class DecoderLayer(nn.Module):
@@ -225,12 +229,24 @@ class DecoderLayer(nn.Module):
         norm_eps: float,
         attn_impl: str,
         attention_bias: bool = False,
+        *,
+        attention_kwargs: dict[str, Any] | None = None,
+        moe: MoE | None = None,
     ) -> None:
+        """`moe` replaces the dense feed-forward (a sparse block); `attention_kwargs` go to `Attention`."""
         super().__init__()
         self.attention_norm = RMSNorm(hidden_size, norm_eps)
-        self.attention = Attention(hidden_size, n_heads, n_kv_heads, attn_impl, bias=attention_bias)
+        self.attention = Attention(
+            hidden_size,
+            n_heads,
+            n_kv_heads,
+            attn_impl,
+            bias=attention_bias,
+            norm_eps=norm_eps,
+            **(attention_kwargs or {}),
+        )
         self.ffn_norm = RMSNorm(hidden_size, norm_eps)
-        self.feed_forward = FeedForward(hidden_size, intermediate_size)
+        self.feed_forward = moe if moe is not None else FeedForward(hidden_size, intermediate_size)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: Documents | None = None
@@ -267,9 +283,13 @@ def _validate_args(**args: Any) -> None:
     heads, kv_heads, hidden = args["num_attention_heads"], args["num_kv_attention_heads"], args["hidden_size"]
     if heads % kv_heads != 0:
         raise ValueError(f"num_attention_heads={heads} must be divisible by num_kv_attention_heads={kv_heads}")
-    if hidden % heads != 0:
+    head_dim = args["head_dim"]
+    if head_dim is not None:
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"head_dim={head_dim!r} must be a positive even int (RoPE rotates pairs)")
+    elif hidden % heads != 0:
         raise ValueError(f"hidden_size={hidden} must be divisible by num_attention_heads={heads}")
-    if (hidden // heads) % 2 != 0:
+    elif (hidden // heads) % 2 != 0:
         raise ValueError(f"hidden_size={hidden} / num_attention_heads={heads} is odd; RoPE needs an even head_dim")
     attn_impl = args["attn_impl"]
     if attn_impl not in ATTN_IMPLS:
@@ -298,7 +318,27 @@ class InternLM2(nn.Module):
         init_std: float = 0.02,
         attn_impl: str = "auto",
         attention_bias: bool = False,
+        qkv_bias: bool | None = None,
+        o_bias: bool | None = None,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
+        num_experts: int = 0,
+        top_k: int = 1,
+        moe_type: str = "GShard",
+        num_shared_experts: int = 0,
+        shared_expert_gate: str = "softmax",
+        moe_layer_kwargs: dict[str, Any] | None = None,
+        mlp_only_layers: tuple[int, ...] = (),
+        decoder_sparse_step: int = 1,
+        dense_intermediate_size: int | None = None,
+        moe_loss_coeff: float = 1.0,
     ) -> None:
+        """`qkv_bias`/`o_bias` (default: `attention_bias`) put biases on wq, wk, wv / wo apart. `num_experts > 0`
+        makes the blocks sparse (model/moe.py), except those in `mlp_only_layers` or off the `decoder_sparse_step`
+        (Qwen's rule: block i is sparse iff (i + 1) % step == 0), which get a dense SwiGLU of
+        `dense_intermediate_size` (default: the expert width). `moe_layer_kwargs`: capacity_factor, min_capacity,
+        drop_tokens (GShard); normalize_expert_weights, scoring_func, routed_scaling_factor (Dropless);
+        aux_loss_by_layer (False: transformers' global loss over all layers)."""
         super().__init__()
         _validate_args(
             num_layers=num_layers,
@@ -312,8 +352,9 @@ class InternLM2(nn.Module):
             rope_base=rope_base,
             init_std=init_std,
             attn_impl=attn_impl,
+            head_dim=head_dim,
         )
-        head_dim = hidden_size // num_attention_heads
+        head_dim = head_dim or hidden_size // num_attention_heads
 
         self.num_layers = num_layers
         self.vocab_size = vocab_size
@@ -323,6 +364,35 @@ class InternLM2(nn.Module):
         self.tie_word_embeddings = tie_word_embeddings
         self.sequence_shard: Any = None  # isp: an engine.sequence_parallel.SequenceShard
         intermediate = intermediate_size(hidden_size, mlp_ratio, multiple_of)
+        moe_kwargs = dict(moe_layer_kwargs or {})
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.moe_type = moe_type
+        self.moe_loss_coeff = moe_loss_coeff
+        self.aux_loss_by_layer = moe_kwargs.pop("aux_loss_by_layer", True)
+
+        def sparse(i: int) -> bool:
+            return num_experts > 0 and i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+
+        def moe_block() -> MoE:
+            return MoE(
+                hidden_size,
+                intermediate,
+                num_experts,
+                top_k,
+                moe_type=moe_type,
+                num_shared_experts=num_shared_experts,
+                shared_expert_gate=shared_expert_gate,
+                **moe_kwargs,
+            )
+
+        dense_width = dense_intermediate_size or intermediate
+        attention_kwargs = {
+            "head_dim": head_dim,
+            "qk_norm": qk_norm,
+            "o_bias": attention_bias if o_bias is None else o_bias,
+        }
+        qkv_bias = attention_bias if qkv_bias is None else qkv_bias
 
         # Built on meta so construction draws no random numbers: init_weights alone sets every weight, which
         # makes a direct build equal a meta build + to_empty + init_weights under the same seed.
@@ -334,12 +404,14 @@ class InternLM2(nn.Module):
                     hidden_size,
                     num_attention_heads,
                     num_kv_attention_heads,
-                    intermediate,
+                    dense_width,
                     norm_eps,
                     attn_impl,
-                    attention_bias,
+                    qkv_bias,
+                    attention_kwargs=attention_kwargs,
+                    moe=moe_block() if sparse(i) else None,
                 )
-                for _ in range(num_layers)
+                for i in range(num_layers)
             )
             self.norm = RMSNorm(hidden_size, norm_eps)
             self.output = nn.Linear(hidden_size, vocab_size, bias=False)
@@ -394,8 +466,11 @@ class InternLM2(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)  # (..., T, D): rotate-half pairs dim i with i + D/2
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, V) for input_ids (B, T), in the model's dtype.
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits (B, T, V) for input_ids (B, T), in the model's dtype; with experts also the load-balancing loss
+        (fp32 scalar, times `moe_loss_coeff`).
 
         `position_ids` (B, T) packs several documents per row: positions restart at 0 where a document
         begins, and attention never crosses into another document. With a `sequence_shard` (isp) the
@@ -411,7 +486,39 @@ class InternLM2(nn.Module):
         rope = self.rope_cos_sin(input_ids.shape[1], h.dtype, position_ids)
         for layer in self.layers:
             h = layer(h, rope, documents)
-        return self.output(self.norm(h))  # (B, T, V)
+        logits = self.output(self.norm(h))  # (B, T, V)
+        if self.num_experts == 0:
+            return logits
+        return logits, self.moe_loss_coeff * self.aux_loss(self._take_router_stats())
+
+    def moe_layers(self) -> list[MoE]:
+        """The sparse blocks' feed-forwards, in depth order."""
+        return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, MoE)]
+
+    def _take_router_stats(self) -> list[RouterStats]:
+        """This forward's router statistics, cleared from the layers (a recompute in backward sets them again;
+        clearing keeps the forward's graph from living on in the module); the tokens per expert recorded."""
+        stats = []
+        for moe in self.moe_layers():
+            stats.append(moe.stats)
+            moe.stats = None
+            moe.record_load()
+        return stats
+
+    def aux_loss(self, stats: list[RouterStats]) -> torch.Tensor:
+        """The load-balancing loss without its coefficient: InternEvo's per layer, summed over layers (1 per layer
+        for a uniform router), or transformers' global one when `aux_loss_by_layer=False` (about top_k)."""
+        if not stats:  # every block dense (mlp_only_layers)
+            return torch.zeros((), device=self.output.weight.device)
+        if not self.aux_loss_by_layer:
+            return global_aux_loss(stats, self.num_experts)
+        if self.moe_type == "GShard":
+            return torch.stack([gshard_aux_loss(s, self.num_experts) for s in stats]).sum()
+        return torch.stack([dropless_aux_loss(s, self.num_experts, self.top_k) for s in stats]).sum()
+
+    def tokens_per_expert(self) -> torch.Tensor:
+        """(sparse blocks, E) fp32: tokens each expert computed in the last forward, after capacity (detached)."""
+        return torch.stack([moe.tokens_per_expert for moe in self.moe_layers()])
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameter count (tied weights once); exclude_embeddings drops the tok_embeddings table."""

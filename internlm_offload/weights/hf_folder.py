@@ -202,9 +202,18 @@ def write_llama_folder(
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
+    qkv_bias = model.attention_bias if model.qkv_bias is None else model.qkv_bias
+    o_bias = model.attention_bias if model.o_bias is None else model.o_bias
+    if qkv_bias != o_bias or model.qk_norm or model.num_experts:
+        # Llama's attention_bias is on q, k, v and o alike, and it has no q/k norms or experts: its folder would
+        # load without those weights (transformers drops unexpected names with a warning)
+        raise CheckpointError(
+            f"{out}: a LlamaForCausalLM folder cannot hold model.qkv_bias={qkv_bias} with model.o_bias={o_bias}, "
+            f"model.qk_norm={model.qk_norm} or model.num_experts={model.num_experts}; export to safetensors instead"
+        )
     config = LlamaConfig(
         **llama_values(model),
-        head_dim=model.hidden_size // model.num_attention_heads,
+        head_dim=model.head_dim or model.hidden_size // model.num_attention_heads,
         max_position_embeddings=max_positions,
         hidden_act="silu",
         mlp_bias=False,

@@ -225,7 +225,10 @@ ERRORS = {
     "unknown key, no close match": (
         {"model": dict(zzzz=2)},
         1,
-        ["unknown config key 'model.zzzz'", "allowed keys: attention_bias, attn_impl, checkpoint, dtype,"],
+        [
+            "unknown config key 'model.zzzz'",
+            "allowed keys: attention_bias, attn_impl, checkpoint, decoder_sparse_step, dense_intermediate_size, dtype,",
+        ],
     ),
     "wrong type, int": ({"model": dict(num_layers="4")}, 1, ["model.num_layers='4'", "valid integer"]),
     "wrong type, float for int": ({"data": dict(seq_len=64.0)}, 1, ["data.seq_len=64.0", "valid integer"]),

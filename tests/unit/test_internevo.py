@@ -250,8 +250,9 @@ def test_internevo_model_features_not_built_here_are_refused_when_on(key):
 
 
 def test_internevo_decoder_shape_switches_are_mapped_or_refused():
-    """The llama / InternLM3 configs' switches: qkv and o biases together are attention_bias, a head_dim that is
-    hidden / heads and use_swiglu=True change nothing, the rest would change the model and is refused."""
+    """The llama / InternLM3 / Qwen configs' switches: qkv and o biases together are attention_bias, apart they
+    are qkv_bias and o_bias (Qwen2's); a head_dim that is hidden / heads and use_swiglu=True change nothing, another
+    head_dim is the model's (Qwen3's); the rest would change the model and is refused."""
     model = {"num_layers": 2, "hidden_size": 96, "num_attention_heads": 4}
     same = {**model, "qkv_bias": True, "o_bias": True, "head_dim": 24, "use_swiglu": True, "add_unit_offset": False}
     t = translate({"model_type": "LLAMA2", "model": same, "data": {"use_packed_dataset": True}})
@@ -260,13 +261,14 @@ def test_internevo_decoder_shape_switches_are_mapped_or_refused():
         t.ignored
     )
     assert resolve_config({"model_type": "LLAMA2", "model": same}).model.attention_bias is True
+    qwen2 = resolve_config({"model_type": "LLAMA2", "model": {**same, "o_bias": False}}).model
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.attention_bias) == (True, False, False)
+    assert resolve_config({"model_type": "LLAMA2", "model": {**same, "head_dim": 32}}).model.head_dim == 32
     refused = {
-        "o_bias": "model.qkv_bias=True with model.o_bias=False",
-        "head_dim": "model.head_dim=32: heads here are hidden_size / num_attention_heads (96 / 4)",
         "add_unit_offset": "model.add_unit_offset=True",
         "use_swiglu": "model.use_swiglu=False",
     }
-    changed = {"o_bias": False, "head_dim": 32, "add_unit_offset": True, "use_swiglu": False}
+    changed = {"add_unit_offset": True, "use_swiglu": False}
     for key, part in refused.items():
         with pytest.raises(ConfigError) as err:
             resolve_config({"model_type": "LLAMA2", "model": {**same, key: changed[key]}})

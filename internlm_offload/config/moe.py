@@ -1,0 +1,85 @@
+"""The mixture-of-experts keys of the model section: `moe_layer_kwargs` and the checks across the MoE keys."""
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from internlm_offload.config.base import Section
+
+MOE_TYPES = ("GShard", "Dropless")  # InternEvo's `moe_type`s built here (model/moe.py)
+# `moe_layer_kwargs` keys that exist for one moe_type only (InternEvo's layer constructors raise TypeError on the
+# others; here one line says which type takes them).
+GSHARD_ONLY = ("capacity_factor", "min_capacity", "drop_tokens")
+DROPLESS_ONLY = ("normalize_expert_weights", "scoring_func", "routed_scaling_factor", "aux_loss_by_layer")
+
+
+class MoeLayerKwargsConfig(Section):
+    capacity_factor: float = Field(
+        1.0,
+        gt=0,
+        description="GShard: each expert takes at most max(ceil(T / E * capacity_factor * top_k), min_capacity) of "
+        "this rank's T tokens' choices; the rest are dropped (1st choices before 2nd, earlier tokens first).",
+    )
+    min_capacity: int = Field(4, ge=1, description="GShard: the capacity's floor.")
+    drop_tokens: bool = Field(
+        True,
+        description="GShard: False computes every choice (no capacity). InternEvo's default fused gating ignores "
+        "this key and always drops; here it is honoured, as InternEvo's non-fused gating does.",
+    )
+    aux_loss_by_layer: bool = Field(
+        True,
+        description="Dropless: True, InternEvo's per-layer load-balancing loss (1 per layer for a balanced router, "
+        "summed); False, transformers' (and InternEvo Qwen's) global loss on statistics pooled over all layers "
+        "(about top_k for a balanced router).",
+    )
+    normalize_expert_weights: bool = Field(
+        True,
+        description="Dropless: divide the top-k weights by their sum (transformers' `norm_topk_prob`; Mixtral "
+        "always). GShard always renormalises the choices it keeps.",
+    )
+    scoring_func: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="Dropless: router scores; GShard always scores by softmax."
+    )
+    routed_scaling_factor: float = Field(1.0, gt=0, description="Dropless: the routed weights are multiplied by it.")
+
+
+def check_moe(model: Any) -> None:
+    """The model section's InternEvo legacy `moe_use_residual` folded in, and its mixture-of-experts keys checked."""
+    if model.moe_use_residual is not None:
+        if model.moe_use_residual and "num_shared_experts" not in model.model_fields_set:
+            model.num_shared_experts = 1
+        model.moe_use_residual = None
+    if model.moe_type not in MOE_TYPES:
+        raise ValueError(
+            f"model.moe_type={model.moe_type!r}: supported here: {', '.join(MOE_TYPES)} (MegaBlock and "
+            "MegaBlock-D need GPU-only kernels; Dropless computes the same tokens as MegaBlock-Dropless)"
+        )
+    if model.num_experts == 0:
+        return
+    if model.type != "internlm2":
+        raise ValueError(
+            f"model.num_experts={model.num_experts} is for model.type='internlm2'; an {model.type} model has its own"
+        )
+    if model.top_k > model.num_experts:
+        raise ValueError(f"model.top_k={model.top_k} must be <= model.num_experts={model.num_experts}")
+    kwargs = model.moe_layer_kwargs
+    foreign = GSHARD_ONLY if model.moe_type == "Dropless" else DROPLESS_ONLY
+    for key in foreign:
+        # a default is no option taken: a dumped config (checkpoints store one) writes every key
+        if getattr(kwargs, key) != type(kwargs).model_fields[key].default:
+            owner = "GShard" if key in GSHARD_ONLY else "Dropless"
+            raise ValueError(
+                f"model.moe_layer_kwargs.{key} is a moe_type='{owner}' option; model.moe_type={model.moe_type!r}"
+                " does not take it"
+            )
+    bad = [i for i in model.mlp_only_layers if not 0 <= i < model.num_layers]
+    if bad:
+        raise ValueError(
+            f"model.mlp_only_layers={model.mlp_only_layers}: {bad[0]} is not a block in [0, {model.num_layers})"
+        )
+
+
+def moe_kwargs(model: Any) -> dict[str, Any]:
+    """The model section's `moe_layer_kwargs` for model/moe.py: the keys of its `moe_type` only."""
+    foreign = GSHARD_ONLY if model.moe_type == "Dropless" else DROPLESS_ONLY
+    return {k: v for k, v in model.moe_layer_kwargs.model_dump().items() if k not in foreign}

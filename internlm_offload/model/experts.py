@@ -1,0 +1,101 @@
+"""Stacked SwiGLU experts: one parameter per projection over all experts, computed as torch's grouped GEMM.
+
+Each expert e is w2[e](silu(w1[e] x) * w3[e] x), with w1, w3: (E, I, H) and w2: (E, H, I), the nn.Linear (out,
+in) layout per expert as transformers 5.x holds its fused experts (InternEvo's grouped files are (E, in, out):
+a converter transposes). One tensor per projection lets sharding, offload and the grouped matmul see one tensor.
+"""
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from internlm_offload.device.kernels import grouped_mm_aligned, has_grouped_mm
+from internlm_offload.model.mlp import ParamInit, normal_init
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient.
+
+    The grouped GEMM's backward rejects an expanded or strided incoming gradient ("Invalid strides/sizes",
+    torch 2.13; `y.sum().backward()` produces one): the expert outputs pass through this so whatever loss
+    follows, the kernel sees dense rows.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows offs[e-1]:offs[e] of x (N, in) times weight[e].T, for weight (E, out, in): one grouped GEMM."""
+    # weight.transpose is a view (E, in, out) with strides (out*in, 1, in): column-major per expert, which the
+    # kernel takes as it is (both layouts are allowed; 16-byte strides checked by the caller).
+    return _ContiguousGrad.apply(F.grouped_mm(x, weight.transpose(-2, -1), offs=offs))
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts of width I over tokens already sorted by expert."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))  # gate
+        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))  # up
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))  # down
+
+    def uses_grouped_mm(self, x: torch.Tensor) -> bool:
+        """The grouped GEMM where the device has it for this dtype and every row stride is 16-byte aligned;
+        else the loop over contiguous slices."""
+        intermediate, hidden = self.w1.shape[1:]
+        return has_grouped_mm(x.device, x.dtype) and grouped_mm_aligned(x.dtype, hidden, intermediate)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (N, H): rows grouped by expert, counts[e] rows for expert e (sum(counts) <= N); (N, H) out.
+
+        Rows past sum(counts) (choices GShard dropped) come out as 0, and no gradient flows into them.
+        """
+        ends = counts.long().cumsum(0)
+        valid = (torch.arange(x.shape[0], device=x.device) < ends[-1])[:, None]
+        # The kernel leaves rows past the last offset unwritten, in its output and in the input's gradient:
+        # `where` masks both (a multiply would let a NaN from uninitialised memory through).
+        x = torch.where(valid, x, 0)
+        if self.uses_grouped_mm(x):
+            offs = ends.to(torch.int32)  # stays on the device: no host sync
+            h = F.silu(_grouped_linear(x, self.w1, offs)) * _grouped_linear(x, self.w3, offs)
+            out = _grouped_linear(h, self.w2, offs)
+        elif x.device.type == "meta":
+            out = self._shapes_only(x)
+        else:
+            out = self._loop(x, counts)
+        return torch.where(valid, out, 0)
+
+    def _shapes_only(self, x: torch.Tensor) -> torch.Tensor:
+        """Meta tensors (the planner's trace) have no counts to slice by: every row through expert 0, which makes
+        the tensors the grouped path makes, of the same shapes (rows x width activations, whole weight grads)."""
+        w1, w3, w2 = (w[0] for w in (self.w1, self.w3, self.w2))
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert by expert over contiguous slices: for devices without the grouped GEMM."""
+        # The one host sync of the routing path: slicing needs the counts as Python ints.
+        sizes = counts.long().tolist()
+        outs, start = [], 0
+        for e, size in enumerate(sizes):
+            xe = x[start : start + size]
+            outs.append(F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e]))
+            start += size
+        outs.append(x.new_zeros(x.shape[0] - start, x.shape[1]))  # dropped rows
+        return torch.cat(outs)
+
+    def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
+        """normal(0, std) for w1, w3; normal(0, out_std) for w2, which writes into the residual stream."""
+        yield self.w1, normal_init(std)
+        yield self.w3, normal_init(std)
+        yield self.w2, normal_init(out_std)

@@ -1,0 +1,147 @@
+"""The mixture-of-experts feed-forward on one rank: route, permute by expert, grouped experts, combine.
+
+`moe_type="GShard"` drops the choices over each expert's capacity (InternEvo's fused gating); `"Dropless"`
+computes every routed choice. Shared experts run on every token beside the routed ones, mixed in by a sigmoid
+gate (Qwen2-MoE's `shared_expert_gate`) or a softmax coefficient over (routed, shared) (InternEvo's InternLM1
+and Mixtral `MoE`). After each forward, `stats` holds what the load-balancing loss needs.
+"""
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from internlm_offload.model.experts import GroupedExperts
+from internlm_offload.model.mlp import FeedForward, ParamInit, normal_init
+from internlm_offload.model.router import Router, RouterStats, drop_over_capacity, expert_counts, gshard_capacity
+
+MOE_TYPES = ("GShard", "Dropless")
+SHARED_EXPERT_GATES = ("softmax", "sigmoid")
+
+
+def permute(x: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token copies grouped by expert: x (T, H), expert_ids (T, k) with E for a dropped choice.
+
+    Returns the (T*k, H) rows sorted by expert (dropped ones last) and the sort order, whose entry i is the
+    flat (token * k + choice) index of sorted row i.
+    """
+    k = expert_ids.shape[1]
+    # Stable: within an expert, tokens keep their order, so the result does not depend on the sort kernel.
+    order = torch.argsort(expert_ids.reshape(-1), stable=True)
+    # repeat_interleave + a permutation rather than x[order // k]: the gather's backward would accumulate the
+    # k copies of a token with index_put(accumulate=True), not deterministic everywhere; this sums them in order.
+    return x.repeat_interleave(k, dim=0)[order], order
+
+
+def unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Inverse of `permute`, then the weighted sum over each token's k choices: (T*k, H) -> (T, H)."""
+    T, k = weights.shape
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    flat = rows[inverse].view(T, k, -1)  # a permutation: no index is hit twice, forward or backward
+    return (flat * weights.to(rows.dtype)[..., None]).sum(1)
+
+
+class MoE(nn.Module):
+    """Router + stacked experts (+ shared experts): the feed-forward of a sparse decoder block."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        moe_type: str = "GShard",
+        num_shared_experts: int = 0,
+        shared_expert_gate: str = "softmax",
+        capacity_factor: float = 1.0,
+        min_capacity: int = 4,
+        drop_tokens: bool = True,
+        normalize_expert_weights: bool = True,
+        scoring_func: str = "softmax",
+        routed_scaling_factor: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if moe_type not in MOE_TYPES:
+            raise ValueError(f"moe_type={moe_type!r}: supported here: {', '.join(MOE_TYPES)}")
+        if shared_expert_gate not in SHARED_EXPERT_GATES:
+            raise ValueError(f"shared_expert_gate={shared_expert_gate!r} must be one of {SHARED_EXPERT_GATES}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.moe_type = moe_type
+        self.capacity_factor = capacity_factor
+        self.min_capacity = min_capacity
+        # GShard always renormalises the surviving choices and scores by softmax (InternEvo's fused gating)
+        gshard = moe_type == "GShard"
+        self.drop_tokens = gshard and drop_tokens
+        self.router = Router(
+            hidden_size,
+            num_experts,
+            top_k,
+            scoring_func="softmax" if gshard else scoring_func,
+            normalize_weights=gshard or normalize_expert_weights,
+            scaling_factor=1.0 if gshard else routed_scaling_factor,
+        )
+        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert_gate = shared_expert_gate
+        self.shared_experts: FeedForward | None = None
+        self.coefficient: nn.Linear | None = None
+        if num_shared_experts > 0:
+            self.shared_experts = FeedForward(hidden_size, intermediate_size * num_shared_experts)
+            if shared_expert_gate == "sigmoid":  # Qwen2-MoE: sigmoid(Linear(H, 1)) scales the shared output
+                self.coefficient = nn.Linear(hidden_size, 1, bias=False)
+            else:  # InternEvo MoE: softmax(Linear(H, 2)) weighs (routed, shared)
+                self.coefficient = nn.Linear(hidden_size, 2)
+        self.stats: RouterStats | None = None  # set by every forward, read (and cleared) by the model
+        self.tokens_per_expert: torch.Tensor | None = None  # (E,) after capacity, last forward; detached
+        # (E,) fp32 sum of tokens_per_expert over the model's forwards since the last `take_load`: added by the
+        # model after its forward (a recompute in backward would count a block's forward twice), on the device
+        self.load: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (T, H)
+        routing = self.router(x)
+        self.stats = self.router.stats(routing)
+        expert_ids = routing.indices
+        if self.drop_tokens:
+            capacity = gshard_capacity(
+                x.shape[0], self.num_experts, self.top_k, self.capacity_factor, self.min_capacity
+            )
+            routing = drop_over_capacity(routing, capacity)
+            expert_ids = torch.where(routing.kept, expert_ids, self.num_experts)  # dropped: sort last
+        counts = expert_counts(expert_ids, self.num_experts)
+        self.tokens_per_expert = counts.detach()
+        rows, order = permute(x, expert_ids)
+        out = unpermute(self.experts(rows, counts), order, routing.weights)
+        if self.shared_experts is not None:
+            out = self._mix_shared(x, out)
+        return out.view(shape)
+
+    def record_load(self) -> None:
+        """Add the last forward's tokens per expert to `load` (no host sync)."""
+        counts = self.tokens_per_expert
+        self.load = counts.clone() if self.load is None else self.load + counts
+
+    def take_load(self) -> torch.Tensor | None:
+        """`load` since the last call, and reset it."""
+        load, self.load = self.load, None
+        return load
+
+    def _mix_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate == "sigmoid":
+            return routed + torch.sigmoid(self.coefficient(x)) * shared
+        c = self.coefficient(x).softmax(-1)
+        return routed * c[:, :1] + shared * c[:, 1:]
+
+    def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
+        """Router and expert up-projections normal(0, std), down-projections normal(0, out_std); the softmax
+        coefficient's bias zero."""
+        yield from self.router.param_inits(std)
+        yield from self.experts.param_inits(std, out_std)
+        if self.shared_experts is not None:
+            yield from self.shared_experts.param_inits(std, out_std)
+            yield self.coefficient.weight, normal_init(std)
+            if self.coefficient.bias is not None:
+                yield self.coefficient.bias, nn.init.zeros_

@@ -1,0 +1,166 @@
+"""The MoE router: fp32 scores, top-k choice, GShard's capacity, and the load-balancing losses.
+
+Notation: T tokens, E experts, k choices per token. Formulas follow InternEvo (develop, 2025) and transformers
+5.24; docs in /work/shared/reference/moe.md §3, §4, §7.
+"""
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from internlm_offload.model.mlp import ParamInit, normal_init
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass
+class Routing:
+    """One layer's routing of T tokens: which k experts each token goes to and with what weight."""
+
+    logits: torch.Tensor  # (T, E) fp32
+    scores: torch.Tensor  # (T, E) fp32: softmax or sigmoid of the logits
+    indices: torch.Tensor  # (T, k) int64, best first
+    weights: torch.Tensor  # (T, k) fp32; 0 where GShard dropped the choice
+    kept: torch.Tensor | None = None  # (T, k) bool; None: every choice is computed (Dropless)
+
+
+@dataclass
+class RouterStats:
+    """What a layer's load-balancing loss is made of; the global (Qwen) loss pools them over layers."""
+
+    tokens: int  # T
+    top1_counts: torch.Tensor  # (E,) fp32: tokens whose best expert is e (GShard's f_e * T)
+    topk_counts: torch.Tensor  # (E,) fp32: choices of e among all T*k (before any capacity drop)
+    score_sum: torch.Tensor  # (E,) fp32, differentiable: sum over tokens of the router's scores
+    prob_sum: torch.Tensor  # (E,) fp32, differentiable: sum over tokens of softmax(logits)
+
+
+def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E,) fp32 count of each expert id in `indices`; ids >= E (dropped choices, written as E) are not counted.
+
+    No host sync: the output size is fixed (bincount would sync on an accelerator to find it). cpu: `histc` on
+    floats (it rejects integers on cpu; exact below 2**24). Elsewhere `scatter_add_`, which torch makes
+    deterministic under `use_deterministic_algorithms` (histc on cuda raises there instead).
+    """
+    values = indices.reshape(-1)
+    if values.device.type != "cpu":
+        return scatter_counts(values, num_experts)
+    return torch.histc(values.float(), bins=num_experts + 1, min=0, max=num_experts + 1)[:num_experts]
+
+
+def scatter_counts(values: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`expert_counts` of flat int64 ids in [0, E] by `scatter_add_` (any device)."""
+    ones = torch.ones_like(values, dtype=torch.float32)
+    return torch.zeros(num_experts + 1, device=values.device).scatter_add_(0, values, ones)[:num_experts]
+
+
+class Router(nn.Module):
+    """Linear gate (E, H) without bias, scored in fp32; top-k, optional renormalisation and scaling."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        scoring_func: str = "softmax",
+        normalize_weights: bool = True,
+        scaling_factor: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func={scoring_func!r} must be one of {SCORING_FUNCS}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.scoring_func = scoring_func
+        self.normalize_weights = normalize_weights
+        self.scaling_factor = scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """Route x (T, H)."""
+        # fp32 whatever the compute dtype: bf16 logits tie and reorder the top-k of nearby experts
+        logits = F.linear(x.float(), self.weight.float())  # (T, E)
+        scores = logits.softmax(-1) if self.scoring_func == "softmax" else logits.sigmoid()
+        weights, indices = scores.topk(self.top_k, dim=-1)  # (T, k), sorted best first
+        if self.normalize_weights:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if self.scaling_factor != 1.0:
+            weights = weights * self.scaling_factor
+        return Routing(logits, scores, indices, weights)
+
+    def stats(self, routing: Routing) -> RouterStats:
+        """The counts and score sums the load-balancing losses need (counts before any capacity drop)."""
+        E = self.num_experts
+        probs = routing.scores if self.scoring_func == "softmax" else routing.logits.softmax(-1)
+        return RouterStats(
+            tokens=routing.logits.shape[0],
+            top1_counts=expert_counts(routing.indices[:, 0], E),
+            topk_counts=expert_counts(routing.indices, E),
+            score_sum=routing.scores.sum(0),
+            prob_sum=probs.sum(0),
+        )
+
+    def param_inits(self, std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
+        yield self.weight, normal_init(std)
+
+
+# ----------------------------------------------------------------------------- GShard capacity
+
+
+def gshard_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float, min_capacity: int) -> int:
+    """InternEvo's GShard capacity per expert: max(ceil(T / E * capacity_factor * k), min_capacity).
+
+    T is this rank's token count, a Python int from the shape: no host sync.
+    """
+    return max(math.ceil(tokens / num_experts * capacity_factor * top_k), min_capacity)
+
+
+def capacity_keep(indices: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """(T, k) bool: which choices fit their expert's `capacity`, filled choice-major as InternEvo's fused GShard
+    gating does: every token's 1st choice before any 2nd choice, earlier tokens before later ones."""
+    T, k = indices.shape
+    flat = indices.t().reshape(-1)  # (k*T,) choice-major
+    order = torch.argsort(flat, stable=True)  # grouped by expert, arrival order kept within a group
+    counts = expert_counts(flat, num_experts).long()
+    starts = counts.cumsum(0) - counts  # first slot of each expert's group in `order`
+    rank_sorted = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)  # arrival rank within the expert
+    return (rank < capacity).view(k, T).t()
+
+
+def drop_over_capacity(routing: Routing, capacity: int) -> Routing:
+    """GShard: zero the choices over capacity and renormalise the survivors to sum to 1 per token (a token with
+    none left gets 0: only the residual carries it), with InternEvo's eps clamp of the denominator."""
+    kept = capacity_keep(routing.indices, routing.scores.shape[-1], capacity)
+    weights = routing.weights * kept
+    denom = weights.sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).eps)
+    return Routing(routing.logits, routing.scores, routing.indices, weights / denom, kept)
+
+
+# ----------------------------------------------------------------------------- load-balancing losses
+
+
+def gshard_aux_loss(stats: RouterStats, num_experts: int) -> torch.Tensor:
+    """InternEvo GShard: E * sum_e f_e * P_e, f_e the share of tokens whose top-1 is e, P_e the mean score.
+    A uniform router gives 1."""
+    T = stats.tokens
+    return num_experts * torch.sum((stats.top1_counts / T) * (stats.score_sum / T))
+
+
+def dropless_aux_loss(stats: RouterStats, num_experts: int, top_k: int) -> torch.Tensor:
+    """InternEvo Dropless per layer: E / (T k) * sum_e count_e * mean_t score_{t,e}. A uniform router gives 1."""
+    T = stats.tokens
+    return num_experts / (T * top_k) * torch.sum(stats.topk_counts * (stats.score_sum / T))
+
+
+def global_aux_loss(all_stats: list[RouterStats], num_experts: int) -> torch.Tensor:
+    """transformers' (and InternEvo Qwen's) loss: E * sum_e (pooled top-k counts / rows) * (pooled softmax
+    sums / rows), statistics pooled over all layers before the product. A uniform router gives about k."""
+    rows = sum(s.tokens for s in all_stats)
+    counts = torch.stack([s.topk_counts for s in all_stats]).sum(0)
+    probs = torch.stack([s.prob_sum for s in all_stats]).sum(0)
+    return num_experts * torch.sum((counts / rows) * (probs / rows))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, ConfigError, RunConfig, merge_overrides, resolve_config
-from internlm_offload.planner.compose import Tracer
+from internlm_offload.planner.compose import APPROXIMATE_MARGIN, Tracer
 from internlm_offload.planner.cost import Hardware, StepWork, step_time
 from internlm_offload.planner.progress import SearchProgress
 from internlm_offload.planner.trace import StepMemory
@@ -264,7 +264,7 @@ def search(
     progress.add(len(activations) + len(optimizers) - 1 + len(activations) * len(optimizers))
 
     def traced(options: dict[str, Any]) -> StepMemory:
-        memory = tracer.step(config_for(options))
+        memory = tracer.step(config_for(options), approximate=True)
         progress.advance()
         return memory
 
@@ -283,20 +283,25 @@ def search(
     lean = LeanEstimate(config_for, by_activation, by_optimizer, activations, optimizers, tracer)
     for tried, candidate in enumerate(candidates, 1):
         progress.advance()
-        problems = over_budget(candidate.estimated_device, candidate.estimated_host, device_budget, host_budget)
+        config = config_for(candidate.options)
+        # composed where blocks share events: the budgets widened by its margin until the whole trace decides
+        slack = 1.0 if tracer.exact(config) else 1 + APPROXIMATE_MARGIN
+        budgets = [None if b is None else int(b * slack) for b in (device_budget, host_budget)]
+        problems = over_budget(candidate.estimated_device, candidate.estimated_host, *budgets)
         if problems and candidate.activation is not activations[0]:
             lean.refine(candidate)
-            problems = over_budget(candidate.estimated_device, candidate.estimated_host, device_budget, host_budget)
+            problems = over_budget(candidate.estimated_device, candidate.estimated_host, *budgets)
         if problems:
-            candidate.verdict = f"estimated {problems[0][1]}"
+            problem = over_budget(candidate.estimated_device, candidate.estimated_host, device_budget, host_budget)[0]
+            candidate.verdict = f"estimated {problem[1]}" + ("" if slack == 1 else " by more than its margin")
             continue
         memory = candidate.memory = lean.trace(candidate.activation, candidate.optimizer)
-        problems = _problems(memory, device_budget, host_budget, disk_budget)
-        if problems:
-            candidate.verdict = f"traced {problems[0][1]}"
+        if _problems(memory, device_budget, host_budget, disk_budget, slack):
+            problem = _problems(memory, device_budget, host_budget, disk_budget)[0][1]
+            candidate.verdict = f"traced {problem}" if slack == 1 else f"composed {problem} by more than its margin"
             continue
-        # the composed figures fit: the whole model's trace decides (and is what the choice reports)
-        whole = tracer.whole(config_for(candidate.options))
+        # the composed figures fit (or may): the whole model's trace decides, and is what the choice reports
+        whole = tracer.whole(config)
         problems = _problems(whole, device_budget, host_budget, disk_budget)
         if problems:
             candidate.verdict = f"traced whole {problems[0][1]}"
@@ -311,10 +316,16 @@ def search(
 
 
 def _problems(
-    memory: StepMemory, device_budget: int | None, host_budget: int | None, disk_budget: int | None
+    memory: StepMemory,
+    device_budget: int | None,
+    host_budget: int | None,
+    disk_budget: int | None,
+    slack: float = 1.0,
 ) -> list[tuple[str, str]]:
+    """`over_budget` of the traced peaks, each budget widened by `slack` (an approximate trace's margin)."""
+    budgets = [None if b is None else int(b * slack) for b in (device_budget, host_budget, disk_budget)]
     peaks = (memory.device_peak_bytes, memory.host_peak_bytes)
-    return over_budget(*peaks, device_budget, host_budget, memory.disk_peak_bytes, disk_budget)
+    return over_budget(*peaks, budgets[0], budgets[1], memory.disk_peak_bytes, budgets[2])
 
 
 def _work(by_a: StepMemory, by_o: StepMemory, base: StepMemory) -> tuple[StepWork, StepWork]:
@@ -433,7 +444,7 @@ class LeanEstimate:
         key = (activation.name, optimizer.name)
         if key not in self.traces:
             options = {**activation.options, **optimizer.options}
-            self.traces[key] = self.tracer.step(self.config_for(options), count_work=False)
+            self.traces[key] = self.tracer.step(self.config_for(options), count_work=False, approximate=True)
         return self.traces[key]
 
 

@@ -255,8 +255,11 @@ def test_search_refines_an_estimate_along_the_leanest_settings(monkeypatch, peak
         def __init__(self, world_size=1):
             self.traces = 0
 
-        def step(self, options, count_work=True):
+        def step(self, options, count_work=True, approximate=False):
             return trace(options, 1)
+
+        def exact(self, options):
+            return True
 
         def whole(self, options, count_work=False):
             return StepMemory(1, peaks[options["a"], options["o"]], 0, {}, [])

@@ -253,8 +253,10 @@ def search(
     disk_budget: int | None = None,
     tracer: Tracer | None = None,
     progress: SearchProgress | None = None,
+    slowest: float | None = None,
 ) -> tuple[Candidate | None, list[Candidate]]:
-    """The chosen candidate (None when nothing fits) and every candidate, fastest first, with its verdict.
+    """The chosen candidate (None when nothing fits) and every candidate, fastest first, with its verdict;
+    `slowest`: no candidate slower than this is tried (another tensor mode's choice takes that long).
 
     `activations[0]` and `optimizers[0]` are the base settings the others are traced against. Steps are
     composed from their blocks' traces (`tracer`, `compose.py`); the candidate chosen is traced whole too,
@@ -283,6 +285,10 @@ def search(
     lean = LeanEstimate(config_for, by_activation, by_optimizer, activations, optimizers, tracer)
     for tried, candidate in enumerate(candidates, 1):
         progress.advance()
+        if slowest is not None and round(candidate.step_s, 6) > slowest:
+            candidate.verdict = "not tried: another tensor mode's choice is faster"
+            progress.advance(len(candidates) - tried)
+            break
         config = config_for(candidate.options)
         # composed where blocks share events: the budgets widened by its margin until the whole trace decides
         slack = 1.0 if tracer.exact(config) else 1 + APPROXIMATE_MARGIN
@@ -375,6 +381,7 @@ def search_tensor_modes(
             disk_budget,
             tracer,
             progress,
+            min((round(b.step_s, 6) for b in bests), default=None),  # a slower choice cannot win
         )
         for candidate in tried:
             candidate.tensor_mode = mode

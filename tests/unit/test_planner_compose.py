@@ -15,6 +15,8 @@ from internlm_offload.planner.search import (
     candidate_configs,
     optimizer_settings,
     search,
+    search_tensor_modes,
+    tensor_mode_settings,
 )
 from internlm_offload.planner.trace import trace_step
 
@@ -159,3 +161,22 @@ def test_a_candidate_composed_approximately_is_traced_whole_within_its_margin():
     only = [Setting("ckpt 1.0 + hybrid 0.5", options)]
     chosen, _ = search(config_for, only, [Setting("", {})], HARDWARE["h100"], budget, None, tracer=tracer)
     assert chosen is not None and chosen.memory.device_peak_bytes == budget
+
+
+def test_the_mode_search_traces_whole_only_the_choices_that_could_win():
+    """Each tensor mode's choice is traced whole before it counts; a mode whose candidates are all slower than
+    a choice already made is not tried, so no whole trace is spent on it."""
+    options = {**SHAPE, "parallel.tensor.size": 2, "parallel.tensor.mode": "mtp", "parallel.mode": "none"}
+    config_for = candidate_configs(load_config_file(CONFIGS / "planner_validation.py", options), world_size=2)
+    auto = ["parallel.tensor.mode", "model.checkpoint"]
+    modes = tensor_mode_settings(config_for({}), auto)
+    activations, optimizers = activation_settings(12, auto), optimizer_settings(config_for({}), auto)
+    tracer = Tracer(2)
+    chosen, candidates, _ = search_tensor_modes(
+        config_for, modes, activations, optimizers, HARDWARE["h100"], None, None, 2, tracer=tracer
+    )
+    skipped = [c for c in candidates if c.verdict == "not tried: another tensor mode's choice is faster"]
+    assert skipped and all(round(c.step_s, 6) > round(chosen.step_s, 6) for c in skipped)
+    validated = [c for c in candidates if c.verdict == "chosen" or c.verdict.startswith("fits;")]
+    whole = [key for key, _ in tracer._done if json.loads(key)["model"]["num_layers"] == 12]
+    assert len(whole) == len(validated) < len(modes) - 1  # isp is refused without a data-parallel wrapper

@@ -8,7 +8,7 @@ device *is* host memory, so the two peaks are added and compared with the host's
 `PreflightError` (exit 2, one line: predicted vs available and what would help), instead of an
 out-of-memory kill minutes later.
 
-Every layout is traced as this rank's (`trace_step(cfg, world_size)`): FSDP2 over torch's fake process
+Every layout is traced as this rank's (`trace_composed(cfg, world_size)`): FSDP2 over torch's fake process
 group divides the model state as the run will; DDP adds its gradient buckets.
 """
 
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from internlm_offload.config import ConfigError, RunConfig
 from internlm_offload.log import get_logger
 from internlm_offload.optim.memory import available_host_bytes
-from internlm_offload.planner.trace import StepMemory, trace_step
+from internlm_offload.planner.compose import trace_composed
+from internlm_offload.planner.trace import StepMemory
 from internlm_offload.planner.tracker import largest_component
 from internlm_offload.config.sizes import human_bytes
 
@@ -50,8 +51,9 @@ class Prediction:
 
 def predict(cfg: RunConfig, world_size: int, traced: StepMemory | None = None) -> Prediction:
     """This rank's traced peaks; `traced`: this config's trace when one was already made (the planner's
-    choice of "auto" knobs). Runs before the process group exists: the trace brings its own fake one."""
-    memory = traced or trace_step(cfg, world_size, count_work=False)
+    choice of "auto" knobs). Runs before the process group exists: the trace brings its own fake one. The
+    step is composed from its blocks' traces (`compose.py`: a 7B model's from models of 2 and 3 blocks)."""
+    memory = traced or trace_composed(cfg, world_size, count_work=False)
     return Prediction(memory.device_peak_bytes, memory.host_peak_bytes, memory.components)
 
 

@@ -18,14 +18,17 @@ always been traced and found to fit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, ConfigError, RunConfig, merge_overrides, resolve_config
-from internlm_offload.planner.cost import Hardware, step_time
-from internlm_offload.planner.trace import StepMemory, trace_step
+from internlm_offload.planner.compose import APPROXIMATE_MARGIN, Tracer
+from internlm_offload.planner.cost import Hardware, StepWork, step_time
+from internlm_offload.planner.progress import SearchProgress
+from internlm_offload.planner.trace import StepMemory
 from internlm_offload.planner.tracker import largest_component
 from internlm_offload.config.sizes import human_bytes
 
@@ -248,17 +251,27 @@ def search(
     host_budget: int | None,
     world_size: int = 1,
     disk_budget: int | None = None,
+    tracer: Tracer | None = None,
+    progress: SearchProgress | None = None,
+    slowest: float | None = None,
 ) -> tuple[Candidate | None, list[Candidate]]:
-    """The chosen candidate (None when nothing fits) and every candidate, fastest first, with its verdict.
+    """The chosen candidate (None when nothing fits) and every candidate, fastest first, with its verdict;
+    `slowest`: no candidate slower than this is tried (another tensor mode's choice takes that long).
 
-    `activations[0]` and `optimizers[0]` are the base settings the others are traced against.
-    """
-    by_activation = {
-        a.name: trace_step(config_for({**a.options, **optimizers[0].options}), world_size) for a in activations
-    }
-    by_optimizer = {
-        o.name: trace_step(config_for({**activations[0].options, **o.options}), world_size) for o in optimizers[1:]
-    }
+    `activations[0]` and `optimizers[0]` are the base settings the others are traced against. Steps are
+    composed from their blocks' traces (`tracer`, `compose.py`); the candidate chosen is traced whole too,
+    and chosen only when that trace fits."""
+    tracer = tracer or Tracer(world_size)
+    progress = progress or SearchProgress(enabled=False)
+    progress.add(len(activations) + len(optimizers) - 1 + len(activations) * len(optimizers))
+
+    def traced(options: dict[str, Any]) -> StepMemory:
+        memory = tracer.step(config_for(options), approximate=True)
+        progress.advance()
+        return memory
+
+    by_activation = {a.name: traced({**a.options, **optimizers[0].options}) for a in activations}
+    by_optimizer = {o.name: traced({**activations[0].options, **o.options}) for o in optimizers[1:]}
     base = by_activation[activations[0].name]
     by_optimizer[optimizers[0].name] = base
     candidates = [
@@ -269,23 +282,62 @@ def search(
     # The cost model counts FLOPs, so the same work in smaller micro-batches costs the same up to rounding:
     # equal times keep the listed order (the configured shape first).
     candidates.sort(key=lambda c: round(c.step_s, 6))
-    lean = LeanEstimate(config_for, by_activation, by_optimizer, activations, optimizers, world_size)
-    for candidate in candidates:
-        problems = over_budget(candidate.estimated_device, candidate.estimated_host, device_budget, host_budget)
+    lean = LeanEstimate(config_for, by_activation, by_optimizer, activations, optimizers, tracer)
+    for tried, candidate in enumerate(candidates, 1):
+        progress.advance()
+        if slowest is not None and round(candidate.step_s, 6) > slowest:
+            candidate.verdict = "not tried: another tensor mode's choice is faster"
+            progress.advance(len(candidates) - tried)
+            break
+        config = config_for(candidate.options)
+        # composed where blocks share events: the budgets widened by its margin until the whole trace decides
+        slack = 1.0 if tracer.exact(config) else 1 + APPROXIMATE_MARGIN
+        budgets = [None if b is None else int(b * slack) for b in (device_budget, host_budget)]
+        problems = over_budget(candidate.estimated_device, candidate.estimated_host, *budgets)
         if problems and candidate.activation is not activations[0]:
             lean.refine(candidate)
-            problems = over_budget(candidate.estimated_device, candidate.estimated_host, device_budget, host_budget)
+            problems = over_budget(candidate.estimated_device, candidate.estimated_host, *budgets)
         if problems:
-            candidate.verdict = f"estimated {problems[0][1]}"
+            problem = over_budget(candidate.estimated_device, candidate.estimated_host, device_budget, host_budget)[0]
+            candidate.verdict = f"estimated {problem[1]}" + ("" if slack == 1 else " by more than its margin")
             continue
         memory = candidate.memory = lean.trace(candidate.activation, candidate.optimizer)
-        peaks = (memory.device_peak_bytes, memory.host_peak_bytes)
-        problems = over_budget(*peaks, device_budget, host_budget, memory.disk_peak_bytes, disk_budget)
-        if not problems:
-            candidate.verdict = "chosen"
-            return candidate, candidates
-        candidate.verdict = f"traced {problems[0][1]}"
+        if _problems(memory, device_budget, host_budget, disk_budget, slack):
+            problem = _problems(memory, device_budget, host_budget, disk_budget)[0][1]
+            candidate.verdict = f"traced {problem}" if slack == 1 else f"composed {problem} by more than its margin"
+            continue
+        # the composed figures fit (or may): the whole model's trace decides, and is what the choice reports
+        whole = tracer.whole(config)
+        problems = _problems(whole, device_budget, host_budget, disk_budget)
+        if problems:
+            candidate.verdict = f"traced whole {problems[0][1]}"
+            continue
+        work = _work(by_activation[candidate.activation.name], by_optimizer[candidate.optimizer.name], base)
+        candidate.memory = dataclasses.replace(whole, micro_batch_work=work[0], optimizer_work=work[1])
+        candidate.verdict = "chosen"
+        progress.advance(len(candidates) - tried)
+        progress.found(candidate.name, candidate.step_s)
+        return candidate, candidates
     return None, candidates
+
+
+def _problems(
+    memory: StepMemory,
+    device_budget: int | None,
+    host_budget: int | None,
+    disk_budget: int | None,
+    slack: float = 1.0,
+) -> list[tuple[str, str]]:
+    """`over_budget` of the traced peaks, each budget widened by `slack` (an approximate trace's margin)."""
+    budgets = [None if b is None else int(b * slack) for b in (device_budget, host_budget, disk_budget)]
+    peaks = (memory.device_peak_bytes, memory.host_peak_bytes)
+    return over_budget(*peaks, budgets[0], budgets[1], memory.disk_peak_bytes, budgets[2])
+
+
+def _work(by_a: StepMemory, by_o: StepMemory, base: StepMemory) -> tuple[StepWork, StepWork]:
+    """A candidate's micro-batch and optimizer work: separable (module docstring). Gradient offload's copies
+    run during backward: an optimizer setting's share of the micro-batch work."""
+    return by_a.micro_batch_work + by_o.micro_batch_work - base.micro_batch_work, by_o.optimizer_work
 
 
 def search_tensor_modes(
@@ -298,12 +350,16 @@ def search_tensor_modes(
     host_budget: int | None,
     world_size: int = 1,
     disk_budget: int | None = None,
+    *,
+    tracer: Tracer | None = None,
+    progress: SearchProgress | None = None,
 ) -> tuple[Candidate | None, list[Candidate], list[str]]:
     """`search` in each tensor mode (`tensor_mode_settings`): the fastest of the modes' choices, every
     candidate fastest first, and a line for each mode the config cannot take (its config error).
 
     A mode changes what both the activation and the optimizer settings cost (which weights are sharded,
     which collectives run), so each mode is searched on its own traces."""
+    tracer = tracer or Tracer(world_size)  # one for every mode: each config is traced once
     bests: list[Candidate] = []
     candidates: list[Candidate] = []
     refused: list[str] = []
@@ -315,7 +371,17 @@ def search_tensor_modes(
             refused.append(f"{mode.name}: {exc}")
             continue
         best, tried = search(
-            in_mode, activations, optimizers, hardware, device_budget, host_budget, world_size, disk_budget
+            in_mode,
+            activations,
+            optimizers,
+            hardware,
+            device_budget,
+            host_budget,
+            world_size,
+            disk_budget,
+            tracer,
+            progress,
+            min((round(b.step_s, 6) for b in bests), default=None),  # a slower choice cannot win
         )
         for candidate in tried:
             candidate.tensor_mode = mode
@@ -358,9 +424,9 @@ class LeanEstimate:
         by_optimizer: dict[str, StepMemory],
         activations: list[Setting],
         optimizers: list[Setting],
-        world_size: int,
+        tracer: Tracer,
     ) -> None:
-        self.config_for, self.world_size = config_for, world_size
+        self.config_for, self.tracer = config_for, tracer
         self.base_activation, self.base_optimizer = activations[0], optimizers[0]
         self.lean_activation = min(activations, key=lambda a: by_activation[a.name].device_peak_bytes)
         self.lean_optimizer = min(optimizers, key=lambda o: by_optimizer[o.name].device_peak_bytes)
@@ -381,32 +447,32 @@ class LeanEstimate:
             candidate.estimated_host = min(candidate.estimated_host, host)
 
     def trace(self, activation: Setting, optimizer: Setting) -> StepMemory:
-        """The step traced with both settings (taken once per search)."""
+        """The step traced with both settings (taken once per search; its memory only)."""
         key = (activation.name, optimizer.name)
         if key not in self.traces:
             options = {**activation.options, **optimizer.options}
-            self.traces[key] = trace_step(self.config_for(options), self.world_size)
+            self.traces[key] = self.tracer.step(self.config_for(options), count_work=False, approximate=True)
         return self.traces[key]
 
 
 def _candidate(
     activation: Setting, optimizer: Setting, by_a: StepMemory, by_o: StepMemory, base: StepMemory, hw: Hardware
 ) -> Candidate:
-    # Gradient offload's copies run during backward: an optimizer setting's share of the micro-batch work.
-    micro_batch = by_a.micro_batch_work + by_o.micro_batch_work - base.micro_batch_work
-    time = step_time(micro_batch, by_o.optimizer_work, by_a.micro_num, hw).step_s
+    time = step_time(*_work(by_a, by_o, base), by_a.micro_num, hw).step_s
     device = by_a.device_peak_bytes + by_o.device_peak_bytes - base.device_peak_bytes
     host = by_a.host_peak_bytes + by_o.host_peak_bytes - base.host_peak_bytes
     return Candidate(activation, optimizer, time, device, host)
 
 
-def smallest_peak(candidates: list[Candidate], config_for: ConfigFor, world_size: int = 1) -> str:
+def smallest_peak(
+    candidates: list[Candidate], config_for: ConfigFor, world_size: int = 1, tracer: Tracer | None = None
+) -> str:
     """The candidate with the smallest estimated device peak, traced, and what dominates it: the
     'nothing fits' line."""
     if not candidates:  # every tensor mode refused (`search_tensor_modes` names why)
         return "no candidate: the config takes none of the tensor modes"
     best = min(candidates, key=lambda c: c.estimated_device)
-    memory = best.memory or trace_step(config_for(best.options), world_size)
+    memory = best.memory or (tracer or Tracer(world_size)).step(config_for(best.options), count_work=False)
     return (
         f"smallest device peak {human_bytes(memory.device_peak_bytes)} ({best.name}), "
         f"largest: {largest_component(memory.components, 'device')}"

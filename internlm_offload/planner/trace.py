@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from internlm_offload.builder import build_components, make_trainer
@@ -59,6 +60,11 @@ TRACED_STEPS = 3
 TRACED_MICRO_BATCHES = 2
 
 
+# A stretch of the steady step between two marks (`_Probe.mark`): its label, the block it runs (-1: none),
+# its device and host peaks, and the device and host bytes live at its end.
+Segment = tuple[str, int, int, int, int, int]
+
+
 class UnsupportedLayout(ValueError):
     """A config the trace cannot run (one line naming the key and what is supported)."""
 
@@ -79,9 +85,15 @@ class StepMemory:
     micro_num: int = 1
     micro_batch_work: StepWork = field(default_factory=StepWork)  # one micro-batch of the steady step
     optimizer_work: StepWork = field(default_factory=StepWork)  # the steady step's `optimizer.step()`
+    # The steady step cut where each block starts its forward and backward (`_Probe.segment_hooks`); the largest
+    # device figure is `device_peak_bytes`. What `compose.py` composes a peak from; not part of the report.
+    segments: list[Segment] = field(default_factory=list)
+    first_segments: list[Segment] = field(default_factory=list)  # the first step's, likewise
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        report = asdict(self)
+        del report["segments"], report["first_segments"]
+        return report
 
 
 class _TracingTrainer(Trainer):
@@ -106,7 +118,48 @@ class _Probe:
     micro_batch_work: StepWork | None = None  # the first micro-batch of the steady step
     optimizer_work: StepWork = field(default_factory=StepWork)  # the step's once-per-step work
     forwards: int = 0
+    segments: list[Segment] | None = None  # recorded while a list (the steady step)
+    _open: tuple[str, int] = ("", -1)  # the segment being recorded: its label and block
     _before: dict[Any, int] = field(default_factory=dict)
+
+    def mark(self, label: str, block: int = -1) -> None:
+        """End the open segment of the steady step and open one named `label` (`block`: the block it runs)."""
+        if self.segments is None:
+            return
+        tracker = self.tracker
+        peaks = tracker.take_window("device"), tracker.take_window("host")
+        self.segments.append((*self._open, *peaks, tracker.live_bytes("device"), tracker.live_bytes("host")))
+        self._open = (label, block)
+
+    def recorded(self, step: Any) -> list[Segment]:
+        """The segments of `step()`, the first holding what is live as it starts."""
+        live = self.tracker.live_bytes("device"), self.tracker.live_bytes("host")
+        self.segments, self._open = [("at rest", -1, *live, *live)], ("step start", -1)
+        step()
+        self.mark("end")
+        segments, self.segments = self.segments, None
+        return segments
+
+    def segment_hooks(self, model: nn.Module, layers: nn.ModuleList) -> list[Any]:
+        """Marks where a micro-batch's forward starts and ends, where each block's forward starts (again when
+        recomputed) and, through a hook on its output's gradient, where its backward starts: every block of a
+        run with the same plan repeats the same segments (what `compose.py` relies on)."""
+        handles = [
+            model.register_forward_pre_hook(lambda *_: self.mark("forward")),
+            model.register_forward_hook(lambda *_: self.mark("head")),
+        ]
+        for index, layer in enumerate(layers):
+            handles.append(layer.register_forward_pre_hook(lambda *_, i=index: self.mark("block forward", i)))
+            handles.append(layer.register_forward_hook(self._backward_mark(index)))
+        return handles
+
+    def _backward_mark(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            grads = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if self.segments is not None and grads:
+                grads[0].register_hook(lambda grad: self.mark("block backward", index))
+
+        return hook
 
     def _counted(self) -> StepWork:
         flops = self.flops.get_total_flops() - self.counter.sharded_flops_surplus
@@ -231,6 +284,8 @@ def _with_ddp_buckets(memory: StepMemory) -> StepMemory:
     memory.components["ddp_buckets"] = buckets
     memory.device_peak_bytes += buckets
     memory.first_step_device_peak_bytes += buckets
+    memory.segments = [(*s[:2], s[2] + buckets, s[3], s[4] + buckets, s[5]) for s in memory.segments]
+    memory.first_segments = [(*s[:2], s[2] + buckets, s[3], s[4] + buckets, s[5]) for s in memory.first_segments]
     return memory
 
 
@@ -258,13 +313,15 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
         probe = _Probe(tracker, parts.masters.records())
         parts.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: probe.before_optimizer_step(optimizer))
         parts.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: probe.after_optimizer_step())
+        handles = probe.segment_hooks(parts.model, parts.layers)
+        parts.optimizer.register_step_pre_hook(lambda *_: probe.mark("optimizer step"))
         tracker.reset_peaks()
-        trainer.train_step(batches)
+        first_segments = probe.recorded(lambda: trainer.train_step(batches))
         first_peak = tracker.peak_bytes("device")
         at_rest = {tier: tracker.live_bytes(tier) for tier in ("device", "host")}
-        handles = probe.hooks(parts.model, parts.layers)
+        handles += probe.hooks(parts.model, parts.layers)
         tracker.reset_peaks()
-        trainer.train_step(batches)
+        segments = probe.recorded(lambda: trainer.train_step(batches))
         peaks = {tier: tracker.peak_bytes(tier) for tier in ("device", "host", "disk")}
         components = _components(parts, tracker, at_rest, probe)
         blocks = [probe.block_growth.get(i, 0) for i in range(len(parts.layers))]
@@ -288,6 +345,8 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
             micro_num=cfg.data.micro_num,
             micro_batch_work=probe.micro_batch_work,
             optimizer_work=probe.optimizer_work,
+            segments=segments,
+            first_segments=first_segments,
         )
         trainer.close()
     return memory

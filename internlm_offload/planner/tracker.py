@@ -31,10 +31,12 @@ TIERS = ("device", "host", "pinned", "disk")  # "pinned": the host bytes asked f
 class TierCounter:
     current: int = 0
     peak: int = 0
+    window: int = 0  # the peak since the last `StorageTracker.take_window`: one segment of a step
 
     def add(self, nbytes: int) -> None:
         self.current += nbytes
         self.peak = max(self.peak, self.current)
+        self.window = max(self.window, self.current)
 
 
 @dataclass(eq=False)
@@ -154,7 +156,13 @@ class StorageTracker(TorchDispatchMode):
     def reset_peaks(self) -> None:
         """Peaks restart from what is live now (`reset_peak_memory_stats`)."""
         for counter in self.counters.values():
-            counter.peak = counter.current
+            counter.peak = counter.window = counter.current
+
+    def take_window(self, tier: str) -> int:
+        """The peak since the last call (or `reset_peaks`); the next window starts from what is live now."""
+        counter = self.counters[tier]
+        peak, counter.window = counter.window, counter.current
+        return peak
 
     def _free(self, key: int) -> None:
         nbytes, tiers = self._live.pop(key)

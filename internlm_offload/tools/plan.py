@@ -2,6 +2,7 @@
 
     python -m internlm_offload.tools.plan --config configs/x.py [--cfg-options k=v ...] [--world-size N]
         [--ranks-per-node R] [--device-memory 80GiB] [--host-memory 2TiB] [--json plan.json] [--measure]
+        [--no-progress]
 
 Traces three training steps of the configured run (forward, backward, optimizer step, with its offload
 hooks, checkpointing and optimizer) on meta tensors through the builder's own wiring (see
@@ -104,6 +105,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--calibrate", action="store_true", help="measure this machine's throughputs instead of --hardware")
     p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar on stderr while searching (it shows only on a terminal anyway)",
+    )
+    p.add_argument(
         "--check-only",
         action="store_true",
         help="with budgets: check the config as given instead of searching for the fastest setting that fits",
@@ -153,6 +159,7 @@ def table(plan: dict[str, Any], measured: dict[str, Any] | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from internlm_offload.planner.compose import Tracer
     from internlm_offload.planner.search import WRAPPER
     from internlm_offload.planner.trace import UnsupportedLayout, trace_step  # heavy imports after parsing
 
@@ -173,8 +180,11 @@ def run(args: argparse.Namespace) -> int:
         args.cfg_options = {**args.cfg_options, "nvme_offload.path": args.nvme_path}
         raw = load_config_file(args.config, args.cfg_options)
         cfg = resolve_config(raw, world_size=args.world_size)
+    searching = bool(device_budget or host_budget) and not args.check_only
+    tracer = Tracer(args.world_size)
     try:
-        memory = trace_step(cfg, args.world_size)
+        # the config as given: composed from its blocks when a search follows (which traces its choice whole)
+        memory = tracer.step(cfg) if searching else tracer.whole(cfg, count_work=True)
         plan = memory.as_dict()
         measured = trace_step(cfg, args.world_size, measure=True).as_dict() if args.measure else None
     except UnsupportedLayout as exc:
@@ -207,8 +217,8 @@ def run(args: argparse.Namespace) -> int:
     options = dict(args.cfg_options)
     parallel_mode = cfg.parallel.mode
     searched = None
-    if (device_budget or host_budget) and not args.check_only:
-        searched, chosen = run_search(args, raw, memory, hardware, device_budget, host_budget, disk_budget)
+    if searching:
+        searched, chosen = run_search(args, raw, memory, hardware, device_budget, host_budget, disk_budget, tracer)
         fits = chosen is not None
         if chosen is not None:
             memory, options = chosen.memory, {**options, **chosen.options}
@@ -234,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
         "node_host_budget_bytes": node_host,
         "disk_budget_bytes": disk_budget,
         "measured": measured,
+        "traces": tracer.traces,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -274,10 +285,12 @@ def run_search(
     device_budget: int | None,
     host_budget: int | None,
     disk_budget: int | None = None,
+    tracer: Any = None,
 ) -> tuple[list[dict[str, Any]], Any]:
     """Search the settings, print the alternatives and the choice; (JSON rows, the chosen candidate or None).
 
     `raw`: the loaded config (`--config` with `--cfg-options`); the candidates are merges of it."""
+    from internlm_offload.planner.progress import SearchProgress
     from internlm_offload.planner.search import (
         WRAPPER,
         activation_settings,
@@ -297,9 +310,23 @@ def run_search(
     # every knob searched; parameter offload switches the wrapper to FSDP2 unless the config names one
     optimizers = optimizer_settings(config_for({}), free_wrapper=leaves_wrapper_open(raw))
     modes = tensor_mode_settings(config_for({}))  # each tensor mode, with tensor groups of several ranks
-    chosen, candidates, refused = search_tensor_modes(
-        config_for, modes, activations, optimizers, hardware, device_budget, host_budget, args.world_size, disk_budget
-    )
+    progress = SearchProgress(enabled=sys.stderr.isatty() and not args.no_progress)
+    try:
+        chosen, candidates, refused = search_tensor_modes(
+            config_for,
+            modes,
+            activations,
+            optimizers,
+            hardware,
+            device_budget,
+            host_budget,
+            args.world_size,
+            disk_budget,
+            tracer=tracer,
+            progress=progress,
+        )
+    finally:
+        progress.close()
     for line in refused:
         print(f"tensor mode {line}")
     print(f"\n{'setting':<52}{'step s':>11}{'est. device':>13}{'est. host':>11}  verdict")
@@ -320,6 +347,7 @@ def run_search(
                 "verdict": c.verdict,
             }
         )
+    print(f"{len(candidates)} candidates, {tracer.traces} traces (blocks traced once per run and composed)")
     if chosen is not None:
         print(f"choice: --cfg-options {' '.join(option_strings(chosen.options))}")
         mode = chosen.options.get(WRAPPER, config_for({}).parallel.mode)
@@ -328,7 +356,7 @@ def run_search(
             f"predicted step {chosen.step_s:.4g} s"
         )
     else:
-        smallest = smallest_peak(candidates, config_for, args.world_size)
+        smallest = smallest_peak(candidates, config_for, args.world_size, tracer)
         print(f"{args.config} on {args.world_size} rank(s): nothing fits: {smallest}")
     return rows, chosen
 

@@ -256,7 +256,20 @@ def test_search_refines_an_estimate_along_the_leanest_settings(monkeypatch, peak
         traced.append((options["a"], options["o"]))
         return StepMemory(world_size, peaks[options["a"], options["o"]], 0, {}, [])
 
-    monkeypatch.setattr(search, "trace_step", trace)
+    class Tracer:  # each step as `trace` gives it, composed or whole
+        def __init__(self, world_size=1):
+            self.traces = 0
+
+        def step(self, options, count_work=True, approximate=False):
+            return trace(options, 1)
+
+        def exact(self, options):
+            return True
+
+        def whole(self, options, count_work=False):
+            return StepMemory(1, peaks[options["a"], options["o"]], 0, {}, [])
+
+    monkeypatch.setattr(search, "Tracer", Tracer)
     activations = [search.Setting("full", {"a": "full"}), search.Setting("lean", {"a": "lean"})]
     optimizers = [search.Setting("o0", {"o": "o0"}), search.Setting("o1", {"o": "o1"})]
     chosen, candidates = search.search(lambda options: options, activations, optimizers, HARDWARE["h100"], 50, None)

@@ -18,7 +18,8 @@ from typing import Any
 
 from internlm_offload.config import load_config_file
 from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate
-from internlm_offload.planner.search import activation_settings, candidate_configs, optimizer_settings, search
+from internlm_offload.planner.knobs import activation_settings, optimizer_settings
+from internlm_offload.planner.search import candidate_configs, search
 from internlm_offload.planner.trace import trace_step
 
 REPO = Path(__file__).resolve().parents[2]

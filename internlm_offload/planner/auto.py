@@ -15,15 +15,8 @@ from internlm_offload.config import RunConfig
 from internlm_offload.log import get_logger
 from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate, shared_by
 from internlm_offload.planner.preflight import PreflightError
-from internlm_offload.planner.search import (
-    Candidate,
-    ConfigFor,
-    activation_settings,
-    optimizer_settings,
-    search_tensor_modes,
-    smallest_peak,
-    tensor_mode_settings,
-)
+from internlm_offload.planner.knobs import LAYOUT, MICRO_BATCH, OPTIMIZER, Space, settings_on
+from internlm_offload.planner.search import Candidate, ConfigFor, search_tensor_modes, smallest_peak
 from internlm_offload.config.sizes import human_bytes
 from internlm_offload.torchrun_env import env_local_world_size
 
@@ -48,9 +41,9 @@ def choose_auto_knobs(
     budget = cfg.memory_budget
     device_budget = budget.device - runtime_bytes
     runtime_note = f" less {human_bytes(runtime_bytes)} in use before the run" if runtime_bytes else ""
-    activations = activation_settings(cfg.model.num_layers, cfg.auto_knobs)
-    optimizers = optimizer_settings(cfg, cfg.auto_knobs)
-    modes = tensor_mode_settings(cfg, cfg.auto_knobs)
+    space = Space(cfg, frozenset(cfg.auto_knobs), num_layers=cfg.model.num_layers)
+    activations, optimizers = settings_on(MICRO_BATCH, space), settings_on(OPTIMIZER, space)
+    modes = settings_on(LAYOUT, space)
     hardware = hardware_for(accelerator_name)
     chosen, candidates, refused = search_tensor_modes(
         config_for, modes, activations, optimizers, hardware, device_budget, budget.host, world_size

@@ -1,5 +1,8 @@
 """Choose the activation and optimizer settings with the fastest predicted step that fits the budgets.
 
+The settings come from `knobs.py` (the search space as a list of knobs, one axis each); this file only
+prices, orders and checks them.
+
 Candidates are one activation setting (none, checkpoint 0.5 or 1.0, offload of half or all but one of
 the blocks) times one optimizer setting (AdamW, hybrid 0.5 or 1.0, swap; the last two also with gradient
 offload; under FSDP2 its CPU offload policy), over the knobs left to the
@@ -20,13 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, ConfigError, RunConfig, merge_overrides, resolve_config
+from internlm_offload.config import ConfigError, RunConfig, merge_overrides, resolve_config
 from internlm_offload.planner.compose import APPROXIMATE_MARGIN, Tracer
 from internlm_offload.planner.cost import Hardware, StepWork, step_time
+from internlm_offload.planner.knobs import Setting
 from internlm_offload.planner.progress import SearchProgress
 from internlm_offload.planner.trace import StepMemory
 from internlm_offload.planner.tracker import largest_component
@@ -43,165 +47,6 @@ def candidate_configs(raw: dict[str, Any], world_size: int = 1) -> ConfigFor:
         return resolve_config(merge_overrides(raw, overrides), world_size=world_size)
 
     return config_for
-
-
-@dataclass(frozen=True)
-class Setting:
-    name: str
-    options: dict[str, Any]
-
-
-HYBRID_FRACTIONS = (0.5, 1.0)
-PARAMS_ON_HOST = "parallel.fsdp_cpu_offload"  # FSDP2's CPUOffloadPolicy: parameter offload
-GRADS_ON_HOST = "grad_offload"  # gradients to the host during backward (with swap or hybrid 1.0)
-NVME = "nvme_offload.enable"  # the offloaded optimizer states in files under nvme_offload.path (the NVMe tier)
-TENSOR_MODE = "parallel.tensor.mode"
-WRAPPER = "parallel.mode"  # a knob of its own where the config leaves it open: the settings that need FSDP2 set it
-
-
-def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
-    """One activation-memory mechanism at a time, over the `auto` knobs only: no recompute, checkpoint 0.5
-    or 1.0, offload of half or all but one of the blocks. The first setting changes nothing."""
-    auto = set(auto)
-    recompute, offload = "model.checkpoint" in auto, bool(auto & {"cpu_offloading.enable", "cpu_offloading.num_layers"})
-    none = {
-        **({"model.checkpoint": 0.0} if recompute else {}),
-        **({"cpu_offloading.enable": False, "cpu_offloading.num_layers": 0} if offload else {}),
-    }
-    settings = [Setting("no recompute" if none else "activations as configured", none)]
-    if recompute:
-        settings += [Setting(f"checkpoint {c}", {**none, "model.checkpoint": c}) for c in (0.5, 1.0)]
-    if offload:
-        for blocks in sorted({max(1, num_layers // 2), num_layers - 1} - {0}):
-            settings.append(
-                Setting(
-                    f"offload {blocks} blocks",
-                    {**none, "cpu_offloading.enable": True, "cpu_offloading.num_layers": blocks},
-                )
-            )
-    return settings
-
-
-def batch_settings(cfg: RunConfig) -> list[Setting]:
-    """The configured micro-batch, then each halving of `data.micro_bsz` that divides a rank's samples per
-    step: the same global batch in more, smaller micro-batches (less activation memory per micro-batch).
-    The first setting changes nothing."""
-    data = cfg.data
-    per_rank = data.micro_bsz * data.micro_num
-    settings = [Setting(f"micro_bsz {data.micro_bsz} x {data.micro_num}", {})]
-    size = data.micro_bsz // 2
-    while size >= 1:
-        if per_rank % size == 0:
-            options = {"data.micro_bsz": size, "data.global_bsz": data.global_bsz}
-            settings.append(Setting(f"micro_bsz {size} x {per_rank // size}", options))
-        size //= 2
-    return settings
-
-
-def micro_batch_settings(activations: list[Setting], batches: list[Setting]) -> list[Setting]:
-    """Each activation setting at each micro-batch shape, the configured shape first: the settings that
-    decide a micro-batch's time and memory (the optimizer's are separate)."""
-    return [
-        Setting(a.name if not b.options else f"{a.name}, {b.name}", {**a.options, **b.options})
-        for b in batches
-        for a in activations
-    ]
-
-
-def optimizer_settings(
-    cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_KNOBS, *, free_wrapper: bool = False
-) -> list[Setting]:
-    """AdamW, the hybrid optimizer (at each of `HYBRID_FRACTIONS` when its fraction is auto), the swap
-    optimizer and, under FSDP2, its CPU offload policy (params, grads and states on the host, AdamW
-    stepping there: it excludes the other two), over the `auto` knobs only; what a knob the config fixes
-    excludes is left out (`cfg`). `free_wrapper`: the config leaves `parallel.mode` open, so the CPU offload
-    policy is tried under any wrapper, its setting switching to FSDP2 (`WRAPPER`), which it needs."""
-    auto = set(auto)
-    if cfg is not None and cfg.parallel.fsdp_cpu_offload and PARAMS_ON_HOST not in auto:
-        return [Setting("optimizer as configured", {})]
-    fixed_swap = cfg is not None and cfg.swap_optimizer and "swap_optimizer" not in auto
-    fixed_hybrid = cfg is not None and cfg.hybrid_optimizer.enable and "hybrid_optimizer.enable" not in auto
-    switch_hybrid = "hybrid_optimizer.enable" in auto and not fixed_swap
-    swap = "swap_optimizer" in auto and not fixed_hybrid
-    under_fsdp2 = cfg is not None and (cfg.parallel.mode == "fsdp2" or free_wrapper)
-    params_on_host = PARAMS_ON_HOST in auto and under_fsdp2 and not (fixed_swap or fixed_hybrid)
-    off = {
-        **({"swap_optimizer": False} if swap else {}),
-        **({"hybrid_optimizer.enable": False} if switch_hybrid else {}),
-        **({PARAMS_ON_HOST: False} if params_on_host else {}),
-    }
-    settings = [] if fixed_hybrid else [Setting("AdamW" if off else "optimizer as configured", off)]
-    if switch_hybrid or fixed_hybrid:
-        fractions = HYBRID_FRACTIONS if "hybrid_optimizer.offload_fraction" in auto else (None,)
-        for fraction in fractions:
-            options = {
-                **off,
-                **({"hybrid_optimizer.enable": True} if switch_hybrid else {}),
-                **({} if fraction is None else {"hybrid_optimizer.offload_fraction": fraction}),
-            }
-            label = fraction if fraction is not None else cfg.hybrid_optimizer.offload_fraction if cfg else 0.5
-            settings.append(Setting(f"hybrid {label}", options))
-    if swap:
-        settings.append(Setting("swap", {**off, "swap_optimizer": True}))
-    if params_on_host:
-        wrapper = {} if cfg.parallel.mode == "fsdp2" else {WRAPPER: "fsdp2"}
-        settings.append(Setting("params on host (FSDP2)", {**off, **wrapper, PARAMS_ON_HOST: True}))
-    return _with_nvme_tier(_with_gradient_offload(settings, cfg, auto), cfg, auto)
-
-
-def _with_gradient_offload(settings: list[Setting], cfg: RunConfig | None, auto: set[str]) -> list[Setting]:
-    """`grad_offload` for the settings that step every parameter from host gradients (swap, hybrid 1.0)."""
-    if cfg is None:
-        return settings
-    applies = functools.partial(_steps_all_on_host, cfg=cfg)
-    return _with_knob(settings, GRADS_ON_HOST, "grad offload", GRADS_ON_HOST in auto, cfg.grad_offload, applies)
-
-
-def _with_nvme_tier(settings: list[Setting], cfg: RunConfig | None, auto: set[str]) -> list[Setting]:
-    """`nvme_offload.enable` for the settings whose optimizer offloads states (swap, hybrid), where the config
-    names a directory."""
-    if cfg is None or cfg.nvme_offload.path is None:
-        return settings
-    applies = functools.partial(_offloads_states, cfg=cfg)
-    return _with_knob(settings, NVME, "NVMe", NVME in auto, cfg.nvme_offload.enable, applies)
-
-
-def _with_knob(
-    settings: list[Setting], knob: str, label: str, searched: bool, fixed_on: bool, applies: Callable[[Setting], bool]
-) -> list[Setting]:
-    """A boolean knob that only some settings take (`applies`). `searched`: every setting with it off, then
-    each it applies to with it on (named `+ label`). Else, fixed on: only the settings it applies to; fixed
-    off: the settings as they are."""
-    if not searched:
-        return [s for s in settings if applies(s)] if fixed_on else settings
-    without = [Setting(s.name, {**s.options, knob: False}) for s in settings]
-    with_it = [Setting(f"{s.name} + {label}", {**s.options, knob: True}) for s in settings if applies(s)]
-    return without + with_it
-
-
-def _offloads_states(setting: Setting, cfg: RunConfig) -> bool:
-    """Whether the setting's optimizer keeps states in host memory (swap, or hybrid with a CPU share)."""
-    options = setting.options
-    if options.get("swap_optimizer", cfg.swap_optimizer):
-        return True
-    return bool(options.get("hybrid_optimizer.enable", cfg.hybrid_optimizer.enable))
-
-
-def _steps_all_on_host(setting: Setting, cfg: RunConfig) -> bool:
-    """Whether the setting's optimizer steps every parameter from host gradients (what gradient offload needs)."""
-    options, hybrid = setting.options, cfg.hybrid_optimizer
-    if options.get("swap_optimizer", cfg.swap_optimizer):
-        return True
-    enabled = options.get("hybrid_optimizer.enable", hybrid.enable)
-    return bool(enabled) and options.get("hybrid_optimizer.offload_fraction", hybrid.offload_fraction) == 1.0
-
-
-def tensor_mode_settings(cfg: RunConfig, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
-    """Each tensor mode when `parallel.tensor.mode` is searched and tensor groups have several ranks; else one
-    setting that changes nothing."""
-    if TENSOR_MODE not in set(auto) or cfg.parallel.tensor.size == 1:
-        return [Setting("", {})]
-    return [Setting(mode, {TENSOR_MODE: mode}) for mode in TENSOR_MODES]
 
 
 @dataclass

@@ -160,7 +160,7 @@ def table(plan: dict[str, Any], measured: dict[str, Any] | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from internlm_offload.planner.compose import Tracer
-    from internlm_offload.planner.search import WRAPPER
+    from internlm_offload.planner.knobs import WRAPPER
     from internlm_offload.planner.trace import UnsupportedLayout, trace_step  # heavy imports after parsing
 
     if args.world_size < 1:
@@ -291,25 +291,16 @@ def run_search(
 
     `raw`: the loaded config (`--config` with `--cfg-options`); the candidates are merges of it."""
     from internlm_offload.planner.progress import SearchProgress
-    from internlm_offload.planner.search import (
-        WRAPPER,
-        activation_settings,
-        batch_settings,
-        candidate_configs,
-        micro_batch_settings,
-        optimizer_settings,
-        search_tensor_modes,
-        smallest_peak,
-        tensor_mode_settings,
-    )
+    from internlm_offload.planner.knobs import LAYOUT, MICRO_BATCH, OPTIMIZER, WRAPPER, Space, settings_on
+    from internlm_offload.planner.search import candidate_configs, search_tensor_modes, smallest_peak
 
     config_for = candidate_configs(raw, world_size=args.world_size)
-    activations = micro_batch_settings(
-        activation_settings(len(memory.block_activation_bytes)), batch_settings(config_for({}))
-    )
-    # every knob searched; parameter offload switches the wrapper to FSDP2 unless the config names one
-    optimizers = optimizer_settings(config_for({}), free_wrapper=leaves_wrapper_open(raw))
-    modes = tensor_mode_settings(config_for({}))  # each tensor mode, with tensor groups of several ranks
+    # every knob searched, smaller micro-batches too; parameter offload switches the wrapper to FSDP2 unless
+    # the config names one; each tensor mode, with tensor groups of several ranks
+    num_layers = len(memory.block_activation_bytes)
+    space = Space(config_for({}), num_layers=num_layers, free_wrapper=leaves_wrapper_open(raw), shapes=True)
+    activations, optimizers = settings_on(MICRO_BATCH, space), settings_on(OPTIMIZER, space)
+    modes = settings_on(LAYOUT, space)
     progress = SearchProgress(enabled=sys.stderr.isatty() and not args.no_progress)
     try:
         chosen, candidates, refused = search_tensor_modes(

@@ -134,7 +134,7 @@ def test_search_picks_the_fastest_setting_that_fits_and_never_speeds_up_as_the_b
 
 def _spaces(auto: tuple[str, ...], **raw) -> tuple[list[dict], list[dict]]:
     from internlm_offload.config import resolve_config
-    from internlm_offload.planner.search import activation_settings, optimizer_settings
+    from internlm_offload.planner.knobs import activation_settings, optimizer_settings
 
     cfg = resolve_config(raw)
     return [s.options for s in activation_settings(8, auto)], [s.options for s in optimizer_settings(cfg, auto)]
@@ -206,7 +206,7 @@ def test_plan_searches_parameter_offload_under_fsdp2_and_gradient_offload(monkey
 
 def test_smaller_micro_batches_keep_the_global_batch() -> None:
     from internlm_offload.config import load_config_file, resolve_config
-    from internlm_offload.planner.search import batch_settings
+    from internlm_offload.planner.knobs import batch_settings
 
     def config(**options):
         return resolve_config(load_config_file(TINY, {"data.micro_bsz": 8, "data.global_bsz": 24, **options}))
@@ -305,7 +305,7 @@ def test_the_nvme_tier_is_a_knob_where_the_config_names_a_directory() -> None:
     """`nvme_offload.enable="auto"` with a path: the start-up search tries the optimizers that offload states
     (swap, hybrid) with them on NVMe too; without a path there is nothing to try."""
     from internlm_offload.config import load_config_file, resolve_config
-    from internlm_offload.planner.search import optimizer_settings
+    from internlm_offload.planner.knobs import optimizer_settings
 
     auto = {"swap_optimizer": "auto", "hybrid_optimizer.enable": "auto", "memory_budget.device": "1GiB"}
     raw = load_config_file(TINY, {**auto, "nvme_offload.enable": "auto", "nvme_offload.path": "/nvme"})
@@ -324,7 +324,8 @@ def test_parameter_offload_switches_an_open_wrapper_to_fsdp2() -> None:
     keeps it, and then parameter offload is not a candidate."""
     from internlm_offload.config import load_config_file
     from internlm_offload.planner.cost import HARDWARE
-    from internlm_offload.planner.search import activation_settings, candidate_configs, optimizer_settings, search
+    from internlm_offload.planner.knobs import activation_settings, optimizer_settings
+    from internlm_offload.planner.search import candidate_configs, search
 
     overrides = {"data.seq_len": 64, "data.micro_bsz": 2, "data.micro_num": 2, "model.dtype": "torch.bfloat16"}
     raw = load_config_file(TINY, overrides)

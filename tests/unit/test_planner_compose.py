@@ -9,15 +9,8 @@ from internlm_offload.config import load_config_file, resolve_config
 from internlm_offload.planner import compose
 from internlm_offload.planner.compose import Tracer, trace_composed
 from internlm_offload.planner.cost import HARDWARE
-from internlm_offload.planner.search import (
-    Setting,
-    activation_settings,
-    candidate_configs,
-    optimizer_settings,
-    search,
-    search_tensor_modes,
-    tensor_mode_settings,
-)
+from internlm_offload.planner.knobs import Setting, activation_settings, optimizer_settings, tensor_mode_settings
+from internlm_offload.planner.search import candidate_configs, search, search_tensor_modes
 from internlm_offload.planner.trace import trace_step
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

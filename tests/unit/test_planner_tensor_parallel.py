@@ -7,13 +7,8 @@ import pytest
 
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
 from internlm_offload.planner import cost
-from internlm_offload.planner.search import (
-    Setting,
-    activation_settings,
-    optimizer_settings,
-    search_tensor_modes,
-    tensor_mode_settings,
-)
+from internlm_offload.planner.knobs import Setting, activation_settings, optimizer_settings, tensor_mode_settings
+from internlm_offload.planner.search import search_tensor_modes
 from internlm_offload.planner.search import candidate_configs
 from internlm_offload.planner.trace import trace_step
 

@@ -1,0 +1,261 @@
+"""The planner's search space: a list of knobs, each with its values and the settings those values need.
+
+A knob turns the settings built so far into more: each one times each of the knob's values (`cross`), or,
+for a knob that only some settings take, those ones with it on beside all of them with it off
+(`_with_knob`). A value carries every option it needs (parameter offload sets FSDP2 where the config leaves
+the wrapper open). A knob the config fixes contributes its fixed value; one it leaves "auto" (or every
+knob, for `tools/plan`) contributes all of them.
+
+Knobs sit on one of three axes, by what their cost depends on (`search.py`'s step time is separable):
+- `MICRO_BATCH`: a micro-batch's time and activation memory (recompute, activation offload, the
+  micro-batch shape);
+- `OPTIMIZER`: the optimizer step and where its states live (which optimizer, gradient offload, the NVMe
+  tier);
+- `LAYOUT`: how the ranks split the model (the tensor mode): each value is a search of its own.
+
+To add a knob (expert parallel size, pipeline stages, LoRA's base on the host): write a function from the
+settings so far and the `Space` to the new settings, and add a `Knob` to `KNOBS` on its axis. The search
+loop does not change.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, RunConfig
+
+MICRO_BATCH, OPTIMIZER, LAYOUT = "micro_batch", "optimizer", "layout"
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    options: dict[str, Any]
+
+
+HYBRID_FRACTIONS = (0.5, 1.0)
+PARAMS_ON_HOST = "parallel.fsdp_cpu_offload"  # FSDP2's CPUOffloadPolicy: parameter offload
+GRADS_ON_HOST = "grad_offload"  # gradients to the host during backward (with swap or hybrid 1.0)
+NVME = "nvme_offload.enable"  # the offloaded optimizer states in files under nvme_offload.path (the NVMe tier)
+TENSOR_MODE = "parallel.tensor.mode"
+WRAPPER = "parallel.mode"  # a knob of its own where the config leaves it open: the settings that need FSDP2 set it
+
+
+def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
+    """One activation-memory mechanism at a time, over the `auto` knobs only: no recompute, checkpoint 0.5
+    or 1.0, offload of half or all but one of the blocks. The first setting changes nothing."""
+    auto = set(auto)
+    recompute, offload = "model.checkpoint" in auto, bool(auto & {"cpu_offloading.enable", "cpu_offloading.num_layers"})
+    none = {
+        **({"model.checkpoint": 0.0} if recompute else {}),
+        **({"cpu_offloading.enable": False, "cpu_offloading.num_layers": 0} if offload else {}),
+    }
+    settings = [Setting("no recompute" if none else "activations as configured", none)]
+    if recompute:
+        settings += [Setting(f"checkpoint {c}", {**none, "model.checkpoint": c}) for c in (0.5, 1.0)]
+    if offload:
+        for blocks in sorted({max(1, num_layers // 2), num_layers - 1} - {0}):
+            settings.append(
+                Setting(
+                    f"offload {blocks} blocks",
+                    {**none, "cpu_offloading.enable": True, "cpu_offloading.num_layers": blocks},
+                )
+            )
+    return settings
+
+
+def batch_settings(cfg: RunConfig) -> list[Setting]:
+    """The configured micro-batch, then each halving of `data.micro_bsz` that divides a rank's samples per
+    step: the same global batch in more, smaller micro-batches (less activation memory per micro-batch).
+    The first setting changes nothing."""
+    data = cfg.data
+    per_rank = data.micro_bsz * data.micro_num
+    settings = [Setting(f"micro_bsz {data.micro_bsz} x {data.micro_num}", {})]
+    size = data.micro_bsz // 2
+    while size >= 1:
+        if per_rank % size == 0:
+            options = {"data.micro_bsz": size, "data.global_bsz": data.global_bsz}
+            settings.append(Setting(f"micro_bsz {size} x {per_rank // size}", options))
+        size //= 2
+    return settings
+
+
+def optimizer_kinds(
+    cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_KNOBS, *, free_wrapper: bool = False
+) -> list[Setting]:
+    """AdamW, the hybrid optimizer (at each of `HYBRID_FRACTIONS` when its fraction is auto), the swap
+    optimizer and, under FSDP2, its CPU offload policy (params, grads and states on the host, AdamW
+    stepping there: it excludes the other two), over the `auto` knobs only; what a knob the config fixes
+    excludes is left out (`cfg`). `free_wrapper`: the config leaves `parallel.mode` open, so the CPU offload
+    policy is tried under any wrapper, its setting switching to FSDP2 (`WRAPPER`), which it needs."""
+    auto = set(auto)
+    if cfg is not None and cfg.parallel.fsdp_cpu_offload and PARAMS_ON_HOST not in auto:
+        return [Setting("optimizer as configured", {})]
+    fixed_swap = cfg is not None and cfg.swap_optimizer and "swap_optimizer" not in auto
+    fixed_hybrid = cfg is not None and cfg.hybrid_optimizer.enable and "hybrid_optimizer.enable" not in auto
+    switch_hybrid = "hybrid_optimizer.enable" in auto and not fixed_swap
+    swap = "swap_optimizer" in auto and not fixed_hybrid
+    under_fsdp2 = cfg is not None and (cfg.parallel.mode == "fsdp2" or free_wrapper)
+    params_on_host = PARAMS_ON_HOST in auto and under_fsdp2 and not (fixed_swap or fixed_hybrid)
+    off = {
+        **({"swap_optimizer": False} if swap else {}),
+        **({"hybrid_optimizer.enable": False} if switch_hybrid else {}),
+        **({PARAMS_ON_HOST: False} if params_on_host else {}),
+    }
+    settings = [] if fixed_hybrid else [Setting("AdamW" if off else "optimizer as configured", off)]
+    if switch_hybrid or fixed_hybrid:
+        fractions = HYBRID_FRACTIONS if "hybrid_optimizer.offload_fraction" in auto else (None,)
+        for fraction in fractions:
+            options = {
+                **off,
+                **({"hybrid_optimizer.enable": True} if switch_hybrid else {}),
+                **({} if fraction is None else {"hybrid_optimizer.offload_fraction": fraction}),
+            }
+            label = fraction if fraction is not None else cfg.hybrid_optimizer.offload_fraction if cfg else 0.5
+            settings.append(Setting(f"hybrid {label}", options))
+    if swap:
+        settings.append(Setting("swap", {**off, "swap_optimizer": True}))
+    if params_on_host:
+        wrapper = {} if cfg.parallel.mode == "fsdp2" else {WRAPPER: "fsdp2"}
+        settings.append(Setting("params on host (FSDP2)", {**off, **wrapper, PARAMS_ON_HOST: True}))
+    return settings
+
+
+def _with_gradient_offload(settings: list[Setting], cfg: RunConfig | None, auto: frozenset[str]) -> list[Setting]:
+    """`grad_offload` for the settings that step every parameter from host gradients (swap, hybrid 1.0)."""
+    if cfg is None:
+        return settings
+    applies = functools.partial(_steps_all_on_host, cfg=cfg)
+    return _with_knob(settings, GRADS_ON_HOST, "grad offload", GRADS_ON_HOST in auto, cfg.grad_offload, applies)
+
+
+def _with_nvme_tier(settings: list[Setting], cfg: RunConfig | None, auto: frozenset[str]) -> list[Setting]:
+    """`nvme_offload.enable` for the settings whose optimizer offloads states (swap, hybrid), where the config
+    names a directory."""
+    if cfg is None or cfg.nvme_offload.path is None:
+        return settings
+    applies = functools.partial(_offloads_states, cfg=cfg)
+    return _with_knob(settings, NVME, "NVMe", NVME in auto, cfg.nvme_offload.enable, applies)
+
+
+def _with_knob(
+    settings: list[Setting], knob: str, label: str, searched: bool, fixed_on: bool, applies: Callable[[Setting], bool]
+) -> list[Setting]:
+    """A boolean knob that only some settings take (`applies`). `searched`: every setting with it off, then
+    each it applies to with it on (named `+ label`). Else, fixed on: only the settings it applies to; fixed
+    off: the settings as they are."""
+    if not searched:
+        return [s for s in settings if applies(s)] if fixed_on else settings
+    without = [Setting(s.name, {**s.options, knob: False}) for s in settings]
+    with_it = [Setting(f"{s.name} + {label}", {**s.options, knob: True}) for s in settings if applies(s)]
+    return without + with_it
+
+
+def _offloads_states(setting: Setting, cfg: RunConfig) -> bool:
+    """Whether the setting's optimizer keeps states in host memory (swap, or hybrid with a CPU share)."""
+    options = setting.options
+    if options.get("swap_optimizer", cfg.swap_optimizer):
+        return True
+    return bool(options.get("hybrid_optimizer.enable", cfg.hybrid_optimizer.enable))
+
+
+def _steps_all_on_host(setting: Setting, cfg: RunConfig) -> bool:
+    """Whether the setting's optimizer steps every parameter from host gradients (what gradient offload needs)."""
+    options, hybrid = setting.options, cfg.hybrid_optimizer
+    if options.get("swap_optimizer", cfg.swap_optimizer):
+        return True
+    enabled = options.get("hybrid_optimizer.enable", hybrid.enable)
+    return bool(enabled) and options.get("hybrid_optimizer.offload_fraction", hybrid.offload_fraction) == 1.0
+
+
+def tensor_mode_settings(cfg: RunConfig, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
+    """Each tensor mode when `parallel.tensor.mode` is searched and tensor groups have several ranks; else one
+    setting that changes nothing."""
+    if TENSOR_MODE not in set(auto) or cfg.parallel.tensor.size == 1:
+        return [Setting("", {})]
+    return [Setting(mode, {TENSOR_MODE: mode}) for mode in TENSOR_MODES]
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the knobs read: the config as given, the knobs left to the planner, and the tool's choices."""
+
+    cfg: RunConfig | None
+    auto: frozenset[str] = frozenset(AUTO_KNOBS)
+    num_layers: int = 0
+    free_wrapper: bool = False  # the config names no `parallel.mode`: settings that need FSDP2 may set it
+    shapes: bool = False  # also smaller micro-batches of the same global batch (`tools/plan`)
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    axis: str  # MICRO_BATCH | OPTIMIZER | LAYOUT
+    expand: Callable[[list[Setting], Space], list[Setting]]
+
+
+def cross(settings: list[Setting], values: list[Setting]) -> list[Setting]:
+    """Each setting with each value, the values' order outermost (so the first value's settings come first,
+    in their order); a value that changes nothing adds nothing to the name."""
+    return [Setting(_joined(s.name, v), {**s.options, **v.options}) for v in values for s in settings]
+
+
+def _joined(name: str, value: Setting) -> str:
+    if not name:
+        return value.name
+    return f"{name}, {value.name}" if value.options else name
+
+
+def _activations(settings: list[Setting], space: Space) -> list[Setting]:
+    return cross(settings, activation_settings(space.num_layers, space.auto))
+
+
+def _micro_batch_shapes(settings: list[Setting], space: Space) -> list[Setting]:
+    return cross(settings, batch_settings(space.cfg)) if space.shapes and space.cfg is not None else settings
+
+
+def _optimizers(settings: list[Setting], space: Space) -> list[Setting]:
+    return cross(settings, optimizer_kinds(space.cfg, space.auto, free_wrapper=space.free_wrapper))
+
+
+def _gradient_offload(settings: list[Setting], space: Space) -> list[Setting]:
+    return _with_gradient_offload(settings, space.cfg, space.auto)
+
+
+def _nvme_tier(settings: list[Setting], space: Space) -> list[Setting]:
+    return _with_nvme_tier(settings, space.cfg, space.auto)
+
+
+def _tensor_modes(settings: list[Setting], space: Space) -> list[Setting]:
+    if space.cfg is None:
+        return settings
+    return cross(settings, tensor_mode_settings(space.cfg, space.auto))
+
+
+KNOBS = (
+    Knob("activation memory", MICRO_BATCH, _activations),
+    Knob("micro-batch shape", MICRO_BATCH, _micro_batch_shapes),
+    Knob("optimizer", OPTIMIZER, _optimizers),
+    Knob("gradient offload", OPTIMIZER, _gradient_offload),
+    Knob("NVMe tier", OPTIMIZER, _nvme_tier),
+    Knob("tensor mode", LAYOUT, _tensor_modes),
+)
+
+
+def settings_on(axis: str, space: Space, knobs: Iterable[Knob] = KNOBS) -> list[Setting]:
+    """The settings of one axis: its knobs applied in order to the one setting that changes nothing."""
+    settings = [Setting("", {})]
+    for knob in knobs:
+        if knob.axis == axis:
+            settings = knob.expand(settings, space)
+    return settings
+
+
+def optimizer_settings(
+    cfg: RunConfig | None = None, auto: Iterable[str] = AUTO_KNOBS, *, free_wrapper: bool = False
+) -> list[Setting]:
+    """The `OPTIMIZER` axis for `cfg` with the `auto` knobs searched."""
+    return settings_on(OPTIMIZER, Space(cfg, frozenset(auto), free_wrapper=free_wrapper))

@@ -14,6 +14,7 @@ continues the same curve bitwise.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
     from internlm_offload.device import get_accelerator
     from internlm_offload.engine.runtime import init_runtime, shutdown_runtime
 
+    gc.freeze()  # torch's objects live as long as the process: see `freeze_what_lives_for_good`
     accelerator = get_accelerator(cfg.device)
     setup_logging(int(os.environ.get("RANK", "0")))
     accelerator.set_device(env_local_rank())
@@ -143,6 +145,16 @@ def probe_kernel_memory(cfg: RunConfig, accelerator: Accelerator) -> int:
     )
 
 
+def freeze_what_lives_for_good() -> None:
+    """Collect the start-up's garbage (the preflight's trace) and move what is left, modules and classes above
+    all, into the collector's permanent generation: the full collections that follow (the kernel probe's, the
+    shutdown's, the interpreter's own during training) then scan only what the run makes, where each took about
+    0.15 s of CPU per process with torch's objects in sight. `run` froze torch's own objects after importing it,
+    so this collection scans only what came since."""
+    gc.collect()
+    gc.freeze()
+
+
 def train_in_runtime(
     args: argparse.Namespace,
     cfg: RunConfig,
@@ -165,6 +177,7 @@ def train_in_runtime(
         raise ConfigError(f"--work-dir {work_dir} is a file; give a folder (it is created when missing)")
     start = plan_start(cfg, work_dir, resume=args.resume, ctx=ctx)
     set_determinism(cfg.seed, cfg.deterministic, ctx.accelerator)  # before the first kernels (cuBLAS workspace)
+    freeze_what_lives_for_good()
     runtime_bytes += probe_kernel_memory(cfg, ctx.accelerator)  # before the builder's memory baseline
     trainer = build_trainer(cfg, ctx, work_dir, predicted_device_peak=predicted_peak, runtime_memory=runtime_bytes)
     if start.resume_from is not None:

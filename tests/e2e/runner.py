@@ -8,8 +8,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "internlm2_tiny.py"
-# Small and fast: the tests check equality, not learning.
-FAST = ["data.seq_len=64", "data.micro_bsz=2", "data.micro_num=2", "monitor.progress_bar=off"]
+# Small and fast: the tests check equality, not learning. No preflight trace (about 1.5 s of CPU per process,
+# and a trace that fails only warns): the tests of the preflight and the planner turn it on (`preflight=True`).
+FAST = ["data.seq_len=64", "data.micro_bsz=2", "data.micro_num=2", "monitor.progress_bar=off", "preflight=False"]
 # The baseline several files compare with (conftest's `baseline` fixture trains each once per pytest run): 8 steps
 # of a global batch of 8, checkpoints at steps 4 and 8 (test_train_e2e resumes from them; saving changes no bits).
 BASELINE = ["data.total_steps=8", "data.global_bsz=8", "ckpt.checkpoint_every=4", "ckpt.keep_last=0"]

@@ -215,7 +215,7 @@ def test_resume_with_another_dtype_is_one_line_and_keeps_the_run(saved_run, tmp_
 def test_a_run_too_big_for_this_machine_is_refused_in_seconds(tmp_path):
     """The 7B config on this machine: preflight predicts the step, exits 2 before allocating, writes nothing."""
     work_dir = tmp_path / "run"
-    proc = train(work_dir, "device=cpu", config=REPO / "configs" / "internlm2_7b.py", check=False)
+    proc = train(work_dir, "device=cpu", "preflight=True", config=REPO / "configs" / "internlm2_7b.py", check=False)
     assert_clean_error(
         proc, "preflight: predicted ", "available on this host", "largest: ", "swap_optimizer=True", "preflight=False"
     )
@@ -223,6 +223,6 @@ def test_a_run_too_big_for_this_machine_is_refused_in_seconds(tmp_path):
 
 
 def test_preflight_runs_before_every_run_unless_turned_off(tmp_path):
-    on = train(tmp_path / "on", "data.total_steps=1", "ckpt.enable_save_ckpt=False")
+    on = train(tmp_path / "on", "data.total_steps=1", "ckpt.enable_save_ckpt=False", "preflight=True")
     off = train(tmp_path / "off", "data.total_steps=1", "ckpt.enable_save_ckpt=False", "preflight=False")
     assert "Preflight: predicted per-rank peak device" in on.stderr and "Preflight" not in off.stderr

@@ -110,6 +110,6 @@ def test_one_process_fsdp2_cpu_offload_policy_composes_with_activation_offload(t
     options = ["data.total_steps=4", "ckpt.enable_save_ckpt=False", "parallel.mode=fsdp2", f"model.dtype={dtype}"]
     options += ["cpu_offloading.enable=True", "cpu_offloading.num_layers=2", "model.checkpoint=0.75"]
     train(base, *options)
-    proc = train(offloaded, *options, "parallel.fsdp_cpu_offload=True")
+    proc = train(offloaded, *options, "parallel.fsdp_cpu_offload=True", "preflight=True")
     assert "with CPU offload policy" in proc.stderr and "Preflight: predicted" in proc.stderr
     assert loss_compare(str(base), str(offloaded), "--exact", "--quiet").returncode == 0

@@ -1,0 +1,18 @@
+"""What every test process shares: one intra-op thread each.
+
+`make test` runs one pytest worker per core, and the train.py runs the tests start take one thread each
+(tests/e2e/runner.py). With torch's default, a thread per core in every worker, the OpenMP threads of the two
+workers spin waiting for each other on two cores: tests/unit/test_activation_offload.py took 145 s of CPU
+that way against 9.5 s with one thread, same results. A value set outside (`OMP_NUM_THREADS=4 pytest ...`) is
+kept, and the processes the tests start inherit it.
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config) -> None:  # noqa: ARG001  pytest's hook signature
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -4,7 +4,7 @@ checked before anything is built, then read as native full tensors and loaded in
 | ckpt_type  | folder                                             | read by           |
 |------------|----------------------------------------------------|-------------------|
 | internevo  | InternEvo's `model_tp*_pp*.pt` / `model_wp*_pp*.pt` | `internevo_files` |
-| hf         | Hugging Face InternLM2 or Llama (config.json)      | `hf_folder`       |
+| hf         | Hugging Face InternLM2, Llama, Qwen3-MoE, Qwen2-MoE, Mixtral (config.json) | `hf_folder` |
 | hf_llama   | the same                                           | `hf_folder`       |
 | llama      | Meta's params.json + consolidated.*.pth            | `meta_llama`      |
 

@@ -14,7 +14,9 @@ or `MixtralForCausalLM` (weights/hf_moe.family_of: the one whose fixed options i
 expert, as transformers saves them), an `hf_causal_lm` run as its own architecture.
 `--internevo` writes InternEvo's layout of a native run (`model_tp{t}_pp0.pt` with InternEvo's names
 and fused wqkv, split for `--tp` tensor-parallel ranks, or `model_wp{w}_pp0.pt` for `--wp` ISP
-weight-parallel ranks), which InternEvo's `load_ckpt_info` reads. A folder is written beside OUT_DIR
+weight-parallel ranks), which InternEvo's `load_ckpt_info` reads; a run with experts as InternEvo's
+Qwen2/3-MoE (q, k, v apart) with each sparse block's experts in `model_moe_layer{L}_expert0_tp0.pt`,
+grouped as InternEvo's default `use_grouped_mlp=True` holds them (one rank). A folder is written beside OUT_DIR
 and renamed into place when complete. Exit codes: 0 written, 2 bad input (one `error:` line).
 """
 
@@ -38,7 +40,8 @@ from internlm_offload.weights import hf_moe
 from internlm_offload.weights.convert import Heads, to_format
 from internlm_offload.weights.hf_folder import copy_tokenizer, set_dtype, write_llama_folder, write_moe_folder
 from internlm_offload.weights.internevo_files import write_internevo_files
-from internlm_offload.weights.names import HF_LLAMA, INTERNEVO
+from internlm_offload.weights.internevo_moe import is_expert_name, write_expert_files
+from internlm_offload.weights.names import HF_LLAMA, INTERNEVO, INTERNEVO_MOE
 
 MODEL_PREFIX = "model."
 HF_PREFIX = "hf_model."
@@ -121,7 +124,18 @@ def export_internevo(
             f"--tp {tp}: the model's {model.num_kv_attention_heads} kv heads do not split into {tp} ranks (InternEvo's "
             "tensor ranks hold whole kv groups of wqkv)"
         )
-    tensors = to_format(weights, INTERNEVO, Heads(model.num_attention_heads, model.num_kv_attention_heads))
+    heads = Heads(model.num_attention_heads, model.num_kv_attention_heads)
+    if model.num_experts:
+        if tp > 1 or wp:
+            raise CheckpointError(
+                f"--tp {tp} / --wp {wp} with model.num_experts={model.num_experts}: InternEvo's expert files are "
+                "written for one rank here; export without --tp / --wp"
+            )
+        tensors = {name: t.to(dtype) for name, t in to_format(weights, INTERNEVO_MOE, heads).items()}
+        write_internevo_files({n: t for n, t in tensors.items() if not is_expert_name(n)}, out_dir)
+        write_expert_files({n: t for n, t in tensors.items() if is_expert_name(n)}, out_dir)
+        return
+    tensors = to_format(weights, INTERNEVO, heads)
     write_internevo_files({name: t.to(dtype) for name, t in tensors.items()}, out_dir, tp=tp, wp=wp)
 
 

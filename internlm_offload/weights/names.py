@@ -205,3 +205,52 @@ HF_MIXTRAL = NameTable(
         ),
     ),
 )
+
+
+# InternEvo's mixture-of-experts models. The gate and the shared expert (`residual_mlp`, mixed by `coefficient`)
+# are in the dense files, each expert in its own file (`internevo_moe`); `*` is the global expert.
+def _internevo_moe(block: str, ffn: str) -> tuple[tuple[str, str], ...]:
+    moe = f"{block}.{{i}}.{ffn}"
+    return (
+        (f"{moe}.moe_layer.gate.wg.weight", "layers.{i}.feed_forward.router.weight"),
+        *(
+            (f"{moe}.moe_layer.experts.wrapped_experts.*.{w}.weight", f"layers.{{i}}.feed_forward.experts.{w}")
+            for w in ("w1", "w2", "w3")
+        ),
+        *(
+            (f"{moe}.residual_mlp.{w}.weight", f"layers.{{i}}.feed_forward.shared_experts.{w}.weight")
+            for w in ("w1", "w2", "w3")
+        ),
+        *(
+            (f"{moe}.coefficient.{kind}", f"layers.{{i}}.feed_forward.coefficient.{kind}")
+            for kind in ("weight", "bias")
+        ),
+    )
+
+
+_QK_NORMS = tuple(f"layers.{{i}}.attention.{n}.weight" for n in ("q_norm", "k_norm"))
+
+# InternEvo's QWEN2MOE / QWEN3MOE: the native names (q, k, v apart, Qwen3's q/k norms), the MoE under `moe_layer`.
+INTERNEVO_MOE = NameTable(
+    "internevo",
+    _identity(*_SEPARATE_QKV, *_ATTENTION_BIASES, *_QK_NORMS, *_BLOCK, _WO_BIAS, *_ENDS)
+    + _internevo_moe("layers", "feed_forward"),
+)
+
+# InternEvo's MIXTRALMOE: InternLM v1's block names (`blocks.{i}.mixer`, norm1, norm2, embedding, head), q, k, v apart.
+INTERNEVO_MIXTRAL_MOE = NameTable(
+    "internevo (MIXTRALMOE)",
+    (
+        ("embedding.weight", "tok_embeddings.weight"),
+        *(
+            (f"blocks.{{i}}.mixer.w{part}.{kind}", f"layers.{{i}}.attention.w{part}.{kind}")
+            for part in "qkvo"
+            for kind in ("weight", "bias")
+        ),
+        ("blocks.{i}.norm1.weight", "layers.{i}.attention_norm.weight"),
+        ("blocks.{i}.norm2.weight", "layers.{i}.ffn_norm.weight"),
+        *_internevo_moe("blocks", "mlp"),
+        ("norm.weight", "norm.weight"),
+        ("head.weight", "output.weight"),
+    ),
+)

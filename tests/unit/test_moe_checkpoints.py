@@ -106,12 +106,16 @@ def write_without(folder: Path, drop: str | None = None, add: dict[str, torch.Te
     save_file({**tensors, **(add or {})}, str(path))
 
 
-@pytest.mark.parametrize("case", ["missing expert", "extra expert", "expert count", "routing"])
+@pytest.mark.parametrize("case", ["missing expert", "extra expert", "expert count", "routing", "fused"])
 def test_a_malformed_moe_folder_is_one_line(tmp_path: Path, case: str) -> None:
     folder = tmp_path / "hf"
-    hf_folder(folder, "qwen3_moe")
+    hf = hf_folder(folder, "qwen3_moe")
     model = {}
-    if case == "missing expert":
+    if case == "fused":  # transformers' in-memory names, kept on disk by save_original_format=False
+        (folder / "model.safetensors").unlink()
+        hf.save_pretrained(folder, save_original_format=False)
+        expected = "'model.layers.0.mlp.experts.down_proj' is not a hf (qwen3_moe) weight of this model; transformers'"
+    elif case == "missing expert":
         write_without(folder, drop="model.layers.0.mlp.experts.3.up_proj.weight")
         expected = "no 'model.layers.0.mlp.experts.3.up_proj.weight' (1 of the model's weights missing)"
     elif case == "extra expert":

@@ -197,8 +197,9 @@ def family_of(model: ModelConfig) -> str:
     if family == "mixtral":
         if values["qkv_bias"] or values["o_bias"]:
             problems.append("attention biases (Mixtral has none)")
-        if len(values["sparse_blocks"]) < model.num_layers:
-            problems.append(f"dense blocks {model.mlp_only_layers} (Mixtral's are all sparse)")
+        dense = sorted(set(range(model.num_layers)) - set(values["sparse_blocks"]))
+        if dense:
+            problems.append(f"dense blocks {dense} (Mixtral's are all sparse)")
         if model.moe_type == "Dropless" and not values["normalize_expert_weights"]:
             problems.append("normalize_expert_weights=False (Mixtral always renormalises)")
     if problems:

@@ -154,6 +154,9 @@ def test_an_architecture_no_transformers_family_holds_is_refused_on_export() -> 
     cfg = resolve_config({"model": dict(num_experts=E, top_k=K, num_shared_experts=1, shared_expert_gate="softmax")})
     with pytest.raises(CheckpointError, match="model.shared_expert_gate='softmax' \\(Qwen2-MoE's gate is a sigmoid\\)"):
         hf_moe.family_of(cfg.model)
+    cfg = resolve_config({"model": dict(num_layers=4, num_experts=E, top_k=K, decoder_sparse_step=2)})
+    with pytest.raises(CheckpointError, match="holds dense blocks \\[0, 2\\] \\(Mixtral's are all sparse\\)"):
+        hf_moe.family_of(cfg.model)
 
 
 # ----------------------------------------------------------------------------- InternEvo's MoE files

@@ -9,10 +9,14 @@ any world size and parallel mode: DCP reassembles the full tensors in this one p
 model or a process group. The weights are the fp32 masters; `--dtype` casts them on the way out.
 `--hf` writes `config.json` and `model.safetensors` that `AutoModelForCausalLM.from_pretrained` loads
 without remote code: a native `internlm2` run as `LlamaForCausalLM` (its architecture; the run's
-tokenizer folder is copied beside it), an `hf_causal_lm` run as its own architecture.
+tokenizer folder is copied beside it), one with experts as `Qwen3MoeForCausalLM`, `Qwen2MoeForCausalLM`
+or `MixtralForCausalLM` (weights/hf_moe.family_of: the one whose fixed options it has; one tensor per
+expert, as transformers saves them), an `hf_causal_lm` run as its own architecture.
 `--internevo` writes InternEvo's layout of a native run (`model_tp{t}_pp0.pt` with InternEvo's names
 and fused wqkv, split for `--tp` tensor-parallel ranks, or `model_wp{w}_pp0.pt` for `--wp` ISP
-weight-parallel ranks), which InternEvo's `load_ckpt_info` reads. A folder is written beside OUT_DIR
+weight-parallel ranks), which InternEvo's `load_ckpt_info` reads; a run with experts as InternEvo's
+Qwen2/3-MoE (q, k, v apart) with each sparse block's experts in `model_moe_layer{L}_expert0_tp0.pt`,
+grouped as InternEvo's default `use_grouped_mlp=True` holds them (one rank). A folder is written beside OUT_DIR
 and renamed into place when complete. Exit codes: 0 written, 2 bad input (one `error:` line).
 """
 
@@ -31,13 +35,17 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from internlm_offload.config import ModelConfig
 from internlm_offload.engine.checkpoint import CheckpointError, read_train_state, resolve_checkpoint_path
 from internlm_offload.engine.checkpoint_reader import read_checkpoint, read_metadata
+from internlm_offload.log import get_logger
+from internlm_offload.weights import hf_moe
 from internlm_offload.weights.convert import Heads, to_format
-from internlm_offload.weights.hf_folder import copy_tokenizer, set_dtype, write_llama_folder
+from internlm_offload.weights.hf_folder import copy_tokenizer, set_dtype, write_llama_folder, write_moe_folder
 from internlm_offload.weights.internevo_files import write_internevo_files
-from internlm_offload.weights.names import HF_LLAMA, INTERNEVO
+from internlm_offload.weights.internevo_moe import is_expert_name, write_expert_files
+from internlm_offload.weights.names import HF_LLAMA, INTERNEVO, INTERNEVO_MOE
 
 MODEL_PREFIX = "model."
 HF_PREFIX = "hf_model."
+logger = get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -74,8 +82,15 @@ def export_hf(weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtyp
     model_cfg = run["model"]
     if model_cfg["type"] == "internlm2":
         model = native_model_config(model_cfg)
-        tensors = to_format(weights, HF_LLAMA, Heads(model.num_attention_heads, model.num_kv_attention_heads))
-        write_llama_folder(tensors, model, out_dir, dtype, max_positions=run["data"]["seq_len"])
+        heads = Heads(model.num_attention_heads, model.num_kv_attention_heads)
+        if model.num_experts:
+            family = hf_moe.family_of(model)
+            if model.moe_type == "GShard":
+                logger.warning("%s computes every routed choice: GShard's capacity drops do not carry over", family)
+            tensors = to_format(weights, hf_moe.TABLES[family], heads)
+            write_moe_folder(tensors, model, family, out_dir, dtype, max_positions=run["data"]["seq_len"])
+        else:
+            write_llama_folder(to_format(weights, HF_LLAMA, heads), model, out_dir, dtype, run["data"]["seq_len"])
         copy_tokenizer(run["data"]["tokenizer"], out_dir)
         return
     from transformers import AutoConfig
@@ -109,7 +124,18 @@ def export_internevo(
             f"--tp {tp}: the model's {model.num_kv_attention_heads} kv heads do not split into {tp} ranks (InternEvo's "
             "tensor ranks hold whole kv groups of wqkv)"
         )
-    tensors = to_format(weights, INTERNEVO, Heads(model.num_attention_heads, model.num_kv_attention_heads))
+    heads = Heads(model.num_attention_heads, model.num_kv_attention_heads)
+    if model.num_experts:
+        if tp > 1 or wp:
+            raise CheckpointError(
+                f"--tp {tp} / --wp {wp} with model.num_experts={model.num_experts}: InternEvo's expert files are "
+                "written for one rank here; export without --tp / --wp"
+            )
+        tensors = {name: t.to(dtype) for name, t in to_format(weights, INTERNEVO_MOE, heads).items()}
+        write_internevo_files({n: t for n, t in tensors.items() if not is_expert_name(n)}, out_dir)
+        write_expert_files({n: t for n, t in tensors.items() if is_expert_name(n)}, out_dir)
+        return
+    tensors = to_format(weights, INTERNEVO, heads)
     write_internevo_files({name: t.to(dtype) for name, t in tensors.items()}, out_dir, tp=tp, wp=wp)
 
 

@@ -1,9 +1,11 @@
-"""A whole state dict between native names and a format's (`names.NameTable`), with the row orders of `qkv`.
+"""A whole state dict between native names and a format's (`names.NameTable`), with the row orders of `qkv`
+and the experts of a mixture-of-experts block stacked (native) or one tensor each (foreign `experts.{e}.`).
 
-Renames and row moves only: every tensor comes out bit for bit, so a round trip is exact.
+Renames, row moves, stacks and splits only: every tensor comes out bit for bit, so a round trip is exact.
 """
 
 import re
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +17,9 @@ from internlm_offload.weights.qkv import fuse_wqkv, halves_to_interleaved, inter
 _WQKV = re.compile(r"layers\.(\d+)\.attention\.wqkv\.(weight|bias)$")
 _QKV = re.compile(r"layers\.(\d+)\.attention\.w([qkv])\.(weight|bias)$")
 _QUERY_KEY = re.compile(r"layers\.\d+\.attention\.w([qk])\.weight$")
+# One expert's tensor in a foreign format: `...experts.{e}.rest` (Hugging Face), `...wrapped_experts.{e}.rest`
+# (InternEvo); the stacked name puts `*` in place of e (`names.NameTable`).
+_EXPERT = re.compile(r"^(.*experts\.)(\d+)(\..+)$")
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,7 @@ class Heads:
 def to_native(tensors: dict[str, torch.Tensor], table: NameTable, heads: Heads, where: str) -> dict[str, torch.Tensor]:
     """Native-named tensors from a format's; RoPE tables are dropped, an unknown name is an error naming `where`."""
     native: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
+    for name, tensor in stack_experts(tensors, where).items():
         if is_derived(name):
             continue
         target = table.to_native(name)
@@ -68,5 +73,36 @@ def to_format(native: dict[str, torch.Tensor], table: NameTable, heads: Heads) -
         foreign = table.to_foreign(name)
         if foreign is None:
             raise CheckpointError(f"{name!r} has no {table.format} name")
-        out[foreign] = tensor
+        out.update(split_experts(foreign, tensor))
     return out
+
+
+def stack_experts(tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (`...experts.{e}.rest`) stacked along a new dim 0 under `...experts.*.rest`, in expert
+    order; other names as they are. Experts 0..n-1 must all be there (an error names the first one missing)."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    for name, tensor in tensors.items():
+        match = _EXPERT.match(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            head, expert, tail = match.groups()
+            groups[f"{head}*{tail}"][int(expert)] = tensor
+    for stacked, experts in groups.items():
+        missing = next((e for e in range(max(experts) + 1) if e not in experts), None)
+        if missing is not None:
+            raise CheckpointError(
+                f"{where}: no {stacked.replace('*', str(missing))!r} (the folder has experts "
+                f"{sorted(experts)} of this tensor; every expert from 0 on must be there)"
+            )
+        out[stacked] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
+def split_experts(foreign: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stacked tensor under a `*` name as one tensor per expert (`*` -> 0, 1, ...); else {foreign: tensor}.
+    Each expert's tensor is a copy: writers would otherwise save (or refuse) the whole shared storage per expert."""
+    if "*" not in foreign:
+        return {foreign: tensor}
+    return {foreign.replace("*", str(e)): piece.clone() for e, piece in enumerate(tensor.unbind(0))}

@@ -1,8 +1,9 @@
-"""Hugging Face model folders of InternLM2 and Llama: config.json against the native model's config, and
-the weights in (safetensors or .bin, sharded or not) and out (a `LlamaForCausalLM` folder).
+"""Hugging Face model folders of InternLM2 and Llama, and of the mixture-of-experts families in `hf_moe`:
+config.json against the native model's config, and the weights in (safetensors or .bin, sharded or not) and out
+(a `LlamaForCausalLM` folder, or a `Qwen3MoeForCausalLM` / `Qwen2MoeForCausalLM` / `MixtralForCausalLM` one).
 
 InternLM2's architecture is Llama's (RMSNorm, rotate-half RoPE, GQA, SwiGLU, no biases); its HF port only
-fuses wq, wk, wv (see `qkv`). So a native model goes out as Llama, which transformers, vLLM and the rest
+fuses wq, wk, wv (see `qkv`). So a dense native model goes out as Llama, which transformers, vLLM and the rest
 load without remote code, and both kinds come in.
 """
 
@@ -14,6 +15,7 @@ import torch
 
 from internlm_offload.config import ModelConfig, intermediate_size
 from internlm_offload.errors import CheckpointError
+from internlm_offload.weights import hf_moe
 from internlm_offload.weights.files import load_model_file, read_json_object
 from internlm_offload.weights.names import HF_INTERNLM2, HF_LLAMA, NameTable
 
@@ -97,17 +99,24 @@ def read_config(folder: Path) -> dict[str, Any]:
 def name_table(folder: Path, hf: dict[str, Any]) -> NameTable:
     """The names of the folder's architecture (config.json's model_type)."""
     model_type = hf.get("model_type")
-    if model_type not in TABLES:
+    tables = {**TABLES, **hf_moe.TABLES}
+    if model_type not in tables:
         raise CheckpointError(
-            f"{folder / CONFIG}: model_type={model_type!r}; the native model loads {' and '.join(TABLES)} folders "
+            f"{folder / CONFIG}: model_type={model_type!r}; the native model loads {', '.join(tables)} folders "
             "(other architectures train as model.type='hf_causal_lm' with model.hf_path)"
         )
-    return TABLES[model_type]
+    return tables[model_type]
 
 
 def check_config(folder: Path, hf: dict[str, Any], model: ModelConfig) -> None:
     """The folder's model must be the configured one; every difference in one line, with the key to set."""
-    problems = [
+    if hf.get("model_type") in hf_moe.TABLES:
+        hf_moe.check_config(str(folder / CONFIG), hf, model)
+        return
+    problems = (
+        [f"model.num_experts={model.num_experts} (the folder's model is dense: set 0)"] if model.num_experts else []
+    )
+    problems += [
         f"{key}={found!r} (set {_SHAPE_KEYS[key]} to match; it gives {wanted!r})"
         for key, wanted in llama_values(model).items()
         if (found := _hf_value(hf, key)) != wanted
@@ -222,6 +231,27 @@ def write_llama_folder(
     set_dtype(config, dtype)
     if model.tie_word_embeddings:
         tensors = {name: t for name, t in tensors.items() if name != "lm_head.weight"}  # restored from the embeddings
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    save_file(
+        {name: t.to(dtype).contiguous() for name, t in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+
+
+def write_moe_folder(
+    tensors: dict[str, torch.Tensor], model: ModelConfig, family: str, out: Path, dtype: torch.dtype, max_positions: int
+) -> None:
+    """config.json + model.safetensors of transformers' `family` (`hf_moe.TABLES`); `tensors` under its names, one
+    per expert, as transformers' save_pretrained writes them and its from_pretrained reads them."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(family, **hf_moe.export_config(model, family, max_positions))
+    set_dtype(config, dtype)
+    if model.tie_word_embeddings:
+        tensors = {name: t for name, t in tensors.items() if name != "lm_head.weight"}
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))
     save_file(

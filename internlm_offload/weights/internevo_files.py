@@ -74,9 +74,6 @@ def check_layout(folder: Path, entries: list[Path]) -> list[ModelFile]:
         raise CheckpointError(f"{folder}: model files of two layouts ({files[0].path.name}, {files[-1].path.name})")
     if any(f.wp is not None and f.dp is not None for f in files):
         raise CheckpointError(f"{folder}: {files[0].path.name}: ISP files with FSDP shards are not an InternEvo layout")
-    moe = [path for path in entries if path.name.startswith("model_moe_layer")]
-    if moe:
-        raise CheckpointError(f"{moe[0]}: MoE expert files; the native model here has no experts")
     present = {(f.tp, f.wp, f.pp, f.dp) for f in files}
     for key in product(*(_indices({key[axis] for key in present}) for axis in range(4))):
         if key not in present:

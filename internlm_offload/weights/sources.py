@@ -3,8 +3,8 @@ checked before anything is built, then read as native full tensors and loaded in
 
 | ckpt_type  | folder                                             | read by           |
 |------------|----------------------------------------------------|-------------------|
-| internevo  | InternEvo's `model_tp*_pp*.pt` / `model_wp*_pp*.pt` | `internevo_files` |
-| hf         | Hugging Face InternLM2 or Llama (config.json)      | `hf_folder`       |
+| internevo  | InternEvo's `model_tp*_pp*.pt` / `model_wp*_pp*.pt` (+ `model_moe_layer*_expert*_tp*.pt`) | `internevo_files`, `internevo_moe` |
+| hf         | Hugging Face InternLM2, Llama, Qwen3-MoE, Qwen2-MoE, Mixtral (config.json) | `hf_folder` |
 | hf_llama   | the same                                           | `hf_folder`       |
 | llama      | Meta's params.json + consolidated.*.pth            | `meta_llama`      |
 
@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from internlm_offload.config import LoadCkptInfo, ModelConfig
 from internlm_offload.errors import CheckpointError
 from internlm_offload.log import get_logger
-from internlm_offload.weights import hf_folder, meta_llama
+from internlm_offload.weights import hf_folder, internevo_moe, meta_llama
 from internlm_offload.weights.convert import Heads, to_format, to_native
 from internlm_offload.weights.internevo_files import (
     check_layout,
@@ -33,6 +33,8 @@ from internlm_offload.weights.internevo_files import (
 )
 from internlm_offload.weights.names import (
     INTERNEVO,
+    INTERNEVO_MIXTRAL_MOE,
+    INTERNEVO_MOE,
     INTERNEVO_UNFUSED,
     INTERNLM1,
     META_LLAMA,
@@ -66,7 +68,8 @@ def foreign_source(info: LoadCkptInfo, model: ModelConfig) -> WeightsSource | No
     if not path.is_dir():
         raise CheckpointError(f"ckpt.load_ckpt_info.path={str(path)!r}: no such folder")
     if info.ckpt_type == "internevo":
-        source = WeightsSource(path, "internevo", tuple(f.path for f in check_layout(path, entries)))
+        dense = [f.path for f in check_layout(path, entries)]
+        source = WeightsSource(path, "internevo", tuple(dense + _expert_layout(path, entries, model)))
     elif info.ckpt_type == "llama" and not meta_llama.is_meta_folder(path):
         hint = ' (a Hugging Face folder: ckpt_type="hf_llama")' if (path / hf_folder.CONFIG).is_file() else ""
         raise CheckpointError(f"{path}: no params.json and consolidated.*.pth of a Meta Llama checkpoint{hint}")
@@ -114,7 +117,11 @@ def _read_foreign(
         states = read_model_files(files)
         table = internevo_table(list(next(iter(states.values()))))  # the first file's names tell the model
         shapes = {name: t.shape for name, t in to_format(expected, table, heads).items()}
-        return table, shapes, merge_model_files(source.path, states, shapes)
+        experts = {name: shape for name, shape in shapes.items() if internevo_moe.is_expert_name(name)}
+        dense = {name: shape for name, shape in shapes.items() if name not in experts}
+        merged = merge_model_files(source.path, states, dense)
+        expert_paths = internevo_moe.expert_files(files)
+        return table, shapes, {**merged, **internevo_moe.read_expert_files(source.path, expert_paths, experts)}
     if source.kind == "meta_llama":
         shapes = {name: t.shape for name, t in to_format(expected, META_LLAMA, heads).items()}
         return META_LLAMA, shapes, meta_llama.read_meta_weights(source.path, files, shapes)
@@ -124,13 +131,28 @@ def _read_foreign(
 
 
 def internevo_table(names: list[str]) -> NameTable:
-    """The names of the InternEvo model that wrote files holding `names`: InternLM v1 (`blocks.*`), InternLM2
-    with a fused wqkv (the default), or with q, k, v apart (`enable_qkv_fusion=False`)."""
+    """The names of the InternEvo model that wrote files holding `names`: a mixture of experts (`moe_layer`; Mixtral's
+    under `blocks.*`, Qwen2/3-MoE's under `layers.*`), InternLM v1 (`blocks.*`), InternLM2 with a fused wqkv (the
+    default), or with q, k, v apart (`enable_qkv_fusion=False`)."""
+    if any(".moe_layer." in name for name in names):
+        return INTERNEVO_MIXTRAL_MOE if any(name.startswith("blocks.") for name in names) else INTERNEVO_MOE
     if any(name.startswith("blocks.") for name in names):
         return INTERNLM1
     if any(".attention.wq." in name for name in names):
         return INTERNEVO_UNFUSED
     return INTERNEVO
+
+
+def _expert_layout(folder: Path, entries: list[Path], model: ModelConfig) -> list[Path]:
+    """The folder's InternEvo expert files, checked complete; there are some iff the model has experts."""
+    found = internevo_moe.check_expert_layout(folder, entries) if internevo_moe.expert_files(entries) else []
+    if found and not model.num_experts:
+        raise CheckpointError(f"{found[0]}: MoE expert files; the configured model has none (model.num_experts=0)")
+    if model.num_experts and not found:
+        raise CheckpointError(
+            f"{folder}: no model_moe_layer*_expert*_tp*.pt files; model.num_experts={model.num_experts} needs them"
+        )
+    return found
 
 
 def load_weights(model: nn.Module, source: WeightsSource, config: ModelConfig) -> None:

@@ -161,3 +161,14 @@ def test_every_tensor_mode_with_moe_is_refused_in_one_line(mode):
     raw = _with(MOE4, parallel__tensor=dict(size=2, mode=mode))
     message = refusal(raw, world_size=2)
     assert f"parallel.tensor (size 2, mode {mode!r}) with model.num_experts=4" in message
+
+
+def test_shipped_expert_sizes_exit_2_in_one_line(capsys: Any) -> None:
+    """qwen3_30B_A3B.py's own expert and expert-weight sizes (8, 2) stop train.py with exit code 2: one line each."""
+    from internlm_offload import launch
+
+    options = ["parallel.expert.size=8", "parallel.expert_weight.size=2"]
+    assert launch.main(["--config", str(QWEN3), "--cfg-options", *options], build_trainer=None) == 2
+    err = capsys.readouterr().err
+    assert "parallel.expert.size=8: expert parallel is not built here" in err
+    assert "parallel.expert_weight.size=2: expert parallel is not built here" in err

@@ -146,6 +146,11 @@ def _layer_kwargs(t: Translation, kwargs: dict[str, Any], moe_type: str) -> None
                 f"model.moe_layer_kwargs.capacity_factor={capacity!r} with moe_type='Dropless': a Dropless capacity "
                 "is not built here; set None (or moe_type='GShard' for capacity and dropping)"
             )
+    if moe_type == "GShard" and kwargs.get("drop_tokens") is False and kwargs.get("use_fused_gating", True):
+        t.warnings.append(
+            "model.moe_layer_kwargs.drop_tokens=False: InternEvo's default fused gating ignores it and drops at "
+            "capacity; here every choice is computed (as its non-fused gating does)"
+        )
     eval_factor = _pop(kwargs, "eval_capacity_factor")
     if eval_factor is not _ABSENT:
         if eval_factor == kwargs.get("capacity_factor", 1.0):

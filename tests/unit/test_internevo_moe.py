@@ -114,6 +114,16 @@ def test_layer_kwargs_without_effect_are_ignored_by_name():
     assert "model.moe_layer_kwargs.use_fused_gating" in ignored and "eval_capacity_factor=1.25" in ignored
 
 
+def test_drop_tokens_false_is_honoured_and_the_difference_said():
+    """InternEvo's fused gating (its default) ignores drop_tokens=False; here it computes every choice: a warning."""
+    raw = load_config_file(MOE4)
+    raw["model"]["moe_layer_kwargs"] = dict(drop_tokens=False)
+    cfg = resolve_config(raw)
+    assert cfg.model.moe_layer_kwargs.drop_tokens is False
+    _, warnings = cfg.migration_notes()
+    assert any("drop_tokens=False: InternEvo's default fused gating ignores it" in line for line in warnings)
+
+
 def _with(path: Path, **changes: Any) -> dict[str, Any]:
     raw = load_config_file(path)
     for dotted, value in changes.items():

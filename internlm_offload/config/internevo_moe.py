@@ -68,13 +68,7 @@ def map_moe_model(t: Translation, model_type: str) -> None:
             "moe=dict(...): InternEvo's older MoE section is not read; put top_k in model and the layer options in "
             "model.moe_layer_kwargs"
         )
-    if model_type in QWEN_MOE_TYPES and "shared_expert_gate" not in model:
-        model["shared_expert_gate"] = "sigmoid"
-        if model.get("num_shared_experts"):
-            t.mapped.append(f"{model_type}: shared experts gated by sigmoid(Linear(H, 1)) (InternEvo's Qwen2MoE)")
-    if model_type == "QWEN3MOE":
-        model["qk_norm"] = True
-        t.mapped.append("QWEN3MOE: RMSNorm on q and k per head (InternEvo's use_qk_norm=True)")
+    _family_switches(t, model, model_type)
     experts = model.get("num_experts", _ABSENT)
     if isinstance(experts, int) and not isinstance(experts, bool) and experts <= 1:
         model["num_experts"] = 0  # InternEvo: num_experts <= 1 builds a dense FFN
@@ -84,37 +78,60 @@ def map_moe_model(t: Translation, model_type: str) -> None:
         model["mlp_only_layers"] = list(range(int(first_dense)))
         t.mapped.append(f"model.first_k_dense_replace={first_dense} -> model.mlp_only_layers=[0, {first_dense})")
     moe_type = model.get("moe_type", "GShard")
-    if model_type in QWEN_MOE_TYPES and moe_type == "GShard":
-        if model_type == "QWEN3MOE":
-            t.refused.append(
-                "model.moe_type='GShard' with model_type='QWEN3MOE': InternEvo's Qwen3-MoE decoder asserts "
-                "Dropless; set model.moe_type='Dropless'"
-            )
-        else:
-            t.warnings.append(
-                "model.moe_type='GShard' with model_type='QWEN2MOE': trained as GShard (capacity, dropped choices, "
-                "per-layer loss), as InternEvo's Qwen2-MoE did when 57B_qwen2_MoE.py shipped; its develop decoder "
-                "asserts Dropless, and Hugging Face Qwen2-MoE checkpoints are dropless: set model.moe_type='Dropless'"
-                " for that"
-            )
+    _qwen_moe_type(t, model_type, moe_type)
     kwargs = model.get("moe_layer_kwargs")
     if isinstance(kwargs, dict):
         _layer_kwargs(t, kwargs, moe_type)
     if model_type in QWEN_MOE_TYPES and moe_type == "Dropless":
-        kwargs = model.setdefault("moe_layer_kwargs", {})
-        by_layer = kwargs.get("aux_loss_by_layer", _ABSENT)
-        if by_layer is _ABSENT:
-            kwargs["aux_loss_by_layer"] = False
-            t.mapped.append(f"{model_type}: one load-balancing loss over all layers (aux_loss_by_layer=False)")
-        elif by_layer is not False:
-            t.refused.append(
-                f"model.moe_layer_kwargs.aux_loss_by_layer={by_layer!r}: InternEvo's {model_type} model computes one "
-                "loss from all layers' router logits; set False"
-            )
+        _qwen_global_aux_loss(t, model, model_type)
     loss = t.config.setdefault("loss", {})
     if isinstance(loss, dict) and "moe_loss_coeff" not in loss:
         loss["moe_loss_coeff"] = 1.0
         t.mapped.append("loss.moe_loss_coeff not set: 1.0 (InternEvo's default)")
+
+
+def _family_switches(t: Translation, model: dict[str, Any], model_type: str) -> None:
+    """What the family's InternEvo class hard-codes: Qwen's sigmoid shared-expert gate, Qwen3's q/k norm."""
+    if model_type in QWEN_MOE_TYPES and "shared_expert_gate" not in model:
+        model["shared_expert_gate"] = "sigmoid"
+        if model.get("num_shared_experts"):
+            t.mapped.append(f"{model_type}: shared experts gated by sigmoid(Linear(H, 1)) (InternEvo's Qwen2MoE)")
+    if model_type == "QWEN3MOE":
+        model["qk_norm"] = True
+        t.mapped.append("QWEN3MOE: RMSNorm on q and k per head (InternEvo's use_qk_norm=True)")
+
+
+def _qwen_moe_type(t: Translation, model_type: str, moe_type: str) -> None:
+    """GShard on a Qwen family: Qwen2-MoE trains (with a warning), Qwen3-MoE is refused (see the module doc)."""
+    if model_type not in QWEN_MOE_TYPES or moe_type != "GShard":
+        return
+    if model_type == "QWEN3MOE":
+        t.refused.append(
+            "model.moe_type='GShard' with model_type='QWEN3MOE': InternEvo's Qwen3-MoE decoder asserts "
+            "Dropless; set model.moe_type='Dropless'"
+        )
+        return
+    t.warnings.append(
+        "model.moe_type='GShard' with model_type='QWEN2MOE': trained as GShard (capacity, dropped choices, "
+        "per-layer loss), as InternEvo's Qwen2-MoE did when 57B_qwen2_MoE.py shipped; its develop decoder "
+        "asserts Dropless, and Hugging Face Qwen2-MoE checkpoints are dropless: set model.moe_type='Dropless'"
+        " for that"
+    )
+
+
+def _qwen_global_aux_loss(t: Translation, model: dict[str, Any], model_type: str) -> None:
+    """InternEvo's Qwen MoE models compute one load-balancing loss from all layers' logits: only
+    aux_loss_by_layer=False runs there."""
+    kwargs = model.setdefault("moe_layer_kwargs", {})
+    by_layer = kwargs.get("aux_loss_by_layer", _ABSENT)
+    if by_layer is _ABSENT:
+        kwargs["aux_loss_by_layer"] = False
+        t.mapped.append(f"{model_type}: one load-balancing loss over all layers (aux_loss_by_layer=False)")
+    elif by_layer is not False:
+        t.refused.append(
+            f"model.moe_layer_kwargs.aux_loss_by_layer={by_layer!r}: InternEvo's {model_type} model computes one "
+            "loss from all layers' router logits; set False"
+        )
 
 
 def attention_bias_defaults(model_type: Any, model: dict[str, Any]) -> dict[str, bool]:

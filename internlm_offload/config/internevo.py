@@ -16,8 +16,16 @@ Keys this trainer does not know at all are left alone: the schema refuses them a
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 from typing import Any
+
+from internlm_offload.config.internevo_moe import (
+    MOE_MODEL_TYPES,
+    apply_attention_bias_defaults,
+    attention_bias_defaults,
+    map_expert_parallel,
+    map_moe_model,
+)
+from internlm_offload.config.translation import Translation
 
 MISSING = object()
 
@@ -30,8 +38,6 @@ MODEL_TYPES = {
     "INTERNLM3": "internlm2",
     "LLAMA2": "internlm2",
 }
-MOE_MODEL_TYPES = ("INTERNLM_MoE", "QWEN2MOE", "MIXTRALMOE", "QWEN3MOE")
-MOE_MODEL_KEYS = {"num_experts", "top_k", "num_shared_experts", "first_k_dense_replace"}
 
 # Keys that change nothing here, by section ("" is the top level).
 IGNORED = {
@@ -50,17 +56,6 @@ IGNORED = {
 
 # InternEvo's knobs of when weight parallel's all-gathers are launched (develop, 2025).
 WEIGHT_SCHEDULING = ("launch_allgather_before", "forward_overlap_per")
-
-
-@dataclass
-class Translation:
-    """The rewritten config and what happened to the InternEvo keys."""
-
-    config: dict[str, Any]
-    ignored: list[str] = field(default_factory=list)
-    mapped: list[str] = field(default_factory=list)
-    refused: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
 
 
 def translate(raw: dict[str, Any], world_size: int = 1) -> Translation:
@@ -97,18 +92,6 @@ def _ignore(t: Translation) -> None:
                 t.ignored.append(f"{section}.{key}" if section else key)
 
 
-def _drop_moe_keys(config: dict[str, Any]) -> None:
-    config.pop("moe", None)
-    for section, is_moe in (
-        ("model", lambda k: k.startswith("moe_") or k in MOE_MODEL_KEYS),
-        ("loss", lambda k: k.startswith("moe_")),
-    ):
-        part = config.get(section)
-        if isinstance(part, dict):
-            for key in [k for k in part if is_moe(k)]:
-                del part[key]
-
-
 def _internevo_only_keys(config: dict[str, Any]) -> bool:
     """Whether a config carries keys only InternEvo's configs have (this trainer's own never do)."""
     model, parallel = config.get("model"), config.get("parallel")
@@ -134,11 +117,9 @@ def _model(t: Translation) -> None:
         model_type = "INTERNLM"
         t.mapped.append("no model_type in an InternEvo config: InternEvo's default, 'INTERNLM' (v1)")
     if model_type in MOE_MODEL_TYPES:
-        t.refused.append(
-            f"model_type={model_type!r}: no InternEvo MoE model here; train an HF MoE model "
-            "(model.type='hf_causal_lm', e.g. configs/hf_mixtral_tiny.py)"
-        )
-        _drop_moe_keys(t.config)  # part of the refused feature: one line in the report, not one per key
+        _set(t, "model", "type", "internlm2")
+        t.mapped.append(f"model_type={model_type!r} -> model.type='internlm2' with mixture-of-experts blocks")
+        map_moe_model(t, model_type)
     elif model_type is not MISSING:
         if model_type not in MODEL_TYPES:
             t.refused.append(f"model_type={model_type!r}: supported here: {', '.join(MODEL_TYPES)}")
@@ -152,10 +133,11 @@ def _model(t: Translation) -> None:
         model["multiple_of"] = 256  # InternEvo's FeedForward rounds its width up to a multiple of 256
         t.mapped.append("model.multiple_of=256 (InternEvo's SwiGLU width rounding)")
     no_bias = _pop(t, "model", "no_bias")
-    if no_bias is not MISSING or model_type == "INTERNLM":
+    v1 = model_type in ("INTERNLM", "INTERNLM_MoE")
+    if no_bias is not MISSING or v1:
         # InternEvo: the attention projections have biases unless no_bias; InternLM v1's always have them
-        # (modeling_internlm.py passes bias=True whatever no_bias says)
-        model["attention_bias"] = no_bias is False or model_type == "INTERNLM"
+        # (modeling_internlm.py passes bias=True whatever no_bias says; modeling_moe.py's MHA takes its default)
+        model["attention_bias"] = no_bias is False or v1
         t.mapped.append(
             f"model.no_bias={no_bias if no_bias is not MISSING else 'unset'} -> model.attention_bias={model['attention_bias']}"
         )
@@ -191,7 +173,9 @@ def _model(t: Translation) -> None:
         (1, 1.0),
         "embedding gradient scaling is not implemented; set 1",
     )
+    bias_defaults = attention_bias_defaults(model_type, model)
     _model_shape(t, model)
+    apply_attention_bias_defaults(t, model, bias_defaults)
     eps = _pop(t, "model", "layer_norm_epsilon")
     if eps is not MISSING:
         model["norm_eps"] = float(eps)
@@ -380,7 +364,7 @@ def _parallel(t: Translation, world_size: int) -> None:
     parallel.pop("pipeline", None)
     zero1 = parallel.pop("zero1", None)
     seq2d = parallel.pop("sequence_2D", None)
-    parallel.pop("expert", None), parallel.pop("expert_weight", None)
+    map_expert_parallel(t, parallel, world_size)
     for key in ("tensor", "weight"):
         if isinstance(parallel.get(key), int):  # InternEvo also takes `tensor=2`
             parallel[key] = dict(size=parallel[key])

@@ -23,7 +23,11 @@ logger = get_logger(__name__)
 
 aten = torch.ops.aten
 
-# Ops whose outputs the selective policy keeps: recomputing them costs real FLOPs.
+# Ops whose outputs the selective policy keeps: recomputing them costs real FLOPs. In a mixture-of-experts block
+# that is the router's logits (mm), the experts' grouped GEMMs (w1, w3, w2: `_grouped_mm`; the loop fallback's
+# per-expert slices are mm) and the shared experts' matmuls; the routing itself (softmax, top-k, the capacity
+# ranks, the counts, argsort, the permutation gathers) is recomputed: cheap, and deterministic, so the recomputed
+# permutation is the forward's.
 EXPENSIVE_OPS = frozenset(
     {
         aten.mm.default,
@@ -35,6 +39,7 @@ EXPENSIVE_OPS = frozenset(
         aten._scaled_dot_product_flash_attention_for_cpu.default,
         aten._scaled_dot_product_cudnn_attention.default,
     }
+    | ({aten._grouped_mm.default} if hasattr(aten, "_grouped_mm") else set())
 )
 
 

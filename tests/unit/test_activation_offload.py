@@ -495,3 +495,56 @@ def test_dtensor_activations_go_as_local_shards_and_dtensor_params_stay(group_of
     layers[1](layers[0](x)).sum().backward()
     assert handle.metrics()["act_offload_offloaded_bytes"] == 0
     handle.close()
+
+
+def tiny_moe_model(moe_type: str, dtype: torch.dtype) -> InternLM2:
+    torch.manual_seed(0)
+    model = InternLM2(
+        num_layers=L, hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=259,
+        num_experts=4, top_k=2, moe_type=moe_type, num_shared_experts=1, mlp_ratio=1.0, multiple_of=32,
+        moe_layer_kwargs={"capacity_factor": 0.5} if moe_type == "GShard" else None,
+    )  # fmt: skip
+    return model.to(dtype)
+
+
+def moe_step(model: InternLM2, micro_num: int = 2):
+    """`step` for a model that also returns its load-balancing loss; adds the per-expert token counts."""
+    losses, logits = [], None
+    for tokens in batches(micro_num):
+        logits, aux = model(tokens[:, :-1])
+        loss = (F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux) / micro_num
+        loss.backward()
+        losses.append(loss.detach())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return torch.stack(losses), logits.detach(), grads, model.tokens_per_expert()
+
+
+@pytest.mark.parametrize(
+    "moe_type, dtype",
+    [("GShard", torch.float32), ("Dropless", torch.bfloat16), ("GShard", torch.float16)],
+    ids=["gshard-fp32", "dropless-bf16-grouped-gemm", "gshard-fp16-expert-loop"],
+)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_moe_blocks_offload_their_routing_and_come_back_bitwise(moe_type, dtype, mode):
+    """MoE blocks (GShard at capacity factor 0.5: choices dropped) offloaded down to the smallest saved tensor:
+    the router's logits, the int64 top-k indices and permutation order, the counts and the experts' rows go to the
+    host and come back byte for byte, beside full and selective checkpointing (the fp16 experts run as a loop over
+    slices whose sizes the routing decides): losses, logits, gradients and counts equal no offload's."""
+    expected = moe_step(tiny_moe_model(moe_type, dtype))
+    model = tiny_moe_model(moe_type, dtype)
+    apply_activation_checkpointing(model.layers, [2], selective=True)
+    apply_activation_checkpointing(model.layers, [3], selective=False)
+    int64_saved = []
+    handle = offload_layers(model.layers, 2, mode=mode, min_offload_bytes=0)
+    original = handle._offload
+
+    def spy(t, index):
+        int64_saved.append(t.dtype == torch.int64)
+        return original(t, index)
+
+    handle._offload = spy
+    got = moe_step(model)
+    handle.close()
+    assert any(int64_saved) and handle.metrics()["act_offload_offloaded_bytes"] > 0
+    assert_bitwise(got[:3], expected[:3])
+    assert torch.equal(got[3], expected[3])

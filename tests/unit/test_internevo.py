@@ -86,7 +86,7 @@ def test_local_prefixes_and_model_only_load_without_auto_resume():
 @pytest.mark.parametrize(
     "raw, part",
     [
-        ({"model_type": "QWEN2MOE"}, "no InternEvo MoE model here"),
+        ({"model_type": "QWEN3MOE", "model": dict(num_experts=4, top_k=2)}, "asserts Dropless"),
         ({"model_type": "GPT9"}, "model_type='GPT9'"),
         ({"adam": dict(adam_beta2_c=0.5)}, "adam.adam_beta2_c=0.5"),
         ({"model": dict(num_chunks=2)}, "model.num_chunks=2"),
@@ -160,25 +160,20 @@ def test_bad_data_settings_are_one_line_each(data, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-def test_internevo_moe_config_is_refused_in_one_line_naming_the_alternative():
+def test_internevo_moe_config_maps_and_its_legacy_moe_section_is_one_line():
+    """An InternEvo MoE config trains on the native MoE blocks (tests/unit/test_internevo_moe.py); its older
+    top-level `moe=dict(...)` section is not read: one line naming where its keys go."""
     raw = load_config_file(SHRUNK)
     raw["model_type"] = "INTERNLM_MoE"
-    raw["model"].update(num_experts=4, moe_use_residual=False, moe_type="GShard")
-    raw["moe"] = dict(
-        top_k=2,
-        capacity_factor=1.0,
-        eval_capacity_factor=1.0,
-        min_capacity=4,
-        noisy_gate_policy=None,
-        drop_tokens=True,
-        use_rts=True,
-        use_fused_gating=False,
-    )
+    raw["model"].update(num_experts=4, top_k=2, moe_use_residual=True, moe_type="GShard")
     raw["loss"]["moe_loss_coeff"] = 0.1
+    cfg = resolve_config(copy.deepcopy(raw))
+    assert (cfg.model.num_experts, cfg.model.num_shared_experts, cfg.loss.moe_loss_coeff) == (4, 1, 0.1)
+    raw["moe"] = dict(top_k=2, capacity_factor=1.0, use_fused_gating=False)
     with pytest.raises(ConfigError) as info:
         resolve_config(raw)
     report = str(info.value)
-    assert "\n" not in report and "model_type='INTERNLM_MoE'" in report and "hf_causal_lm" in report
+    assert "\n" not in report and "moe=dict(...): InternEvo's older MoE section is not read" in report
 
 
 def test_hf_weights_through_load_ckpt_info_load_into_the_native_model():

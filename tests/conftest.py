@@ -12,7 +12,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def pytest_configure(config) -> None:  # noqa: ARG001  pytest's hook signature
+def pytest_configure(config) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

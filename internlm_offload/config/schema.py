@@ -184,6 +184,12 @@ class RunConfig(Section):
                 f"ckpt.load_ckpt_info.ckpt_type={info.ckpt_type!r} loads into model.type='internlm2'; for "
                 f"model.type={self.model.type!r} give the folder as model.hf_path"
             )
+        profile_step, last_step = self.monitor.profile_step, self.data.total_steps
+        if profile_step > last_step:
+            raise ValueError(
+                f"monitor.profile_step={profile_step} is after the run's last step (data.total_steps={last_step}): "
+                f"give a step from 1 to {last_step}, or 0 for none"
+            )
         if self.data.type == "text" and not self.data.paths:
             raise ValueError("data.type='text' needs data.paths (files or folders of .txt/.jsonl)")
         return self

@@ -238,6 +238,16 @@ ERRORS = {
     "out of range, upper": ({"model": dict(checkpoint=1.5)}, 1, ["model.checkpoint=1.5", "less than or equal to 1"]),
     "out of range, lower": ({"data": dict(seq_len=1)}, 1, ["data.seq_len=1", "greater than or equal to 2"]),
     "out of range, exclusive": ({"adam": dict(lr=0.0)}, 1, ["adam.lr=0.0", "greater than 0"]),
+    "profile step below 0": (
+        {"monitor": dict(profile_step=-1)},
+        1,
+        ["monitor.profile_step=-1", "greater than or equal to 0"],
+    ),
+    "profile step after the last": (
+        {"monitor": dict(profile_step=9), "data": dict(total_steps=8)},
+        1,
+        ["monitor.profile_step=9 is after the run's last step (data.total_steps=8)", "from 1 to 8, or 0 for none"],
+    ),
     "empty string": ({"JOB_NAME": ""}, 1, ["JOB_NAME=''", "at least 1 character"]),
     "literal, dtype": (
         {"model": dict(dtype="torch.int8")},

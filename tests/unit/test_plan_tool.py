@@ -171,15 +171,17 @@ def test_search_space_keeps_what_the_config_fixes() -> None:
 
 @pytest.mark.parametrize("mode", ["none", "fsdp2"])
 def test_plan_searches_parameter_offload_under_fsdp2_and_gradient_offload(monkeypatch, mode) -> None:
+    from types import SimpleNamespace
+
     from internlm_offload.planner import search
 
     searched = []
 
     def record(config_for, activations, optimizers, *args):
         searched.extend(s.options for s in optimizers)
-        return None, []
+        return SimpleNamespace(candidates=[])
 
-    monkeypatch.setattr(search, "search", record)
+    monkeypatch.setattr(search, "priced", record)
     monkeypatch.setattr(search, "smallest_peak", lambda *args: "")
     argv = ["--config", TINY, "--cfg-options", *SMALL, f"parallel.mode={mode}", "--device-memory", "20MiB"]
     plan.main(argv)

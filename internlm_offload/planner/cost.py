@@ -1,6 +1,6 @@
 """Step time from the traced step's work and a machine's throughputs: a stated model, not a measurement.
 
-The trace counts, per micro-batch and per optimizer step: matmul and attention FLOPs (torch's
+The trace counts, per micro-batch and per optimizer step: matmul, grouped-expert and attention FLOPs (torch's
 `FlopCounterMode` formulas, recomputation included; an op on DTensors counts this rank's share), bytes copied
 between host and device (every `copy_` whose source and destination lie in different tiers), bytes that
 additions into host tensors read and write (gradient offload's accumulation), AdamW elements stepped on
@@ -252,10 +252,14 @@ def _metadata_ops() -> set[Any]:
     }  # fmt: skip
 
 
-def flash_cpu_flops() -> dict[Any, Any]:
-    """FLOP formulas for cpu's flash attention op (torch counts only the cuda ones): 4·B·H·T·S·D forward
-    (QKᵀ and PV), 2.5x that backward (scores recomputed, then dV, dP, dQ, dK), grouped-query heads
-    counted at the query's head count."""
+def extra_flops() -> dict[Any, Any]:
+    """FLOP formulas torch's counter lacks, for `FlopCounter`'s `custom_mapping`.
+
+    cpu's flash attention op (torch counts only the cuda ones): 4·B·H·T·S·D forward (QKᵀ and PV), 2.5x that
+    backward (scores recomputed, then dV, dP, dQ, dK), grouped-query heads counted at the query's head count.
+    The grouped GEMM of stacked experts (`aten._grouped_mm`, model/experts.py), forward and the two backward
+    products alike: 2 FLOPs per multiply-add over every group's rows (on meta, where no offsets are known, every
+    row: a dropped GShard choice's too)."""
 
     def forward(query: Any, key: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
         b, h, t, d = query.shape
@@ -264,11 +268,21 @@ def flash_cpu_flops() -> dict[Any, Any]:
     def backward(grad_out: Any, query: Any, key: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
         return 10 * forward(query, key) // 4
 
-    forward._get_raw = backward._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode: raw args
+    def grouped_mm(a: Any, b: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        if a.dim() == 3 and b.dim() == 3:  # (E, M, K) x (E, K, N): a batch
+            return 2 * a.numel() * b.shape[-1]
+        if a.dim() == 3:  # (E, M, K) x (K, N) cut into E column groups
+            return 2 * a.shape[1] * a.shape[2] * b.shape[-1]
+        # (M, K) x (E, K, N) cut into row groups, or (K, M) x (M, N) cut along M into (E, K, N): 2·M·K·N
+        return 2 * a.shape[0] * a.shape[1] * b.shape[-1]
+
+    for formula in (forward, backward, grouped_mm):
+        formula._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode: raw args
     ops = torch.ops.aten
     return {
         ops._scaled_dot_product_flash_attention_for_cpu: forward,
         ops._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+        ops._grouped_mm: grouped_mm,
     }
 
 

@@ -42,7 +42,7 @@ from internlm_offload.device import storage_key
 from internlm_offload.engine.runtime import RunContext, tensor_parallel_mesh
 from internlm_offload.engine.trainer import Trainer
 from internlm_offload.optim.records import ParamRecord
-from internlm_offload.planner.cost import FlopCounter, StepWork, WorkCounter, flash_cpu_flops
+from internlm_offload.planner.cost import FlopCounter, StepWork, WorkCounter, extra_flops
 from internlm_offload.planner.standins import (
     PlanningAccelerator,
     flash_attention_on_meta,
@@ -328,7 +328,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
         # (as torch's FlopCounterMode), whose intermediates the memory figures above must not see.
         if count_work:
             probe.counter = WorkCounter(tracker)
-            probe.flops = FlopCounter(custom_mapping=flash_cpu_flops())
+            probe.flops = FlopCounter(custom_mapping=extra_flops())
             with probe.flops, probe.counter:
                 trainer.train_step(batches)
         for handle in handles:

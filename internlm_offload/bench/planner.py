@@ -68,6 +68,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
                                 "parallel.weight.size": 2, "swap_optimizer": True},
     "fsp 4 over 2 kv heads": {"parallel.tensor.size": 4, "parallel.tensor.mode": "fsp",
                               "model.num_kv_attention_heads": 2},  # wk and wv whole on each rank (KVHeadReplicas)
+    # stacked experts through the grouped GEMM (cpu), traced on meta; a shared expert; activation offload
+    "moe 8 x top-2 dropless + offload 3": {"model.num_experts": 8, "model.top_k": 2, "model.moe_type": "Dropless",
+                                           "model.num_shared_experts": 1, "model.mlp_ratio": 1.0, **OFFLOAD,
+                                           "cpu_offloading.num_layers": 3},
 }  # fmt: skip
 # Settings measured on several processes (torchrun, gloo); the others run on one.
 RANKS = {

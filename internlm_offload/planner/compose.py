@@ -85,7 +85,7 @@ def trace_composed(
     short, whose reduced traces do not line up or that is not `composable` is traced whole; `approximate`:
     one that is not composable is composed all the same (the search's estimates, `APPROXIMATE_MARGIN`)."""
     trace = trace or (lambda c, work: trace_step(c, world_size, count_work=work))
-    if cfg.model.type != "internlm2" or not (approximate or composable(cfg, world_size)):
+    if not same_blocks(cfg) or not (approximate or composable(cfg, world_size)):
         return trace(cfg, count_work)
     runs = block_runs(cfg)
     target = [n for _, n in runs]
@@ -105,15 +105,25 @@ def trace_composed(
         return trace(cfg, count_work)
 
 
+def same_blocks(cfg: RunConfig) -> bool:
+    """Whether every block is the same module: the native decoder, all dense or all sparse (a mixture of experts
+    with dense blocks among its sparse ones, Qwen's `mlp_only_layers` or `decoder_sparse_step`, is traced whole;
+    a reduced model would keep other blocks than the whole one's)."""
+    model = cfg.model
+    mixed = model.num_experts > 0 and (bool(model.mlp_only_layers) or model.decoder_sparse_step > 1)
+    return model.type == "internlm2" and not mixed
+
+
 def composable(cfg: RunConfig, world_size: int = 1) -> bool:
     """Whether every block's memory events are its own: not where the optimizer cuts all parameters into
     shares (the swap optimizer's chunks, the hybrid's CPU prefix, gradient offload's buckets), nor under
     FSDP2 over several data-parallel ranks (a block's backward frees more the later it comes: 1.7 % off on
-    the tiny model over 4 ranks), nor for a decoder whose depth is not `model.num_layers` (Hugging Face)."""
+    the tiny model over 4 ranks), nor for a decoder whose blocks differ (`same_blocks`; Hugging Face's depth is
+    not `model.num_layers`)."""
     hybrid = cfg.hybrid_optimizer
     sharded = cfg.parallel.mode == "fsdp2" and world_size > cfg.parallel.tensor.size
     return (
-        cfg.model.type == "internlm2"
+        same_blocks(cfg)
         and not sharded
         and not cfg.swap_optimizer
         and not cfg.grad_offload
@@ -257,7 +267,7 @@ class Tracer:
     def exact(self, cfg: RunConfig) -> bool:
         """Whether `step(cfg, approximate=True)` is the whole trace's figures (within 0.5 %); else within
         `APPROXIMATE_MARGIN` as measured."""
-        return not self.compose or composable(cfg, self.world_size) or cfg.model.type != "internlm2"
+        return not self.compose or composable(cfg, self.world_size) or not same_blocks(cfg)
 
     def whole(self, cfg: RunConfig, count_work: bool = False) -> StepMemory:
         """`cfg`'s step traced whole, once per search (a trace with the work counted serves both)."""

@@ -1,7 +1,7 @@
 """Step time from the traced step's work and a machine's throughputs: a stated model, not a measurement.
 
-The trace counts, per micro-batch and per optimizer step: matmul and attention FLOPs (torch's
-`FlopCounterMode`, recomputation included; an op on DTensors counts this rank's share), bytes copied
+The trace counts, per micro-batch and per optimizer step: matmul, grouped-expert and attention FLOPs (torch's
+`FlopCounterMode` formulas, recomputation included; an op on DTensors counts this rank's share), bytes copied
 between host and device (every `copy_` whose source and destination lie in different tiers), bytes that
 additions into host tensors read and write (gradient offload's accumulation), AdamW elements stepped on
 the device and on the host, and the bytes each rank sends in the tensor and sequence parallel
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from internlm_offload.optim.dtensor import is_dtensor, local_nbytes, local_shard
 from internlm_offload.planner.tracker import StorageTracker, copies_meta_to_cpu
@@ -210,10 +210,56 @@ def _sharded_flops_surplus(func: Any, args: tuple, kwargs: dict, out: Any) -> in
     return total - total // shares
 
 
-def flash_cpu_flops() -> dict[Any, Any]:
-    """FLOP formulas for cpu's flash attention op (torch counts only the cuda ones): 4·B·H·T·S·D forward
-    (QKᵀ and PV), 2.5x that backward (scores recomputed, then dV, dP, dQ, dK), grouped-query heads
-    counted at the query's head count."""
+class FlopCounter(TorchDispatchMode):
+    """The total of torch's `FlopCounterMode` (its formulas, `custom_mapping` and decompositions alike) without
+    its per-module table: that one's module tracker hooks every module and every block's gradients, which took
+    a third of a traced step's time. `tests/unit/test_planner_cost.py` holds the two equal."""
+
+    def __init__(self, custom_mapping: dict[Any, Any] | None = None) -> None:
+        super().__init__()
+        self.formulas = FlopCounterMode(display=False, custom_mapping=custom_mapping).flop_registry
+        self.metadata = _metadata_ops()
+        self.total = 0
+
+    def get_total_flops(self) -> int:
+        return self.total
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.metadata:
+            return NotImplemented
+        if func is not torch.ops.prim.device.default:  # as FlopCounterMode: counted through its decomposition
+            with self:
+                out = func.decompose(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+        out = func(*args, **kwargs)
+        formula = self.formulas.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def _metadata_ops() -> set[Any]:
+    """Ops that read a tensor's metadata: FlopCounterMode leaves them to the tensor (NotImplemented)."""
+    aten = torch.ops.aten
+    return {
+        aten.sym_is_contiguous.default, aten.is_contiguous.default, aten.is_contiguous.memory_format,
+        aten.is_strides_like_format.default, aten.is_non_overlapping_and_dense.default, aten.size.default,
+        aten.sym_size.default, aten.stride.default, aten.sym_stride.default, aten.storage_offset.default,
+        aten.sym_storage_offset.default, aten.numel.default, aten.sym_numel.default, aten.dim.default,
+        torch.ops.prim.layout.default,
+    }  # fmt: skip
+
+
+def extra_flops() -> dict[Any, Any]:
+    """FLOP formulas torch's counter lacks, for `FlopCounter`'s `custom_mapping`.
+
+    cpu's flash attention op (torch counts only the cuda ones): 4·B·H·T·S·D forward (QKᵀ and PV), 2.5x that
+    backward (scores recomputed, then dV, dP, dQ, dK), grouped-query heads counted at the query's head count.
+    The grouped GEMM of stacked experts (`aten._grouped_mm`, model/experts.py), forward and the two backward
+    products alike: 2 FLOPs per multiply-add over every group's rows (on meta, where no offsets are known, every
+    row: a dropped GShard choice's too)."""
 
     def forward(query: Any, key: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
         b, h, t, d = query.shape
@@ -222,11 +268,21 @@ def flash_cpu_flops() -> dict[Any, Any]:
     def backward(grad_out: Any, query: Any, key: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
         return 10 * forward(query, key) // 4
 
-    forward._get_raw = backward._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode: raw args
+    def grouped_mm(a: Any, b: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        if a.dim() == 3 and b.dim() == 3:  # (E, M, K) x (E, K, N): a batch
+            return 2 * a.numel() * b.shape[-1]
+        if a.dim() == 3:  # (E, M, K) x (K, N) cut into E column groups
+            return 2 * a.shape[1] * a.shape[2] * b.shape[-1]
+        # (M, K) x (E, K, N) cut into row groups, or (K, M) x (M, N) cut along M into (E, K, N): 2·M·K·N
+        return 2 * a.shape[0] * a.shape[1] * b.shape[-1]
+
+    for formula in (forward, backward, grouped_mm):
+        formula._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode: raw args
     ops = torch.ops.aten
     return {
         ops._scaled_dot_product_flash_attention_for_cpu: forward,
         ops._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+        ops._grouped_mm: grouped_mm,
     }
 
 

@@ -87,27 +87,73 @@ def over_budget(
     ]
 
 
-def search(
+@dataclass
+class Budgets:
+    device: int | None
+    host: int | None
+    disk: int | None = None
+
+
+@dataclass
+class PricedMode:
+    """One tensor mode's candidates, fastest first, priced from its settings' traces, and how to try each."""
+
+    config_for: ConfigFor
+    base_activation: Setting
+    base_optimizer: Setting
+    by_activation: dict[str, StepMemory]
+    by_optimizer: dict[str, StepMemory]
+    candidates: list[Candidate]
+    lean: LeanEstimate
+    tracer: Tracer
+
+    def fits(self, candidate: Candidate, budgets: Budgets) -> bool:
+        """Try the candidate: its estimate, then its composed trace, then its whole trace; set its verdict (and,
+        when it fits, its memory: the whole trace's, with the composed work) and say whether it fits."""
+        config = self.config_for(candidate.options)
+        exact = self.tracer.exact(config)
+        # composed where blocks share events: the budgets widened by its margin until the whole trace decides
+        slack = 1.0 if exact else 1 + APPROXIMATE_MARGIN
+        widened = [None if b is None else int(b * slack) for b in (budgets.device, budgets.host)]
+        problems = over_budget(candidate.estimated_device, candidate.estimated_host, *widened)
+        # A candidate on the base optimizer's column is estimated by its own trace when that is exact: a lean
+        # estimate could only send it to that same trace, over the budget again.
+        own_trace = exact and candidate.optimizer is self.base_optimizer
+        if problems and candidate.activation is not self.base_activation and not own_trace:
+            self.lean.refine(candidate)
+            problems = over_budget(candidate.estimated_device, candidate.estimated_host, *widened)
+        if problems:
+            problem = over_budget(candidate.estimated_device, candidate.estimated_host, budgets.device, budgets.host)[0]
+            candidate.verdict = f"estimated {problem[1]}" + ("" if slack == 1 else " by more than its margin")
+            return False
+        memory = candidate.memory = self.lean.trace(candidate.activation, candidate.optimizer)
+        if _problems(memory, budgets, slack):
+            problem = _problems(memory, budgets)[0][1]
+            candidate.verdict = f"traced {problem}" if slack == 1 else f"composed {problem} by more than its margin"
+            return False
+        # the composed figures fit (or may): the whole model's trace decides, and is what the choice reports
+        whole = self.tracer.whole(config)
+        problems = _problems(whole, budgets)
+        if problems:
+            candidate.verdict = f"traced whole {problems[0][1]}"
+            return False
+        by_a, by_o = self.by_activation[candidate.activation.name], self.by_optimizer[candidate.optimizer.name]
+        work = _work(by_a, by_o, self.by_activation[self.base_activation.name])
+        candidate.memory = dataclasses.replace(whole, micro_batch_work=work[0], optimizer_work=work[1])
+        candidate.verdict = "chosen"
+        return True
+
+
+def priced(
     config_for: ConfigFor,
     activations: list[Setting],
     optimizers: list[Setting],
     hardware: Hardware,
-    device_budget: int | None,
-    host_budget: int | None,
-    world_size: int = 1,
-    disk_budget: int | None = None,
-    tracer: Tracer | None = None,
-    progress: SearchProgress | None = None,
-    slowest: float | None = None,
-) -> tuple[Candidate | None, list[Candidate]]:
-    """The chosen candidate (None when nothing fits) and every candidate, fastest first, with its verdict;
-    `slowest`: no candidate slower than this is tried (another tensor mode's choice takes that long).
-
-    `activations[0]` and `optimizers[0]` are the base settings the others are traced against. Steps are
-    composed from their blocks' traces (`tracer`, `compose.py`); the candidate chosen is traced whole too,
-    and chosen only when that trace fits."""
-    tracer = tracer or Tracer(world_size)
-    progress = progress or SearchProgress(enabled=False)
+    tracer: Tracer,
+    progress: SearchProgress,
+) -> PricedMode:
+    """Every candidate priced: `activations[0]` and `optimizers[0]` are the base settings the others are traced
+    against (module docstring), A + O - 1 composed steps."""
     progress.add(len(activations) + len(optimizers) - 1 + len(activations) * len(optimizers))
 
     def traced(options: dict[str, Any]) -> StepMemory:
@@ -128,55 +174,43 @@ def search(
     # equal times keep the listed order (the configured shape first).
     candidates.sort(key=lambda c: round(c.step_s, 6))
     lean = LeanEstimate(config_for, by_activation, by_optimizer, activations, optimizers, tracer)
-    for tried, candidate in enumerate(candidates, 1):
-        progress.advance()
-        if slowest is not None and round(candidate.step_s, 6) > slowest:
-            candidate.verdict = "not tried: another tensor mode's choice is faster"
-            progress.advance(len(candidates) - tried)
-            break
-        config = config_for(candidate.options)
-        # composed where blocks share events: the budgets widened by its margin until the whole trace decides
-        slack = 1.0 if tracer.exact(config) else 1 + APPROXIMATE_MARGIN
-        budgets = [None if b is None else int(b * slack) for b in (device_budget, host_budget)]
-        problems = over_budget(candidate.estimated_device, candidate.estimated_host, *budgets)
-        if problems and candidate.activation is not activations[0]:
-            lean.refine(candidate)
-            problems = over_budget(candidate.estimated_device, candidate.estimated_host, *budgets)
-        if problems:
-            problem = over_budget(candidate.estimated_device, candidate.estimated_host, device_budget, host_budget)[0]
-            candidate.verdict = f"estimated {problem[1]}" + ("" if slack == 1 else " by more than its margin")
-            continue
-        memory = candidate.memory = lean.trace(candidate.activation, candidate.optimizer)
-        if _problems(memory, device_budget, host_budget, disk_budget, slack):
-            problem = _problems(memory, device_budget, host_budget, disk_budget)[0][1]
-            candidate.verdict = f"traced {problem}" if slack == 1 else f"composed {problem} by more than its margin"
-            continue
-        # the composed figures fit (or may): the whole model's trace decides, and is what the choice reports
-        whole = tracer.whole(config)
-        problems = _problems(whole, device_budget, host_budget, disk_budget)
-        if problems:
-            candidate.verdict = f"traced whole {problems[0][1]}"
-            continue
-        work = _work(by_activation[candidate.activation.name], by_optimizer[candidate.optimizer.name], base)
-        candidate.memory = dataclasses.replace(whole, micro_batch_work=work[0], optimizer_work=work[1])
-        candidate.verdict = "chosen"
-        progress.advance(len(candidates) - tried)
-        progress.found(candidate.name, candidate.step_s)
-        return candidate, candidates
-    return None, candidates
+    return PricedMode(config_for, activations[0], optimizers[0], by_activation, by_optimizer, candidates, lean, tracer)
 
 
-def _problems(
-    memory: StepMemory,
+def search(
+    config_for: ConfigFor,
+    activations: list[Setting],
+    optimizers: list[Setting],
+    hardware: Hardware,
     device_budget: int | None,
     host_budget: int | None,
-    disk_budget: int | None,
-    slack: float = 1.0,
-) -> list[tuple[str, str]]:
+    world_size: int = 1,
+    disk_budget: int | None = None,
+    tracer: Tracer | None = None,
+    progress: SearchProgress | None = None,
+) -> tuple[Candidate | None, list[Candidate]]:
+    """The chosen candidate (None when nothing fits) and every candidate, fastest first, with its verdict.
+
+    Steps are composed from their blocks' traces (`tracer`, `compose.py`); the candidate chosen is traced
+    whole too, and chosen only when that trace fits."""
+    tracer = tracer or Tracer(world_size)
+    progress = progress or SearchProgress(enabled=False)
+    mode = priced(config_for, activations, optimizers, hardware, tracer, progress)
+    budgets = Budgets(device_budget, host_budget, disk_budget)
+    for tried, candidate in enumerate(mode.candidates, 1):
+        progress.advance()
+        if mode.fits(candidate, budgets):
+            progress.advance(len(mode.candidates) - tried)
+            progress.found(candidate.name, candidate.step_s)
+            return candidate, mode.candidates
+    return None, mode.candidates
+
+
+def _problems(memory: StepMemory, budgets: Budgets, slack: float = 1.0) -> list[tuple[str, str]]:
     """`over_budget` of the traced peaks, each budget widened by `slack` (an approximate trace's margin)."""
-    budgets = [None if b is None else int(b * slack) for b in (device_budget, host_budget, disk_budget)]
+    widened = [None if b is None else int(b * slack) for b in (budgets.device, budgets.host, budgets.disk)]
     peaks = (memory.device_peak_bytes, memory.host_peak_bytes)
-    return over_budget(*peaks, budgets[0], budgets[1], memory.disk_peak_bytes, budgets[2])
+    return over_budget(*peaks, widened[0], widened[1], memory.disk_peak_bytes, widened[2])
 
 
 def _work(by_a: StepMemory, by_o: StepMemory, base: StepMemory) -> tuple[StepWork, StepWork]:
@@ -203,10 +237,13 @@ def search_tensor_modes(
     candidate fastest first, and a line for each mode the config cannot take (its config error).
 
     A mode changes what both the activation and the optimizer settings cost (which weights are sharded,
-    which collectives run), so each mode is searched on its own traces."""
+    which collectives run), so each mode is priced on its own traces. The modes' candidates are then tried
+    together, fastest first: once one fits, only the other modes' candidates as fast as it are tried (one of
+    them may be leaner), so no mode's slower choice is traced whole. Each mode's choice is the one `search`
+    in that mode alone would make wherever it can be the answer."""
     tracer = tracer or Tracer(world_size)  # one for every mode: each config is traced once
-    bests: list[Candidate] = []
-    candidates: list[Candidate] = []
+    progress = progress or SearchProgress(enabled=False)
+    priced_modes: list[tuple[Setting, PricedMode]] = []
     refused: list[str] = []
     for mode in modes:
         in_mode = functools.partial(_in_mode, config_for, mode.options)
@@ -215,30 +252,35 @@ def search_tensor_modes(
         except ConfigError as exc:
             refused.append(f"{mode.name}: {exc}")
             continue
-        best, tried = search(
-            in_mode,
-            activations,
-            optimizers,
-            hardware,
-            device_budget,
-            host_budget,
-            world_size,
-            disk_budget,
-            tracer,
-            progress,
-            min((round(b.step_s, 6) for b in bests), default=None),  # a slower choice cannot win
-        )
-        for candidate in tried:
+        priced_modes.append((mode, priced(in_mode, activations, optimizers, hardware, tracer, progress)))
+        for candidate in priced_modes[-1][1].candidates:
             candidate.tensor_mode = mode
-        candidates += tried
-        if best is not None:
-            bests.append(best)
+    # fastest first; equal times in the modes' order, each mode's candidates in its own order
+    queue = sorted(
+        ((round(c.step_s, 6), index, position, c) for index, (_, m) in enumerate(priced_modes) for position, c in
+         enumerate(m.candidates)),
+        key=lambda item: item[:3],
+    )  # fmt: skip
+    budgets = Budgets(device_budget, host_budget, disk_budget)
+    bests: dict[int, Candidate] = {}
+    for tried, (step_s, index, _, candidate) in enumerate(queue, 1):
+        progress.advance()
+        if bests and step_s > min(round(b.step_s, 6) for b in bests.values()):
+            for _, other, _, rest in queue[tried - 1 :]:
+                if other not in bests:
+                    rest.verdict = "not tried: another tensor mode's choice is faster"
+            progress.advance(len(queue) - tried)
+            break
+        if index not in bests and priced_modes[index][1].fits(candidate, budgets):
+            bests[index] = candidate
+            progress.found(candidate.name, candidate.step_s)
     # Equal times (mtp and msp send the same bytes and do the same FLOPs): the one with less memory.
-    chosen = min(bests, key=lambda c: (round(c.step_s, 6), c.memory.device_peak_bytes), default=None)
-    for best in bests:
+    ordered = [bests[index] for index in sorted(bests)]
+    chosen = min(ordered, key=lambda c: (round(c.step_s, 6), c.memory.device_peak_bytes), default=None)
+    for best in ordered:
         if best is not chosen:
             best.verdict = f"fits; {chosen.tensor_mode.name} is faster or leaner"
-    candidates.sort(key=lambda c: round(c.step_s, 6))
+    candidates = [c for _, _, _, c in queue]
     return chosen, candidates, refused
 
 

@@ -34,7 +34,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
 
 from internlm_offload.builder import build_components, make_trainer
 from internlm_offload.config import RunConfig
@@ -43,7 +42,7 @@ from internlm_offload.device import storage_key
 from internlm_offload.engine.runtime import RunContext, tensor_parallel_mesh
 from internlm_offload.engine.trainer import Trainer
 from internlm_offload.optim.records import ParamRecord
-from internlm_offload.planner.cost import StepWork, WorkCounter, flash_cpu_flops
+from internlm_offload.planner.cost import FlopCounter, StepWork, WorkCounter, extra_flops
 from internlm_offload.planner.standins import (
     PlanningAccelerator,
     flash_attention_on_meta,
@@ -114,7 +113,7 @@ class _Probe:
     forward_growth: int = 0
     grads_bytes: int = 0
     counter: WorkCounter | None = None  # copies and AdamW elements, while the steady step runs
-    flops: FlopCounterMode | None = None
+    flops: FlopCounter | None = None
     micro_batch_work: StepWork | None = None  # the first micro-batch of the steady step
     optimizer_work: StepWork = field(default_factory=StepWork)  # the step's once-per-step work
     forwards: int = 0
@@ -325,11 +324,11 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
         peaks = {tier: tracker.peak_bytes(tier) for tier in ("device", "host", "disk")}
         components = _components(parts, tracker, at_rest, probe)
         blocks = [probe.block_growth.get(i, 0) for i in range(len(parts.layers))]
-        # The work is counted in a step of its own: the FLOP counter's module hooks move when a few
-        # tensors are freed, which the memory figures above must not see.
+        # The work is counted in a step of its own: the FLOP counter runs ops through their decompositions
+        # (as torch's FlopCounterMode), whose intermediates the memory figures above must not see.
         if count_work:
             probe.counter = WorkCounter(tracker)
-            probe.flops = FlopCounterMode(display=False, custom_mapping=flash_cpu_flops())
+            probe.flops = FlopCounter(custom_mapping=extra_flops())
             with probe.flops, probe.counter:
                 trainer.train_step(batches)
         for handle in handles:

@@ -203,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
             f"tensor parallel: {human_bytes(collectives)} sent per rank per micro-batch at "
             f"{hardware.collective_bytes_per_s / 1e9:.3g} GB/s [{hardware.collective_source}]"
         )
+    if cfg.model.num_experts:
+        print(experts_assumption(cfg))
     if memory.disk_peak_bytes:
         print(
             f"NVMe: {human_bytes(memory.disk_peak_bytes)} per rank, {human_bytes(memory.optimizer_work.disk_bytes)} "
@@ -275,6 +277,26 @@ def ranks_on_a_node(args: argparse.Namespace) -> tuple[int, str]:
         return min(devices, args.world_size), f"assumed: this machine's {devices} devices"
     ranks = min(args.world_size, 8)
     return ranks, f"assumed: {ranks} of a node's 8 devices; set --ranks-per-node"
+
+
+def experts_assumption(cfg: Any) -> str:
+    """What the trace of a mixture of experts assumes about routing, stated as the hardware rows are."""
+    from internlm_offload.model.router import gshard_capacity
+
+    model, data = cfg.model, cfg.data
+    tokens = data.micro_bsz * data.seq_len
+    rows = tokens * model.top_k
+    kwargs = model.moe_layer_kwargs
+    dropped = ""
+    if model.moe_type == "GShard" and kwargs.drop_tokens:
+        capacity = gshard_capacity(tokens, model.num_experts, model.top_k, kwargs.capacity_factor, kwargs.min_capacity)
+        dropped = f"; GShard's capacity of {capacity} per expert drops choices from the output, not from the buffers"
+    return (
+        f"mixture of experts: {model.num_experts} experts, top-{model.top_k}, {model.moe_type}: {rows} routed rows "
+        f"per sparse block per micro-batch through one grouped GEMM{dropped} [assumed: one rank holds every expert, "
+        f"so its memory and FLOPs do not depend on how the router spreads the tokens; with expert parallel the "
+        f"busiest expert's share would]"
+    )
 
 
 def run_search(

@@ -171,15 +171,17 @@ def test_search_space_keeps_what_the_config_fixes() -> None:
 
 @pytest.mark.parametrize("mode", ["none", "fsdp2"])
 def test_plan_searches_parameter_offload_under_fsdp2_and_gradient_offload(monkeypatch, mode) -> None:
+    from types import SimpleNamespace
+
     from internlm_offload.planner import search
 
     searched = []
 
     def record(config_for, activations, optimizers, *args):
         searched.extend(s.options for s in optimizers)
-        return None, []
+        return SimpleNamespace(candidates=[])
 
-    monkeypatch.setattr(search, "search", record)
+    monkeypatch.setattr(search, "priced", record)
     monkeypatch.setattr(search, "smallest_peak", lambda *args: "")
     argv = ["--config", TINY, "--cfg-options", *SMALL, f"parallel.mode={mode}", "--device-memory", "20MiB"]
     plan.main(argv)
@@ -344,3 +346,14 @@ def test_parameter_offload_switches_an_open_wrapper_to_fsdp2() -> None:
     named = load_config_file(TINY, {**overrides, "parallel.mode": "none"})
     assert not plan.leaves_wrapper_open(named)
     assert [o.options for o in optimizer_settings(candidate_configs(named)({}), knob)] == [{}]
+
+
+def test_a_mixture_of_experts_states_its_routing_assumption(capsys) -> None:
+    """The rows one grouped GEMM takes per sparse block (tokens x top-k), GShard's capacity, and the assumption that
+    one rank's memory does not depend on the router's spread, printed as the hardware rows are."""
+    moe = str(Path(TINY).with_name("internlm2_tiny_moe.py"))
+    assert plan.main(["--config", moe, "--cfg-options", *SMALL]) == 0
+    printed = capsys.readouterr().out
+    line = next(line for line in printed.splitlines() if line.startswith("mixture of experts"))
+    assert line.startswith("mixture of experts: 4 experts, top-2, GShard: 256 routed rows per sparse block")
+    assert "capacity of 64 per expert" in line and "[assumed: one rank holds every expert" in line

@@ -18,6 +18,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHAPE = {"data.seq_len": 128, "model.hidden_size": 256, "model.num_attention_heads": 4}
 OFFLOAD = {"cpu_offloading.enable": True}
 BF16 = {"model.dtype": "torch.bfloat16", "data.micro_num": 2}
+# 8 stacked experts, top-2, one shared expert (model/moe.py); the bf16 case takes the grouped GEMM's meta kernel
+MOE = {"model.num_experts": 8, "model.top_k": 2, "model.num_shared_experts": 1, "model.mlp_ratio": 1.0}
 CASES = {
     "baseline": ({}, 1),
     "offload 3": ({**OFFLOAD, "cpu_offloading.num_layers": 3}, 1),
@@ -42,6 +44,8 @@ CASES = {
         1,
     ),
     "msp 2 + ckpt 0.5": ({"parallel.tensor.size": 2, "parallel.tensor.mode": "msp", "model.checkpoint": 0.5}, 2),
+    "moe gshard + offload 6": ({**MOE, **OFFLOAD, "cpu_offloading.num_layers": 6}, 1),
+    "moe dropless bf16 + ckpt 0.5": ({**MOE, **BF16, "model.moe_type": "Dropless", "model.checkpoint": 0.5}, 1),
 }  # fmt: skip
 
 
@@ -95,13 +99,16 @@ def test_segments_hold_the_step_peak():
         {"hybrid_optimizer.enable": True, "hybrid_optimizer.offload_fraction": 0.5},
         {**BF16, "hybrid_optimizer.enable": True, "hybrid_optimizer.offload_fraction": 1.0, "grad_offload": True},
         {"parallel.mode": "fsdp2"},
+        {**MOE, "model.mlp_only_layers": [0, 5]},
+        {**MOE, "model.decoder_sparse_step": 2},
     ],
 )
 def test_steps_whose_blocks_share_events_are_traced_whole(options):
     """The swap optimizer's chunks, the hybrid's CPU prefix and gradient offload's buckets are shares of all
     parameters, not per block, and FSDP2 over several ranks frees a block's memory in a later block's
     backward: such a step is traced whole (composed, the first three were 0.4 %, 4 % and 20 % off on this
-    model, FSDP2 over 4 ranks 1.7 % on the tiny one)."""
+    model, FSDP2 over 4 ranks 1.7 % on the tiny one). So is a mixture of experts with dense blocks among its
+    sparse ones: a reduced model would keep other blocks than the whole one's."""
     world_size = 4 if options.get("parallel.mode") == "fsdp2" else 1
     cfg = config(options, world_size)
     assert not compose.composable(cfg, world_size)

@@ -1,0 +1,59 @@
+"""The search's shortcuts (estimates, composed traces, the tensor modes tried together) never change its answer:
+on a model small enough to trace every candidate whole, its choice is the unpruned search's."""
+
+from pathlib import Path
+
+import pytest
+
+from internlm_offload.config import load_config_file
+from internlm_offload.planner.compose import Tracer
+from internlm_offload.planner.cost import HARDWARE
+from internlm_offload.planner.knobs import activation_settings, optimizer_settings, tensor_mode_settings
+from internlm_offload.planner.search import candidate_configs, over_budget, search_tensor_modes
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "internlm2_tiny.py"
+OPTIONS = {
+    "data.seq_len": 32, "data.micro_bsz": 2, "data.micro_num": 1, "data.global_bsz": None,
+    "parallel.tensor.size": 2, "parallel.tensor.mode": "mtp", "parallel.mode": "none",
+}  # fmt: skip
+AUTO = ["parallel.tensor.mode", "model.checkpoint", "swap_optimizer", "hybrid_optimizer.enable"]
+
+
+def unpruned(candidates, config_for, tracer, device_budget):
+    """Every candidate traced whole: among the fastest that fit, each mode's first in its own order, then the
+    leanest of those (the search's rule for equal times)."""
+    fitting = [
+        (c, tracer.whole(config_for(c.options)).device_peak_bytes)
+        for c in candidates
+        if not over_budget(tracer.whole(config_for(c.options)).device_peak_bytes, 0, device_budget, None)
+    ]
+    if not fitting:
+        return None
+    fastest = min(round(c.step_s, 6) for c, _ in fitting)
+    firsts = {}
+    for c, peak in fitting:  # `candidates` is fastest first, each mode's in its own order
+        if round(c.step_s, 6) == fastest:
+            firsts.setdefault(c.tensor_mode.name, (c, peak))
+    return min(firsts.values(), key=lambda item: item[1])[0].name
+
+
+@pytest.fixture(scope="module")
+def space():
+    """The search space and one tracer for every budget: each config is traced once in this module."""
+    config_for = candidate_configs(load_config_file(TINY, OPTIONS), world_size=2)
+    activations, optimizers = activation_settings(4, AUTO), optimizer_settings(config_for({}), AUTO)
+    return config_for, tensor_mode_settings(config_for({}), AUTO), activations, optimizers, Tracer(2)
+
+
+@pytest.mark.parametrize("fraction", [None, 0.95, 0.8, 0.65, 0.5, 0.3])
+def test_the_search_chooses_what_tracing_every_candidate_whole_chooses(space, fraction):
+    """Three tensor modes (isp needs a data-parallel wrapper) x recompute x optimizer on 2 ranks, at budgets from
+    none down to a third of the baseline's peak."""
+    config_for, modes, activations, optimizers, tracer = space
+    baseline = tracer.whole(config_for({})).device_peak_bytes
+    budget = None if fraction is None else int(fraction * baseline)
+    chosen, candidates, _ = search_tensor_modes(
+        config_for, modes, activations, optimizers, HARDWARE["h100"], budget, None, 2, tracer=tracer
+    )
+    assert len({c.tensor_mode.name for c in candidates}) == 3
+    assert (chosen and chosen.name) == unpruned(candidates, config_for, tracer, budget)

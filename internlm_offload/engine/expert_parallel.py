@@ -14,13 +14,14 @@ InternEvo averages over "edp" only, ep times larger).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from internlm_offload.log import get_logger
@@ -29,12 +30,6 @@ from internlm_offload.optim.dtensor import is_dtensor
 logger = get_logger(__name__)
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
-
-
-def expert_mesh(device_type: str, data_parallel: int, expert_size: int) -> DeviceMesh:
-    """The ("edp", "ep") mesh over the data-parallel ranks, expert ranks innermost."""
-    shape = (data_parallel // expert_size, expert_size)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("edp", "ep"))
 
 
 @dataclass(frozen=True)
@@ -118,7 +113,9 @@ def expert_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     ]
 
 
-def reduce_expert_grads_in_backward(model: nn.Module, mesh: DeviceMesh, data_parallel: int, sync) -> None:
+def reduce_expert_grads_in_backward(
+    model: nn.Module, mesh: DeviceMesh, data_parallel: int, sync: Callable[[], bool]
+) -> None:
     """DDP leaves the experts alone (their gradients differ across "ep"); when `sync()` says this backward is
     the step's last, each expert gradient is summed over its expert-data group and divided by the data-parallel
     size as soon as backward accumulates it: the mean over every rank's tokens, as DDP gives the other weights."""

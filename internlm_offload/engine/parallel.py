@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from internlm_offload.engine.expert_parallel import expert_params, reduce_expert_grads_in_backward
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.log import get_logger
 from internlm_offload.optim.dtensor import is_dtensor
@@ -31,8 +32,16 @@ def apply_none(model: nn.Module, *, ctx: RunContext) -> nn.Module:
 @PARALLEL.register_module(name="ddp")
 def apply_ddp(model: nn.Module, *, ctx: RunContext, bucket_cap_mb: int = 25) -> nn.Module:
     device_ids = None if ctx.accelerator.name == "cpu" else [ctx.local_rank]
+    experts = [name for name, _ in expert_params(model)] if ctx.expert_mesh is not None else []
+    if experts:  # expert shards differ across "ep": reduced over their own group below, not by DDP
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
     wrapped = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
-    logger.info("Applied DDP over %d ranks (bucket %d MB)", ctx.world_size, bucket_cap_mb)
+    if experts:
+        reduce_expert_grads_in_backward(
+            model, ctx.expert_mesh, ctx.dp_size, sync=lambda: wrapped.require_backward_grad_sync
+        )
+    ignored = f", {len(experts)} expert weights apart" if experts else ""
+    logger.info("Applied DDP over %d ranks (bucket %d MB)%s", ctx.world_size, bucket_cap_mb, ignored)
     return wrapped
 
 

@@ -16,8 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from internlm_offload.engine.expert_parallel import apply_expert_parallel, expert_mesh, expert_params
-from internlm_offload.engine.runtime import shutdown_runtime
+from internlm_offload.engine.expert_parallel import apply_expert_parallel, expert_params
+from internlm_offload.engine.runtime import expert_mesh, shutdown_runtime
 from internlm_offload.model.moe import MoE
 
 H, I, E, TOKENS = 16, 8, 4, 24
@@ -113,3 +113,96 @@ def test_two_rank_dispatch_matches_one_process_layer(tmp_path, moe_type, routing
     proc = subprocess.run([*cmd, moe_type, routing], cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "EP-DISPATCH-OK rank=0" in proc.stdout and "EP-DISPATCH-OK rank=1" in proc.stdout
+
+
+# ---- the schema: sizes resolved and refused (config/resolve.py) ------------------------------------------------
+
+MOE = REPO / "configs" / "internlm2_tiny_moe.py"
+FP32_DDP = ["model.dtype=torch.float32", "parallel.mode=ddp"]
+
+
+def resolved(options: list[str], world_size: int):
+    from internlm_offload.config import load_config_file, resolve_config
+
+    overrides = {}
+    for option in options:
+        key, value = option.split("=", 1)
+        overrides[key] = int(value) if value.lstrip("-").isdigit() else {"True": True}.get(value, value)
+    return resolve_config(load_config_file(MOE, overrides), world_size=world_size)
+
+
+def refused(options: list[str], world_size: int) -> str:
+    from internlm_offload.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        resolved(options, world_size)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_expert_sizes_as_internevo_writes_them_resolve_and_are_logged():
+    """size and no_tp, expert_weight's size and overlap taken; -1 and 0 are min(data-parallel ranks, experts)."""
+    cfg = resolved([*FP32_DDP, "parallel.expert.size=2", "parallel.expert.no_tp=True"], world_size=4)
+    assert (cfg.parallel.expert.size, cfg.parallel.expert.no_tp, cfg.parallel.expert_weight.size) == (2, True, 1)
+    for size, world, expected in ((-1, 2, 2), (-1, 8, 4), (0, 4, 4), (-1, 1, 1)):
+        cfg = resolved([*FP32_DDP, f"parallel.expert.size={size}"], world_size=world)
+        assert cfg.parallel.expert.size == expected
+        line = next(n for n in cfg.migration_notes()[0] if n.startswith(f"parallel.expert.size={size} -> "))
+        assert f"-> {expected}: min(data-parallel ranks {world}, model.num_experts 4)" in line
+    # -1 where expert parallel is not built (FSDP2 here): 1, and the log says why
+    cfg = resolved(["model.dtype=torch.float32", "parallel.mode=fsdp2", "parallel.expert.size=-1"], world_size=2)
+    line = next(n for n in cfg.migration_notes()[0] if n.startswith("parallel.expert.size=-1"))
+    assert cfg.parallel.expert.size == 1 and "is 2; 1 here: parallel.mode='fsdp2'" in line
+
+
+@pytest.mark.parametrize(
+    "options, world, part",
+    [
+        (["parallel.expert.size=3"], 3, "parallel.expert.size=3 must divide model.num_experts (4)"),
+        (["parallel.expert.size=4"], 2, "parallel.expert.size=4 must divide the data-parallel size (2)"),
+        (["parallel.expert.size=4", "model.num_experts=6"], 4, "must divide model.num_experts (6)"),
+        (
+            ["parallel.expert.size=2", "parallel.expert_weight.size=3"],
+            4,
+            "parallel.expert_weight.size=3 must divide the expert-data ranks left, data-parallel 4 / expert 2 = 2",
+        ),
+        (
+            ["parallel.expert.size=2", "parallel.expert_weight.size=2"],
+            4,
+            "parallel.expert_weight.size=2: sharding the experts over the expert-data ranks is not built yet",
+        ),
+        (["parallel.expert_weight.size=2"], 2, "parallel.expert_weight.size=2 needs parallel.expert.size > 1"),
+        (["parallel.expert.size=2", "model.num_experts=0"], 2, "needs a mixture-of-experts model"),
+        (["parallel.expert.size=2", "parallel.mode=fsdp2"], 2, "parallel.mode='fsdp2': expert parallel is built"),
+        (
+            ["parallel.expert.size=2", "grad_offload=True", "swap_optimizer=True"],
+            2,
+            "grad_offload=True: gradient offload reduces",
+        ),
+        (["parallel.expert.size=2", "swap_optimizer=True"], 2, "swap_optimizer=True"),
+        (
+            ["parallel.expert.size=2", "model.dtype=torch.bfloat16"],
+            2,
+            "model.dtype='torch.bfloat16' with fp32 master weights",
+        ),
+        (
+            ["parallel.expert.size=2", "parallel.tensor.size=2", "parallel.mode=fsdp2"],
+            4,
+            "with model.num_experts=4: the experts are not sharded over a tensor group",
+        ),
+    ],
+)
+def test_what_expert_parallel_cannot_take_is_one_line(options, world, part):
+    options = ["model.dtype=torch.float32", "parallel.mode=ddp", *options]
+    assert part in refused(options, world)
+
+
+def test_pipeline_with_expert_parallel_is_refused_in_one_line():
+    """InternEvo's pipeline section beside its expert section: pipeline parallel is not built here."""
+    from internlm_offload.config import ConfigError, resolve_config
+
+    raw = dict(model=dict(num_experts=4), parallel=dict(pipeline=dict(size=2), expert=dict(size=2, no_tp=False)))
+    with pytest.raises(ConfigError) as info:
+        resolve_config(raw, world_size=4)
+    assert "parallel.pipeline.size=2: no pipeline parallelism here" in str(info.value)

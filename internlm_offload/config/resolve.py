@@ -124,11 +124,8 @@ def _expert_parallel_blocker(cfg: RunConfig) -> str | None:
         )
     if par.tensor.size > 1:
         return "expert parallel with tensor parallel is not built yet; set parallel.tensor.size=1"
-    if par.mode != "ddp":
-        return (
-            f"parallel.mode={par.mode!r}: expert parallel is built with parallel.mode='ddp' (FSDP2 over the "
-            "expert-data ranks is not yet); set parallel.mode='ddp'"
-        )
+    if par.fsdp_cpu_offload:
+        return "parallel.fsdp_cpu_offload=True is not checked on expert shards yet; set False"
     if cfg.model.dtype != "torch.float32" and cfg.mixed_precision.master_weights:
         return (
             f"model.dtype={cfg.model.dtype!r} with fp32 master weights: the masters average every gradient over "

@@ -351,7 +351,8 @@ class ExpertParallelConfig(Section):
     size: int = Field(
         1,
         description="Expert parallel (docs/parallelism.md): each sparse block's routed experts split over groups of "
-        "this many data-parallel ranks (E / size experts per rank, tokens sent to them by all-to-all). -1 (InternEvo's "
+        "this many data-parallel ranks (E / size experts per rank, tokens sent to them by all-to-all; `parallel.mode` "
+        "ddp or fsdp2). -1 (InternEvo's "
         "default) or <= 0: min(data-parallel ranks, model.num_experts), as InternEvo resolves -1; said in the log.",
     )
     no_tp: bool = Field(
@@ -367,7 +368,7 @@ class ExpertWeightParallelConfig(Section):
         ge=1,
         description="InternEvo's expert weight parallel: the expert weights sharded over groups of this many "
         "expert-data ranks (ranks holding the same experts). Must divide the data-parallel size / expert size; only "
-        "1 is built (FSDP2 over the expert-data ranks is not yet).",
+        "1 is built (with `parallel.mode='fsdp2'` FSDP2 shards the experts over all their expert-data ranks).",
     )
     overlap: bool = Field(False, description="InternEvo's expert weight all-gather overlap; no effect here.")
 

@@ -1,6 +1,6 @@
 """Expert parallel under torchrun over gloo: the tiny MoE model's experts split over two ranks follow one process's
-curve of the same global batch, and the same run twice is bitwise; two expert groups of two on four processes too.
-Three torchrun launches and one single-process run (CI time)."""
+curve of the same global batch, and the same run twice is bitwise; two expert groups of two on four processes under
+DDP and under FSDP2 too. Four torchrun launches and one single-process run (CI time)."""
 
 import pytest
 from runner import REPO, train
@@ -32,10 +32,14 @@ def test_ep_2_follows_one_process_and_repeats_bitwise(tmp_path, one_process):
     assert_curves(first, second, EXACT)
 
 
-def test_ep_2_by_expert_data_2_follows_one_process(tmp_path, one_process):
-    """Four processes: expert groups {0, 1} and {2, 3}, ranks 0 and 2 (1 and 3) holding the same experts and
-    summing their gradients over that expert-data pair: one process's curve within the same bars."""
-    run = tmp_path / "ep2_edp2"
-    proc = train(run, *STEPS, *CALM, *EP, config=MOE, nproc=4)
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_ep_2_by_expert_data_2_follows_one_process(tmp_path, one_process, mode):
+    """Four processes: expert groups {0, 1} and {2, 3}, ranks 0 and 2 (1 and 3) holding the same experts. DDP sums
+    their gradients over that expert-data pair; FSDP2 shards them over it (one expert of a block per rank) and
+    reduce-scatters there, the rest over all four: one process's curve within the same bars either way."""
+    run = tmp_path / f"ep2_edp2_{mode}"
+    proc = train(run, *STEPS, *CALM, "parallel.expert.size=2", f"parallel.mode={mode}", config=MOE, nproc=4)
     assert "Applied expert parallel over 2 ranks (2 expert-data groups)" in proc.stderr
+    if mode == "fsdp2":
+        assert "Applied FSDP2 to the experts over 2 expert-data ranks (w1 here: (1, 128, 128))" in proc.stderr
     assert_curves(one_process, run, NEAR)

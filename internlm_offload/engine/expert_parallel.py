@@ -9,7 +9,8 @@ parallel.
 The mesh is ("edp", "ep") over the data-parallel ranks, "ep" innermost (InternEvo's order: expert ranks
 contiguous, expert-data ranks at stride ep). Ranks of one "edp" group hold the same experts; their gradients are
 summed over it and divided by the data-parallel size (the dense convention: the mean over every rank's tokens;
-InternEvo averages over "edp" only, ep times larger).
+InternEvo averages over "edp" only, ep times larger): under DDP by `reduce_expert_grads_in_backward`, under FSDP2
+by the experts' own FSDP2 unit over "edp" (engine/parallel.py's `shard_experts`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from internlm_offload.log import get_logger
-from internlm_offload.optim.dtensor import is_dtensor
 
 logger = get_logger(__name__)
 
@@ -107,10 +107,9 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def expert_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The expert-parallel parameters (DTensors over "ep") with their names."""
-    return [
-        (name, p) for name, p in model.named_parameters() if is_dtensor(p) and p.device_mesh.mesh_dim_names == ("ep",)
-    ]
+    """The sparse blocks' routed expert weights (sharded over "ep" under expert parallel) with their names."""
+    experts = {id(p) for moe in moe_blocks(model) for p in moe.experts.parameters()}
+    return [(name, p) for name, p in model.named_parameters() if id(p) in experts]
 
 
 def reduce_expert_grads_in_backward(

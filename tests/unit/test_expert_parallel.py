@@ -67,17 +67,22 @@ def main(moe_type, starve):
     rank = dist.get_rank()
     ref = layer(moe_type, starve)
     # the one-process reference: each rank's tokens through the whole layer on their own
-    ref_outs, ref_grads = [], []
+    ref_outs, ref_grads, ref_counts = [], [], []
     for r in range(2):
         ref.zero_grad(set_to_none=True)
         ref_outs.append(run(ref, tokens(r)))
         ref_grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        ref_counts.append(ref.tokens_per_expert)
     moe = layer(moe_type, starve)
     apply_expert_parallel(moe, expert_mesh("cpu", 2, 2))
     check(moe.experts.w1.to_local().shape[0] == E // 2, "local experts")
     out, x_grad = run(moe, tokens(rank))
     ref_out, ref_x_grad = ref_outs[rank]
     check(torch.equal(out, ref_out), f"output differs: {(out - ref_out).abs().max()}")
+    # GShard: the same choices kept per expert (capacity from this rank's tokens, as without expert parallel)
+    check(torch.equal(moe.tokens_per_expert, ref_counts[rank]), "tokens per expert after capacity differ")
+    if moe_type == "GShard":
+        check(ref_counts[rank].sum() < TOKENS * 2, "GShard dropped nothing: capacity_factor too large for the test")
     close(x_grad, ref_x_grad, "input gradient", 1e-6)
     local = slice(rank * E // 2, (rank + 1) * E // 2)
     experts = dict(expert_params(moe))

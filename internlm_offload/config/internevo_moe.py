@@ -203,3 +203,4 @@ def map_expert_parallel(t: Translation, parallel: dict[str, Any]) -> None:
         for knob in ("launch_allgather_before", "forward_overlap_per"):
             if key == "expert_weight" and section.pop(knob, _ABSENT) is not _ABSENT:
                 t.ignored.append(f"parallel.expert_weight.{knob}")
+        t.mapped.append(f"parallel.{key}={section!r}: read as written (docs/parallelism.md, Expert parallel)")

@@ -37,7 +37,7 @@ _ABSENT = object()
 NO_EFFECT_KWARGS = {
     "use_grouped_mlp": None,  # any value: the experts here are always one grouped GEMM
     "enable_fused_permute": None,  # any value: the permutation kernel
-    "token_dispatch_policy": None,  # any value: alltoall/allgather under expert parallel (not built)
+    "token_dispatch_policy": None,  # any value: expert parallel here always exchanges by all-to-all
     "deterministic_mode": None,  # any value: the counts here are deterministic on every device
     "use_fused_gating": True,  # the fused GShard gating is what model/moe.py computes
     "use_rts": None,  # any value: ignored by InternEvo's fused gating (random token selection is non-fused only)

@@ -201,7 +201,8 @@ class RunConfig(Section):
         if model.num_experts:
             raise ValueError(
                 f"parallel.tensor (size {T}, mode {mode!r}) with model.num_experts={model.num_experts}: the experts "
-                "are not sharded over a tensor group yet (expert parallel is not built); set parallel.tensor.size=1"
+                "are not sharded over a tensor group yet (expert parallel with tensor parallel is not built); set "
+                "parallel.tensor.size=1"
             )
         if model.type != "internlm2":
             raise ValueError(

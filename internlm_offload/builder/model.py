@@ -13,6 +13,7 @@ from internlm_offload.builder.optimizer import host_master_names
 from internlm_offload.config import ConfigError, CpuOffloadingConfig, ModelConfig, RunConfig
 from internlm_offload.config.moe import moe_kwargs
 from internlm_offload.device import Accelerator
+from internlm_offload.engine.expert_parallel import apply_expert_parallel
 from internlm_offload.engine.parallel import materialize_shards
 from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
 from internlm_offload.engine.runtime import RunContext, data_parallel_group
@@ -173,6 +174,8 @@ def build_bare_model(
     model = build_model(cfg.model, torch.device("meta") if on_meta else ctx.device, cfg.loss.moe_loss_coeff)
     if check_model is not None:
         check_model(model)
+    if ctx.expert_mesh is not None:  # each rank keeps its experts' slice of the seed-built whole
+        apply_expert_parallel(model, ctx.expert_mesh)
     return model
 
 

@@ -364,7 +364,7 @@ def _parallel(t: Translation, world_size: int) -> None:
     parallel.pop("pipeline", None)
     zero1 = parallel.pop("zero1", None)
     seq2d = parallel.pop("sequence_2D", None)
-    map_expert_parallel(t, parallel, world_size)
+    map_expert_parallel(t, parallel)
     for key in ("tensor", "weight"):
         if isinstance(parallel.get(key), int):  # InternEvo also takes `tensor=2`
             parallel[key] = dict(size=parallel[key])

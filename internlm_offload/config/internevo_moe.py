@@ -17,9 +17,9 @@ the only value their models run with). 57B_qwen2_MoE.py writes moe_type='GShard'
 Qwen2-MoE decoder asserts Dropless: it trains here as GShard, as InternEvo's Qwen2-MoE did when that config
 shipped (its Qwen2MoE layer built whichever moe_type the config named), with a warning.
 
-The expert-parallel sections (`parallel.expert`, `parallel.expert_weight`) are read as written; expert parallel
-is not built here, so their sizes resolve to 1 (every rank holds every expert, which the data-parallel wrapper
-treats like any other weight) and a size > 1 is refused.
+The expert-parallel sections (`parallel.expert`, `parallel.expert_weight`) are read as written and resolved with
+the world size (config/resolve.py): size -1 as InternEvo does, min(data-parallel ranks, num_experts), where the
+run can take expert parallel (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ _ABSENT = object()
 NO_EFFECT_KWARGS = {
     "use_grouped_mlp": None,  # any value: the experts here are always one grouped GEMM
     "enable_fused_permute": None,  # any value: the permutation kernel
-    "token_dispatch_policy": None,  # any value: alltoall/allgather under expert parallel (not built)
+    "token_dispatch_policy": None,  # any value: expert parallel here always exchanges by all-to-all
     "deterministic_mode": None,  # any value: the counts here are deterministic on every device
     "use_fused_gating": True,  # the fused GShard gating is what model/moe.py computes
     "use_rts": None,  # any value: ignored by InternEvo's fused gating (random token selection is non-fused only)
@@ -188,27 +188,19 @@ def _layer_kwargs(t: Translation, kwargs: dict[str, Any], moe_type: str) -> None
             t.refused.append(f"model.moe_layer_kwargs.{key}={value!r}: {NO_EFFECT_FIX[key]}")
 
 
-def map_expert_parallel(t: Translation, parallel: dict[str, Any], world_size: int) -> None:
-    """`parallel.expert` and `parallel.expert_weight` as written: size -1 or 1 resolves to 1, larger is refused."""
-    model = t.config.get("model")
-    experts = model.get("num_experts", 0) if isinstance(model, dict) else 0
+def map_expert_parallel(t: Translation, parallel: dict[str, Any]) -> None:
+    """`parallel.expert` and `parallel.expert_weight` as written (`expert=4` taken as `dict(size=4)`); their sizes
+    are resolved and checked with the world size (config/resolve.py). The expert weight all-gather's scheduling
+    knobs have no effect here."""
     for key in ("expert", "expert_weight"):
-        section = parallel.pop(key, None)
+        section = parallel.get(key)
         if section is None:
             continue
-        size = section.get("size", -1 if key == "expert" else 1) if isinstance(section, dict) else section
-        name = f"parallel.{key}.size"
-        if key == "expert" and size == -1:
-            # InternEvo: expert parallel over min(data-parallel ranks, num_experts) ranks
-            internevo = min(world_size, experts) if isinstance(experts, int) and experts > 1 else 1
-            t.mapped.append(
-                f"{name}=-1 (InternEvo: expert parallel over all data-parallel ranks, {internevo} here) -> 1: expert "
-                "parallel is not built yet; every rank holds every expert, kept in step as the other weights are"
-            )
-        elif size == 1:
-            t.ignored.append(f"{name}=1")
-        else:
-            allowed = "-1 or 1" if key == "expert" else "1"
-            t.refused.append(
-                f"{name}={size!r}: expert parallel is not built here (every rank holds every expert); set {allowed}"
-            )
+        if isinstance(section, int) and not isinstance(section, bool):
+            parallel[key] = section = dict(size=section)
+        if not isinstance(section, dict):
+            continue
+        for knob in ("launch_allgather_before", "forward_overlap_per"):
+            if key == "expert_weight" and section.pop(knob, _ABSENT) is not _ABSENT:
+                t.ignored.append(f"parallel.expert_weight.{knob}")
+        t.mapped.append(f"parallel.{key}={section!r}: read as written (docs/parallelism.md, Expert parallel)")

@@ -61,7 +61,82 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
             f"parallel.mode='none' with {data_parallel} data-parallel ranks (world size {world_size}, tensor size "
             f"{cfg.parallel.tensor.size}): use parallel.mode='ddp' or 'fsdp2'"
         )
+    _resolve_expert_parallel(cfg, data_parallel)
     return cfg
+
+
+# Built under data-parallel ranks with DDP; what each of these needs under expert parallel is issue 35's item 4.
+_NOT_UNDER_EXPERT_PARALLEL = {
+    "grad_offload": "gradient offload reduces every gradient over all ranks",
+    "swap_optimizer": "the swap optimizer is not checked on expert shards yet",
+    "hybrid_optimizer.enable": "the hybrid optimizer is not checked on expert shards yet",
+    "nvme_offload.enable": "the NVMe tier is not checked on expert shards yet",
+}
+
+
+def _resolve_expert_parallel(cfg: RunConfig, data_parallel: int) -> None:
+    """`parallel.expert.size` <= 0 as InternEvo's -1: min(data-parallel ranks, experts), or 1 where this run has
+    what expert parallel is not built with (said in the log); then what the expert mesh ("edp", "ep") over the
+    data-parallel ranks needs (one line each, exit 2)."""
+    expert, weight, experts = cfg.parallel.expert, cfg.parallel.expert_weight, cfg.model.num_experts
+    if expert.size <= 0:
+        resolved = min(data_parallel, experts) if experts else 1
+        blocker = _expert_parallel_blocker(cfg) if resolved > 1 else None
+        rule = f"min(data-parallel ranks {data_parallel}, model.num_experts {experts}), InternEvo's rule for -1"
+        if blocker is not None:
+            rule += f", is {resolved}; 1 here: {blocker}"
+            resolved = 1
+        cfg._derived.append(f"parallel.expert.size={expert.size} -> {resolved}: {rule}")
+        expert.size = resolved
+    ep = expert.size
+    if ep == 1:
+        if weight.size > 1:
+            raise ConfigError(f"parallel.expert_weight.size={weight.size} needs parallel.expert.size > 1; set 1")
+        return
+    if not experts:
+        raise ConfigError(f"parallel.expert.size={ep} needs a mixture-of-experts model (model.num_experts > 0)")
+    for name, value in (("model.num_experts", experts), ("the data-parallel size", data_parallel)):
+        if value % ep:
+            raise ConfigError(
+                f"parallel.expert.size={ep} must divide {name} ({value}): each of the {ep} ranks holds "
+                f"{experts}/{ep} experts of every sparse block, over the data-parallel ranks; choose a divisor"
+            )
+    left = data_parallel // ep
+    if left % weight.size:
+        raise ConfigError(
+            f"parallel.expert_weight.size={weight.size} must divide the expert-data ranks left, data-parallel "
+            f"{data_parallel} / expert {ep} = {left}; choose a divisor"
+        )
+    blocker = _expert_parallel_blocker(cfg)
+    if blocker is not None:
+        raise ConfigError(f"parallel.expert.size={ep}: {blocker}")
+
+
+def _expert_parallel_blocker(cfg: RunConfig) -> str | None:
+    """What in this config expert parallel is not built with, and the fix; None: nothing."""
+    par = cfg.parallel
+    if cfg.auto_knobs:
+        return f"{cfg.auto_knobs[0]}='auto': the memory planner does not trace expert parallel yet; set a value"
+    if par.expert_weight.size > 1:
+        return (
+            f"parallel.expert_weight.size={par.expert_weight.size}: sharding the experts over the expert-data "
+            "ranks is not built yet (issue 35); set 1"
+        )
+    if par.tensor.size > 1:
+        return "expert parallel with tensor parallel is not built yet; set parallel.tensor.size=1"
+    if par.fsdp_cpu_offload:
+        return "parallel.fsdp_cpu_offload=True is not checked on expert shards yet; set False"
+    if cfg.model.dtype != "torch.float32" and cfg.mixed_precision.master_weights:
+        return (
+            f"model.dtype={cfg.model.dtype!r} with fp32 master weights: the masters average every gradient over "
+            "all ranks, not the experts' over their own group; use model.dtype='torch.float32'"
+        )
+    for key, why in _NOT_UNDER_EXPERT_PARALLEL.items():
+        section, _, name = key.rpartition(".")
+        holder = getattr(cfg, section) if section else cfg
+        if getattr(holder, name):
+            return f"{key}=True: {why}; set it off"
+    return None
 
 
 def _data_parallel_size(cfg: RunConfig, world_size: int) -> int:

@@ -114,6 +114,7 @@ class RunConfig(Section):
     _migration: Translation | None = PrivateAttr(default=None)
     _auto_knobs: tuple[str, ...] = PrivateAttr(default=())
     _warnings: list[str] = PrivateAttr(default_factory=list)  # settings that take no effect as written
+    _derived: list[str] = PrivateAttr(default_factory=list)  # values resolved from the world size, for the log
 
     @property
     def auto_knobs(self) -> tuple[str, ...]:
@@ -126,8 +127,8 @@ class RunConfig(Section):
         warnings = list(self._warnings)
         t = self._migration
         if t is None:
-            return [], warnings
-        notes = [f"InternEvo key: {line}" for line in t.mapped]
+            return list(self._derived), warnings
+        notes = [f"InternEvo key: {line}" for line in t.mapped] + self._derived
         if t.ignored:
             notes.append(f"InternEvo keys without effect here, ignored: {', '.join(t.ignored)}")
         return notes, warnings + list(t.warnings)
@@ -206,7 +207,8 @@ class RunConfig(Section):
         if model.num_experts:
             raise ValueError(
                 f"parallel.tensor (size {T}, mode {mode!r}) with model.num_experts={model.num_experts}: the experts "
-                "are not sharded over a tensor group yet (expert parallel is not built); set parallel.tensor.size=1"
+                "are not sharded over a tensor group yet (expert parallel with tensor parallel is not built); set "
+                "parallel.tensor.size=1"
             )
         if model.type != "internlm2":
             raise ValueError(

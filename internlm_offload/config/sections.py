@@ -347,6 +347,32 @@ class WeightParallelConfig(Section):
     memory_pool: bool = Field(False, description="InternEvo's allocator pool for weight parallel: no effect here.")
 
 
+class ExpertParallelConfig(Section):
+    size: int = Field(
+        1,
+        description="Expert parallel (docs/parallelism.md): each sparse block's routed experts split over groups of "
+        "this many data-parallel ranks (E / size experts per rank, tokens sent to them by all-to-all; `parallel.mode` "
+        "ddp or fsdp2). -1 (InternEvo's "
+        "default) or <= 0: min(data-parallel ranks, model.num_experts), as InternEvo resolves -1; said in the log.",
+    )
+    no_tp: bool = Field(
+        False,
+        description="InternEvo's: experts not split over the tensor group. Expert parallel runs without tensor "
+        "parallel here, so the experts are whole on each rank either way.",
+    )
+
+
+class ExpertWeightParallelConfig(Section):
+    size: int = Field(
+        1,
+        ge=1,
+        description="InternEvo's expert weight parallel: the expert weights sharded over groups of this many "
+        "expert-data ranks (ranks holding the same experts). Must divide the data-parallel size / expert size; only "
+        "1 is built (with `parallel.mode='fsdp2'` FSDP2 shards the experts over all their expert-data ranks).",
+    )
+    overlap: bool = Field(False, description="InternEvo's expert weight all-gather overlap; no effect here.")
+
+
 class ParallelConfig(Section):
     mode: Literal["none", "ddp", "fsdp2"] = Field(
         "none", description="`none` (one process), `ddp`, or `fsdp2` (`fully_shard` per block, then the root)."
@@ -361,6 +387,8 @@ class ParallelConfig(Section):
     )
     tensor: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     weight: WeightParallelConfig = Field(default_factory=WeightParallelConfig)
+    expert: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    expert_weight: ExpertWeightParallelConfig = Field(default_factory=ExpertWeightParallelConfig)
     meta_init: bool = Field(
         True,
         description="`fsdp2` with `internlm2` (untied embeddings, fp32 or fp32-master params): build on the meta "

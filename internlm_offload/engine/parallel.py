@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from internlm_offload.engine.expert_parallel import expert_params, moe_blocks, reduce_expert_grads_in_backward
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.log import get_logger
 from internlm_offload.optim.dtensor import is_dtensor
@@ -31,8 +32,16 @@ def apply_none(model: nn.Module, *, ctx: RunContext) -> nn.Module:
 @PARALLEL.register_module(name="ddp")
 def apply_ddp(model: nn.Module, *, ctx: RunContext, bucket_cap_mb: int = 25) -> nn.Module:
     device_ids = None if ctx.accelerator.name == "cpu" else [ctx.local_rank]
+    experts = [name for name, _ in expert_params(model)] if ctx.expert_mesh is not None else []
+    if experts:  # expert shards differ across "ep": reduced over their own group below, not by DDP
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
     wrapped = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
-    logger.info("Applied DDP over %d ranks (bucket %d MB)", ctx.world_size, bucket_cap_mb)
+    if experts:
+        reduce_expert_grads_in_backward(
+            model, ctx.expert_mesh, ctx.dp_size, sync=lambda: wrapped.require_backward_grad_sync
+        )
+    ignored = f", {len(experts)} expert weights apart" if experts else ""
+    logger.info("Applied DDP over %d ranks (bucket %d MB)%s", ctx.world_size, bucket_cap_mb, ignored)
     return wrapped
 
 
@@ -52,6 +61,8 @@ def apply_fsdp2(
     mesh = mesh if mesh is not None else init_device_mesh(ctx.accelerator.name, (ctx.world_size,))
     policy = CPUOffloadPolicy(pin_memory=ctx.accelerator.supports_pinned_memory) if cpu_offload else OffloadPolicy()
     shard = dict(mesh=mesh, offload_policy=policy, mp_policy=mixed_precision or MixedPrecisionPolicy())
+    if ctx.expert_mesh is not None:
+        shard_experts(model, ctx, reshard_after_forward, {**shard, "mesh": ctx.expert_mesh["edp"]})
     for block in layers:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **shard)
     # The root keeps its params unsharded after forward: backward needs the head straight away.
@@ -61,6 +72,21 @@ def apply_fsdp2(
     hsdp = f" (shards over {mesh.size(-1)}, {mesh.size(0)} replicas)" if mesh.ndim == 2 else ""
     logger.info("Applied FSDP2 over %d ranks%s%s: %d blocks + root", mesh.size(), hsdp, offload, len(layers))
     return model
+
+
+def shard_experts(model: nn.Module, ctx: RunContext, reshard_after_forward: bool, shard: dict[str, Any]) -> None:
+    """Expert parallel: each sparse block's experts are their own FSDP2 unit over the expert-data dim (the ranks
+    holding the same experts; FSDP2 shards the "ep" DTensors again over it, as it does tensor parallel's), before
+    their block takes the rest over all data-parallel ranks. Their reduce-scatter divides by the data-parallel size,
+    not the expert-data one: the experts' gradients already sum the tokens of their "ep" group's ranks."""
+    for moe in moe_blocks(model):
+        fully_shard(moe.experts, reshard_after_forward=reshard_after_forward, **shard)
+        moe.experts.set_gradient_divide_factor(float(ctx.dp_size))
+        # a sum, then the division: a factor other than the group's size is PREMUL_SUM otherwise, which gloo lacks
+        moe.experts.set_force_sum_reduction_for_comms(True)
+    blocks = moe_blocks(model)
+    local = tuple(blocks[0].experts.w1.to_local().shape) if blocks else ()
+    logger.info("Applied FSDP2 to the experts over %d expert-data ranks (w1 here: %s)", shard["mesh"].size(), local)
 
 
 def buffers_to(model: nn.Module, device: torch.device) -> None:

@@ -32,6 +32,8 @@ class RunContext:
     # `mesh` is the ("dp", "tp") DeviceMesh over the world, None without tensor parallel.
     tensor_size: int = 1
     mesh: DeviceMesh | None = None
+    # Expert parallel: the ("edp", "ep") mesh over the data-parallel ranks (engine/expert_parallel.py), None without
+    expert_mesh: DeviceMesh | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -56,10 +58,12 @@ class RunContext:
         return dist.is_available() and dist.is_initialized()
 
 
-def init_runtime(accelerator: Accelerator, *, needs_group: bool = False, tensor_size: int = 1) -> RunContext:
+def init_runtime(
+    accelerator: Accelerator, *, needs_group: bool = False, tensor_size: int = 1, expert_size: int = 1
+) -> RunContext:
     """Join the process group when launched by torchrun (gloo on cpu, nccl/hccl on accelerators). Without
     torchrun, `needs_group` (the ddp and fsdp2 wrappers) makes a group of this one process. `tensor_size` > 1
-    builds the ("dp", "tp") mesh, tensor ranks innermost."""
+    builds the ("dp", "tp") mesh, tensor ranks innermost; `expert_size` > 1 the ("edp", "ep") mesh."""
     if not launched_by_torchrun():
         if needs_group and not dist.is_initialized():
             dist.init_process_group(backend=accelerator.dist_backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -70,7 +74,8 @@ def init_runtime(accelerator: Accelerator, *, needs_group: bool = False, tensor_
     if not dist.is_initialized():
         dist.init_process_group(backend=accelerator.dist_backend)
     mesh = tensor_parallel_mesh(accelerator.name, world_size, tensor_size)
-    return RunContext(rank, local_rank, world_size, accelerator, tensor_size=tensor_size, mesh=mesh)
+    experts = None if expert_size == 1 else expert_mesh(accelerator.name, world_size // tensor_size, expert_size)
+    return RunContext(rank, local_rank, world_size, accelerator, tensor_size, mesh, experts)
 
 
 def tensor_parallel_mesh(device_type: str, world_size: int, tensor_size: int) -> DeviceMesh | None:
@@ -78,6 +83,13 @@ def tensor_parallel_mesh(device_type: str, world_size: int, tensor_size: int) ->
     if tensor_size == 1:
         return None
     return init_device_mesh(device_type, (world_size // tensor_size, tensor_size), mesh_dim_names=("dp", "tp"))
+
+
+def expert_mesh(device_type: str, data_parallel: int, expert_size: int) -> DeviceMesh:
+    """The ("edp", "ep") mesh over the data-parallel ranks, expert ranks innermost (InternEvo's order: the ranks
+    of an expert group are contiguous, those holding the same experts at stride `expert_size`)."""
+    shape = (data_parallel // expert_size, expert_size)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("edp", "ep"))
 
 
 def data_parallel_group(ctx: RunContext) -> dist.ProcessGroup | None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from internlm_offload.device.kernels import grouped_mm_aligned, has_grouped_mm
 from internlm_offload.model.mlp import ParamInit, normal_init
+from internlm_offload.optim.dtensor import local_shard
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -38,6 +39,11 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -
     # weight.transpose is a view (E, in, out) with strides (out*in, 1, in): column-major per expert, which the
     # kernel takes as it is (both layouts are allowed; 16-byte strides checked by the caller).
     return _ContiguousGrad.apply(F.grouped_mm(x, weight.transpose(-2, -1), offs=offs))
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a weight: the local shard under expert parallel (a DTensor over "ep"), else all."""
+    return local_shard(weight)
 
 
 class GroupedExperts(nn.Module):
@@ -66,30 +72,35 @@ class GroupedExperts(nn.Module):
         # The kernel leaves rows past the last offset unwritten, in its output and in the input's gradient:
         # `where` masks both (a multiply would let a NaN from uninitialised memory through).
         x = torch.where(valid, x, 0)
+        w1, w3, w2 = _local(self.w1), _local(self.w3), _local(self.w2)
         if self.uses_grouped_mm(x):
             offs = ends.to(torch.int32)  # stays on the device: no host sync
-            h = F.silu(_grouped_linear(x, self.w1, offs)) * _grouped_linear(x, self.w3, offs)
-            out = _grouped_linear(h, self.w2, offs)
+            h = F.silu(_grouped_linear(x, w1, offs)) * _grouped_linear(x, w3, offs)
+            out = _grouped_linear(h, w2, offs)
         elif x.device.type == "meta":
-            out = self._shapes_only(x)
+            out = self._shapes_only(x, w1, w3, w2)
         else:
-            out = self._loop(x, counts)
+            out = self._loop(x, counts, w1, w3, w2)
         return torch.where(valid, out, 0)
 
-    def _shapes_only(self, x: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _shapes_only(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """Meta tensors (the planner's trace) have no counts to slice by: every row through expert 0, which makes
         the tensors the grouped path makes, of the same shapes (rows x width activations, whole weight grads)."""
-        w1, w3, w2 = (w[0] for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = w1[0], w3[0], w2[0]
         return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _loop(
+        x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
         """Expert by expert over contiguous slices: for devices without the grouped GEMM."""
         # The one host sync of the routing path: slicing needs the counts as Python ints.
         sizes = counts.long().tolist()
         outs, start = [], 0
         for e, size in enumerate(sizes):
             xe = x[start : start + size]
-            outs.append(F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e]))
+            outs.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
             start += size
         outs.append(x.new_zeros(x.shape[0] - start, x.shape[1]))  # dropped rows
         return torch.cat(outs)

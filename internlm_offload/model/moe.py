@@ -6,7 +6,7 @@ gate (Qwen2-MoE's `shared_expert_gate`) or a softmax coefficient over (routed, s
 and Mixtral `MoE`). After each forward, `stats` holds what the load-balancing loss needs.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -92,6 +92,9 @@ class MoE(nn.Module):
                 self.coefficient = nn.Linear(hidden_size, 1, bias=False)
             else:  # InternEvo MoE: softmax(Linear(H, 2)) weighs (routed, shared)
                 self.coefficient = nn.Linear(hidden_size, 2)
+        # Expert parallel (engine/expert_parallel.py): sends the sorted rows to the ranks holding their experts and
+        # brings the outputs back; None: every expert is on this rank
+        self.expert_dispatch: Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor] | None = None
         self.stats: RouterStats | None = None  # set by every forward, read (and cleared) by the model
         self.tokens_per_expert: torch.Tensor | None = None  # (E,) after capacity, last forward; detached
         # (E,) fp32 sum of tokens_per_expert over the model's forwards since the last `take_load`: added by the
@@ -113,7 +116,11 @@ class MoE(nn.Module):
         counts = expert_counts(expert_ids, self.num_experts)
         self.tokens_per_expert = counts.detach()
         rows, order = permute(x, expert_ids)
-        out = unpermute(self.experts(rows, counts), order, routing.weights)
+        if self.expert_dispatch is None:
+            routed = self.experts(rows, counts)
+        else:
+            routed = self.expert_dispatch(rows, counts, self.experts)
+        out = unpermute(routed, order, routing.weights)
         if self.shared_experts is not None:
             out = self._mix_shared(x, out)
         return out.view(shape)

@@ -6,6 +6,7 @@ from typing import TypeVar
 import torch
 import torch.nn as nn
 
+from internlm_offload.optim.dtensor import is_dtensor
 from internlm_offload.optim.interface import OffloadOptimizer
 
 T = TypeVar("T")
@@ -16,13 +17,20 @@ class AdamW(OffloadOptimizer, torch.optim.AdamW):
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: matrices (embeddings, linears) decay; vectors (norm weights, biases) do not."""
-    decay, no_decay = [], []
+    """Matrices (embeddings, linears) decay; vectors (norm weights, biases) do not. Each of the two is one group
+    per DTensor mesh (first seen first): torch's fused and foreach kernels take no mix of meshes, or of DTensors
+    and plain tensors (expert parallel's expert shards beside DDP's plain weights)."""
+    by_key: dict[tuple[bool, Hashable], list[nn.Parameter]] = {}
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+            mesh = param.device_mesh if is_dtensor(param) else None
+            by_key.setdefault((param.ndim >= 2, mesh), []).append(param)
+    return [
+        {"params": params, "weight_decay": weight_decay if decays else 0.0}
+        for decay in (True, False)
+        for (decays, _), params in by_key.items()
+        if decays == decay
+    ]
 
 
 def fused_supported(device_type: str) -> bool:

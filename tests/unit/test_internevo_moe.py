@@ -85,13 +85,21 @@ def test_qwen2_gshard_trains_as_shipped_with_a_warning():
     assert cfg.model.moe_type == "Dropless" and cfg.model.moe_layer_kwargs.aux_loss_by_layer is False
 
 
-def test_expert_parallel_size_minus_one_resolves_to_one_and_says_so():
-    """InternEvo's default expert size -1 (all data-parallel ranks): 1 here until expert parallel exists; the log
-    says what InternEvo would have used (min(data-parallel ranks, experts))."""
-    cfg = resolve_config(load_config_file(MOE4), world_size=2)
+def test_expert_parallel_size_minus_one_resolves_as_internevo_and_says_so():
+    """InternEvo's default expert size -1 (and <= 0): min(data-parallel ranks, experts) where the run takes expert
+    parallel (fp32 under DDP), else 1 with the reason; the log says which."""
+    raw = load_config_file(MOE4)
+    raw["model"]["dtype"] = "torch.float32"
+    cfg = resolve_config(copy.deepcopy(raw), world_size=2)
     notes, _ = cfg.migration_notes()
     line = next(n for n in notes if "parallel.expert.size=-1" in n)
-    assert "all data-parallel ranks, 2 here) -> 1" in line and cfg.parallel.mode == "ddp"
+    assert cfg.parallel.expert.size == 2 and "-> 2: min(data-parallel ranks 2, model.num_experts 4)" in line
+    assert resolve_config(copy.deepcopy(raw), world_size=8).parallel.expert.size == 4  # min(8, 4)
+    raw["parallel"]["expert"] = dict(size=0)
+    assert resolve_config(copy.deepcopy(raw), world_size=2).parallel.expert.size == 2
+    cfg = resolve_config(load_config_file(MOE4), world_size=2)  # bf16 with fp32 masters: not under expert parallel
+    line = next(n for n in cfg.migration_notes()[0] if "parallel.expert.size=-1" in n)
+    assert cfg.parallel.expert.size == 1 and "is 2; 1 here: model.dtype='torch.bfloat16' with fp32 master" in line
 
 
 def test_first_k_dense_replace_and_num_experts_one():
@@ -138,10 +146,12 @@ def _with(path: Path, **changes: Any) -> dict[str, Any]:
     [
         (
             _with(QWEN3, parallel__expert=dict(size=8, no_tp=True)),
-            "parallel.expert.size=8: expert parallel is not built here (every rank holds every expert); set -1 or 1",
+            "parallel.expert.size=8 must divide the data-parallel size (1)",
         ),
-        (_with(QWEN3, parallel__expert_weight=dict(size=2, overlap=True)), "parallel.expert_weight.size=2"),
-        (_with(MOE4, parallel__expert=dict(size=0)), "parallel.expert.size=0"),
+        (
+            _with(QWEN3, parallel__expert_weight=dict(size=2, overlap=True)),
+            "parallel.expert_weight.size=2 needs parallel.expert.size > 1; set 1",
+        ),
         (
             _with(QWEN3, model__moe_type="GShard", model__moe_layer_kwargs={}),
             "model.moe_type='GShard' with model_type='QWEN3MOE': InternEvo's Qwen3-MoE decoder asserts Dropless",
@@ -174,11 +184,11 @@ def test_every_tensor_mode_with_moe_is_refused_in_one_line(mode):
 
 
 def test_shipped_expert_sizes_exit_2_in_one_line(capsys: Any) -> None:
-    """qwen3_30B_A3B.py's own expert and expert-weight sizes (8, 2) stop train.py with exit code 2: one line each."""
+    """qwen3_30B_A3B.py's own expert and expert-weight sizes (8, 2) on one process stop train.py with exit code 2 in
+    one line."""
     from internlm_offload import launch
 
     options = ["parallel.expert.size=8", "parallel.expert_weight.size=2"]
     assert launch.main(["--config", str(QWEN3), "--cfg-options", *options], build_trainer=None) == 2
     err = capsys.readouterr().err
-    assert "parallel.expert.size=8: expert parallel is not built here" in err
-    assert "parallel.expert_weight.size=2: expert parallel is not built here" in err
+    assert "parallel.expert.size=8 must divide the data-parallel size (1)" in err and err.count("\n") == 1

@@ -1,0 +1,135 @@
+"""Expert parallel: each sparse block's routed experts split over the "ep" dim of the expert mesh.
+
+What it may touch: every `MoE` block's `experts` (their stacked weights become DTensors sharded on dim 0 over
+"ep": a rank holds E / ep experts) and its `expert_dispatch` (set here); nothing else. Routing, capacity and the
+combine stay the block's own, on this rank's tokens: GShard's capacity is computed from the local token count, as
+InternEvo does (each rank drops on its own), so the dropped choices are those of the same rank without expert
+parallel.
+
+The mesh is ("edp", "ep") over the data-parallel ranks, "ep" innermost (InternEvo's order: expert ranks
+contiguous, expert-data ranks at stride ep). Ranks of one "edp" group hold the same experts; their gradients are
+summed over it and divided by the data-parallel size (the dense convention: the mean over every rank's tokens;
+InternEvo averages over "edp" only, ep times larger): under DDP by `reduce_expert_grads_in_backward`, under FSDP2
+by the experts' own FSDP2 unit over "edp" (engine/parallel.py's `shard_experts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from internlm_offload.log import get_logger
+
+logger = get_logger(__name__)
+
+EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+
+@dataclass(frozen=True)
+class ExpertDispatch:
+    """Sends each routed row to the rank holding its expert and brings the outputs back in the original order."""
+
+    group: dist.ProcessGroup
+    size: int
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """rows (N, H) sorted by global expert (dropped rows last), counts (E,) rows per expert: the experts'
+        (N, H) outputs, 0 for the dropped rows, computed by the ranks that hold each expert."""
+        num_experts = counts.numel()
+        local = num_experts // self.size
+        sent = counts.to(torch.int64)
+        received = torch.empty_like(sent)  # received[r * local + j]: rows rank r sends to my local expert j
+        dist.all_to_all_single(received, sent, group=self.group)
+        # The one host sync of the exchange: all_to_all_single takes its split sizes as Python ints.
+        sizes = torch.cat([sent, received]).tolist()
+        sent_sizes, received_sizes = sizes[:num_experts], sizes[num_experts:]
+        send_splits = [sum(sent_sizes[r * local : (r + 1) * local]) for r in range(self.size)]
+        receive_splits = [sum(received_sizes[r * local : (r + 1) * local]) for r in range(self.size)]
+        kept = sum(send_splits)
+        incoming = _exchange(rows[:kept], receive_splits, send_splits, self.group)
+        # Arrived grouped by source rank, then local expert; the grouped GEMM wants them by local expert.
+        expert_major = [r * local + j for j in range(local) for r in range(self.size)]
+        chunks = incoming.split(received_sizes)
+        by_expert = torch.cat([chunks[i] for i in expert_major])
+        local_counts = torch.tensor(
+            [sum(received_sizes[j::local]) for j in range(local)], dtype=counts.dtype, device=counts.device
+        )
+        out = experts(by_expert, local_counts).split([received_sizes[i] for i in expert_major])
+        source_major = [None] * len(out)
+        for position, i in enumerate(expert_major):
+            source_major[i] = out[position]
+        returned = _exchange(torch.cat(source_major), send_splits, receive_splits, self.group)
+        return torch.cat([returned, rows.new_zeros(rows.shape[0] - kept, rows.shape[1])])
+
+
+def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup):
+    """torch's all_to_all_single with autograd (the backward sends the gradients back along the same splits)."""
+    out = all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
+    return out.wait() if hasattr(out, "wait") else out  # an AsyncCollectiveTensor until waited on
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """The sparse blocks' `MoE` modules (those with an `expert_dispatch` slot)."""
+    return [m for m in model.modules() if hasattr(m, "expert_dispatch")]
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Shard every sparse block's experts over `mesh["ep"]` (each rank keeps its slice of the whole weights it
+    built from the seed) and route their rows through the all-to-all."""
+    ep = mesh["ep"]
+    dispatch = ExpertDispatch(group=ep.get_group(), size=ep.size())
+    blocks = moe_blocks(model)
+    for moe in blocks:
+        experts = moe.experts
+        if experts.num_experts % ep.size():
+            raise ValueError(f"{experts.num_experts} experts do not split over {ep.size()} expert-parallel ranks")
+        for name in EXPERT_WEIGHTS:
+            weight = getattr(experts, name)
+            # src_data_rank=None: every rank built the same whole weight; each keeps its slice, no communication
+            shard = distribute_tensor(weight.detach(), ep, [Shard(0)], src_data_rank=None)
+            setattr(experts, name, nn.Parameter(shard, requires_grad=weight.requires_grad))
+        moe.expert_dispatch = dispatch
+    logger.info(
+        "Applied expert parallel over %d ranks (%d expert-data groups): %d sparse blocks, %d of %d experts each",
+        ep.size(),
+        mesh["edp"].size(),
+        len(blocks),
+        blocks[0].experts.num_experts // ep.size() if blocks else 0,
+        blocks[0].experts.num_experts if blocks else 0,
+    )
+
+
+def expert_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The sparse blocks' routed expert weights (sharded over "ep" under expert parallel) with their names."""
+    experts = {id(p) for moe in moe_blocks(model) for p in moe.experts.parameters()}
+    return [(name, p) for name, p in model.named_parameters() if id(p) in experts]
+
+
+def reduce_expert_grads_in_backward(
+    model: nn.Module, mesh: DeviceMesh, data_parallel: int, sync: Callable[[], bool]
+) -> None:
+    """DDP leaves the experts alone (their gradients differ across "ep"); when `sync()` says this backward is
+    the step's last, each expert gradient is summed over its expert-data group and divided by the data-parallel
+    size as soon as backward accumulates it: the mean over every rank's tokens, as DDP gives the other weights."""
+    group = mesh["edp"].get_group()
+    reduce = mesh["edp"].size() > 1
+
+    @torch.no_grad()
+    def hook(param: torch.Tensor) -> None:
+        if not sync():
+            return
+        grad = param.grad.to_local()
+        if reduce:
+            dist.all_reduce(grad, group=group)
+        grad.div_(data_parallel)
+
+    for _, param in expert_params(model):
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(hook)

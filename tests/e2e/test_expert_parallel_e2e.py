@@ -1,0 +1,45 @@
+"""Expert parallel under torchrun over gloo: the tiny MoE model's experts split over two ranks follow one process's
+curve of the same global batch, and the same run twice is bitwise; two expert groups of two on four processes under
+DDP and under FSDP2 too. Four torchrun launches and one single-process run (CI time)."""
+
+import pytest
+from runner import REPO, train
+from tensor_parallel_runs import CALM, EXACT, NEAR, assert_curves
+
+pytestmark = pytest.mark.e2e
+MOE = REPO / "configs" / "internlm2_tiny_moe.py"
+# 8 steps of a global batch of 8 (micro-batch 2): one process runs 4 micro-batches a step, two ranks 2, four 1.
+STEPS = ["data.total_steps=8", "ckpt.enable_save_ckpt=False", "data.global_bsz=8", "model.dtype=torch.float32"]
+EP = ["parallel.mode=ddp", "parallel.expert.size=2"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    run = tmp_path_factory.mktemp("ep") / "one_process"
+    train(run, *STEPS, *CALM, config=MOE)
+    return run
+
+
+def test_ep_2_follows_one_process_and_repeats_bitwise(tmp_path, one_process):
+    """fp32, 2 of the 4 experts per rank (DDP for the rest): loss within 1e-5 and grad norm within 1e-4 of one
+    process for 8 steps (the expert gradients averaged as DDP averages the others, the norm summed over both
+    ranks' experts); the same run again bitwise."""
+    first, second = tmp_path / "ep2", tmp_path / "ep2_again"
+    proc = train(first, *STEPS, *CALM, *EP, config=MOE, nproc=2)
+    assert "Applied expert parallel over 2 ranks (1 expert-data groups): 4 sparse blocks, 2 of 4 experts" in proc.stderr
+    assert_curves(one_process, first, NEAR)
+    train(second, *STEPS, *CALM, *EP, config=MOE, nproc=2)
+    assert_curves(first, second, EXACT)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_ep_2_by_expert_data_2_follows_one_process(tmp_path, one_process, mode):
+    """Four processes: expert groups {0, 1} and {2, 3}, ranks 0 and 2 (1 and 3) holding the same experts. DDP sums
+    their gradients over that expert-data pair; FSDP2 shards them over it (one expert of a block per rank) and
+    reduce-scatters there, the rest over all four: one process's curve within the same bars either way."""
+    run = tmp_path / f"ep2_edp2_{mode}"
+    proc = train(run, *STEPS, *CALM, "parallel.expert.size=2", f"parallel.mode={mode}", config=MOE, nproc=4)
+    assert "Applied expert parallel over 2 ranks (2 expert-data groups)" in proc.stderr
+    if mode == "fsdp2":
+        assert "Applied FSDP2 to the experts over 2 expert-data ranks (w1 here: (1, 128, 128))" in proc.stderr
+    assert_curves(one_process, run, NEAR)

@@ -13,7 +13,7 @@ from torch import nn
 
 from internlm_offload.model.experts import GroupedExperts
 from internlm_offload.model.mlp import FeedForward, ParamInit, normal_init
-from internlm_offload.model.permutation import CombineRows, PermuteRows
+from internlm_offload.model.permutation import PermuteRows, UnpermuteRows
 from internlm_offload.model.router import Router, RouterStats, drop_over_capacity, expert_counts, gshard_capacity
 
 MOE_TYPES = ("GShard", "Dropless")
@@ -36,7 +36,9 @@ def permute(x: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, to
 
 def unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Inverse of `permute`, then the weighted sum over each token's k choices: (T*k, H) -> (T, H)."""
-    return CombineRows.apply(rows, order, weights)  # a gather per choice both ways: no row is hit twice
+    T, k = weights.shape
+    flat = UnpermuteRows.apply(rows, order).view(T, k, -1)  # a permutation both ways: no row is hit twice
+    return (flat * weights.to(rows.dtype)[..., None]).sum(1)
 
 
 class MoE(nn.Module):

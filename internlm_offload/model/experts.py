@@ -62,26 +62,31 @@ class GroupedExperts(nn.Module):
         intermediate, hidden = self.w1.shape[1:]
         return has_grouped_mm(x.device, x.dtype) and grouped_mm_aligned(x.dtype, hidden, intermediate)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, all_routed: bool = False) -> torch.Tensor:
         """x (N, H): rows grouped by expert, counts[e] rows for expert e (sum(counts) <= N); (N, H) out.
 
         Rows past sum(counts) (choices GShard dropped) come out as 0, and no gradient flows into them.
+        `all_routed`: the caller knows sum(counts) == N (nothing dropped), so there is nothing to mask.
         """
         ends = counts.long().cumsum(0)
+        if all_routed:  # the masks below would select every row: two copies forward, two more backward
+            return self._compute(x, counts, ends)
         valid = (torch.arange(x.shape[0], device=x.device) < ends[-1])[:, None]
         # The kernel leaves rows past the last offset unwritten, in its output and in the input's gradient:
         # `where` masks both (a multiply would let a NaN from uninitialised memory through).
         x = torch.where(valid, x, 0)
+        return torch.where(valid, self._compute(x, counts, ends), 0)
+
+    def _compute(self, x: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """The experts on every row up to ends[-1]; rows past it are garbage (grouped GEMM) or 0 (loop)."""
         w1, w3, w2 = _local(self.w1), _local(self.w3), _local(self.w2)
         if self.uses_grouped_mm(x):
             offs = ends.to(torch.int32)  # stays on the device: no host sync
             h = F.silu(_grouped_linear(x, w1, offs)) * _grouped_linear(x, w3, offs)
-            out = _grouped_linear(h, w2, offs)
-        elif x.device.type == "meta":
-            out = self._shapes_only(x, w1, w3, w2)
-        else:
-            out = self._loop(x, counts, w1, w3, w2)
-        return torch.where(valid, out, 0)
+            return _grouped_linear(h, w2, offs)
+        if x.device.type == "meta":
+            return self._shapes_only(x, w1, w3, w2)
+        return self._loop(x, counts, w1, w3, w2)
 
     @staticmethod
     def _shapes_only(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

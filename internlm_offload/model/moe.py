@@ -13,6 +13,7 @@ from torch import nn
 
 from internlm_offload.model.experts import GroupedExperts
 from internlm_offload.model.mlp import FeedForward, ParamInit, normal_init
+from internlm_offload.model.permutation import PermuteRows, UnpermuteRows
 from internlm_offload.model.router import Router, RouterStats, drop_over_capacity, expert_counts, gshard_capacity
 
 MOE_TYPES = ("GShard", "Dropless")
@@ -28,16 +29,15 @@ def permute(x: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, to
     k = expert_ids.shape[1]
     # Stable: within an expert, tokens keep their order, so the result does not depend on the sort kernel.
     order = torch.argsort(expert_ids.reshape(-1), stable=True)
-    # repeat_interleave + a permutation rather than x[order // k]: the gather's backward would accumulate the
-    # k copies of a token with index_put(accumulate=True), not deterministic everywhere; this sums them in order.
-    return x.repeat_interleave(k, dim=0)[order], order
+    # Not a plain x[order // k]: its backward would accumulate the k copies of a token with
+    # index_put(accumulate=True), not deterministic everywhere; PermuteRows sums them in choice order.
+    return PermuteRows.apply(x, order, k), order
 
 
 def unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Inverse of `permute`, then the weighted sum over each token's k choices: (T*k, H) -> (T, H)."""
     T, k = weights.shape
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    flat = rows[inverse].view(T, k, -1)  # a permutation: no index is hit twice, forward or backward
+    flat = UnpermuteRows.apply(rows, order).view(T, k, -1)  # a permutation both ways: no row is hit twice
     return (flat * weights.to(rows.dtype)[..., None]).sum(1)
 
 
@@ -117,7 +117,7 @@ class MoE(nn.Module):
         self.tokens_per_expert = counts.detach()
         rows, order = permute(x, expert_ids)
         if self.expert_dispatch is None:
-            routed = self.experts(rows, counts)
+            routed = self.experts(rows, counts, all_routed=not self.drop_tokens)
         else:
             routed = self.expert_dispatch(rows, counts, self.experts)
         out = unpermute(routed, order, routing.weights)

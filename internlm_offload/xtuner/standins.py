@@ -25,16 +25,18 @@ ROOT = "xtuner"
 class Recorded:
     """A call of an `xtuner` name: `name`, positional `args`, keywords (read back as attributes)."""
 
-    def __init__(self, name: str, args: tuple, kwargs: dict[str, Any]) -> None:
+    def __init__(self, name: str, args: tuple, kwargs: dict[str, Any], implicit: bool = False) -> None:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "args", args)
         object.__setattr__(self, "kwargs", dict(kwargs))
+        # made by reading an attribute the file never gave (not by a call in the file): unset until written to
+        object.__setattr__(self, "implicit", implicit)
 
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("__"):
             raise AttributeError(attr)
         # an attribute never given: a nested config the file may go on to mutate (`model_cfg.text_config.x = 1`)
-        return self.kwargs.setdefault(attr, Recorded(f"{self.name}.{attr}", (), {}))
+        return self.kwargs.setdefault(attr, Recorded(f"{self.name}.{attr}", (), {}, implicit=True))
 
     def __setattr__(self, attr: str, value: Any) -> None:
         self.kwargs[attr] = value
@@ -83,7 +85,8 @@ def field(obj: Any, name: str, default: Any = None) -> Any:
     file did not set it (a pydantic object's `model_fields_set`: constructor keywords and assignments)."""
     if isinstance(obj, Recorded):
         value = obj.kwargs.get(name, default)
-        return default if isinstance(value, Recorded) and not value.kwargs and not value.args else value
+        # an attribute only read, never written, is unset; a call in the file (`Qwen3Dense4BConfig()`) is a value
+        return default if isinstance(value, Recorded) and value.implicit and not value.kwargs else value
     if isinstance(obj, dict):
         return obj.get(name, default)
     fields_set = getattr(obj, "model_fields_set", None)  # a real XTuner (pydantic) config object

@@ -6,17 +6,21 @@ not be the same training: another optimizer, no data, no steps, a model only XTu
 problem makes the translation fail. XTuner's defaults (`xtuner/v1/config/*.py`) fill what a config leaves out.
 The model comes from `load_from`'s Hugging Face folder: InternLM2, InternLM and Llama folders load into the
 native model, others train as `hf_causal_lm`, except families XTuner trains in a way not built here (experts
-balanced by a router bias, vision-language models, multi-token prediction): those are fatal, named.
+balanced by a router bias, vision-language models, multi-token prediction): those are fatal, named. Without
+`load_from`, XTuner's Qwen3 / Qwen3-MoE model classes and `get_model_config_from_hf` map onto the native model,
+initialised at random (`models.py`).
 """
 
 import math
 import os
-from dataclasses import dataclass, field as dataclass_field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
-from internlm_offload.errors import DataError
+from internlm_offload.errors import CheckpointError, DataError
 from internlm_offload.weights.hf_folder import TABLES, native_model_values, read_config
+from internlm_offload.xtuner.models import ModelClassError, model_from_xtuner
 from internlm_offload.xtuner.standins import Recorded, field, kind
 
 # XTuner v1's defaults for the fields read here (xtuner/v1/config/optim.py, fsdp.py, loss; datasets/config.py).
@@ -85,10 +89,7 @@ def translate_trainer(trainer: Any, source: Path) -> Translation:
 def _model(t: Translation, trainer: Any) -> None:
     load_from = field(trainer, "load_from")
     if load_from is None:
-        t.fatal.append(
-            f"model_cfg={_short(field(trainer, 'model_cfg'))} without load_from: XTuner's model classes are not "
-            "built here; give load_from, a Hugging Face folder of the model (its config.json decides the model)"
-        )
+        _model_class(t, trainer)
         return
     folder = Path(str(load_from))
     try:
@@ -117,6 +118,30 @@ def _model(t: Translation, trainer: Any) -> None:
         t.carried.append("model_cfg -> read from load_from's config.json (its class is XTuner's)")
     tokenizer = field(trainer, "tokenizer_path") or load_from
     t.set("data", "tokenizer", str(tokenizer))
+
+
+def _model_class(t: Translation, trainer: Any) -> None:
+    """No load_from: the architecture is XTuner's model config (a Qwen3 class or a folder's config.json), the
+    weights initialised at random, as XTuner does."""
+    model_cfg = field(trainer, "model_cfg")
+    if model_cfg is None:
+        t.fatal.append("neither model_cfg nor load_from: the run has no model")
+        return
+    try:
+        model, loss, carried = model_from_xtuner(model_cfg)
+    except (ModelClassError, CheckpointError) as exc:
+        t.fatal.append(f"model_cfg={_short(model_cfg)} without load_from: {exc}")
+        return
+    t.config["model"] = {**model, **t.config.get("model", {})}
+    if loss:
+        t.config["loss"] = {**t.config.get("loss", {}), **loss}
+        carried.append(f"balancing_loss_cfg.balancing_loss_alpha -> loss.moe_loss_coeff={loss['moe_loss_coeff']}")
+    t.carried.extend(carried)
+    tokenizer = field(trainer, "tokenizer_path")
+    if tokenizer is None:
+        t.fatal.append("tokenizer_path: needed without load_from (a local Hugging Face tokenizer folder)")
+    else:
+        t.set("data", "tokenizer", str(tokenizer))
 
 
 def _not_built_here(hf: dict[str, Any], trainer: Any) -> str | None:

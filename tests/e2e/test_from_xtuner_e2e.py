@@ -214,3 +214,101 @@ def test_xtuners_glm_swap_example_stops_in_one_line_naming_the_family(tmp_path):
         "Built here: internlm2, llama, internlm (native)",
     )
     assert "TypeError" not in line and not out.exists()
+
+
+# XTuner's examples/v1/pretrain_qwen3_tiny.py as it ships (InternLM/xtuner main), shrunk where it must be to run
+# here: the model class gets keyword overrides (2 blocks, width 64, the test tokenizer's vocabulary; XTuner's
+# classes take them), tokenizer_path and anno_path are local (the shipped ones are a hub id and a file of XTuner's
+# checkout), pack_max_length 4096 -> 64, global_batch_size 8 -> 2, and total_epoch=1 -> total_step=3. Everything
+# else (two datasets with sample ratios, chunked CE loss, lr config) is as shipped.
+PRETRAIN_QWEN3_TINY = """\
+from xtuner.v1.config import (
+    AdamWConfig,
+    LRConfig,
+)
+from xtuner.v1.train import TrainerConfig
+from xtuner.v1.datasets.pt_tokenize_fn import PretrainTokenizeFunctionConfig
+from xtuner.v1.model import Qwen3Dense4BConfig
+from xtuner.v1.module.attention import MHAConfig
+from xtuner.v1.loss import CELossConfig
+from xtuner.v1.datasets.config import DatasetConfig, DataloaderConfig
+
+# model config
+model_cfg = Qwen3Dense4BConfig(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=160,
+    vocab_size=32,
+    attention=MHAConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=32, qk_norm=True, sliding_window=1024),
+)
+
+# dataset and dataloader config
+sample_max_length = 64
+pack_max_length = 64
+
+dataset_config = [
+    {{
+        "dataset": DatasetConfig(
+            name="source1",
+            anno_path={data!r},
+            sample_ratio=10000.0,
+        ),
+        "tokenize_fn": PretrainTokenizeFunctionConfig(
+            add_special_tokens=True,
+            add_eos_token=True,
+        ),
+    }},
+    {{
+        "dataset": DatasetConfig(
+            name="source2",
+            anno_path={data!r},
+            sample_ratio=20000.0,
+        ),
+        "tokenize_fn": PretrainTokenizeFunctionConfig(
+            add_special_tokens=False,
+            add_eos_token=True,
+        ),
+    }},
+]
+dataloader_config = DataloaderConfig(
+    pack_max_length=pack_max_length
+)
+
+# optimizer and lr config
+optim_cfg = AdamWConfig(lr=1e-4, foreach=False)
+lr_cfg = LRConfig(lr_type="constant", warmup_ratio=0)
+
+# trainer config
+trainer = TrainerConfig(
+    model_cfg=model_cfg,
+    optim_cfg=optim_cfg,
+    dataset_cfg=dataset_config,
+    dataloader_cfg=dataloader_config,
+    tokenizer_path={tokenizer!r},
+    lr_cfg=lr_cfg,
+    loss_cfg=CELossConfig(mode="chunk", chunk_size=1024),
+    global_batch_size=2,
+    total_step=3,
+    work_dir="work_dir/pretrain_qwen3_tiny",
+    # load_from="Qwen/Qwen3-4B",
+)
+"""
+
+
+def test_xtuners_pretrain_qwen3_tiny_example_builds_its_model_class_and_trains(model_and_data, tmp_path):
+    """`model_cfg = Qwen3Dense4BConfig(...)` without load_from: the native Qwen3 (q/k norms, head_dim apart from
+    hidden / heads, tied embeddings as the 4B class has them), initialised at random as XTuner does."""
+    model, _, pretrain = model_and_data
+    config = tmp_path / "pretrain_qwen3_tiny.py"
+    config.write_text(PRETRAIN_QWEN3_TINY.format(data=str(pretrain), tokenizer=str(model)))
+    out = tmp_path / "translated.py"
+    proc = from_xtuner(config, out)
+    assert proc.returncode == 0, proc.stderr
+    assert "model_cfg=Qwen3Dense4BConfig(...) -> the native model" in proc.stderr
+    text = out.read_text()
+    for carried in ("'head_dim': 32", "'qk_norm': True", "'tie_word_embeddings': True", "'rope_base': 5000000.0",
+                    "'num_kv_attention_heads': 2", "'type': 'text'", "'total_steps': 3"):  # fmt: skip
+        assert carried in text, carried
+    assert "load_ckpt_info" not in text
+    train(tmp_path / "run", "monitor.progress_bar=off", config=out, fast=False)
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3]

@@ -6,6 +6,7 @@ Qwen3's attention (an explicit `head_dim`, RMSNorm of q and k per head) and mixt
 `(logits, aux_loss)`, its load-balancing loss already times `moe_loss_coeff`.
 """
 
+import contextlib
 import functools
 import math
 from typing import Any, Callable, Iterator
@@ -484,26 +485,35 @@ class InternLM2(nn.Module):
             input_ids, position_ids = shard.local(input_ids), shard.local(position_ids)
         h = self.tok_embeddings(input_ids)  # (B, T, C)
         rope = self.rope_cos_sin(input_ids.shape[1], h.dtype, position_ids)
-        for layer in self.layers:
-            h = layer(h, rope, documents)
+        with self._router_stats() as stats:
+            for layer in self.layers:
+                h = layer(h, rope, documents)
         logits = self.output(self.norm(h))  # (B, T, V)
         if self.num_experts == 0:
             return logits
-        return logits, self.moe_loss_coeff * self.aux_loss(self._take_router_stats())
+        return logits, self.moe_loss_coeff * self.aux_loss(stats)
 
     def moe_layers(self) -> list[MoE]:
         """The sparse blocks' feed-forwards, in depth order."""
         return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, MoE)]
 
-    def _take_router_stats(self) -> list[RouterStats]:
-        """This forward's router statistics, cleared from the layers (a recompute in backward sets them again;
-        clearing keeps the forward's graph from living on in the module); the tokens per expert recorded."""
-        stats = []
-        for moe in self.moe_layers():
-            stats.append(moe.stats)
-            moe.stats = None
+    @contextlib.contextmanager
+    def _router_stats(self) -> Iterator[list[RouterStats]]:
+        """This forward's router statistics in depth order, the sparse blocks' tokens per expert recorded after.
+
+        Only this forward fills the list: a block recomputed in backward finds no sink and keeps no graph alive.
+        """
+        stats: list[RouterStats] = []
+        moes = self.moe_layers()
+        for moe in moes:
+            moe.stats_sink = stats
+        try:
+            yield stats
+        finally:
+            for moe in moes:
+                moe.stats_sink = None
+        for moe in moes:
             moe.record_load()
-        return stats
 
     def aux_loss(self, stats: list[RouterStats]) -> torch.Tensor:
         """The load-balancing loss without its coefficient: InternEvo's per layer, summed over layers (1 per layer

@@ -3,7 +3,7 @@
 `moe_type="GShard"` drops the choices over each expert's capacity (InternEvo's fused gating); `"Dropless"`
 computes every routed choice. Shared experts run on every token beside the routed ones, mixed in by a sigmoid
 gate (Qwen2-MoE's `shared_expert_gate`) or a softmax coefficient over (routed, shared) (InternEvo's InternLM1
-and Mixtral `MoE`). After each forward, `stats` holds what the load-balancing loss needs.
+and Mixtral `MoE`). A forward with a `stats_sink` appends to it what the load-balancing loss needs.
 """
 
 from collections.abc import Callable, Iterator
@@ -95,7 +95,11 @@ class MoE(nn.Module):
         # Expert parallel (engine/expert_parallel.py): sends the sorted rows to the ranks holding their experts and
         # brings the outputs back; None: every expert is on this rank
         self.expert_dispatch: Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor] | None = None
-        self.stats: RouterStats | None = None  # set by every forward, read (and cleared) by the model
+        # The model lends each sparse block a list for its router statistics during its own forward and takes it
+        # back after. A forward recomputed in backward (activation checkpointing) then finds none and keeps
+        # nothing: statistics stored on the module would hold the recomputed graph, block activations included,
+        # until the next step.
+        self.stats_sink: list[RouterStats] | None = None
         self.tokens_per_expert: torch.Tensor | None = None  # (E,) after capacity, last forward; detached
         # (E,) fp32 sum of tokens_per_expert over the model's forwards since the last `take_load`: added by the
         # model after its forward (a recompute in backward would count a block's forward twice), on the device
@@ -105,7 +109,8 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, H)
         routing = self.router(x)
-        self.stats = self.router.stats(routing)
+        if self.stats_sink is not None:
+            self.stats_sink.append(self.router.stats(routing))
         expert_ids = routing.indices
         if self.drop_tokens:
             capacity = gshard_capacity(

@@ -41,11 +41,6 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -
     return _ContiguousGrad.apply(F.grouped_mm(x, weight.transpose(-2, -1), offs=offs))
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    """This rank's experts of a weight: the local shard under expert parallel (a DTensor over "ep"), else all."""
-    return local_shard(weight)
-
-
 class GroupedExperts(nn.Module):
     """E SwiGLU experts of width I over tokens already sorted by expert."""
 
@@ -79,7 +74,8 @@ class GroupedExperts(nn.Module):
 
     def _compute(self, x: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """The experts on every row up to ends[-1]; rows past it are garbage (grouped GEMM) or 0 (loop)."""
-        w1, w3, w2 = _local(self.w1), _local(self.w3), _local(self.w2)
+        # this rank's experts: the local shard under expert parallel (a DTensor over "ep"), else all
+        w1, w3, w2 = local_shard(self.w1), local_shard(self.w3), local_shard(self.w2)
         if self.uses_grouped_mm(x):
             offs = ends.to(torch.int32)  # stays on the device: no host sync
             h = F.silu(_grouped_linear(x, w1, offs)) * _grouped_linear(x, w3, offs)

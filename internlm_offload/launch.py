@@ -111,10 +111,7 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
     if cfg.auto_knobs:
         cfg, traced, chosen = choose_auto_knobs(cfg, raw, accelerator, runtime_bytes)
     predicted = (traced.device_peak_bytes, traced.host_peak_bytes) if traced else None
-    if cfg.preflight and cfg.parallel.expert.size > 1:
-        # the trace would exchange split sizes over a fake process group, which returns none
-        logger.warning("preflight skipped: the memory planner does not trace expert parallel yet")
-    elif cfg.preflight:
+    if cfg.preflight:
         predicted = run_preflight(cfg, args.config, accelerator, runtime_bytes, traced) or predicted
     predicted_peak = None if predicted is None else comparable_peak(cfg, accelerator, *predicted)
     tensor = cfg.parallel.tensor.size

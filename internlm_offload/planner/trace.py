@@ -289,6 +289,11 @@ def _with_ddp_buckets(memory: StepMemory) -> StepMemory:
 
 
 def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> StepMemory:
+    if cfg.parallel.expert.size > 1:  # the trace's fake process group would exchange no split sizes
+        raise UnsupportedLayout(
+            f"parallel.expert.size={cfg.parallel.expert.size}: the memory planner does not trace expert parallel "
+            "yet (size 1 is traced)"
+        )
     accelerator = PlanningAccelerator("cpu", meta=not measure)
     tracker = accelerator.tracker
     tensor = cfg.parallel.tensor.size

@@ -218,3 +218,19 @@ def test_pipeline_with_expert_parallel_is_refused_in_one_line():
     with pytest.raises(ConfigError) as info:
         resolve_config(raw, world_size=4)
     assert "parallel.pipeline.size=2: no pipeline parallelism here" in str(info.value)
+
+
+def test_preflight_under_expert_parallel_is_skipped_with_the_planner_s_reason(monkeypatch, caplog):
+    """The trace cannot run expert parallel (its fake process group exchanges no split sizes): the planner says so in
+    one line, and train.py's preflight logs it and goes on."""
+    from internlm_offload.device import get_accelerator
+    from internlm_offload.launch import run_preflight
+    from internlm_offload.planner.trace import UnsupportedLayout, trace_step
+
+    cfg = resolved([*FP32_DDP, "parallel.expert.size=2"], world_size=2)
+    with pytest.raises(UnsupportedLayout, match=r"^parallel.expert.size=2: the memory planner does not trace expert"):
+        trace_step(cfg, world_size=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with caplog.at_level("WARNING"):
+        assert run_preflight(cfg, str(MOE), get_accelerator("cpu"), 0) is None
+    assert "Preflight skipped: the step could not be traced (UnsupportedLayout: parallel.expert.size=2" in caplog.text

@@ -114,6 +114,8 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
     if cfg.preflight and cfg.parallel.expert.size > 1:
         # the trace would exchange split sizes over a fake process group, which returns none
         logger.warning("preflight skipped: the memory planner does not trace expert parallel yet")
+    elif cfg.preflight and cfg.parallel.pipeline.size > 1:
+        logger.warning("preflight skipped: the memory planner does not trace pipeline stages yet (issue 37 item 7)")
     elif cfg.preflight:
         predicted = run_preflight(cfg, args.config, accelerator, runtime_bytes, traced) or predicted
     predicted_peak = None if predicted is None else comparable_peak(cfg, accelerator, *predicted)
@@ -123,6 +125,7 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
         needs_group=cfg.parallel.mode != "none" or tensor > 1,
         tensor_size=tensor,
         expert_size=cfg.parallel.expert.size,
+        pipeline_size=cfg.parallel.pipeline.size,
     )
     if cfg.auto_knobs:
         cfg = agree_on_auto_knobs(cfg, raw, ctx, chosen)

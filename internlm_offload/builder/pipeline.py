@@ -1,0 +1,48 @@
+"""Pipeline parallel from the config: this rank's stages of the seed-built model, their DDP and schedule."""
+
+from torch import nn
+
+from internlm_offload.builder.model import log_build_memory
+from internlm_offload.config import RunConfig
+from internlm_offload.config.pipeline import virtual_chunks
+from internlm_offload.engine.pipeline import PipelineRunner, schedule_class, wrap_chunks
+from internlm_offload.engine.pipeline_split import PipelineChunk, split_model
+from internlm_offload.engine.runtime import RunContext
+from internlm_offload.log import get_logger
+
+logger = get_logger(__name__)
+
+
+def split_for_pipeline(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> dict[int, PipelineChunk]:
+    """This rank's stages (InternEvo's partition; ZBV's in a V), by stage index."""
+    pipe = cfg.parallel.pipeline
+    chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
+    rank = ctx.pipeline_mesh.get_local_rank("pp")
+    return split_model(model, pipe.size, chunks, rank, v_shape=pipe.mode == "ZBV")
+
+
+def apply_pipeline(
+    cfg: RunConfig, ctx: RunContext, chunks: dict[int, PipelineChunk]
+) -> tuple[nn.ModuleList, PipelineRunner]:
+    """The stages wrapped (DDP within a stage's data-parallel ranks under `parallel.mode='ddp'`), as one module
+    list (what the optimizer steps), and the runner of their schedule."""
+    pipe = cfg.parallel.pipeline
+    num_chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
+    num_stages = pipe.size * num_chunks
+    ddp = cfg.parallel.mode == "ddp"
+    modules = wrap_chunks(ctx, chunks, ddp=ddp, bucket_cap_mb=cfg.parallel.bucket_cap_mb)
+    wrapper = f", DDP over {ctx.dp_size} ranks each" if ddp else ""
+    logger.info(
+        "Pipeline rank %d of %d: stages %s of %d (%s)%s", ctx.pipeline_mesh.get_local_rank("pp"), pipe.size,
+        list(chunks), num_stages, schedule_class(pipe.mode, num_chunks).__name__, wrapper,
+    )  # fmt: skip
+    log_build_memory(ctx)
+    runner = PipelineRunner(
+        ctx,
+        modules,
+        num_stages,
+        schedule_class(pipe.mode, num_chunks),
+        cfg.data.micro_num,
+        label_smoothing=cfg.loss.label_smoothing,
+    )
+    return nn.ModuleList(modules.values()), runner

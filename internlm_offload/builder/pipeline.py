@@ -24,14 +24,16 @@ def split_for_pipeline(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> dic
 def apply_pipeline(
     cfg: RunConfig, ctx: RunContext, chunks: dict[int, PipelineChunk]
 ) -> tuple[nn.ModuleList, PipelineRunner]:
-    """The stages wrapped (DDP within a stage's data-parallel ranks under `parallel.mode='ddp'`), as one module
+    """The stages wrapped (DDP or FSDP2 within a stage's data-parallel ranks, `parallel.mode`), as one module
     list (what the optimizer steps), and the runner of their schedule."""
     pipe = cfg.parallel.pipeline
     num_chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
     num_stages = pipe.size * num_chunks
-    ddp = cfg.parallel.mode == "ddp"
-    modules = wrap_chunks(ctx, chunks, ddp=ddp, bucket_cap_mb=cfg.parallel.bucket_cap_mb)
-    wrapper = f", DDP over {ctx.dp_size} ranks each" if ddp else ""
+    par = cfg.parallel
+    modules = wrap_chunks(
+        ctx, chunks, mode=par.mode, bucket_cap_mb=par.bucket_cap_mb, reshard_after_forward=par.reshard_after_forward
+    )
+    wrapper = "" if par.mode == "none" else f", {par.mode.upper()} over {ctx.dp_size} ranks each"
     logger.info(
         "Pipeline rank %d of %d: stages %s of %d (%s)%s", ctx.pipeline_mesh.get_local_rank("pp"), pipe.size,
         list(chunks), num_stages, schedule_class(pipe.mode, num_chunks).__name__, wrapper,

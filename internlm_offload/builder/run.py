@@ -80,7 +80,8 @@ def build_components(
     """The run's model, masters, memory features, optimizer and schedule, one named step each, in this order.
     `check_model` runs on the bare model; the planner passes `check_host_memory=False` (it predicts the host)."""
     policy = PrecisionPolicy.from_config(cfg.model.dtype, cfg.mixed_precision.master_weights)
-    on_meta = builds_on_meta(cfg, policy)
+    # a pipeline cuts its stages from the whole seed-built model (FSDP2 then shards each stage's)
+    on_meta = builds_on_meta(cfg, policy) and ctx.pipeline_size == 1
     model = build_bare_model(cfg, ctx, on_meta=on_meta, check_model=check_model)
     shard = sequence_shard(cfg, ctx)
     if shard is None and ctx.tensor_size > 1:  # before the masters exist: they copy the DTensor shards

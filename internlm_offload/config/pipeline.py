@@ -85,10 +85,10 @@ def pipeline_problem(cfg: Any) -> str | None:
             f"{where} with model.dtype={model.dtype!r}: only torch.float32 is built under a pipeline yet (fp32 "
             "masters and fp16 loss scaling per stage are issue 37 item 3)"
         )
-    if cfg.parallel.mode == "fsdp2":
-        return f"{where} with parallel.mode='fsdp2': FSDP2 within a stage is not built yet; use 'ddp' or 'none'"
     if cfg.parallel.fsdp_cpu_offload:
-        return f"{where} with parallel.fsdp_cpu_offload=True: FSDP2 within a stage is not built yet; set False"
+        return (
+            f"{where} with parallel.fsdp_cpu_offload=True: FSDP2's CPU offload per stage is not checked yet; set False"
+        )
     for key, off, why in _NOT_UNDER_PIPELINE:
         value = _value(cfg, key)
         if value != off:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -110,10 +112,18 @@ class PipelineRunner:
 
 
 def wrap_chunks(
-    ctx: RunContext, chunks: dict[int, nn.Module], *, ddp: bool, bucket_cap_mb: int = 25
+    ctx: RunContext,
+    chunks: dict[int, nn.Module],
+    *,
+    mode: str,
+    bucket_cap_mb: int = 25,
+    reshard_after_forward: bool = True,
 ) -> dict[int, nn.Module]:
-    """Each chunk in DDP over its stage's data-parallel group (`ddp`); by stage index."""
-    if not ddp:
+    """Each chunk data parallel over its stage's "dp" ranks: `mode` "none", "ddp", or "fsdp2" (each block its own
+    unit, then the chunk); by stage index."""
+    if mode == "fsdp2":
+        return {index: _shard(chunk, ctx.pipeline_mesh["dp"], reshard_after_forward) for index, chunk in chunks.items()}
+    if mode == "none":
         return dict(chunks)
     dp_group = ctx.pipeline_mesh["dp"].get_group()
     device_ids = None if ctx.accelerator.name == "cpu" else [ctx.local_rank]
@@ -129,3 +139,12 @@ def wrap_chunks(
         module.require_backward_grad_sync = False
         wrapped[index] = module
     return wrapped
+
+
+def _shard(chunk: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> nn.Module:
+    """FSDP2 over the stage's data-parallel ranks, each block a unit as without a pipeline. torch's stage holds
+    gradient reduction until the step's last backward (the gradients accumulate unsharded over micro-batches) and
+    reduce-scatters once; the chunk itself keeps its parameters after forward, backward needs them at once."""
+    for block in chunk.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(chunk, mesh=mesh, reshard_after_forward=False)

@@ -1,10 +1,11 @@
 """Pipeline parallel (InternEvo's `parallel.pipeline` on torch.distributed.pipelining) end to end under torchrun
 over gloo, from the shipped configs/internlm2_tiny_pp2.py.
 
-In fp32 (at lr 1e-3, `CALM`) every schedule follows the one-process curve of the same global batch (8 sequences in
-4 micro-batches a step) within 1e-5 relative per step for 20 steps: 1F1B at P=2, ZBH1 at P=4, interleaved 1F1B
-over 2 chunks at P=2 with 2 data-parallel ranks per stage (DDP), ZBV at P=2; ZBV run again gives the same bits.
-Red with a micro-batch's loss scaled twice (the schedule's `scale_grads=True` over the trainer's weighted loss).
+In fp32 (at lr 1e-3, `CALM`) every schedule follows the one-process curve of the same global batch (8 sequences a
+step) within 1e-5 relative per step for 20 steps: 1F1B at P=2 with 2 data-parallel ranks per stage (DDP), ZBH1 at
+P=4, interleaved 1F1B over 2 chunks at P=2 with FSDP2 over 2 ranks per stage, ZBV at P=2; ZBV run again gives the
+same bits. Red with a micro-batch's loss scaled twice (the schedule's `scale_grads=True` over the trainer's weighted
+loss) and with the gradient norm not summed over the stages.
 """
 
 import pytest
@@ -26,7 +27,7 @@ def one_process(one_process_reference):
 @pytest.mark.parametrize(
     "name, nproc, options, schedule",
     [
-        ("1f1b_p2", 2, [], "0 of 2: stages [0] of 2 (Schedule1F1B)"),
+        ("1f1b_p2_ddp2", 4, ["parallel.mode=ddp"], "0 of 2: stages [0] of 2 (Schedule1F1B), DDP over 2 ranks each"),
         (
             "zbh1_p4",
             4,
@@ -34,10 +35,10 @@ def one_process(one_process_reference):
             "0 of 4: stages [0] of 4 (ScheduleInterleavedZeroBubble)",
         ),
         (
-            "interleaved_p2_dp2",
+            "interleaved_p2_fsdp2",
             4,
-            ["model.num_chunks=2", "parallel.mode=ddp"],
-            "0 of 2: stages [0, 2] of 4 (ScheduleInterleaved1F1B), DDP over 2 ranks each",
+            ["model.num_chunks=2", "parallel.mode=fsdp2"],
+            "0 of 2: stages [0, 2] of 4 (ScheduleInterleaved1F1B), FSDP2 over 2 ranks each",
         ),
     ],
 )

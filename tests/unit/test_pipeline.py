@@ -138,7 +138,7 @@ def test_internevo_pipeline_section_as_written():
         (4, {"parallel.pipeline.mode": "ZBV"}, "DDP does not reduce the zero-bubble schedules' split backward"),
         (3, {}, "parallel.pipeline.size=2 must divide the world size 3"),
         (4, {"parallel.tensor.size": 2}, "pipeline with tensor parallel is not built yet"),
-        (4, {"parallel.mode": "fsdp2"}, "FSDP2 within a stage is not built yet"),
+        (4, {"parallel.mode": "fsdp2", "parallel.fsdp_cpu_offload": True}, "FSDP2's CPU offload per stage"),
         (2, {"model.dtype": "torch.bfloat16"}, "only torch.float32 is built under a pipeline yet"),
         (2, {"cpu_offloading.enable": True, "cpu_offloading.num_layers": 1}, "activation offload under a pipeline"),
         (2, {"model.checkpoint": 1.0}, "activation checkpointing is not checked under a pipeline"),

@@ -269,6 +269,11 @@ def trace_step(cfg: RunConfig, world_size: int = 1, *, measure: bool = False, co
     only the cost model reads (the preflight needs the memory figures alone; the FLOP counter is the
     slowest part of a trace).
     """
+    if cfg.parallel.pipeline.size > 1:  # the trace would build the whole model on rank 0
+        raise UnsupportedLayout(
+            f"parallel.pipeline.size={cfg.parallel.pipeline.size}: the planner does not trace pipeline stages yet "
+            "(issue 37 item 7)"
+        )
     mode = cfg.parallel.mode
     if mode == "ddp":
         single = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"mode": "none"})})

@@ -163,3 +163,11 @@ def test_micro_batch_rules_match_torchs_schedules():
     assert micro_batch_problem(4, "1F1B", 2, 10) is None  # two rounds of 5
     assert micro_batch_problem(4, "ZBH1", 1, 9) is not None  # two rounds do not divide 9
     assert micro_batch_problem(2, "ZBV", 1, 2) is None
+
+
+def test_the_planner_refuses_a_pipeline_in_one_line(capsys):
+    """tools/plan would trace the whole model on rank 0: a pipeline's per-stage memory is issue 37 item 7."""
+    from internlm_offload.tools.plan import main
+
+    assert main(["--config", str(REPO / "configs" / "internlm2_tiny_pp2.py"), "--world-size", "2"]) == 2
+    assert "parallel.pipeline.size=2: the planner does not trace pipeline stages yet" in capsys.readouterr().err

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
 
@@ -29,15 +29,16 @@ class PipelineConfig(Section):
         "schedules; docs/parallelism.md.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _size_alone(cls, value: Any) -> Any:
+        """InternEvo also writes `pipeline=2` for `pipeline=dict(size=2)`."""
+        return {"size": value} if isinstance(value, int) and not isinstance(value, bool) else value
+
     @field_validator("mode", mode="before")
     @classmethod
     def _upper(cls, value: Any) -> Any:
         return value.upper() if isinstance(value, str) else value  # InternEvo upper-cases it too
-
-
-def pipeline_section(value: Any) -> Any:
-    """InternEvo also writes `pipeline=2` for `pipeline=dict(size=2)`."""
-    return dict(size=value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 def virtual_chunks(mode: str, num_chunks: int) -> int:

@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
 from internlm_offload.config.moe import MoeLayerKwargsConfig, check_moe
-from internlm_offload.config.pipeline import PipelineConfig, pipeline_section
+from internlm_offload.config.pipeline import PipelineConfig
 from internlm_offload.config.sizes import parse_size
 
 # Knobs a config may set to "auto" (with `memory_budget`): the memory planner chooses them at start-up.
@@ -401,11 +401,6 @@ class ParallelConfig(Section):
         "parameter drawn whole, one at a time: one parameter's memory above the shards), so a model larger than "
         "one rank's memory starts from the same model as one process. Other cases build the whole model first.",
     )
-
-    @field_validator("pipeline", mode="before")
-    @classmethod
-    def _pipeline_size(cls, value: Any) -> Any:
-        return pipeline_section(value)
 
 
 class LoadCkptInfo(Section):

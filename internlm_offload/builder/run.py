@@ -96,7 +96,7 @@ def build_components(
     layers: nn.ModuleList = model.layers if chunks is None else stage_blocks(chunks)
     offloader, selective_offloader = apply_memory_plan(cfg, layers, ctx.accelerator)
     pipeline = None
-    if chunks is not None:  # each stage in DDP over its data-parallel ranks, then torch's PipelineStage
+    if chunks is not None:  # each stage in DDP or FSDP2 over its data-parallel ranks, then torch's PipelineStage
         model, pipeline = apply_pipeline(cfg, ctx, chunks)
     else:
         model = apply_data_parallel(cfg, ctx, model, layers, policy, materialize=on_meta)

@@ -19,6 +19,7 @@ from internlm_offload.builder.model import (
     uses_loss_parallel,
 )
 from internlm_offload.builder.optimizer import build_optimizer, build_scheduler, hybrid_cpu_mask, offload_gradients
+from internlm_offload.builder.pipeline import apply_pipeline, split_for_pipeline
 from internlm_offload.config import RunConfig
 from internlm_offload.data import StepLoader, build_tokenizer
 from internlm_offload.engine.checkpoint import CheckpointManager
@@ -26,6 +27,8 @@ from internlm_offload.engine.evaluation import Evaluator
 from internlm_offload.engine.expert_load import ExpertLoad
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
+from internlm_offload.engine.pipeline import PipelineRunner
+from internlm_offload.engine.pipeline_split import stage_blocks
 from internlm_offload.engine.precision import NoMasters, PrecisionPolicy
 from internlm_offload.engine.runtime import RunContext, set_determinism
 from internlm_offload.engine.sequence_parallel import SequenceShard, apply_sequence_parallel
@@ -53,6 +56,7 @@ class Components:
     selective_offloader: SelectiveOffloader | None
     layers: nn.ModuleList  # the decoder blocks the layer plan acted on
     sequence_shard: SequenceShard | None = None  # isp: this rank's chunk of every sequence
+    pipeline: PipelineRunner | None = None  # this rank's pipeline stages' schedule
 
     @property
     def features(self) -> list[MemoryFeature]:
@@ -76,7 +80,8 @@ def build_components(
     """The run's model, masters, memory features, optimizer and schedule, one named step each, in this order.
     `check_model` runs on the bare model; the planner passes `check_host_memory=False` (it predicts the host)."""
     policy = PrecisionPolicy.from_config(cfg.model.dtype, cfg.mixed_precision.master_weights)
-    on_meta = builds_on_meta(cfg, policy)
+    # a pipeline cuts its stages from the whole seed-built model (FSDP2 then shards each stage's)
+    on_meta = builds_on_meta(cfg, policy) and ctx.pipeline_size == 1
     model = build_bare_model(cfg, ctx, on_meta=on_meta, check_model=check_model)
     shard = sequence_shard(cfg, ctx)
     if shard is None and ctx.tensor_size > 1:  # before the masters exist: they copy the DTensor shards
@@ -87,15 +92,22 @@ def build_components(
         apply_sequence_parallel(model, shard)
     elif ctx.tensor_size > 1:  # after the cast (it may swap the parameters), before any other gradient hook
         align_grads_in_backward(model)
-    layers: nn.ModuleList = model.layers
+    chunks = split_for_pipeline(cfg, ctx, model) if ctx.pipeline_size > 1 else None
+    layers: nn.ModuleList = model.layers if chunks is None else stage_blocks(chunks)
     offloader, selective_offloader = apply_memory_plan(cfg, layers, ctx.accelerator)
-    model = apply_data_parallel(cfg, ctx, model, layers, policy, materialize=on_meta)
+    pipeline = None
+    if chunks is not None:  # each stage in DDP or FSDP2 over its data-parallel ranks, then torch's PipelineStage
+        model, pipeline = apply_pipeline(cfg, ctx, chunks)
+    else:
+        model = apply_data_parallel(cfg, ctx, model, layers, policy, materialize=on_meta)
     masters: Masters = NoMasters(model) if kept_masters is None else kept_masters
     optimizer = build_optimizer(cfg, masters, ctx.accelerator, cpu_mask=cpu_mask, check_host=check_host_memory)
     if cfg.grad_offload:  # its hooks feed the host gradients the optimizer just built reads
         masters = offload_gradients(cfg, ctx, masters)
     scheduler = build_scheduler(cfg, optimizer)
-    return Components(model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers, shard)
+    return Components(
+        model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers, shard, pipeline
+    )
 
 
 def trainer_settings(
@@ -195,6 +207,7 @@ def make_trainer(
         scaler=build_loss_scaler(cfg) if parts.policy.loss_scaling else None,
         evaluator=evaluator,
         sequence_shard=parts.sequence_shard,
+        pipeline=parts.pipeline,
     )
 
 

@@ -6,7 +6,7 @@ of three fates here, listed in docs/migrating.md:
   `parallel.weight.size` → FSDP2, `local:` paths, ...);
 - ignored: no effect on the run here (alerts, tensorboard, communication overlap flags, ...); listed
   in one info line at start;
-- refused: honouring it would change the run (pipeline parallelism, 2D sequence parallel, boto3 storage, a beta2
+- refused: honouring it would change the run (2D sequence parallel, boto3 storage, a beta2
   schedule, ...); every refusal of a config is reported together, naming the key and what to change.
 Keys this trainer does not know at all are left alone: the schema refuses them as typos.
 
@@ -141,13 +141,6 @@ def _model(t: Translation) -> None:
         t.mapped.append(
             f"model.no_bias={no_bias if no_bias is not MISSING else 'unset'} -> model.attention_bias={model['attention_bias']}"
         )
-    _refuse_unless(
-        t,
-        "model.num_chunks",
-        _pop(t, "model", "num_chunks"),
-        1,
-        "interleaved pipeline chunks need pipeline parallelism; set 1",
-    )
     _refuse_unless(t, "model.norm_type", _pop(t, "model", "norm_type"), "rmsnorm", "only rmsnorm here")
     _refuse_unless(
         t, "model.norm_head", _pop(t, "model", "norm_head"), False, "the head is not normalised here; set False"
@@ -361,7 +354,6 @@ def _parallel(t: Translation, world_size: int) -> None:
     if not internevo_keys & parallel.keys():
         return
     tensor, pipeline, weight = (_size(parallel.get(key)) for key in ("tensor", "pipeline", "weight"))
-    parallel.pop("pipeline", None)
     zero1 = parallel.pop("zero1", None)
     seq2d = parallel.pop("sequence_2D", None)
     map_expert_parallel(t, parallel)
@@ -372,8 +364,6 @@ def _parallel(t: Translation, world_size: int) -> None:
         for knob in WEIGHT_SCHEDULING:
             if parallel["weight"].pop(knob, MISSING) is not MISSING:
                 t.ignored.append(f"parallel.weight.{knob}")
-    if pipeline > 1:
-        t.refused.append(f"parallel.pipeline.size={pipeline}: no pipeline parallelism here; set 1")
     if isinstance(seq2d, dict) and seq2d.get("enable"):
         t.refused.append(
             "parallel.sequence_2D.enable=True: 2D sequence parallel (ring attention over a context group) is not "
@@ -389,7 +379,7 @@ def _parallel(t: Translation, world_size: int) -> None:
         parallel["weight"] = {**parallel["weight"], "size": 1}
         t.mapped.append(f"parallel.weight.size={weight} with tensor.size=1 -> parallel.mode='fsdp2' over all ranks")
     fsdp = isinstance(zero1, dict) and bool(zero1.get("fsdp"))
-    data_parallel = max(1, world_size // tensor)
+    data_parallel = max(1, world_size // (tensor * pipeline))  # pipeline stages read the same micro-batches
     isp = isinstance(parallel.get("tensor"), dict) and parallel["tensor"].get("mode") == "isp"
     if weight > 1 or fsdp or (tensor > 1 and data_parallel > 1 and not isp):
         # weight parallel is FSDP2; other tensor modes take FSDP2 over the data-parallel dim (DDP takes no DTensors)

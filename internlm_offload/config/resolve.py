@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from internlm_offload.config.errors import report_problems, schema_at, validation_problem
 from internlm_offload.config.file import ConfigError
 from internlm_offload.config.internevo import translate
+from internlm_offload.config.pipeline import data_parallel_problem, micro_batch_problem
 from internlm_offload.config.schema import RunConfig
 from internlm_offload.config.sections import AUTO, AUTO_KNOBS, TENSOR_MODES
 
@@ -43,6 +44,7 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
     cfg._migration = translation
     cfg._auto_knobs = auto
     _derive_batch(cfg, _data_parallel_size(cfg, world_size))
+    _check_pipeline(cfg, _data_parallel_size(cfg, world_size))
     if cfg.lr_scheduler.total_steps is None:
         cfg.lr_scheduler.total_steps = cfg.data.total_steps
     if cfg.data.seed is None:
@@ -65,7 +67,7 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
     return cfg
 
 
-# Built under data-parallel ranks with DDP; what each of these needs under expert parallel is issue 35's item 4.
+# Built under data-parallel ranks with DDP; what each of these needs under expert parallel is not built yet.
 _NOT_UNDER_EXPERT_PARALLEL = {
     "grad_offload": "gradient offload reduces every gradient over all ranks",
     "swap_optimizer": "the swap optimizer is not checked on expert shards yet",
@@ -120,7 +122,7 @@ def _expert_parallel_blocker(cfg: RunConfig) -> str | None:
     if par.expert_weight.size > 1:
         return (
             f"parallel.expert_weight.size={par.expert_weight.size}: sharding the experts over the expert-data "
-            "ranks is not built yet (issue 35); set 1"
+            "ranks is not built yet; set 1"
         )
     if par.tensor.size > 1:
         return "expert parallel with tensor parallel is not built yet; set parallel.tensor.size=1"
@@ -141,13 +143,33 @@ def _expert_parallel_blocker(cfg: RunConfig) -> str | None:
 
 def _data_parallel_size(cfg: RunConfig, world_size: int) -> int:
     """Ranks that read different micro-batches: the world over the tensor groups (tensor ranks innermost)."""
-    for key, size in (("tensor", cfg.parallel.tensor.size), ("weight", cfg.parallel.weight.size)):
+    tensor, pipeline = cfg.parallel.tensor.size, cfg.parallel.pipeline.size
+    sizes = (("tensor", tensor), ("weight", cfg.parallel.weight.size), ("pipeline", pipeline))
+    for key, size in sizes:
         if size > world_size or world_size % size:
             raise ConfigError(
                 f"parallel.{key}.size={size} must divide the world size {world_size} (torchrun --nproc-per-node "
                 f"x nodes); choose a size that divides it"
             )
-    return world_size // cfg.parallel.tensor.size
+    return world_size // (tensor * pipeline)
+
+
+def _check_pipeline(cfg: RunConfig, data_parallel: int) -> None:
+    """The schedules' rules on the (derived) micro-batches per step and on data parallel within a stage; "auto"
+    knobs are not planned per stage yet."""
+    pipe = cfg.parallel.pipeline
+    if pipe.size == 1:
+        return
+    if cfg.auto_knobs:
+        raise ConfigError(
+            f"{cfg.auto_knobs[0]}='auto' with parallel.pipeline.size={pipe.size}: the planner does not trace "
+            "pipeline stages yet; give the knob a value"
+        )
+    problem = micro_batch_problem(pipe.size, pipe.mode, cfg.model.num_chunks, cfg.data.micro_num) or (
+        data_parallel_problem(pipe.mode, data_parallel)
+    )
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def _tensor_mode_placeholder(raw: dict[str, Any]) -> str:

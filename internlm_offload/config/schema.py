@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, PrivateAttr, model_validator
 
 from internlm_offload.config.internevo import Translation
+from internlm_offload.config.pipeline import pipeline_problem
 from internlm_offload.config.sections import (
     AdamConfig,
     CkptConfig,
@@ -177,6 +178,8 @@ class RunConfig(Section):
                 f"model.hidden_size={self.model.hidden_size} must be divisible by model.num_attention_heads={heads}, "
                 f"and that by model.num_kv_attention_heads={kv_heads}"
             )
+        if self.parallel.pipeline.size > 1 and (problem := pipeline_problem(self)):
+            raise ValueError(problem)
         if self.parallel.tensor.size > 1 or self.parallel.weight.size > 1:
             self._check_tensor_parallel()
         info = self.ckpt.load_ckpt_info

@@ -12,6 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
 from internlm_offload.config.moe import MoeLayerKwargsConfig, check_moe
+from internlm_offload.config.pipeline import PipelineConfig
 from internlm_offload.config.sizes import parse_size
 
 # Knobs a config may set to "auto" (with `memory_budget`): the memory planner chooses them at start-up.
@@ -66,6 +67,9 @@ class ModelConfig(Section):
     norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
     rope_base: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     tie_word_embeddings: bool = Field(False, description="Share the embedding and output-head weights.")
+    num_chunks: int = Field(
+        1, ge=1, description="InternEvo's interleaved pipeline chunks per rank (virtual stages; `parallel.pipeline`)."
+    )
     attention_bias: bool = Field(
         False,
         description="Biases on the attention projections wq, wk, wv, wo (InternLM v1; InternEvo's `no_bias=False`; "
@@ -389,6 +393,7 @@ class ParallelConfig(Section):
     weight: WeightParallelConfig = Field(default_factory=WeightParallelConfig)
     expert: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     expert_weight: ExpertWeightParallelConfig = Field(default_factory=ExpertWeightParallelConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     meta_init: bool = Field(
         True,
         description="`fsdp2` with `internlm2` (untied embeddings, fp32 or fp32-master params): build on the meta "

@@ -34,16 +34,20 @@ class RunContext:
     mesh: DeviceMesh | None = None
     # Expert parallel: the ("edp", "ep") mesh over the data-parallel ranks (engine/expert_parallel.py), None without
     expert_mesh: DeviceMesh | None = None
+    # Pipeline parallel: the ("pp", "dp") mesh, stage ranks outermost (rank r is pipeline rank r // (W / P)); the
+    # ranks of one stage read different micro-batches, those of one pipeline the same. None without a pipeline.
+    pipeline_size: int = 1
+    pipeline_mesh: DeviceMesh | None = None
 
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel index: which micro-batches it reads."""
-        return self.rank // self.tensor_size
+        return (self.rank % (self.world_size // self.pipeline_size)) // self.tensor_size
 
     @property
     def dp_size(self) -> int:
         """Ranks that read different micro-batches."""
-        return self.world_size // self.tensor_size
+        return self.world_size // (self.tensor_size * self.pipeline_size)
 
     @property
     def device(self) -> torch.device:
@@ -59,11 +63,17 @@ class RunContext:
 
 
 def init_runtime(
-    accelerator: Accelerator, *, needs_group: bool = False, tensor_size: int = 1, expert_size: int = 1
+    accelerator: Accelerator,
+    *,
+    needs_group: bool = False,
+    tensor_size: int = 1,
+    expert_size: int = 1,
+    pipeline_size: int = 1,
 ) -> RunContext:
     """Join the process group when launched by torchrun (gloo on cpu, nccl/hccl on accelerators). Without
     torchrun, `needs_group` (the ddp and fsdp2 wrappers) makes a group of this one process. `tensor_size` > 1
-    builds the ("dp", "tp") mesh, tensor ranks innermost; `expert_size` > 1 the ("edp", "ep") mesh."""
+    builds the ("dp", "tp") mesh, tensor ranks innermost; `expert_size` > 1 the ("edp", "ep") mesh; `pipeline_size` > 1
+    the ("pp", "dp") mesh."""
     if not launched_by_torchrun():
         if needs_group and not dist.is_initialized():
             dist.init_process_group(backend=accelerator.dist_backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -75,7 +85,8 @@ def init_runtime(
         dist.init_process_group(backend=accelerator.dist_backend)
     mesh = tensor_parallel_mesh(accelerator.name, world_size, tensor_size)
     experts = None if expert_size == 1 else expert_mesh(accelerator.name, world_size // tensor_size, expert_size)
-    return RunContext(rank, local_rank, world_size, accelerator, tensor_size, mesh, experts)
+    pipeline = None if pipeline_size == 1 else pipeline_mesh(accelerator.name, world_size, pipeline_size)
+    return RunContext(rank, local_rank, world_size, accelerator, tensor_size, mesh, experts, pipeline_size, pipeline)
 
 
 def tensor_parallel_mesh(device_type: str, world_size: int, tensor_size: int) -> DeviceMesh | None:
@@ -83,6 +94,11 @@ def tensor_parallel_mesh(device_type: str, world_size: int, tensor_size: int) ->
     if tensor_size == 1:
         return None
     return init_device_mesh(device_type, (world_size // tensor_size, tensor_size), mesh_dim_names=("dp", "tp"))
+
+
+def pipeline_mesh(device_type: str, world_size: int, pipeline_size: int) -> DeviceMesh:
+    """The ("pp", "dp") mesh over the process group, pipeline ranks outermost (InternEvo's order)."""
+    return init_device_mesh(device_type, (pipeline_size, world_size // pipeline_size), mesh_dim_names=("pp", "dp"))
 
 
 def expert_mesh(device_type: str, data_parallel: int, expert_size: int) -> DeviceMesh:

@@ -29,6 +29,7 @@ from internlm_offload.engine.interrupts import GracefulStop
 from internlm_offload.engine.loss import token_loss_sum
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog, Progress, memory_record
+from internlm_offload.engine.pipeline import PipelineRunner
 from internlm_offload.engine.profiling import profiled_step
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.engine.sequence_parallel import SequenceShard
@@ -117,9 +118,11 @@ class Trainer:
         scaler: DynamicLossScaler | None = None,
         evaluator: Evaluator | None = None,
         sequence_shard: SequenceShard | None = None,
+        pipeline: PipelineRunner | None = None,
     ) -> None:
         """`sequence_shard` (isp): the model returns this rank's chunk of the sequence; the loss takes the
-        matching labels, weighted by the chunk count (the wrapper averages over every rank)."""
+        matching labels, weighted by the chunk count (the wrapper averages over every rank). `pipeline`: the
+        model is this rank's pipeline stages; their schedule runs the micro-batches (engine/pipeline.py)."""
         self.ctx = ctx
         self.model = model
         self.optimizer = optimizer
@@ -133,6 +136,7 @@ class Trainer:
         self.scaler = scaler
         self.evaluator = evaluator
         self.sequence_shard = sequence_shard
+        self.pipeline = pipeline
         self._chunks = sequence_shard.size if sequence_shard is not None else 1
         self._closed = False
         self._line_peaks: list[int] = []  # the device peaks of LINE_STEPS so far
@@ -266,19 +270,10 @@ class Trainer:
         # over all ranks sums the chunks of a sequence and averages the data-parallel ranks.
         token_weight = loss_scale * self._chunks / tokens_per_rank
         aux_weight = loss_scale / len(micro_batches)
-        sync_in_backward = self.masters.reduce_in_backward
-        loss_sum = torch.zeros((), device=self.ctx.device, dtype=torch.float32)
-        aux_sum = None
-        for i, micro_batch in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            # SwapAdamW copies its first chunk of states in while the last backward runs (a no-op for the others).
-            prefetch = self.optimizer.prefetch if last else None
-            with gradient_sync(self.model, enabled=sync_in_backward and last):
-                micro_loss, micro_aux = self.forward_backward(micro_batch, token_weight, aux_weight, prefetch)
-            loss_sum += micro_loss
-            if micro_aux is not None:
-                aux_sum = micro_aux if aux_sum is None else aux_sum + micro_aux
-            self.masters.accumulate_grads()  # fp32 accumulation over micro-batches
+        if self.pipeline is not None:  # the schedule runs every micro-batch through this rank's stages
+            loss_sum, aux_sum = self.pipeline.forward_backward(micro_batches, token_weight), None
+        else:
+            loss_sum, aux_sum = self._micro_batches(micro_batches, token_weight, aux_weight)
         self.masters.reduce_grads(self.ctx.distributed)
         losses = [loss_sum * self._chunks / tokens_per_rank] + (
             [aux_sum / len(micro_batches)] if aux_sum is not None else []
@@ -287,7 +282,9 @@ class Trainer:
         # after the same step. The flag goes first so that the loss stays at index 1.
         stop_flag = torch.tensor(float(self._stop.requested), device=self.ctx.device)
         loss = torch.stack([stop_flag, *losses])
-        if self.ctx.distributed:
+        if self.pipeline is not None:  # the loss exists on the last stage only
+            self.pipeline.reduce_losses(loss)
+        elif self.ctx.distributed:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         norm = self.clip_gradients(unscale=1.0 / loss_scale)
         values = self.read_floats(torch.cat([loss, norm.to(loss.device, torch.float32).reshape(1)]))
@@ -305,6 +302,25 @@ class Trainer:
         used_scale = loss_scale if self.scaler is not None else None
         return StepResult(loss_value, norm_value, skipped, aux_value, stop, used_scale)
 
+    def _micro_batches(
+        self, micro_batches: list[MicroBatch], token_weight: float, aux_weight: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward and backward of each micro-batch in turn; the sum of their loss sums (and aux losses)."""
+        sync_in_backward = self.masters.reduce_in_backward
+        loss_sum = torch.zeros((), device=self.ctx.device, dtype=torch.float32)
+        aux_sum = None
+        for i, micro_batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            # SwapAdamW copies its first chunk of states in while the last backward runs (a no-op for the others).
+            prefetch = self.optimizer.prefetch if last else None
+            with gradient_sync(self.model, enabled=sync_in_backward and last):
+                micro_loss, micro_aux = self.forward_backward(micro_batch, token_weight, aux_weight, prefetch)
+            loss_sum += micro_loss
+            if micro_aux is not None:
+                aux_sum = micro_aux if aux_sum is None else aux_sum + micro_aux
+            self.masters.accumulate_grads()  # fp32 accumulation over micro-batches
+        return loss_sum, aux_sum
+
     def read_floats(self, values: torch.Tensor) -> list[float]:
         """The step's one host sync: the loss, flags and grad norm as Python floats (the planner's trace,
         which has no values, overrides it)."""
@@ -318,6 +334,8 @@ class Trainer:
             torch._foreach_mul_(grads, unscale)  # a power of two: exact
         groups = by_mesh(grads)
         norm = total_norm(groups)
+        if self.pipeline is not None:  # every stage clips by the norm over all stages
+            norm = self.pipeline.global_norm(norm)
         # clip_grad_norm_'s own rule and kernels, applied to the grad tensors (masters' grads need not be `.grad`);
         # per mesh, as torch's foreach kernels take no mix of DTensors and plain tensors
         for group in groups.values():

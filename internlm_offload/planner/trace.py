@@ -269,6 +269,16 @@ def trace_step(cfg: RunConfig, world_size: int = 1, *, measure: bool = False, co
     only the cost model reads (the preflight needs the memory figures alone; the FLOP counter is the
     slowest part of a trace).
     """
+    if cfg.parallel.pipeline.size > 1:  # the trace would build the whole model on rank 0
+        raise UnsupportedLayout(
+            f"parallel.pipeline.size={cfg.parallel.pipeline.size}: the memory planner does not trace pipeline "
+            "stages yet (size 1 is traced)"
+        )
+    if cfg.parallel.expert.size > 1:  # the trace's fake process group would exchange no split sizes
+        raise UnsupportedLayout(
+            f"parallel.expert.size={cfg.parallel.expert.size}: the memory planner does not trace expert parallel "
+            "yet (size 1 is traced)"
+        )
     mode = cfg.parallel.mode
     if mode == "ddp":
         single = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"mode": "none"})})
@@ -289,11 +299,6 @@ def _with_ddp_buckets(memory: StepMemory) -> StepMemory:
 
 
 def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> StepMemory:
-    if cfg.parallel.expert.size > 1:  # the trace's fake process group would exchange no split sizes
-        raise UnsupportedLayout(
-            f"parallel.expert.size={cfg.parallel.expert.size}: the memory planner does not trace expert parallel "
-            "yet (size 1 is traced)"
-        )
     accelerator = PlanningAccelerator("cpu", meta=not measure)
     tracker = accelerator.tracker
     tensor = cfg.parallel.tensor.size

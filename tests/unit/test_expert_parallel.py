@@ -211,13 +211,15 @@ def test_what_expert_parallel_cannot_take_is_one_line(options, world, part):
 
 
 def test_pipeline_with_expert_parallel_is_refused_in_one_line():
-    """InternEvo's pipeline section beside its expert section: pipeline parallel is not built here."""
+    """InternEvo's pipeline section beside its expert section: pipeline with expert parallel is not built yet."""
     from internlm_offload.config import ConfigError, resolve_config
 
     raw = dict(model=dict(num_experts=4), parallel=dict(pipeline=dict(size=2), expert=dict(size=2, no_tp=False)))
     with pytest.raises(ConfigError) as info:
         resolve_config(raw, world_size=4)
-    assert "parallel.pipeline.size=2: no pipeline parallelism here" in str(info.value)
+    assert "parallel.pipeline.size=2 with parallel.expert.size=2: pipeline with expert parallel is not built" in str(
+        info.value
+    )
 
 
 def test_preflight_under_expert_parallel_is_skipped_with_the_planner_s_reason(monkeypatch, caplog):

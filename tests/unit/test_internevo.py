@@ -89,11 +89,10 @@ def test_local_prefixes_and_model_only_load_without_auto_resume():
         ({"model_type": "QWEN3MOE", "model": dict(num_experts=4, top_k=2)}, "asserts Dropless"),
         ({"model_type": "GPT9"}, "model_type='GPT9'"),
         ({"adam": dict(adam_beta2_c=0.5)}, "adam.adam_beta2_c=0.5"),
-        ({"model": dict(num_chunks=2)}, "model.num_chunks=2"),
         ({"model": dict(norm_type="layernorm")}, "model.norm_type='layernorm'"),
         ({"data": dict(rampup_batch_size="192 24 8")}, "data.rampup_batch_size"),
         ({"ckpt": dict(save_ckpt_folder="boto3:s3://bucket/x")}, "only local paths"),
-        ({"parallel": dict(pipeline=dict(size=2))}, "parallel.pipeline.size=2"),
+        ({"parallel": dict(sequence_2D=dict(enable=True))}, "parallel.sequence_2D.enable=True"),
     ],
 )
 def test_settings_that_would_change_the_run_are_refused(raw, part):

@@ -1,0 +1,50 @@
+"""Pipeline parallel from the config: this rank's stages of the seed-built model, their DDP and schedule."""
+
+from torch import nn
+
+from internlm_offload.builder.model import log_build_memory
+from internlm_offload.config import RunConfig
+from internlm_offload.config.pipeline import virtual_chunks
+from internlm_offload.engine.pipeline import PipelineRunner, schedule_class, wrap_chunks
+from internlm_offload.engine.pipeline_split import PipelineChunk, split_model
+from internlm_offload.engine.runtime import RunContext
+from internlm_offload.log import get_logger
+
+logger = get_logger(__name__)
+
+
+def split_for_pipeline(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> dict[int, PipelineChunk]:
+    """This rank's stages (InternEvo's partition; ZBV's in a V), by stage index."""
+    pipe = cfg.parallel.pipeline
+    chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
+    rank = ctx.pipeline_mesh.get_local_rank("pp")
+    return split_model(model, pipe.size, chunks, rank, v_shape=pipe.mode == "ZBV")
+
+
+def apply_pipeline(
+    cfg: RunConfig, ctx: RunContext, chunks: dict[int, PipelineChunk]
+) -> tuple[nn.ModuleList, PipelineRunner]:
+    """The stages wrapped (DDP or FSDP2 within a stage's data-parallel ranks, `parallel.mode`), as one module
+    list (what the optimizer steps), and the runner of their schedule."""
+    pipe = cfg.parallel.pipeline
+    num_chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
+    num_stages = pipe.size * num_chunks
+    par = cfg.parallel
+    modules = wrap_chunks(
+        ctx, chunks, mode=par.mode, bucket_cap_mb=par.bucket_cap_mb, reshard_after_forward=par.reshard_after_forward
+    )
+    wrapper = "" if par.mode == "none" else f", {par.mode.upper()} over {ctx.dp_size} ranks each"
+    logger.info(
+        "Pipeline rank %d of %d: stages %s of %d (%s)%s", ctx.pipeline_mesh.get_local_rank("pp"), pipe.size,
+        list(chunks), num_stages, schedule_class(pipe.mode, num_chunks).__name__, wrapper,
+    )  # fmt: skip
+    log_build_memory(ctx)
+    runner = PipelineRunner(
+        ctx,
+        modules,
+        num_stages,
+        schedule_class(pipe.mode, num_chunks),
+        cfg.data.micro_num,
+        label_smoothing=cfg.loss.label_smoothing,
+    )
+    return nn.ModuleList(modules.values()), runner

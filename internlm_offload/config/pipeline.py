@@ -1,0 +1,143 @@
+"""InternEvo's pipeline section (`parallel.pipeline`, `model.num_chunks`): the schema, the schedules' rules on
+micro-batches, and what does not compose with a pipeline yet (one-line refusals, docs/parallelism.md).
+
+Pure functions of config values: the engine (engine/pipeline.py) builds what these accept.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from internlm_offload.config.base import Section
+
+PIPELINE_MODES = ("1F1B", "ZBH1", "ZBV")
+
+
+class PipelineConfig(Section):
+    size: int = Field(1, ge=1, description="Pipeline stages' ranks P (outermost: ranks r, r + W/P, ... form one).")
+    interleaved_overlap: bool = Field(
+        False,
+        description="InternEvo's communication overlap of the interleaved schedule: no effect here (torch's "
+        "schedules send and receive themselves); read as written.",
+    )
+    mode: Literal["1F1B", "ZBH1", "ZBV"] = Field(
+        "1F1B",
+        description="`1F1B` (interleaved 1F1B when `model.num_chunks` > 1), `ZBH1` (zero bubble, one chunk per "
+        "rank), `ZBV` (zero bubble over two chunks per rank placed in a V). torch.distributed.pipelining's "
+        "schedules; docs/parallelism.md.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _size_alone(cls, value: Any) -> Any:
+        """InternEvo also writes `pipeline=2` for `pipeline=dict(size=2)`."""
+        return {"size": value} if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value  # InternEvo upper-cases it too
+
+
+def virtual_chunks(mode: str, num_chunks: int) -> int:
+    """Chunks (virtual stages) per rank: ZBV always runs two, as InternEvo forces."""
+    return 2 if mode == "ZBV" else num_chunks
+
+
+# Features not built under a pipeline yet: the key, its value when off, what a config sets.
+_NOT_UNDER_PIPELINE: tuple[tuple[str, Any, str], ...] = (
+    ("parallel.tensor.size", 1, "pipeline with tensor parallel is not built yet; set parallel.tensor.size=1"),
+    ("parallel.weight.size", 1, "pipeline with weight parallel is not built yet; set parallel.weight.size=1"),
+    ("parallel.expert.size", 1, "pipeline with expert parallel is not built yet; set parallel.expert.size=1"),
+    ("model.num_experts", 0, "a pipeline carries no MoE aux loss between stages yet; use a dense model"),
+    ("model.tie_word_embeddings", False, "the embedding and the head sit on different stages; set False"),
+    ("model.checkpoint", 0.0, "activation checkpointing is not checked under a pipeline yet; set 0"),
+    ("cpu_offloading.enable", False, "activation offload under a pipeline is not built yet; set False"),
+    ("selective_checkpoint", False, "selective checkpointing is not checked under a pipeline yet; set False"),
+    ("swap_optimizer", False, "the swap optimizer is not checked per stage yet; set False"),
+    ("hybrid_optimizer.enable", False, "the hybrid optimizer is not checked per stage yet; set False"),
+    ("grad_offload", False, "gradient offload is not checked per stage yet; set False"),
+    ("nvme_offload.enable", False, "the NVMe tier is not checked per stage yet; set False"),
+    ("ckpt.enable_save_ckpt", False, "checkpoints of a pipeline's stages are not built yet; set False"),
+    ("ckpt.auto_resume", False, "checkpoints of a pipeline's stages are not built yet; set False"),
+    ("ckpt.load_ckpt_info", None, "loading weights into a pipeline's stages is not built yet; leave it unset"),
+    ("data.valid_folder", None, "validation runs the whole model on one rank; not built under a pipeline yet"),
+)
+
+
+def _value(cfg: Section, key: str) -> Any:
+    value: Any = cfg
+    for name in key.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def pipeline_problem(cfg: Any) -> str | None:
+    """The first thing `cfg` (a RunConfig: its module imports this one) asks of a pipeline
+    (`parallel.pipeline.size` > 1) that is not built yet, as one line; None if nothing."""
+    pipe, model = cfg.parallel.pipeline, cfg.model
+    where = f"parallel.pipeline.size={pipe.size}"
+    if model.type != "internlm2":
+        return f"{where} splits model.type='internlm2' only, got {model.type!r}"
+    if model.dtype != "torch.float32":
+        return (
+            f"{where} with model.dtype={model.dtype!r}: only torch.float32 is built under a pipeline yet (fp32 "
+            "masters and fp16 loss scaling per stage are not built yet)"
+        )
+    if cfg.parallel.fsdp_cpu_offload:
+        return (
+            f"{where} with parallel.fsdp_cpu_offload=True: FSDP2's CPU offload per stage is not checked yet; set False"
+        )
+    for key, off, why in _NOT_UNDER_PIPELINE:
+        value = _value(cfg, key)
+        if value != off:
+            return f"{where} with {key}={value!r}: {why}"
+    return _chunk_problem(pipe.size, pipe.mode, model.num_chunks, model.num_layers)
+
+
+def _chunk_problem(size: int, mode: str, num_chunks: int, num_layers: int) -> str | None:
+    if mode == "ZBH1" and num_chunks != 1:
+        return f"parallel.pipeline.mode='ZBH1' with model.num_chunks={num_chunks}: ZBH1 runs one chunk per rank; set 1"
+    if mode == "ZBV" and num_chunks not in (1, 2):
+        return f"parallel.pipeline.mode='ZBV' with model.num_chunks={num_chunks}: ZBV runs two chunks per rank; set 2"
+    chunks = virtual_chunks(mode, num_chunks)
+    if num_layers % chunks:
+        return f"model.num_layers={num_layers} must be divisible by the {chunks} pipeline chunks per rank"
+    if num_layers // chunks < size:
+        return (
+            f"model.num_layers={num_layers} over {size} pipeline ranks x {chunks} chunks leaves a stage without a "
+            "block; lower parallel.pipeline.size or model.num_chunks"
+        )
+    return None
+
+
+def micro_batch_problem(size: int, mode: str, num_chunks: int, micro_num: int) -> str | None:
+    """torch's schedules' rules on the micro-batches per step (`data.micro_num`), as one line, or None."""
+    chunks = virtual_chunks(mode, num_chunks)
+    if chunks == 1 and mode == "1F1B" and micro_num < size:
+        return (
+            f"data.micro_num={micro_num} with parallel.pipeline.size={size}: 1F1B needs at least one micro-batch "
+            f"per stage; set data.micro_num >= {size}"
+        )
+    rounds = max(1, micro_num // size)
+    if chunks > 1 or mode != "1F1B":
+        if micro_num % rounds:
+            return (
+                f"data.micro_num={micro_num} with parallel.pipeline.size={size} (mode {mode!r}, {chunks} chunks): "
+                f"the schedule runs micro_num // {size} = {rounds} rounds, which must divide it; set a multiple of "
+                f"{size}"
+            )
+    return None
+
+
+def data_parallel_problem(mode: str, data_parallel: int) -> str | None:
+    """The zero-bubble schedules split each backward into an input and a weight pass; DDP's reducer follows
+    neither (checked: the gradient norm off from step 1), so they run with one rank per stage."""
+    if mode in ("ZBH1", "ZBV") and data_parallel > 1:
+        return (
+            f"parallel.pipeline.mode={mode!r} with {data_parallel} data-parallel ranks per stage: DDP does not "
+            "reduce the zero-bubble schedules' split backward yet; use mode='1F1B' or one rank per stage"
+        )
+    return None

@@ -1,0 +1,150 @@
+"""Pipeline parallel on torch.distributed.pipelining: this rank's stages, their schedule, and the step's
+cross-stage reductions the trainer calls (`PipelineRunner`).
+
+The schedule is torch's (1F1B, interleaved 1F1B, ZBH1 as torch's interleaved zero bubble, ZBV) and so are all
+sends and receives. `data.micro_num` micro-batches of a step are the schedule's micro-batches. The loss each
+micro-batch backpropagates is the trainer's: its token-loss sum times the step's token weight (1 / labelled
+tokens of the rank's micro-batches, times the fp16 loss scale), so the schedule must not scale the gradients
+again (`scale_grads=False`): the gradients are the sum over micro-batches, as without a pipeline.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.nn.parallel import DistributedDataParallel
+
+from internlm_offload.data.loader import MicroBatch
+from internlm_offload.engine.loss import token_loss_sum
+from internlm_offload.engine.runtime import RunContext
+
+
+def schedule_class(mode: str, num_chunks: int) -> type[_PipelineSchedule]:
+    """InternEvo's scheduler choice on torch's classes: ZBV, ZBH1, interleaved 1F1B over several chunks, 1F1B."""
+    if mode == "ZBV":
+        return ScheduleZBVZeroBubble
+    if mode == "ZBH1":
+        return ScheduleInterleavedZeroBubble
+    return ScheduleInterleaved1F1B if num_chunks > 1 else Schedule1F1B
+
+
+class PipelineRunner:
+    """Runs one step's micro-batches through this rank's stages and joins what the trainer reduces over stages."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        modules: dict[int, nn.Module],
+        num_stages: int,
+        schedule_cls: type[_PipelineSchedule],
+        micro_num: int,
+        *,
+        label_smoothing: float = 0.0,
+    ) -> None:
+        """`modules`: this rank's stage modules by stage index (wrapped in DDP where data parallel)."""
+        self.ctx = ctx
+        self.holds_first = 0 in modules
+        self.holds_last = num_stages - 1 in modules
+        self._pp_group = ctx.pipeline_mesh["pp"].get_group()
+        self._dp_group = ctx.pipeline_mesh["dp"].get_group()
+        self._label_smoothing = label_smoothing
+        self._sums: list[torch.Tensor] = []  # this step's per-micro-batch loss sums, in micro-batch order
+        # torch infers the shapes the stages exchange on the first step (one micro-batch's forward and its input
+        # gradients, no parameter gradient)
+        stages = [PipelineStage(m, index, num_stages, ctx.device, group=self._pp_group) for index, m in modules.items()]
+        single = schedule_cls is Schedule1F1B
+        # scale_grads=False: the loss is already the trainer's share of the step (see the module's docstring)
+        self.schedule = schedule_cls(stages[0] if single else stages, micro_num, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:
+        loss_sum = token_loss_sum(logits, labels, label_smoothing=self._label_smoothing)
+        self._sums.append(loss_sum.detach())
+        return loss_sum * weight
+
+    def forward_backward(self, micro_batches: list[MicroBatch], token_weight: float) -> torch.Tensor:
+        """Forward and backward of every micro-batch through the pipeline; the sum of their token-loss sums on
+        the rank holding the last stage, 0 elsewhere (`reduce_losses` brings it to every rank)."""
+        device = self.ctx.device
+        input_ids, labels, *positions = (
+            torch.cat([mb[i] for mb in micro_batches]).to(device) for i in range(len(micro_batches[0]))
+        )
+        kwargs = {"position_ids": positions[0]} if positions else {}  # every stage applies RoPE
+        self._sums = []
+        self.schedule.step(
+            *((input_ids,) if self.holds_first else ()),
+            target=labels if self.holds_last else None,
+            losses=[] if self.holds_last else None,
+            return_outputs=False,  # the last stage's logits would stay alive for every micro-batch
+            loss_kwargs={"weight": token_weight},
+            **kwargs,
+        )
+        # The first step's shape inference runs the loss once more, before the schedule: this step's sums are the
+        # last len(micro_batches).
+        loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+        for micro_sum in self._sums[-len(micro_batches) :]:  # the order and kernel of the trainer's accumulation
+            loss_sum += micro_sum
+        return loss_sum
+
+    def reduce_losses(self, values: torch.Tensor) -> None:
+        """In place: `values` (a stop flag, then the losses: 0 off the last stage) averaged over this stage's
+        data-parallel ranks, then summed over the pipeline, so that every rank holds the last stage's average
+        and every stop request."""
+        if self._dp_group.size() > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.AVG, group=self._dp_group)
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self._pp_group)
+
+    def global_norm(self, stage_norm: torch.Tensor) -> torch.Tensor:
+        """The 2-norm over every stage's gradients from this rank's stages' norm (replicated within a stage)."""
+        squared = stage_norm.to(torch.float32).square()
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self._pp_group)
+        return squared.sqrt()
+
+
+def wrap_chunks(
+    ctx: RunContext,
+    chunks: dict[int, nn.Module],
+    *,
+    mode: str,
+    bucket_cap_mb: int = 25,
+    reshard_after_forward: bool = True,
+) -> dict[int, nn.Module]:
+    """Each chunk data parallel over its stage's "dp" ranks: `mode` "none", "ddp", or "fsdp2" (each block its own
+    unit, then the chunk); by stage index."""
+    if mode == "fsdp2":
+        return {index: _shard(chunk, ctx.pipeline_mesh["dp"], reshard_after_forward) for index, chunk in chunks.items()}
+    if mode == "none":
+        return dict(chunks)
+    dp_group = ctx.pipeline_mesh["dp"].get_group()
+    device_ids = None if ctx.accelerator.name == "cpu" else [ctx.local_rank]
+    wrapped: dict[int, nn.Module] = {}
+    for index, chunk in chunks.items():
+        module = DistributedDataParallel(
+            chunk, device_ids=device_ids, process_group=dp_group, bucket_cap_mb=bucket_cap_mb
+        )
+        # Held in no_sync's state: the stage arms the reducer itself before the step's last backward. torch's
+        # first-step shape inference runs a forward through DDP and no parameter backward; a reducer armed by
+        # that forward would count the micro-batches' gradients twice and fail the next forward (reducer.cpp:
+        # "rebuilt parameter indices size is not same as original model parameters size").
+        module.require_backward_grad_sync = False
+        wrapped[index] = module
+    return wrapped
+
+
+def _shard(chunk: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> nn.Module:
+    """FSDP2 over the stage's data-parallel ranks, each block a unit as without a pipeline. torch's stage holds
+    gradient reduction until the step's last backward (the gradients accumulate unsharded over micro-batches) and
+    reduce-scatters once; the chunk itself keeps its parameters after forward, backward needs them at once."""
+    for block in chunk.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(chunk, mesh=mesh, reshard_after_forward=False)

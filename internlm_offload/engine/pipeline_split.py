@@ -1,0 +1,89 @@
+"""A decoder cut into pipeline stages: InternEvo's uniform partition, the stage-to-rank placement, and the
+stage module (a run of blocks, the embedding on the first stage, norm and head on the last).
+
+Stages are numbered in the order a micro-batch runs through them (torch's stage index): chunk c's stage on
+its j-th rank in pipeline order is `c * P + j`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from internlm_offload.model.internlm2 import Documents, InternLM2
+
+
+def partition_uniform(num_layers: int, size: int, num_chunks: int) -> list[tuple[int, int]]:
+    """Block ranges `[start, end)` per stage, in stage order: each chunk takes `num_layers / num_chunks` blocks,
+    split evenly over its `size` stages, the remainder one block each to the chunk's LAST stages (InternEvo's
+    `partition_uniform`; the embedding and head weigh nothing)."""
+    if num_layers % num_chunks:
+        raise ValueError(f"{num_layers} blocks do not split into {num_chunks} chunks")
+    per_chunk = num_layers // num_chunks
+    base, extra = divmod(per_chunk, size)
+    if base == 0:
+        raise ValueError(f"{per_chunk} blocks per chunk leave a stage of {size} without a block")
+    ranges, start = [], 0
+    for _ in range(num_chunks):
+        for position in range(size):
+            count = base + (position >= size - extra)
+            ranges.append((start, start + count))
+            start += count
+    return ranges
+
+
+def stage_rank(stage: int, size: int, v_shape: bool) -> int:
+    """The pipeline rank that runs `stage`: round robin ("loop"), or down and back up for ZBV ("v": rank r holds
+    stages r and 2P - 1 - r, so the first and the last stage share rank 0)."""
+    chunk, position = divmod(stage, size)
+    if v_shape and chunk % 2:
+        return size - 1 - position
+    return position
+
+
+def local_stages(rank: int, size: int, num_chunks: int, v_shape: bool) -> list[int]:
+    """The stages pipeline rank `rank` runs, in chunk order."""
+    return [s for s in range(size * num_chunks) if stage_rank(s, size, v_shape) == rank]
+
+
+class PipelineChunk(nn.Module):
+    """Blocks `[start, end)` of an InternLM2 decoder; the first stage embeds the token ids, the last returns logits.
+
+    Holds the decoder's own modules (no copy): a stage built from the seed-built whole model starts from the
+    one-process weights. Block names keep their global index (`layers.5`), as in the whole model.
+    """
+
+    def __init__(self, model: InternLM2, start: int, end: int, *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, end)})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        # what InternLM2.rope_cos_sin reads, so that every stage computes RoPE as the whole model does
+        self.head_dim, self.rope_base = model.head_dim, model.rope_base
+        self.register_buffer("inv_freq", model.inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) on the first stage, hidden states (B, T, C) on the others; logits on the last."""
+        h = self.tok_embeddings(x) if self.first else x
+        documents = None if position_ids is None else Documents(position_ids)
+        rope = InternLM2.rope_cos_sin(self, h.shape[1], h.dtype, position_ids)  # type: ignore[arg-type]
+        for layer in self.layers.values():
+            h = layer(h, rope, documents)
+        return self.output(self.norm(h)) if self.last else h
+
+
+def split_model(model: InternLM2, size: int, num_chunks: int, rank: int, v_shape: bool) -> dict[int, PipelineChunk]:
+    """This pipeline rank's stages of `model`, by stage index; the blocks of other ranks' stages are dropped."""
+    ranges = partition_uniform(model.num_layers, size, num_chunks)
+    last = len(ranges) - 1
+    return {
+        s: PipelineChunk(model, *ranges[s], first=s == 0, last=s == last)
+        for s in local_stages(rank, size, num_chunks, v_shape)
+    }
+
+
+def stage_blocks(chunks: dict[int, PipelineChunk]) -> nn.ModuleList:
+    """The decoder blocks of this rank's stages, in stage order (what the layer plan acts on)."""
+    return nn.ModuleList(block for chunk in chunks.values() for block in chunk.layers.values())

@@ -1,0 +1,173 @@
+"""Pipeline parallel's pure parts: InternEvo's partition, the stage-to-rank placement, the schedule choice, the
+stage modules against the whole decoder, and the config section with its one-line refusals."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from internlm_offload.config import ConfigError, load_config_file, resolve_config
+from internlm_offload.config.pipeline import micro_batch_problem
+from internlm_offload.engine.pipeline import schedule_class
+from internlm_offload.engine.pipeline_split import local_stages, partition_uniform, split_model, stage_rank
+from internlm_offload.model.internlm2 import InternLM2
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------- partition and placement
+
+
+@pytest.mark.parametrize(
+    ("layers", "size", "chunks", "ranges"),
+    [
+        (4, 2, 1, [(0, 2), (2, 4)]),
+        (5, 2, 1, [(0, 2), (2, 5)]),  # the remainder to the last stage
+        (10, 4, 1, [(0, 2), (2, 4), (4, 7), (7, 10)]),  # to the last two
+        (8, 2, 2, [(0, 2), (2, 4), (4, 6), (6, 8)]),
+        (10, 2, 2, [(0, 2), (2, 5), (5, 7), (7, 10)]),  # per chunk: each chunk's last stage
+        (80, 8, 1, [(10 * s, 10 * s + 10) for s in range(8)]),
+    ],
+)
+def test_partition_is_internevos_uniform_split(layers, size, chunks, ranges):
+    """InternEvo's partition_uniform: each chunk's blocks evenly over its stages, the remainder one block each to
+    the chunk's last stages (the embedding and the head weigh nothing). Red with the remainder on the first stages
+    (a stage boundary off by one block)."""
+    assert partition_uniform(layers, size, chunks) == ranges
+
+
+def test_partition_refuses_empty_stages_and_uneven_chunks():
+    with pytest.raises(ValueError, match="without a block"):
+        partition_uniform(3, 4, 1)
+    with pytest.raises(ValueError, match="do not split into 2 chunks"):
+        partition_uniform(5, 2, 2)
+
+
+def test_stage_placement_loop_and_v():
+    """Round robin for 1F1B, interleaved and ZBH1 (rank r holds r, r + P, ...); ZBV's V: rank r holds stages r and
+    2P - 1 - r, InternEvo's second chunk assigned in reverse rank order."""
+    assert [local_stages(r, 2, 2, v_shape=False) for r in range(2)] == [[0, 2], [1, 3]]
+    assert [local_stages(r, 4, 2, v_shape=True) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [stage_rank(s, 3, v_shape=False) for s in range(3)] == [0, 1, 2]
+    # InternEvo's ZBV parts for 10 blocks on 2 ranks: rank 0 (0, 2) and (7, 10), rank 1 (2, 5) and (5, 7)
+    ranges = partition_uniform(10, 2, 2)
+    assert [[ranges[s] for s in local_stages(r, 2, 2, v_shape=True)] for r in range(2)] == [
+        [(0, 2), (7, 10)],
+        [(2, 5), (5, 7)],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("mode", "chunks", "cls"),
+    [
+        ("1F1B", 1, Schedule1F1B),
+        ("1F1B", 2, ScheduleInterleaved1F1B),
+        ("ZBH1", 1, ScheduleInterleavedZeroBubble),
+        ("ZBV", 2, ScheduleZBVZeroBubble),
+    ],
+)
+def test_schedule_choice_is_internevos_on_torchs_classes(mode, chunks, cls):
+    assert schedule_class(mode, chunks) is cls
+
+
+# ----------------------------------------------------------------------------- stages against the whole model
+
+
+def tiny_decoder() -> InternLM2:
+    torch.manual_seed(0)
+    return InternLM2(num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=67)
+
+
+@pytest.mark.parametrize(("size", "chunks", "v_shape"), [(2, 1, False), (4, 1, False), (2, 2, False), (2, 2, True)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_stages_in_order_are_the_whole_decoder_bitwise(size, chunks, v_shape, packed):
+    """Every rank's stages, run in stage order, give the whole model's logits bitwise (packed documents too: each
+    stage applies RoPE and the document mask); each stage holds the partition's blocks under their global names,
+    the embedding only on the first stage, norm and head only on the last."""
+    model = tiny_decoder()
+    stages: dict[int, Any] = {}
+    for rank in range(size):
+        stages.update(split_model(model, size, chunks, rank, v_shape))
+    ranges = partition_uniform(4, size, chunks)
+    for index, stage in stages.items():
+        assert list(stage.layers) == [str(i) for i in range(*ranges[index])]
+        assert (stage.tok_embeddings is not None, stage.output is not None) == (index == 0, index == len(ranges) - 1)
+    ids = torch.randint(0, 67, (2, 16))
+    positions = torch.tensor([list(range(10)) + list(range(6))] * 2) if packed else None
+    h = ids
+    for index in sorted(stages):
+        h = stages[index](h, positions)
+    assert torch.equal(h, model(ids, positions))
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def resolve(world_size: int, options: dict[str, Any]):
+    """configs/internlm2_tiny_pp2.py (pipeline=dict(size=2), 4 micro-batches) with dotted `options` set."""
+    return resolve_config(load_config_file(REPO / "configs" / "internlm2_tiny_pp2.py", options), world_size=world_size)
+
+
+def test_internevo_pipeline_section_as_written():
+    """`pipeline=2` means size 2, the mode is upper-cased, num_chunks and interleaved_overlap are read as written;
+    pipeline stages read the same micro-batches, so the data-parallel size is the world over the pipeline."""
+    cfg = resolve(2, {"parallel.pipeline": 2})
+    assert (cfg.parallel.pipeline.size, cfg.parallel.pipeline.mode, cfg.parallel.mode) == (2, "1F1B", "none")
+    cfg = resolve(2, {"parallel.pipeline": dict(size=2, interleaved_overlap=True, mode="zbv"), "model.num_chunks": 2})
+    pipe = cfg.parallel.pipeline
+    assert (pipe.mode, cfg.model.num_chunks, pipe.interleaved_overlap) == ("ZBV", 2, True)
+    cfg = resolve(4, {"data.global_bsz": 16})  # 2 data-parallel ranks per stage, micro-batches of 4: 2 each
+    assert (cfg.parallel.mode, cfg.data.micro_num) == ("ddp", 2)  # InternEvo's wrapper for them: DDP
+
+
+@pytest.mark.parametrize(
+    ("world_size", "options", "message"),
+    [
+        (2, {"data.micro_num": 1}, "1F1B needs at least one micro-batch per stage; set data.micro_num >= 2"),
+        (2, {"data.micro_num": 5, "model.num_chunks": 2}, "micro_num // 2 = 2 rounds, which must divide it"),
+        (2, {"model.num_chunks": 3}, "model.num_layers=4 must be divisible by the 3 pipeline chunks"),
+        (4, {"parallel.pipeline.size": 4, "model.num_chunks": 2}, "leaves a stage without a block"),
+        (2, {"parallel.pipeline.mode": "ZBH1", "model.num_chunks": 2}, "ZBH1 runs one chunk per rank"),
+        (4, {"parallel.pipeline.mode": "ZBV"}, "DDP does not reduce the zero-bubble schedules' split backward"),
+        (3, {}, "parallel.pipeline.size=2 must divide the world size 3"),
+        (4, {"parallel.tensor.size": 2}, "pipeline with tensor parallel is not built yet"),
+        (4, {"parallel.mode": "fsdp2", "parallel.fsdp_cpu_offload": True}, "FSDP2's CPU offload per stage"),
+        (2, {"model.dtype": "torch.bfloat16"}, "only torch.float32 is built under a pipeline yet"),
+        (2, {"cpu_offloading.enable": True, "cpu_offloading.num_layers": 1}, "activation offload under a pipeline"),
+        (2, {"model.checkpoint": 1.0}, "activation checkpointing is not checked under a pipeline"),
+        (2, {"swap_optimizer": True}, "the swap optimizer is not checked per stage"),
+        (2, {"ckpt.enable_save_ckpt": True}, "checkpoints of a pipeline's stages are not built yet"),
+        (2, {"model.tie_word_embeddings": True}, "the embedding and the head sit on different stages"),
+        (2, {"model.checkpoint": "auto", "memory_budget.device": "1GiB"}, "does not trace pipeline stages yet"),
+    ],
+)
+def test_what_a_pipeline_cannot_take_is_one_line(world_size, options, message):
+    with pytest.raises(ConfigError) as info:
+        resolve(world_size, options)
+    assert message in str(info.value), str(info.value)
+    assert len(str(info.value).splitlines()) <= 2
+
+
+def test_micro_batch_rules_match_torchs_schedules():
+    """Schedule1F1B raises below one micro-batch per stage; the interleaved and zero-bubble schedules when the
+    rounds (micro_num // P, at least 1) do not divide micro_num."""
+    assert micro_batch_problem(4, "1F1B", 1, 4) is None and micro_batch_problem(4, "1F1B", 1, 3) is not None
+    assert micro_batch_problem(4, "1F1B", 2, 3) is None  # one round
+    assert micro_batch_problem(4, "1F1B", 2, 10) is None  # two rounds of 5
+    assert micro_batch_problem(4, "ZBH1", 1, 9) is not None  # two rounds do not divide 9
+    assert micro_batch_problem(2, "ZBV", 1, 2) is None
+
+
+def test_the_planner_refuses_a_pipeline_in_one_line(capsys):
+    """tools/plan would trace the whole model on rank 0: a pipeline's per-stage memory is issue 37 item 7."""
+    from internlm_offload.tools.plan import main
+
+    assert main(["--config", str(REPO / "configs" / "internlm2_tiny_pp2.py"), "--world-size", "2"]) == 2
+    assert "parallel.pipeline.size=2: the memory planner does not trace pipeline stages yet" in capsys.readouterr().err

@@ -62,3 +62,33 @@ def test_two_processes_follow_one(lora_run, base, tmp_path, mode, options):
     assert two.keys() == one.keys()
     for step, loss in one.items():
         assert math.isclose(two[step], loss, rel_tol=1e-5), (mode, step, two[step], loss)
+
+
+def test_export_rebuilds_the_base_from_the_checkpoint_it_names(lora_run, baseline, tmp_path):
+    """--hf of the LoRA checkpoint writes the base it named (the baseline's weights, bitwise); PEFT's adapter folder
+    on that base gives the merged export's logits (fp32, within 1e-5)."""
+    import peft
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from internlm_offload.tools.export import main as export
+
+    lora = str(lora_run / "checkpoints")
+    for args, out in (([lora], "base"), ([lora, "--peft"], "adapter"), ([lora, "--merge"], "merged")):
+        flags = [] if out == "adapter" else ["--hf"]
+        assert export([*args, str(tmp_path / out), *flags]) == 0
+    assert export([str(baseline("none") / "checkpoints"), str(tmp_path / "baseline"), "--hf"]) == 0
+    ours, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("base", "baseline"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    tokens = torch.randint(0, 259, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter"
+        )
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        expected = merged(input_ids=tokens).logits
+        torch.testing.assert_close(adapted(input_ids=tokens).logits, expected, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(
+            AutoModelForCausalLM.from_pretrained(tmp_path / "base")(input_ids=tokens).logits, expected
+        )

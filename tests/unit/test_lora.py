@@ -233,3 +233,15 @@ def test_offload_variants_are_bitwise_the_lora_baseline(variant):
     expected = dict(base_parts.masters.module.named_parameters())
     for name, master in parts.masters.module.named_parameters():
         assert torch.equal(master, expected[name]), name
+
+
+def test_dropout_under_checkpointing_is_bitwise():
+    """lora_dropout=0.1: checkpointing's recompute draws the same dropout masks as the forward did (torch's
+    checkpoint restores the RNG), so the curve is bitwise the plain run's."""
+    lora = {"r": 4, "lora_dropout": 0.1, "target_modules": ["q_proj", "down_proj"]}
+    plain, _ = train(native(lora), batches(3, 259))
+    checkpointed = native(lora)
+    checkpointed["model"]["checkpoint"] = 1.0
+    assert train(checkpointed, batches(3, 259))[0] == plain
+    no_dropout, _ = train(native({**lora, "lora_dropout": 0.0}), batches(3, 259))
+    assert no_dropout != plain  # the dropout is on

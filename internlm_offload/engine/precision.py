@@ -154,8 +154,9 @@ class MasterWeights:
         return False
 
     def master_params(self) -> Iterator[nn.Parameter]:
-        """The fp32 masters, kept apart from the model's parameters."""
-        return self.module.parameters()
+        """The fp32 masters, kept apart from the model's parameters (a frozen base, shared with the model, is not
+        one of them)."""
+        return iter([master for _, master in self._pairs])
 
     def records(self) -> list[ParamRecord]:
         """The record of each trainable master, in parameter order (the same objects on every call)."""

@@ -130,6 +130,7 @@ def test_frozen_base_has_no_grad_master_or_optimizer_state_and_stays_bitwise():
             assert param.requires_grad and masters[name] is not param and masters[name].dtype == torch.float32
         else:
             assert not param.requires_grad and masters[name] is param and param.dtype == torch.bfloat16
+    assert {id(p) for p in parts.masters.master_params()} == {id(masters[name]) for name in adapters}
     records = parts.masters.records()
     assert {id(r.master) for r in records} == {id(masters[name]) for name in adapters}
     trainer = make_trainer(resolve_config(raw), CTX, parts)

@@ -186,10 +186,10 @@ def train_in_runtime(
     freeze_what_lives_for_good()
     runtime_bytes += probe_kernel_memory(cfg, ctx.accelerator)  # before the builder's memory baseline
     trainer = build_trainer(cfg, ctx, work_dir, predicted_device_peak=predicted_peak, runtime_memory=runtime_bytes)
+    if start.weights_from is not None:  # a LoRA resume too: its base, before the adapters
+        trainer.load_weights_from(start.weights_from, cfg.model)
     if start.resume_from is not None:
         trainer.resume_from(start.resume_from)
-    elif start.weights_from is not None:
-        trainer.load_weights_from(start.weights_from, cfg.model)
     if ctx.is_main:
         write_run_files(cfg, work_dir, fresh=start.fresh)
     barrier(ctx)

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from internlm_offload.builder.optimizer import host_master_names
 from internlm_offload.config import ConfigError, CpuOffloadingConfig, ModelConfig, RunConfig
+from internlm_offload.config.lora import native_targets, resolved_targets
 from internlm_offload.config.moe import moe_kwargs
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.expert_parallel import apply_expert_parallel
@@ -20,6 +21,7 @@ from internlm_offload.engine.runtime import RunContext, data_parallel_group
 from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
 from internlm_offload.log import get_logger
+from internlm_offload.model.lora import adapter_parameters, apply_lora
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
 from internlm_offload.offload.plan import LayerMode
 from internlm_offload.offload.selective_offload import SelectiveOffloader
@@ -126,6 +128,7 @@ def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
         cfg.parallel.mode == "fsdp2"
         and cfg.parallel.meta_init
         and model.type == "internlm2"
+        and model.lora is None  # the adapters are not in the decoder's seeded draw order
         and not model.tie_word_embeddings
         and policy.param_dtype == torch.float32
     )
@@ -174,9 +177,31 @@ def build_bare_model(
     model = build_model(cfg.model, torch.device("meta") if on_meta else ctx.device, cfg.loss.moe_loss_coeff)
     if check_model is not None:
         check_model(model)
+    if cfg.model.lora is not None:  # on the fp32 base, before any cast, split or wrapper
+        add_adapters(cfg.model, model)
     if ctx.expert_mesh is not None:  # each rank keeps its experts' slice of the seed-built whole
         apply_expert_parallel(model, ctx.expert_mesh)
     return model
+
+
+def add_adapters(cfg: ModelConfig, model: nn.Module) -> None:
+    """PEFT's LoRA layers on the configured targets (the native decoder's names for HF's); the rest frozen."""
+    lora = cfg.lora
+    targets = native_targets(lora) if cfg.type == "internlm2" else resolved_targets(lora)
+    try:
+        apply_lora(model, r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout, target_modules=targets)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    adapters = sum(p.numel() for _, p in adapter_parameters(model))
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    logger.info(
+        "LoRA r=%d alpha=%g on %s: %d adapter parameters train, %d frozen",
+        lora.r,
+        lora.lora_alpha,
+        ", ".join(targets),
+        adapters,
+        frozen,
+    )
 
 
 def apply_tensor_parallel_plan(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> None:

@@ -172,7 +172,9 @@ def build_trainer(
         ctx,
         parts,
         loader=loader,
-        checkpoints=CheckpointManager(checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last),
+        checkpoints=CheckpointManager(
+            checkpoint_folder(cfg, work_dir), ctx, keep_last=cfg.ckpt.keep_last, skip_frozen=cfg.model.lora is not None
+        ),
         metrics=build_metrics_log(cfg, work_dir) if ctx.is_main else None,
         evaluator=evaluator,
         settings=trainer_settings(cfg, predicted_device_peak, runtime_memory, work_dir),

@@ -32,5 +32,13 @@ def validation_problem(err: dict[str, Any], schema: type[BaseModel]) -> str:
 def schema_at(schema: type[BaseModel], path: list[str]) -> type[BaseModel]:
     """The section model at `path` (e.g. ["cpu_offloading"]) below `schema`."""
     for name in path:
-        schema = schema.model_fields[name].annotation  # type: ignore[assignment]
+        schema = section_type(schema.model_fields[name].annotation)  # type: ignore[assignment]
     return schema
+
+
+def section_type(annotation: Any) -> Any:
+    """The section model of a field's annotation, an optional one (`model.lora`) included; else the annotation."""
+    args = [arg for arg in getattr(annotation, "__args__", ()) if arg is not type(None)]
+    if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0]
+    return annotation

@@ -182,6 +182,11 @@ class RunConfig(Section):
             raise ValueError(problem)
         if self.parallel.tensor.size > 1 or self.parallel.weight.size > 1:
             self._check_tensor_parallel()
+        if self.model.lora is not None and (self.parallel.tensor.size > 1 or self.parallel.weight.size > 1):
+            raise ValueError(
+                "model.lora with parallel.tensor.size > 1 or parallel.weight.size > 1: adapters are not split over "
+                "the tensor group yet; use parallel.mode 'none', 'ddp' or 'fsdp2' alone"
+            )
         info = self.ckpt.load_ckpt_info
         if info is not None and info.ckpt_type != "internevo" and self.model.type != "internlm2":
             raise ValueError(

@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
+from internlm_offload.config.lora import LoraConfig, check_lora
 from internlm_offload.config.moe import MoeLayerKwargsConfig, check_moe
 from internlm_offload.config.pipeline import PipelineConfig
 from internlm_offload.config.sizes import parse_size
@@ -155,6 +156,12 @@ class ModelConfig(Section):
     hf_config: Optional[dict] = Field(
         None, description="`hf_causal_lm` only: a Hugging Face config dict (with `model_type`) to build from scratch."
     )
+    lora: Optional[LoraConfig] = Field(
+        None,
+        description="LoRA fine-tuning (docs/lora.md): `dict(r=8, lora_alpha=8, lora_dropout=0.0, target_modules=None, "
+        'bias="none")` with PEFT\'s names and defaults; the base stays frozen in the compute dtype, only the '
+        "adapters train. None: every parameter trains.",
+    )
 
     @field_validator("checkpoint", mode="before")
     @classmethod
@@ -171,6 +178,7 @@ class ModelConfig(Section):
         if self.num_kv_attention_heads is None:
             self.num_kv_attention_heads = self.num_attention_heads
         check_moe(self)
+        check_lora(self)
         if self.type == "hf_causal_lm" and (self.hf_path is None) == (self.hf_config is None):
             raise ValueError("model.type='hf_causal_lm' needs exactly one of model.hf_path and model.hf_config")
         if self.type == "hf_causal_lm" and self.attention_bias:

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -49,6 +50,7 @@ from internlm_offload.engine.checkpoint_reader import UnsafeCheckpointError, rea
 from internlm_offload.engine.runtime import RunContext, all_gather_object, barrier
 from internlm_offload.errors import CheckpointError, CheckpointWriteError
 from internlm_offload.log import get_logger
+from internlm_offload.model.lora import base_keys, has_adapters
 from internlm_offload.config.sizes import human_bytes
 
 logger = get_logger(__name__)
@@ -134,10 +136,15 @@ def model_signature(model_state: dict[str, Any]) -> dict[str, list[int]]:
 class CheckpointManager:
     """Saves and loads checkpoints in one folder; every rank calls `save`/`load` collectively."""
 
-    def __init__(self, folder: Path, ctx: RunContext, *, keep_last: int = 2) -> None:
+    def __init__(self, folder: Path, ctx: RunContext, *, keep_last: int = 2, skip_frozen: bool = False) -> None:
+        """`skip_frozen`: hold only the parameters that train (LoRA's adapters); the frozen base comes from where
+        the run's config names it (its seed, `model.hf_path` or `ckpt.load_ckpt_info`) on every start."""
         self.folder = Path(folder)
         self.ctx = ctx
         self.keep_last = keep_last
+        self._options = StateDictOptions(ignore_frozen_params=skip_frozen)
+        # loading: the frozen keys are absent by design; every trainable one is read (read_into's template)
+        self._load_options = StateDictOptions(ignore_frozen_params=skip_frozen, strict=not skip_frozen)
 
     # ------------------------------------------------------------------ save
 
@@ -150,7 +157,7 @@ class CheckpointManager:
         if self._keep_existing(final):
             return final
         tmp = self.folder / f".tmp-{step_dir_name(step)}"
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer, options=self._options)
         needed = state_bytes(model_state) + state_bytes(optim_state)
         attempt = functools.partial(self._attempt, final=final, tmp=tmp, needed=needed)
         attempt(lambda: self._require_space(needed), main_only=True)
@@ -296,10 +303,16 @@ class CheckpointManager:
     def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load model, optimizer and RNG states in place; return the train state."""
         path = resolve_checkpoint_path(Path(path))
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer, options=self._options)
         state = {"model": model_state, "optim": optim_state}
         manifest = read_into(path, state)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=self._load_options,
+        )
         self._load_rng(path, saved_world_size=manifest["world_size"])
         train_state = read_train_state(path)
         logger.info("Loaded checkpoint %s (step %d)", path, manifest["step"])
@@ -308,9 +321,12 @@ class CheckpointManager:
     def load_model(self, path: Path, *, model: nn.Module) -> Path:
         """Load only the weights of a checkpoint (any world size and parallel mode: DCP reshards them)."""
         path = resolve_checkpoint_path(Path(path))
-        state = {"model": get_model_state_dict(model)}
+        own = get_model_state_dict(model)
+        keys = base_keys(own) if has_adapters(model) else {key: key for key in own}  # LoRA: the base's names
+        state = {"model": {name: own[key] for name, key in keys.items()}}
         manifest = read_into(path, state)
-        set_model_state_dict(model, state["model"])
+        loaded = {keys[name]: tensor for name, tensor in state["model"].items()}
+        set_model_state_dict(model, loaded, options=StateDictOptions(strict=len(keys) == len(own)))
         logger.info("Loaded the weights of %s (step %d); starting a new run at step 1", path, manifest["step"])
         return path
 

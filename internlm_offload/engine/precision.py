@@ -119,12 +119,19 @@ class MasterWeights:
         elif host_names is None:
             host_names = set(named)
         # fp32 copy with the same names; tied weights stay tied; built before any hook is attached. For host
-        # masters deepcopy's memo hands it the host copies, so they never exist twice on the device.
-        hosted = {id(named[name]): _host_parameter(named[name], host_empty) for name in host_names}
-        self.module = copy.deepcopy(model, dict(hosted))
+        # masters deepcopy's memo hands it the host copies, so they never exist twice on the device. Frozen
+        # parameters (a LoRA base) get no master: the memo hands the copy the model's own, cast with it below.
+        hosted = {
+            id(named[name]): _host_parameter(named[name], host_empty)
+            for name in host_names
+            if named[name].requires_grad
+        }
+        frozen = {id(p): p for p in named.values() if not p.requires_grad}
+        self.module = copy.deepcopy(model, {**hosted, **frozen})
         model.to(compute_dtype)
         named_model = dict(model.named_parameters())
-        self._pairs = [(named_model[name], master) for name, master in self.module.named_parameters()]
+        pairs = [(named_model[name], master) for name, master in self.module.named_parameters()]
+        self._pairs = [(param, master) for param, master in pairs if param is not master]
         host_ids = {id(master) for master in hosted.values()}
         self._on_host = [id(master) in host_ids for _, master in self._pairs]
         self._records = [
@@ -147,8 +154,9 @@ class MasterWeights:
         return False
 
     def master_params(self) -> Iterator[nn.Parameter]:
-        """The fp32 masters, kept apart from the model's parameters."""
-        return self.module.parameters()
+        """The fp32 masters, kept apart from the model's parameters (a frozen base, shared with the model, is not
+        one of them)."""
+        return iter([master for _, master in self._pairs])
 
     def records(self) -> list[ParamRecord]:
         """The record of each trainable master, in parameter order (the same objects on every call)."""
@@ -313,7 +321,18 @@ def cast_model(
         return None
     if policy.uses_masters:
         if fsdp:
-            return None  # FSDP2's MixedPrecisionPolicy: the fp32 shards are the masters
+            # FSDP2's MixedPrecisionPolicy: the fp32 shards are the masters; a frozen base needs none (its dtype
+            # may differ from the trainable shards': FSDP2 checks only theirs)
+            cast_frozen(model, policy.compute_dtype)
+            return None
         return MasterWeights(model, policy.compute_dtype, host_empty, host_names, reduce_group)
     model.to(policy.compute_dtype)
     return None
+
+
+@torch.no_grad()
+def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the parameters that train not (a LoRA base) to `dtype` in place, keeping their Parameter objects."""
+    for param in model.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(dtype)

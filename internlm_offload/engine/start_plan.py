@@ -27,7 +27,7 @@ class StartPlan:
 
     folder: Path  # this run's checkpoint folder
     resume_from: Path | None = None  # a full resume: model, optimizer, schedule, data position, RNG
-    weights_from: WeightsSource | None = None  # weights only: a new run from step 1
+    weights_from: WeightsSource | None = None  # weights only: a new run from step 1 (a LoRA resume: its base)
 
     @property
     def fresh(self) -> bool:
@@ -47,7 +47,9 @@ def plan_start(cfg: RunConfig, work_dir: Path, *, resume: bool, ctx: RunContext 
     resume_from = find_resume_checkpoint(cfg, folder, resume=resume or cfg.ckpt.auto_resume, ctx=ctx)
     if resume_from is not None:
         check_same_precision(cfg, resume_from)
-        return StartPlan(folder, resume_from=resume_from)
+        # a LoRA checkpoint holds the adapters only: the base is loaded again from where the config names it
+        base = find_weights_source(cfg) if cfg.model.lora is not None else None
+        return StartPlan(folder, resume_from=resume_from, weights_from=base)
     weights_from = find_weights_source(cfg)
     if weights_from is not None and weights_from.kind == "dcp":
         require_intact(weights_from.path, ctx)

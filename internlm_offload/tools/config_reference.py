@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from internlm_offload.config import RunConfig
+from internlm_offload.config.errors import section_type
 
 PROG = "python -m internlm_offload.tools.config_reference"
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config_reference.md"
@@ -109,6 +110,11 @@ def is_section(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
+def has_section(annotation: Any) -> bool:
+    """A section, or an optional one (`model.lora`, `ckpt.load_ckpt_info`: a row of its own and a table)."""
+    return is_section(section_type(annotation))
+
+
 def type_name(annotation: Any) -> str:
     """A short readable name for a field annotation: `int`, `int or None`, `one of 'a', 'b'`."""
     origin, args = get_origin(annotation), get_args(annotation)
@@ -162,8 +168,8 @@ def section_tables(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
         yield from (field_row(prefix + name, fields[name]) for name in plain)
         yield ""
     for name, field in fields.items():
-        if is_section(field.annotation):
-            yield from section_tables(field.annotation, f"{prefix}{name}.")
+        if has_section(field.annotation):
+            yield from section_tables(section_type(field.annotation), f"{prefix}{name}.")
 
 
 def render() -> str:

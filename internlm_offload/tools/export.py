@@ -3,6 +3,8 @@
     python -m internlm_offload.tools.export CKPT OUT.safetensors [--dtype bfloat16]
     python -m internlm_offload.tools.export CKPT OUT_DIR --hf                 # transformers, vLLM, ...
     python -m internlm_offload.tools.export CKPT OUT_DIR --internevo [--tp N | --wp N]   # back to InternEvo
+    python -m internlm_offload.tools.export CKPT OUT_DIR --peft               # a LoRA run's PEFT adapter folder
+    python -m internlm_offload.tools.export CKPT OUT_DIR --hf --merge         # a LoRA run's merged weights
 
 CKPT is a run's checkpoint folder (its latest checkpoint is taken) or one `step_*` folder, written by
 any world size and parallel mode: DCP reassembles the full tensors in this one process, without a
@@ -17,7 +19,9 @@ and fused wqkv, split for `--tp` tensor-parallel ranks, or `model_wp{w}_pp0.pt` 
 weight-parallel ranks), which InternEvo's `load_ckpt_info` reads; a run with experts as InternEvo's
 Qwen2/3-MoE (q, k, v apart) with each sparse block's experts in `model_moe_layer{L}_expert0_tp0.pt`,
 grouped as InternEvo's default `use_grouped_mlp=True` holds them (one rank). A folder is written beside OUT_DIR
-and renamed into place when complete. Exit codes: 0 written, 2 bad input (one `error:` line).
+and renamed into place when complete. A LoRA run's checkpoint (docs/lora.md, tools/export_lora.py) holds the
+adapters: `--peft` writes them as PEFT's adapter folder, `--hf` / `--internevo` write the base the run started
+from, `--merge` with the adapters folded in. Exit codes: 0 written, 2 bad input (one `error:` line).
 """
 
 import argparse
@@ -36,6 +40,7 @@ from internlm_offload.config import ModelConfig
 from internlm_offload.engine.checkpoint import CheckpointError, read_train_state, resolve_checkpoint_path
 from internlm_offload.engine.checkpoint_reader import read_checkpoint, read_metadata
 from internlm_offload.log import get_logger
+from internlm_offload.tools.export_lora import base_weights, is_lora_run, merged, write_peft_folder
 from internlm_offload.weights import hf_moe
 from internlm_offload.weights.convert import Heads, to_format
 from internlm_offload.weights.hf_folder import copy_tokenizer, set_dtype, write_llama_folder, write_moe_folder
@@ -172,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     split = p.add_mutually_exclusive_group()
     split.add_argument("--tp", type=int, default=1, help="--internevo: tensor-parallel ranks to split for (mtp)")
     split.add_argument("--wp", type=int, default=0, help="--internevo: ISP weight-parallel ranks to split for")
+    kind.add_argument("--peft", action="store_true", help="LoRA runs: write PEFT's adapter folder")
+    p.add_argument("--merge", action="store_true", help="LoRA runs, with --hf / --internevo: fold the adapters in")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the written weights")
     args = p.parse_args(argv)
     try:
@@ -179,13 +186,24 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--tp and --wp split InternEvo's files: pass --internevo")
         if args.tp < 1 or args.wp < 0:
             raise ValueError(f"--tp={args.tp} / --wp={args.wp}: tp must be >= 1 and wp >= 0")
+        if args.merge and not (args.hf or args.internevo):
+            raise ValueError("--merge writes full weights: pass --hf or --internevo")
         path = resolve_checkpoint_path(args.checkpoint)
         weights = load_weights(path)
         dtype = DTYPES[args.dtype]
-        if args.hf:
-            write_folder(args.out, lambda out: export_hf(weights, out, dtype, run_config(path)))
+        run = run_config(path) if args.hf or args.internevo or args.peft or args.merge else {}
+        if (args.peft or args.merge) and not is_lora_run(run):
+            raise ValueError("--peft and --merge need a LoRA run's checkpoint (model.lora); this run has none")
+        if (args.hf or args.internevo) and is_lora_run(run):
+            # the checkpoint holds the adapters: the full weights are the base (from where the run's config names
+            # it), with the adapters folded in under --merge
+            base = base_weights(run, load_weights)
+            weights = merged(base, weights, run) if args.merge else base
+        if args.peft:
+            write_folder(args.out, lambda out: write_peft_folder(weights, out, dtype, run))
+        elif args.hf:
+            write_folder(args.out, lambda out: export_hf(weights, out, dtype, run))
         elif args.internevo:
-            run = run_config(path)
             write_folder(args.out, lambda out: export_internevo(weights, out, dtype, run, tp=args.tp, wp=args.wp))
         else:
             if args.out.suffix != ".safetensors":

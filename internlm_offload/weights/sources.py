@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from internlm_offload.config import LoadCkptInfo, ModelConfig
 from internlm_offload.errors import CheckpointError
 from internlm_offload.log import get_logger
+from internlm_offload.model.lora import base_keys, has_adapters
 from internlm_offload.weights import hf_folder, internevo_moe, meta_llama
 from internlm_offload.weights.convert import Heads, to_format, to_native
 from internlm_offload.weights.internevo_files import (
@@ -161,14 +162,19 @@ def load_weights(model: nn.Module, source: WeightsSource, config: ModelConfig) -
     Under several processes rank 0 alone reads the files; torch's `broadcast_from_rank0` sends each tensor to
     the other ranks, which keep their shard of it. Every rank holding a full copy at once is what this avoids.
     """
-    full_shapes = {name: t.shape for name, t in get_model_state_dict(model).items()}
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    shapes = {name: t.shape for name, t in get_model_state_dict(model).items()}
+    # LoRA: the files hold the base, by its names without adapters; the adapters keep their init
+    keys = base_keys(shapes) if has_adapters(model) else {name: name for name in shapes}
+    full_shapes = {name: shapes[key] for name, key in keys.items()}
+    strict = len(keys) == len(shapes)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed:
         tensors = read_native_weights(source, config, full_shapes)
-        set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=True))
     else:
         tensors = _read_on_rank0(source, config, full_shapes)
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
-        set_model_state_dict(model, tensors, options=options)
+    tensors = {keys[name]: t for name, t in tensors.items()}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed, strict=strict)
+    set_model_state_dict(model, tensors, options=options)
     logger.info("Loaded %s model weights from %s; starting a new run at step 1", source.kind, source.path)
 
 

@@ -25,8 +25,11 @@ def schema_keys(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
     for name, field in model.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             yield from schema_keys(field.annotation, f"{prefix}{name}.")
-        else:
-            yield prefix + name
+            continue
+        yield prefix + name
+        optional = [arg for arg in getattr(field.annotation, "__args__", ()) if arg is not type(None)]
+        if len(optional) == 1 and isinstance(optional[0], type) and issubclass(optional[0], BaseModel):
+            yield from schema_keys(optional[0], f"{prefix}{name}.")  # an optional section: its row and its keys
 
 
 def test_doc_is_up_to_date(capsys: pytest.CaptureFixture[str]) -> None:

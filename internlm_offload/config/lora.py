@@ -1,0 +1,87 @@
+"""The `model.lora` section: PEFT's `LoraConfig` names and defaults, and the target names each model accepts."""
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from internlm_offload.config.base import Section
+
+# Hugging Face's Llama projection names -> the native decoder's modules (model/internlm2.py, model/mlp.py).
+HF_TO_NATIVE = {
+    "q_proj": "wq",
+    "k_proj": "wk",
+    "v_proj": "wv",
+    "o_proj": "wo",
+    "gate_proj": "w1",
+    "up_proj": "w3",
+    "down_proj": "w2",
+}
+NATIVE_TARGETS = tuple(HF_TO_NATIVE.values())
+# PEFT's default for llama-like models (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`).
+DEFAULT_TARGETS = ("q_proj", "v_proj")
+
+
+class LoraConfig(Section):
+    r: int = Field(8, ge=1, description="Rank of each adapter (PEFT's `r`).")
+    lora_alpha: float = Field(
+        8, gt=0, description="Scaling numerator: the adapter's output is scaled by `lora_alpha / r` (PEFT's)."
+    )
+    lora_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input only (the base path never drops)."
+    )
+    target_modules: Optional[list[str]] = Field(
+        None,
+        description="Linear modules that get an adapter, matched by name suffix as in PEFT. `internlm2`: "
+        "q_proj/k_proj/v_proj/o_proj/gate_proj/up_proj/down_proj or the native wq/wk/wv/wo/w1/w3/w2; "
+        "`hf_causal_lm`: the Hugging Face model's own module names. Default: PEFT's llama default, "
+        "`['q_proj', 'v_proj']`.",
+    )
+    bias: Literal["none"] = Field(
+        "none", description="PEFT's `bias`: only `none` (biases stay frozen, so the adapter off is the base model)."
+    )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _list_targets(cls, value: Any) -> Any:
+        if isinstance(value, str):  # PEFT reads a str as a regex; one name is the common intent
+            raise ValueError(f"model.lora.target_modules={value!r}: give a list of module names, e.g. [{value!r}]")
+        return list(value) if isinstance(value, tuple) else value
+
+    @model_validator(mode="after")
+    def _targets(self) -> "LoraConfig":
+        if self.target_modules is not None and not self.target_modules:
+            raise ValueError("model.lora.target_modules=[]: name at least one module, or leave it unset")
+        return self
+
+
+def resolved_targets(lora: LoraConfig) -> list[str]:
+    """The target names as given, or PEFT's default."""
+    return list(lora.target_modules or DEFAULT_TARGETS)
+
+
+def native_targets(lora: LoraConfig) -> list[str]:
+    """The native decoder's module names for the targets (HF names translated); ValueError naming a bad one."""
+    names = []
+    for name in resolved_targets(lora):
+        native = HF_TO_NATIVE.get(name, name)
+        if native not in NATIVE_TARGETS:
+            allowed = ", ".join([*HF_TO_NATIVE, *NATIVE_TARGETS])
+            raise ValueError(
+                f"model.lora.target_modules: {name!r} is not a linear of model.type='internlm2'; allowed: {allowed}"
+            )
+        if native not in names:
+            names.append(native)
+    return names
+
+
+def check_lora(model: Any) -> None:
+    """The checks of `model.lora` against the rest of the model section (a `ModelConfig`)."""
+    if model.lora is None:
+        return
+    if model.type == "internlm2":
+        native_targets(model.lora)  # raises naming a target the decoder does not have
+    if model.num_experts:
+        raise ValueError(
+            f"model.lora with model.num_experts={model.num_experts}: adapters on mixture-of-experts models are not "
+            "built yet; use a dense model"
+        )

@@ -1,0 +1,94 @@
+"""LoRA through train.py (docs/lora.md): the shipped config fine-tunes the baseline's checkpoint; its checkpoints hold
+the adapters only and a resume (which loads the base again) is bitwise; DDP and FSDP2 (base shards on the host by
+FSDP2's CPU offload policy) on two processes follow the one-process run."""
+
+import json
+import math
+import shutil
+
+import pytest
+from runner import REPO, losses, metrics, train
+
+pytestmark = pytest.mark.e2e
+
+CONFIG = REPO / "configs" / "internlm2_tiny_lora.py"
+STEPS = ["data.total_steps=6", "data.global_bsz=8", "ckpt.checkpoint_every=3", "ckpt.keep_last=0"]
+
+
+def lora_options(base: str) -> list[str]:
+    """Fine-tune the baseline's last checkpoint (fp32 weights; the frozen base is held in bf16)."""
+    return [*STEPS, f"ckpt.load_ckpt_info.path={base}"]
+
+
+@pytest.fixture(scope="module")
+def base(baseline) -> str:
+    return str(baseline("none") / "checkpoints")
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, base):
+    run = tmp_path_factory.mktemp("lora")
+    train(run, *lora_options(base), config=CONFIG)
+    return run
+
+
+def test_checkpoints_hold_the_adapters_and_name_the_base(lora_run, base):
+    step = lora_run / "checkpoints" / "step_00000006"
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["model"] and all(".lora_A." in k or ".lora_B." in k for k in manifest["model"])
+    assert losses(lora_run)[1] < 4.5  # B = 0: step 1 is the trained base's loss (a fresh model's is ln 259 = 5.56)
+    import torch
+
+    config = torch.load(step / "train_state.pt", weights_only=True)["config"]
+    assert config["ckpt"]["load_ckpt_info"]["path"] == base and config["model"]["lora"]["r"] == 8
+
+
+def test_resume_loads_the_base_again_and_is_bitwise(lora_run, base, tmp_path):
+    shutil.copytree(lora_run / "checkpoints" / "step_00000003", tmp_path / "checkpoints" / "step_00000003")
+    train(tmp_path, *lora_options(base), config=CONFIG, resume=True)
+    expected = [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in metrics(lora_run) if r["step"] > 3]
+    assert [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in metrics(tmp_path)] == expected
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "mode, options",
+    [("ddp", ["parallel.mode=ddp"]), ("fsdp2", ["parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=True"])],
+)
+def test_two_processes_follow_one(lora_run, base, tmp_path, mode, options):
+    """Same global batch: the losses equal up to float summation order (bf16 forward; the loss averaged over ranks)."""
+    train(tmp_path, *lora_options(base), *options, config=CONFIG, nproc=2)
+    one, two = losses(lora_run), losses(tmp_path)
+    assert two.keys() == one.keys()
+    for step, loss in one.items():
+        assert math.isclose(two[step], loss, rel_tol=1e-5), (mode, step, two[step], loss)
+
+
+def test_export_rebuilds_the_base_from_the_checkpoint_it_names(lora_run, baseline, tmp_path):
+    """--hf of the LoRA checkpoint writes the base it named (the baseline's weights, bitwise); PEFT's adapter folder
+    on that base gives the merged export's logits (fp32, within 1e-5)."""
+    import peft
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from internlm_offload.tools.export import main as export
+
+    lora = str(lora_run / "checkpoints")
+    for args, out in (([lora], "base"), ([lora, "--peft"], "adapter"), ([lora, "--merge"], "merged")):
+        flags = [] if out == "adapter" else ["--hf"]
+        assert export([*args, str(tmp_path / out), *flags]) == 0
+    assert export([str(baseline("none") / "checkpoints"), str(tmp_path / "baseline"), "--hf"]) == 0
+    ours, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("base", "baseline"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    tokens = torch.randint(0, 259, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter"
+        )
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        expected = merged(input_ids=tokens).logits
+        torch.testing.assert_close(adapted(input_ids=tokens).logits, expected, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(
+            AutoModelForCausalLM.from_pretrained(tmp_path / "base")(input_ids=tokens).logits, expected
+        )

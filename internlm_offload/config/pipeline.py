@@ -64,6 +64,7 @@ _NOT_UNDER_PIPELINE: tuple[tuple[str, Any, str], ...] = (
     ("ckpt.auto_resume", False, "checkpoints of a pipeline's stages are not built yet; set False"),
     ("ckpt.load_ckpt_info", None, "loading weights into a pipeline's stages is not built yet; leave it unset"),
     ("data.valid_folder", None, "validation runs the whole model on one rank; not built under a pipeline yet"),
+    ("model.lora", None, "LoRA adapters on a pipeline's stages are not built yet; leave model.lora unset"),
 )
 
 

@@ -145,6 +145,7 @@ def test_internevo_pipeline_section_as_written():
         (2, {"swap_optimizer": True}, "the swap optimizer is not checked per stage"),
         (2, {"ckpt.enable_save_ckpt": True}, "checkpoints of a pipeline's stages are not built yet"),
         (2, {"model.tie_word_embeddings": True}, "the embedding and the head sit on different stages"),
+        (2, {"model.lora": {"r": 4}}, "LoRA adapters on a pipeline's stages are not built yet"),
         (2, {"model.checkpoint": "auto", "memory_budget.device": "1GiB"}, "does not trace pipeline stages yet"),
     ],
 )

@@ -46,7 +46,7 @@ from internlm_offload.engine.checkpoint_integrity import (
     free_bytes,
     record_files,
 )
-from internlm_offload.engine.checkpoint_reader import UnsafeCheckpointError, read_checkpoint
+from internlm_offload.engine.checkpoint_reader import UnsafeCheckpointError, read_checkpoint, read_metadata
 from internlm_offload.engine.runtime import RunContext, all_gather_object, barrier
 from internlm_offload.errors import CheckpointError, CheckpointWriteError
 from internlm_offload.log import get_logger
@@ -304,8 +304,11 @@ class CheckpointManager:
         """Load model, optimizer and RNG states in place; return the train state."""
         path = resolve_checkpoint_path(Path(path))
         model_state, optim_state = get_state_dict(model, optimizer, options=self._options)
+        own_groups = [dict(group, params=list(group["params"])) for group in optim_state["param_groups"]]
+        optim_state["param_groups"] = saved_param_groups(path)  # DCP fills a template's entries only
         state = {"model": model_state, "optim": optim_state}
         manifest = read_into(path, state)
+        state["optim"]["param_groups"] = regroup_param_groups(state["optim"]["param_groups"], own_groups, path)
         set_state_dict(
             model,
             optimizer,
@@ -431,6 +434,41 @@ def read_into(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} cannot be read: {_first_cause(exc)}") from exc
     return manifest
+
+
+def saved_param_groups(path: Path) -> list[dict[str, Any]]:
+    """A template of the optimizer param groups a checkpoint holds, each key None until DCP reads it."""
+    prefix = "optim.param_groups."
+    groups: dict[int, dict[str, Any]] = {}
+    for key in read_metadata(path).state_dict_metadata:
+        if key.startswith(prefix):
+            index, _, name = key[len(prefix) :].partition(".")
+            groups.setdefault(int(index), {})[name] = None
+    return [groups[index] for index in sorted(groups)]
+
+
+def regroup_param_groups(saved: list[dict[str, Any]], own: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+    """The saved optimizer's hyperparameters in this optimizer's grouping (each group's "params" are FQNs).
+
+    The groups follow the layout (`optim.param_groups`: one per DTensor mesh), so a checkpoint moving between
+    layouts (expert parallel on or off) meets other groups, which DCP does not map: each group here takes the
+    hyperparameters its parameters were saved with. On the saving layout this returns the saved groups' values.
+    """
+    saved_by_name = {name: group for group in saved for name in group["params"]}
+    regrouped = []
+    for group in own:
+        missing = [name for name in group["params"] if name not in saved_by_name]
+        if missing:
+            raise CheckpointError(f"checkpoint {path}: no optimizer hyperparameters saved for {missing[0]}")
+        sources = {id(saved_by_name[name]): saved_by_name[name] for name in group["params"]}
+        settings = [{key: value for key, value in source.items() if key != "params"} for source in sources.values()]
+        if any(setting != settings[0] for setting in settings):
+            raise CheckpointError(
+                f"checkpoint {path}: the parameters of one optimizer group here were saved with different "
+                f"hyperparameters ({group['params'][0]} and others); resume on the layout that saved it"
+            )
+        regrouped.append({**settings[0], "params": group["params"]})
+    return regrouped
 
 
 def read_train_state(path: Path) -> dict[str, Any]:

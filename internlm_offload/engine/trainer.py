@@ -39,6 +39,7 @@ from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
 from internlm_offload.optim.dtensor import is_dtensor, local_shard
 from internlm_offload.optim.interface import OffloadOptimizer
+from internlm_offload.optim.lr_scheduler import load_scheduler_state
 from internlm_offload.optim.records import Masters
 from internlm_offload.weights.sources import WeightsSource, load_weights
 
@@ -175,7 +176,7 @@ class Trainer:
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.loader.load_state_dict(state["sampler"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_scheduler_state(self.scheduler, state["scheduler"])
         self.skipped_steps = state.get("skipped_steps", 0)
         self.consecutive_skips = state.get("consecutive_skips", 0)
         if self.scaler is not None and state.get("loss_scaler") is not None:

@@ -1,11 +1,16 @@
 """Linear warmup, then a decay to `eta_min` (cosine, linear) or none (constant), as a LambdaLR factor."""
 
 import math
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from internlm_offload.errors import CheckpointError
+
 DECAYS = ("cosine", "linear", "constant")
+# The entries of a LambdaLR state dict that hold one value per optimizer param group.
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas")
 
 
 class WarmupDecay:
@@ -50,3 +55,25 @@ def build_lr_scheduler(
         base_lr=base_lr, warmup_steps=warmup_steps, total_steps=total_steps, eta_min=eta_min, decay=decay
     )
     return LambdaLR(optimizer, schedule)
+
+
+def load_scheduler_state(scheduler: LambdaLR, state: dict[str, Any]) -> None:
+    """Load a saved scheduler state into `scheduler`, whose optimizer may have another number of param groups.
+
+    A checkpoint moving between layouts meets that: expert parallel gives its expert shards groups of their own
+    (`param_groups`: one per DTensor mesh). Every group follows the one schedule, so one group's entries stand for
+    all of them; saved groups that differ cannot be mapped and raise `CheckpointError`.
+    """
+    groups = len(scheduler.optimizer.param_groups)
+    state = dict(state)
+    for key in _PER_GROUP:
+        values = state.get(key)
+        if values is None or len(values) == groups:
+            continue
+        if any(value != values[0] for value in values):
+            raise CheckpointError(
+                f"lr scheduler state: {len(values)} param groups with different {key} saved, {groups} here; "
+                "resume on the layout that saved it"
+            )
+        state[key] = [values[0]] * groups
+    scheduler.load_state_dict(state)

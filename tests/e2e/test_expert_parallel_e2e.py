@@ -1,16 +1,24 @@
 """Expert parallel under torchrun over gloo: the tiny MoE model's experts split over two ranks follow one process's
-curve of the same global batch, and the same run twice is bitwise; two expert groups of two on four processes under
-DDP and under FSDP2 too. Four torchrun launches and one single-process run (CI time)."""
+curve of the same global batch, the same run twice is bitwise, and its checkpoint resumes bitwise at EP=2 and
+continues on one process; two expert groups of two on four processes under DDP and under FSDP2 too. Five torchrun
+launches and two single-process runs (CI time)."""
+
+import shutil
 
 import pytest
-from runner import REPO, train
+import torch
+from runner import REPO, metrics, train
 from tensor_parallel_runs import CALM, EXACT, NEAR, assert_curves
+
+from internlm_offload.tools.export import load_weights
 
 pytestmark = pytest.mark.e2e
 MOE = REPO / "configs" / "internlm2_tiny_moe.py"
 # 8 steps of a global batch of 8 (micro-batch 2): one process runs 4 micro-batches a step, two ranks 2, four 1.
 STEPS = ["data.total_steps=8", "ckpt.enable_save_ckpt=False", "data.global_bsz=8", "model.dtype=torch.float32"]
 EP = ["parallel.mode=ddp", "parallel.expert.size=2"]
+SAVE_AT_3 = ["ckpt.enable_save_ckpt=True", "ckpt.checkpoint_every=3", "ckpt.keep_last=0"]
+GATHER = REPO / "tests" / "e2e" / "gather_weights.py"
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +33,36 @@ def test_ep_2_follows_one_process_and_repeats_bitwise(tmp_path, one_process):
     process for 8 steps (the expert gradients averaged as DDP averages the others, the norm summed over both
     ranks' experts); the same run again bitwise."""
     first, second = tmp_path / "ep2", tmp_path / "ep2_again"
-    proc = train(first, *STEPS, *CALM, *EP, config=MOE, nproc=2)
+    proc = train(first, *STEPS, *CALM, *EP, *SAVE_AT_3, config=MOE, nproc=2)
     assert "Applied expert parallel over 2 ranks (1 expert-data groups): 4 sparse blocks, 2 of 4 experts" in proc.stderr
     assert_curves(one_process, first, NEAR)
     train(second, *STEPS, *CALM, *EP, config=MOE, nproc=2)
     assert_curves(first, second, EXACT)
+    _resume_on_each_layout(tmp_path, first)
+
+
+def _resume_on_each_layout(tmp_path, full) -> None:
+    """The EP=2 run's step-3 checkpoint: resumed at EP=2, steps 4..8 are the full run's bitwise; on one process
+    (every expert on the rank, the optimizer's groups regrouped) it continues within 1e-5 (loss) and 1e-4 (grad
+    norm). Both hold, gathered, the checkpoint's full tensors as `tools.export` reads them."""
+    expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(full) if r["step"] > 3]
+    checkpoint = full / "checkpoints" / "step_00000003"
+    exported = load_weights(checkpoint)
+    for name, layout, nproc in (("same", EP, 2), ("one_process", [], 1)):
+        run, gathered = tmp_path / name, tmp_path / f"{name}.pt"
+        shutil.copytree(checkpoint, run / "checkpoints" / "step_00000003")
+        env = {"GATHERED_WEIGHTS": str(gathered)}
+        train(run, *STEPS, *CALM, *layout, config=MOE, nproc=nproc, resume=True, script=GATHER, env=env)
+        got = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(run)]
+        if name == "same":
+            assert got == expected
+        else:
+            assert [step for step, *_ in got] == [4, 5, 6, 7, 8]
+            for (_, loss, norm), (_, want_loss, want_norm) in zip(got, expected):
+                assert loss == pytest.approx(want_loss, rel=1e-5) and norm == pytest.approx(want_norm, rel=1e-4)
+        weights = {key.removeprefix("module."): value for key, value in torch.load(gathered).items()}  # DDP's
+        assert weights.keys() == exported.keys()
+        assert all(torch.equal(weights[key], value) for key, value in exported.items()), name
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])

@@ -131,3 +131,31 @@ def test_verify_ckpt_lists_each_checkpoint_and_exits_1_when_one_is_damaged(tmp_p
     assert verify_ckpt.main([str(tmp_path / "step_00000002")]) == 0
     assert verify_ckpt.main([str(tmp_path / "nowhere")]) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_saved_optimizer_groups_are_regrouped_by_parameter_name(tmp_path):
+    """A checkpoint moving between layouts meets other optimizer groups: each group here takes the hyperparameters
+    its parameters were saved with; a group mixing parameters saved with different ones, or naming one the
+    checkpoint lacks, is refused in one line."""
+    from internlm_offload.engine.checkpoint import regroup_param_groups
+    from internlm_offload.errors import CheckpointError
+
+    saved = [
+        {"lr": 1e-3, "weight_decay": 0.1, "params": ["a.weight", "experts.w1"]},
+        {"lr": 1e-3, "weight_decay": 0.0, "params": ["a.bias"]},
+    ]
+    own = [
+        {"lr": 5.0, "weight_decay": 9.0, "params": ["a.weight"]},
+        {"lr": 5.0, "weight_decay": 9.0, "params": ["experts.w1"]},
+        {"lr": 5.0, "weight_decay": 9.0, "params": ["a.bias"]},
+    ]
+    assert regroup_param_groups(saved, own, tmp_path) == [
+        {"lr": 1e-3, "weight_decay": 0.1, "params": ["a.weight"]},
+        {"lr": 1e-3, "weight_decay": 0.1, "params": ["experts.w1"]},
+        {"lr": 1e-3, "weight_decay": 0.0, "params": ["a.bias"]},
+    ]
+    assert regroup_param_groups(saved, saved, tmp_path) == saved  # the saving layout: unchanged
+    with pytest.raises(CheckpointError, match="saved with different hyperparameters"):
+        regroup_param_groups(saved, [{"lr": 0, "weight_decay": 0, "params": ["a.weight", "a.bias"]}], tmp_path)
+    with pytest.raises(CheckpointError, match="no optimizer hyperparameters saved for b.weight"):
+        regroup_param_groups(saved, [{"lr": 0, "weight_decay": 0, "params": ["b.weight"]}], tmp_path)

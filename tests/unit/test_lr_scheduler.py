@@ -105,3 +105,28 @@ def test_linear_and_constant_decays_after_the_warmup() -> None:
         assert [values[20], values[30], values[50]] == pytest.approx([at_20, at_30, at_50], rel=1e-12), decay
     with pytest.raises(ValueError, match="lr_scheduler.type='step'"):
         WarmupDecay(base_lr=1.0, warmup_steps=0, total_steps=2, eta_min=0.0, decay="step")
+
+
+def test_a_saved_schedule_loads_into_another_number_of_param_groups():
+    """Expert parallel gives its shards groups of their own: a schedule saved with 3 groups loads into 2 and 4 (one
+    schedule for all), and one whose groups differ is refused naming the key."""
+    from internlm_offload.errors import CheckpointError
+    from internlm_offload.optim.lr_scheduler import load_scheduler_state
+
+    def scheduler(groups: int):
+        params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(groups)]
+        optimizer = torch.optim.AdamW([{"params": [p]} for p in params], lr=1e-3)
+        return optimizer, build_lr_scheduler(optimizer, base_lr=1e-3, warmup_ratio=0.5, total_steps=10, eta_min=0)
+
+    optimizer, saved = scheduler(3)
+    for _ in range(4):
+        optimizer.step()
+        saved.step()
+    for groups in (2, 4):
+        _, loaded = scheduler(groups)
+        load_scheduler_state(loaded, saved.state_dict())
+        assert loaded.last_epoch == 4 and loaded.get_last_lr() == [saved.get_last_lr()[0]] * groups
+    state = saved.state_dict()
+    state["base_lrs"] = [1e-3, 2e-3, 1e-3]
+    with pytest.raises(CheckpointError, match="3 param groups with different base_lrs saved, 2 here"):
+        load_scheduler_state(scheduler(2)[1], state)

@@ -280,3 +280,18 @@ def test_a_hugging_face_folder_loads_into_the_frozen_base(tmp_path):
     for name, master in parts.masters.module.named_parameters():
         if master.requires_grad:
             assert torch.equal(master, adapters[name]) and torch.equal(model[name], master.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"model": {"num_experts": 4}}, "model.lora with model.num_experts=4"),
+        ({"parallel": {"tensor": {"size": 2, "mode": "mtp"}}}, "model.lora with parallel.tensor.size > 1"),
+    ],
+)
+def test_what_lora_does_not_compose_with_yet_is_refused(overrides, message):
+    raw = native({})
+    raw["model"].update(overrides.pop("model", {}))
+    raw.update(overrides)
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(raw, world_size=2)

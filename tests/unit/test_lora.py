@@ -2,6 +2,7 @@
 numerics against PEFT's own LoRA and against the LoRA baseline under the offload features."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -246,3 +247,51 @@ def test_dropout_under_checkpointing_is_bitwise():
     assert train(checkpointed, batches(3, 259))[0] == plain
     no_dropout, _ = train(native({**lora, "lora_dropout": 0.0}), batches(3, 259))
     assert no_dropout != plain  # the dropout is on
+
+
+def test_a_hugging_face_folder_loads_into_the_frozen_base(tmp_path):
+    """`ckpt.load_ckpt_info` of an HF Llama folder fills the base (PEFT's `base_layer` names mapped), in bf16, and
+    leaves the adapters as drawn."""
+    from safetensors.torch import save_file
+
+    from internlm_offload.builder import build_model
+    from internlm_offload.engine.start_plan import find_weights_source
+    from internlm_offload.model.lora import base_keys
+    from internlm_offload.weights.convert import Heads, to_format
+    from internlm_offload.weights.hf_folder import llama_values
+    from internlm_offload.weights.names import HF_LLAMA
+
+    plain = resolve_config(native(dtype="torch.float32")).model
+    torch.manual_seed(5)
+    reference = {name: t.detach().clone() for name, t in build_model(plain, torch.device("cpu")).state_dict().items()}
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", **llama_values(plain)}))
+    save_file(to_format(reference, HF_LLAMA, Heads(4, 2)), str(folder / "model.safetensors"))
+    raw = native({"target_modules": ["q_proj", "down_proj"]})
+    raw["ckpt"] = {"load_ckpt_info": {"path": str(folder), "ckpt_type": "hf_llama"}}
+    cfg = resolve_config(raw)
+    parts = build(raw)
+    adapters = {name: p.detach().clone() for name, p in parts.masters.module.named_parameters() if p.requires_grad}
+    make_trainer(cfg, CTX, parts).load_weights_from(find_weights_source(cfg), cfg.model)
+    model = dict(parts.model.named_parameters())
+    for name, key in base_keys(model).items():
+        assert torch.equal(model[key], reference[name].to(torch.bfloat16)), name
+    for name, master in parts.masters.module.named_parameters():
+        if master.requires_grad:
+            assert torch.equal(master, adapters[name]) and torch.equal(model[name], master.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"model": {"num_experts": 4}}, "model.lora with model.num_experts=4"),
+        ({"parallel": {"tensor": {"size": 2, "mode": "mtp"}}}, "model.lora with parallel.tensor.size > 1"),
+    ],
+)
+def test_what_lora_does_not_compose_with_yet_is_refused(overrides, message):
+    raw = native({})
+    raw["model"].update(overrides.pop("model", {}))
+    raw.update(overrides)
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(raw, world_size=2)

@@ -14,7 +14,7 @@ from internlm_offload.config import ConfigError, CpuOffloadingConfig, ModelConfi
 from internlm_offload.config.lora import native_targets, resolved_targets
 from internlm_offload.config.moe import moe_kwargs
 from internlm_offload.device import Accelerator
-from internlm_offload.engine.expert_parallel import apply_expert_parallel
+from internlm_offload.engine.expert_parallel import apply_expert_parallel, expert_grad_reduction
 from internlm_offload.engine.parallel import materialize_shards
 from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
 from internlm_offload.engine.runtime import RunContext, data_parallel_group
@@ -232,6 +232,7 @@ def apply_precision(
         host_empty=host_empty,
         host_names=host_names,
         reduce_group=gradient_group(cfg, ctx),
+        reduce_apart=None if ctx.expert_mesh is None else expert_grad_reduction(model, ctx.expert_mesh, ctx.dp_size),
     )
     logger.info("Precision: %s", policy.describe())
     return kept

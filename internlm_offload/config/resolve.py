@@ -128,11 +128,6 @@ def _expert_parallel_blocker(cfg: RunConfig) -> str | None:
         return "expert parallel with tensor parallel is not built yet; set parallel.tensor.size=1"
     if par.fsdp_cpu_offload:
         return "parallel.fsdp_cpu_offload=True is not checked on expert shards yet; set False"
-    if cfg.model.dtype != "torch.float32" and cfg.mixed_precision.master_weights:
-        return (
-            f"model.dtype={cfg.model.dtype!r} with fp32 master weights: the masters average every gradient over "
-            "all ranks, not the experts' over their own group; use model.dtype='torch.float32'"
-        )
     for key, why in _NOT_UNDER_EXPERT_PARALLEL.items():
         section, _, name = key.rpartition(".")
         holder = getattr(cfg, section) if section else cfg

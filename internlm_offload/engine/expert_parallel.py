@@ -39,6 +39,10 @@ class ExpertDispatch:
     group: dist.ProcessGroup
     size: int
 
+    def __deepcopy__(self, memo: dict) -> "ExpertDispatch":
+        # A process group cannot be copied; a copy of the model (the fp32 masters' module) sends over the same one.
+        return self
+
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """rows (N, H) sorted by global expert (dropped rows last), counts (E,) rows per expert: the experts'
         (N, H) outputs, 0 for the dropped rows, computed by the ranks that hold each expert."""
@@ -110,6 +114,24 @@ def expert_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The sparse blocks' routed expert weights (sharded over "ep" under expert parallel) with their names."""
     experts = {id(p) for moe in moe_blocks(model) for p in moe.experts.parameters()}
     return [(name, p) for name, p in model.named_parameters() if id(p) in experts]
+
+
+def expert_grad_reduction(
+    model: nn.Module, mesh: DeviceMesh, data_parallel: int
+) -> tuple[set[str], Callable[[torch.Tensor], None]]:
+    """For fp32 masters (engine/precision.py, which reduces their gradients after backward, side by side in one
+    buffer): the expert weights' names, and how that buffer is reduced: summed over the expert-data group and
+    divided by the data-parallel size, as `reduce_expert_grads_in_backward` does per gradient."""
+    group = mesh["edp"].get_group()
+    reduce = mesh["edp"].size() > 1
+
+    @torch.no_grad()
+    def reduce_experts(grads: torch.Tensor) -> None:
+        if reduce:
+            dist.all_reduce(grads, group=group)
+        grads.div_(data_parallel)
+
+    return {name for name, _ in expert_params(model)}, reduce_experts
 
 
 def reduce_expert_grads_in_backward(

@@ -111,8 +111,12 @@ class MasterWeights:
         host_empty: Callable[[torch.Size, torch.dtype], torch.Tensor] | None = None,
         host_names: set[str] | None = None,
         reduce_group: dist.ProcessGroup | None = None,
+        reduce_apart: tuple[set[str], Callable[[torch.Tensor], None]] | None = None,
     ) -> None:
         self._reduce_group = reduce_group  # the data-parallel ranks (None: the world)
+        # (names, reduce): these parameters' fp32 gradients are reduced by `reduce` on their own slice of the
+        # buffer instead (expert parallel's experts, whose shards differ across the data-parallel ranks)
+        apart_names, self._reduce_apart = reduce_apart if reduce_apart is not None else (set(), None)
         named = dict(model.named_parameters())
         if host_empty is None:
             host_names = set()
@@ -130,8 +134,10 @@ class MasterWeights:
         self.module = copy.deepcopy(model, {**hosted, **frozen})
         model.to(compute_dtype)
         named_model = dict(model.named_parameters())
-        pairs = [(named_model[name], master) for name, master in self.module.named_parameters()]
-        self._pairs = [(param, master) for param, master in pairs if param is not master]
+        pairs = [(name, named_model[name], master) for name, master in self.module.named_parameters()]
+        pairs = [(name, param, master) for name, param, master in pairs if param is not master]
+        self._pairs = [(param, master) for _, param, master in pairs]
+        self._apart = [name in apart_names for name, _, master in pairs if master.requires_grad]
         host_ids = {id(master) for master in hosted.values()}
         self._on_host = [id(master) in host_ids for _, master in self._pairs]
         self._records = [
@@ -174,11 +180,14 @@ class MasterWeights:
                 param.grad = None
 
     def _start_flat_grads(self) -> None:
-        # One buffer per step, so DDP's reduction is a single fp32 all-reduce; freed after the step.
+        # One buffer per step, so DDP's reduction is a single fp32 all-reduce (and one more for the gradients
+        # reduced apart, laid out after the rest); freed after the step.
         device = self._records[0].model.device  # the model's device, where the grads are produced
         self._flat_grads = torch.zeros(self._numel, dtype=torch.float32, device=device)
-        self._grad_views, offset = [], 0
-        for record in self._records:
+        views: dict[int, torch.Tensor] = {}
+        offset = 0
+        for index in sorted(range(len(self._records)), key=lambda i: self._apart[i]):  # stable: the rest first
+            record = self._records[index]
             master = record.master
             local = local_shard(master)
             view = self._flat_grads[offset : offset + local.numel()].view_as(local)
@@ -187,8 +196,10 @@ class MasterWeights:
                 record.device_grad = view
             else:
                 master.grad = laid_out_like(view, master)  # a DTensor param's grad: a DTensor of its layout
-            self._grad_views.append(view)
+            views[index] = view
             offset += local.numel()
+        self._grad_views = [views[index] for index in range(len(self._records))]
+        self._together = sum(view.numel() for view, apart in zip(self._grad_views, self._apart) if not apart)
 
     def grads(self) -> list[torch.Tensor]:
         """This step's fp32 master gradients (on the device; DTensors for tensor-parallel params), e.g. to clip."""
@@ -201,8 +212,13 @@ class MasterWeights:
         """Average the fp32 master grads over the ranks (DDP with masters never reduces in backward)."""
         if self._flat_grads is None:
             self._start_flat_grads()
-        if distributed and dist.get_world_size(self._reduce_group) > 1:
-            dist.all_reduce(self._flat_grads, op=dist.ReduceOp.AVG, group=self._reduce_group)
+        if not distributed:
+            return
+        together, apart = self._flat_grads[: self._together], self._flat_grads[self._together :]
+        if dist.get_world_size(self._reduce_group) > 1:
+            dist.all_reduce(together, op=dist.ReduceOp.AVG, group=self._reduce_group)
+        if self._reduce_apart is not None and apart.numel():
+            self._reduce_apart(apart)
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -310,6 +326,7 @@ def cast_model(
     host_empty: Callable | None = None,
     host_names: set[str] | None = None,
     reduce_group: dist.ProcessGroup | None = None,
+    reduce_apart: tuple[set[str], Callable[[torch.Tensor], None]] | None = None,
 ) -> MasterWeights | None:
     """Apply the policy to a freshly built fp32 model; returns the masters where this module keeps them.
 
@@ -325,7 +342,7 @@ def cast_model(
             # may differ from the trainable shards': FSDP2 checks only theirs)
             cast_frozen(model, policy.compute_dtype)
             return None
-        return MasterWeights(model, policy.compute_dtype, host_empty, host_names, reduce_group)
+        return MasterWeights(model, policy.compute_dtype, host_empty, host_names, reduce_group, reduce_apart)
     model.to(policy.compute_dtype)
     return None
 

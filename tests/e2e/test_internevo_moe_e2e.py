@@ -51,13 +51,13 @@ def test_internevo_moe_config_trains_three_steps(tmp_path, name):
 
 
 def test_internevo_moe_config_under_ddp_on_two_processes(tmp_path):
-    """7B_MoE4_sft.py as shipped (zero1 size -1, expert size -1) on two processes: DDP; expert size -1 is 2 by
-    InternEvo's rule, 1 here with the reason (bf16 with fp32 masters is not built under expert parallel)."""
+    """7B_MoE4_sft.py as shipped (zero1 size -1, expert size -1, bf16 with fp32 masters) on two processes: DDP, and
+    expert size -1 is 2 by InternEvo's rule: each rank holds 2 of the 4 experts."""
     name = "internevo_7b_moe4_sft_shrunk.py"
     proc = train(tmp_path, nproc=2, config=DATA / name)
     assert "parallel.mode='ddp'" in proc.stderr
-    assert "parallel.expert.size=-1 -> 1: min(data-parallel ranks 2, model.num_experts 4)" in proc.stderr
-    assert "is 2; 1 here: model.dtype='torch.bfloat16' with fp32 master weights" in proc.stderr
+    assert "parallel.expert.size=-1 -> 2: min(data-parallel ranks 2, model.num_experts 4)" in proc.stderr
+    assert "Applied expert parallel over 2 ranks (1 expert-data groups): 2 sparse blocks, 2 of 4 experts" in proc.stderr
     _check_three_moe_steps(metrics(tmp_path), name)
 
 

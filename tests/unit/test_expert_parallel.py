@@ -194,11 +194,6 @@ def test_expert_sizes_as_internevo_writes_them_resolve_and_are_logged():
         ),
         (["parallel.expert.size=2", "swap_optimizer=True"], 2, "swap_optimizer=True"),
         (
-            ["parallel.expert.size=2", "model.dtype=torch.bfloat16"],
-            2,
-            "model.dtype='torch.bfloat16' with fp32 master weights",
-        ),
-        (
             ["parallel.expert.size=2", "parallel.tensor.size=2", "parallel.mode=fsdp2"],
             4,
             "with model.num_experts=4: the experts are not sharded over a tensor group",

@@ -67,12 +67,10 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
     return cfg
 
 
-# Built under data-parallel ranks with DDP; what each of these needs under expert parallel is not built yet.
+# Built under data-parallel ranks with DDP; what each of these needs under expert parallel is not built yet
+# (gradient offload reduces every gradient over all ranks in backward, the experts' included).
 _NOT_UNDER_EXPERT_PARALLEL = {
     "grad_offload": "gradient offload reduces every gradient over all ranks",
-    "swap_optimizer": "the swap optimizer is not checked on expert shards yet",
-    "hybrid_optimizer.enable": "the hybrid optimizer is not checked on expert shards yet",
-    "nvme_offload.enable": "the NVMe tier is not checked on expert shards yet",
 }
 
 

@@ -31,12 +31,15 @@ def one_process(tmp_path_factory):
 def test_ep_2_follows_one_process_and_repeats_bitwise(tmp_path, one_process):
     """fp32, 2 of the 4 experts per rank (DDP for the rest): loss within 1e-5 and grad norm within 1e-4 of one
     process for 8 steps (the expert gradients averaged as DDP averages the others, the norm summed over both
-    ranks' experts); the same run again bitwise."""
+    ranks' experts); the same run again with the swap optimizer and its states on NVMe bitwise."""
     first, second = tmp_path / "ep2", tmp_path / "ep2_again"
     proc = train(first, *STEPS, *CALM, *EP, *SAVE_AT_3, config=MOE, nproc=2)
     assert "Applied expert parallel over 2 ranks (1 expert-data groups): 4 sparse blocks, 2 of 4 experts" in proc.stderr
     assert_curves(one_process, first, NEAR)
-    train(second, *STEPS, *CALM, *EP, config=MOE, nproc=2)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    swap = ["swap_optimizer=True", "nvme_offload.enable=True", f"nvme_offload.path={nvme}"]
+    train(second, *STEPS, *CALM, *EP, *swap, config=MOE, nproc=2)  # the states of each rank's experts in files
     assert_curves(first, second, EXACT)
     _resume_on_each_layout(tmp_path, first)
 
@@ -83,10 +86,14 @@ def test_bf16_with_fp32_masters_under_ep_2_follows_one_process(tmp_path):
     expert-data group, divided by the data-parallel size) and the rest over all ranks. 8 steps follow one
     process's bf16 curve within 1e-4 (loss) and the first step's grad norm within 1e-4: measured 1.4e-5 and 0
     (later norms drift to 2e-3: bf16 rounding of expert batches grouped differently). Reducing the experts with
-    the rest, as before, is off by 4.3e-4 at step 2 and 5.8e-4 in the first grad norm."""
+    the rest, as before, is off by 4.3e-4 at step 2 and 5.8e-4 in the first grad norm. The hybrid optimizer stepping
+    half the masters on the host is bitwise this run."""
     bf16 = [step for step in STEPS if not step.startswith("model.dtype")] + ["model.dtype=torch.bfloat16", *CALM]
     train(tmp_path / "one", *bf16, config=MOE)
     train(tmp_path / "ep2", *bf16, *EP, config=MOE, nproc=2)
+    hybrid = ["hybrid_optimizer.enable=True", "hybrid_optimizer.offload_fraction=0.5"]
+    train(tmp_path / "ep2_hybrid", *bf16, *EP, *hybrid, config=MOE, nproc=2)
+    assert_curves(tmp_path / "ep2", tmp_path / "ep2_hybrid", EXACT)  # half the masters stepped on the host
     reference, got = metrics(tmp_path / "one"), metrics(tmp_path / "ep2")
     assert [r["step"] for r in got] == [r["step"] for r in reference] == list(range(1, 9))
     for mine, theirs in zip(got, reference):

@@ -192,7 +192,6 @@ def test_expert_sizes_as_internevo_writes_them_resolve_and_are_logged():
             2,
             "grad_offload=True: gradient offload reduces",
         ),
-        (["parallel.expert.size=2", "swap_optimizer=True"], 2, "swap_optimizer=True"),
         (
             ["parallel.expert.size=2", "parallel.tensor.size=2", "parallel.mode=fsdp2"],
             4,

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))  # helpers shared with the unit tests (chat_fixtures.py)
 
-from runner import BASELINE_NPROC, baseline_options, train  # found through the path above
+from runner import BASELINE_NPROC, TINY, baseline_options, train  # found through the path above
 
 
 def _run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -22,21 +22,23 @@ def _run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """`reference(*options, nproc=1)`: the run dir of train.py on `nproc` processes with `options`, trained once
-    per pytest run. Under `--dist loadfile` two files on two workers may ask for the same run: the first trains it
-    holding the run's lock, the other waits on the lock and reads it. The runs are shared: read them, never write."""
+    """`reference(*options, nproc=1, config=TINY)`: the run dir of train.py on `nproc` processes with `options`
+    (on `config`), trained once per pytest run. Under `--dist loadfile` two files on two workers may ask for the
+    same run: the first trains it holding the run's lock, the other waits on the lock and reads it. The runs are
+    shared: read them (or copy a checkpoint out to resume it), never write."""
     root = _run_root(tmp_path_factory) / "reference_runs"
     root.mkdir(exist_ok=True)
 
-    def reference(*options: str, nproc: int = 1) -> Path:
-        key = hashlib.sha256("\0".join([str(nproc), *options]).encode()).hexdigest()[:16]
+    def reference(*options: str, nproc: int = 1, config: Path = TINY) -> Path:
+        named = [str(nproc), *options] if config == TINY else [str(nproc), str(config), *options]
+        key = hashlib.sha256("\0".join(named).encode()).hexdigest()[:16]
         run, done = root / key, root / f"{key}.done"
         with open(root / f"{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if train() raises
             if not done.exists():
                 shutil.rmtree(run, ignore_errors=True)  # what a failed attempt left
-                train(run, *options, nproc=nproc)
-                done.write_text(f"nproc={nproc}\n" + "\n".join(options) + "\n")
+                train(run, *options, nproc=nproc, config=config)
+                done.write_text(f"nproc={nproc}\nconfig={config}\n" + "\n".join(options) + "\n")
         return run
 
     return reference

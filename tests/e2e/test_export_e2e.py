@@ -41,11 +41,16 @@ def test_fsdp2_checkpoint_exports_to_a_folder_transformers_loads(tmp_path):
     assert all(t.dtype == torch.float32 for t in weights.values())
 
 
-def test_internlm2_checkpoint_exports_safetensors_in_bf16(tmp_path):
+@pytest.fixture(scope="module")
+def native_run(reference_run):
+    """The tiny config's run of 2 steps (its checkpoint of step 2), trained once for the tests below: read only."""
+    return reference_run("data.total_steps=2")
+
+
+def test_internlm2_checkpoint_exports_safetensors_in_bf16(native_run, tmp_path):
     from safetensors.torch import load_file
 
-    run = tmp_path / "run"
-    train(run, "data.total_steps=2")
+    run = native_run
     out = tmp_path / "weights.safetensors"
     assert export(run / "checkpoints", out, "--dtype", "bfloat16").returncode == 0
     tensors = load_file(out)
@@ -55,13 +60,12 @@ def test_internlm2_checkpoint_exports_safetensors_in_bf16(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing", "not_safetensors", "tp_without_internevo"])
-def test_bad_export_input_is_one_line_exit_2(tmp_path, case):
+def test_bad_export_input_is_one_line_exit_2(request, tmp_path, case):
     if case == "missing":
         proc = export(tmp_path / "nope", tmp_path / "w.safetensors")
         part = "checkpoint not found"
     else:
-        run = tmp_path / "run"
-        train(run, "data.total_steps=1")
+        run = request.getfixturevalue("native_run")  # a good checkpoint, exported with bad arguments
         if case == "not_safetensors":
             proc, part = export(run / "checkpoints", tmp_path / "w.bin"), "must end in .safetensors"
         else:

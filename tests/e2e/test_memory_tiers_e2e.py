@@ -52,16 +52,16 @@ def test_gradient_offload_trains_the_baseline_curve_bitwise(tmp_path, baseline, 
             assert compared.returncode == 0, compared.stdout
 
 
-def test_nvme_tier_trains_the_baseline_curve_and_resumes_bitwise(tmp_path):
+def test_nvme_tier_trains_the_baseline_curve_and_resumes_bitwise(tmp_path, reference_run):
     """Swap states in a file on "NVMe" (here tmp_path's disk): the host arena's curve bitwise, and a host-arena
-    checkpoint resumed onto the disk tier continues it bitwise; no file is left behind."""
+    checkpoint resumed onto the disk tier continues it bitwise; no file is left behind. (The host arena's run:
+    the bf16 baseline's options on the swap config, trained once per pytest run: test_precision_e2e.py compares
+    it with the baseline.)"""
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     config = REPO / "configs" / "internlm2_tiny_swap.py"
-    common = ["data.total_steps=8", "ckpt.checkpoint_every=4", "ckpt.keep_last=0", "data.global_bsz=8"]
-    common.append("model.dtype=torch.bfloat16")
-    full, on_disk, resumed = tmp_path / "full", tmp_path / "on_disk", tmp_path / "resumed"
-    train(full, *common, config=config)
+    common = baseline_options("none", "torch.bfloat16")
+    full, on_disk, resumed = reference_run(*common, config=config), tmp_path / "on_disk", tmp_path / "resumed"
     proc = train(on_disk, *common, "nvme_offload.enable=True", f"nvme_offload.path={nvme}", config=config)
     assert f"file under {nvme}" in proc.stderr
     for metric in ("loss", "grad_norm"):

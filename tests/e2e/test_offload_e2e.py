@@ -22,6 +22,10 @@ OFFLOAD_CONFIGS = [
 # path), cover them; "none" runs every config. (Swap and hybrid alone under FSDP2 are unit-tested on two
 # ranks, and resumed across settings below.)
 PARALLEL_OFFLOAD_CONFIGS = ["internlm2_tiny_hybrid.py", "internlm2_tiny_all_offload.py"]
+# Trained once per pytest run (conftest's `reference_run`, with the baseline's checkpoints at 4 and 8): compared
+# with the baseline here, resumed with other settings below, in bf16 also by test_precision_e2e.py and
+# test_memory_tiers_e2e.py (CI time).
+SHARED_CONFIGS = ["internlm2_tiny_swap.py", "internlm2_tiny_hybrid.py"]
 
 
 def offload_configs(mode: str) -> list[str]:
@@ -35,14 +39,18 @@ def loss_compare(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("mode", ["none", "ddp", "fsdp2"])
-def test_offload_configs_align_bitwise_with_baseline(tmp_path, baseline, mode):
+def test_offload_configs_align_bitwise_with_baseline(tmp_path, baseline, reference_run, mode):
     """Each config against the suite's shared fp32 baseline of `mode` (conftest.py), of which it is a variant."""
     nproc = 1 if mode == "none" else 2
     base = baseline(mode)
     for name in offload_configs(mode):
-        run = tmp_path / name
-        options = [*baseline_options(mode), "ckpt.enable_save_ckpt=False"]
-        proc = train(run, *options, nproc=nproc, config=REPO / "configs" / name)
+        config = REPO / "configs" / name
+        if name in SHARED_CONFIGS:  # no log read below for these
+            run, proc = reference_run(*baseline_options(mode), nproc=nproc, config=config), None
+        else:
+            run = tmp_path / name
+            options = [*baseline_options(mode), "ckpt.enable_save_ckpt=False"]
+            proc = train(run, *options, nproc=nproc, config=config)
         record = metrics(run)[-1]
         if "swap" in name or "all" in name:
             assert record["optim_device_state_bytes"] == 0 and record["optim_host_state_bytes"] > 0
@@ -76,19 +84,13 @@ def test_loss_compare_catches_a_changed_run(tmp_path):
         ("fsdp2", "internlm2_tiny_hybrid.py", "hybrid_optimizer.offload_fraction=1.0"),
     ],
 )
-def test_optimizer_offload_resume_with_other_settings_is_bitwise(tmp_path, mode, config_name, other):
-    """Checkpoint at step 4, resume with another chunking / fraction: steps 5..8 equal the full run."""
+def test_optimizer_offload_resume_with_other_settings_is_bitwise(tmp_path, reference_run, mode, config_name, other):
+    """Checkpoint at step 4, resume with another chunking / fraction: steps 5..8 equal the full run (8 steps,
+    checkpoints at 4 and 8: the baseline's options, shared with the test above where it runs the config)."""
     nproc = 1 if mode == "none" else 2
     config = REPO / "configs" / config_name
-    common = [
-        "data.total_steps=8",
-        "ckpt.checkpoint_every=4",
-        "ckpt.keep_last=0",
-        f"parallel.mode={mode}",
-        "data.global_bsz=8",
-    ]
-    full = tmp_path / "full"
-    train(full, *common, nproc=nproc, config=config)
+    common = baseline_options(mode)
+    full = reference_run(*common, nproc=nproc, config=config)
     resumed = tmp_path / "resumed"
     shutil.copytree(full / "checkpoints" / "step_00000004", resumed / "checkpoints" / "step_00000004")
     train(resumed, *common, other, nproc=nproc, config=config, resume=True)

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from runner import REPO, baseline_options, metrics, train
-from test_offload_e2e import loss_compare, offload_configs
+from test_offload_e2e import SHARED_CONFIGS, loss_compare, offload_configs
 
 pytestmark = pytest.mark.e2e
 
@@ -37,11 +37,13 @@ def test_bf16_with_master_weights_tracks_fp32_at_a_fine_tuning_lr(tmp_path):
     assert abs(tail_mean(bf16) - tail_mean(fp32)) < 0.015, (tail_mean(bf16), tail_mean(fp32))
 
 
-def test_fp16_trains_finite_and_close_to_fp32_with_loss_scaling(tmp_path):
-    options = ["data.total_steps=30", NO_CKPT]
-    fp32, fp16 = tmp_path / "fp32", tmp_path / "fp16"
-    train(fp32, *options)
-    train(fp16, *options, "model.dtype=torch.float16")
+# 30 fp32 steps on one process, trained once per pytest run: the fp16 test's reference and a model-only load's source
+FP32_30 = ["data.total_steps=30", "parallel.mode=none", "model.dtype=torch.float32"]
+
+
+def test_fp16_trains_finite_and_close_to_fp32_with_loss_scaling(tmp_path, reference_run):
+    fp32, fp16 = reference_run(*FP32_30), tmp_path / "fp16"
+    train(fp16, "data.total_steps=30", NO_CKPT, "model.dtype=torch.float16")
     records = metrics(fp16)
     assert all(r["loss"] == r["loss"] and abs(r["loss"]) < 100 for r in records)
     assert records[0]["loss_scale"] == 2.0**16
@@ -74,14 +76,18 @@ def test_fp16_overflow_is_skipped_and_the_scale_backs_off(tmp_path, layout, npro
 
 
 @pytest.mark.parametrize("mode", ["none", "ddp", "fsdp2"])
-def test_bf16_offload_configs_align_bitwise_with_the_bf16_baseline(tmp_path, baseline, mode):
+def test_bf16_offload_configs_align_bitwise_with_the_bf16_baseline(tmp_path, baseline, reference_run, mode):
     """Each offload config in bf16 against the suite's shared bf16 baseline of `mode` (conftest.py)."""
     nproc = 1 if mode == "none" else 2
     options = [*baseline_options(mode, "torch.bfloat16"), NO_CKPT]
     base = baseline(mode, "torch.bfloat16")
     for name in offload_configs(mode):
-        run = tmp_path / name
-        train(run, *options, nproc=nproc, config=REPO / "configs" / name)
+        config = REPO / "configs" / name
+        if name in SHARED_CONFIGS:  # trained once per pytest run, resumed below and in test_memory_tiers_e2e.py
+            run = reference_run(*baseline_options(mode, "torch.bfloat16"), nproc=nproc, config=config)
+        else:
+            run = tmp_path / name
+            train(run, *options, nproc=nproc, config=config)
         record = metrics(run)[-1]
         if "swap" in name or "all" in name:  # the fp32 masters live on the host with the states (not under FSDP2)
             assert record["optim_device_state_bytes"] == 0
@@ -181,8 +187,7 @@ def test_model_only_load_starts_a_fresh_run_from_trained_weights(tmp_path, refer
     """Weights of a run written under any layout; step 1, fresh schedule and optimizer, lower loss than scratch
     (the run from scratch is the same for both sources: trained once per pytest run)."""
     nproc = 1 if source_mode == "none" else 2
-    source = tmp_path / "source"
-    train(source, "data.total_steps=30", f"parallel.mode={source_mode}", f"model.dtype={dtype}", nproc=nproc)
+    source = reference_run("data.total_steps=30", f"parallel.mode={source_mode}", f"model.dtype={dtype}", nproc=nproc)
     tuned = tmp_path / "tuned"
     options = ["data.total_steps=3", NO_CKPT, "data.seed=7"]
     scratch = reference_run(*options)
@@ -207,12 +212,12 @@ def test_model_only_load_starts_a_fresh_run_from_trained_weights(tmp_path, refer
         ("internlm2_tiny_swap.py", "swap_optimizer_times=2"),
     ],
 )
-def test_bf16_offload_optimizer_resume_with_other_settings_is_bitwise(tmp_path, config_name, other):
-    """Host-resident masters (hybrid CPU share, swap) checkpoint and reload exactly, into another placement."""
+def test_bf16_offload_optimizer_resume_with_other_settings_is_bitwise(tmp_path, reference_run, config_name, other):
+    """Host-resident masters (hybrid CPU share, swap) checkpoint and reload exactly, into another placement (the
+    bf16 baseline's options: 8 steps, checkpoints at 4 and 8; the full run is the one compared above)."""
     config = REPO / "configs" / config_name
-    common = ["data.total_steps=8", "ckpt.checkpoint_every=4", "ckpt.keep_last=0", "model.dtype=torch.bfloat16"]
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    train(full, *common, config=config)
+    common = baseline_options("none", "torch.bfloat16")
+    full, resumed = reference_run(*common, config=config), tmp_path / "resumed"
     shutil.copytree(full / "checkpoints" / "step_00000004", resumed / "checkpoints" / "step_00000004")
     train(resumed, *common, other, config=config, resume=True)
     expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(full) if r["step"] > 4]

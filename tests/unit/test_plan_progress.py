@@ -8,6 +8,8 @@ import pytest
 
 from internlm_offload.tools import plan
 
+pytestmark = pytest.mark.usefixtures("shared_traces")  # the four searches are one: traced once (CI time)
+
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "internlm2_tiny.py")
 # Two blocks, short sequences: what these tests check (the bar, the JSON keys) does not depend on size (CI time).
 SMALL = ["data.seq_len=32", "data.micro_bsz=2", "data.micro_num=2", "data.global_bsz=4", "model.num_layers=2"]

@@ -8,6 +8,8 @@ import pytest
 
 from internlm_offload.tools import plan
 
+pytestmark = pytest.mark.usefixtures("shared_traces")  # repeated searches read their traces once (CI time)
+
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "internlm2_tiny.py")
 SMALL = ["data.seq_len=64", "data.micro_bsz=2", "data.micro_num=2", "data.global_bsz=4"]
 # The searches below: what they check (the order of choices, the NVMe tier's place in it) does not depend on the

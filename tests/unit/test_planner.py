@@ -12,6 +12,9 @@ from internlm_offload.config import load_config_file, resolve_config
 from internlm_offload.planner import cost
 from internlm_offload.planner.standins import PlanningAccelerator, flash_attention_on_meta
 from internlm_offload.planner.trace import trace_step
+
+# the feature and work tests trace the configs the real-step tests trace: each traced once (CI time)
+pytestmark = pytest.mark.usefixtures("shared_traces")
 from internlm_offload.planner.tracker import StorageTracker
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

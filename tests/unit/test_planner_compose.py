@@ -13,6 +13,9 @@ from internlm_offload.planner.knobs import Setting, activation_settings, optimiz
 from internlm_offload.planner.search import candidate_configs, search, search_tensor_modes
 from internlm_offload.planner.trace import trace_step
 
+# the cases, searches and their whole traces share configs: each traced once (CI time)
+pytestmark = pytest.mark.usefixtures("shared_traces")
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # the validation model (12 blocks) at a shorter sequence: the same runs of blocks, faster traces
 SHAPE = {"data.seq_len": 128, "model.hidden_size": 256, "model.num_attention_heads": 4}

@@ -12,6 +12,9 @@ from internlm_offload.planner.search import search_tensor_modes
 from internlm_offload.planner.search import candidate_configs
 from internlm_offload.planner.trace import trace_step
 
+# one process's and each mode's traces recur across tests: each traced once (CI time)
+pytestmark = pytest.mark.usefixtures("shared_traces")
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SMALL = {"data.seq_len": 64, "data.micro_bsz": 2, "data.micro_num": 2, "data.global_bsz": None}
 WRAPPER = {"mtp": "none", "msp": "none", "fsp": "none", "isp": "ddp"}  # at T = world: no data-parallel ranks

@@ -13,6 +13,7 @@ from internlm_offload.config import ConfigError, RunConfig
 from internlm_offload.config.sizes import human_bytes
 from internlm_offload.device import Accelerator
 from internlm_offload.device.disk_buffers import DiskSpaceError
+from internlm_offload.engine.expert_parallel import expert_grad_reduction
 from internlm_offload.engine.precision import MasterWeights
 from internlm_offload.engine.runtime import RunContext, env_local_world_size
 from internlm_offload.optim import build_lr_scheduler, param_groups
@@ -159,14 +160,19 @@ def build_scheduler(cfg: RunConfig, optimizer: OffloadOptimizer) -> torch.optim.
     )
 
 
-def offload_gradients(cfg: RunConfig, ctx: RunContext, masters: Masters) -> GradOffload:
+def offload_gradients(cfg: RunConfig, ctx: RunContext, masters: Masters, model: nn.Module) -> GradOffload:
     """Gradient offload's hooks on the model's parameters, feeding the host gradients of what `masters` steps.
-    Under DDP it averages them over the ranks itself (the model runs unwrapped: `apply_data_parallel`); FSDP2
-    reduce-scatters before the hooks see a gradient."""
+    Under DDP it averages them over the ranks itself (the model runs unwrapped: `apply_data_parallel`), expert
+    parallel's experts over their own group; FSDP2 reduce-scatters before the hooks see a gradient."""
+    reduce_apart = None
+    if ctx.expert_mesh is not None:
+        names, reduce_experts = expert_grad_reduction(model, ctx.expert_mesh, ctx.dp_size)
+        reduce_apart = ({id(p) for name, p in model.named_parameters() if name in names}, reduce_experts)
     return GradOffload(
         masters,
         ctx.accelerator,
         bucket_bytes=int(cfg.grad_offload_bucket_mb * 2**20),
         from_zeros=isinstance(masters, MasterWeights),
         reduce=ctx.distributed and cfg.parallel.mode == "ddp",
+        reduce_apart=reduce_apart,
     )

@@ -103,7 +103,7 @@ def build_components(
     masters: Masters = NoMasters(model) if kept_masters is None else kept_masters
     optimizer = build_optimizer(cfg, masters, ctx.accelerator, cpu_mask=cpu_mask, check_host=check_host_memory)
     if cfg.grad_offload:  # its hooks feed the host gradients the optimizer just built reads
-        masters = offload_gradients(cfg, ctx, masters)
+        masters = offload_gradients(cfg, ctx, masters, model)
     scheduler = build_scheduler(cfg, optimizer)
     return Components(
         model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers, shard, pipeline

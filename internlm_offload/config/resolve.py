@@ -67,13 +67,6 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
     return cfg
 
 
-# Built under data-parallel ranks with DDP; what each of these needs under expert parallel is not built yet
-# (gradient offload reduces every gradient over all ranks in backward, the experts' included).
-_NOT_UNDER_EXPERT_PARALLEL = {
-    "grad_offload": "gradient offload reduces every gradient over all ranks",
-}
-
-
 def _resolve_expert_parallel(cfg: RunConfig, data_parallel: int) -> None:
     """`parallel.expert.size` <= 0 as InternEvo's -1: min(data-parallel ranks, experts), or 1 where this run has
     what expert parallel is not built with (said in the log); then what the expert mesh ("edp", "ep") over the
@@ -126,11 +119,6 @@ def _expert_parallel_blocker(cfg: RunConfig) -> str | None:
         return "expert parallel with tensor parallel is not built yet; set parallel.tensor.size=1"
     if par.fsdp_cpu_offload:
         return "parallel.fsdp_cpu_offload=True is not checked on expert shards yet; set False"
-    for key, why in _NOT_UNDER_EXPERT_PARALLEL.items():
-        section, _, name = key.rpartition(".")
-        holder = getattr(cfg, section) if section else cfg
-        if getattr(holder, name):
-            return f"{key}=True: {why}; set it off"
     return None
 
 

@@ -45,7 +45,7 @@ parameter without a gradient gets zeros. Otherwise autograd keeps the first grad
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -94,6 +94,7 @@ class GradOffload(MemoryFeature):
         bucket_bytes: int,
         from_zeros: bool,
         reduce: bool = False,
+        reduce_apart: tuple[set[int], Callable[[torch.Tensor], None]] | None = None,
     ) -> None:
         self._masters = masters
         self.module = masters.module
@@ -102,6 +103,10 @@ class GradOffload(MemoryFeature):
         self._local = [local_shard(r.master.detach()) for r in self._records]  # this rank's shards (FSDP2)
         self._from_zeros = from_zeros
         self._reduce = reduce
+        # (ids of model parameters, reduce): their gradients travel in buckets of their own, reduced by `reduce`
+        # instead of averaged over every rank (expert parallel's experts, whose shards differ across ranks)
+        apart_ids, self._reduce_apart = reduce_apart if reduce_apart is not None else (set(), None)
+        self._apart = [id(r.model) in apart_ids for r in self._records]
         self._device = self._records[0].model.device if self._records else torch.device("cpu")  # backward's
         self._host = HostArena(accelerator, [(p.shape, p.dtype) for p in self._local], pinned=True)
         self._host_grads = [self._host.view(i) for i in range(len(self._records))]
@@ -118,7 +123,7 @@ class GradOffload(MemoryFeature):
         self._reduce_buckets = (
             consecutive_runs(
                 range(len(self._local)),
-                group_of=lambda index: self._local[index].dtype,
+                group_of=lambda index: (self._local[index].dtype, self._apart[index]),
                 size_of=lambda index: sizes[index],
                 target=self._capacity,
             )
@@ -257,7 +262,10 @@ class GradOffload(MemoryFeature):
             else:
                 total.zero_()
             sums.append(total)
-        dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+        if self._apart[indices[0]]:  # a bucket is apart or not as a whole (`_reduce_buckets`)
+            self._reduce_apart(flat)
+        else:
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG)
         return sums
 
     def _finish_adds(self) -> None:

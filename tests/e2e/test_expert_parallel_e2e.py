@@ -31,17 +31,17 @@ def one_process(tmp_path_factory):
 def test_ep_2_follows_one_process_and_repeats_bitwise(tmp_path, one_process):
     """fp32, 2 of the 4 experts per rank (DDP for the rest): loss within 1e-5 and grad norm within 1e-4 of one
     process for 8 steps (the expert gradients averaged as DDP averages the others, the norm summed over both
-    ranks' experts); the same run again with activation offload, checkpointing and the swap optimizer with its
-    states on NVMe bitwise."""
+    ranks' experts); the same run again with activation offload, checkpointing, gradient offload and the swap
+    optimizer with its states on NVMe bitwise."""
     first, second = tmp_path / "ep2", tmp_path / "ep2_again"
     proc = train(first, *STEPS, *CALM, *EP, *SAVE_AT_3, config=MOE, nproc=2)
     assert "Applied expert parallel over 2 ranks (1 expert-data groups): 4 sparse blocks, 2 of 4 experts" in proc.stderr
     assert_curves(one_process, first, NEAR)
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    swap = ["swap_optimizer=True", "nvme_offload.enable=True", f"nvme_offload.path={nvme}"]
-    # activation offload of a block (the dispatched rows among what it saves), checkpointing of others, and the
-    # swap optimizer with the states of each rank's experts in files
+    swap = ["swap_optimizer=True", "grad_offload=True", "nvme_offload.enable=True", f"nvme_offload.path={nvme}"]
+    # activation offload of a block (the dispatched rows among what it saves), checkpointing of others, gradient
+    # offload (the experts' reduced over their own group) and the swap optimizer with its states in files
     train(second, *STEPS, *CALM, *EP, *OFFLOAD, *swap, config=MOE, nproc=2)
     assert_curves(first, second, EXACT)
     _resume_on_each_layout(tmp_path, first)

@@ -188,11 +188,6 @@ def test_expert_sizes_as_internevo_writes_them_resolve_and_are_logged():
             "parallel.fsdp_cpu_offload=True is not checked on expert shards yet",
         ),
         (
-            ["parallel.expert.size=2", "grad_offload=True", "swap_optimizer=True"],
-            2,
-            "grad_offload=True: gradient offload reduces",
-        ),
-        (
             ["parallel.expert.size=2", "parallel.tensor.size=2", "parallel.mode=fsdp2"],
             4,
             "with model.num_experts=4: the experts are not sharded over a tensor group",

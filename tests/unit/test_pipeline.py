@@ -128,6 +128,21 @@ def test_internevo_pipeline_section_as_written():
 
 
 @pytest.mark.parametrize(
+    "options",
+    [
+        {"model.checkpoint": 1.0},
+        {"model.checkpoint": 0.5, "selective_checkpoint": True},
+        {"model.checkpoint": 1.0, "selective_checkpoint": True, "model.num_chunks": 2},
+    ],
+)
+def test_activation_checkpointing_under_the_whole_backward_schedules(options):
+    """Full and selective checkpointing pass under 1F1B and interleaved 1F1B (each rank's plan over its stages'
+    blocks; tests/e2e/test_pipeline_e2e.py holds them bitwise against the pipeline without them)."""
+    cfg = resolve(2, options)
+    assert cfg.model.checkpoint == options["model.checkpoint"]
+
+
+@pytest.mark.parametrize(
     ("world_size", "options", "message"),
     [
         (2, {"data.micro_num": 1}, "1F1B needs at least one micro-batch per stage; set data.micro_num >= 2"),
@@ -141,7 +156,13 @@ def test_internevo_pipeline_section_as_written():
         (4, {"parallel.mode": "fsdp2", "parallel.fsdp_cpu_offload": True}, "FSDP2's CPU offload per stage"),
         (2, {"model.dtype": "torch.bfloat16"}, "only torch.float32 is built under a pipeline yet"),
         (2, {"cpu_offloading.enable": True, "cpu_offloading.num_layers": 1}, "activation offload under a pipeline"),
-        (2, {"model.checkpoint": 1.0}, "activation checkpointing is not checked under a pipeline"),
+        (2, {"model.checkpoint": 1.0, "parallel.pipeline.mode": "ZBV"}, "split backward fails on checkpointed"),
+        (2, {"model.checkpoint": 0.5, "parallel.pipeline.mode": "ZBH1"}, "split backward fails on checkpointed"),
+        (
+            2,
+            {"model.checkpoint": 1.0, "selective_checkpoint": True, "selective_checkpoint_offload": True},
+            "activation offload under",
+        ),
         (2, {"swap_optimizer": True}, "the swap optimizer is not checked per stage"),
         (2, {"ckpt.enable_save_ckpt": True}, "checkpoints of a pipeline's stages are not built yet"),
         (2, {"model.tie_word_embeddings": True}, "the embedding and the head sit on different stages"),

@@ -59,9 +59,6 @@ _NOT_UNDER_PIPELINE: tuple[tuple[str, Any, str], ...] = (
     ("hybrid_optimizer.enable", False, "the hybrid optimizer is not checked per stage yet; set False"),
     ("grad_offload", False, "gradient offload is not checked per stage yet; set False"),
     ("nvme_offload.enable", False, "the NVMe tier is not checked per stage yet; set False"),
-    ("ckpt.enable_save_ckpt", False, "checkpoints of a pipeline's stages are not built yet; set False"),
-    ("ckpt.auto_resume", False, "checkpoints of a pipeline's stages are not built yet; set False"),
-    ("ckpt.load_ckpt_info", None, "loading weights into a pipeline's stages is not built yet; leave it unset"),
     ("data.valid_folder", None, "validation runs the whole model on one rank; not built under a pipeline yet"),
 )
 

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -60,6 +61,13 @@ TRAIN_STATE = "train_state.pt"
 LATEST = "latest"
 DAMAGED = "damaged"  # where a damaged checkpoint goes when its step is written again; nothing is deleted
 FORMAT_VERSION = 1
+# A pipeline's checkpoint keeps its optimizer state flat, by parameter name (`state.layers.5.w.exp_avg`,
+# `param_groups.layers.5.w.lr`): each stage writes its own names, and any layout reads the ones it holds.
+FLAT_OPTIM = "optim_flat"
+
+
+def _optim_options(flat: bool) -> StateDictOptions:
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
 
 
 class CheckpointSpaceError(OSError):
@@ -150,7 +158,8 @@ class CheckpointManager:
         if self._keep_existing(final):
             return final
         tmp = self.folder / f".tmp-{step_dir_name(step)}"
-        model_state, optim_state = get_state_dict(model, optimizer)
+        flat = self.ctx.pipeline_size > 1
+        model_state, optim_state = get_state_dict(model, optimizer, options=_optim_options(flat))
         needed = state_bytes(model_state) + state_bytes(optim_state)
         attempt = functools.partial(self._attempt, final=final, tmp=tmp, needed=needed)
         attempt(lambda: self._require_space(needed), main_only=True)
@@ -166,9 +175,11 @@ class CheckpointManager:
             "world_size": self.ctx.world_size,
             "config_fingerprint": train_state.get("config_fingerprint"),
             "torch_version": torch.__version__,
-            "model": model_signature(model_state),
+            "model": self._signature(model_state),
             "files": dict(sorted(records.items())),
         }
+        if flat:
+            manifest[FLAT_OPTIM] = True
         attempt(lambda: self._publish(tmp, final, manifest), main_only=True)
         logger.info("Saved checkpoint %s", final)
         return final
@@ -296,10 +307,14 @@ class CheckpointManager:
     def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load model, optimizer and RNG states in place; return the train state."""
         path = resolve_checkpoint_path(Path(path))
-        model_state, optim_state = get_state_dict(model, optimizer)
+        # a nested optimizer state (saved without a pipeline) splits into stages too: each rank takes its names
+        options = _optim_options(read_manifest(path).get(FLAT_OPTIM, False))
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
         state = {"model": model_state, "optim": optim_state}
-        manifest = read_into(path, state)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        manifest = read_into(path, state, signature=self._signature(model_state))
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+        )
         self._load_rng(path, saved_world_size=manifest["world_size"])
         train_state = read_train_state(path)
         logger.info("Loaded checkpoint %s (step %d)", path, manifest["step"])
@@ -309,10 +324,19 @@ class CheckpointManager:
         """Load only the weights of a checkpoint (any world size and parallel mode: DCP reshards them)."""
         path = resolve_checkpoint_path(Path(path))
         state = {"model": get_model_state_dict(model)}
-        manifest = read_into(path, state)
+        manifest = read_into(path, state, signature=self._signature(state["model"]))
         set_model_state_dict(model, state["model"])
         logger.info("Loaded the weights of %s (step %d); starting a new run at step 1", path, manifest["step"])
         return path
+
+    def _signature(self, model_state: dict[str, Any]) -> dict[str, list[int]]:
+        """The whole model's signature: under a pipeline each rank holds its stages' parameters only."""
+        if self.ctx.pipeline_size == 1:
+            return model_signature(model_state)
+        whole: dict[str, list[int]] = {}
+        for part in all_gather_object(self.ctx, model_signature(model_state)):
+            whole.update(part)
+        return dict(sorted(whole.items()))
 
     def _load_rng(self, path: Path, *, saved_world_size: int) -> None:
         rng_file = path / "rng" / f"rank_{self.ctx.rank}.pt"
@@ -403,11 +427,11 @@ def resolve_checkpoint_path(path: Path) -> Path:
     raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST}) and holds none")
 
 
-def read_into(path: Path, state: dict[str, Any]) -> dict[str, Any]:
-    """Refuse a checkpoint of another model, then fill `state` (its "model" entry and any others) from it
-    in place, resharded by DCP; returns the manifest."""
+def read_into(path: Path, state: dict[str, Any], *, signature: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """Refuse a checkpoint of another model (`signature`: the whole model's, by default `state`'s), then fill
+    `state` (its "model" entry and any others) from it in place, resharded by DCP; returns the manifest."""
     manifest = read_manifest(path)
-    check_signature(path, manifest["model"], model_signature(state["model"]))
+    check_signature(path, manifest["model"], signature or model_signature(state["model"]))
     try:
         read_checkpoint(path, state)
     except UnsafeCheckpointError as exc:

@@ -8,5 +8,3 @@ JOB_NAME = "internlm2_tiny_pp2"
 parallel = dict(pipeline=dict(size=2, interleaved_overlap=False, mode="1F1B"))
 model = dict(num_chunks=1)
 data = dict(micro_num=4)
-# Not built under a pipeline yet (issue 37 item 6): checkpoints of the stages.
-ckpt = dict(enable_save_ckpt=False)

@@ -5,7 +5,7 @@ from torch import nn
 from internlm_offload.builder.model import log_build_memory
 from internlm_offload.config import RunConfig
 from internlm_offload.config.pipeline import virtual_chunks
-from internlm_offload.engine.pipeline import PipelineRunner, schedule_class, wrap_chunks
+from internlm_offload.engine.pipeline import PipelineRunner, PipelineStages, schedule_class, wrap_chunks
 from internlm_offload.engine.pipeline_split import PipelineChunk, split_model
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.log import get_logger
@@ -23,9 +23,10 @@ def split_for_pipeline(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> dic
 
 def apply_pipeline(
     cfg: RunConfig, ctx: RunContext, chunks: dict[int, PipelineChunk]
-) -> tuple[nn.ModuleList, PipelineRunner]:
-    """The stages wrapped (DDP or FSDP2 within a stage's data-parallel ranks, `parallel.mode`), as one module
-    list (what the optimizer steps), and the runner of their schedule."""
+) -> tuple[PipelineStages, PipelineRunner]:
+    """The stages wrapped (DDP or FSDP2 within a stage's data-parallel ranks, `parallel.mode`), and the runner of
+    their schedule; what the optimizer steps and checkpoints hold is the stages' modules under the whole model's
+    names."""
     pipe = cfg.parallel.pipeline
     num_chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
     num_stages = pipe.size * num_chunks
@@ -47,4 +48,4 @@ def apply_pipeline(
         cfg.data.micro_num,
         label_smoothing=cfg.loss.label_smoothing,
     )
-    return nn.ModuleList(modules.values()), runner
+    return PipelineStages(chunks), runner

@@ -53,16 +53,12 @@ _NOT_UNDER_PIPELINE: tuple[tuple[str, Any, str], ...] = (
     ("parallel.expert.size", 1, "pipeline with expert parallel is not built yet; set parallel.expert.size=1"),
     ("model.num_experts", 0, "a pipeline carries no MoE aux loss between stages yet; use a dense model"),
     ("model.tie_word_embeddings", False, "the embedding and the head sit on different stages; set False"),
-    ("model.checkpoint", 0.0, "activation checkpointing is not checked under a pipeline yet; set 0"),
     ("cpu_offloading.enable", False, "activation offload under a pipeline is not built yet; set False"),
-    ("selective_checkpoint", False, "selective checkpointing is not checked under a pipeline yet; set False"),
+    ("selective_checkpoint_offload", False, "activation offload under a pipeline is not built yet; set False"),
     ("swap_optimizer", False, "the swap optimizer is not checked per stage yet; set False"),
     ("hybrid_optimizer.enable", False, "the hybrid optimizer is not checked per stage yet; set False"),
     ("grad_offload", False, "gradient offload is not checked per stage yet; set False"),
     ("nvme_offload.enable", False, "the NVMe tier is not checked per stage yet; set False"),
-    ("ckpt.enable_save_ckpt", False, "checkpoints of a pipeline's stages are not built yet; set False"),
-    ("ckpt.auto_resume", False, "checkpoints of a pipeline's stages are not built yet; set False"),
-    ("ckpt.load_ckpt_info", None, "loading weights into a pipeline's stages is not built yet; leave it unset"),
     ("data.valid_folder", None, "validation runs the whole model on one rank; not built under a pipeline yet"),
     ("model.lora", None, "LoRA adapters on a pipeline's stages are not built yet; leave model.lora unset"),
 )
@@ -95,7 +91,21 @@ def pipeline_problem(cfg: Any) -> str | None:
         value = _value(cfg, key)
         if value != off:
             return f"{where} with {key}={value!r}: {why}"
-    return _chunk_problem(pipe.size, pipe.mode, model.num_chunks, model.num_layers)
+    return checkpoint_problem(pipe.mode, model.checkpoint) or _chunk_problem(
+        pipe.size, pipe.mode, model.num_chunks, model.num_layers
+    )
+
+
+def checkpoint_problem(mode: str, checkpoint: Any) -> str | None:
+    """Activation checkpointing (full or selective) runs under the schedules with a whole backward (1F1B,
+    interleaved 1F1B); the zero-bubble ones split it into an input and a weight pass, and torch's weight pass fails
+    on a checkpointed block (checked: `'_GeneratorContextManager' object has no attribute 'args'`)."""
+    if mode in ("ZBH1", "ZBV") and checkpoint not in (0, 0.0, False):
+        return (
+            f"parallel.pipeline.mode={mode!r} with model.checkpoint={checkpoint!r}: torch's zero-bubble split "
+            "backward fails on checkpointed blocks; set model.checkpoint=0 or mode='1F1B'"
+        )
+    return None
 
 
 def _chunk_problem(size: int, mode: str, num_chunks: int, num_layers: int) -> str | None:

@@ -62,6 +62,9 @@ TRAIN_STATE = "train_state.pt"
 LATEST = "latest"
 DAMAGED = "damaged"  # where a damaged checkpoint goes when its step is written again; nothing is deleted
 FORMAT_VERSION = 1
+# A pipeline's checkpoint keeps its optimizer state flat, by parameter name (`state.layers.5.w.exp_avg`,
+# `param_groups.layers.5.w.lr`): each stage writes its own names, and any layout reads the ones it holds.
+FLAT_OPTIM = "optim_flat"
 
 
 class CheckpointSpaceError(OSError):
@@ -142,9 +145,7 @@ class CheckpointManager:
         self.folder = Path(folder)
         self.ctx = ctx
         self.keep_last = keep_last
-        self._options = StateDictOptions(ignore_frozen_params=skip_frozen)
-        # loading: the frozen keys are absent by design; every trainable one is read (read_into's template)
-        self._load_options = StateDictOptions(ignore_frozen_params=skip_frozen, strict=not skip_frozen)
+        self._skip_frozen = skip_frozen
 
     # ------------------------------------------------------------------ save
 
@@ -157,7 +158,8 @@ class CheckpointManager:
         if self._keep_existing(final):
             return final
         tmp = self.folder / f".tmp-{step_dir_name(step)}"
-        model_state, optim_state = get_state_dict(model, optimizer, options=self._options)
+        flat = self.ctx.pipeline_size > 1
+        model_state, optim_state = get_state_dict(model, optimizer, options=self._state_options(flat))
         needed = state_bytes(model_state) + state_bytes(optim_state)
         attempt = functools.partial(self._attempt, final=final, tmp=tmp, needed=needed)
         attempt(lambda: self._require_space(needed), main_only=True)
@@ -173,9 +175,11 @@ class CheckpointManager:
             "world_size": self.ctx.world_size,
             "config_fingerprint": train_state.get("config_fingerprint"),
             "torch_version": torch.__version__,
-            "model": model_signature(model_state),
+            "model": self._signature(model_state),
             "files": dict(sorted(records.items())),
         }
+        if flat:
+            manifest[FLAT_OPTIM] = True
         attempt(lambda: self._publish(tmp, final, manifest), main_only=True)
         logger.info("Saved checkpoint %s", final)
         return final
@@ -303,18 +307,23 @@ class CheckpointManager:
     def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load model, optimizer and RNG states in place; return the train state."""
         path = resolve_checkpoint_path(Path(path))
-        model_state, optim_state = get_state_dict(model, optimizer, options=self._options)
-        own_groups = [dict(group, params=list(group["params"])) for group in optim_state["param_groups"]]
-        optim_state["param_groups"] = saved_param_groups(path)  # DCP fills a template's entries only
+        # a nested optimizer state (saved without a pipeline) splits into stages too: each rank takes its names
+        flat = read_manifest(path).get(FLAT_OPTIM, False)
+        model_state, optim_state = get_state_dict(model, optimizer, options=self._state_options(flat))
+        own_groups = None
+        if not flat:  # the nested form's groups follow the layout: read them all, regroup them below
+            own_groups = [dict(group, params=list(group["params"])) for group in optim_state["param_groups"]]
+            optim_state["param_groups"] = saved_param_groups(path)  # DCP fills a template's entries only
         state = {"model": model_state, "optim": optim_state}
-        manifest = read_into(path, state)
-        state["optim"]["param_groups"] = regroup_param_groups(state["optim"]["param_groups"], own_groups, path)
+        manifest = read_into(path, state, signature=self._signature(model_state))
+        if own_groups is not None:
+            state["optim"]["param_groups"] = regroup_param_groups(state["optim"]["param_groups"], own_groups, path)
         set_state_dict(
             model,
             optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
-            options=self._load_options,
+            options=self._state_options(flat, loading=True),
         )
         self._load_rng(path, saved_world_size=manifest["world_size"])
         train_state = read_train_state(path)
@@ -327,11 +336,29 @@ class CheckpointManager:
         own = get_model_state_dict(model)
         keys = base_keys(own) if has_adapters(model) else {key: key for key in own}  # LoRA: the base's names
         state = {"model": {name: own[key] for name, key in keys.items()}}
-        manifest = read_into(path, state)
+        manifest = read_into(path, state, signature=self._signature(state["model"]))
         loaded = {keys[name]: tensor for name, tensor in state["model"].items()}
         set_model_state_dict(model, loaded, options=StateDictOptions(strict=len(keys) == len(own)))
         logger.info("Loaded the weights of %s (step %d); starting a new run at step 1", path, manifest["step"])
         return path
+
+    def _state_options(self, flat: bool, *, loading: bool = False) -> StateDictOptions:
+        """`flat`: the optimizer state keyed by parameter name (a pipeline's stages: `FLAT_OPTIM`). Loading
+        with the frozen base skipped, its keys are absent by design; every trainable one is read (the template)."""
+        return StateDictOptions(
+            flatten_optimizer_state_dict=flat,
+            ignore_frozen_params=self._skip_frozen,
+            strict=not (loading and self._skip_frozen),
+        )
+
+    def _signature(self, model_state: dict[str, Any]) -> dict[str, list[int]]:
+        """The whole model's signature: under a pipeline each rank holds its stages' parameters only."""
+        if self.ctx.pipeline_size == 1:
+            return model_signature(model_state)
+        whole: dict[str, list[int]] = {}
+        for part in all_gather_object(self.ctx, model_signature(model_state)):
+            whole.update(part)
+        return dict(sorted(whole.items()))
 
     def _load_rng(self, path: Path, *, saved_world_size: int) -> None:
         rng_file = path / "rng" / f"rank_{self.ctx.rank}.pt"
@@ -422,11 +449,11 @@ def resolve_checkpoint_path(path: Path) -> Path:
     raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST}) and holds none")
 
 
-def read_into(path: Path, state: dict[str, Any]) -> dict[str, Any]:
-    """Refuse a checkpoint of another model, then fill `state` (its "model" entry and any others) from it
-    in place, resharded by DCP; returns the manifest."""
+def read_into(path: Path, state: dict[str, Any], *, signature: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """Refuse a checkpoint of another model (`signature`: the whole model's, by default `state`'s), then fill
+    `state` (its "model" entry and any others) from it in place, resharded by DCP; returns the manifest."""
     manifest = read_manifest(path)
-    check_signature(path, manifest["model"], model_signature(state["model"]))
+    check_signature(path, manifest["model"], signature or model_signature(state["model"]))
     try:
         read_checkpoint(path, state)
     except UnsafeCheckpointError as exc:

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from internlm_offload.data.loader import MicroBatch
 from internlm_offload.engine.loss import token_loss_sum
+from internlm_offload.engine.pipeline_split import PipelineChunk
 from internlm_offload.engine.runtime import RunContext
 
 
@@ -109,6 +110,23 @@ class PipelineRunner:
         squared = stage_norm.to(torch.float32).square()
         dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self._pp_group)
         return squared.sqrt()
+
+
+class PipelineStages(nn.Module):
+    """This rank's stages' modules under the whole model's names (`tok_embeddings`, `layers.5`, `norm`, `output`):
+    what the optimizer steps and checkpoints hold, so that a checkpoint's parameters and optimizer states read
+    at any pipeline layout, or without one. The schedule runs the (wrapped) stage modules themselves."""
+
+    def __init__(self, chunks: dict[int, PipelineChunk]) -> None:
+        super().__init__()
+        ordered = [chunks[s] for s in sorted(chunks)]  # the whole model's order: embedding, blocks, norm, head
+        embedding = next((c.tok_embeddings for c in ordered if c.tok_embeddings is not None), None)
+        if embedding is not None:
+            self.tok_embeddings = embedding
+        self.layers = nn.ModuleDict({name: block for c in ordered for name, block in c.layers.items()})
+        last = next((c for c in ordered if c.last), None)
+        if last is not None:
+            self.norm, self.output = last.norm, last.output
 
 
 def wrap_chunks(

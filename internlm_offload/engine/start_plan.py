@@ -5,7 +5,7 @@ holds no earlier run's checkpoints. Reads checkpoints through `engine/checkpoint
 from dataclasses import dataclass
 from pathlib import Path
 
-from internlm_offload.config import RunConfig
+from internlm_offload.config import ConfigError, RunConfig
 from internlm_offload.engine.checkpoint import (
     latest_checkpoint,
     newest_intact_checkpoint,
@@ -99,6 +99,11 @@ def find_weights_source(cfg: RunConfig) -> WeightsSource | None:
     if info is None or info.content != ["model"]:
         return None
     foreign = foreign_source(info, cfg.model)
+    if foreign is not None and cfg.parallel.pipeline.size > 1:
+        raise ConfigError(
+            f"ckpt.load_ckpt_info.path={info.path!r}: another trainer's weights ({foreign.kind}) do not load into a "
+            "pipeline's stages yet; load them without a pipeline and save, then load that checkpoint"
+        )
     if foreign is not None:
         return foreign
     return WeightsSource(resolve_checkpoint_path(Path(info.path)), "dcp")

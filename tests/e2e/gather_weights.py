@@ -1,7 +1,8 @@
 """train.py that first writes the model's weights as this run holds them, gathered: for the checkpoint tests.
 
 GATHERED_WEIGHTS=path: before the first step (after a resume or a model-only load), rank 0 saves every tensor of
-the checkpointed module's state dict there with `torch.save`, a DTensor as its full tensor (all ranks gather).
+the checkpointed module's state dict there with `torch.save`, a DTensor as its full tensor (all ranks gather). Under
+a pipeline every rank saves its stages' tensors to `path.rank<r>`.
 """
 
 import os
@@ -24,7 +25,9 @@ def gathering_build_trainer(*args, **kwargs):
     def gather_then_train() -> None:
         state = trainer.state_module.state_dict()
         full = {name: t.full_tensor() if isinstance(t, DTensor) else t.detach().clone() for name, t in state.items()}
-        if trainer.ctx.is_main:
+        if trainer.ctx.pipeline_size > 1:  # each rank holds its own stages' tensors: a file per rank
+            torch.save(full, f"{os.environ['GATHERED_WEIGHTS']}.rank{trainer.ctx.rank}")
+        elif trainer.ctx.is_main:
             torch.save(full, os.environ["GATHERED_WEIGHTS"])
         train()
 

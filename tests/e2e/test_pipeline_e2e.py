@@ -3,19 +3,33 @@ over gloo, from the shipped configs/internlm2_tiny_pp2.py.
 
 In fp32 (at lr 1e-3, `CALM`) every schedule follows the one-process curve of the same global batch (8 sequences a
 step) within 1e-5 relative per step for 20 steps: 1F1B at P=2 with 2 data-parallel ranks per stage (DDP), ZBH1 at
-P=4, interleaved 1F1B over 2 chunks at P=2 with FSDP2 over 2 ranks per stage, ZBV at P=2; ZBV run again gives the
-same bits. Red with a micro-batch's loss scaled twice (the schedule's `scale_grads=True` over the trainer's weighted
+P=4, interleaved 1F1B over 2 chunks at P=2 with FSDP2 over 2 ranks per stage, ZBV at P=2. Checkpoints (ZBV's step 8) resume on the same layout bitwise, continue on one process within 1e-5,
+load model-only into 1F1B's stages and export as one process's do; activation checkpointing under 1F1B is bitwise.
+Red with a micro-batch's loss scaled twice (the schedule's `scale_grads=True` over the trainer's weighted
 loss) and with the gradient norm not summed over the stages.
 """
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import pytest
+import torch
 from runner import REPO, metrics, train
+from safetensors.torch import load_file
 from tensor_parallel_runs import CALM, NEAR, STEPS, assert_curves
+
+from internlm_offload.tools.export import load_weights
 
 pytestmark = pytest.mark.e2e
 
 PP2 = REPO / "configs" / "internlm2_tiny_pp2.py"
 BATCH = ["data.global_bsz=8"]  # 4 micro-batches of 2 on one rank per stage, 2 on each of 2 data-parallel ranks
+ZBV = [*STEPS, *CALM, *BATCH, "parallel.pipeline.mode=ZBV", "lr_scheduler.total_steps=20"]
+SAVE_EVERY_8 = ["ckpt.enable_save_ckpt=True", "ckpt.checkpoint_every=8", "ckpt.keep_last=0"]
+GATHER = REPO / "tests" / "e2e" / "gather_weights.py"
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +65,86 @@ def test_each_schedule_follows_the_one_process_curve(tmp_path, one_process, name
     assert_curves(one_process, run, NEAR)
 
 
-def test_zbv_follows_the_one_process_curve_and_repeats_bitwise(tmp_path, one_process):
-    """ZBV (two chunks per rank in a V: rank 0 holds the first and the last stage) within 1e-5 of one process; the
-    same config again (4 steps of the same 20-step schedule) gives the same bits."""
-    zbv = [*STEPS, *CALM, *BATCH, "parallel.pipeline.mode=ZBV", "lr_scheduler.total_steps=20"]
-    first, again = tmp_path / "zbv", tmp_path / "zbv_again"
-    proc = train(first, *zbv, nproc=2, config=PP2)
+@pytest.fixture(scope="module")
+def zbv(tmp_path_factory):
+    """ZBV at P=2 for 20 steps, checkpoints at steps 8, 16 and 20 (saving changes no bits)."""
+    run = tmp_path_factory.mktemp("zbv") / "run"
+    proc = train(run, *ZBV, *SAVE_EVERY_8, nproc=2, config=PP2)
     assert "Pipeline rank 0 of 2: stages [0, 3] of 4 (ScheduleZBVZeroBubble)" in proc.stderr
-    assert_curves(one_process, first, NEAR)
-    train(again, *zbv, "data.total_steps=4", nproc=2, config=PP2)
-    repeated = metrics(again)
-    assert len(repeated) == 4
-    for a, b in zip(metrics(first), repeated):
-        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), a["step"]
+    return run
+
+
+def test_zbv_follows_the_one_process_curve_and_resumes_bitwise(tmp_path, one_process, zbv):
+    """ZBV (two chunks per rank in a V: rank 0 holds the first and the last stage) within 1e-5 of one process; its
+    step-8 checkpoint resumed on the same layout gives steps 9..12 bit for bit (every stage's parameters and
+    optimizer state read back), each rank holding its stages' tensors of the checkpoint."""
+    assert_curves(one_process, zbv, NEAR)
+    run = resume_from(zbv, tmp_path / "again")
+    train(run, *ZBV, *SAVE_EVERY_8, "data.total_steps=12", nproc=2, config=PP2, resume=True, **gathering(run))
+    assert curve(run) == curve(zbv)[8:12]
+    assert_holds(run, step_8(zbv), ranks=2)
+
+
+def test_a_pipeline_checkpoint_moves_between_layouts_and_exports_as_one_process(tmp_path, zbv):
+    """The ZBV step-8 checkpoint: resumed on one process, steps 9..12 within 1e-5 of the pipeline's; loaded model
+    only (`ckpt.load_ckpt_info`) into 1F1B's stages (another stage layout), each rank holds its stages' tensors of
+    it; 1F1B with activation checkpointing (half the blocks, selective) from the same weights gives the same bits;
+    `tools.export --hf` writes the same files, tensor names, shapes and dtypes as from one process's checkpoint."""
+    one = resume_from(zbv, tmp_path / "one_process")
+    options = [*STEPS, *CALM, *BATCH, "lr_scheduler.total_steps=20", *SAVE_EVERY_8, "data.total_steps=12"]
+    train(one, *options, "parallel.pipeline.size=1", config=PP2, resume=True, **gathering(one))
+    for (step, loss, norm), (want_step, want_loss, want_norm) in zip(curve(one), curve(zbv)[8:12], strict=True):
+        assert step == want_step and loss == pytest.approx(want_loss, rel=1e-5)
+        assert norm == pytest.approx(want_norm, rel=1e-4)
+    assert_holds(one, step_8(zbv), ranks=1)
+    load = [*STEPS, *CALM, *BATCH, "data.total_steps=4", f"ckpt.load_ckpt_info.path={step_8(zbv)}"]
+    plain, checkpointed = tmp_path / "load_1f1b", tmp_path / "load_1f1b_checkpointed"
+    train(plain, *load, nproc=2, config=PP2, **gathering(plain))
+    assert_holds(plain, step_8(zbv), ranks=2)
+    proc = train(checkpointed, *load, "model.checkpoint=0.5", "selective_checkpoint=True", nproc=2, config=PP2)
+    assert "Applied selective activation checkpointing to 1 of 2 blocks" in proc.stderr
+    assert curve(checkpointed) == curve(plain)
+    files = {}
+    for name, checkpoint in (("pipeline", step_8(zbv)), ("one_process", one / "checkpoints" / "step_00000012")):
+        out = tmp_path / f"hf_{name}"
+        export = [sys.executable, "-m", "internlm_offload.tools.export", str(checkpoint), str(out), "--hf"]
+        proc = subprocess.run(export, capture_output=True, text=True, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+        tensors = {key: (t.shape, t.dtype) for key, t in load_file(out / "model.safetensors").items()}
+        files[name] = (sorted(p.name for p in out.iterdir()), (out / "config.json").read_text(), tensors)
+    assert files["pipeline"] == files["one_process"]
+
+
+def step_8(run: Path) -> Path:
+    return run / "checkpoints" / "step_00000008"
+
+
+def curve(run: Path) -> list[tuple[int, float, float]]:
+    return [(record["step"], record["loss"], record["grad_norm"]) for record in metrics(run)]
+
+
+def resume_from(source: Path, run: Path) -> Path:
+    """A work folder holding `source`'s step-8 checkpoint (what `--resume` continues)."""
+    shutil.copytree(step_8(source), step_8(run))
+    return run
+
+
+def gathering(run: Path) -> dict[str, Any]:
+    """train()'s arguments for gather_weights.py: each rank writes the tensors it holds before its first step."""
+    return {"script": GATHER, "env": {"GATHERED_WEIGHTS": str(run / "gathered.pt")}}
+
+
+def assert_holds(run: Path, checkpoint: Path, *, ranks: int) -> None:
+    """The tensors the ranks of `run` held after loading, together, are the checkpoint's as `tools.export` reads
+    them: every name once, bit for bit."""
+    files = sorted(run.glob("gathered.pt*"))
+    assert len(files) == ranks, files
+    held: dict[str, torch.Tensor] = {}
+    for path in files:
+        part = torch.load(path)
+        assert not held.keys() & part.keys(), path
+        held.update(part)
+    exported = load_weights(checkpoint)
+    assert held.keys() == exported.keys()
+    for key, value in exported.items():
+        assert torch.equal(held[key], value), (run.name, key)

@@ -15,7 +15,7 @@ from torch.distributed.pipelining import (
 
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
 from internlm_offload.config.pipeline import micro_batch_problem
-from internlm_offload.engine.pipeline import schedule_class
+from internlm_offload.engine.pipeline import PipelineStages, schedule_class
 from internlm_offload.engine.pipeline_split import local_stages, partition_uniform, split_model, stage_rank
 from internlm_offload.model.internlm2 import InternLM2
 
@@ -107,6 +107,22 @@ def test_stages_in_order_are_the_whole_decoder_bitwise(size, chunks, v_shape, pa
     assert torch.equal(h, model(ids, positions))
 
 
+@pytest.mark.parametrize(("size", "chunks", "v_shape"), [(2, 1, False), (4, 1, False), (2, 2, False), (2, 2, True)])
+def test_each_rank_holds_its_parameters_under_the_whole_models_names(size, chunks, v_shape):
+    """What the optimizer steps and checkpoints hold on each rank (`PipelineStages`): its stages' parameters under
+    the whole model's names, the ranks' names disjoint, and all of them together the whole model's state, tensor
+    for tensor, so that a checkpoint reads at any layout."""
+    model = tiny_decoder()
+    whole = model.state_dict(keep_vars=True)
+    seen: dict[str, torch.Tensor] = {}
+    for rank in range(size):
+        state = PipelineStages(split_model(model, size, chunks, rank, v_shape)).state_dict(keep_vars=True)
+        assert not set(state) & set(seen)
+        seen.update(state)
+    assert sorted(seen) == sorted(whole)
+    assert all(seen[name] is whole[name] for name in whole)
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -128,6 +144,21 @@ def test_internevo_pipeline_section_as_written():
 
 
 @pytest.mark.parametrize(
+    "options",
+    [
+        {"model.checkpoint": 1.0},
+        {"model.checkpoint": 0.5, "selective_checkpoint": True},
+        {"model.checkpoint": 1.0, "selective_checkpoint": True, "model.num_chunks": 2},
+    ],
+)
+def test_activation_checkpointing_under_the_whole_backward_schedules(options):
+    """Full and selective checkpointing pass under 1F1B and interleaved 1F1B (each rank's plan over its stages'
+    blocks; tests/e2e/test_pipeline_e2e.py holds them bitwise against the pipeline without them)."""
+    cfg = resolve(2, options)
+    assert cfg.model.checkpoint == options["model.checkpoint"]
+
+
+@pytest.mark.parametrize(
     ("world_size", "options", "message"),
     [
         (2, {"data.micro_num": 1}, "1F1B needs at least one micro-batch per stage; set data.micro_num >= 2"),
@@ -141,9 +172,14 @@ def test_internevo_pipeline_section_as_written():
         (4, {"parallel.mode": "fsdp2", "parallel.fsdp_cpu_offload": True}, "FSDP2's CPU offload per stage"),
         (2, {"model.dtype": "torch.bfloat16"}, "only torch.float32 is built under a pipeline yet"),
         (2, {"cpu_offloading.enable": True, "cpu_offloading.num_layers": 1}, "activation offload under a pipeline"),
-        (2, {"model.checkpoint": 1.0}, "activation checkpointing is not checked under a pipeline"),
+        (2, {"model.checkpoint": 1.0, "parallel.pipeline.mode": "ZBV"}, "split backward fails on checkpointed"),
+        (2, {"model.checkpoint": 0.5, "parallel.pipeline.mode": "ZBH1"}, "split backward fails on checkpointed"),
+        (
+            2,
+            {"model.checkpoint": 1.0, "selective_checkpoint": True, "selective_checkpoint_offload": True},
+            "activation offload under",
+        ),
         (2, {"swap_optimizer": True}, "the swap optimizer is not checked per stage"),
-        (2, {"ckpt.enable_save_ckpt": True}, "checkpoints of a pipeline's stages are not built yet"),
         (2, {"model.tie_word_embeddings": True}, "the embedding and the head sit on different stages"),
         (2, {"model.lora": {"r": 4}}, "LoRA adapters on a pipeline's stages are not built yet"),
         (2, {"model.checkpoint": "auto", "memory_budget.device": "1GiB"}, "does not trace pipeline stages yet"),
@@ -172,3 +208,21 @@ def test_the_planner_refuses_a_pipeline_in_one_line(capsys):
 
     assert main(["--config", str(REPO / "configs" / "internlm2_tiny_pp2.py"), "--world-size", "2"]) == 2
     assert "parallel.pipeline.size=2: the memory planner does not trace pipeline stages yet" in capsys.readouterr().err
+
+
+def test_another_trainers_weights_are_refused_under_a_pipeline_in_one_line(tmp_path, monkeypatch):
+    """One rank reads a foreign folder for its own parameters: not for a pipeline's stages yet (this trainer's
+    own checkpoints load model-only into stages, tests/e2e/test_pipeline_e2e.py)."""
+    from internlm_offload.engine import start_plan
+    from internlm_offload.weights.sources import WeightsSource
+
+    monkeypatch.setattr(start_plan, "foreign_source", lambda info, model: WeightsSource(tmp_path, "hf"))
+    cfg = resolve(2, {"ckpt.load_ckpt_info": {"path": str(tmp_path), "ckpt_type": "hf"}})
+    with pytest.raises(ConfigError) as info:
+        start_plan.find_weights_source(cfg)
+    assert "another trainer's weights (hf) do not load into a pipeline's stages yet" in str(info.value)
+    assert len(str(info.value).splitlines()) == 1
+    single = resolve(
+        1, {"parallel.pipeline.size": 1, "ckpt.load_ckpt_info": {"path": str(tmp_path), "ckpt_type": "hf"}}
+    )
+    assert start_plan.find_weights_source(single) == WeightsSource(tmp_path, "hf")

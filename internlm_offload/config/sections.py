@@ -204,6 +204,12 @@ class DataConfig(Section):
         None,
         description="`chat`: a Jinja chat template, or a `.jinja` file holding one; default: the tokenizer's own.",
     )
+    chat_format: Literal["messages", "alpaca", "oasst1"] = Field(
+        "messages",
+        description="`chat`: the lines' format: `messages` (XTuner v1's OpenAI format), or XTuner's classic `alpaca` "
+        '(`{"instruction", "input", "output"}`) / `oasst1` (`{"text": "### Human: ... ### Assistant: ..."}`), read as '
+        "its alpaca_map_fn / oasst1_map_fn read them (data/chat_formats.py).",
+    )
     max_length: Optional[int] = Field(
         None,
         ge=1,

@@ -122,7 +122,12 @@ def _lora(t: Translation, model: dict[str, Any], hf: dict[str, Any] | None) -> N
 def _all_linears(t: Translation, hf: dict[str, Any]) -> None:
     """XTuner's rule without target_modules (find_all_linear_names): every nn.Linear but lm_head/output_layer."""
     if t.config["model"]["type"] == "hf_causal_lm":
-        targets = _hf_linear_names(t.config["model"]["hf_path"])
+        try:
+            targets = _hf_linear_names(t.config["model"]["hf_path"])
+        except (ImportError, OSError, KeyError, ValueError) as exc:  # a model_type transformers does not know
+            t.fatal.append(f"model.lora.target_modules unset and the folder's linears cannot be listed ({exc}); "
+                           "name them in target_modules")  # fmt: skip
+            return
         t.config["model"]["lora"]["target_modules"] = targets
         head = " (InternLM2's head `output` included, as XTuner's rule does)" if "output" in targets else ""
         t.carried.append(f"model.lora.target_modules unset -> XTuner's every linear: {targets}{head}")

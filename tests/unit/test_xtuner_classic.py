@@ -139,6 +139,11 @@ def test_hf_causal_lm_takes_xtuners_every_linear_and_the_dtypes_follow_the_wrapp
     plain.write_text(path.read_text().replace("type=AmpOptimWrapper", "type=OptimWrapper").replace(
         "from mmengine.optim import", "from mmengine.optim import OptimWrapper,"))  # fmt: skip
     assert translate_classic(load_classic(plain), plain).config["model"]["dtype"] == "torch.float16"  # torch_dtype
+    (folder / "config.json").write_text(json.dumps({"model_type": "no_such_arch", "vocab_size": 32}))
+    t = translate_classic(load_classic(path), path)
+    assert any(
+        "folder's linears cannot be listed" in line and "name them in target_modules" in line for line in t.fatal
+    )
 
 
 @pytest.mark.parametrize(

@@ -170,3 +170,12 @@ def test_what_cannot_carry_is_fatal_and_named(llama, tmp_path, old, new, fatal):
     path.write_text(text.replace("from mmengine.optim import", "from mmengine.optim import MultiStepLR,"))
     t = translate_classic(load_classic(path), path)
     assert any(fatal in line for line in t.fatal), t.fatal
+
+
+def test_chat_format_outside_chat_data_is_a_one_line_config_error():
+    from internlm_offload.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.chat_format='alpaca' is read by data.type='chat', not 'text'"):
+        resolve_config({"data": {"type": "text", "paths": ["x.jsonl"], "chat_format": "alpaca"}})
+    with pytest.raises(ConfigError, match="data.chat_format"):  # not a format XTuner's map functions have
+        resolve_config({"data": {"type": "chat", "paths": ["x.jsonl"], "chat_format": "sharegpt"}})

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from chat_fixtures import save_chatml_tokenizer
 from classic_fixtures import oasst1_lines, write_classic
 
@@ -179,3 +180,30 @@ def test_chat_format_outside_chat_data_is_a_one_line_config_error():
         resolve_config({"data": {"type": "text", "paths": ["x.jsonl"], "chat_format": "alpaca"}})
     with pytest.raises(ConfigError, match="data.chat_format"):  # not a format XTuner's map functions have
         resolve_config({"data": {"type": "chat", "paths": ["x.jsonl"], "chat_format": "sharegpt"}})
+
+
+def test_tokenize_reads_oasst1_lines_as_the_same_conversations_written_as_messages(tmp_path):
+    """`tools.tokenize --chat --chat-format oasst1` writes what the hand-converted messages file gives, bit for bit."""
+    from internlm_offload.data import build_internevo_dataset
+    from internlm_offload.tools.tokenize import main as tokenize_main
+
+    tokenizer = save_chatml_tokenizer(tmp_path / "tok")
+    oasst1 = tmp_path / "oasst1" / "d.jsonl"
+    oasst1.parent.mkdir()
+    oasst1.write_text(oasst1_lines(12))
+    messages = tmp_path / "messages" / "d.jsonl"
+    messages.parent.mkdir()
+    say = ["hello there", "how are you", "fine thanks", "hi", "be brief", "ok"]
+    messages.write_text("".join(json.dumps([{"role": "user", "content": say[i % 6]},
+                                            {"role": "assistant", "content": say[(i + 1) % 6]}]) + "\n"
+                                for i in range(12)))  # fmt: skip
+    packs = []
+    for folder, fmt in ((oasst1.parent, "oasst1"), (messages.parent, "messages")):
+        args = [str(folder), str(folder / "bin"), "--tokenizer", str(tokenizer), "--chat", "--chat-format", fmt]
+        assert tokenize_main(args) == 0
+        dataset = build_internevo_dataset(seq_len=16, micro_bsz=1, train_folder=str(folder / "bin"),
+                                          pack_sample_into_one=False, min_length=0)  # fmt: skip
+        packs.append([dataset[i] for i in range(len(dataset))])
+    assert len(packs[0]) == len(packs[1]) > 3
+    for a, b in zip(*packs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -47,7 +47,10 @@ def build_loader(cfg: RunConfig, ctx: RunContext, tokenizer: Tokenizer | None) -
         kwargs["paths"] = data.paths
     if data.type == "chat":
         kwargs.update(
-            chat_template=data.chat_template, max_length=data.max_length, max_bad_fraction=data.max_bad_fraction
+            chat_template=data.chat_template,
+            max_length=data.max_length,
+            max_bad_fraction=data.max_bad_fraction,
+            record_format=data.chat_format,
         )
     dataset = build(DATASETS, data.type, "data.type", **kwargs)
     sampler = StepSampler(

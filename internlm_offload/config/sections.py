@@ -204,6 +204,12 @@ class DataConfig(Section):
         None,
         description="`chat`: a Jinja chat template, or a `.jinja` file holding one; default: the tokenizer's own.",
     )
+    chat_format: Literal["messages", "alpaca", "oasst1"] = Field(
+        "messages",
+        description="`chat`: the lines' format: `messages` (XTuner v1's OpenAI format), or XTuner's classic `alpaca` "
+        '(`{"instruction", "input", "output"}`) / `oasst1` (`{"text": "### Human: ... ### Assistant: ..."}`), read as '
+        "its alpaca_map_fn / oasst1_map_fn read them (data/chat_formats.py).",
+    )
     max_length: Optional[int] = Field(
         None,
         ge=1,
@@ -280,6 +286,8 @@ class DataConfig(Section):
             raise ValueError("data.type='chat' needs data.paths (.jsonl files or folders of XTuner chat data)")
         if self.type == "internevo" and self.train_folder is None:
             raise ValueError("data.type='internevo' needs data.train_folder (a folder of .bin/.bin.meta files)")
+        if self.chat_format != "messages" and self.type != "chat":
+            raise ValueError(f"data.chat_format={self.chat_format!r} is read by data.type='chat', not {self.type!r}")
         if self.type in ("internevo", "chat"):
             if self.pack_sample_into_one is None:
                 self.pack_sample_into_one = False

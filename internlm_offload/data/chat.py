@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from internlm_offload.data.chat_formats import FormatError, to_messages
 from internlm_offload.data.tokenized import InternEvoPackedDataset
 from internlm_offload.data.tokenizer import HFTokenizer, Tokenizer
 from internlm_offload.errors import DataError
@@ -51,12 +52,14 @@ class Conversation:
         return all(m["role"] == "pretrain" for m in self.messages)
 
 
-def parse_conversation(line: str) -> Conversation:
-    """The conversation of one jsonl line; `BadLine` naming what is wrong."""
+def parse_conversation(line: str, fmt: str = "messages") -> Conversation:
+    """The conversation of one jsonl line in format `fmt` (`chat_formats.py`); `BadLine` naming what is wrong."""
     try:
-        record = json.loads(line)
+        record = to_messages(json.loads(line), fmt)
     except json.JSONDecodeError as exc:
         raise BadLine(f"not JSON ({exc.msg})") from None
+    except FormatError as exc:
+        raise BadLine(str(exc)) from None
     tools = None
     if isinstance(record, dict) and isinstance(record.get("content"), str):
         record = [{"role": "pretrain", "content": record["content"]}]
@@ -246,7 +249,9 @@ def chat_files(paths: Sequence[str]) -> list[Path]:
     return found
 
 
-def read_chat_files(paths: Sequence[str], encoder: ChatEncoder, max_bad_fraction: float) -> list[ChatFile]:
+def read_chat_files(
+    paths: Sequence[str], encoder: ChatEncoder, max_bad_fraction: float, fmt: str = "messages"
+) -> list[ChatFile]:
     """Every conversation of `paths`, tokenized, one `ChatFile` per file; bad lines counted (see `BadLines`),
     conversations cut to no label by `max_length` dropped and counted per file."""
     bad, files = BadLines(), []
@@ -261,7 +266,7 @@ def read_chat_files(paths: Sequence[str], encoder: ChatEncoder, max_bad_fraction
                 continue
             bad.total += 1
             try:
-                tokens, targets = encoder.encode(parse_conversation(line))
+                tokens, targets = encoder.encode(parse_conversation(line, fmt))
             except BadLine as exc:
                 bad.add(path, lineno, str(exc))
                 continue
@@ -302,6 +307,7 @@ def build_chat_dataset(
     pack_sample_into_one: bool = False,
     max_bad_fraction: float = 0.01,
     vocab_size: int | None = None,
+    record_format: str = "messages",
 ) -> InternEvoPackedDataset:
     """XTuner's chat jsonl, packed as InternEvo packs (conversations kept apart unless `pack_sample_into_one`)."""
     if not isinstance(tokenizer, HFTokenizer):
@@ -309,7 +315,7 @@ def build_chat_dataset(
             "data.type='chat' needs data.tokenizer, a local Hugging Face tokenizer folder (its chat template)"
         )
     encoder = ChatEncoder(tokenizer.backend, load_chat_template(chat_template), max_length or seq_len)
-    files = read_chat_files(paths, encoder, max_bad_fraction)
+    files = read_chat_files(paths, encoder, max_bad_fraction, record_format)
     return InternEvoPackedDataset(
         files,
         seq_len=seq_len,

@@ -2,7 +2,7 @@
 
     python -m internlm_offload.tools.tokenize INPUT [INPUT ...] OUT_DIR [--tokenizer byte|HF_DIR] [--no-eos]
     python -m internlm_offload.tools.tokenize CHAT.jsonl [...] OUT_DIR --tokenizer HF_DIR --chat
-        [--chat-template FILE] [--max-length N] [--max-bad-fraction F]
+        [--chat-template FILE] [--chat-format messages|alpaca|oasst1] [--max-length N] [--max-bad-fraction F]
 
 INPUT files and folders are read as `data.paths` reads them (a .txt file is one document, a .jsonl line
 with a "text" or "content" field is one). Each input file becomes a `.bin` with its `.bin.meta` at its path
@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from internlm_offload.data.chat import ChatEncoder, load_chat_template, read_chat_files
+from internlm_offload.data.chat_formats import FORMATS
 from internlm_offload.data.corpus import DataError, read_documents
 from internlm_offload.data.tokenized import write_bin_file
 from internlm_offload.data.tokenizer import HFTokenizer, build_tokenizer
@@ -63,13 +64,14 @@ def tokenize_chat_files(
     template: str | None,
     max_length: int,
     max_bad_fraction: float,
+    fmt: str = "messages",
 ) -> list[Path]:
     """Write one .bin/.bin.meta pair per chat jsonl file, non-targets negative; returns the .bin paths."""
     tokenizer = build_tokenizer(tokenizer_name)
     if not isinstance(tokenizer, HFTokenizer):
         raise DataError("--chat needs --tokenizer, a local Hugging Face tokenizer folder (its chat template)")
     encoder = ChatEncoder(tokenizer.backend, load_chat_template(template), max_length)
-    chats = {chat.path.resolve(): chat for chat in read_chat_files(inputs, encoder, max_bad_fraction)}
+    chats = {chat.path.resolve(): chat for chat in read_chat_files(inputs, encoder, max_bad_fraction, fmt)}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for chat, target in zip(chats.values(), output_paths(list(chats), out_dir)):
@@ -93,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-eos", action="store_true", help="do not append eos to each document")
     parser.add_argument("--chat", action="store_true", help="the inputs are XTuner chat jsonl (data.type='chat')")
     parser.add_argument("--chat-template", help="--chat: a .jinja file or template (default: the tokenizer's)")
+    parser.add_argument(
+        "--chat-format", default="messages", choices=FORMATS, help="--chat: the lines' format (data.chat_format)"
+    )
     parser.add_argument("--max-length", type=int, default=4096, help="--chat: tokens kept per conversation")
     parser.add_argument("--max-bad-fraction", type=float, default=0.01, help="--chat: bad lines tolerated")
     args = parser.parse_args(argv)
@@ -102,7 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.chat:
             written = tokenize_chat_files(
-                args.inputs, args.out_dir, args.tokenizer, args.chat_template, args.max_length, args.max_bad_fraction
+                args.inputs,
+                args.out_dir,
+                args.tokenizer,
+                args.chat_template,
+                args.max_length,
+                args.max_bad_fraction,
+                args.chat_format,
             )
         else:
             written = tokenize_files(args.inputs, args.out_dir, args.tokenizer, add_eos=not args.no_eos)

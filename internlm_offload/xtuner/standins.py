@@ -8,6 +8,7 @@ attributes and records attribute writes. With a real XTuner importable, it is us
 the same way (`field`). The stand-ins live only while the file runs: `sys.modules` is restored after.
 """
 
+import ast
 import contextlib
 import importlib.abc
 import importlib.machinery
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = "xtuner"
+# What XTuner's classic (mmengine) configs import besides torch: only names used as `type=` in dicts, never run.
+CLASSIC_ROOTS = (ROOT, "mmengine", "transformers", "peft", "datasets", "bitsandbytes", "deepspeed")
 
 
 class Recorded:
@@ -109,11 +112,18 @@ class _StandInModule(types.ModuleType):
         return StandIn(name)
 
 
+def _under(name: str, roots: tuple[str, ...]) -> bool:
+    return any(name == root or name.startswith(root + ".") for root in roots)
+
+
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds `xtuner` and every `xtuner.*` as an empty package whose names are stand-ins."""
+    """Finds each root (`xtuner`, ...) and its submodules as empty packages whose names are stand-ins."""
+
+    def __init__(self, roots: tuple[str, ...]) -> None:
+        self.roots = roots
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname == ROOT or fullname.startswith(ROOT + "."):
+        if _under(fullname, self.roots):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -134,19 +144,46 @@ def real_xtuner_available() -> bool:
 
 
 @contextlib.contextmanager
-def _stand_ins() -> Iterator[None]:
-    saved = {name: module for name, module in sys.modules.items() if name == ROOT or name.startswith(ROOT + ".")}
+def _stand_ins(roots: tuple[str, ...] = (ROOT,)) -> Iterator[None]:
+    saved = {name: module for name, module in sys.modules.items() if _under(name, roots)}
     for name in saved:
         del sys.modules[name]
-    finder = _StandInFinder()
+    finder = _StandInFinder(roots)
     sys.meta_path.insert(0, finder)
     try:
         yield
     finally:
         sys.meta_path.remove(finder)
-        for name in [n for n in sys.modules if n == ROOT or n.startswith(ROOT + ".")]:
+        for name in [n for n in sys.modules if _under(n, roots)]:
             del sys.modules[name]
         sys.modules.update(saved)
+
+
+def is_classic(path: Path) -> bool:
+    """Whether the file is an XTuner classic (mmengine) config: it assigns no top-level `trainer` (v1's contract)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    targets = [t for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]  # fmt: skip
+    return not any(isinstance(t, ast.Name) and t.id == "trainer" for t in targets)
+
+
+def load_classic(path: Path) -> dict[str, Any]:
+    """Run an XTuner classic config with stand-ins for xtuner, mmengine, transformers, peft, datasets (its
+    `type=` names, never called) and return its globals; torch is the real one (`torch.float16`, `AdamW`)."""
+    with _stand_ins(CLASSIC_ROOTS):
+        names = runpy.run_path(str(path), run_name="__xtuner_config__")
+    if not isinstance(names.get("model"), dict):
+        raise ValueError(f"{path}: no `model = dict(type=SupervisedFinetune, ...)` global (an XTuner classic config)")
+    return {name: value for name, value in names.items() if not name.startswith("__")}
+
+
+def type_name(value: Any) -> str:
+    """The name a `type=` entry of a classic config stands for: `AdamW`, `AutoModelForCausalLM.from_pretrained`."""
+    if isinstance(value, StandIn):
+        return value.name
+    if isinstance(value, str):
+        return value
+    return getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or repr(value)
 
 
 def load_trainer(path: Path) -> Any:

@@ -82,7 +82,7 @@ def translate_trainer(trainer: Any, source: Path) -> Translation:
     for name, why in NOT_CARRIED.items():
         value = field(trainer, name)
         if value not in (None, False, {}, []) and value != NEUTRAL.get(name):  # unset, off or XTuner's "off"
-            t.dropped.append(f"{name}={_short(value)}: {why}")
+            t.dropped.append(f"{name}={short(value)}: {why}")
     return t
 
 
@@ -91,33 +91,41 @@ def _model(t: Translation, trainer: Any) -> None:
     if load_from is None:
         _model_class(t, trainer)
         return
-    folder = Path(str(load_from))
-    try:
-        hf = read_config(folder)
-    except Exception as exc:  # a missing or broken folder: CheckpointError names it
-        t.fatal.append(f"load_from={str(load_from)!r}: {exc}")
+    if model_from_folder(t, str(load_from), "load_from", field(field(trainer, "model_cfg"), "mtp_config")) is None:
         return
-    unbuilt = _not_built_here(hf, trainer)
-    if unbuilt:
-        t.fatal.append(f"load_from={str(load_from)!r}: {unbuilt}")
-        return
-    try:
-        native = native_model_values(hf)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a config.json missing a size
-        t.fatal.append(f"load_from={str(load_from)!r}: config.json lacks a usable {exc}")
-        return
-    if native is None:
-        t.set("model", "type", "hf_causal_lm")
-        t.set("model", "hf_path", str(folder))
-        t.carried.append(f"load_from -> model.hf_path (model_type={hf.get('model_type')!r} trains as hf_causal_lm)")
-    else:
-        t.config["model"] = {"type": "internlm2", **native, **t.config.get("model", {})}
-        t.set("ckpt", "load_ckpt_info", {"path": str(folder), "content": ("model",), "ckpt_type": "hf"})
-        t.carried.append(f"load_from -> the native model ({hf.get('model_type')}), weights via ckpt.load_ckpt_info")
     if field(trainer, "model_cfg") is not None:
         t.carried.append("model_cfg -> read from load_from's config.json (its class is XTuner's)")
     tokenizer = field(trainer, "tokenizer_path") or load_from
     t.set("data", "tokenizer", str(tokenizer))
+
+
+def model_from_folder(t: Translation, load_from: str, key: str, mtp: Any = None) -> dict[str, Any] | None:
+    """The model of a local Hugging Face folder (`key` names where the config gave it): the native decoder with
+    its weights via ckpt.load_ckpt_info, or hf_causal_lm; its config.json, or None (a fatal line added)."""
+    folder = Path(load_from)
+    try:
+        hf = read_config(folder)
+    except Exception as exc:  # a missing or broken folder: CheckpointError names it
+        t.fatal.append(f"{key}={load_from!r}: {exc}")
+        return None
+    unbuilt = _not_built_here(hf, mtp)
+    if unbuilt:
+        t.fatal.append(f"{key}={load_from!r}: {unbuilt}")
+        return None
+    try:
+        native = native_model_values(hf)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a config.json missing a size
+        t.fatal.append(f"{key}={load_from!r}: config.json lacks a usable {exc}")
+        return None
+    if native is None:
+        t.set("model", "type", "hf_causal_lm")
+        t.set("model", "hf_path", str(folder))
+        t.carried.append(f"{key} -> model.hf_path (model_type={hf.get('model_type')!r} trains as hf_causal_lm)")
+    else:
+        t.config["model"] = {"type": "internlm2", **native, **t.config.get("model", {})}
+        t.set("ckpt", "load_ckpt_info", {"path": str(folder), "content": ("model",), "ckpt_type": "hf"})
+        t.carried.append(f"{key} -> the native model ({hf.get('model_type')}), weights via ckpt.load_ckpt_info")
+    return hf
 
 
 def _model_class(t: Translation, trainer: Any) -> None:
@@ -130,7 +138,7 @@ def _model_class(t: Translation, trainer: Any) -> None:
     try:
         model, loss, carried = model_from_xtuner(model_cfg)
     except (ModelClassError, CheckpointError) as exc:
-        t.fatal.append(f"model_cfg={_short(model_cfg)} without load_from: {exc}")
+        t.fatal.append(f"model_cfg={short(model_cfg)} without load_from: {exc}")
         return
     t.config["model"] = {**model, **t.config.get("model", {})}
     if loss:
@@ -144,14 +152,14 @@ def _model_class(t: Translation, trainer: Any) -> None:
         t.set("data", "tokenizer", str(tokenizer))
 
 
-def _not_built_here(hf: dict[str, Any], trainer: Any) -> str | None:
+def _not_built_here(hf: dict[str, Any], mtp: Any) -> str | None:
     """Why XTuner's model of this config.json would not train the same here, naming the family; None if it would."""
     reasons = []
     if hf.get("n_routed_experts"):  # DeepSeek-V3 / GLM-MoE: experts balanced by a bias XTuner updates each step
         reasons.append("its experts are balanced by a router bias, which is not updated here")
     if "vision_config" in hf:
         reasons.append("it is a vision-language model (only text models are built here)")
-    if field(field(trainer, "model_cfg"), "mtp_config") is not None:
+    if mtp is not None:
         reasons.append("model_cfg.mtp_config trains multi-token prediction, an extra loss not built here")
     if not reasons:
         return None
@@ -165,7 +173,7 @@ def _not_built_here(hf: dict[str, Any], trainer: Any) -> str | None:
 def _optimizer(t: Translation, trainer: Any) -> None:
     optim = field(trainer, "optim_cfg")
     if optim is None or kind(optim) != "AdamWConfig":
-        t.fatal.append(f"optim_cfg={_short(optim)}: only AdamWConfig maps here (AdamW, its swap variant)")
+        t.fatal.append(f"optim_cfg={short(optim)}: only AdamWConfig maps here (AdamW, its swap variant)")
         return
     lr, (beta1, beta2) = _get(optim, "lr", ADAMW_DEFAULTS), _get(optim, "betas", ADAMW_DEFAULTS)
     t.config["adam"] = {
@@ -217,7 +225,7 @@ def _fsdp(t: Translation, trainer: Any) -> None:
             )
     for name in ("torch_compile", "float8_cfg", "hsdp_sharding_size", "fp32_lm_head"):
         if field(fsdp, name) not in (None, False):
-            t.dropped.append(f"fsdp_cfg.{name}={_short(field(fsdp, name))}: not used here")
+            t.dropped.append(f"fsdp_cfg.{name}={short(field(fsdp, name))}: not used here")
     if field(fsdp, "reshard_after_forward") is False:
         t.set("parallel", "reshard_after_forward", False)
     offload = os.environ.get(ACTIVATION_OFFLOAD_ENV, "0").lower() in ("1", "true", "yes")
@@ -238,7 +246,7 @@ def _data(t: Translation, trainer: Any) -> None:
         dataset, tokenize = field(entry, "dataset"), field(entry, "tokenize_fn")
         anno = field(dataset, "anno_path")
         if anno is None:
-            t.fatal.append(f"dataset {_short(dataset)}: no anno_path")
+            t.fatal.append(f"dataset {short(dataset)}: no anno_path")
             continue
         paths.append(str(anno))
         if field(dataset, "sample_ratio", 1.0) != 1.0:
@@ -255,7 +263,7 @@ def _data(t: Translation, trainer: Any) -> None:
                     "here (XTuner's string templates mask the separator after a reply; here it is trained with it)"
                 )
         elif kind(tokenize) != "PretrainTokenizeFunctionConfig":
-            t.fatal.append(f"{anno}: tokenize_fn={_short(tokenize)}: chat (Openai) and pretrain data map here")
+            t.fatal.append(f"{anno}: tokenize_fn={short(tokenize)}: chat (Openai) and pretrain data map here")
         elif field(tokenize, "add_bos_token", False) or not field(tokenize, "add_eos_token", True):
             t.dropped.append(f"{anno}: add_bos_token / add_eos_token: documents get eos and no bos here")
     if not paths:
@@ -297,7 +305,7 @@ def _run(t: Translation, trainer: Any, source: Path) -> None:
         pass  # the epochs cannot be counted without the data and model: the fatal problems above say why
     elif epochs is not None:
         try:
-            packs = _count_packs(t.config)
+            packs = count_packs(t.config)
         except (DataError, OSError) as exc:
             t.fatal.append(f"total_epoch={epochs}: the data cannot be counted: {exc}")
             return
@@ -335,8 +343,8 @@ def _run(t: Translation, trainer: Any, source: Path) -> None:
             t.carried.append(f"{name} -> {f'{section}.' if section else ''}{key}")
 
 
-def _count_packs(config: dict[str, Any]) -> int:
-    """How many packs the translated data makes: tokenizes it once, as the run will."""
+def count_packs(config: dict[str, Any]) -> int:
+    """How many packs (micro-batches of one rank) the translated data makes: tokenizes it once, as the run will."""
     from internlm_offload.data import build_tokenizer
     from internlm_offload.data.chat import build_chat_dataset
     from internlm_offload.data.packed import build_text_dataset
@@ -346,10 +354,11 @@ def _count_packs(config: dict[str, Any]) -> int:
     if data["type"] == "chat":
         dataset = build_chat_dataset(
             seq_len=data["seq_len"],
-            micro_bsz=1,
+            micro_bsz=data.get("micro_bsz", 1),
             tokenizer=tokenizer,
             paths=data["paths"],
             max_length=data.get("max_length"),
+            record_format=data.get("chat_format", "messages"),
         )
     else:
         dataset = build_text_dataset(seq_len=data["seq_len"], tokenizer=tokenizer, paths=data["paths"])
@@ -360,6 +369,6 @@ def _get(obj: Any, name: str, defaults: dict[str, Any]) -> Any:
     return field(obj, name, defaults[name]) if obj is not None else defaults[name]
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
     text = repr(value) if not isinstance(value, Recorded) else f"{value.name}(...)"
     return text if len(text) <= 80 else text[:77] + "..."

@@ -312,3 +312,30 @@ def test_xtuners_pretrain_qwen3_tiny_example_builds_its_model_class_and_trains(m
     assert "load_ckpt_info" not in text
     train(tmp_path / "run", "monitor.progress_bar=off", config=out, fast=False)
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3]
+
+
+def test_a_classic_xtuner_lora_config_translates_and_trains_with_lora(model_and_data, tmp_path):
+    """XTuner's classic internlm2 QLoRA config shape (mmengine dicts, oasst1 jsonl, a local Llama folder): the
+    4-bit base is reported as dropped, LoRA carries, and 3 steps train with the base frozen."""
+    from classic_fixtures import oasst1_lines, write_classic
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model, _, _ = model_and_data
+    data = tmp_path / "oasst1.jsonl"
+    data.write_text(oasst1_lines(40))
+    config = write_classic(tmp_path / "internlm2_chat_7b_qlora_oasst1_e3.py", model, data)  # fp16, as XTuner's
+    out = tmp_path / "translated.py"
+    proc = from_xtuner(config, out)
+    assert proc.returncode == 0, proc.stderr
+    assert "dropped: model.llm.quantization_config=BitsAndBytesConfig: QLoRA's" in proc.stderr
+    assert "carried: optim_wrapper.accumulative_counts=2 -> data.micro_num" in proc.stderr
+    text = out.read_text()
+    for carried in ("'lora': {'r': 64", "'chat_format': 'oasst1'", "'micro_num': 2", "'type': 'cosine'"):
+        assert carried in text, carried
+    run = tmp_path / "run"
+    train(run, "monitor.progress_bar=off", "data.total_steps=3", config=out, fast=False)
+    assert sorted(losses(run)) == [1, 2, 3]
+    # LoRA was on: the checkpoint holds the 7 projections' adapters of both blocks and no base weight
+    reader = FileSystemReader(str(run / "checkpoints" / "step_00000003"))
+    held = [key for key in reader.read_metadata().state_dict_metadata if key.startswith("model.")]
+    assert len(held) == 2 * 7 * 2 and all(".lora_A." in key or ".lora_B." in key for key in held), held

@@ -1,5 +1,5 @@
 """Run configuration: config files parsed (file.py), InternEvo keys translated (internevo.py), the typed schema
-(sections.py, schema.py) validated and resolved for the world size (resolve.py); one-line errors (errors.py)
+(sections.py, parallel.py, schema.py) validated and resolved for the world size (resolve.py); one-line errors (errors.py)
 and sizes like '80GiB' (sizes.py). The names other packages use are importable from here."""
 
 from internlm_offload.config.file import ConfigError, add_cfg_options, load_config_file, merge_overrides

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, PrivateAttr, model_validator
 
 from internlm_offload.config.internevo import Translation
+from internlm_offload.config.parallel import ParallelConfig
 from internlm_offload.config.pipeline import pipeline_problem
 from internlm_offload.config.sections import (
     AdamConfig,
@@ -31,7 +32,6 @@ from internlm_offload.config.sections import (
     ModelConfig,
     MonitorConfig,
     NvmeOffloadConfig,
-    ParallelConfig,
     Section,
     intermediate_size,
 )

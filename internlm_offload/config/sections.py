@@ -13,7 +13,6 @@ from pydantic import Field, field_validator, model_validator
 from internlm_offload.config.base import Section
 from internlm_offload.config.lora import LoraConfig, check_lora
 from internlm_offload.config.moe import MoeLayerKwargsConfig, check_moe
-from internlm_offload.config.pipeline import PipelineConfig
 from internlm_offload.config.sizes import parse_size
 
 # Knobs a config may set to "auto" (with `memory_budget`): the memory planner chooses them at start-up.
@@ -340,83 +339,6 @@ class LrSchedulerConfig(Section):
 
 class HybridZeroOptimizerConfig(Section):
     clip_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables.")
-
-
-class TensorParallelConfig(Section):
-    size: int = Field(1, ge=1, description="Tensor-parallel group size T (innermost: ranks r..r+T-1 form one group).")
-    mode: Literal["mtp", "msp", "fsp", "isp"] = Field(
-        "mtp",
-        description="InternEvo's tensor mode: `mtp` (column/row-parallel projections, activations replicated), "
-        "`msp` (mtp + sequence-sharded activations between them), `fsp` (msp, backward gathers the sequence again "
-        "instead of keeping it), `isp` (each rank 1/T of every sequence, Ulysses attention, weights whole or "
-        "sharded over `parallel.weight`; needs `parallel.mode` ddp or fsdp2). docs/parallelism.md. "
-        '`"auto"` (with `memory_budget`): the planner chooses the fastest mode that fits.',
-    )
-
-
-class WeightParallelConfig(Section):
-    size: int = Field(
-        1,
-        ge=1,
-        description="InternEvo's weight parallel (isp only, InternEvo's rule): FSDP2 shards the weights over groups "
-        "of this many ranks and replicates them across the groups (HSDP); needs `parallel.mode='fsdp2'`.",
-    )
-    overlap: bool = Field(
-        False, description="InternEvo's weight all-gather overlap; no effect without weight parallel."
-    )
-    memory_pool: bool = Field(False, description="InternEvo's allocator pool for weight parallel: no effect here.")
-
-
-class ExpertParallelConfig(Section):
-    size: int = Field(
-        1,
-        description="Expert parallel (docs/parallelism.md): each sparse block's routed experts split over groups of "
-        "this many data-parallel ranks (E / size experts per rank, tokens sent to them by all-to-all; `parallel.mode` "
-        "ddp or fsdp2). -1 (InternEvo's "
-        "default) or <= 0: min(data-parallel ranks, model.num_experts), as InternEvo resolves -1; said in the log.",
-    )
-    no_tp: bool = Field(
-        False,
-        description="InternEvo's: experts not split over the tensor group. Expert parallel runs without tensor "
-        "parallel here, so the experts are whole on each rank either way.",
-    )
-
-
-class ExpertWeightParallelConfig(Section):
-    size: int = Field(
-        1,
-        ge=1,
-        description="InternEvo's expert weight parallel: the expert weights sharded over groups of this many "
-        "expert-data ranks (ranks holding the same experts). Must divide the data-parallel size / expert size; only "
-        "1 is built (with `parallel.mode='fsdp2'` FSDP2 shards the experts over all their expert-data ranks).",
-    )
-    overlap: bool = Field(False, description="InternEvo's expert weight all-gather overlap; no effect here.")
-
-
-class ParallelConfig(Section):
-    mode: Literal["none", "ddp", "fsdp2"] = Field(
-        "none", description="`none` (one process), `ddp`, or `fsdp2` (`fully_shard` per block, then the root)."
-    )
-    reshard_after_forward: bool = Field(True, description="`fsdp2`: free unsharded params after forward (ZeRO-3).")
-    bucket_cap_mb: int = Field(25, ge=1, description="`ddp`: gradient bucket size.")
-    fsdp_cpu_offload: bool = Field(
-        False,
-        description="`fsdp2`: FSDP2's CPUOffloadPolicy: sharded params, grads and optimizer states stay on the host "
-        "and the optimizer steps on the CPU (most device memory saved, slowest). Excludes the swap and hybrid optimizers. "
-        '`"auto"` (with `memory_budget`): the planner chooses.',
-    )
-    tensor: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
-    weight: WeightParallelConfig = Field(default_factory=WeightParallelConfig)
-    expert: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
-    expert_weight: ExpertWeightParallelConfig = Field(default_factory=ExpertWeightParallelConfig)
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
-    meta_init: bool = Field(
-        True,
-        description="`fsdp2` with `internlm2` (untied embeddings, fp32 or fp32-master params): build on the meta "
-        "device, shard, then materialize this rank's shards as slices of the one-process build's weights (each "
-        "parameter drawn whole, one at a time: one parameter's memory above the shards), so a model larger than "
-        "one rank's memory starts from the same model as one process. Other cases build the whole model first.",
-    )
 
 
 class LoadCkptInfo(Section):

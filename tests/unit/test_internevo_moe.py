@@ -87,7 +87,7 @@ def test_qwen2_gshard_trains_as_shipped_with_a_warning():
 
 def test_expert_parallel_size_minus_one_resolves_as_internevo_and_says_so():
     """InternEvo's default expert size -1 (and <= 0): min(data-parallel ranks, experts) where the run takes expert
-    parallel (fp32 under DDP), else 1 with the reason; the log says which."""
+    parallel (fp32 or bf16 with fp32 masters), else 1 with the reason; the log says which."""
     raw = load_config_file(MOE4)
     raw["model"]["dtype"] = "torch.float32"
     cfg = resolve_config(copy.deepcopy(raw), world_size=2)
@@ -97,9 +97,12 @@ def test_expert_parallel_size_minus_one_resolves_as_internevo_and_says_so():
     assert resolve_config(copy.deepcopy(raw), world_size=8).parallel.expert.size == 4  # min(8, 4)
     raw["parallel"]["expert"] = dict(size=0)
     assert resolve_config(copy.deepcopy(raw), world_size=2).parallel.expert.size == 2
-    cfg = resolve_config(load_config_file(MOE4), world_size=2)  # bf16 with fp32 masters: not under expert parallel
-    line = next(n for n in cfg.migration_notes()[0] if "parallel.expert.size=-1" in n)
-    assert cfg.parallel.expert.size == 1 and "is 2; 1 here: model.dtype='torch.bfloat16' with fp32 master" in line
+    assert resolve_config(load_config_file(MOE4), world_size=2).parallel.expert.size == 2  # as shipped: bf16
+    raw["parallel"]["zero1"] = dict(size=-1, fsdp=True)
+    raw["parallel"]["fsdp_cpu_offload"] = True  # not under expert parallel yet
+    cfg = resolve_config(copy.deepcopy(raw), world_size=2)
+    line = next(n for n in cfg.migration_notes()[0] if "parallel.expert.size=0" in n)
+    assert cfg.parallel.expert.size == 1 and "is 2; 1 here: parallel.fsdp_cpu_offload=True is not checked" in line
 
 
 def test_first_k_dense_replace_and_num_experts_one():

@@ -61,9 +61,9 @@ def test_offload_configs_align_bitwise_with_baseline(tmp_path, baseline, referen
         if "act" in name or "ckpt" in name or "all" in name:
             assert "offload" in proc.stderr and record["act_offload_offloaded_bytes"] > 0
         compared = loss_compare(str(base), str(run), "--exact", "--quiet")
-        assert compared.returncode == 0, compared.stdout
+        assert compared.returncode == 0, f"{name}: {compared.stdout}"
         compared = loss_compare(str(base), str(run), "--exact", "--quiet", "--metric", "grad_norm")
-        assert compared.returncode == 0, compared.stdout
+        assert compared.returncode == 0, f"{name}: {compared.stdout}"
 
 
 def test_loss_compare_catches_a_changed_run(tmp_path):

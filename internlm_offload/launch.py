@@ -135,9 +135,7 @@ def probe_kernel_memory(cfg: RunConfig, accelerator: Accelerator) -> int:
     without a one-block copy (`hf_causal_lm`: their kernels' memory shows in the step readings)."""
     if cfg.model.type != "internlm2":
         return 0
-    import torch
-
-    from internlm_offload.builder import build_model
+    from internlm_offload.builder.model import build_probe_model
     from internlm_offload.engine.precision import DTYPES
     from internlm_offload.engine.runtime_memory import kernel_memory
     from internlm_offload.planner.trace import micro_batches
@@ -145,7 +143,7 @@ def probe_kernel_memory(cfg: RunConfig, accelerator: Accelerator) -> int:
     one_block = cfg.model.model_copy(update={"num_layers": 1})
     return kernel_memory(
         accelerator,
-        lambda: build_model(one_block, torch.device("meta")),
+        lambda: build_probe_model(one_block),
         micro_batches(cfg)[0],
         DTYPES[cfg.model.dtype],
     )

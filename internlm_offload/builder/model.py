@@ -184,10 +184,36 @@ def build_bare_model(
     return model
 
 
+def build_probe_model(cfg: ModelConfig) -> nn.Module:
+    """`build_model` on meta with the run's adapters, without their log line: the kernel probe's copy
+    (engine/runtime_memory.py), which must run the kernels the run runs. A LoRA block's frozen weights take
+    input-gradient-only matmuls and its adapters rank-r ones; oneDNN keeps buffers per kernel shape (4.3 MiB
+    more than a fully trained block's for 8 blocks of width 512 in bf16 on cpu)."""
+    model = build_model(cfg, torch.device("meta"))
+    lora = cfg.lora
+    if lora is None:
+        return model
+    with torch.random.fork_rng(devices=[]):  # PEFT draws A on the cpu before moving it to meta; the run's draws stay
+        apply_lora(
+            model,
+            r=lora.r,
+            lora_alpha=lora.lora_alpha,
+            lora_dropout=lora.lora_dropout,
+            target_modules=lora_targets(cfg),
+        )
+    return model
+
+
+def lora_targets(cfg: ModelConfig) -> list[str]:
+    """`model.lora.target_modules` as PEFT matches them on this model type."""
+    assert cfg.lora is not None
+    return native_targets(cfg.lora) if cfg.type == "internlm2" else resolved_targets(cfg.lora)
+
+
 def add_adapters(cfg: ModelConfig, model: nn.Module) -> None:
     """PEFT's LoRA layers on the configured targets (the native decoder's names for HF's); the rest frozen."""
     lora = cfg.lora
-    targets = native_targets(lora) if cfg.type == "internlm2" else resolved_targets(lora)
+    targets = lora_targets(cfg)
     try:
         apply_lora(model, r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout, target_modules=targets)
     except ValueError as exc:

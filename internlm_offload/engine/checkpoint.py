@@ -467,7 +467,13 @@ def saved_param_groups(path: Path) -> list[dict[str, Any]]:
     """A template of the optimizer param groups a checkpoint holds, each key None until DCP reads it."""
     prefix = "optim.param_groups."
     groups: dict[int, dict[str, Any]] = {}
-    for key in read_metadata(path).state_dict_metadata:
+    try:
+        metadata = read_metadata(path)
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {_first_cause(exc)}") from exc
+    for key in metadata.state_dict_metadata:
         if key.startswith(prefix):
             index, _, name = key[len(prefix) :].partition(".")
             groups.setdefault(int(index), {})[name] = None

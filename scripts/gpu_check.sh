@@ -9,14 +9,7 @@
 # About 6-7 minutes on an H200; the e2e stage alone needs ~4 (seven train.py runs under the sanitizer in one test).
 # The sanitizer prints each race (the two accesses, their streams and stacks) to stderr before it raises; the
 # e2e runner keeps only the last 4000 characters of a failing run's stderr, so rerun that config by hand to read it.
-set -uo pipefail
-out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
-mkdir -p "$out"
-py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
-log() { echo "== $(date +%T) $*" | tee -a "$out/run.log"; }
-
-log "$($py -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no cuda")')"
+source "$(dirname "$0")/gpu_common.sh"
 
 log "1. offload e2e tests on cuda under the sanitizer; beside them the offload/optimizer unit tests (cpu, no sanitizer)"
 # The unit tests run on the cpu accelerator, where the sanitizer checks nothing; its global dispatch mode

@@ -9,14 +9,7 @@
 # Usage: scripts/gpu_check_moe_lora.sh OUT_DIR   (writes csan_e2e.log, moe_trace.json.gz, moe_overlap.json, run.log)
 # The grouped GEMM runs as torch's cuda kernel here (on cpu, its reference path); the multi-process tests stay
 # on cpu (one GPU cannot hold two NCCL ranks).
-set -uo pipefail
-out=${1:?usage: scripts/gpu_check_moe_lora.sh OUT_DIR}
-mkdir -p "$out"
-py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
-log() { echo "== $(date +%T) $*" | tee -a "$out/run.log"; }
-
-log "$($py -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no cuda")')"
+source "$(dirname "$0")/gpu_common.sh"
 
 log "1. MoE composition, LoRA and offload e2e tests on cuda under the sanitizer"
 TORCH_CUDA_SANITIZER=1 timeout "${CSAN_TIMEOUT:-330}" $py -m pytest -q -p no:cacheprovider -n 8 --dist load \

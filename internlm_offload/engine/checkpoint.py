@@ -28,6 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -46,7 +47,7 @@ from internlm_offload.engine.checkpoint_integrity import (
     free_bytes,
     record_files,
 )
-from internlm_offload.engine.checkpoint_reader import UnsafeCheckpointError, read_checkpoint, read_metadata
+from internlm_offload.engine.checkpoint_reader import SafeFileSystemReader, UnsafeCheckpointError, read_checkpoint
 from internlm_offload.engine.runtime import RunContext, all_gather_object, barrier
 from internlm_offload.errors import CheckpointError, CheckpointWriteError
 from internlm_offload.log import get_logger
@@ -307,15 +308,16 @@ class CheckpointManager:
     def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load model, optimizer and RNG states in place; return the train state."""
         path = resolve_checkpoint_path(Path(path))
+        manifest, reader = read_manifest(path), open_checkpoint(path)
         # a nested optimizer state (saved without a pipeline) splits into stages too: each rank takes its names
-        flat = read_manifest(path).get(FLAT_OPTIM, False)
+        flat = manifest.get(FLAT_OPTIM, False)
         model_state, optim_state = get_state_dict(model, optimizer, options=self._state_options(flat))
         own_groups = None
         if not flat:  # the nested form's groups follow the layout: read them all, regroup them below
             own_groups = [dict(group, params=list(group["params"])) for group in optim_state["param_groups"]]
-            optim_state["param_groups"] = saved_param_groups(path)  # DCP fills a template's entries only
+            optim_state["param_groups"] = saved_param_groups(reader.read_metadata())  # DCP fills a template only
         state = {"model": model_state, "optim": optim_state}
-        manifest = read_into(path, state, signature=self._signature(model_state))
+        read_into(path, state, signature=self._signature(model_state), manifest=manifest, reader=reader)
         if own_groups is not None:
             state["optim"]["param_groups"] = regroup_param_groups(state["optim"]["param_groups"], own_groups, path)
         set_state_dict(
@@ -449,13 +451,22 @@ def resolve_checkpoint_path(path: Path) -> Path:
     raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST}) and holds none")
 
 
-def read_into(path: Path, state: dict[str, Any], *, signature: dict[str, list[int]] | None = None) -> dict[str, Any]:
+def read_into(
+    path: Path,
+    state: dict[str, Any],
+    *,
+    signature: dict[str, list[int]] | None = None,
+    manifest: dict[str, Any] | None = None,
+    reader: SafeFileSystemReader | None = None,
+) -> dict[str, Any]:
     """Refuse a checkpoint of another model (`signature`: the whole model's, by default `state`'s), then fill
-    `state` (its "model" entry and any others) from it in place, resharded by DCP; returns the manifest."""
-    manifest = read_manifest(path)
+    `state` (its "model" entry and any others) from it in place, resharded by DCP; returns the manifest.
+    `manifest` / `reader`: the checkpoint's, where the caller has read them already."""
+    manifest = manifest or read_manifest(path)
     check_signature(path, manifest["model"], signature or model_signature(state["model"]))
+    reader = reader or open_checkpoint(path)
     try:
-        read_checkpoint(path, state)
+        read_checkpoint(path, state, reader=reader)
     except UnsafeCheckpointError as exc:
         raise CheckpointError(str(exc)) from None
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -463,16 +474,22 @@ def read_into(path: Path, state: dict[str, Any], *, signature: dict[str, list[in
     return manifest
 
 
-def saved_param_groups(path: Path) -> list[dict[str, Any]]:
-    """A template of the optimizer param groups a checkpoint holds, each key None until DCP reads it."""
-    prefix = "optim.param_groups."
-    groups: dict[int, dict[str, Any]] = {}
+def open_checkpoint(path: Path) -> SafeFileSystemReader:
+    """A reader on the checkpoint with its DCP metadata read (once, safely); a refusal is one line."""
+    reader = SafeFileSystemReader(str(path))
     try:
-        metadata = read_metadata(path)
+        reader.read_metadata()
     except UnsafeCheckpointError as exc:
         raise CheckpointError(str(exc)) from None
     except Exception as exc:
         raise CheckpointError(f"checkpoint {path} cannot be read: {_first_cause(exc)}") from exc
+    return reader
+
+
+def saved_param_groups(metadata: Metadata) -> list[dict[str, Any]]:
+    """A template of the optimizer param groups a checkpoint holds, each key None until DCP reads it."""
+    prefix = "optim.param_groups."
+    groups: dict[int, dict[str, Any]] = {}
     for key in metadata.state_dict_metadata:
         if key.startswith(prefix):
             index, _, name = key[len(prefix) :].partition(".")

@@ -55,12 +55,20 @@ def _metadata_unpickler(stream: Any, path: str) -> AllowListUnpickler:
 class SafeFileSystemReader(dcp.FileSystemReader):
     """DCP's file reader with a `.metadata` unpickler that builds only data."""
 
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._metadata: dict[int | None, Metadata] = {}  # read once per file: DCP asks again inside `dcp.load`
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = _metadata_unpickler(stream, str(path)).load()
-        if not isinstance(metadata, Metadata):
-            raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+        rank = kwargs.get("rank")
+        if rank not in self._metadata:
+            path = self._get_metadata_path(rank)
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = _metadata_unpickler(stream, str(path)).load()
+            if not isinstance(metadata, Metadata):
+                raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+            self._metadata[rank] = metadata
+        metadata = self._metadata[rank]
         # As DCP's own reader does: older checkpoints carry no storage_meta; the load id marks this read.
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -92,9 +100,12 @@ def read_metadata(path: Path) -> Metadata:
     return SafeFileSystemReader(str(path)).read_metadata()
 
 
-def read_checkpoint(path: Path, state: dict[str, Any], *, no_dist: bool = False) -> None:
-    """Fill `state` in place from the DCP checkpoint at `path` (resharded), building nothing but data."""
-    reader, planner = SafeFileSystemReader(str(path)), SafeLoadPlanner(path)
+def read_checkpoint(
+    path: Path, state: dict[str, Any], *, no_dist: bool = False, reader: SafeFileSystemReader | None = None
+) -> None:
+    """Fill `state` in place from the DCP checkpoint at `path` (resharded), building nothing but data.
+    `reader`: one already opened on `path` (its metadata read once)."""
+    reader, planner = reader or SafeFileSystemReader(str(path)), SafeLoadPlanner(path)
     reader.read_metadata()  # DCP would fold a refusal here into a generic failure: refuse first, in one line
     try:
         dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist)

@@ -116,41 +116,41 @@ def expert_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if id(p) in experts]
 
 
-def expert_grad_reduction(
-    model: nn.Module, mesh: DeviceMesh, data_parallel: int
-) -> tuple[set[str], Callable[[torch.Tensor], None]]:
-    """For fp32 masters (engine/precision.py, which reduces their gradients after backward, side by side in one
-    buffer): the expert weights' names, and how that buffer is reduced: summed over the expert-data group and
-    divided by the data-parallel size, as `reduce_expert_grads_in_backward` does per gradient."""
+def _mean_over_expert_data(mesh: DeviceMesh, data_parallel: int) -> Callable[[torch.Tensor], None]:
+    """Sum a gradient (or a buffer of them) over the expert-data group, in place, and divide it by the
+    data-parallel size: the mean over every rank's tokens, as DDP gives the other weights."""
     group = mesh["edp"].get_group()
     reduce = mesh["edp"].size() > 1
 
     @torch.no_grad()
-    def reduce_experts(grads: torch.Tensor) -> None:
+    def mean(grads: torch.Tensor) -> None:
         if reduce:
             dist.all_reduce(grads, group=group)
         grads.div_(data_parallel)
 
-    return {name for name, _ in expert_params(model)}, reduce_experts
+    return mean
+
+
+def expert_grad_reduction(
+    model: nn.Module, mesh: DeviceMesh, data_parallel: int
+) -> tuple[set[str], Callable[[torch.Tensor], None]]:
+    """For fp32 masters (engine/precision.py, which reduces their gradients after backward, side by side in one
+    buffer): the expert weights' names, and how that buffer is reduced (as `reduce_expert_grads_in_backward`
+    reduces each gradient)."""
+    return {name for name, _ in expert_params(model)}, _mean_over_expert_data(mesh, data_parallel)
 
 
 def reduce_expert_grads_in_backward(
     model: nn.Module, mesh: DeviceMesh, data_parallel: int, sync: Callable[[], bool]
 ) -> None:
     """DDP leaves the experts alone (their gradients differ across "ep"); when `sync()` says this backward is
-    the step's last, each expert gradient is summed over its expert-data group and divided by the data-parallel
-    size as soon as backward accumulates it: the mean over every rank's tokens, as DDP gives the other weights."""
-    group = mesh["edp"].get_group()
-    reduce = mesh["edp"].size() > 1
+    the step's last, each expert gradient is averaged over the expert-data group as soon as backward
+    accumulates it."""
+    mean = _mean_over_expert_data(mesh, data_parallel)
 
-    @torch.no_grad()
     def hook(param: torch.Tensor) -> None:
-        if not sync():
-            return
-        grad = param.grad.to_local()
-        if reduce:
-            dist.all_reduce(grad, group=group)
-        grad.div_(data_parallel)
+        if sync():
+            mean(param.grad.to_local())
 
     for _, param in expert_params(model):
         if param.requires_grad:

@@ -47,20 +47,21 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_peft_folder_and_merged_weights_give_this_runs_logits(model, tmp_path):
-    raw = {
-        "model": MODELS[model],
-        "data": {"seq_len": 32, "total_steps": 3},
-        "adam": {"lr": 2e-2},
-        "monitor": {"progress_bar": "off"},
-    }
-    (tmp_path / "run").mkdir()
-    trainer = build_trainer(resolve_config(raw), CTX, tmp_path / "run")
+def train(raw: dict, folder) -> object:
+    """Train `raw` in `folder` on one process; the trainer, closed, with its trained model."""
+    folder.mkdir()
+    trainer = build_trainer(resolve_config({**raw, "monitor": {"progress_bar": "off"}}), CTX, folder)
     try:
         trainer.train()
     finally:
         trainer.close()
+    return trainer
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_peft_folder_and_merged_weights_give_this_runs_logits(model, tmp_path):
+    raw = {"model": MODELS[model], "data": {"seq_len": 32, "total_steps": 3}, "adam": {"lr": 2e-2}}
+    trainer = train(raw, tmp_path / "run")
     checkpoint = latest_checkpoint(tmp_path / "run" / "checkpoints")
     saved = [k for k in read_metadata(checkpoint).state_dict_metadata if k.startswith("model.")]
     assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)  # the base is not copied
@@ -87,12 +88,6 @@ def test_peft_folder_and_merged_weights_give_this_runs_logits(model, tmp_path):
 
 def test_merge_needs_a_lora_checkpoint(tmp_path, capsys):
     raw = {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}, "data": {"total_steps": 1}}
-    raw["monitor"] = {"progress_bar": "off"}
-    (tmp_path / "run").mkdir()
-    trainer = build_trainer(resolve_config(raw), CTX, tmp_path / "run")
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    train(raw, tmp_path / "run")
     assert export([str(tmp_path / "run" / "checkpoints"), str(tmp_path / "out"), "--peft"]) == 2
     assert "need a LoRA run's checkpoint" in capsys.readouterr().err

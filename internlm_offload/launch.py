@@ -182,7 +182,8 @@ def train_in_runtime(
     start = plan_start(cfg, work_dir, resume=args.resume, ctx=ctx)
     set_determinism(cfg.seed, cfg.deterministic, ctx.accelerator)  # before the first kernels (cuBLAS workspace)
     freeze_what_lives_for_good()
-    runtime_bytes += probe_kernel_memory(cfg, ctx.accelerator)  # before the builder's memory baseline
+    if predicted_peak is not None:  # the probe's figure serves only the comparison with the prediction
+        runtime_bytes += probe_kernel_memory(cfg, ctx.accelerator)  # before the builder's memory baseline
     trainer = build_trainer(cfg, ctx, work_dir, predicted_device_peak=predicted_peak, runtime_memory=runtime_bytes)
     if start.weights_from is not None:  # a LoRA resume too: its base, before the adapters
         trainer.load_weights_from(start.weights_from, cfg.model)

@@ -1,10 +1,15 @@
 """Helpers to run `train.py` as users do: in a subprocess, alone or under torchrun."""
 
+import atexit
+import functools
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from fork_server import ForkServer, torchrun_envs
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "internlm2_tiny.py"
@@ -15,6 +20,8 @@ FAST = ["data.seq_len=64", "data.micro_bsz=2", "data.micro_num=2", "monitor.prog
 # of a global batch of 8, checkpoints at steps 4 and 8 (test_train_e2e resumes from them; saving changes no bits).
 BASELINE = ["data.total_steps=8", "data.global_bsz=8", "ckpt.checkpoint_every=4", "ckpt.keep_last=0"]
 BASELINE_NPROC = {"none": 1, "ddp": 2, "fsdp2": 2}
+BASE_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+OUTS = (".stdout", ".stderr")
 
 
 def baseline_options(mode: str = "none", dtype: str = "torch.float32") -> list[str]:
@@ -40,15 +47,43 @@ def train(
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
     else:
         launcher = [sys.executable]
-    cmd = [*launcher, str(script), "--config", str(config), "--work-dir", str(work_dir)]
-    cmd += ["--cfg-options", *(FAST if fast else ["monitor.progress_bar=off"]), *options]
+    argv = ["--config", str(config), "--work-dir", str(work_dir)]
+    argv += ["--cfg-options", *(FAST if fast else ["monitor.progress_bar=off"]), *options]
     if resume:
-        cmd.append("--resume")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        argv.append("--resume")
+    cmd = [*launcher, str(script), *argv]
+    server = fork_server() if check and env is None else None
+    if server is not None:  # a run expected to pass, in the default environment: forked (fork_server.py)
+        envs = torchrun_envs(BASE_ENV, nproc) if nproc > 1 or torchrun else [BASE_ENV]
+        return forked(server, cmd, script, argv, envs)
+    env = {**BASE_ENV, **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
+
+
+def forked(
+    server: ForkServer, cmd: list[str], script: Path, argv: list[str], envs: list[dict[str, str]]
+) -> subprocess.CompletedProcess:
+    """`cmd` run by the fork server: the same CompletedProcess (and failure report) as from a subprocess."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        code = server.run(script, argv, envs, REPO, out, timeout=600)
+        stdout, stderr = (Path(f"{out}{s}").read_text() if Path(f"{out}{s}").exists() else "" for s in OUTS)
+    if code != 0:
+        raise AssertionError(f"train.py failed ({code}):\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+
+@functools.cache
+def fork_server() -> ForkServer | None:
+    """This pytest process's fork server (None where forking is unsafe or RUNNER_FORK=0 asks for none)."""
+    if os.environ.get("RUNNER_FORK", "1") == "0" or not hasattr(os, "fork"):
+        return None
+    server = ForkServer(REPO, BASE_ENV)
+    atexit.register(server.close)
+    return server if server.usable else None
 
 
 def metrics(work_dir: Path) -> list[dict]:

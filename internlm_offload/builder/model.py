@@ -24,6 +24,7 @@ from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
 from internlm_offload.log import get_logger
 from internlm_offload.model.lora import adapter_parameters, apply_lora, draw_adapters
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
+from internlm_offload.offload.hosted_base import HostedBase
 from internlm_offload.offload.plan import LayerMode
 from internlm_offload.offload.selective_offload import SelectiveOffloader
 from internlm_offload.registry import MODELS, PARALLEL, build
@@ -246,6 +247,16 @@ def init_adapters(cfg: ModelConfig, ctx: RunContext, model: nn.Module) -> None:
 
 def copy_from(source: torch.Tensor, target: torch.Tensor) -> None:
     target.copy_(source)
+
+
+def host_the_base(cfg: RunConfig, ctx: RunContext, layers: nn.ModuleList) -> HostedBase | None:
+    """`model.lora.base_on_host`: the blocks' frozen linears to host memory, brought in a block at a time."""
+    lora = cfg.model.lora
+    if lora is None or not lora.base_on_host or ctx.device.type == "meta":  # the planner counts it apart
+        return None
+    hosted = HostedBase(layers, ctx.accelerator)
+    logger.info("LoRA base on the host: %.1f MiB of frozen block linears", hosted.host_bytes / 2**20)
+    return hosted
 
 
 def apply_tensor_parallel_plan(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> None:

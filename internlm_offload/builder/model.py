@@ -252,7 +252,7 @@ def copy_from(source: torch.Tensor, target: torch.Tensor) -> None:
 def host_the_base(cfg: RunConfig, ctx: RunContext, layers: nn.ModuleList) -> HostedBase | None:
     """`model.lora.base_on_host`: the blocks' frozen linears to host memory, brought in a block at a time."""
     lora = cfg.model.lora
-    if lora is None or not lora.base_on_host or ctx.device.type == "meta":  # the planner counts it apart
+    if lora is None or not lora.base_on_host:
         return None
     hosted = HostedBase(layers, ctx.accelerator)
     logger.info("LoRA base on the host: %.1f MiB of frozen block linears", hosted.host_bytes / 2**20)

@@ -45,6 +45,7 @@ class HostedBase(MemoryFeature):
         self._resident: dict[int, tuple[dict[int, list[torch.Tensor]], Event | None]] = {}
         self._current: int | None = None
         self._blocks_brought = 0
+        self._reported = (0.0, 0)  # (copy seconds, blocks brought) at the last `metrics`
 
     def _to_host(self, linear: nn.Linear) -> None:
         for param in params(linear):
@@ -95,7 +96,15 @@ class HostedBase(MemoryFeature):
     # ------------------------------------------------------------------ figures and teardown
 
     def metrics(self) -> dict[str, float]:
-        return {"base_on_host_bytes": float(self.host_bytes), "base_on_host_copy_s": self.lane.seconds()}
+        """The base's host bytes; the lane's copy seconds and the blocks brought in since the last call."""
+        seconds, brought = self.lane.seconds(), self._blocks_brought
+        figures = {
+            "base_on_host_bytes": float(self.host_bytes),
+            "base_on_host_copy_s": seconds - self._reported[0],
+            "base_on_host_blocks": float(brought - self._reported[1]),
+        }
+        self._reported = (seconds, brought)
+        return figures
 
     def close(self) -> None:
         self._resident.clear()

@@ -1,6 +1,7 @@
 """The model steps of a run: build it, split it over the tensor group, cast it per the precision policy, apply the
 per-block memory plan and wrap it for data parallelism (each an `apply_*` with plain arguments below the config)."""
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,14 +16,15 @@ from internlm_offload.config.lora import native_targets, resolved_targets
 from internlm_offload.config.moe import moe_kwargs
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.expert_parallel import apply_expert_parallel, expert_grad_reduction
-from internlm_offload.engine.parallel import materialize_shards
+from internlm_offload.engine.parallel import init_from_whole, materialize_shards
 from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
 from internlm_offload.engine.runtime import RunContext, data_parallel_group
 from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
 from internlm_offload.log import get_logger
-from internlm_offload.model.lora import adapter_parameters, apply_lora
+from internlm_offload.model.lora import adapter_parameters, apply_lora, draw_adapters
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
+from internlm_offload.offload.hosted_base import HostedBase
 from internlm_offload.offload.plan import LayerMode
 from internlm_offload.offload.selective_offload import SelectiveOffloader
 from internlm_offload.registry import MODELS, PARALLEL, build
@@ -122,13 +124,13 @@ def uses_loss_parallel(cfg: RunConfig) -> bool:
 def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
     """Meta build + per-shard init: FSDP2 (tensor parallel included), our own decoder (each parameter drawn whole,
     this rank's part kept), untied embeddings (materializing unties them), and fp32 params (the init happens before
-    any cast)."""
+    any cast; a LoRA base cast to the compute dtype on meta is drawn in fp32 and rounded, as the whole build's cast
+    rounds it; its adapters are drawn after the base, `init_adapters`)."""
     model = cfg.model
     return (
         cfg.parallel.mode == "fsdp2"
         and cfg.parallel.meta_init
         and model.type == "internlm2"
-        and model.lora is None  # the adapters are not in the decoder's seeded draw order
         and not model.tie_word_embeddings
         and policy.param_dtype == torch.float32
     )
@@ -178,7 +180,11 @@ def build_bare_model(
     if check_model is not None:
         check_model(model)
     if cfg.model.lora is not None:  # on the fp32 base, before any cast, split or wrapper
-        add_adapters(cfg.model, model)
+        if on_meta:  # PEFT's draws here would land on meta: `init_adapters` draws them after the base's
+            with torch.random.fork_rng(devices=[]):
+                add_adapters(cfg.model, model)
+        else:
+            add_adapters(cfg.model, model)
     if ctx.expert_mesh is not None:  # each rank keeps its experts' slice of the seed-built whole
         apply_expert_parallel(model, ctx.expert_mesh)
     return model
@@ -194,14 +200,15 @@ def build_probe_model(cfg: ModelConfig) -> nn.Module:
     if lora is None:
         return model
     with torch.random.fork_rng(devices=[]):  # PEFT draws A on the cpu before moving it to meta; the run's draws stay
-        apply_lora(
-            model,
-            r=lora.r,
-            lora_alpha=lora.lora_alpha,
-            lora_dropout=lora.lora_dropout,
-            target_modules=lora_targets(cfg),
-        )
+        apply_lora(model, **lora_settings(cfg))
     return model
+
+
+def lora_settings(cfg: ModelConfig) -> dict[str, Any]:
+    """`model.lora` as `apply_lora`'s keyword arguments."""
+    lora = cfg.lora
+    assert lora is not None
+    return dict(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout, target_modules=lora_targets(cfg))
 
 
 def lora_targets(cfg: ModelConfig) -> list[str]:
@@ -215,7 +222,7 @@ def add_adapters(cfg: ModelConfig, model: nn.Module) -> None:
     lora = cfg.lora
     targets = lora_targets(cfg)
     try:
-        apply_lora(model, r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout, target_modules=targets)
+        apply_lora(model, **lora_settings(cfg))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     adapters = sum(p.numel() for _, p in adapter_parameters(model))
@@ -228,6 +235,28 @@ def add_adapters(cfg: ModelConfig, model: nn.Module) -> None:
         adapters,
         frozen,
     )
+
+
+def init_adapters(cfg: ModelConfig, ctx: RunContext, model: nn.Module) -> None:
+    """A meta-built LoRA model's adapters after its base: PEFT's draws on a skeleton of the model (the whole
+    build injects them after drawing the base, from the same generator), each rank keeping its shards."""
+    values = draw_adapters(build_model(cfg, torch.device("meta")), **lora_settings(cfg))
+    for name, param in adapter_parameters(model):
+        init_from_whole(param, functools.partial(copy_from, values[name]), device=ctx.device)
+
+
+def copy_from(source: torch.Tensor, target: torch.Tensor) -> None:
+    target.copy_(source)
+
+
+def host_the_base(cfg: RunConfig, ctx: RunContext, layers: nn.ModuleList) -> HostedBase | None:
+    """`model.lora.base_on_host`: the blocks' frozen linears to host memory, brought in a block at a time."""
+    lora = cfg.model.lora
+    if lora is None or not lora.base_on_host:
+        return None
+    hosted = HostedBase(layers, ctx.accelerator)
+    logger.info("LoRA base on the host: %.1f MiB of frozen block linears", hosted.host_bytes / 2**20)
+    return hosted
 
 
 def apply_tensor_parallel_plan(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> None:
@@ -304,5 +333,7 @@ def apply_data_parallel(
     model = build(PARALLEL, wrapper, "parallel.mode", model, ctx=ctx, **mode_args[wrapper])
     if materialize:
         materialize_shards(model, ctx, on_host=par.fsdp_cpu_offload)
+        if cfg.model.lora is not None and ctx.device.type != "meta":
+            init_adapters(cfg.model, ctx, model)
     log_build_memory(ctx)
     return model

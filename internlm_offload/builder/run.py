@@ -15,6 +15,7 @@ from internlm_offload.builder.model import (
     apply_tensor_parallel_plan,
     build_bare_model,
     builds_on_meta,
+    host_the_base,
     sequence_shard,
     uses_loss_parallel,
 )
@@ -37,6 +38,7 @@ from internlm_offload.engine.tensor_parallel import align_grads_in_backward
 from internlm_offload.engine.trainer import Trainer, TrainerSettings
 from internlm_offload.features import MemoryFeature
 from internlm_offload.offload import ActivationOffloader
+from internlm_offload.offload.hosted_base import HostedBase
 from internlm_offload.offload.selective_offload import SelectiveOffloader
 from internlm_offload.optim.grad_offload import GradOffload
 from internlm_offload.optim.interface import OffloadOptimizer
@@ -57,12 +59,13 @@ class Components:
     layers: nn.ModuleList  # the decoder blocks the layer plan acted on
     sequence_shard: SequenceShard | None = None  # isp: this rank's chunk of every sequence
     pipeline: PipelineRunner | None = None  # this rank's pipeline stages' schedule
+    hosted_base: HostedBase | None = None  # model.lora.base_on_host: the frozen block linears on the host
 
     @property
     def features(self) -> list[MemoryFeature]:
         """The run's memory features in teardown order: the offloaders' and gradient offload's hooks and
         pools, then the optimizer."""
-        hooks = [self.offloader, self.selective_offloader]
+        hooks = [self.offloader, self.selective_offloader, self.hosted_base]
         if isinstance(self.masters, GradOffload):
             hooks.append(self.masters)
         expert_load = ExpertLoad(self.layers)
@@ -100,13 +103,25 @@ def build_components(
         model, pipeline = apply_pipeline(cfg, ctx, chunks)
     else:
         model = apply_data_parallel(cfg, ctx, model, layers, policy, materialize=on_meta)
+    # after the wrapper: DDP broadcasts the weights from rank 0 on the device when it is built
+    hosted_base = host_the_base(cfg, ctx, layers)
     masters: Masters = NoMasters(model) if kept_masters is None else kept_masters
     optimizer = build_optimizer(cfg, masters, ctx.accelerator, cpu_mask=cpu_mask, check_host=check_host_memory)
     if cfg.grad_offload:  # its hooks feed the host gradients the optimizer just built reads
         masters = offload_gradients(cfg, ctx, masters, model)
     scheduler = build_scheduler(cfg, optimizer)
     return Components(
-        model, masters, policy, optimizer, scheduler, offloader, selective_offloader, layers, shard, pipeline
+        model,
+        masters,
+        policy,
+        optimizer,
+        scheduler,
+        offloader,
+        selective_offloader,
+        layers,
+        shard,
+        pipeline,
+        hosted_base,
     )
 
 

@@ -39,6 +39,13 @@ class LoraConfig(Section):
     bias: Literal["none"] = Field(
         "none", description="PEFT's `bias`: only `none` (biases stay frozen, so the adapter off is the base model)."
     )
+    base_on_host: bool = Field(
+        False,
+        description="Hold the frozen base's block linears in host memory (pinned where the accelerator pins) and "
+        "bring them to the device a block at a time for forward and again for backward, the next block copied "
+        "while the current one computes. `parallel.mode` none or ddp on `internlm2`; under fsdp2 use "
+        "`parallel.fsdp_cpu_offload`.",
+    )
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -85,3 +92,18 @@ def check_lora(model: Any) -> None:
             f"model.lora with model.num_experts={model.num_experts}: adapters on mixture-of-experts models are not "
             "built yet; use a dense model"
         )
+
+
+def base_on_host_problem(cfg: Any) -> str | None:
+    """Why `model.lora.base_on_host` does not compose with the rest of a `RunConfig`, or None."""
+    lora = cfg.model.lora
+    if lora is None or not lora.base_on_host:
+        return None
+    where = "model.lora.base_on_host=True"
+    if cfg.parallel.mode == "fsdp2":
+        return f"{where} with parallel.mode='fsdp2': use parallel.fsdp_cpu_offload=True (FSDP2's host shards)"
+    if cfg.parallel.pipeline.size > 1:
+        return f"{where} with parallel.pipeline.size={cfg.parallel.pipeline.size}: not built for pipeline stages; use 1"
+    if cfg.model.type != "internlm2":
+        return f"{where} with model.type={cfg.model.type!r}: built for model.type='internlm2' only"
+    return None

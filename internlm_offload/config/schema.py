@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, PrivateAttr, model_validator
 
 from internlm_offload.config.internevo import Translation
+from internlm_offload.config.lora import base_on_host_problem
 from internlm_offload.config.parallel import ParallelConfig
 from internlm_offload.config.pipeline import pipeline_problem
 from internlm_offload.config.sections import (
@@ -187,6 +188,8 @@ class RunConfig(Section):
                 "model.lora with parallel.tensor.size > 1 or parallel.weight.size > 1: adapters are not split over "
                 "the tensor group yet; use parallel.mode 'none', 'ddp' or 'fsdp2' alone"
             )
+        if problem := base_on_host_problem(self):
+            raise ValueError(problem)
         info = self.ckpt.load_ckpt_info
         if info is not None and info.ckpt_type != "internevo" and self.model.type != "internlm2":
             raise ValueError(

@@ -118,9 +118,10 @@ def materialize_shards(model: nn.Module, ctx: RunContext, *, on_host: bool = Fal
 
 @torch.no_grad()
 def init_from_whole(param: torch.Tensor, init: Callable[[torch.Tensor], Any], *, device: torch.device) -> None:
-    """Run `init` on a whole tensor of `param`'s global shape on `device` and keep this rank's part in `param`
-    (a DTensor's local shard, whatever its mesh and placements; a plain tensor whole)."""
-    whole = torch.empty(param.shape, dtype=param.dtype, device=device)
+    """Run `init` on a whole fp32 tensor of `param`'s global shape on `device` and keep this rank's part in `param`
+    (a DTensor's local shard, whatever its mesh and placements; a plain tensor whole). fp32 as the whole build
+    draws: a LoRA base cast to the compute dtype before sharding gets the draw rounded, as the cast rounds it."""
+    whole = torch.empty(param.shape, dtype=torch.float32, device=device)
     init(whole)
     if is_dtensor(param):
         # src_data_rank=None: every rank drew the same whole tensor, so each cuts its own part, no communication

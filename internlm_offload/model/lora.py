@@ -9,6 +9,7 @@ PEFT freezes every other parameter. Its layers are plain modules over autograd o
 
 from collections.abc import Iterable, Iterator
 
+import torch
 from torch import nn
 
 ADAPTER_NAME = "default"
@@ -45,6 +46,21 @@ def apply_lora(model: nn.Module, *, r: int, lora_alpha: float, lora_dropout: flo
     for name, param in model.named_parameters():  # the wrapper's own parameters (none today) stay frozen too
         if not is_adapter_name(name):
             param.requires_grad_(False)
+
+
+def draw_adapters(skeleton: nn.Module, **lora: object) -> dict[str, torch.Tensor]:
+    """The adapters' initial values as `apply_lora(model, **lora)` draws them from the torch RNG, for a model
+    built on meta (`skeleton`: the run's structure without adapters; it is consumed). PEFT draws A on the host and
+    then moves it to its base weight's device, so on meta the values would be lost: here each linear of the
+    skeleton gets stride-0 host tensors of its shapes (no memory), so the draws stay. Same modules, same order,
+    same generator: the values and the generator's state after them are those of the whole build's injection."""
+    for module in adapter_root(skeleton).modules():
+        if isinstance(module, nn.Linear):
+            for name, param in list(module.named_parameters(recurse=False)):
+                host = torch.zeros((), dtype=param.dtype).expand(param.shape)
+                setattr(module, name, nn.Parameter(host, requires_grad=param.requires_grad))
+    apply_lora(skeleton, **lora)  # type: ignore[arg-type]
+    return {name: param.detach() for name, param in adapter_parameters(skeleton)}
 
 
 def is_adapter_name(name: str) -> bool:

@@ -99,7 +99,9 @@ def optimizer_kinds(
     switch_hybrid = "hybrid_optimizer.enable" in auto and not fixed_swap
     swap = "swap_optimizer" in auto and not fixed_hybrid
     under_fsdp2 = cfg is not None and (cfg.parallel.mode == "fsdp2" or free_wrapper)
-    params_on_host = PARAMS_ON_HOST in auto and under_fsdp2 and not (fixed_swap or fixed_hybrid)
+    # `model.lora.base_on_host` already holds the base on the host, the trainer's way (FSDP2 refuses it)
+    hosted = cfg is not None and cfg.model.lora is not None and cfg.model.lora.base_on_host
+    params_on_host = PARAMS_ON_HOST in auto and under_fsdp2 and not (fixed_swap or fixed_hybrid or hosted)
     off = {
         **({"swap_optimizer": False} if swap else {}),
         **({"hybrid_optimizer.enable": False} if switch_hybrid else {}),

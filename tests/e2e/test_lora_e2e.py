@@ -50,18 +50,43 @@ def test_resume_loads_the_base_again_and_is_bitwise(lora_run, base, tmp_path):
     assert [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in metrics(tmp_path)] == expected
 
 
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, base):
+    run = tmp_path_factory.mktemp("lora_ddp")
+    train(run, *lora_options(base), "parallel.mode=ddp", config=CONFIG, nproc=2)
+    return run
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "mode, options",
     [("ddp", ["parallel.mode=ddp"]), ("fsdp2", ["parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=True"])],
 )
-def test_two_processes_follow_one(lora_run, base, tmp_path, mode, options):
+def test_two_processes_follow_one(lora_run, base, tmp_path, request, mode, options):
     """Same global batch: the losses equal up to float summation order (bf16 forward; the loss averaged over ranks)."""
-    train(tmp_path, *lora_options(base), *options, config=CONFIG, nproc=2)
-    one, two = losses(lora_run), losses(tmp_path)
+    if mode == "ddp":
+        run = request.getfixturevalue("ddp_run")  # shared with the base-on-host comparison below
+    else:
+        run = tmp_path
+        train(run, *lora_options(base), *options, config=CONFIG, nproc=2)
+    one, two = losses(lora_run), losses(run)
     assert two.keys() == one.keys()
     for step, loss in one.items():
         assert math.isclose(two[step], loss, rel_tol=1e-5), (mode, step, two[step], loss)
+
+
+@pytest.mark.dist
+def test_ddp_with_the_base_on_the_host_is_bitwise_ddp(ddp_run, base, tmp_path):
+    """`model.lora.base_on_host=True` under DDP on two processes: only bytes move, so every step's loss and grad
+    norm are DDP's own, bitwise; the frozen block linears were on the host (the run's metrics count them)."""
+    proc = train(
+        tmp_path, *lora_options(base), "parallel.mode=ddp", "model.lora.base_on_host=True", config=CONFIG, nproc=2
+    )
+    assert "LoRA base on the host" in proc.stderr
+    fields = ("step", "loss", "grad_norm")
+    records = metrics(tmp_path)
+    assert [[r[f] for f in fields] for r in records] == [[r[f] for f in fields] for r in metrics(ddp_run)]
+    assert all(r["base_on_host_bytes"] > 0 for r in records)
 
 
 def test_export_rebuilds_the_base_from_the_checkpoint_it_names(lora_run, baseline, tmp_path):

@@ -22,6 +22,9 @@ def test_a_lora_search_offers_the_base_on_the_host() -> None:
     settings = {s.name: s.options for s in optimizer_settings(cfg, free_wrapper=True)}
     assert settings["params on host (FSDP2)"][PARAMS_ON_HOST] is True
     assert settings["params on host (FSDP2)"][WRAPPER] == "fsdp2"
+    # with the trainer's own base on the host, FSDP2's is not offered: the two do not compose (a config error)
+    hosted = resolve_config(load_config_file(CONFIG, {"model.lora.base_on_host": True}))
+    assert "params on host (FSDP2)" not in {s.name for s in optimizer_settings(hosted, free_wrapper=True)}
 
 
 def test_the_base_on_the_host_is_priced_at_its_dtype_and_streamed_per_block() -> None:
@@ -52,3 +55,27 @@ def test_the_base_is_counted_at_its_compute_dtype_without_master_gradient_or_sta
     assert parts["master_weights"] == 4 * adapters
     assert 0 <= parts["optimizer_states"] - 8 * adapters < 1024  # two fp32 states, and AdamW's step counters
     assert parts["gradients_at_step"] == 4 * adapters
+
+
+def test_the_trainers_own_base_on_the_host_is_traced() -> None:
+    """`model.lora.base_on_host` under parallel.mode none: the trace runs the trainer's own `HostedBase`, so the
+    blocks' frozen linears are pinned host memory at bf16, the device keeps the rest of the base, and each
+    micro-batch brings 2 L - 3 blocks in (forward blocks 1..L-1, block 0 being left from the last backward; backward
+    blocks L-3..0, the top two being left from forward's turn): what the cost model charges to the link."""
+    from internlm_offload.offload.hosted_base import frozen_linears
+
+    cfg = resolve_config(load_config_file(CONFIG, {"parallel.mode": "none", "model.lora.base_on_host": True}))
+    frozen, adapters = frozen_and_adapter_elements(cfg)
+    blocks = [frozen_linears(block) for block in build_probe_model(cfg.model).layers]
+    block_bytes = {sum(2 * p.numel() for linear in block for p in linear.parameters()) for block in blocks}
+    (per_block,) = block_bytes  # every block alike
+    plan = trace_step(cfg)
+    parts = plan.components
+    assert parts["host_params"] == parts["pinned_host_peak"] == len(blocks) * per_block
+    assert parts["model_params"] == 2 * (frozen + adapters) - len(blocks) * per_block
+    assert plan.micro_batch_work.h2d_bytes == (2 * len(blocks) - 3) * per_block
+    on_device = trace_step(resolve_config(load_config_file(CONFIG, {"parallel.mode": "none"})))
+    # block 0's copy, kept from backward for the next forward
+    assert parts["other_at_rest"] - on_device.components["other_at_rest"] == per_block
+    drop = on_device.device_peak_bytes - plan.device_peak_bytes
+    assert len(blocks) * per_block - 2 * per_block <= drop <= len(blocks) * per_block

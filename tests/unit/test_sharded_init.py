@@ -85,6 +85,31 @@ for name, layout in LAYOUTS.items():
     # the generator stands where the whole build leaves it: the rest of the run draws the same
     assert torch.equal(rng, reference_rng), name
     print(f"INIT-OK {name} rank={rank}", flush=True)
+
+# LoRA through the builder: the meta build's shards (base and PEFT's adapters, uneven over 4 ranks) are the
+# slices of the whole build's, and the generator stands where the whole build leaves it
+from internlm_offload.builder import build_components
+from internlm_offload.config import resolve_config
+
+LORA = dict(r=6, lora_alpha=12, target_modules=["q_proj", "v_proj", "down_proj"])
+lora_ctx = RunContext(rank, rank, world, acc)
+built = {}
+for meta in (True, False):
+    raw = dict(
+        model=dict(**TINY, dtype="torch.bfloat16", lora=LORA),
+        data=dict(seq_len=16),
+        parallel=dict(mode="fsdp2", meta_init=meta, fsdp_cpu_offload=meta),
+    )
+    torch.manual_seed(SEED)
+    parts = build_components(resolve_config(raw, world_size=world), lora_ctx)
+    full = {k: p.full_tensor() for k, p in parts.model.named_parameters()}
+    built[meta] = (full, torch.get_rng_state())
+(got, got_rng), (expected, rng) = built[True], built[False]
+assert got.keys() == expected.keys() and any(".lora_A." in k for k in got)
+for key, tensor in expected.items():
+    assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), f"lora: {key} differs on rank {rank}"
+assert torch.equal(got_rng, rng)
+print(f"INIT-OK lora meta build rank={rank}", flush=True)
 shutdown_runtime()
 """
 
@@ -99,7 +124,7 @@ def test_every_layouts_shards_are_slices_of_the_one_process_build(tmp_path: Path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.stdout.count("INIT-OK") == 8 * 4, proc.stdout
+    assert proc.stdout.count("INIT-OK") == (8 + 1) * 4, proc.stdout
 
 
 def test_init_from_whole_fills_a_plain_tensor_whole() -> None:

@@ -30,6 +30,7 @@ BATCH = ["data.global_bsz=8"]  # 4 micro-batches of 2 on one rank per stage, 2 o
 ZBV = [*STEPS, *CALM, *BATCH, "parallel.pipeline.mode=ZBV", "lr_scheduler.total_steps=20"]
 SAVE_EVERY_8 = ["ckpt.enable_save_ckpt=True", "ckpt.checkpoint_every=8", "ckpt.keep_last=0"]
 GATHER = REPO / "tests" / "e2e" / "gather_weights.py"
+OFFLOAD_ONE = ["cpu_offloading.enable=True", "cpu_offloading.num_layers=1"]
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +114,38 @@ def test_a_pipeline_checkpoint_moves_between_layouts_and_exports_as_one_process(
         tensors = {key: (t.shape, t.dtype) for key, t in load_file(out / "model.safetensors").items()}
         files[name] = (sorted(p.name for p in out.iterdir()), (out / "config.json").read_text(), tensors)
     assert files["pipeline"] == files["one_process"]
+
+
+# 4 steps at sequence 256, where the first stage's activations outweigh its parameters and optimizer states
+PEAK = [*BATCH, "data.total_steps=4", "data.seq_len=256", "ckpt.enable_save_ckpt=False"]
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [("1f1b", []), ("interleaved", ["model.num_chunks=2"])],
+)
+def test_activation_offload_is_bitwise_and_lowers_the_first_stages_peak(tmp_path, name, options):
+    """`cpu_offloading.num_layers=1` counts each rank's blocks: under 1F1B block 0 of stage 0's blocks 0-1, under
+    interleaved 1F1B over 2 chunks stage 0's only block (rank 0 holds stages 0 and 2). Loss and grad norm of every
+    step bit for bit those of the same pipeline without it; rank 0's (the first stage's) measured device peak of
+    steps 2-4 lower by more than half of what one micro-batch offloads (of the two in flight on the first stage,
+    one waits on the host while the other runs). Red when a micro-batch's reload is not waited for (the loss off
+    from step 1) and when a stage's forward keeps its last offloaded block on the device (the peak)."""
+    base, offloaded = tmp_path / f"{name}_base", tmp_path / f"{name}_offload"
+    train(base, *PEAK, *options, nproc=2, config=PP2)
+    proc = train(offloaded, *PEAK, *options, *OFFLOAD_ONE, nproc=2, config=PP2)
+    assert "Applied async activation offload to 1 of 2 blocks" in proc.stderr
+    assert curve(offloaded) == curve(base)
+    last = metrics(offloaded)[-1]
+    per_micro_batch = last["act_offload_host_bytes"] / 4  # of the step's 4 micro-batches (rank 0 logs its own)
+    assert per_micro_batch > 0
+    saved = peak(base) - peak(offloaded)
+    assert saved > per_micro_batch / 2, (saved, per_micro_batch)
+
+
+def peak(run: Path) -> int:
+    """Rank 0's measured device peak of steps 2-4 (step 1 also infers the stages' shapes)."""
+    return max(record["device_peak_mem_bytes"] for record in metrics(run)[1:])
 
 
 def step_8(run: Path) -> Path:

@@ -45,7 +45,7 @@ def apply_layer_plan(
     selective = None
     if selective_offloaded:
         selective = SelectiveOffloader(
-            layers, selective_offloaded, accelerator=accelerator, mode=mode, pin_memory=pin_memory
+            layers, selective_offloaded, accelerator=accelerator, mode=mode, pin_memory=pin_memory, segments=segments
         )
     num_offload = len(plan.layers_with(LayerMode.OFFLOAD))
     if not offload_enabled or num_offload == 0:

@@ -168,12 +168,13 @@ def test_activation_checkpointing_under_the_whole_backward_schedules(options):
         {"parallel.pipeline.mode": "ZBH1"},
         {"parallel.pipeline.mode": "ZBV"},
         {"model.checkpoint": 1.0},
+        {"model.checkpoint": 1.0, "selective_checkpoint": True, "selective_checkpoint_offload": True},
     ],
 )
 def test_activation_offload_under_every_schedule(options):
-    """`cpu_offloading` passes under each schedule (with checkpointing under 1F1B); tests/e2e/test_pipeline_e2e.py
-    holds 1F1B and interleaved 1F1B bitwise against the pipeline without it, tests/unit/test_pipeline_offload.py
-    the order of the reloads."""
+    """`cpu_offloading` passes under each schedule (with checkpointing, and with selective checkpointing's outputs
+    offloaded too, under 1F1B); tests/e2e/test_pipeline_e2e.py holds them bitwise against the pipeline without the
+    offload, tests/unit/test_pipeline_offload.py the order of the reloads."""
     cfg = resolve(2, {"cpu_offloading.enable": True, "cpu_offloading.num_layers": 1, **options})
     assert cfg.cpu_offloading.num_layers == 1
 
@@ -202,11 +203,6 @@ def test_activation_offload_counts_the_ranks_own_blocks():
         (2, {"model.dtype": "torch.bfloat16"}, "only torch.float32 is built under a pipeline yet"),
         (2, {"model.checkpoint": 1.0, "parallel.pipeline.mode": "ZBV"}, "split backward fails on checkpointed"),
         (2, {"model.checkpoint": 0.5, "parallel.pipeline.mode": "ZBH1"}, "split backward fails on checkpointed"),
-        (
-            2,
-            {"model.checkpoint": 1.0, "selective_checkpoint": True, "selective_checkpoint_offload": True},
-            "its host-offloaded outputs are not checked per stage yet",
-        ),
         (2, {"swap_optimizer": True}, "the swap optimizer is not checked per stage"),
         (2, {"model.tie_word_embeddings": True}, "the embedding and the head sit on different stages"),
         (2, {"model.lora": {"r": 4}}, "LoRA adapters on a pipeline's stages are not built yet"),

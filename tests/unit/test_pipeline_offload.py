@@ -8,17 +8,19 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from internlm_offload.device import Accelerator
 from internlm_offload.engine.pipeline_split import PipelineChunk, split_model, stage_blocks
 from internlm_offload.model.internlm2 import InternLM2
 from internlm_offload.offload.activation import ActivationOffloader
+from internlm_offload.offload.selective_offload import SelectiveOffloader
 
 Step = tuple[str, int, int]  # ("F" or "B", stage, micro-batch)
 
 # The first stage of 1F1B at P = 2 over 4 micro-batches: two in flight after the warm-up.
 ONE_F_ONE_B: list[Step] = [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1), ("F", 0, 3)]
 ONE_F_ONE_B += [("B", 0, 2), ("B", 0, 3)]
-# Rank 0 of interleaved 1F1B at P = 2 over 2 chunks (stages 0 and 2) and 4 micro-batches, rank 1's stages left
-# out (stage 2 takes stage 0's output): torch's ScheduleInterleaved1F1B order for this rank.
+# Rank 0 under an interleaved order at P = 2 over 2 chunks (stages 0 and 2) and 4 micro-batches: chunk 0 runs
+# ahead, backwards interleave with forwards; rank 1's stages left out (stage 2 takes stage 0's output).
 INTERLEAVED: list[Step] = [("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 2, 1), ("F", 0, 2), ("B", 2, 0)]
 INTERLEAVED += [("F", 0, 3), ("B", 2, 1), ("F", 2, 2), ("B", 0, 0), ("F", 2, 3), ("B", 0, 1), ("B", 2, 2)]
 INTERLEAVED += [("B", 2, 3), ("B", 0, 2), ("B", 0, 3)]
@@ -143,3 +145,20 @@ def test_a_stage_whose_blocks_are_all_offloaded_releases_them_at_its_end():
 def run_forward(stages: dict[int, PipelineChunk], stage: int, micro: int) -> torch.Tensor:
     tokens = torch.randint(0, 259, (2, 32), generator=torch.Generator().manual_seed(micro))
     return stages[stage](tokens)
+
+
+def test_selective_offload_keeps_each_stage_forward_apart():
+    """Selective checkpointing of both blocks of 1F1B's first stage with the kept outputs on the host: each stage
+    forward ends with its outputs' copies done and released, and the next micro-batch's first block does not chain
+    its prefetch to the previous micro-batch's last block; gradients bitwise those without it. Red without the
+    stage boundaries (the last block's outputs stay on the device until another micro-batch's forward)."""
+    expected = run(split_model(decoder(), 2, 1, 0, False), ONE_F_ONE_B)
+    stages = split_model(decoder(), 2, 1, 0, False)
+    offloader = SelectiveOffloader(stage_blocks(stages), [0, 1], accelerator=Accelerator("cpu"), segments=[2])
+    ends: list[tuple] = []
+    got = run(stages, ONE_F_ONE_B, after_forward=lambda *_: ends.append((offloader._unreleased, offloader._last)))
+    assert ends == [(None, None)] * 4
+    assert offloader.offloaded_bytes > 0
+    for name, grad in expected.items():
+        assert torch.equal(got[name], grad), name
+    offloader.close()

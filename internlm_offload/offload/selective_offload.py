@@ -129,17 +129,13 @@ class SelectiveOffloader(MemoryFeature):
         last one ends it, waiting for its copies."""
         start = 0
         for count in segments:
-            self._handles.append(layers[start].register_forward_pre_hook(self._new_forward, prepend=True))
+            self._handles.append(layers[start].register_forward_pre_hook(self._stage_boundary, prepend=True))
             end = layers[start + count - 1]
-            self._handles.append(end.register_forward_hook(self._end_forward, always_call=True))
+            self._handles.append(end.register_forward_hook(self._stage_boundary, always_call=True))
             start += count
 
-    def _new_forward(self, module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled():
-            self._flush()
-            self._last = None
-
-    def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _stage_boundary(self, module: nn.Module, *_: Any) -> None:
+        """A stage forward starts or ends: the last block's outputs are released, nothing chains across it."""
         if torch.is_grad_enabled():
             self._flush()
             self._last = None

@@ -294,12 +294,19 @@ def apply_precision(
 
 
 def apply_memory_plan(
-    cfg: RunConfig, layers: nn.ModuleList, accelerator: Accelerator
+    cfg: RunConfig, layers: nn.ModuleList, accelerator: Accelerator, segments: list[int] | None = None
 ) -> tuple[ActivationOffloader | None, SelectiveOffloader | None]:
-    """The per-block plan (offload / checkpoint / selective / plain) applied to the bare blocks."""
+    """The per-block plan (offload / checkpoint / selective / plain) applied to the bare blocks; under a
+    pipeline `layers` are the rank's stages' blocks in stage order, `segments` their count per stage."""
+    if segments is not None and cfg.cpu_offloading.num_layers >= len(layers):
+        raise ConfigError(
+            f"cpu_offloading.num_layers={cfg.cpu_offloading.num_layers} must be < {len(layers)}: under a pipeline it "
+            f"counts this rank's blocks (stages of {segments} blocks), and the last is never offloaded"
+        )
     plan = build_layer_plan(cfg, len(layers))
     logger.info("Layer plan (%d blocks):\n%s", len(layers), plan.table())
-    return apply_layer_plan(layers, plan, **offload_settings(cfg.cpu_offloading), accelerator=accelerator)
+    settings = offload_settings(cfg.cpu_offloading)
+    return apply_layer_plan(layers, plan, **settings, accelerator=accelerator, segments=segments)
 
 
 def apply_data_parallel(

@@ -97,7 +97,8 @@ def build_components(
         align_grads_in_backward(model)
     chunks = split_for_pipeline(cfg, ctx, model) if ctx.pipeline_size > 1 else None
     layers: nn.ModuleList = model.layers if chunks is None else stage_blocks(chunks)
-    offloader, selective_offloader = apply_memory_plan(cfg, layers, ctx.accelerator)
+    segments = None if chunks is None else [len(chunk.layers) for chunk in chunks.values()]
+    offloader, selective_offloader = apply_memory_plan(cfg, layers, ctx.accelerator, segments)
     pipeline = None
     if chunks is not None:  # each stage in DDP or FSDP2 over its data-parallel ranks, then torch's PipelineStage
         model, pipeline = apply_pipeline(cfg, ctx, chunks)

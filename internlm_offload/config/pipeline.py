@@ -53,8 +53,6 @@ _NOT_UNDER_PIPELINE: tuple[tuple[str, Any, str], ...] = (
     ("parallel.expert.size", 1, "pipeline with expert parallel is not built yet; set parallel.expert.size=1"),
     ("model.num_experts", 0, "a pipeline carries no MoE aux loss between stages yet; use a dense model"),
     ("model.tie_word_embeddings", False, "the embedding and the head sit on different stages; set False"),
-    ("cpu_offloading.enable", False, "activation offload under a pipeline is not built yet; set False"),
-    ("selective_checkpoint_offload", False, "activation offload under a pipeline is not built yet; set False"),
     ("swap_optimizer", False, "the swap optimizer is not checked per stage yet; set False"),
     ("hybrid_optimizer.enable", False, "the hybrid optimizer is not checked per stage yet; set False"),
     ("grad_offload", False, "gradient offload is not checked per stage yet; set False"),

@@ -412,8 +412,10 @@ class CpuOffloadingConfig(Section):
     num_layers: int = Field(
         0,
         ge=0,
-        description="Blocks whose activations go to host memory; < `model.num_layers`. "
-        '`"auto"` (with `memory_budget`): the planner chooses (and sets `enable`).',
+        description="Blocks whose activations go to host memory; < `model.num_layers`. Under a pipeline: the "
+        "first `num_layers` of each rank's own blocks in stage order (< the rank's blocks), each stage's micro-batches "
+        'in flight on the host until their backward (docs/parallelism.md). `"auto"` (with `memory_budget`): the '
+        "planner chooses (and sets `enable`).",
     )
     mode: Literal["auto", "sync", "async"] = Field(
         "auto",

@@ -16,6 +16,17 @@ Schedule (`mode="async"`, the device-side picture; the CPU accelerator emulates 
 `mode="sync"` copies in the calling thread at save and at unpack: no overlap, the simplest path, and
 the one to pick where async pinned copies are unreliable (NPU).
 
+Pipeline (`segments`): the blocks are a rank's stages' blocks in stage order, each stage's run one forward
+of its own (a micro-batch). Every stage forward keeps its own groups, released at the stage's end, so a
+stage holding several micro-batches in flight keeps each one's activations on the host until its backward.
+The schedule runs a stage's backwards in the order of its forwards (1F1B, interleaved 1F1B), so the
+oldest forward still waiting for its backward is the stage's next backward: at the end of each stage
+forward its top groups start reloading (async), unless it is the forward that just ended (a warm-up
+forward). Under 1F1B's steady state a stage's forward is followed by that backward, so the reload overlaps
+the wait for its gradient from the next stage, and it comes back only after the forward that raises the
+stage's peak. Backwards with no forward before them (the cool-down) reload when their own backward reaches
+them, as without a pipeline (where no forward waits at a forward's end).
+
 Memory saved vs time paid: every offloaded block frees its saved activations (about
 `34 * B * T * C` bytes per block in fp32 for this model family) at the price of one D2H and one H2D
 copy of them; with async copies the transfer hides behind the next block's compute when PCIe/host
@@ -26,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +117,15 @@ class _Group:
     nbytes: int = 0
 
 
+@dataclass(eq=False)
+class _Flight:
+    """One stage forward awaiting its backward: its top offloaded groups (held weakly: autograd owns them)."""
+
+    segment: int
+    top: list[weakref.ref[_Group]] = field(default_factory=list)
+    started: bool = False  # its backward has begun
+
+
 @dataclass(frozen=True)
 class _Saved:
     """What autograd holds for an offloaded tensor: enough to rebuild it from its group's storage."""
@@ -115,6 +137,7 @@ class _Saved:
     stride: tuple[int, ...]
     offset: int
     requires_grad: bool
+    flight: _Flight | None = None
 
 
 @dataclass
@@ -135,18 +158,24 @@ class _Resident:
     # Saved by the first block above the offloaded ones: the groups to start reloading when backward
     # reaches it, so that the first offloaded block's copy overlaps this block's backward.
     prefetch: list[_Group] = field(default_factory=list)
+    flight: _Flight | None = None
 
 
 class _Forward:
-    """The groups of one forward pass; several may be alive at once (gradient accumulation)."""
+    """The groups of one forward pass (of one stage); several may be alive at once (gradient accumulation,
+    a pipeline's micro-batches in flight)."""
 
-    def __init__(self, num_groups: int) -> None:
+    def __init__(self, num_groups: int, segment: int) -> None:
         self.groups: list[_Group | None] = [None] * num_groups
         self.pending_release: list[_Group] = []
+        self.flight = _Flight(segment)
 
 
 class ActivationOffloader(MemoryFeature):
-    """Saved-tensor hooks that offload the activations of `layers[:num_layers]`; see the module doc."""
+    """Saved-tensor hooks that offload the activations of `layers[:num_layers]`; see the module doc.
+
+    `segments`: the block counts of the modules that each run a forward of their own, in order (a pipeline
+    rank's stages); None: one forward through all blocks."""
 
     def __init__(
         self,
@@ -158,8 +187,18 @@ class ActivationOffloader(MemoryFeature):
         prefetch_layers: int = 1,
         pin_memory: bool = True,
         accelerator: Accelerator | None = None,
+        segments: Sequence[int] | None = None,
     ) -> None:
         _validate(len(layers), num_layers, mode, min_offload_bytes, prefetch_layers)
+        segments = list(segments) if segments is not None else [len(layers)]
+        if sum(segments) != len(layers) or min(segments) < 1:
+            raise ValueError(f"segments={segments} must be positive block counts adding up to {len(layers)}")
+        # each block's segment; a segment's first block starts a forward, its last ends it
+        self._segment_of = [s for s, count in enumerate(segments) for _ in range(count)]
+        self._starts = {sum(segments[:s]) for s in range(len(segments))}
+        self._ends = {sum(segments[: s + 1]) - 1 for s in range(len(segments))}
+        # per segment, its forwards whose backward has not started, in forward order
+        self._waiting: dict[int, deque[_Flight]] = {}
         self.layers = layers
         self.num_layers = num_layers
         self.mode = mode
@@ -195,8 +234,8 @@ class ActivationOffloader(MemoryFeature):
         def pre_hook(module: nn.Module, args: Any) -> None:
             if not torch.is_grad_enabled() or _in_backward():
                 return  # no-grad forward (nothing is saved) or a checkpoint's recompute (it saves its own way)
-            if index == 0 or self._forward is None:
-                self._start_forward()
+            if index in self._starts or self._forward is None:
+                self._start_forward(self._segment_of[index])
             hooks = torch.autograd.graph.saved_tensors_hooks(self._make_pack(index, module), self._unpack)
             hooks.__enter__()
             self._hook_stack.append(hooks)
@@ -224,10 +263,19 @@ class ActivationOffloader(MemoryFeature):
                 self._release_sources(group)  # sync: the copies are done
             elif group is not None:
                 forward.pending_release = [group]
-            if index == len(self.layers) - 1:
-                self._forward = None  # the last block is never offloaded: nothing is pending here
+            if index in self._ends:
+                self._wait_for_backward(forward)
+                self._end_forward()  # a stage's last block may be offloaded: its copies finish here
+                self._reload_next_backward(forward.flight)
 
         return post_hook
+
+    def _wait_for_backward(self, forward: _Forward) -> None:
+        """Queue a finished forward that offloaded something, with its top groups, for its stage's backward."""
+        top = [g for g in reversed(forward.groups) if g is not None][: self.prefetch_layers]
+        if top:
+            forward.flight.top = [weakref.ref(g) for g in top]
+            self._waiting.setdefault(forward.flight.segment, deque()).append(forward.flight)
 
     def _end_forward(self) -> None:
         """Forget the current forward, releasing the sources it still holds once their copies finished.
@@ -241,11 +289,19 @@ class ActivationOffloader(MemoryFeature):
                 self._release_sources(group)
         self._forward = None
 
-    def _start_forward(self) -> None:
+    def _start_forward(self, segment: int) -> None:
         self._end_forward()
-        self._forward = _Forward(self.num_layers)
-        self._stats.start_forward()
-        self.copies.reset_figures()
+        self._forward = _Forward(self.num_layers, segment)
+        if not self._in_flight():  # a pipeline's figures cover the forwards in flight together (a step's)
+            self._stats.start_forward()
+            self.copies.reset_figures()
+
+    def _in_flight(self) -> bool:
+        """Whether a forward that offloaded waits for its backward (those whose graph died are dropped)."""
+        for waiting in self._waiting.values():
+            while waiting and all(ref() is None for ref in waiting[0].top):
+                waiting.popleft()
+        return any(self._waiting.values())
 
     # ------------------------------------------------------------------ pack (forward)
 
@@ -262,7 +318,8 @@ class ActivationOffloader(MemoryFeature):
                 # Detached: a saved *output* of a node would otherwise hold its own grad_fn, a cycle through
                 # C++ that the garbage collector cannot break, leaking the whole graph (and every offloaded
                 # host buffer) whenever backward does not run through all of it (autograd.grad on a subset).
-                return _Resident(t.detach(), nbytes, prefetch=self._groups_below(index) if prefetches else [])
+                prefetch = self._groups_below(index) if prefetches else []
+                return _Resident(t.detach(), nbytes, prefetch=prefetch, flight=self._flight())
             return self._offload(t, index)
 
         return pack
@@ -313,7 +370,10 @@ class ActivationOffloader(MemoryFeature):
             weakref.finalize(group, self.copies.pool.give_back, [slot.host], group.pending)
         group.packed += 1
         self._stats.offloaded_bytes += t.numel() * t.element_size()
-        return _Saved(group, key, t.dtype, t.size(), t.stride(), t.storage_offset(), t.requires_grad)
+        return _Saved(group, key, t.dtype, t.size(), t.stride(), t.storage_offset(), t.requires_grad, self._flight())
+
+    def _flight(self) -> _Flight | None:
+        return self._forward.flight if self._forward is not None else None
 
     def _copy_out(self, slot: _Slot) -> None:
         self.copies.to_host([(slot.host, slot.source)])
@@ -331,6 +391,8 @@ class ActivationOffloader(MemoryFeature):
     def _unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, _SavedShard):
             return with_layout(self._unpack(saved.local), saved.layout)
+        if saved.flight is not None and not saved.flight.started:
+            self._backward_starts(saved.flight)
         if isinstance(saved, _Resident):
             for group in saved.prefetch:
                 self._start_reload(group)
@@ -355,6 +417,25 @@ class ActivationOffloader(MemoryFeature):
             self._stats.release(group.nbytes)
         return tensor
 
+    def _backward_starts(self, flight: _Flight) -> None:
+        """A stage forward's backward begins (its first unpack): it no longer waits."""
+        flight.started = True
+        waiting = self._waiting.get(flight.segment)
+        if waiting and flight in waiting:
+            waiting.remove(flight)
+
+    def _reload_next_backward(self, ended: _Flight) -> None:
+        """After a stage forward: start reloading the stage's next backward, the oldest forward waiting for
+        one (the schedule's order), unless that is the forward that just ended."""
+        self._in_flight()  # drops the forwards whose graph died without a backward
+        waiting = self._waiting.get(ended.segment)
+        if not waiting or waiting[0] is ended or self.copies.h2d is None:  # sync copies reload on demand
+            return
+        for ref in waiting[0].top:
+            group = ref()
+            if group is not None:
+                self._start_reload(group)
+
     def _start_reload(self, group: _Group) -> None:
         if group.h2d_done is not None or all(s.reloaded is not None for s in group.slots.values()):
             return
@@ -375,7 +456,8 @@ class ActivationOffloader(MemoryFeature):
     # ------------------------------------------------------------------ public surface
 
     def metrics(self) -> dict[str, float]:
-        """Byte accounting of the last forward and copy and wait seconds since it started (`act_offload_*`)."""
+        """Byte accounting of the last forward and copy and wait seconds since it started (`act_offload_*`); under
+        a pipeline of the last forwards in flight together (the step's on the first stage)."""
         figures = {**self._stats.as_dict(), **self.copies.figures()}
         return {f"act_offload_{key}": value for key, value in figures.items()}
 
@@ -387,6 +469,7 @@ class ActivationOffloader(MemoryFeature):
         while self._hook_stack:
             self._hook_stack.pop().__exit__(None, None, None)
         self._end_forward()
+        self._waiting.clear()
         self.copies.close()
 
 

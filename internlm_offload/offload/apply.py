@@ -6,6 +6,8 @@ config and calls it, tests and benchmarks call it directly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch.nn as nn
 
 from internlm_offload.device import Accelerator
@@ -28,11 +30,13 @@ def apply_layer_plan(
     min_offload_bytes: int,
     prefetch_layers: int,
     accelerator: Accelerator,
+    segments: Sequence[int] | None = None,
 ) -> tuple[ActivationOffloader | None, SelectiveOffloader | None]:
     """Checkpoint and offload the blocks as planned; returns the handles of the offloads in use.
 
     `mode` is `cpu_offloading.mode` ("auto" resolves per device); activation offload is installed only
     when `offload_enabled` and the plan offloads at least one block (otherwise the model is untouched).
+    `segments`: a pipeline rank's blocks per stage, in stage order (`ActivationOffloader`).
     """
     apply_activation_checkpointing(layers, plan.layers_with(LayerMode.CHECKPOINT), selective=False)
     apply_activation_checkpointing(layers, plan.layers_with(LayerMode.SELECTIVE), selective=True)
@@ -41,7 +45,7 @@ def apply_layer_plan(
     selective = None
     if selective_offloaded:
         selective = SelectiveOffloader(
-            layers, selective_offloaded, accelerator=accelerator, mode=mode, pin_memory=pin_memory
+            layers, selective_offloaded, accelerator=accelerator, mode=mode, pin_memory=pin_memory, segments=segments
         )
     num_offload = len(plan.layers_with(LayerMode.OFFLOAD))
     if not offload_enabled or num_offload == 0:
@@ -59,5 +63,6 @@ def apply_layer_plan(
         prefetch_layers=prefetch_layers,
         pin_memory=pin_memory,
         accelerator=accelerator,
+        segments=segments,
     )
     return offloader, selective

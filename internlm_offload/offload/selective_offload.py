@@ -18,6 +18,10 @@ when backward replays a block, the copies back of that block and of the one belo
 on a second side stream, so the next block's reload overlaps this block's recompute and backward.
 Host buffers come from a pool and are reused from the second step on.
 
+Under a pipeline (`segments`: the rank's blocks per stage) each stage forward is a forward of its own: its last
+block's outputs are released at the stage's end, and its first block does not chain to the block recorded
+before it (another micro-batch's, whose backward the schedule runs apart).
+
 Memory saved vs time paid: like selective checkpointing, plus the kept matmul/attention outputs
 (for this model family roughly `(6 + 4 * mlp_ratio) * B * T * C` values per block) leave the device,
 at the price of one D2H and one H2D copy of them; async holds one extra block's outputs in forward
@@ -36,6 +40,7 @@ import torch.nn as nn
 from torch.distributed._composable import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
 from internlm_offload.device import Accelerator, Event, PendingCopy
 from internlm_offload.features import MemoryFeature
@@ -90,7 +95,8 @@ class _BlockCache:
 
 class SelectiveOffloader(MemoryFeature):
     """Selectively checkpoints `layers[i]` for i in `indices`, moving the kept outputs to host and back through
-    its copy engine; `metrics()` counts what it did."""
+    its copy engine; `metrics()` counts what it did. `segments`: as `ActivationOffloader`'s (a pipeline rank's
+    blocks per stage)."""
 
     def __init__(
         self,
@@ -100,11 +106,15 @@ class SelectiveOffloader(MemoryFeature):
         accelerator: Accelerator,
         mode: str = "async",
         pin_memory: bool = True,
+        segments: Sequence[int] | None = None,
     ) -> None:
         self.offloaded_bytes = 0  # of the kept outputs sent to the host, cumulative over the run
         self.copies = HostCopies(accelerator, asynchronous=mode == "async", pin_memory=pin_memory)
         self._last: weakref.ref[_BlockCache] | None = None  # the last cache of the running forward
         self._unreleased: _BlockCache | None = None  # async: its copies are still running
+        self._handles: list[RemovableHandle] = []
+        if segments is not None and indices:
+            self._split_forwards(layers, list(segments))
         for i in indices:
             checkpoint(layers[i], context_fn=self._context_fn)
         if indices:
@@ -113,6 +123,22 @@ class SelectiveOffloader(MemoryFeature):
                 len(indices),
                 len(layers),
             )
+
+    def _split_forwards(self, layers: nn.ModuleList, segments: list[int]) -> None:
+        """Each segment's first block starts a forward (before checkpoint's own pre-hook asks for a cache), its
+        last one ends it, waiting for its copies."""
+        start = 0
+        for count in segments:
+            self._handles.append(layers[start].register_forward_pre_hook(self._stage_boundary, prepend=True))
+            end = layers[start + count - 1]
+            self._handles.append(end.register_forward_hook(self._stage_boundary, always_call=True))
+            start += count
+
+    def _stage_boundary(self, module: nn.Module, *_: Any) -> None:
+        """A stage forward starts or ends: the last block's outputs are released, nothing chains across it."""
+        if torch.is_grad_enabled():
+            self._flush()
+            self._last = None
 
     def _context_fn(self) -> tuple[_RecordMode, _ReplayMode]:
         """The dispatch modes of one block call: its forward records, its recompute replays."""
@@ -130,6 +156,8 @@ class SelectiveOffloader(MemoryFeature):
 
     def close(self) -> None:
         """Finish and stop the copy streams and drop the pooled host buffers (the run is over)."""
+        for handle in self._handles:
+            handle.remove()
         self._flush()
         self.copies.close()
 

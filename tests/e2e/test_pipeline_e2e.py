@@ -4,7 +4,9 @@ over gloo, from the shipped configs/internlm2_tiny_pp2.py.
 In fp32 (at lr 1e-3, `CALM`) every schedule follows the one-process curve of the same global batch (8 sequences a
 step) within 1e-5 relative per step for 20 steps: 1F1B at P=2 with 2 data-parallel ranks per stage (DDP), ZBH1 at
 P=4, interleaved 1F1B over 2 chunks at P=2 with FSDP2 over 2 ranks per stage, ZBV at P=2. Checkpoints (ZBV's step 8) resume on the same layout bitwise, continue on one process within 1e-5,
-load model-only into 1F1B's stages and export as one process's do; activation checkpointing under 1F1B is bitwise.
+load model-only into 1F1B's stages and export as one process's do; activation checkpointing under 1F1B is bitwise;
+activation offload per stage (and selective checkpointing's outputs offloaded) is bitwise and lowers the first
+stage's measured peak.
 Red with a micro-batch's loss scaled twice (the schedule's `scale_grads=True` over the trainer's weighted
 loss) and with the gradient norm not summed over the stages.
 """
@@ -30,6 +32,8 @@ BATCH = ["data.global_bsz=8"]  # 4 micro-batches of 2 on one rank per stage, 2 o
 ZBV = [*STEPS, *CALM, *BATCH, "parallel.pipeline.mode=ZBV", "lr_scheduler.total_steps=20"]
 SAVE_EVERY_8 = ["ckpt.enable_save_ckpt=True", "ckpt.checkpoint_every=8", "ckpt.keep_last=0"]
 GATHER = REPO / "tests" / "e2e" / "gather_weights.py"
+OFFLOAD_ONE = ["cpu_offloading.enable=True", "cpu_offloading.num_layers=1"]
+SELECTIVE = ["model.checkpoint=1.0", "selective_checkpoint=True"]
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +117,50 @@ def test_a_pipeline_checkpoint_moves_between_layouts_and_exports_as_one_process(
         tensors = {key: (t.shape, t.dtype) for key, t in load_file(out / "model.safetensors").items()}
         files[name] = (sorted(p.name for p in out.iterdir()), (out / "config.json").read_text(), tensors)
     assert files["pipeline"] == files["one_process"]
+
+
+# 4 steps at sequence 256, where the first stage's activations outweigh its parameters and optimizer states
+PEAK = [*BATCH, "data.total_steps=4", "data.seq_len=256", "ckpt.enable_save_ckpt=False"]
+
+
+@pytest.mark.parametrize(
+    "name, options, offload, applied",
+    [
+        ("1f1b", [], OFFLOAD_ONE, "Applied async activation offload to 1 of 2 blocks"),
+        ("interleaved", ["model.num_chunks=2"], OFFLOAD_ONE, "Applied async activation offload to 1 of 2 blocks"),
+        ("1f1b_selective", SELECTIVE, ["selective_checkpoint_offload=True"], "host-offloaded outputs to 2 of 2 blocks"),
+    ],
+)
+def test_activation_offload_is_bitwise_and_lowers_the_first_stages_peak(tmp_path, name, options, offload, applied):
+    """`cpu_offloading.num_layers=1` counts each rank's blocks: under 1F1B block 0 of stage 0's blocks 0-1, under
+    interleaved 1F1B over 2 chunks stage 0's only block (rank 0 holds stages 0 and 2); selective checkpointing of
+    every block with its kept outputs on the host under 1F1B. Loss and grad norm of every step bit for bit those of
+    the same pipeline without the offload; rank 0's (the first stage's) measured device peak of steps 2-4 lower by
+    more than half of what one micro-batch offloads (of the two in flight on the first stage, one waits on the host
+    while the other runs). Red when a micro-batch's reload is not waited for (the loss off from step 1) and when
+    the next micro-batch comes back as the previous one's backward starts (the peak)."""
+    base, offloaded = tmp_path / f"{name}_base", tmp_path / f"{name}_offload"
+    train(base, *PEAK, *options, nproc=2, config=PP2)
+    proc = train(offloaded, *PEAK, *options, *offload, nproc=2, config=PP2)
+    assert applied in proc.stderr
+    assert curve(offloaded) == curve(base)
+    per_micro_batch = offloaded_per_micro_batch(metrics(offloaded)[-1])
+    assert per_micro_batch > 0
+    saved = peak(base) - peak(offloaded)
+    assert saved > per_micro_batch / 2, (saved, per_micro_batch)
+
+
+def offloaded_per_micro_batch(record: dict[str, Any]) -> float:
+    """Bytes one micro-batch sends to the host on rank 0 (4 per step): the activation offloader counts the forwards
+    in flight together (a step's), the selective one the whole run's (4 steps)."""
+    if "act_offload_host_bytes" in record:
+        return record["act_offload_host_bytes"] / 4
+    return record["sc_offload_offloaded_bytes"] / (4 * 4)
+
+
+def peak(run: Path) -> int:
+    """Rank 0's measured device peak of steps 2-4 (step 1 also infers the stages' shapes)."""
+    return max(record["device_peak_mem_bytes"] for record in metrics(run)[1:])
 
 
 def step_8(run: Path) -> Path:

@@ -13,7 +13,9 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from internlm_offload.builder.model import apply_memory_plan
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
+from internlm_offload.device import Accelerator
 from internlm_offload.config.pipeline import micro_batch_problem
 from internlm_offload.engine.pipeline import PipelineStages, schedule_class
 from internlm_offload.engine.pipeline_split import local_stages, partition_uniform, split_model, stage_rank
@@ -159,6 +161,34 @@ def test_activation_checkpointing_under_the_whole_backward_schedules(options):
 
 
 @pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"model.num_chunks": 2},
+        {"parallel.pipeline.mode": "ZBH1"},
+        {"parallel.pipeline.mode": "ZBV"},
+        {"model.checkpoint": 1.0},
+        {"model.checkpoint": 1.0, "selective_checkpoint": True, "selective_checkpoint_offload": True},
+    ],
+)
+def test_activation_offload_under_every_schedule(options):
+    """`cpu_offloading` passes under each schedule (with checkpointing, and with selective checkpointing's outputs
+    offloaded too, under 1F1B); tests/e2e/test_pipeline_e2e.py holds them bitwise against the pipeline without the
+    offload, tests/unit/test_pipeline_offload.py the order of the reloads."""
+    cfg = resolve(2, {"cpu_offloading.enable": True, "cpu_offloading.num_layers": 1, **options})
+    assert cfg.cpu_offloading.num_layers == 1
+
+
+def test_activation_offload_counts_the_ranks_own_blocks():
+    """Under a pipeline `cpu_offloading.num_layers` counts the rank's blocks (the last never offloaded): a rank
+    with 2 blocks refuses 2 in one line naming the key."""
+    cfg = resolve(2, {"cpu_offloading.enable": True, "cpu_offloading.num_layers": 2})
+    layers = split_model(tiny_decoder(), 2, 1, 0, False)[0].layers.values()
+    with pytest.raises(ConfigError, match=r"cpu_offloading.num_layers=2 must be < 2: under a pipeline it counts"):
+        apply_memory_plan(cfg, torch.nn.ModuleList(layers), Accelerator("cpu"), segments=[2])
+
+
+@pytest.mark.parametrize(
     ("world_size", "options", "message"),
     [
         (2, {"data.micro_num": 1}, "1F1B needs at least one micro-batch per stage; set data.micro_num >= 2"),
@@ -171,14 +201,8 @@ def test_activation_checkpointing_under_the_whole_backward_schedules(options):
         (4, {"parallel.tensor.size": 2}, "pipeline with tensor parallel is not built yet"),
         (4, {"parallel.mode": "fsdp2", "parallel.fsdp_cpu_offload": True}, "FSDP2's CPU offload per stage"),
         (2, {"model.dtype": "torch.bfloat16"}, "only torch.float32 is built under a pipeline yet"),
-        (2, {"cpu_offloading.enable": True, "cpu_offloading.num_layers": 1}, "activation offload under a pipeline"),
         (2, {"model.checkpoint": 1.0, "parallel.pipeline.mode": "ZBV"}, "split backward fails on checkpointed"),
         (2, {"model.checkpoint": 0.5, "parallel.pipeline.mode": "ZBH1"}, "split backward fails on checkpointed"),
-        (
-            2,
-            {"model.checkpoint": 1.0, "selective_checkpoint": True, "selective_checkpoint_offload": True},
-            "activation offload under",
-        ),
         (2, {"swap_optimizer": True}, "the swap optimizer is not checked per stage"),
         (2, {"model.tie_word_embeddings": True}, "the embedding and the head sit on different stages"),
         (2, {"model.lora": {"r": 4}}, "LoRA adapters on a pipeline's stages are not built yet"),

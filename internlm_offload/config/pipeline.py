@@ -55,10 +55,6 @@ _NOT_UNDER_PIPELINE: tuple[tuple[str, Any, str], ...] = (
     ("model.tie_word_embeddings", False, "the embedding and the head sit on different stages; set False"),
     ("cpu_offloading.enable", False, "activation offload under a pipeline is not built yet; set False"),
     ("selective_checkpoint_offload", False, "activation offload under a pipeline is not built yet; set False"),
-    ("swap_optimizer", False, "the swap optimizer is not checked per stage yet; set False"),
-    ("hybrid_optimizer.enable", False, "the hybrid optimizer is not checked per stage yet; set False"),
-    ("grad_offload", False, "gradient offload is not checked per stage yet; set False"),
-    ("nvme_offload.enable", False, "the NVMe tier is not checked per stage yet; set False"),
     ("data.valid_folder", None, "validation runs the whole model on one rank; not built under a pipeline yet"),
     ("model.lora", None, "LoRA adapters on a pipeline's stages are not built yet; leave model.lora unset"),
 )
@@ -78,11 +74,6 @@ def pipeline_problem(cfg: Any) -> str | None:
     where = f"parallel.pipeline.size={pipe.size}"
     if model.type != "internlm2":
         return f"{where} splits model.type='internlm2' only, got {model.type!r}"
-    if model.dtype != "torch.float32":
-        return (
-            f"{where} with model.dtype={model.dtype!r}: only torch.float32 is built under a pipeline yet (fp32 "
-            "masters and fp16 loss scaling per stage are not built yet)"
-        )
     if cfg.parallel.fsdp_cpu_offload:
         return (
             f"{where} with parallel.fsdp_cpu_offload=True: FSDP2's CPU offload per stage is not checked yet; set False"

@@ -6,10 +6,11 @@ baseline's bit for bit at every step. The layouts: fp32 under 1F1B (the swap opt
 a checkpoint that resumes bitwise; the hybrid one at fraction 0.5, each stage placing its own parameters), bf16
 with fp32 masters under ZBV (two stages per rank; the swap optimizer with gradient offload and its states on
 "NVMe", the hybrid one at fraction 1.0 with gradient offload: the zero-bubble weight pass's gradients bypass the
-post-accumulate-grad hooks), fp16 under 1F1B at a loss scale that overflows (the hybrid one at fraction 0.5, host
-and device masters). The low-precision baselines follow one process within 1e-5 (fp32 accumulation of each
-micro-batch's gradients into the masters; fp16's skipped steps and loss scales equal), and so do a stage data
-parallel over 2 ranks: DDP's masters and gradient offload reducing over the stage's ranks, FSDP2 computing in bf16.
+post-accumulate-grad hooks; red without `GradOffload.accumulate_grads` taking them), fp16 under 1F1B at a loss
+scale that overflows (the hybrid one at fraction 0.5, host and device masters). The fp16 baseline follows one
+process within 1e-5 with the same skipped steps (red with the grad norm not summed over the stages, and with the
+masters accumulating once per step instead of per micro-batch: fp16 sums overflow at step 2); bf16 stages data
+parallel over 2 ranks (DDP, FSDP2) match one process's first step within 1e-5 (red with FSDP2 computing in fp32).
 """
 
 import shutil
@@ -126,7 +127,7 @@ def test_fp16_under_the_pipeline_follows_one_process(layouts, one_process_refere
 
 def test_the_swap_optimizer_resumes_bitwise_under_the_pipeline(layouts, tmp_path):
     """The fp32 swap run's step-4 checkpoint (each stage's parameters and host-resident AdamW states, by name)
-    resumed on the same layout gives steps 5..8 bit for bit."""
+    resumed on the same layout gives steps 5..8 bit for bit (red with the loaded second moments doubled)."""
     full = layouts("fp32_1f1b")["swap"]
     run = tmp_path / "resumed"
     shutil.copytree(full / "checkpoints" / "step_00000004", run / "checkpoints" / "step_00000004")

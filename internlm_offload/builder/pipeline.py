@@ -5,8 +5,9 @@ from torch import nn
 from internlm_offload.builder.model import log_build_memory
 from internlm_offload.config import RunConfig
 from internlm_offload.config.pipeline import virtual_chunks
-from internlm_offload.engine.pipeline import PipelineRunner, PipelineStages, schedule_class, wrap_chunks
+from internlm_offload.engine.pipeline import PipelineRunner, schedule_class, wrap_chunks
 from internlm_offload.engine.pipeline_split import PipelineChunk, split_model
+from internlm_offload.engine.precision import PrecisionPolicy
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.log import get_logger
 
@@ -22,25 +23,40 @@ def split_for_pipeline(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> dic
 
 
 def apply_pipeline(
-    cfg: RunConfig, ctx: RunContext, chunks: dict[int, PipelineChunk]
-) -> tuple[PipelineStages, PipelineRunner]:
-    """The stages wrapped (DDP or FSDP2 within a stage's data-parallel ranks, `parallel.mode`), and the runner of
-    their schedule; what the optimizer steps and checkpoints hold is the stages' modules under the whole model's
-    names."""
+    cfg: RunConfig,
+    ctx: RunContext,
+    chunks: dict[int, PipelineChunk],
+    policy: PrecisionPolicy,
+    *,
+    fp32_reduce: bool = False,
+) -> PipelineRunner:
+    """The stages wrapped (DDP or FSDP2 within a stage's data-parallel ranks, `parallel.mode`) and the runner of
+    their schedule. `fp32_reduce`: the fp32 masters average the stage's gradients themselves (as gradient offload
+    does), so DDP does not wrap the stages."""
     pipe = cfg.parallel.pipeline
     num_chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
     num_stages = pipe.size * num_chunks
     par = cfg.parallel
+    mode = "none" if par.mode == "ddp" and (fp32_reduce or cfg.grad_offload) else par.mode
     modules = wrap_chunks(
-        ctx, chunks, mode=par.mode, bucket_cap_mb=par.bucket_cap_mb, reshard_after_forward=par.reshard_after_forward
+        ctx,
+        chunks,
+        mode=mode,
+        bucket_cap_mb=par.bucket_cap_mb,
+        reshard_after_forward=par.reshard_after_forward,
+        mixed_precision=policy.fsdp_mixed_precision(),
     )
-    wrapper = "" if par.mode == "none" else f", {par.mode.upper()} over {ctx.dp_size} ranks each"
+    if mode != par.mode:
+        reducer = "gradient offload reduces" if cfg.grad_offload else "the fp32 masters reduce"
+        wrapper = f", not wrapped: {reducer} the gradients over {ctx.dp_size} ranks each"
+    else:
+        wrapper = "" if mode == "none" else f", {mode.upper()} over {ctx.dp_size} ranks each"
     logger.info(
         "Pipeline rank %d of %d: stages %s of %d (%s)%s", ctx.pipeline_mesh.get_local_rank("pp"), pipe.size,
         list(chunks), num_stages, schedule_class(pipe.mode, num_chunks).__name__, wrapper,
     )  # fmt: skip
     log_build_memory(ctx)
-    runner = PipelineRunner(
+    return PipelineRunner(
         ctx,
         modules,
         num_stages,
@@ -48,4 +64,3 @@ def apply_pipeline(
         cfg.data.micro_num,
         label_smoothing=cfg.loss.label_smoothing,
     )
-    return PipelineStages(chunks), runner

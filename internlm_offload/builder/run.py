@@ -28,7 +28,7 @@ from internlm_offload.engine.evaluation import Evaluator
 from internlm_offload.engine.expert_load import ExpertLoad
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog
-from internlm_offload.engine.pipeline import PipelineRunner
+from internlm_offload.engine.pipeline import PipelineRunner, PipelineStages
 from internlm_offload.engine.pipeline_split import stage_blocks
 from internlm_offload.engine.precision import NoMasters, PrecisionPolicy
 from internlm_offload.engine.runtime import RunContext, set_determinism
@@ -89,19 +89,22 @@ def build_components(
     shard = sequence_shard(cfg, ctx)
     if shard is None and ctx.tensor_size > 1:  # before the masters exist: they copy the DTensor shards
         apply_tensor_parallel_plan(cfg, ctx, model)
-    cpu_mask = hybrid_cpu_mask(cfg, model)
-    kept_masters = apply_precision(cfg, ctx, model, policy, cpu_mask)
+    # A pipeline rank's masters, optimizer tiers and checkpoints hold its stages' parameters only, under the whole
+    # model's names (the hybrid optimizer's placement and the host masters too).
+    chunks = split_for_pipeline(cfg, ctx, model) if ctx.pipeline_size > 1 else None
+    stepped: nn.Module = model if chunks is None else PipelineStages(chunks)
+    cpu_mask = hybrid_cpu_mask(cfg, stepped)
+    kept_masters = apply_precision(cfg, ctx, stepped, policy, cpu_mask)
     if shard is not None:  # isp changes no parameter: after the masters' copy, which holds parameters only
         apply_sequence_parallel(model, shard)
     elif ctx.tensor_size > 1:  # after the cast (it may swap the parameters), before any other gradient hook
         align_grads_in_backward(model)
-    chunks = split_for_pipeline(cfg, ctx, model) if ctx.pipeline_size > 1 else None
     layers: nn.ModuleList = model.layers if chunks is None else stage_blocks(chunks)
     segments = None if chunks is None else [len(chunk.layers) for chunk in chunks.values()]
     offloader, selective_offloader = apply_memory_plan(cfg, layers, ctx.accelerator, segments)
     pipeline = None
     if chunks is not None:  # each stage in DDP or FSDP2 over its data-parallel ranks, then torch's PipelineStage
-        model, pipeline = apply_pipeline(cfg, ctx, chunks)
+        model, pipeline = stepped, apply_pipeline(cfg, ctx, chunks, policy, fp32_reduce=kept_masters is not None)
     else:
         model = apply_data_parallel(cfg, ctx, model, layers, policy, materialize=on_meta)
     # after the wrapper: DDP broadcasts the weights from rank 0 on the device when it is built

@@ -53,10 +53,6 @@ _NOT_UNDER_PIPELINE: tuple[tuple[str, Any, str], ...] = (
     ("parallel.expert.size", 1, "pipeline with expert parallel is not built yet; set parallel.expert.size=1"),
     ("model.num_experts", 0, "a pipeline carries no MoE aux loss between stages yet; use a dense model"),
     ("model.tie_word_embeddings", False, "the embedding and the head sit on different stages; set False"),
-    ("swap_optimizer", False, "the swap optimizer is not checked per stage yet; set False"),
-    ("hybrid_optimizer.enable", False, "the hybrid optimizer is not checked per stage yet; set False"),
-    ("grad_offload", False, "gradient offload is not checked per stage yet; set False"),
-    ("nvme_offload.enable", False, "the NVMe tier is not checked per stage yet; set False"),
     ("data.valid_folder", None, "validation runs the whole model on one rank; not built under a pipeline yet"),
     ("model.lora", None, "LoRA adapters on a pipeline's stages are not built yet; leave model.lora unset"),
 )
@@ -76,11 +72,6 @@ def pipeline_problem(cfg: Any) -> str | None:
     where = f"parallel.pipeline.size={pipe.size}"
     if model.type != "internlm2":
         return f"{where} splits model.type='internlm2' only, got {model.type!r}"
-    if model.dtype != "torch.float32":
-        return (
-            f"{where} with model.dtype={model.dtype!r}: only torch.float32 is built under a pipeline yet (fp32 "
-            "masters and fp16 loss scaling per stage are not built yet)"
-        )
     if cfg.parallel.fsdp_cpu_offload:
         return (
             f"{where} with parallel.fsdp_cpu_offload=True: FSDP2's CPU offload per stage is not checked yet; set False"

@@ -10,11 +10,14 @@ again (`scale_grads=False`): the gradients are the sum over micro-batches, as wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -40,6 +43,25 @@ def schedule_class(mode: str, num_chunks: int) -> type[_PipelineSchedule]:
     return ScheduleInterleaved1F1B if num_chunks > 1 else Schedule1F1B
 
 
+class _Stage(PipelineStage):
+    """torch's stage, calling `after_backward` once each backward of a micro-batch has run (the whole backward,
+    or the zero-bubble schedules' input pass and weight pass each): the masters' per-micro-batch gradient
+    accumulation (fp32 masters add the low-precision gradients, gradient offload sends its last bucket and takes
+    the weight pass's gradients, which torch assigns to `.grad` past the post-accumulate-grad hooks)."""
+
+    def __init__(self, *args: Any, after_backward: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._after_backward = after_backward
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> None:
+        super().backward_one_chunk(*args, **kwargs)
+        self._after_backward()
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> None:
+        super().backward_weight_one_chunk(*args, **kwargs)
+        self._after_backward()
+
+
 class PipelineRunner:
     """Runs one step's micro-batches through this rank's stages and joins what the trainer reduces over stages."""
 
@@ -63,7 +85,11 @@ class PipelineRunner:
         self._sums: list[torch.Tensor] = []  # this step's per-micro-batch loss sums, in micro-batch order
         # torch infers the shapes the stages exchange on the first step (one micro-batch's forward and its input
         # gradients, no parameter gradient)
-        stages = [PipelineStage(m, index, num_stages, ctx.device, group=self._pp_group) for index, m in modules.items()]
+        self._after_backward: Callable[[], None] | None = None  # this step's, from `forward_backward`
+        stages = [
+            _Stage(m, index, num_stages, ctx.device, group=self._pp_group, after_backward=self._micro_batch_done)
+            for index, m in modules.items()
+        ]
         single = schedule_cls is Schedule1F1B
         # scale_grads=False: the loss is already the trainer's share of the step (see the module's docstring)
         self.schedule = schedule_cls(stages[0] if single else stages, micro_num, loss_fn=self._loss, scale_grads=False)
@@ -73,15 +99,26 @@ class PipelineRunner:
         self._sums.append(loss_sum.detach())
         return loss_sum * weight
 
-    def forward_backward(self, micro_batches: list[MicroBatch], token_weight: float) -> torch.Tensor:
+    def _micro_batch_done(self) -> None:
+        if self._after_backward is not None:
+            self._after_backward()
+
+    def forward_backward(
+        self,
+        micro_batches: list[MicroBatch],
+        token_weight: float,
+        after_backward: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch through the pipeline; the sum of their token-loss sums on
-        the rank holding the last stage, 0 elsewhere (`reduce_losses` brings it to every rank)."""
+        the rank holding the last stage, 0 elsewhere (`reduce_losses` brings it to every rank). `after_backward`
+        runs after each backward pass of a micro-batch on this rank's stages (the masters' `accumulate_grads`)."""
         device = self.ctx.device
         input_ids, labels, *positions = (
             torch.cat([mb[i] for mb in micro_batches]).to(device) for i in range(len(micro_batches[0]))
         )
         kwargs = {"position_ids": positions[0]} if positions else {}  # every stage applies RoPE
         self._sums = []
+        self._after_backward = after_backward
         self.schedule.step(
             *((input_ids,) if self.holds_first else ()),
             target=labels if self.holds_last else None,
@@ -136,11 +173,13 @@ def wrap_chunks(
     mode: str,
     bucket_cap_mb: int = 25,
     reshard_after_forward: bool = True,
+    mixed_precision: MixedPrecisionPolicy | None = None,
 ) -> dict[int, nn.Module]:
     """Each chunk data parallel over its stage's "dp" ranks: `mode` "none", "ddp", or "fsdp2" (each block its own
-    unit, then the chunk); by stage index."""
+    unit, then the chunk, under `mixed_precision`: fp32 shards as masters); by stage index."""
     if mode == "fsdp2":
-        return {index: _shard(chunk, ctx.pipeline_mesh["dp"], reshard_after_forward) for index, chunk in chunks.items()}
+        mesh = ctx.pipeline_mesh["dp"]
+        return {index: _shard(chunk, mesh, reshard_after_forward, mixed_precision) for index, chunk in chunks.items()}
     if mode == "none":
         return dict(chunks)
     dp_group = ctx.pipeline_mesh["dp"].get_group()
@@ -159,10 +198,13 @@ def wrap_chunks(
     return wrapped
 
 
-def _shard(chunk: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> nn.Module:
+def _shard(
+    chunk: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, mixed_precision: MixedPrecisionPolicy | None
+) -> nn.Module:
     """FSDP2 over the stage's data-parallel ranks, each block a unit as without a pipeline. torch's stage holds
     gradient reduction until the step's last backward (the gradients accumulate unsharded over micro-batches) and
     reduce-scatters once; the chunk itself keeps its parameters after forward, backward needs them at once."""
+    policy = {} if mixed_precision is None else {"mp_policy": mixed_precision}
     for block in chunk.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    return fully_shard(chunk, mesh=mesh, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
+    return fully_shard(chunk, mesh=mesh, reshard_after_forward=False, **policy)

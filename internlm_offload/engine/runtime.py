@@ -109,7 +109,10 @@ def expert_mesh(device_type: str, data_parallel: int, expert_size: int) -> Devic
 
 
 def data_parallel_group(ctx: RunContext) -> dist.ProcessGroup | None:
-    """The group gradients are averaged over: the mesh's "dp" dim under tensor parallel, else the world (None)."""
+    """The group gradients are averaged over: the mesh's "dp" dim under tensor parallel, a stage's data-parallel
+    ranks under a pipeline, else the world (None)."""
+    if ctx.pipeline_mesh is not None:
+        return ctx.pipeline_mesh["dp"].get_group()
     return ctx.mesh["dp"].get_group() if ctx.mesh is not None else None
 
 

@@ -272,7 +272,8 @@ class Trainer:
         token_weight = loss_scale * self._chunks / tokens_per_rank
         aux_weight = loss_scale / len(micro_batches)
         if self.pipeline is not None:  # the schedule runs every micro-batch through this rank's stages
-            loss_sum, aux_sum = self.pipeline.forward_backward(micro_batches, token_weight), None
+            loss_sum = self.pipeline.forward_backward(micro_batches, token_weight, self.masters.accumulate_grads)
+            aux_sum = None
         else:
             loss_sum, aux_sum = self._micro_batches(micro_batches, token_weight, aux_weight)
         self.masters.reduce_grads(self.ctx.distributed)

@@ -82,8 +82,8 @@ class GradOffload(MemoryFeature):
     masters), handed over in its `host_grad` from `grads()` until `release_grads()`. `from_zeros` (fp32
     masters): the first gradient of a step is added to zeros and parameters without one get zeros; else the
     first is kept as it is and those get none (autograd's rule). `reduce`: average the host gradients over the
-    default process group's ranks after the last backward, on the device bucket by bucket (DDP; module
-    docstring).
+    ranks of `group` (the default process group's when None) after the last backward, on the device bucket by
+    bucket (DDP; module docstring).
     """
 
     def __init__(
@@ -95,8 +95,10 @@ class GradOffload(MemoryFeature):
         from_zeros: bool,
         reduce: bool = False,
         reduce_apart: tuple[set[int], Callable[[torch.Tensor], None]] | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self._masters = masters
+        self._group = group  # whom `reduce` averages over (None: the world; a pipeline stage's data-parallel ranks)
         self.module = masters.module
         self._acc = accelerator
         self._records = masters.records()
@@ -162,7 +164,11 @@ class GradOffload(MemoryFeature):
         return self._masters.records()
 
     def accumulate_grads(self) -> None:
-        """After a micro-batch's backward: send the last, partial bucket."""
+        """After a micro-batch's backward: take the gradients no hook saw (a zero-bubble pipeline schedule's
+        weight pass assigns `.grad` itself), then send the last, partial bucket."""
+        for index, record in enumerate(self._records):
+            if record.model.grad is not None:
+                self._take_grad(index, record.model)
         self._send()
 
     def reduce_grads(self, distributed: bool) -> None:
@@ -265,7 +271,7 @@ class GradOffload(MemoryFeature):
         if self._apart[indices[0]]:  # a bucket is apart or not as a whole (`_reduce_buckets`)
             self._reduce_apart(flat)
         else:
-            dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._group)
         return sums
 
     def _finish_adds(self) -> None:

@@ -189,6 +189,21 @@ def test_activation_offload_counts_the_ranks_own_blocks():
 
 
 @pytest.mark.parametrize(
+    "options",
+    [
+        {"model.dtype": "torch.bfloat16", "swap_optimizer": True, "grad_offload": True},
+        {"model.dtype": "torch.float16", "hybrid_optimizer.enable": True, "hybrid_optimizer.offload_fraction": 0.5},
+        {"swap_optimizer": True, "nvme_offload.enable": True, "nvme_offload.path": "/tmp"},
+    ],
+)
+def test_the_offload_optimizers_and_masters_pass_under_a_pipeline(options):
+    """Each stage's optimizer tier over its own parameters (tests/e2e/test_pipeline_optimizers_e2e.py holds them
+    bitwise against the pipeline without them)."""
+    cfg = resolve(2, options)
+    assert cfg.parallel.pipeline.size == 2 and cfg.model.dtype == options.get("model.dtype", "torch.float32")
+
+
+@pytest.mark.parametrize(
     ("world_size", "options", "message"),
     [
         (2, {"data.micro_num": 1}, "1F1B needs at least one micro-batch per stage; set data.micro_num >= 2"),
@@ -200,10 +215,8 @@ def test_activation_offload_counts_the_ranks_own_blocks():
         (3, {}, "parallel.pipeline.size=2 must divide the world size 3"),
         (4, {"parallel.tensor.size": 2}, "pipeline with tensor parallel is not built yet"),
         (4, {"parallel.mode": "fsdp2", "parallel.fsdp_cpu_offload": True}, "FSDP2's CPU offload per stage"),
-        (2, {"model.dtype": "torch.bfloat16"}, "only torch.float32 is built under a pipeline yet"),
         (2, {"model.checkpoint": 1.0, "parallel.pipeline.mode": "ZBV"}, "split backward fails on checkpointed"),
         (2, {"model.checkpoint": 0.5, "parallel.pipeline.mode": "ZBH1"}, "split backward fails on checkpointed"),
-        (2, {"swap_optimizer": True}, "the swap optimizer is not checked per stage"),
         (2, {"model.tie_word_embeddings": True}, "the embedding and the head sit on different stages"),
         (2, {"model.lora": {"r": 4}}, "LoRA adapters on a pipeline's stages are not built yet"),
         (2, {"model.checkpoint": "auto", "memory_budget.device": "1GiB"}, "does not trace pipeline stages yet"),

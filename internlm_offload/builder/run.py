@@ -89,10 +89,8 @@ def build_components(
     shard = sequence_shard(cfg, ctx)
     if shard is None and ctx.tensor_size > 1:  # before the masters exist: they copy the DTensor shards
         apply_tensor_parallel_plan(cfg, ctx, model)
-    # A pipeline rank's masters, optimizer tiers and checkpoints hold its stages' parameters only, under the whole
-    # model's names (the hybrid optimizer's placement and the host masters too).
     chunks = split_for_pipeline(cfg, ctx, model) if ctx.pipeline_size > 1 else None
-    stepped: nn.Module = model if chunks is None else PipelineStages(chunks)
+    stepped: nn.Module = model if chunks is None else PipelineStages(chunks)  # a pipeline rank steps its stages
     cpu_mask = hybrid_cpu_mask(cfg, stepped)
     kept_masters = apply_precision(cfg, ctx, stepped, policy, cpu_mask)
     if shard is not None:  # isp changes no parameter: after the masters' copy, which holds parameters only
@@ -101,12 +99,11 @@ def build_components(
         align_grads_in_backward(model)
     layers: nn.ModuleList = model.layers if chunks is None else stage_blocks(chunks)
     segments = None if chunks is None else [len(chunk.layers) for chunk in chunks.values()]
-    offloader, selective_offloader = apply_memory_plan(cfg, layers, ctx.accelerator, segments)
-    pipeline = None
-    if chunks is not None:  # each stage in DDP or FSDP2 over its data-parallel ranks, then torch's PipelineStage
+    offloaders = apply_memory_plan(cfg, layers, ctx.accelerator, segments)
+    if chunks is None:
+        model, pipeline = apply_data_parallel(cfg, ctx, model, layers, policy, materialize=on_meta), None
+    else:  # each stage in DDP or FSDP2 over its data-parallel ranks, then torch's PipelineStage
         model, pipeline = stepped, apply_pipeline(cfg, ctx, chunks, policy, fp32_reduce=kept_masters is not None)
-    else:
-        model = apply_data_parallel(cfg, ctx, model, layers, policy, materialize=on_meta)
     # after the wrapper: DDP broadcasts the weights from rank 0 on the device when it is built
     hosted_base = host_the_base(cfg, ctx, layers)
     masters: Masters = NoMasters(model) if kept_masters is None else kept_masters
@@ -114,19 +111,7 @@ def build_components(
     if cfg.grad_offload:  # its hooks feed the host gradients the optimizer just built reads
         masters = offload_gradients(cfg, ctx, masters, model)
     scheduler = build_scheduler(cfg, optimizer)
-    return Components(
-        model,
-        masters,
-        policy,
-        optimizer,
-        scheduler,
-        offloader,
-        selective_offloader,
-        layers,
-        shard,
-        pipeline,
-        hosted_base,
-    )
+    return Components(model, masters, policy, optimizer, scheduler, *offloaders, layers, shard, pipeline, hosted_base)
 
 
 def trainer_settings(

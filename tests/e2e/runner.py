@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from fork_server import ForkServer, torchrun_envs
@@ -83,7 +84,10 @@ def fork_server() -> ForkServer | None:
         return None
     server = ForkServer(REPO, BASE_ENV)
     atexit.register(server.close)
-    return server if server.usable else None
+    if not server.usable:
+        warnings.warn("the fork server holds more than one thread after its imports: runs start real processes")
+        return None
+    return server
 
 
 def metrics(work_dir: Path) -> list[dict]:

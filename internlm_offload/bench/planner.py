@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,7 @@ RANKS = {
     "fsp 4 over 2 kv heads": 4,
 }
 TOLERANCE = 0.05
+Launcher = Callable[[list[str]], None]
 
 
 def predict(config: Path, options: dict[str, Any], hardware: Hardware | None, world_size: int = 1) -> dict[str, Any]:
@@ -117,8 +119,16 @@ def predict(config: Path, options: dict[str, Any], hardware: Hardware | None, wo
     }
 
 
-def measure(config: Path, options: dict[str, Any], steps: int, world_size: int = 1) -> list[dict[str, Any]]:
-    """The metrics record (rank 0's) of each step of a real `train.py` run on `world_size` processes."""
+def run_command(cmd: list[str]) -> None:
+    """Run `cmd` in a new process; a failure raises (CalledProcessError)."""
+    subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def measure(
+    config: Path, options: dict[str, Any], steps: int, world_size: int = 1, launch: Launcher = run_command
+) -> list[dict[str, Any]]:
+    """The metrics record (rank 0's) of each step of a real `train.py` run on `world_size` processes (started by
+    `launch`: the tests pass their own, which forks them from a process that has imported torch)."""
     launcher = (
         [sys.executable]
         if world_size == 1
@@ -138,17 +148,19 @@ def measure(config: Path, options: dict[str, Any], steps: int, world_size: int =
             f"data.total_steps={steps}",
             *option_strings(options),
         ]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        launch(cmd)
         records = (Path(work_dir) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in records]
 
 
-def validate(config: Path, name: str, steps: int, hardware: Hardware | None = None) -> dict[str, Any]:
+def validate(
+    config: Path, name: str, steps: int, hardware: Hardware | None = None, launch: Launcher = run_command
+) -> dict[str, Any]:
     """One setting: the prediction, the measured peaks and the relative error of the steady step; with
     `hardware`, the predicted and the measured (median of the steady steps) step time too."""
     options, world_size = SETTINGS[name], RANKS.get(name, 1)
     predicted = predict(config, options, hardware, world_size)
-    records = measure(config, options, steps, world_size)
+    records = measure(config, options, steps, world_size, launch)
     peaks = [r["device_peak_mem_bytes"] for r in records]
     measured = max(peaks[1:])  # the first step also creates the optimizer states
     error = predicted["device_peak_bytes"] / measured - 1

@@ -11,11 +11,14 @@ Under "torchrun" the server forks one child per rank with the variables torchrun
 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...; no agent store: rank 0 hosts the TCP store as under
 `init_process_group`'s env:// rendezvous), and, as the agent does, stops the other ranks when one fails.
 
+A module runs as `python -m module` would (`runpy.run_module`): the tools. A run can be started and left
+running (`start`, then `poll` / `wait`, with signals sent to its pids): the tests that kill or interrupt a run.
+
 Forking is safe here because the server holds one thread and has run no kernel (checked at start-up: a
 second thread makes the runner fall back to plain subprocesses). What a fork cannot give a run, the runner
-keeps on real processes: extra environment variables (some are read when torch or the C library starts,
-e.g. ATEN_CPU_CAPABILITY, MALLOC_*), and runs expected to fail (their exit codes and messages as torchrun
-reports them).
+keeps on real processes: environment variables read when python, torch or the C library start (e.g.
+ATEN_CPU_CAPABILITY, MALLOC_*, OMP_*), and multi-process runs expected to fail (their exit codes and messages
+as torchrun reports them).
 """
 
 from __future__ import annotations
@@ -65,20 +68,34 @@ class ForkServer:
         ready = json.loads(self._proc.stdout.readline() or "{}")
         self.usable = ready.get("threads") == 1
 
-    def run(
-        self, script: Path, argv: list[str], rank_envs: list[dict[str, str]], cwd: Path, out: Path, timeout: float
-    ) -> int:
-        """Run `script argv` once per entry of `rank_envs`, stdout and stderr appended to `out`.stdout / .stderr;
-        the exit code (a failing rank's, as torchrun reports the first failure; -9 past `timeout`)."""
-        request = {"script": str(script), "argv": argv, "envs": rank_envs, "cwd": str(cwd), "out": str(out)}
-        request["timeout"] = timeout
+    def run(self, target: dict[str, str], argv: list[str], rank_envs: list[dict[str, str]], cwd: Path, out: Path,
+            timeout: float) -> int:  # fmt: skip
+        """Run `target` ({"script": path} or {"module": name}) with `argv` once per entry of `rank_envs`, stdout
+        and stderr appended to `out`.stdout / .stderr; the exit code (a failing rank's, as torchrun reports the
+        first failure; -9 past `timeout`)."""
+        return self.wait(self.start(target, argv, rank_envs, cwd, out), timeout)
+
+    def start(self, target: dict[str, str], argv: list[str], rank_envs: list[dict[str, str]], cwd: Path,
+              out: Path) -> list[int]:  # fmt: skip
+        """`run` without waiting: the ranks' pids (to `poll`, `wait` for, or signal)."""
+        request = {"op": "start", **target, "argv": argv, "envs": rank_envs, "cwd": str(cwd), "out": str(out)}
+        return self._ask(request)["pids"]
+
+    def wait(self, pids: list[int], timeout: float) -> int:
+        return self._ask({"op": "wait", "pids": pids, "timeout": timeout})["returncode"]
+
+    def poll(self, pids: list[int]) -> int | None:
+        """The exit code once every rank has ended (or one has failed: the others are then stopped), else None."""
+        return self._ask({"op": "poll", "pids": pids})["returncode"]
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.flush()
             reply = self._proc.stdout.readline()
         if not reply:
             raise RuntimeError("the fork server died")
-        return json.loads(reply)["returncode"]
+        return json.loads(reply)
 
     def close(self) -> None:
         self._proc.stdin.close()
@@ -114,18 +131,24 @@ def _child(request: dict[str, Any], env: dict[str, str]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(env)
-        script = request["script"]
-        sys.argv = [script, *request["argv"]]
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
         try:
-            runpy.run_path(script, run_name="__main__")
+            if "module" in request:  # python -m: the working folder first on the path
+                sys.argv = ["-m", *request["argv"]]
+                sys.path[0] = os.getcwd()
+                sys.modules.pop(request["module"], None)  # runs afresh as __main__, as in a new process
+                runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            else:
+                script = request["script"]
+                sys.argv = [script, *request["argv"]]
+                sys.path[0] = os.path.dirname(os.path.abspath(script))
+                runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             if not isinstance(exc.code, (int, type(None))):
                 print(exc.code, file=sys.stderr)
-        except BaseException:  # noqa: BLE001  an uncaught exception: python prints it and exits 1
-            traceback.print_exc()
+        except BaseException as exc:  # noqa: BLE001  an uncaught exception: python prints it and exits 1
+            traceback.print_exception(type(exc), exc, _own_frames(exc.__traceback__))
             code = 1
         import atexit
 
@@ -138,25 +161,42 @@ def _child(request: dict[str, Any], env: dict[str, str]) -> None:
             os._exit(code if isinstance(code, int) else 1)
 
 
-def _wait(pids: list[int], timeout: float) -> int:
-    """Reap every child; on the first failure stop the others (torchrun's agent does): its code, else 0."""
-    deadline, failed, codes = time.monotonic() + timeout, None, {}
-    while len(codes) < len(pids):
-        for pid in pids:
-            if pid in codes:
-                continue
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                codes[pid] = os.waitstatus_to_exitcode(status)
-                if codes[pid] != 0 and failed is None:
-                    failed = codes[pid]
-                    _signal_rest(pids, codes, signal.SIGTERM)
+def _own_frames(tb: Any) -> Any:
+    """The traceback from the script's first frame on: without this file's and runpy's, as python prints it."""
+    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__, "<frozen runpy>"):
+        tb = tb.tb_next
+    return tb
+
+
+def _poll(pids: list[int], codes: dict[int, int]) -> int | None:
+    """Reap what has ended (into `codes`); on the first failure stop the others (torchrun's agent does). The
+    run's code once every rank has ended (a failing rank's, else 0); None while one runs."""
+    for pid in pids:
+        if pid in codes:
+            continue
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            first_failure = all(codes.get(p, 0) == 0 for p in pids)
+            codes[pid] = os.waitstatus_to_exitcode(status)
+            if codes[pid] != 0 and first_failure:
+                _signal_rest(pids, codes, signal.SIGTERM)
+    if any(pid not in codes for pid in pids):
+        return None
+    failed = [codes[pid] for pid in pids if codes[pid] != 0]
+    return failed[0] if failed else 0
+
+
+def _wait(pids: list[int], codes: dict[int, int], timeout: float) -> int:
+    """Poll until the run ends; past `timeout` every rank is killed and the run's code is -9."""
+    deadline = time.monotonic() + timeout
+    while (code := _poll(pids, codes)) is None:
         if time.monotonic() > deadline:
             _signal_rest(pids, codes, signal.SIGKILL)
-            failed = failed if failed is not None else -9
-            deadline = float("inf")
+            while _poll(pids, codes) is None:
+                time.sleep(0.02)
+            return -9
         time.sleep(0.02)
-    return failed if failed is not None else 0
+    return code
 
 
 def _signal_rest(pids: list[int], codes: dict[int, int], signum: int) -> None:
@@ -176,17 +216,24 @@ def serve() -> None:
         importlib.import_module(name)
     print(json.dumps({"threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0}))
     sys.stdout.flush()
+    codes: dict[int, int] = {}  # exit codes of reaped children, by pid
     for line in sys.stdin:
         request = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pids = []
-        for env in request["envs"]:
-            pid = os.fork()
-            if pid == 0:
-                _child(request, env)
-            pids.append(pid)
-        print(json.dumps({"returncode": _wait(pids, request["timeout"])}), flush=True)
+        if request["op"] == "start":
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pids = []
+            for env in request["envs"]:
+                pid = os.fork()
+                if pid == 0:
+                    _child(request, env)
+                pids.append(pid)
+            reply: dict[str, Any] = {"pids": pids}
+        elif request["op"] == "poll":
+            reply = {"returncode": _poll(request["pids"], codes)}
+        else:
+            reply = {"returncode": _wait(request["pids"], codes, request["timeout"])}
+        print(json.dumps(reply), flush=True)
 
 
 if __name__ == "__main__":

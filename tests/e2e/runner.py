@@ -1,4 +1,7 @@
-"""Helpers to run `train.py` as users do: in a subprocess, alone or under torchrun."""
+"""Helpers to run `train.py` and the tools as users do: `python script`, `python -m tool` or torchrun.
+
+Each run is forked from a process that imported torch and the package once (fork_server.py) wherever that gives
+the run a new process would; the rest start real processes (`_forkable` says which)."""
 
 import atexit
 import functools
@@ -44,37 +47,128 @@ def train(
 ) -> subprocess.CompletedProcess:
     """Run train.py (or `script`, a wrapper of it; under torchrun when nproc > 1 or asked) with the FAST
     options (unless `fast=False`) plus `options`; `env` adds to the environment."""
-    if nproc > 1 or torchrun:
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
-    else:
-        launcher = [sys.executable]
-    argv = ["--config", str(config), "--work-dir", str(work_dir)]
-    argv += ["--cfg-options", *(FAST if fast else ["monitor.progress_bar=off"]), *options]
-    if resume:
-        argv.append("--resume")
-    cmd = [*launcher, str(script), *argv]
-    server = fork_server() if check and env is None else None
-    if server is not None:  # a run expected to pass, in the default environment: forked (fork_server.py)
-        envs = torchrun_envs(BASE_ENV, nproc) if nproc > 1 or torchrun else [BASE_ENV]
-        return forked(server, cmd, script, argv, envs)
-    env = {**BASE_ENV, **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [
+        *python(nproc, torchrun),
+        str(script),
+        *train_argv(work_dir, *options, config=config, resume=resume, fast=fast),
+    ]
+    proc = run_python(cmd, env=env, expect_success=check)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
 
 
-def forked(
-    server: ForkServer, cmd: list[str], script: Path, argv: list[str], envs: list[dict[str, str]]
+def python(nproc: int = 1, torchrun: bool = False) -> list[str]:
+    """The launcher: python, or torchrun on `nproc` processes (when nproc > 1 or asked)."""
+    if nproc > 1 or torchrun:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
+    return [sys.executable]
+
+
+def train_argv(
+    work_dir: Path, *options: str, config: Path = TINY, resume: bool = False, fast: bool = True
+) -> list[str]:
+    argv = ["--config", str(config), "--work-dir", str(work_dir)]
+    argv += ["--cfg-options", *(FAST if fast else ["monitor.progress_bar=off"]), *options]
+    return [*argv, "--resume"] if resume else argv
+
+
+def run_python(
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO,
+    timeout: float = 600,
+    expect_success: bool = False,
 ) -> subprocess.CompletedProcess:
-    """`cmd` run by the fork server: the same CompletedProcess (and failure report) as from a subprocess."""
+    """`cmd` (`python script ...`, `python -m module ...` or torchrun of a script), captured as by
+    `subprocess.run`; forked from the fork server where that gives the same run (see `_forkable`)."""
+    plan = _forkable(cmd, env, expect_success)
+    if plan is None:
+        return subprocess.run(cmd, cwd=cwd, env={**BASE_ENV, **(env or {})}, capture_output=True, text=True,
+                              timeout=timeout)  # fmt: skip
+    server, target, argv, envs = plan
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        code = server.run(script, argv, envs, REPO, out, timeout=600)
-        stdout, stderr = (Path(f"{out}{s}").read_text() if Path(f"{out}{s}").exists() else "" for s in OUTS)
-    if code != 0:
-        raise AssertionError(f"train.py failed ({code}):\n{stderr[-4000:]}")
+        code = server.run(target, argv, envs, cwd, out, timeout=timeout)
+        stdout, stderr = (_read(Path(f"{out}{s}")) for s in OUTS)
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+
+def spawn_python(cmd: list[str], out: Path, *, env: dict[str, str] | None = None) -> "ForkedRun | subprocess.Popen":
+    """`cmd` started and left running, its stderr appended to `<out>.stderr` (`.stderr_path`), stdout dropped: a
+    forked run, or a subprocess where a fork would not give the same run. Both poll, wait and take signals."""
+    stderr = Path(f"{out}.stderr")
+    plan = _forkable(cmd, env, expect_success=True)
+    if plan is None:
+        with stderr.open("a") as err:
+            proc = subprocess.Popen(cmd, cwd=REPO, env={**BASE_ENV, **(env or {})}, stdout=subprocess.DEVNULL,
+                                    stderr=err)  # fmt: skip
+        proc.stderr_path = stderr
+        return proc
+    server, target, argv, envs = plan
+    return ForkedRun(server, server.start(target, argv, envs, REPO, out), stderr)
+
+
+class ForkedRun:
+    """A started fork-server run with subprocess.Popen's poll / wait / send_signal (a signal goes to every
+    rank, as torchrun's agent forwards it)."""
+
+    def __init__(self, server: ForkServer, pids: list[int], stderr_path: Path) -> None:
+        self.server, self.pids, self.stderr_path = server, pids, stderr_path
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.poll(self.pids)
+        return self.returncode
+
+    def wait(self, timeout: float = 600) -> int:
+        if self.returncode is None:
+            self.returncode = self.server.wait(self.pids, timeout)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+# Read when python, torch or the C library start: a forked child would keep the server's.
+STARTUP_VARIABLES = ("ATEN_", "MALLOC_", "OMP_", "MKL_", "KMP_", "LD_", "PYTHON", "TORCH_CUDA_SANITIZER")
+
+
+def _forkable(
+    cmd: list[str], env: dict[str, str] | None, expect_success: bool
+) -> tuple[ForkServer, dict[str, str], list[str], list[dict[str, str]]] | None:
+    """(server, target, argv, each rank's environment) where the fork server gives `cmd` the same run: python
+    on a script or a module, or torchrun of a script expected to succeed (a failure's report is torchrun's
+    own); no start-up variable in `env`. None otherwise."""
+    server = fork_server()
+    if server is None or cmd[0] != sys.executable or any(k.startswith(STARTUP_VARIABLES) for k in env or {}):
+        return None
+    base = {**BASE_ENV, **(env or {})}
+    if cmd[1:3] == ["-m", "torch.distributed.run"]:
+        flags = [a for a in cmd[3:] if a.startswith("--")]
+        rest = cmd[3 + len(flags) :]
+        nproc = [int(f.split("=", 1)[1]) for f in flags if f.startswith(("--nproc_per_node=", "--nproc-per-node="))]
+        if not expect_success or set(f.split("=", 1)[0] for f in flags) - TORCHRUN_FLAGS or len(nproc) != 1:
+            return None
+        return server, {"script": rest[0]}, rest[1:], torchrun_envs(base, nproc[0])
+    if cmd[1] == "-m":
+        return server, {"module": cmd[2]}, cmd[3:], [base]
+    if cmd[1].startswith("-"):
+        return None
+    return server, {"script": cmd[1]}, cmd[2:], [base]
+
+
+TORCHRUN_FLAGS = {"--nproc_per_node", "--nproc-per-node", "--standalone"}
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
 
 
 @functools.cache

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+from runner import run_python
+
 STEPS = ["data.total_steps=20", "ckpt.enable_save_ckpt=False"]
 # The fp32 curves compared within a tolerance run where reduction order alone separates them. At the config's
 # lr 3e-3 the gradient norm spikes at steps 15-16 (9.1, about 1 around it) and from there on the kernels' ISA
@@ -20,7 +22,7 @@ def tensor(mode: str, size: int = 2) -> list[str]:
 
 def loss_compare(base, run, *flags: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "internlm_offload.tools.loss_compare", str(base), str(run), "--quiet", *flags]
-    return subprocess.run(cmd, capture_output=True, text=True)
+    return run_python(cmd)
 
 
 # The loss within 1e-5 relative (the issue's bar), the gradient norm within 1e-4. With CALM each mode at T=2 and

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from runner import REPO, train
+from runner import run_python, train
 
 from internlm_offload.tools.export import load_weights
 
@@ -17,7 +17,7 @@ ONE_STEP = ["data.total_steps=1"]
 
 def export(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "internlm_offload.tools.export", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    return run_python(cmd)
 
 
 def test_a_head_dim_apart_from_hidden_over_heads_exports_to_llama(tmp_path):

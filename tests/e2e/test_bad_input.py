@@ -5,7 +5,7 @@ import json
 import shutil
 
 import pytest
-from runner import REPO, TINY, train
+from runner import REPO, TINY, run_python, train
 
 pytestmark = pytest.mark.e2e
 
@@ -152,10 +152,9 @@ def test_print_config_resolves_derived_values(tmp_path):
     proc = train(tmp_path / "wd", "data.global_bsz=8", check=False)
     assert proc.returncode == 0
     import json
-    import subprocess
     import sys
 
-    out = subprocess.run(
+    out = run_python(
         [
             sys.executable,
             str(REPO / "train.py"),
@@ -167,11 +166,8 @@ def test_print_config_resolves_derived_values(tmp_path):
             "data.micro_bsz=4",
             "data.total_steps=7",
         ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
     )
+    assert out.returncode == 0, out.stderr
     resolved = json.loads(out.stdout)
     assert resolved["data"]["micro_num"] == 4
     assert resolved["lr_scheduler"]["total_steps"] == 7

@@ -3,13 +3,12 @@
 
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from chat_fixtures import WORDS, save_chatml_tokenizer
-from runner import REPO, losses, train
+from runner import losses, run_python, train
 from test_bad_input import assert_clean_error
 
 pytestmark = pytest.mark.e2e
@@ -44,7 +43,7 @@ def test_chat_jsonl_trains_as_its_tokenized_bin_folder(chat_data, tmp_path):
     out = tmp_path / "bin"
     command = [sys.executable, "-m", "internlm_offload.tools.tokenize", str(data), str(out), "--tokenizer",
                str(tokenizer), "--chat", "--max-length", "64"]  # fmt: skip
-    subprocess.run(command, check=True, cwd=REPO, capture_output=True)
+    assert run_python(command).returncode == 0
     train(tmp_path / "bin_run", f"data.train_folder={out}", "data.total_steps=3")
     from_jsonl = losses(tmp_path / "jsonl")
     assert sorted(from_jsonl) == [1, 2, 3] and from_jsonl == losses(tmp_path / "bin_run")

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runner import FAST, REPO, TINY, metrics, train
+from runner import FAST, REPO, TINY, metrics, run_python, train
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +69,7 @@ def test_resume_passes_damaged_checkpoints_to_the_newest_intact_one(tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])  # truncated
     (folder / "step_00000004" / "__0_0.distcp").unlink()  # missing
     verify = [sys.executable, "-m", "internlm_offload.tools.verify_ckpt", str(folder)]
-    listing = subprocess.run(verify, cwd=REPO, capture_output=True, text=True, check=False)
+    listing = run_python(verify)
     assert listing.returncode == 1 and listing.stdout.splitlines() == [
         "step_00000002  intact",
         "step_00000004  damaged: __0_0.distcp is missing",
@@ -83,7 +83,7 @@ def test_resume_passes_damaged_checkpoints_to_the_newest_intact_one(tmp_path):
     ) in proc.stderr
     assert curve(tmp_path) == expected  # steps 3-6 again, bitwise
     assert sorted(p.name for p in (folder / "damaged").iterdir()) == ["step_00000004", "step_00000006"]
-    assert subprocess.run(verify, cwd=REPO, capture_output=True, check=False).returncode == 0
+    assert run_python(verify).returncode == 0
 
 
 def shard_size(step: Path) -> str:

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import REPO, TINY, losses, train
+from runner import TINY, losses, run_python, train
 from test_bad_input import assert_clean_error
 
 from internlm_offload.builder import build_model
 from internlm_offload.config import resolve_config
 from internlm_offload.tools.export import load_weights
-from internlm_offload.weights.sources import foreign_source, load_weights as load_foreign
+from internlm_offload.weights.sources import foreign_source
+from internlm_offload.weights.sources import load_weights as load_foreign
 
 pytestmark = pytest.mark.e2e
 
@@ -24,7 +25,7 @@ TINY_MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, num_kv_a
 
 def export(*args) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "internlm_offload.tools.export", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    return run_python(cmd, timeout=300)
 
 
 def finetune_config(tmp_path: Path, path: Path, ckpt_type: str) -> Path:

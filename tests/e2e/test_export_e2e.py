@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from runner import REPO, train
+from runner import REPO, run_python, train
 
 from internlm_offload.tools.export import load_weights
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.e2e
 
 def export(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "internlm_offload.tools.export", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    return run_python(cmd)
 
 
 def test_fsdp2_checkpoint_exports_to_a_folder_transformers_loads(tmp_path):

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from runner import REPO, TINY, train
+from runner import TINY, run_python, train
 from test_bad_input import assert_clean_error
 
 from internlm_offload.engine.checkpoint_integrity import record_files
@@ -68,4 +68,4 @@ def test_export_refuses_a_crafted_checkpoint(crafted: tuple[Path, Path], tmp_pat
         str(run / "checkpoints"),
         str(tmp_path / "w.safetensors"),
     ]
-    _refused(subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300), marker)
+    _refused(run_python(command, timeout=300), marker)

@@ -2,7 +2,6 @@
 translate with a report of every dropped field and train 3 steps; what cannot carry stops in one line."""
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from chat_fixtures import WORDS, save_chatml_tokenizer
-from runner import REPO, losses, train
+from runner import losses, run_python, train
 from test_bad_input import assert_clean_error
 
 pytestmark = pytest.mark.e2e
@@ -141,7 +140,7 @@ def model_and_data(tmp_path_factory) -> tuple[Path, Path, Path]:
 def from_xtuner(config: Path, out: Path | None, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "internlm_offload.tools.from_xtuner", str(config)]
     cmd += ["--out", str(out)] if out is not None else []
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env={**os.environ, **(env or {})})
+    return run_python(cmd, timeout=300, env=env)
 
 
 def test_an_sft_config_translates_reports_and_trains(model_and_data, tmp_path):

@@ -1,11 +1,10 @@
 """InternEvo-tokenized folders through train.py: packing with documents apart, validation, resume, skip_batches."""
 
 import shutil
-import subprocess
 import sys
 
 import pytest
-from runner import REPO, metrics, train
+from runner import metrics, run_python, train
 
 pytestmark = pytest.mark.e2e
 
@@ -25,12 +24,8 @@ def tokenized(tmp_path_factory):
         src.mkdir(parents=True)
         for i, text in enumerate(docs):
             (src / f"doc{i:03d}.txt").write_text(text[:600])
-        subprocess.run(
-            [sys.executable, "-m", "internlm_offload.tools.tokenize", str(src), str(root / name)],
-            check=True,
-            capture_output=True,
-            cwd=REPO,
-        )
+        tokenize = [sys.executable, "-m", "internlm_offload.tools.tokenize", str(src), str(root / name)]
+        assert run_python(tokenize).returncode == 0
     return root
 
 
@@ -70,7 +65,7 @@ def test_tokenized_folder_trains_validates_and_resumes_bitwise(tokenized, one_pr
             "--steps",
             "3:",
         ]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        proc = run_python(cmd)
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

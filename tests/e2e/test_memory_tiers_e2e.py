@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from runner import REPO, baseline_options, metrics, train
+from runner import REPO, baseline_options, metrics, run_python, train
 
 pytestmark = pytest.mark.e2e
 
@@ -17,7 +17,7 @@ NO_CKPT = "ckpt.enable_save_ckpt=False"
 
 def loss_compare(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "internlm_offload.tools.loss_compare", *args]
-    return subprocess.run(cmd, capture_output=True, text=True)
+    return run_python(cmd)
 
 
 SWAP_GRADS = {"internlm2_tiny_swap.py": []}

@@ -9,7 +9,6 @@ checkpointing recomputes must come back exactly for the counts and the loss to m
 """
 
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import FAST, REPO, TINY, metrics, train
+from runner import REPO, TINY, ForkedRun, metrics, spawn_python, train, train_argv
 
 pytestmark = pytest.mark.e2e
 
@@ -90,13 +89,10 @@ def test_fp32_gshard_with_activation_offload_selective_checkpoint_swap_gradient_
     assert not list(nvme.iterdir())
 
 
-def _spawn(work_dir: Path, log: Path, *options: str, resume: bool = False) -> subprocess.Popen:
-    """train.py in the background, its log in `log` (a pipe nobody reads could fill and stall it)."""
-    cmd = [sys.executable, str(REPO / "train.py"), "--config", str(TINY), "--work-dir", str(work_dir)]
-    cmd += ["--cfg-options", *FAST, *options] + (["--resume"] if resume else [])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log, "a") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=out)
+def _spawn(work_dir: Path, *options: str, resume: bool = False) -> ForkedRun | subprocess.Popen:
+    """train.py in the background, its log in `<work_dir>.stderr` (a pipe nobody reads could fill and stall it)."""
+    argv = train_argv(work_dir, *options, config=TINY, resume=resume)
+    return spawn_python([sys.executable, str(REPO / "train.py"), *argv], work_dir)
 
 
 def test_bf16_dropless_with_offload_full_checkpoint_hybrid_gradient_offload_killed_and_resumed(tmp_path, reference_run):
@@ -108,8 +104,8 @@ def test_bf16_dropless_with_offload_full_checkpoint_hybrid_gradient_offload_kill
     tiers = ["hybrid_optimizer.enable=True", "hybrid_optimizer.offload_fraction=0.5"]
     ckpt = ["ckpt.checkpoint_every=2", "ckpt.keep_last=0"]
     options = [*MOE, DROPLESS, "model.dtype=torch.bfloat16", "parallel.mode=none", *ckpt, *FULL_CHECKPOINT, *tiers]
-    log = tmp_path / "train.log"
-    proc = _spawn(run, log, *options)
+    proc = _spawn(run, *options)
+    log = proc.stderr_path
     deadline = time.monotonic() + 300
     while not (run / "checkpoints" / "step_00000002").is_dir():
         assert proc.poll() is None, f"the run ended before it could be killed: {log.read_text()[-3000:]}"
@@ -118,7 +114,7 @@ def test_bf16_dropless_with_offload_full_checkpoint_hybrid_gradient_offload_kill
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert 2 <= len(metrics(run)) < 6
-    assert _spawn(run, log, *options, resume=True).wait(timeout=600) == 0, log.read_text()[-3000:]
+    assert _spawn(run, *options, resume=True).wait(timeout=600) == 0, log.read_text()[-3000:]
     record = metrics(run)[-1]
     assert record["act_offload_offloaded_bytes"] > 0 and record["optim_host_state_bytes"] > 0
     assert_bitwise(base, run)

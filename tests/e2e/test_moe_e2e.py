@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from tests.e2e.runner import REPO, metrics, train
+from runner import REPO, metrics, run_python, train
 
 MOE = REPO / "configs" / "internlm2_tiny_moe.py"
 STEPS = ["data.total_steps=3", "ckpt.enable_save_ckpt=False"]
@@ -37,7 +37,6 @@ def test_a_qwen3_moe_folder_trains_exports_and_a_wrong_one_is_one_line(tmp_path:
     --hf` writes its checkpoint as a Qwen3MoeForCausalLM folder that transformers loads with nothing missing, whose
     tensors read back bitwise and whose logits are the native model's. A folder with another expert count: exit 2."""
     import json
-    import subprocess
     import sys
 
     import torch
@@ -72,7 +71,7 @@ def test_a_qwen3_moe_folder_trains_exports_and_a_wrong_one_is_one_line(tmp_path:
     assert [r["step"] for r in metrics(run)] == [1, 2]
     out = tmp_path / "export"
     command = [sys.executable, "-m", "internlm_offload.tools.export", str(run / "checkpoints"), str(out), "--hf"]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_python(command, timeout=300)
     assert proc.returncode == 0, proc.stderr
     back, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert type(back) is Qwen3MoeForCausalLM and not any(info.values()), info

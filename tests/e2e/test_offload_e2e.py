@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from runner import REPO, baseline_options, metrics, train
+from runner import REPO, baseline_options, metrics, run_python, train
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +35,7 @@ def offload_configs(mode: str) -> list[str]:
 
 def loss_compare(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "internlm_offload.tools.loss_compare", *args]
-    return subprocess.run(cmd, capture_output=True, text=True)
+    return run_python(cmd)
 
 
 @pytest.mark.parametrize("mode", ["none", "ddp", "fsdp2"])

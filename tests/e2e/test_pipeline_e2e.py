@@ -12,14 +12,13 @@ loss) and with the gradient norm not summed over the stages.
 """
 
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from runner import REPO, metrics, train
+from runner import REPO, metrics, run_python, train
 from safetensors.torch import load_file
 from tensor_parallel_runs import CALM, NEAR, STEPS, assert_curves
 
@@ -112,7 +111,7 @@ def test_a_pipeline_checkpoint_moves_between_layouts_and_exports_as_one_process(
     for name, checkpoint in (("pipeline", step_8(zbv)), ("one_process", one / "checkpoints" / "step_00000012")):
         out = tmp_path / f"hf_{name}"
         export = [sys.executable, "-m", "internlm_offload.tools.export", str(checkpoint), str(out), "--hf"]
-        proc = subprocess.run(export, capture_output=True, text=True, cwd=REPO)
+        proc = run_python(export)
         assert proc.returncode == 0, proc.stderr
         tensors = {key: (t.shape, t.dtype) for key, t in load_file(out / "model.safetensors").items()}
         files[name] = (sorted(p.name for p in out.iterdir()), (out / "config.json").read_text(), tensors)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from runner import TINY, metrics, train
+from runner import TINY, metrics, run_python, train
 
 from internlm_offload.bench.planner import CONFIG, SETTINGS, TOLERANCE, validate
 from internlm_offload.config import load_config_file, resolve_config
@@ -50,12 +50,12 @@ def short_config(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pa
     return config
 
 
-@pytest.fixture(autouse=True)
-def one_thread_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The measured runs (`bench.planner.measure` passes this environment on) with one thread each, as every
-    other train.py run of the suite: two threads beside the other test worker's processes on two cores wait on
-    each other (gradient offload's rows took 165 s so in CI). The peaks are the same to 0.1 %."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+def forked(cmd: list[str]) -> None:
+    """The benchmark's measured run, forked like the suite's other runs (runner.run_python), one thread each:
+    two threads beside the other test worker's processes on two cores wait on each other (gradient offload's
+    rows took 165 s so in CI). The peaks are the same to 0.1 %."""
+    proc = run_python(cmd, expect_success=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 # FSDP2 alone ("fsdp2 x2") and the other tensor layouts: bench/planner.py, docs/planner.md, docs/parallelism.md
@@ -65,7 +65,7 @@ def one_thread_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_predicted_device_peak_is_within_5_percent_of_measured(
     setting: str, short_config: Callable[[str], Path]
 ) -> None:
-    row = validate(short_config(setting), setting, steps=2)
+    row = validate(short_config(setting), setting, steps=2, launch=forked)
     assert abs(row["error"]) <= TOLERANCE, (
         f"{setting}: predicted {row['device_peak_bytes']} B, measured {row['measured_bytes']} B "
         f"(steps {row['measured_step_peaks_bytes']}): {row['error']:+.1%}"
@@ -79,8 +79,8 @@ def test_gradient_offload_lowers_the_measured_peak_by_the_fp32_gradient_buffer(
     of the peak, as at 7B): with gradient offload the measured device peak is within 5 % of the planner's and
     lower than without it by at least the fp32 buffer the device no longer holds."""
     config = short_config("bf16 ckpt 1.0 + hybrid 1.0")
-    without = validate(config, "bf16 ckpt 1.0 + hybrid 1.0", steps=2)
-    offloaded = validate(config, "bf16 ckpt 1.0 + hybrid 1.0 + grad offload", steps=2)
+    without = validate(config, "bf16 ckpt 1.0 + hybrid 1.0", steps=2, launch=forked)
+    offloaded = validate(config, "bf16 ckpt 1.0 + hybrid 1.0 + grad offload", steps=2, launch=forked)
     assert abs(offloaded["error"]) <= TOLERANCE, offloaded
     bf16_params = trace_step(resolve_config(load_config_file(config, SETTINGS["bf16 ckpt 1.0 + hybrid 1.0"])))
     fp32_gradients = 2 * bf16_params.components["model_params"]

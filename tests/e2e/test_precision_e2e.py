@@ -3,13 +3,12 @@
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from runner import REPO, baseline_options, metrics, train
+from runner import REPO, baseline_options, metrics, python, spawn_python, train, train_argv
 from test_offload_e2e import SHARED_CONFIGS, loss_compare, offload_configs
 
 pytestmark = pytest.mark.e2e
@@ -100,22 +99,9 @@ def test_bf16_offload_configs_align_bitwise_with_the_bf16_baseline(tmp_path, bas
 
 
 def _spawn(work_dir, *options, resume=False):
-    cmd = [
-        sys.executable,
-        str(REPO / "train.py"),
-        "--config",
-        str(TINY),
-        "--work-dir",
-        str(work_dir),
-        "--cfg-options",
-        "data.seq_len=64",
-        "data.micro_bsz=2",
-        "monitor.progress_bar=off",
-        *options,
-    ]
-    cmd += ["--resume"] if resume else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    """train.py started in the background (its stderr beside `work_dir`, as `<name>.stderr`)."""
+    argv = train_argv(work_dir, "data.seq_len=64", "data.micro_bsz=2", *options, resume=resume, fast=False)
+    return spawn_python([sys.executable, str(REPO / "train.py"), *argv], work_dir)
 
 
 @pytest.mark.parametrize(
@@ -249,7 +235,8 @@ def test_sigterm_or_ctrl_c_checkpoints_exits_0_and_resumes_bitwise(tmp_path, sig
         time.sleep(0.01)
     # torchrun forwards SIGTERM to its workers; a terminal's Ctrl-C reaches the whole process group.
     proc.send_signal(signum)
-    stderr = proc.communicate(timeout=300)[1]
+    proc.wait(timeout=300)
+    stderr = proc.stderr_path.read_text()
     if nproc == 1:
         assert proc.returncode == 0, stderr[-3000:]
         assert "Traceback" not in stderr and f"Stopped by {signal.Signals(signum).name}" in stderr
@@ -263,25 +250,9 @@ def test_sigterm_or_ctrl_c_checkpoints_exits_0_and_resumes_bitwise(tmp_path, sig
 
 
 def _spawn_run(work_dir, options, nproc):
-    launcher = (
-        [sys.executable]
-        if nproc == 1
-        else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
-    )
-    cmd = [
-        *launcher,
-        str(REPO / "train.py"),
-        "--config",
-        str(TINY),
-        "--work-dir",
-        str(work_dir),
-        "--cfg-options",
-        "data.seq_len=64",
-        "data.micro_bsz=2",
-        *options,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    """`_spawn` on `nproc` processes (torchrun's signal forwarding: a forked run signals every rank)."""
+    argv = train_argv(work_dir, "data.seq_len=64", "data.micro_bsz=2", *options, fast=False)
+    return spawn_python([*python(nproc), str(REPO / "train.py"), *argv], work_dir)
 
 
 def test_second_ctrl_c_exits_at_once_without_a_traceback(tmp_path):

@@ -3,12 +3,11 @@ isp with weight parallel), checkpoints resumed on other layouts, the modes' memo
 shipped. (Apart from test_tensor_parallel_e2e.py so that pytest-xdist's per-file distribution runs them beside it.)"""
 
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
-from runner import REPO, metrics, train
+from runner import REPO, metrics, run_python, train
 from safetensors.torch import load_file
 from tensor_parallel_runs import CALM, NEAR, OFFLOAD, assert_curves, tensor
 
@@ -102,11 +101,8 @@ def test_checkpoint_resumes_bitwise_and_continues_on_another_layout(tmp_path, dp
         assert weights.keys() == exported.keys(), path
         for key, value in exported.items():
             assert torch.equal(weights[key], value), (path.name, key)
-    proc = subprocess.run(
-        [sys.executable, "-m", "internlm_offload.tools.export", str(checkpoint), str(tmp_path / "hf"), "--hf"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
+    proc = run_python(
+        [sys.executable, "-m", "internlm_offload.tools.export", str(checkpoint), str(tmp_path / "hf"), "--hf"]
     )
     assert proc.returncode == 0, proc.stderr
     hf = load_file(tmp_path / "hf" / "model.safetensors")

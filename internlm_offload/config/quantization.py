@@ -85,8 +85,6 @@ def quantization_problem(cfg: Any) -> str | None:
         )
     if cfg.parallel.pipeline.size > 1:
         return f"{where} with parallel.pipeline.size={cfg.parallel.pipeline.size}: not built for pipeline stages"
-    if cfg.model.lora is not None and cfg.model.lora.base_on_host:
-        return f"{where} with model.lora.base_on_host=True: the 4-bit base stays on the device; set base_on_host=False"
     return None
 
 

@@ -12,6 +12,7 @@ exact and a device move carries them. Loading a full-precision weight (`load_sta
 """
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,29 +53,35 @@ class Linear4bit(nn.Module):
             as_bytes = value.reshape(-1).view(torch.uint8)  # a model-wide .to(dtype) casts float buffers
             self.register_buffer(name, as_bytes.to(self.weight.device), persistent=False)
 
-    def scale(self, name: str) -> torch.Tensor:
-        """A quantization scale in its own dtype (buffers hold their bytes)."""
-        return getattr(self, name).view(self._dtypes[name])
+    def host_tensor_names(self) -> list[str]:
+        """What `model.lora.base_on_host` holds on the host and brings in (offload/hosted_base.py), in order."""
+        names = ["weight"] if self.bias is None else ["weight", "bias"]
+        return names + [name for name in _SCALES if name in self._buffers]
 
-    def quant_state(self) -> "QuantState":  # noqa: F821 (bitsandbytes is imported where it is used)
+    @staticmethod
+    def hosted_class() -> type["Linear4bit"]:
+        return HostedLinear4bit
+
+    def quant_state(self, tensors: dict[str, torch.Tensor] | None = None) -> "QuantState":  # noqa: F821
+        """bitsandbytes' `QuantState` over this module's scales, or over `tensors` (their device copies)."""
         from bitsandbytes.functional import QuantState
+
+        def scale(name: str) -> torch.Tensor:  # buffers hold the scales' bytes
+            return (getattr(self, name) if tensors is None else tensors[name]).view(self._dtypes[name])
 
         nested = None
         if self.double_quant:
             nested = QuantState(
-                absmax=self.scale("absmax2"),
-                code=self.scale("code2"),
-                blocksize=NESTED_BLOCKSIZE,
-                dtype=torch.float32,
+                absmax=scale("absmax2"), code=scale("code2"), blocksize=NESTED_BLOCKSIZE, dtype=torch.float32
             )
         return QuantState(
-            absmax=self.scale("absmax"),
+            absmax=scale("absmax"),
             shape=torch.Size([self.out_features, self.in_features]),
-            code=self.scale("code"),
+            code=scale("code"),
             blocksize=BLOCKSIZE,
             quant_type=self.quant_type,
             dtype=self.compute_dtype,
-            offset=self.scale("offset").reshape(()) if self.double_quant else None,
+            offset=scale("offset").reshape(()) if self.double_quant else None,
             state2=nested,
         )
 
@@ -101,6 +108,41 @@ class Linear4bit(nn.Module):
             state_dict = {k: v for k, v in state_dict.items() if k.startswith(prefix)}
             state_dict[key] = self.weight.detach()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+
+
+class HostedLinear4bit(Linear4bit):
+    """A 4-bit linear held on the host (`model.lora.base_on_host`): its packed weight and scales come in for forward
+    and again for backward (`hosted.weights`), nothing of them saved; the kernels are `Linear4bit`'s."""
+
+    hosted: Any  # offload.hosted_base.HostedBase (a lower layer's class, set when it hosts this module)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _HostedMatmul4bit.apply(x.to(self.compute_dtype), self).to(x.dtype)
+
+    def device_state(self) -> tuple[torch.Tensor, torch.Tensor | None, "QuantState"]:  # noqa: F821
+        """The packed weight, the bias and the quant state of this module's device copies."""
+        tensors = dict(zip(self.host_tensor_names(), self.hosted.weights(self)))
+        return tensors["weight"], tensors.get("bias"), self.quant_state(tensors)
+
+
+class _HostedMatmul4bit(torch.autograd.Function):
+    """`bitsandbytes.matmul_4bit`'s forward and input gradient (its `MatMul4Bit`: the same 4-bit matmul, then
+    `grad @ dequantize(W)`), the weight brought in each time instead of saved."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, module: HostedLinear4bit) -> torch.Tensor:  # noqa: ANN001
+        import bitsandbytes as bnb
+
+        ctx.module = module
+        packed, bias, state = module.device_state()
+        return bnb.matmul_4bit(x, packed, quant_state=state, bias=None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        from bitsandbytes.functional import dequantize_4bit
+
+        packed, _, state = ctx.module.device_state()
+        return grad.matmul(dequantize_4bit(packed, state).to(grad.dtype)), None
 
 
 def _quantized(weight: torch.Tensor, quant_type: str, double_quant: bool) -> tuple[torch.Tensor, dict]:

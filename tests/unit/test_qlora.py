@@ -92,7 +92,6 @@ def test_defaults_are_transformers_bits_and_bytes_defaults():
         (native({**NF4, "bnb_4bit_compute_dtype": "torch.int8"}), "model.quantization_config.bnb_4bit_compute_dtype"),
         ({**native(), "parallel": {"mode": "ddp"}}, "model.quantization_config with parallel.mode='ddp'"),
         ({**native(), "parallel": {"mode": "fsdp2"}}, "model.quantization_config with parallel.mode='fsdp2'"),
-        (native(lora={**LORA, "base_on_host": True}), "model.quantization_config with model.lora.base_on_host=True"),
     ],
 )
 def test_bad_values_are_one_line_config_errors(raw, message):

@@ -216,3 +216,10 @@ def test_the_planner_counts_the_base_at_its_4bit_bytes():
     assert parts["model_params"] == real
     unquantized = trace_step(resolve_config(native(quant=None))).components
     assert unquantized["model_params"] - parts["model_params"] > weights  # from 2 B a weight to ~0.53
+    assert parts["other_at_rest"] == unquantized["other_at_rest"]  # the masters' copy shares the scales
+    # model.lora.base_on_host: those 4-bit bytes are pinned host memory, and the device keeps the rest
+    blocks = sum(t.untyped_storage().nbytes() for _, m in quantized_linears(model) for t in
+                 [m.weight, *scale_tensors(m)])  # fmt: skip
+    hosted = trace_step(resolve_config(native(lora={**LORA, "base_on_host": True}))).components
+    assert hosted["host_params"] == hosted["pinned_host_peak"] == blocks
+    assert hosted["model_params"] == real - blocks

@@ -48,14 +48,12 @@ class HostedBase(MemoryFeature):
         self._reported = (0.0, 0)  # (copy seconds, blocks brought) at the last `metrics`
 
     def _to_host(self, linear: nn.Module) -> None:
-        for name, tensor in zip(tensor_names(linear), params(linear)):
+        for tensor in params(linear):
             host = self.accelerator.host_empty(tensor.shape, tensor.dtype)
             with torch.no_grad():
                 host.copy_(tensor)
-            if isinstance(tensor, nn.Parameter):
-                tensor.data = host
-            else:  # a 4-bit linear's scales are buffers
-                linear.register_buffer(name, host, persistent=False)
+            # the same tensor objects move (a 4-bit linear's scales too): the masters' copy shares them
+            tensor.data = host
 
     # ------------------------------------------------------------------ bringing blocks in
 

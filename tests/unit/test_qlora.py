@@ -223,3 +223,6 @@ def test_the_planner_counts_the_base_at_its_4bit_bytes():
     hosted = trace_step(resolve_config(native(lora={**LORA, "base_on_host": True}))).components
     assert hosted["host_params"] == hosted["pinned_host_peak"] == blocks
     assert hosted["model_params"] == real - blocks
+    # at rest the device keeps block 0's copy (kept from backward for the next forward) and nothing else of the base:
+    # the masters' copy shares the scales, which moved to the host with the same tensor objects
+    assert hosted["other_at_rest"] - parts["other_at_rest"] == blocks // 2

@@ -14,6 +14,7 @@ from internlm_offload.builder.optimizer import host_master_names
 from internlm_offload.config import ConfigError, CpuOffloadingConfig, ModelConfig, RunConfig
 from internlm_offload.config.lora import native_targets, resolved_targets
 from internlm_offload.config.moe import moe_kwargs
+from internlm_offload.config.quantization import compute_dtype_name
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.expert_parallel import apply_expert_parallel, expert_grad_reduction
 from internlm_offload.engine.parallel import init_from_whole, materialize_shards
@@ -23,6 +24,7 @@ from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
 from internlm_offload.log import get_logger
 from internlm_offload.model.lora import adapter_parameters, apply_lora, draw_adapters
+from internlm_offload.model.quantized import quantize_base
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
 from internlm_offload.offload.hosted_base import HostedBase
 from internlm_offload.offload.plan import LayerMode
@@ -185,6 +187,7 @@ def build_bare_model(
                 add_adapters(cfg.model, model)
         else:
             add_adapters(cfg.model, model)
+        quantize_the_base(cfg.model, model)
     if ctx.expert_mesh is not None:  # each rank keeps its experts' slice of the seed-built whole
         apply_expert_parallel(model, ctx.expert_mesh)
     return model
@@ -201,6 +204,7 @@ def build_probe_model(cfg: ModelConfig) -> nn.Module:
         return model
     with torch.random.fork_rng(devices=[]):  # PEFT draws A on the cpu before moving it to meta; the run's draws stay
         apply_lora(model, **lora_settings(cfg))
+    quantize_the_base(cfg, model, log=False)
     return model
 
 
@@ -235,6 +239,29 @@ def add_adapters(cfg: ModelConfig, model: nn.Module) -> None:
         adapters,
         frozen,
     )
+
+
+def quantize_the_base(cfg: ModelConfig, model: nn.Module, *, log: bool = True) -> None:
+    """`model.quantization_config`: the blocks' frozen linears held in 4 bits (QLoRA), after the adapters."""
+    quant = cfg.quantization_config
+    if quant is None:
+        return
+    dtype_name = compute_dtype_name(cfg)
+    count = quantize_base(
+        model.layers,
+        quant_type=quant.bnb_4bit_quant_type,
+        compute_dtype=getattr(torch, dtype_name.removeprefix("torch.")),
+        double_quant=quant.bnb_4bit_use_double_quant,
+        skip=quant.llm_int8_skip_modules,
+    )
+    if log:
+        logger.info(
+            "QLoRA: %d frozen block linears held in 4 bits (%s%s, computed in %s)",
+            count,
+            quant.bnb_4bit_quant_type,
+            ", double quantization" if quant.bnb_4bit_use_double_quant else "",
+            dtype_name,
+        )
 
 
 def init_adapters(cfg: ModelConfig, ctx: RunContext, model: nn.Module) -> None:

@@ -16,6 +16,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from internlm_offload.config.internevo import Translation
 from internlm_offload.config.lora import base_on_host_problem
+from internlm_offload.config.quantization import quantization_problem
 from internlm_offload.config.parallel import ParallelConfig
 from internlm_offload.config.pipeline import pipeline_problem
 from internlm_offload.config.sections import (
@@ -189,6 +190,8 @@ class RunConfig(Section):
                 "the tensor group yet; use parallel.mode 'none', 'ddp' or 'fsdp2' alone"
             )
         if problem := base_on_host_problem(self):
+            raise ValueError(problem)
+        if problem := quantization_problem(self):
             raise ValueError(problem)
         info = self.ckpt.load_ckpt_info
         if info is not None and info.ckpt_type != "internevo" and self.model.type != "internlm2":

@@ -12,6 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
 from internlm_offload.config.lora import LoraConfig, check_lora
+from internlm_offload.config.quantization import QuantizationConfig, check_quantization
 from internlm_offload.config.moe import MoeLayerKwargsConfig, check_moe
 from internlm_offload.config.sizes import parse_size
 
@@ -161,6 +162,13 @@ class ModelConfig(Section):
         'bias="none")` with PEFT\'s names and defaults; the base stays frozen in the compute dtype, only the '
         "adapters train. None: every parameter trains.",
     )
+    quantization_config: Optional[QuantizationConfig] = Field(
+        None,
+        description="QLoRA (docs/lora.md): `dict(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
+        "bnb_4bit_compute_dtype=None, bnb_4bit_use_double_quant=False, llm_int8_skip_modules=None)`, "
+        "`transformers.BitsAndBytesConfig`'s names: the frozen base's block linears held in 4 bits through "
+        "bitsandbytes. Needs `model.lora`; `parallel.mode='none'`.",
+    )
 
     @field_validator("checkpoint", mode="before")
     @classmethod
@@ -178,6 +186,7 @@ class ModelConfig(Section):
             self.num_kv_attention_heads = self.num_attention_heads
         check_moe(self)
         check_lora(self)
+        check_quantization(self)
         if self.type == "hf_causal_lm" and (self.hf_path is None) == (self.hf_config is None):
             raise ValueError("model.type='hf_causal_lm' needs exactly one of model.hf_path and model.hf_config")
         if self.type == "hf_causal_lm" and self.attention_bias:

@@ -131,6 +131,9 @@ class MasterWeights:
             if named[name].requires_grad
         }
         frozen = {id(p): p for p in named.values() if not p.requires_grad}
+        # integer buffers (a 4-bit base's scales, held as bytes) are shared too: the cast below leaves them as
+        # they are, and a copy of a 70B base's scales would be a GiB of device memory the masters never read
+        frozen.update({id(b): b for b in model.buffers() if not b.is_floating_point()})
         self.module = copy.deepcopy(model, {**hosted, **frozen})
         model.to(compute_dtype)
         named_model = dict(model.named_parameters())

@@ -32,13 +32,13 @@ class HostedBase(MemoryFeature):
         self.accelerator = accelerator
         self.device = accelerator.current_device()
         self.lane = CopyLane(accelerator, asynchronous=asynchronous, non_blocking=accelerator.supports_pinned_memory)
-        self.blocks: list[list[nn.Linear]] = [frozen_linears(block) for block in layers]
+        self.blocks: list[list[nn.Module]] = [frozen_linears(block) for block in layers]
         self._block_of: dict[int, int] = {}
         for index, linears in enumerate(self.blocks):
             for linear in linears:
                 self._block_of[id(linear)] = index
                 self._to_host(linear)
-                linear.__class__ = HostedLinear
+                linear.__class__ = linear.hosted_class() if hasattr(linear, "hosted_class") else HostedLinear
                 linear.hosted = self
         self.host_bytes = sum(p.numel() * p.element_size() for ls in self.blocks for lin in ls for p in params(lin))
         # block -> (its linears' device copies in `params` order, the copy's end event; None once waited on)
@@ -47,17 +47,18 @@ class HostedBase(MemoryFeature):
         self._blocks_brought = 0
         self._reported = (0.0, 0)  # (copy seconds, blocks brought) at the last `metrics`
 
-    def _to_host(self, linear: nn.Linear) -> None:
-        for param in params(linear):
-            host = self.accelerator.host_empty(param.shape, param.dtype)
+    def _to_host(self, linear: nn.Module) -> None:
+        for tensor in params(linear):
+            host = self.accelerator.host_empty(tensor.shape, tensor.dtype)
             with torch.no_grad():
-                host.copy_(param)
-            param.data = host
+                host.copy_(tensor)
+            # the same tensor objects move (a 4-bit linear's scales too): the masters' copy shares them
+            tensor.data = host
 
     # ------------------------------------------------------------------ bringing blocks in
 
-    def weights(self, linear: nn.Linear) -> list[torch.Tensor]:
-        """`linear`'s weight (and bias) on the device, its block brought in and the next one on its way."""
+    def weights(self, linear: nn.Module) -> list[torch.Tensor]:
+        """`linear`'s weight (and bias; a 4-bit linear's scales after them, `tensor_names`) on the device, its block brought in and the next one on its way."""
         block = self._block_of[id(linear)]
         if block != self._current:
             self._visit(block)
@@ -111,13 +112,25 @@ class HostedBase(MemoryFeature):
         finish_and_close(self.lane.stream)
 
 
-def frozen_linears(block: nn.Module) -> list[nn.Linear]:
-    """The plain linears of `block` whose weight trains not (a LoRA base layer, an untargeted projection)."""
-    return [m for m in block.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
+def frozen_linears(block: nn.Module) -> list[nn.Module]:
+    """The plain linears of `block` whose weight trains not (a LoRA base layer, an untargeted projection), and
+    the frozen linears that say how to be hosted (`hosted_class`, `host_tensor_names`: QLoRA's 4-bit ones)."""
+    return [
+        m
+        for m in block.modules()
+        if (type(m) is nn.Linear and not m.weight.requires_grad) or hasattr(m, "hosted_class")
+    ]
 
 
-def params(linear: nn.Linear) -> list[torch.Tensor]:
-    return [linear.weight] if linear.bias is None else [linear.weight, linear.bias]
+def tensor_names(linear: nn.Module) -> list[str]:
+    """What is held on the host and brought in, in order: weight, bias, then a 4-bit linear's scales."""
+    if hasattr(linear, "host_tensor_names"):
+        return linear.host_tensor_names()
+    return ["weight"] if linear.bias is None else ["weight", "bias"]
+
+
+def params(linear: nn.Module) -> list[torch.Tensor]:
+    return [getattr(linear, name) for name in tensor_names(linear)]
 
 
 class HostedLinear(nn.Linear):

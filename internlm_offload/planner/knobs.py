@@ -101,6 +101,8 @@ def optimizer_kinds(
     under_fsdp2 = cfg is not None and (cfg.parallel.mode == "fsdp2" or free_wrapper)
     # `model.lora.base_on_host` already holds the base on the host, the trainer's way (FSDP2 refuses it)
     hosted = cfg is not None and cfg.model.lora is not None and cfg.model.lora.base_on_host
+    # a 4-bit base (QLoRA) is built for parallel.mode='none' only, which FSDP2's policy is not
+    hosted = hosted or (cfg is not None and cfg.model.quantization_config is not None)
     params_on_host = PARAMS_ON_HOST in auto and under_fsdp2 and not (fixed_swap or fixed_hybrid or hosted)
     off = {
         **({"swap_optimizer": False} if swap else {}),

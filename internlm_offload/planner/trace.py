@@ -41,6 +41,7 @@ from internlm_offload.data.loader import MicroBatch
 from internlm_offload.device import storage_key
 from internlm_offload.engine.runtime import RunContext, tensor_parallel_mesh
 from internlm_offload.engine.trainer import Trainer
+from internlm_offload.model.quantized import scale_tensors
 from internlm_offload.optim.records import ParamRecord
 from internlm_offload.planner.cost import FlopCounter, StepWork, WorkCounter, extra_flops
 from internlm_offload.planner.meta_cache import MetaKernelCache
@@ -391,7 +392,7 @@ def _grads_bytes(optimizer: torch.optim.Optimizer, records: list[ParamRecord]) -
 
 def _components(parts: Any, tracker: StorageTracker, at_rest: dict[str, int], probe: _Probe) -> dict[str, int]:
     """Named per-rank bytes of the steady step; the device ones add up to `device_peak_bytes`."""
-    params = _tier_bytes(tracker, parts.model.parameters())
+    params = _tier_bytes(tracker, [*parts.model.parameters(), *scale_tensors(parts.model)])  # QLoRA's scales too
     masters = _tier_bytes(tracker, parts.masters.master_params())
     state_tensors = [t for s in parts.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     states = _tier_bytes(tracker, state_tensors)

@@ -23,6 +23,7 @@ from internlm_offload.config import LoadCkptInfo, ModelConfig
 from internlm_offload.errors import CheckpointError
 from internlm_offload.log import get_logger
 from internlm_offload.model.lora import base_keys, has_adapters
+from internlm_offload.model.quantized import full_weight_shapes
 from internlm_offload.weights import hf_folder, internevo_moe, meta_llama
 from internlm_offload.weights.convert import Heads, to_format, to_native
 from internlm_offload.weights.internevo_files import (
@@ -163,6 +164,7 @@ def load_weights(model: nn.Module, source: WeightsSource, config: ModelConfig) -
     the other ranks, which keep their shard of it. Every rank holding a full copy at once is what this avoids.
     """
     shapes = {name: t.shape for name, t in get_model_state_dict(model).items()}
+    shapes.update(full_weight_shapes(model))  # QLoRA: a 4-bit weight takes its file's [out, in] and quantizes it
     # LoRA: the files hold the base, by its names without adapters; the adapters keep their init
     keys = base_keys(shapes) if has_adapters(model) else {name: name for name in shapes}
     full_shapes = {name: shapes[key] for name, key in keys.items()}

@@ -22,6 +22,8 @@ TORCH_ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1
 # dataset_map_fn -> data.chat_format (data/chat_formats.py); openai_map_fn's `messages` lines are read as they are.
 MAP_FNS = {"alpaca_map_fn": "alpaca", "oasst1_map_fn": "oasst1", "openai_map_fn": "messages"}
 DTYPES = {"float16": "torch.float16", "bfloat16": "torch.bfloat16", "float32": "torch.float32"}
+QUANT_KEYS = ("bnb_4bit_quant_type", "bnb_4bit_compute_dtype", "bnb_4bit_use_double_quant", "llm_int8_skip_modules")
+QUANT_8BIT = ("llm_int8_threshold", "llm_int8_has_fp16_weight", "llm_int8_enable_fp32_cpu_offload")
 LORA_KEYS = ("r", "lora_alpha", "lora_dropout", "bias", "target_modules")
 # PEFT options that train something else than plain LoRA: fatal unless at PEFT's default.
 LORA_VARIANTS = {"use_rslora": False, "use_dora": False, "modules_to_save": None, "rank_pattern": {},
@@ -78,10 +80,7 @@ def _llm(t: Translation, model: dict[str, Any], names: dict[str, Any]) -> dict[s
         f"model.use_activation_checkpointing={checkpoint} -> model.checkpoint={1.0 if checkpoint else 0.0}"
     )
     if llm.get("quantization_config") is not None:
-        t.dropped.append(
-            f"model.llm.quantization_config={_name(llm['quantization_config'])}: QLoRA's 4-bit base is not built "
-            f"here yet; the frozen base is held in {t.config['model']['dtype']}"
-        )
+        _quantization(t, llm["quantization_config"])
     if model.get("use_varlen_attn"):
         t.carried.append("model.use_varlen_attn=True -> attention never crosses packed conversations (always so here)")
     elif "use_varlen_attn" in model:
@@ -94,6 +93,41 @@ def _llm(t: Translation, model: dict[str, Any], names: dict[str, Any]) -> dict[s
     t.set("data", "tokenizer", str(tokenizer))
     t.carried.append("tokenizer.pretrained_model_name_or_path -> data.tokenizer")
     return hf
+
+
+def _quantization(t: Translation, quant: Any) -> None:
+    """`model.llm.quantization_config=dict(type=BitsAndBytesConfig, ...)` -> `model.quantization_config`."""
+    key = "model.llm.quantization_config"
+    if not isinstance(quant, dict) or not type_name(quant.get("type")).endswith("BitsAndBytesConfig"):
+        t.fatal.append(f"{key}={short(_name(quant))}: only a dict(type=BitsAndBytesConfig, ...) maps here")
+        return
+    if quant.get("load_in_8bit"):
+        t.fatal.append(f"{key}.load_in_8bit=True: the 8-bit base is not built here; QLoRA's load_in_4bit=True is")
+        return
+    if not quant.get("load_in_4bit"):
+        t.dropped.append(f"{key}: neither load_in_4bit nor load_in_8bit set, nothing is quantized (as in transformers)")
+        _rest(t, key, quant, ("type", *QUANT_KEYS, "load_in_4bit", "load_in_8bit", *QUANT_8BIT))
+        return
+    out: dict[str, Any] = {"load_in_4bit": True}
+    for name in QUANT_KEYS:
+        if quant.get(name) is not None:
+            out[name] = quant[name]
+    if "bnb_4bit_compute_dtype" in out:
+        dtype = DTYPES.get(str(out["bnb_4bit_compute_dtype"]).removeprefix("torch."))
+        if dtype is None:
+            t.fatal.append(f"{key}.bnb_4bit_compute_dtype={out['bnb_4bit_compute_dtype']}: use float16, bfloat16 "
+                           "or float32")  # fmt: skip
+            return
+        out["bnb_4bit_compute_dtype"] = dtype
+    t.set("model", "quantization_config", out)
+    t.carried.append(f"{key} ({', '.join(out)}) -> model.quantization_config: the frozen base's block linears in "
+                     "4 bits (bitsandbytes), BitsAndBytesConfig's names")  # fmt: skip
+    eight_bit = [name for name in QUANT_8BIT if name in quant]
+    if eight_bit:
+        t.dropped.append(
+            f"{key} ({', '.join(eight_bit)}): 8-bit settings, not read by a 4-bit base (as in transformers)"
+        )
+    _rest(t, key, quant, ("type", "load_in_4bit", "load_in_8bit", *QUANT_KEYS, *QUANT_8BIT))
 
 
 def _lora(t: Translation, model: dict[str, Any], hf: dict[str, Any] | None) -> None:

@@ -315,7 +315,8 @@ def test_xtuners_pretrain_qwen3_tiny_example_builds_its_model_class_and_trains(m
 
 def test_a_classic_xtuner_lora_config_translates_and_trains_with_lora(model_and_data, tmp_path):
     """XTuner's classic internlm2 QLoRA config shape (mmengine dicts, oasst1 jsonl, a local Llama folder): the
-    4-bit base is reported as dropped, LoRA carries, and 3 steps train with the base frozen."""
+    4-bit base (BitsAndBytesConfig) and LoRA carry, and 3 steps train with the base frozen in 4 bits: the Llama
+    folder's weights loaded into the native decoder, quantized as they arrive."""
     from classic_fixtures import oasst1_lines, write_classic
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -326,14 +327,18 @@ def test_a_classic_xtuner_lora_config_translates_and_trains_with_lora(model_and_
     out = tmp_path / "translated.py"
     proc = from_xtuner(config, out)
     assert proc.returncode == 0, proc.stderr
-    assert "dropped: model.llm.quantization_config=BitsAndBytesConfig: QLoRA's" in proc.stderr
+    assert "carried: model.llm.quantization_config (load_in_4bit, bnb_4bit_quant_type" in proc.stderr
     assert "carried: optim_wrapper.accumulative_counts=2 -> data.micro_num" in proc.stderr
     text = out.read_text()
-    for carried in ("'lora': {'r': 64", "'chat_format': 'oasst1'", "'micro_num': 2", "'type': 'cosine'"):
+    for carried in ("'lora': {'r': 64", "'chat_format': 'oasst1'", "'micro_num': 2", "'type': 'cosine'",
+                    "'quantization_config': {'load_in_4bit': True", "'bnb_4bit_quant_type': 'nf4'"):  # fmt: skip
         assert carried in text, carried
     run = tmp_path / "run"
-    train(run, "monitor.progress_bar=off", "data.total_steps=3", config=out, fast=False)
+    proc = train(run, "monitor.progress_bar=off", "data.total_steps=3", config=out, fast=False)
     assert sorted(losses(run)) == [1, 2, 3]
+    log = proc.stdout + proc.stderr
+    assert "QLoRA: 14 frozen block linears held in 4 bits (nf4, double quantization, computed in torch.float16)" in log
+    assert "Loaded hf model weights" in log
     # LoRA was on: the checkpoint holds the 7 projections' adapters of both blocks and no base weight
     reader = FileSystemReader(str(run / "checkpoints" / "step_00000003"))
     held = [key for key in reader.read_metadata().state_dict_metadata if key.startswith("model.")]

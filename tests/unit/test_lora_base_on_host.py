@@ -66,6 +66,27 @@ VARIANTS = {
 }
 
 
+def test_a_4bit_base_on_host_is_bitwise_the_qlora_baseline():
+    """QLoRA (model.quantization_config): the packed weights and their scales live on the host and come in a block
+    at a time, as the bf16 base does; losses, grad norms, adapter masters and the packed base bitwise."""
+    pytest.importorskip("bitsandbytes")
+    from internlm_offload.model.quantized import HostedLinear4bit
+
+    quant = {"model": {"quantization_config": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                               "bnb_4bit_use_double_quant": True}}}  # fmt: skip
+    expected, expected_state, _ = train(config(False, **quant))
+    got, state, brought = train(config(True, **quant), copy_delay_s=0.002)
+    assert got == expected and len({loss for loss, _ in got}) == 3
+    for name, tensor in expected_state.items():
+        assert torch.equal(state[name], tensor), name
+    assert brought == [1 + 2 * 3, 2 * 3, 2 * 3]  # as for the bf16 base (test_base_on_host_is_bitwise_...)
+    hosted = build_components(resolve_config(config(True, **quant)), CTX).hosted_base
+    linears = [linear for block in hosted.blocks for linear in block]
+    assert len(linears) == 3 * 7 and all(type(linear) is HostedLinear4bit for linear in linears)
+    assert hosted.host_bytes == sum(t.untyped_storage().nbytes() for lin in linears for t in [
+        lin.weight, *(getattr(lin, n) for n in lin.host_tensor_names()[1:])])  # fmt: skip
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_base_on_host_is_bitwise_the_lora_baseline(variant):
     """3 steps of 2 micro-batches over 3 blocks: losses, grad norms, adapter masters and the base, bitwise; every

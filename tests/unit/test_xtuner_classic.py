@@ -60,6 +60,9 @@ def test_each_key_maps_where_it_belongs(translated, llama):
                                                        "up_proj", "down_proj"]}  # fmt: skip
     assert cfg["model"]["type"] == "internlm2" and cfg["model"]["num_layers"] == 2
     assert cfg["model"]["dtype"] == "torch.float16" and cfg["model"]["checkpoint"] == 1.0
+    assert cfg["model"]["quantization_config"] == {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                                   "bnb_4bit_compute_dtype": "torch.float16",
+                                                   "bnb_4bit_use_double_quant": True}  # fmt: skip
     assert cfg["ckpt"]["load_ckpt_info"]["path"] == str(llama)
     assert cfg["adam"] == {"lr": 2e-4, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8, "weight_decay": 0.0}
     assert cfg["hybrid_zero_optimizer"] == {"clip_grad_norm": 1.0}
@@ -78,12 +81,14 @@ def test_each_key_maps_where_it_belongs(translated, llama):
 def test_the_report_names_what_was_dropped_and_why(translated):
     t, _ = translated
     dropped = "\n".join(t.dropped)
-    for expected in ("model.llm.quantization_config=BitsAndBytesConfig: QLoRA's 4-bit base is not built here yet",
+    for expected in ("model.llm.quantization_config (llm_int8_threshold, llm_int8_has_fp16_weight): 8-bit settings",
                      "model.use_varlen_attn=False", "template_map_fn (template=PROMPT_TEMPLATE.internlm2_chat)",
                      "LinearLR.start_factor=1e-05", "custom_hooks=['DatasetInfoHook', 'EvaluateChatHook']"):  # fmt: skip
         assert expected in dropped, expected
     carried = "\n".join(t.carried)
-    for expected in ("optim_wrapper.accumulative_counts=2 -> data.micro_num",
+    for expected in ("model.llm.quantization_config (load_in_4bit, bnb_4bit_quant_type, bnb_4bit_compute_dtype, "
+                     "bnb_4bit_use_double_quant) -> model.quantization_config",
+                     "optim_wrapper.accumulative_counts=2 -> data.micro_num",
                      "model.lora (r, lora_alpha, lora_dropout, bias) -> model.lora",
                      "target_modules unset -> XTuner's every linear but lm_head",
                      "train_cfg.max_epochs=3 -> data.total_steps=9"):  # fmt: skip
@@ -159,6 +164,11 @@ def test_hf_causal_lm_takes_xtuners_every_linear_and_the_dtypes_follow_the_wrapp
         ("type=CosineAnnealingLR,", "type=MultiStepLR,", "param_scheduler=['LinearLR', 'MultiStepLR']"),
         ("task_type='CAUSAL_LM'", "task_type='CAUSAL_LM', use_dora=True", "model.lora.use_dora=True"),
         ("dataset_map_fn=oasst1_map_fn", "dataset_map_fn=None", "dataset_map_fn=None: one of alpaca_map_fn"),
+        (
+            "load_in_4bit=True,\n            load_in_8bit=False",
+            "load_in_4bit=False,\n            load_in_8bit=True",
+            "model.llm.quantization_config.load_in_8bit=True: the 8-bit base is not built here",
+        ),
     ],
 )
 def test_what_cannot_carry_is_fatal_and_named(llama, tmp_path, old, new, fatal):

@@ -28,6 +28,7 @@ AUTO_KNOBS = (
     "grad_offload",
     "nvme_offload.enable",
     "parallel.tensor.mode",
+    "parallel.expert.size",
 )
 TENSOR_MODES = ("mtp", "msp", "fsp", "isp")  # InternEvo's `parallel.tensor.mode`s
 

@@ -332,7 +332,13 @@ def run_search(
     # every knob searched, smaller micro-batches too; parameter offload switches the wrapper to FSDP2 unless
     # the config names one; each tensor mode, with tensor groups of several ranks
     num_layers = len(memory.block_activation_bytes)
-    space = Space(config_for({}), num_layers=num_layers, free_wrapper=leaves_wrapper_open(raw), shapes=True)
+    space = Space(
+        config_for({}),
+        num_layers=num_layers,
+        free_wrapper=leaves_wrapper_open(raw),
+        shapes=True,
+        world_size=args.world_size,
+    )
     activations, optimizers = settings_on(MICRO_BATCH, space), settings_on(OPTIMIZER, space)
     modes = settings_on(LAYOUT, space)
     progress = SearchProgress(enabled=sys.stderr.isatty() and not args.no_progress)

@@ -88,6 +88,15 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "moe 8 x top-2 dropless + offload 3": {"model.num_experts": 8, "model.top_k": 2, "model.moe_type": "Dropless",
                                            "model.num_shared_experts": 1, "model.mlp_ratio": 1.0, **OFFLOAD,
                                            "cpu_offloading.num_layers": 3},
+    # expert parallel: each rank 4 of the 8 experts, rows sent by all-to-all (the trace's receive buffers at
+    # memory_budget.expert_imbalance's assumption: 1.0, even, as a fresh router spreads this corpus's tokens), the
+    # experts their own FSDP2 unit over the expert-data dim (of size 1 on 2 processes, 2 on 4)
+    "moe ep 2 x fsdp2": {"model.num_experts": 8, "model.top_k": 2, "model.moe_type": "Dropless",
+                         "model.mlp_ratio": 1.0, "parallel.mode": "fsdp2", "parallel.expert.size": 2,
+                         "memory_budget.expert_imbalance": 1.0},
+    "moe ep 2 x edp 2 x fsdp2": {"model.num_experts": 8, "model.top_k": 2, "model.moe_type": "Dropless",
+                                 "model.mlp_ratio": 1.0, "parallel.mode": "fsdp2", "parallel.expert.size": 2,
+                                 "memory_budget.expert_imbalance": 1.0},
 }  # fmt: skip
 # Settings measured on several processes (torchrun, gloo); the others run on one.
 RANKS = {
@@ -100,6 +109,8 @@ RANKS = {
     "msp 2 x fsdp2 2 + offload 3": 4,
     "isp 2 x weight 2 + swap": 4,
     "fsp 4 over 2 kv heads": 4,
+    "moe ep 2 x fsdp2": 2,
+    "moe ep 2 x edp 2 x fsdp2": 4,
 }
 TOLERANCE = 0.05
 Launcher = Callable[[list[str]], None]

@@ -39,7 +39,8 @@ class ExpertParallelConfig(Section):
         description="Expert parallel (docs/parallelism.md): each sparse block's routed experts split over groups of "
         "this many data-parallel ranks (E / size experts per rank, tokens sent to them by all-to-all; `parallel.mode` "
         "ddp or fsdp2). -1 (InternEvo's "
-        "default) or <= 0: min(data-parallel ranks, model.num_experts), as InternEvo resolves -1; said in the log.",
+        "default) or <= 0: min(data-parallel ranks, model.num_experts), as InternEvo resolves -1; said in the log. "
+        '`"auto"` (with `memory_budget`): the planner chooses among the sizes dividing both.',
     )
     no_tp: bool = Field(
         False,

@@ -108,8 +108,6 @@ def _resolve_expert_parallel(cfg: RunConfig, data_parallel: int) -> None:
 def _expert_parallel_blocker(cfg: RunConfig) -> str | None:
     """What in this config expert parallel is not built with, and the fix; None: nothing."""
     par = cfg.parallel
-    if cfg.auto_knobs:
-        return f"{cfg.auto_knobs[0]}='auto': the memory planner does not trace expert parallel yet; set a value"
     if par.expert_weight.size > 1:
         return (
             f"parallel.expert_weight.size={par.expert_weight.size}: sharding the experts over the expert-data "

@@ -29,6 +29,7 @@ AUTO_KNOBS = (
     "grad_offload",
     "nvme_offload.enable",
     "parallel.tensor.mode",
+    "parallel.expert.size",
 )
 TENSOR_MODES = ("mtp", "msp", "fsp", "isp")  # InternEvo's `parallel.tensor.mode`s
 
@@ -464,6 +465,13 @@ class MemoryBudgetConfig(Section):
         '`"auto"` are chosen by the memory planner for the fastest predicted step within it (docs/planner.md).',
     )
     host: Optional[int] = Field(None, description="Host memory per rank the planner may use; default: no limit.")
+    expert_imbalance: float = Field(
+        1.25,
+        ge=1.0,
+        description="The planner's assumption under expert parallel: the busiest rank receives this many times the "
+        "mean of the rows the all-to-all brings (1: even routing; at most the expert-parallel size, every row to "
+        "one rank). Its receive buffers, expert activations and FLOPs are traced at that size (docs/planner.md).",
+    )
 
     @field_validator("device", "host", mode="before")
     @classmethod

@@ -46,14 +46,28 @@ class ExpertDispatch:
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """rows (N, H) sorted by global expert (dropped rows last), counts (E,) rows per expert: the experts'
         (N, H) outputs, 0 for the dropped rows, computed by the ranks that hold each expert."""
-        num_experts = counts.numel()
-        local = num_experts // self.size
+        return self.route(rows, counts, experts, *self.split_sizes(counts))
+
+    def split_sizes(self, counts: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Counts exchanged: (rows this rank sends to each global expert, rows each rank r sends to my local
+        expert j at r * E_local + j), as Python ints."""
         sent = counts.to(torch.int64)
-        received = torch.empty_like(sent)  # received[r * local + j]: rows rank r sends to my local expert j
+        received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=self.group)
         # The one host sync of the exchange: all_to_all_single takes its split sizes as Python ints.
         sizes = torch.cat([sent, received]).tolist()
-        sent_sizes, received_sizes = sizes[:num_experts], sizes[num_experts:]
+        return sizes[: counts.numel()], sizes[counts.numel() :]
+
+    def route(
+        self,
+        rows: torch.Tensor,
+        counts: torch.Tensor,
+        experts: nn.Module,
+        sent_sizes: list[int],
+        received_sizes: list[int],
+    ) -> torch.Tensor:
+        """`__call__` once the split sizes are known (the planner's trace assumes them: planner/standins.py)."""
+        local = counts.numel() // self.size
         send_splits = [sum(sent_sizes[r * local : (r + 1) * local]) for r in range(self.size)]
         receive_splits = [sum(received_sizes[r * local : (r + 1) * local]) for r in range(self.size)]
         kept = sum(send_splits)

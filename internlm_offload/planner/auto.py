@@ -41,7 +41,7 @@ def choose_auto_knobs(
     budget = cfg.memory_budget
     device_budget = budget.device - runtime_bytes
     runtime_note = f" less {human_bytes(runtime_bytes)} in use before the run" if runtime_bytes else ""
-    space = Space(cfg, frozenset(cfg.auto_knobs), num_layers=cfg.model.num_layers)
+    space = Space(cfg, frozenset(cfg.auto_knobs), num_layers=cfg.model.num_layers, world_size=world_size)
     activations, optimizers = settings_on(MICRO_BATCH, space), settings_on(OPTIMIZER, space)
     modes = settings_on(LAYOUT, space)
     hardware = hardware_for(accelerator_name)

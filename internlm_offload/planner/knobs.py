@@ -13,7 +13,7 @@ Knobs sit on one of three axes, by what their cost depends on (`search.py`'s ste
   tier);
 - `LAYOUT`: how the ranks split the model (the tensor mode): each value is a search of its own.
 
-To add a knob (expert parallel size, pipeline stages, LoRA's base on the host): write a function from the
+To add a knob (pipeline stages, LoRA's base on the host): write a function from the
 settings so far and the `Space` to the new settings, and add a `Knob` to `KNOBS` on its axis. The search
 loop does not change.
 """
@@ -41,6 +41,7 @@ PARAMS_ON_HOST = "parallel.fsdp_cpu_offload"  # FSDP2's CPUOffloadPolicy: parame
 GRADS_ON_HOST = "grad_offload"  # gradients to the host during backward (with swap or hybrid 1.0)
 NVME = "nvme_offload.enable"  # the offloaded optimizer states in files under nvme_offload.path (the NVMe tier)
 TENSOR_MODE = "parallel.tensor.mode"
+EXPERT_SIZE = "parallel.expert.size"
 WRAPPER = "parallel.mode"  # a knob of its own where the config leaves it open: the settings that need FSDP2 set it
 
 
@@ -103,7 +104,10 @@ def optimizer_kinds(
     hosted = cfg is not None and cfg.model.lora is not None and cfg.model.lora.base_on_host
     # a 4-bit base (QLoRA) is built for parallel.mode='none' only, which FSDP2's policy is not
     hosted = hosted or (cfg is not None and cfg.model.quantization_config is not None)
-    params_on_host = PARAMS_ON_HOST in auto and under_fsdp2 and not (fixed_swap or fixed_hybrid or hosted)
+    # FSDP2's CPU offload policy is not built under expert parallel (config/resolve.py refuses it): not offered where
+    # the config has or may choose expert parallel
+    experts = cfg is not None and (cfg.parallel.expert.size > 1 or EXPERT_SIZE in cfg.auto_knobs)
+    params_on_host = PARAMS_ON_HOST in auto and under_fsdp2 and not (fixed_swap or fixed_hybrid or hosted or experts)
     off = {
         **({"swap_optimizer": False} if swap else {}),
         **({"hybrid_optimizer.enable": False} if switch_hybrid else {}),
@@ -183,6 +187,18 @@ def tensor_mode_settings(cfg: RunConfig, auto: Iterable[str] = AUTO_KNOBS) -> li
     return [Setting(mode, {TENSOR_MODE: mode}) for mode in TENSOR_MODES]
 
 
+def expert_size_settings(cfg: RunConfig, world_size: int) -> list[Setting]:
+    """Each expert-parallel size dividing both the data-parallel ranks and the experts, when the config itself leaves
+    `parallel.expert.size` "auto" (a size moves the experts' bytes and the all-to-all's: each is a search of its own);
+    else one setting that changes nothing. Only the config's own "auto" searches it: a tool searching every knob
+    would search each size's layout in full."""
+    if EXPERT_SIZE not in cfg.auto_knobs or not cfg.model.num_experts:
+        return [Setting("", {})]
+    data_parallel = world_size // cfg.parallel.tensor.size
+    sizes = [e for e in range(1, data_parallel + 1) if data_parallel % e == 0 and cfg.model.num_experts % e == 0]
+    return [Setting(f"ep {size}", {EXPERT_SIZE: size}) for size in sizes]
+
+
 @dataclass(frozen=True)
 class Space:
     """What the knobs read: the config as given, the knobs left to the planner, and the tool's choices."""
@@ -192,6 +208,7 @@ class Space:
     num_layers: int = 0
     free_wrapper: bool = False  # the config names no `parallel.mode`: settings that need FSDP2 may set it
     shapes: bool = False  # also smaller micro-batches of the same global batch (`tools/plan`)
+    world_size: int = 1  # the ranks the run will use (expert-parallel sizes divide its data-parallel ones)
 
 
 @dataclass(frozen=True)
@@ -239,6 +256,12 @@ def _tensor_modes(settings: list[Setting], space: Space) -> list[Setting]:
     return cross(settings, tensor_mode_settings(space.cfg, space.auto))
 
 
+def _expert_sizes(settings: list[Setting], space: Space) -> list[Setting]:
+    if space.cfg is None:
+        return settings
+    return cross(settings, expert_size_settings(space.cfg, space.world_size))
+
+
 KNOBS = (
     Knob("activation memory", MICRO_BATCH, _activations),
     Knob("micro-batch shape", MICRO_BATCH, _micro_batch_shapes),
@@ -246,6 +269,7 @@ KNOBS = (
     Knob("gradient offload", OPTIMIZER, _gradient_offload),
     Knob("NVMe tier", OPTIMIZER, _nvme_tier),
     Knob("tensor mode", LAYOUT, _tensor_modes),
+    Knob("expert parallel size", LAYOUT, _expert_sizes),
 )
 
 

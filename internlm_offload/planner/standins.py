@@ -236,3 +236,41 @@ def fused_optimizers_on_meta() -> Iterator[None]:
         yield
     finally:
         adam_module._device_dtype_check_for_fused = check
+
+
+@contextlib.contextmanager
+def expert_dispatch_on_meta(imbalance: float) -> Iterator[None]:
+    """Expert parallel's dispatch over meta tensors: the split sizes its count exchange would bring are assumed
+    (`assumed_split_sizes`), and the all-to-alls run on meta, where torch's functional collective makes a receive
+    buffer of the assumed rows without a collective. A patch of the method, as `flash_attention_on_meta`'s: a
+    forward recomputed in backward must see the same sizes."""
+    from internlm_offload.engine.expert_parallel import ExpertDispatch
+
+    call = ExpertDispatch.__call__
+
+    def assumed(self: ExpertDispatch, rows: torch.Tensor, counts: torch.Tensor, experts: Any) -> torch.Tensor:
+        if rows.device.type != "meta":
+            return call(self, rows, counts, experts)
+        sizes = assumed_split_sizes(rows.shape[0], counts.numel(), self.size, imbalance)
+        return self.route(rows, counts, experts, *sizes)
+
+    ExpertDispatch.__call__ = assumed
+    try:
+        yield
+    finally:
+        ExpertDispatch.__call__ = call
+
+
+def assumed_split_sizes(rows: int, experts: int, ranks: int, imbalance: float) -> tuple[list[int], list[int]]:
+    """Rank 0 as the busiest of `ranks`: it sends its `rows` routed rows spread evenly over the `experts`, and
+    receives `imbalance` times the mean (every rank sends `rows`, so the mean is `rows`; at most all of them,
+    `ranks` x `rows`), spread evenly over its sources and local experts. Every row is taken as kept: GShard's
+    drops are not known on meta, and a rank may send all of them (the trace's assumption without expert parallel
+    too)."""
+    received = round(min(imbalance, ranks) * rows)
+    return _spread(rows, experts), _spread(received, experts)
+
+
+def _spread(total: int, parts: int) -> list[int]:
+    """`total` in `parts` as even as integers go, the remainder on the first."""
+    return [total // parts + (i < total % parts) for i in range(parts)]

@@ -39,7 +39,8 @@ from internlm_offload.builder import build_components, make_trainer
 from internlm_offload.config import RunConfig
 from internlm_offload.data.loader import MicroBatch
 from internlm_offload.device import storage_key
-from internlm_offload.engine.runtime import RunContext, tensor_parallel_mesh
+from internlm_offload.engine.expert_parallel import expert_params, moe_blocks
+from internlm_offload.engine.runtime import RunContext, expert_mesh, tensor_parallel_mesh
 from internlm_offload.engine.trainer import Trainer
 from internlm_offload.model.quantized import scale_tensors
 from internlm_offload.optim.records import ParamRecord
@@ -47,6 +48,7 @@ from internlm_offload.planner.cost import FlopCounter, StepWork, WorkCounter, ex
 from internlm_offload.planner.meta_cache import MetaKernelCache
 from internlm_offload.planner.standins import (
     PlanningAccelerator,
+    expert_dispatch_on_meta,
     flash_attention_on_meta,
     fsdp2_on_meta,
     fused_optimizers_on_meta,
@@ -279,10 +281,11 @@ def trace_step(cfg: RunConfig, world_size: int = 1, *, measure: bool = False, co
             f"parallel.pipeline.size={cfg.parallel.pipeline.size}: the memory planner does not trace pipeline "
             "stages yet (size 1 is traced)"
         )
-    if cfg.parallel.expert.size > 1:  # the trace's fake process group would exchange no split sizes
+    if measure and cfg.parallel.expert.size > 1:  # the fake group's all-to-all would hand back no counts
         raise UnsupportedLayout(
-            f"parallel.expert.size={cfg.parallel.expert.size}: the memory planner does not trace expert parallel "
-            "yet (size 1 is traced)"
+            f"parallel.expert.size={cfg.parallel.expert.size}: measuring on one process runs over a fake process group, "
+            "whose all-to-all exchanges no token counts; measure expert parallel with torchrun "
+            "(python -m internlm_offload.bench.planner)"
         )
     mode = cfg.parallel.mode
     if mode == "ddp":
@@ -293,8 +296,9 @@ def trace_step(cfg: RunConfig, world_size: int = 1, *, measure: bool = False, co
 
 def _with_ddp_buckets(memory: StepMemory) -> StepMemory:
     """DDP's reducer keeps every trainable parameter's gradient a second time, in flat buckets of the
-    parameter's dtype, from construction on (also with fp32 masters, whose grads the trainer reduces)."""
-    buckets = memory.components["model_params"]
+    parameter's dtype, from construction on (also with fp32 masters, whose grads the trainer reduces); expert
+    parallel's experts are left out of it (reduced over their own group, in place)."""
+    buckets = memory.components["model_params"] - memory.components.get("expert_params", 0)
     memory.components["ddp_buckets"] = buckets
     memory.device_peak_bytes += buckets
     memory.first_step_device_peak_bytes += buckets
@@ -312,15 +316,22 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
     stand_ins = (
         ()
         if measure
-        else (fused_optimizers_on_meta(), flash_attention_on_meta(), fsdp2_on_meta(), torch.device("meta"))
+        else (
+            fused_optimizers_on_meta(),
+            flash_attention_on_meta(),
+            fsdp2_on_meta(),
+            expert_dispatch_on_meta(cfg.memory_budget.expert_imbalance),
+            torch.device("meta"),
+        )
     )
-    group = fake_process_group(world_size, needed=cfg.parallel.mode == "fsdp2" or tensor > 1)
+    experts = cfg.parallel.expert.size
+    group = fake_process_group(world_size, needed=cfg.parallel.mode == "fsdp2" or tensor > 1 or experts > 1)
     # The bottom mode: every op the tracker and the counters pass on is answered from its signature if seen.
     kernels = contextlib.nullcontext() if measure or not MEMOISE_KERNELS else MetaKernelCache()
     with group, _quiet(), kernels, contextlib.ExitStack() as stack, tracker, tracker.counting_resizes():
         for stand_in in stand_ins:
             stack.enter_context(stand_in)
-        ctx = _rank_zero(world_size, tensor, accelerator)
+        ctx = _rank_zero(world_size, tensor, experts, accelerator)
         parts = build_components(cfg, ctx, check_host_memory=False)
         if cfg.parallel.fsdp_cpu_offload:
             for param in parts.model.parameters():  # FSDP2 keeps each shard in pinned host memory
@@ -368,10 +379,12 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
     return memory
 
 
-def _rank_zero(world_size: int, tensor_size: int, accelerator: PlanningAccelerator) -> RunContext:
-    """Rank 0's context; with tensor parallel its ("dp", "tp") mesh over the fake process group."""
+def _rank_zero(world_size: int, tensor_size: int, expert_size: int, accelerator: PlanningAccelerator) -> RunContext:
+    """Rank 0's context; with tensor parallel its ("dp", "tp") mesh, with expert parallel its ("edp", "ep") mesh,
+    over the fake process group."""
     mesh = tensor_parallel_mesh("cpu", world_size, tensor_size)
-    return RunContext(0, 0, world_size, accelerator, tensor_size=tensor_size, mesh=mesh)
+    experts = None if expert_size == 1 else expert_mesh("cpu", world_size // tensor_size, expert_size)
+    return RunContext(0, 0, world_size, accelerator, tensor_size=tensor_size, mesh=mesh, expert_mesh=experts)
 
 
 def _grads_bytes(optimizer: torch.optim.Optimizer, records: list[ParamRecord]) -> int:
@@ -413,7 +426,15 @@ def _components(parts: Any, tracker: StorageTracker, at_rest: dict[str, int], pr
         "disk_optimizer_states": states.get("disk", 0),
         "host_buffers": at_rest["host"] - host_known,  # offload pools, staging, arena padding
         "pinned_host_peak": tracker.peak_bytes("pinned"),
+        **_expert_components(parts.model, tracker),
     }
+
+
+def _expert_components(model: nn.Module, tracker: StorageTracker) -> dict[str, int]:
+    """Under expert parallel, the routed experts' local shards: part of `model_params` (or `host_params`)."""
+    if not any(moe.expert_dispatch is not None for moe in moe_blocks(model)):
+        return {}
+    return {"expert_params": sum(_tier_bytes(tracker, [p for _, p in expert_params(model)]).values())}
 
 
 def _tier_bytes(tracker: StorageTracker, tensors: Any) -> dict[str, int]:

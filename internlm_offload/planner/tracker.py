@@ -208,7 +208,11 @@ def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [plain for t in inner if isinstance(t, torch.Tensor) for plain in plain_tensors(t)]
 
 
-SUBTOTALS = ("gradients_at_step", "pinned_host_peak")  # parts of other components, never the largest alone
+SUBTOTALS = (
+    "gradients_at_step",
+    "pinned_host_peak",
+    "expert_params",
+)  # parts of other components, never the largest alone
 
 
 def largest_component(components: dict[str, int], tier: str | None) -> str:

@@ -199,8 +199,9 @@ def run(args: argparse.Namespace) -> int:
     )
     collectives = memory.micro_batch_work.collective_bytes
     if collectives:
+        which = "expert parallel" if cfg.parallel.tensor.size == 1 else "tensor parallel"
         print(
-            f"tensor parallel: {human_bytes(collectives)} sent per rank per micro-batch at "
+            f"{which}: {human_bytes(collectives)} sent per rank per micro-batch at "
             f"{hardware.collective_bytes_per_s / 1e9:.3g} GB/s [{hardware.collective_source}]"
         )
     if cfg.model.num_experts:
@@ -291,11 +292,22 @@ def experts_assumption(cfg: Any) -> str:
     if model.moe_type == "GShard" and kwargs.drop_tokens:
         capacity = gshard_capacity(tokens, model.num_experts, model.top_k, kwargs.capacity_factor, kwargs.min_capacity)
         dropped = f"; GShard's capacity of {capacity} per expert drops choices from the output, not from the buffers"
-    return (
+    head = (
         f"mixture of experts: {model.num_experts} experts, top-{model.top_k}, {model.moe_type}: {rows} routed rows "
-        f"per sparse block per micro-batch through one grouped GEMM{dropped} [assumed: one rank holds every expert, "
-        f"so its memory and FLOPs do not depend on how the router spreads the tokens; with expert parallel the "
-        f"busiest expert's share would]"
+        f"per sparse block per micro-batch through one grouped GEMM{dropped}"
+    )
+    ep = cfg.parallel.expert.size
+    if ep == 1:
+        return (
+            f"{head} [assumed: one rank holds every expert, so its memory and FLOPs do not depend on how the router "
+            "spreads the tokens; with expert parallel the busiest rank's share would]"
+        )
+    imbalance = min(cfg.memory_budget.expert_imbalance, ep)
+    return (
+        f"{head}; expert parallel over {ep} ranks: {model.num_experts // ep} experts per rank, all {rows} rows sent "
+        f"by all-to-all, {round(imbalance * rows)} received [assumed: memory_budget.expert_imbalance="
+        f"{cfg.memory_budget.expert_imbalance}: the busiest rank receives {imbalance:g} x the mean, every row kept; "
+        "its buffers, expert activations and FLOPs are traced at that size]"
     )
 
 
@@ -320,7 +332,13 @@ def run_search(
     # every knob searched, smaller micro-batches too; parameter offload switches the wrapper to FSDP2 unless
     # the config names one; each tensor mode, with tensor groups of several ranks
     num_layers = len(memory.block_activation_bytes)
-    space = Space(config_for({}), num_layers=num_layers, free_wrapper=leaves_wrapper_open(raw), shapes=True)
+    space = Space(
+        config_for({}),
+        num_layers=num_layers,
+        free_wrapper=leaves_wrapper_open(raw),
+        shapes=True,
+        world_size=args.world_size,
+    )
     activations, optimizers = settings_on(MICRO_BATCH, space), settings_on(OPTIMIZER, space)
     modes = settings_on(LAYOUT, space)
     progress = SearchProgress(enabled=sys.stderr.isatty() and not args.no_progress)

@@ -359,3 +359,18 @@ def test_a_mixture_of_experts_states_its_routing_assumption(capsys) -> None:
     line = next(line for line in printed.splitlines() if line.startswith("mixture of experts"))
     assert line.startswith("mixture of experts: 4 experts, top-2, GShard: 256 routed rows per sparse block")
     assert "capacity of 64 per expert" in line and "[assumed: one rank holds every expert" in line
+
+
+def test_expert_parallel_states_its_imbalance_assumption_and_prices_the_all_to_all(capsys) -> None:
+    """Under expert parallel the line says how many experts a rank holds and how many rows it is assumed to
+    receive (`memory_budget.expert_imbalance`), and the all-to-all's bytes are printed at the collective rate."""
+    moe = str(Path(TINY).with_name("internlm2_tiny_moe.py"))
+    options = [*SMALL, "parallel.mode='ddp'", "parallel.expert.size=2", "memory_budget.expert_imbalance=1.5"]
+    assert plan.main(["--config", moe, "--world-size", "2", "--cfg-options", *options]) == 0
+    printed = capsys.readouterr().out
+    line = next(line for line in printed.splitlines() if line.startswith("mixture of experts"))
+    assert "expert parallel over 2 ranks: 2 experts per rank, all 256 rows sent by all-to-all, 384 received" in line
+    assert "[assumed: memory_budget.expert_imbalance=1.5: the busiest rank receives 1.5 x the mean" in line
+    assert next(line for line in printed.splitlines() if line.startswith("expert parallel: ")).endswith(
+        "GB/s [assumed: NVLink 4 (450 GB/s per direction), ~80% as NCCL's bus bandwidth]"
+    )

@@ -7,9 +7,9 @@ in-flight micro-batches is written here. Two readings of it:
 - each stage runs its micro-batches in order, so the k-th forward (and the k-th B, I or W) of a stage is micro-batch
   k: torch 2.13's `Schedule1F1B.pipeline_order` numbers its last rank's forwards from 1 (its step runs its own loop,
   whose warm-up, min(m, P - s) forwards, the list matches), and the renumbering reads every schedule alike;
-- a zero-bubble input pass (I) keeps the micro-batch's graph for its weight pass (W: torch's
-  `stage_backward_input` retains it), so a micro-batch is in flight from its F to its B or W, and the local run
-  backpropagates it whole at that action.
+- a zero-bubble micro-batch is in flight from its F to its W: the local run calls torch's own input and weight
+  passes (`stage_backward_input`, `stage_backward_weight`: what the I keeps for the W, the intermediates' gradients
+  included, is held between them), and on the first stage the whole backward at W, as torch's stage does.
 
 `LocalSchedule` runs the rank's actions on its stages' own modules without sends: a non-first stage's input is the
 receive buffer torch allocates for each micro-batch (one per micro-batch, kept between steps, its gradient kept to
@@ -23,10 +23,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import Schedule1F1B
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from internlm_offload.config import RunConfig
 from internlm_offload.config.pipeline import virtual_chunks
@@ -95,19 +97,6 @@ def rank_actions(order: dict[int, list], rank: int) -> list[Action]:
 def releases(action: Action) -> bool:
     """Whether `action` ends its micro-batch's stay in flight: a B, or a W (an I keeps the graph for W)."""
     return action.kind == BACKWARD or action.kind == WEIGHT
-
-
-def in_flight(actions: list[Action]) -> dict[int, int]:
-    """Per stage of the rank: the most micro-batches forwarded and not yet released together."""
-    live: dict[int, int] = {}
-    peak: dict[int, int] = {}
-    for action in actions:
-        if action.kind == FORWARD:
-            live[action.stage] = live.get(action.stage, 0) + 1
-            peak[action.stage] = max(peak.get(action.stage, 0), live[action.stage])
-        elif releases(action):
-            live[action.stage] -= 1
-    return peak
 
 
 def rank_in_flight(order: dict[int, list], rank: int) -> int:
@@ -238,23 +227,31 @@ class LocalSchedule:
         for buffers in self._inputs.values():  # PipelineStage.clear_runtime_states
             for buffer in buffers:
                 buffer.grad = None
+        micro_num = len(micro_batches)
         in_flight: dict[tuple[int, int], torch.Tensor] = {}
+        weight_passes: dict[tuple[int, int], list[dict[str, Any]]] = {}  # what an I keeps for its W
         for action in self.actions:
-            stage, mb = self.stages[action.stage], action.micro_batch
+            stage, mb, key = self.stages[action.stage], action.micro_batch, (action.stage, action.micro_batch)
             if action.kind == FORWARD:
                 kwargs = {"position_ids": positions[0][mb]} if positions else {}
-                x = ids[mb] if stage.is_first else self._input(action.stage, ids[mb].shape, mb, len(micro_batches))
+                x = ids[mb] if stage.is_first else self._input(action.stage, ids[mb].shape, mb, micro_num)
                 out = stage.submod(x, **kwargs)
-                if stage.is_last:
-                    out = self.runner.loss(out, labels[mb], token_weight)
-                in_flight[(action.stage, mb)] = out
-            elif releases(action):
-                out = in_flight.pop((action.stage, mb))
-                grad = None if stage.is_last else self._output_grad(action.stage, out, len(micro_batches))[mb]
+                in_flight[key] = self.runner.loss(out, labels[mb], token_weight) if stage.is_last else out
+                continue
+            if action.kind == INPUT and not stage.is_first:  # torch's input pass: the inputs' gradients now
+                out = in_flight.pop(key)
+                grads = None if stage.is_last else [self._output_grad(action.stage, out, micro_num)[mb]]
+                inputs = [self._inputs[action.stage][mb]]
+                weight_passes[key] = stage_backward_input([out], grads, inputs, stage.submod.parameters())[1]
+            elif action.kind == WEIGHT and key in weight_passes:  # its weight pass, from what the I kept
+                stage_backward_weight(stage.submod.parameters(), weight_passes.pop(key))
+            elif action.kind != INPUT:  # B, or the first stage's W: the whole backward (torch's, both)
+                out = in_flight.pop(key)
+                grad = None if stage.is_last else self._output_grad(action.stage, out, micro_num)[mb]
                 torch.autograd.backward(out, grad)
-                if after_backward is not None:
-                    after_backward()
-        return self.runner.step_loss_sum(len(micro_batches))
+            if after_backward is not None:
+                after_backward()
+        return self.runner.step_loss_sum(micro_num)
 
     def _input(self, stage: int, ids_shape: torch.Size, micro_batch: int, micro_num: int) -> torch.Tensor:
         if stage not in self._inputs:

@@ -90,11 +90,13 @@ class PipelineRunner:
             _Stage(m, index, num_stages, ctx.device, group=self._pp_group, after_backward=self._micro_batch_done)
             for index, m in modules.items()
         ]
+        self.stages: list[PipelineStage] = list(stages)  # this rank's, in stage order (the planner runs them too)
         single = schedule_cls is Schedule1F1B
         # scale_grads=False: the loss is already the trainer's share of the step (see the module's docstring)
-        self.schedule = schedule_cls(stages[0] if single else stages, micro_num, loss_fn=self._loss, scale_grads=False)
+        self.schedule = schedule_cls(stages[0] if single else stages, micro_num, loss_fn=self.loss, scale_grads=False)
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:
+        """One micro-batch's loss on the last stage: its token-loss sum (kept for `step_loss_sum`) times `weight`."""
         loss_sum = token_loss_sum(logits, labels, label_smoothing=self._label_smoothing)
         self._sums.append(loss_sum.detach())
         return loss_sum * weight
@@ -117,8 +119,7 @@ class PipelineRunner:
             torch.cat([mb[i] for mb in micro_batches]).to(device) for i in range(len(micro_batches[0]))
         )
         kwargs = {"position_ids": positions[0]} if positions else {}  # every stage applies RoPE
-        self._sums = []
-        self._after_backward = after_backward
+        self.start_step(after_backward)
         self.schedule.step(
             *((input_ids,) if self.holds_first else ()),
             target=labels if self.holds_last else None,
@@ -127,10 +128,19 @@ class PipelineRunner:
             loss_kwargs={"weight": token_weight},
             **kwargs,
         )
+        return self.step_loss_sum(len(micro_batches))
+
+    def start_step(self, after_backward: Callable[[], None] | None) -> None:
+        """Forget the last step's loss sums; `after_backward` runs after each backward pass of this step."""
+        self._sums = []
+        self._after_backward = after_backward
+
+    def step_loss_sum(self, micro_num: int) -> torch.Tensor:
+        """The sum of this step's `micro_num` token-loss sums (0 off the last stage)."""
         # The first step's shape inference runs the loss once more, before the schedule: this step's sums are the
-        # last len(micro_batches).
-        loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-        for micro_sum in self._sums[-len(micro_batches) :]:  # the order and kernel of the trainer's accumulation
+        # last micro_num.
+        loss_sum = torch.zeros((), device=self.ctx.device, dtype=torch.float32)
+        for micro_sum in self._sums[-micro_num:]:  # the order and kernel of the trainer's accumulation
             loss_sum += micro_sum
         return loss_sum
 
@@ -141,6 +151,13 @@ class PipelineRunner:
         if self._dp_group.size() > 1:
             dist.all_reduce(values, op=dist.ReduceOp.AVG, group=self._dp_group)
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self._pp_group)
+
+    def stage_peaks(self, peak: int) -> list[int]:
+        """Every pipeline rank's `peak` (of this rank's pipeline: the same data-parallel index), by pipeline rank."""
+        mine = torch.tensor([peak], dtype=torch.int64, device=self.ctx.device)
+        every = [torch.empty_like(mine) for _ in range(self._pp_group.size())]
+        dist.all_gather(every, mine, group=self._pp_group)
+        return [int(t.item()) for t in every]
 
     def global_norm(self, stage_norm: torch.Tensor) -> torch.Tensor:
         """The 2-norm over every stage's gradients from this rank's stages' norm (replicated within a stage)."""

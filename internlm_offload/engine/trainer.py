@@ -415,6 +415,8 @@ class Trainer:
                 **memory_record(self.ctx.accelerator),
             }
             self._note_peak(self.step - first_step, record["device_peak_mem_bytes"])
+            if self.pipeline is not None:  # the stages' peaks differ (the first holds the most micro-batches)
+                record["stage_device_peak_mem_bytes"] = self.pipeline.stage_peaks(record["device_peak_mem_bytes"])
             for feature in self.features:
                 record.update(feature.metrics())
             if self._validation_due():

@@ -85,7 +85,9 @@ def trace_composed(
     short, whose reduced traces do not line up or that is not `composable` is traced whole; `approximate`:
     one that is not composable is composed all the same (the search's estimates, `APPROXIMATE_MARGIN`)."""
     trace = trace or (lambda c, work: trace_step(c, world_size, count_work=work))
-    if not same_blocks(cfg) or not (approximate or composable(cfg, world_size)):
+    # a pipeline's stages cut the blocks: a reduced model's stages would hold other blocks than the whole one's
+    whole = not same_blocks(cfg) or cfg.parallel.pipeline.size > 1
+    if whole or not (approximate or composable(cfg, world_size)):
         return trace(cfg, count_work)
     runs = block_runs(cfg)
     target = [n for _, n in runs]

@@ -22,6 +22,9 @@ move a few values per token. Elements and bytes of DTensors are their local shar
                                                                          cpu), NVMe reads and writes too
                   + collectives / collective_bytes_per_s                 the norm over tensor shards
     step        = micro_num x micro-batch + optimizer
+    pipeline    = the makespan of torch's schedule order + optimizer     each rank's micro-batch time split
+                                                                         over its stages, backward = 2 x
+                                                                         forward (planner/pipeline.py)
 
 The host's memory bandwidth is the one the CPU AdamW rate assumes (`host_bytes_per_s`: elements/s x 28 B).
 Ranks on one node share it (`shared_by`): each gets its share for host adds and the CPU AdamW step, and
@@ -294,12 +297,14 @@ class StepTime:
     micro_batch_s: float
     optimizer_s: float
     hardware: Hardware
+    bubble_fraction: float = 0.0  # a pipeline's: the share of its forward-backward time the slowest rank idles
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "step_s": self.step_s,
             "micro_batch_s": self.micro_batch_s,
             "optimizer_s": self.optimizer_s,
+            "bubble_fraction": self.bubble_fraction,
             "hardware": asdict(self.hardware),
         }
 

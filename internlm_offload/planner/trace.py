@@ -25,9 +25,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -40,12 +41,14 @@ from internlm_offload.config import RunConfig
 from internlm_offload.data.loader import MicroBatch
 from internlm_offload.device import storage_key
 from internlm_offload.engine.expert_parallel import expert_params, moe_blocks
-from internlm_offload.engine.runtime import RunContext, expert_mesh, tensor_parallel_mesh
+from internlm_offload.engine.pipeline import PipelineRunner
+from internlm_offload.engine.runtime import RunContext, expert_mesh, pipeline_mesh, tensor_parallel_mesh
 from internlm_offload.engine.trainer import Trainer
 from internlm_offload.model.quantized import scale_tensors
 from internlm_offload.optim.records import ParamRecord
 from internlm_offload.planner.cost import FlopCounter, StepWork, WorkCounter, extra_flops
 from internlm_offload.planner.meta_cache import MetaKernelCache
+from internlm_offload.planner.pipeline import LocalSchedule, StageMemory, rank_in_flight
 from internlm_offload.planner.standins import (
     PlanningAccelerator,
     expert_dispatch_on_meta,
@@ -95,6 +98,10 @@ class StepMemory:
     # device figure is `device_peak_bytes`. What `compose.py` composes a peak from; not part of the report.
     segments: list[Segment] = field(default_factory=list)
     first_segments: list[Segment] = field(default_factory=list)  # the first step's, likewise
+    # A pipeline: the most stage micro-batches this rank holds in flight (torch's schedule order), and every
+    # pipeline rank's figures (the fields above are the worst rank's); 1 and empty without one.
+    in_flight: int = 1
+    stages: list[StageMemory] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         report = asdict(self)
@@ -116,6 +123,7 @@ class _Probe:
 
     tracker: StorageTracker
     records: list[ParamRecord]  # the masters' records: where `step()` finds each gradient
+    per_step: bool = False  # a pipeline: one micro-batch's work is the step's mean
     block_growth: dict[int, int] = field(default_factory=dict)
     forward_growth: int = 0
     grads_bytes: int = 0
@@ -177,6 +185,8 @@ class _Probe:
         self.grads_bytes = _grads_bytes(optimizer, self.records)
         if self.counter is not None:
             total = self._counted()
+            if self.per_step:  # a pipeline rank interleaves its micro-batches' passes: their mean
+                self.micro_batch_work = total.scaled(1 / self.forwards)
             self.micro_batch_work = self.micro_batch_work or total
             self.optimizer_work = total - self.micro_batch_work.scaled(self.forwards)
             self.counter.work = StepWork()
@@ -221,10 +231,10 @@ class _Probe:
         return hook
 
 
-def micro_batches(cfg: RunConfig) -> list[MicroBatch]:
+def micro_batches(cfg: RunConfig, every: bool = False) -> list[MicroBatch]:
     """Host micro-batches of the configured shape: (micro_bsz, seq_len) rows, or one packed row with
     `position_ids` when InternEvo data keeps documents apart (as the loader makes them); at most
-    `TRACED_MICRO_BATCHES` of them."""
+    `TRACED_MICRO_BATCHES` of them unless `every` (a pipeline's schedule order depends on their number)."""
     data = cfg.data
     packed_apart = data.type == "internevo" and not data.pack_sample_into_one
     rows, length = (1, data.micro_bsz * data.seq_len) if packed_apart else (data.micro_bsz, data.seq_len)
@@ -232,24 +242,26 @@ def micro_batches(cfg: RunConfig) -> list[MicroBatch]:
     batch: MicroBatch = (
         (ids, ids.clone(), torch.arange(length).remainder(data.seq_len)[None]) if packed_apart else (ids, ids.clone())
     )
-    return [batch] * min(data.micro_num, TRACED_MICRO_BATCHES)
+    return [batch] * (data.micro_num if every else min(data.micro_num, TRACED_MICRO_BATCHES))
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int, needed: bool = False) -> Iterator[None]:
-    """torch's fake backend as the default group: collectives return at once, shapes as on `world_size` ranks.
-    One rank needs no group unless the layout builds a device mesh (`needed`: FSDP2)."""
+def fake_process_group(world_size: int, needed: bool = False, rank: int = 0) -> Iterator[None]:
+    """torch's fake backend as the default group, seen from `rank`: collectives return at once, shapes as on
+    `world_size` ranks. One rank needs no group unless the layout builds a device mesh (`needed`: FSDP2)."""
     if world_size == 1 and not needed:
         yield
         return
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    excepthook = sys.excepthook  # torch prefixes uncaught errors' lines with the fake rank for good
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
         # A device mesh compares equal to another of the same shape and ranks whatever its group: DTensor's
         # cached sharding decisions would hand this fake mesh (rank 0 on every rank) to the run's own
         # DTensors after a preflight (a checkpoint's shards then all claim rank 0's offsets).
@@ -276,10 +288,11 @@ def trace_step(cfg: RunConfig, world_size: int = 1, *, measure: bool = False, co
     only the cost model reads (the preflight needs the memory figures alone; the FLOP counter is the
     slowest part of a trace).
     """
-    if cfg.parallel.pipeline.size > 1:  # the trace would build the whole model on rank 0
+    pipe = cfg.parallel.pipeline.size
+    if pipe > 1 and cfg.parallel.mode == "fsdp2":  # torch's stage defers FSDP2's reduction; the local run does not
         raise UnsupportedLayout(
-            f"parallel.pipeline.size={cfg.parallel.pipeline.size}: the memory planner does not trace pipeline "
-            "stages yet (size 1 is traced)"
+            f"parallel.mode='fsdp2' with parallel.pipeline.size={pipe}: the memory planner traces a pipeline's "
+            "stages under 'none' or 'ddp' only"
         )
     if measure and cfg.parallel.expert.size > 1:  # the fake group's all-to-all would hand back no counts
         raise UnsupportedLayout(
@@ -287,11 +300,33 @@ def trace_step(cfg: RunConfig, world_size: int = 1, *, measure: bool = False, co
             "whose all-to-all exchanges no token counts; measure expert parallel with torchrun "
             "(python -m internlm_offload.bench.planner)"
         )
-    mode = cfg.parallel.mode
-    if mode == "ddp":
+    if pipe > 1:
+        return _pipeline_step(cfg, world_size, measure, count_work)
+    return _traced(cfg, world_size, measure, count_work)
+
+
+def _traced(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_rank: int = 0) -> StepMemory:
+    """One rank's trace (pipeline rank `pp_rank`'s first); DDP as one process plus its buckets."""
+    if cfg.parallel.mode == "ddp":
         single = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"mode": "none"})})
-        return _with_ddp_buckets(_trace(single, world_size, measure, count_work))
-    return _trace(cfg, world_size, measure, count_work)
+        return _with_ddp_buckets(_trace(single, world_size, measure, count_work, pp_rank))
+    return _trace(cfg, world_size, measure, count_work, pp_rank)
+
+
+def _pipeline_step(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> StepMemory:
+    """Every pipeline rank traced on its own stages (`planner/pipeline.py` runs its actions in torch's order): the
+    figures of the rank with the highest device peak, each rank's in `stages`, and the highest host peak (a node's
+    host holds every stage's ranks)."""
+    ranks = [_traced(cfg, world_size, measure, count_work, r) for r in range(cfg.parallel.pipeline.size)]
+    worst = max(ranks, key=lambda m: m.device_peak_bytes)
+    per_rank = [
+        StageMemory(
+            r, m.device_peak_bytes, m.host_peak_bytes, m.first_step_device_peak_bytes, m.in_flight,
+            m.components["activations"], m.micro_batch_work,
+        )
+        for r, m in enumerate(ranks)
+    ]  # fmt: skip
+    return dataclasses.replace(worst, stages=per_rank, host_peak_bytes=max(m.host_peak_bytes for m in ranks))
 
 
 def _with_ddp_buckets(memory: StepMemory) -> StepMemory:
@@ -307,11 +342,12 @@ def _with_ddp_buckets(memory: StepMemory) -> StepMemory:
     return memory
 
 
-def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> StepMemory:
+def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_rank: int = 0) -> StepMemory:
     accelerator = PlanningAccelerator("cpu", meta=not measure)
     tracker = accelerator.tracker
-    tensor = cfg.parallel.tensor.size
-    batches = micro_batches(cfg)  # real host tensors, as the loader's: the trainer counts their labels
+    tensor, pipe = cfg.parallel.tensor.size, cfg.parallel.pipeline.size
+    # real host tensors, as the loader's: the trainer counts their labels; a pipeline's schedule runs all
+    batches = micro_batches(cfg, every=pipe > 1)
     # Factory calls without a device (buffers made by `init_weights`) land on meta too.
     stand_ins = (
         ()
@@ -325,28 +361,37 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
         )
     )
     experts = cfg.parallel.expert.size
-    group = fake_process_group(world_size, needed=cfg.parallel.mode == "fsdp2" or tensor > 1 or experts > 1)
+    rank = pp_rank * (world_size // pipe)  # the first rank of the pipeline rank's stage
+    needed = cfg.parallel.mode == "fsdp2" or tensor > 1 or experts > 1 or pipe > 1
+    group = fake_process_group(world_size, needed=needed, rank=rank)
     # The bottom mode: every op the tracker and the counters pass on is answered from its signature if seen.
     kernels = contextlib.nullcontext() if measure or not MEMOISE_KERNELS else MetaKernelCache()
     with group, _quiet(), kernels, contextlib.ExitStack() as stack, tracker, tracker.counting_resizes():
         for stand_in in stand_ins:
             stack.enter_context(stand_in)
-        ctx = _rank_zero(world_size, tensor, experts, accelerator)
+        ctx = _rank_context(rank, world_size, tensor, experts, pipe, accelerator)
         parts = build_components(cfg, ctx, check_host_memory=False)
         if cfg.parallel.fsdp_cpu_offload:
             for param in parts.model.parameters():  # FSDP2 keeps each shard in pinned host memory
                 tracker.move_to(param, ("host", "pinned"))
+        schedule = None
+        if parts.pipeline is not None:  # the stages' schedule run here, in torch's order, without sends
+            activation = (cfg.model.hidden_size, parts.policy.compute_dtype)
+            schedule = LocalSchedule(parts.pipeline, pp_rank, activation)
+            parts.pipeline = cast(PipelineRunner, schedule)
         trainer = make_trainer(cfg, ctx, parts, trainer_class=Trainer if measure else _TracingTrainer)
-        probe = _Probe(tracker, parts.masters.records())
+        probe = _Probe(tracker, parts.masters.records(), per_step=schedule is not None)
         parts.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: probe.before_optimizer_step(optimizer))
         parts.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: probe.after_optimizer_step())
-        handles = probe.segment_hooks(parts.model, parts.layers)
+        # a pipeline rank's micro-batch enters its first stage's module (the stepped `PipelineStages` never runs)
+        entry = parts.model if schedule is None else schedule.stages[min(schedule.stages)].submod
+        handles = probe.segment_hooks(entry, parts.layers)
         parts.optimizer.register_step_pre_hook(lambda *_: probe.mark("optimizer step"))
         tracker.reset_peaks()
         first_segments = probe.recorded(lambda: trainer.train_step(batches))
         first_peak = tracker.peak_bytes("device")
         at_rest = {tier: tracker.live_bytes(tier) for tier in ("device", "host")}
-        handles += probe.hooks(parts.model, parts.layers)
+        handles += probe.hooks(entry, parts.layers)
         tracker.reset_peaks()
         segments = probe.recorded(lambda: trainer.train_step(batches))
         peaks = {tier: tracker.peak_bytes(tier) for tier in ("device", "host", "disk")}
@@ -374,17 +419,24 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> 
             optimizer_work=probe.optimizer_work,
             segments=segments,
             first_segments=first_segments,
+            in_flight=1 if schedule is None else rank_in_flight(schedule.runner.schedule.pipeline_order, pp_rank),
         )
         trainer.close()
     return memory
 
 
-def _rank_zero(world_size: int, tensor_size: int, expert_size: int, accelerator: PlanningAccelerator) -> RunContext:
-    """Rank 0's context; with tensor parallel its ("dp", "tp") mesh, with expert parallel its ("edp", "ep") mesh,
-    over the fake process group."""
+def _rank_context(
+    rank: int, world_size: int, tensor_size: int, expert_size: int, pipeline_size: int, accelerator: PlanningAccelerator
+) -> RunContext:
+    """`rank`'s context over the fake process group: with tensor parallel its ("dp", "tp") mesh, with expert
+    parallel its ("edp", "ep") mesh, with a pipeline its ("pp", "dp") mesh."""
     mesh = tensor_parallel_mesh("cpu", world_size, tensor_size)
     experts = None if expert_size == 1 else expert_mesh("cpu", world_size // tensor_size, expert_size)
-    return RunContext(0, 0, world_size, accelerator, tensor_size=tensor_size, mesh=mesh, expert_mesh=experts)
+    pipe_mesh = None if pipeline_size == 1 else pipeline_mesh("cpu", world_size, pipeline_size)
+    return RunContext(
+        rank, rank, world_size, accelerator, tensor_size=tensor_size, mesh=mesh, expert_mesh=experts,
+        pipeline_size=pipeline_size, pipeline_mesh=pipe_mesh,
+    )  # fmt: skip
 
 
 def _grads_bytes(optimizer: torch.optim.Optimizer, records: list[ParamRecord]) -> int:

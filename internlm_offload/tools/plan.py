@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
-from internlm_offload.config.file import add_cfg_options
+from internlm_offload.config.file import add_cfg_options, merge_overrides
 from internlm_offload.device import get_accelerator
-from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate, shared_by, step_time
+from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate, shared_by
 from internlm_offload.planner.tracker import largest_component
 from internlm_offload.config.sizes import human_bytes
 from internlm_offload.config.sizes import parse_size as config_size
@@ -158,9 +158,38 @@ def table(plan: dict[str, Any], measured: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
+def stage_table(plan: dict[str, Any], measured: dict[str, Any] | None) -> str:
+    """A pipeline's ranks: each one's device peak in MiB and its micro-batches in flight (torch's schedule order)."""
+    worst = max(plan["stages"], key=lambda stage: stage["device_peak_bytes"])["pp_rank"]
+    header = f"{'pipeline rank':<14}{'in flight':>10}{'activations MiB':>17}{'device peak MiB':>17}"
+    lines = [
+        f"components above: pipeline rank {worst}'s (the highest device peak); each rank's stages traced on their own",
+        header + (f"{'measured MiB':>14}" if measured else ""),
+    ]
+    for i, stage in enumerate(plan["stages"]):
+        line = (
+            f"{stage['pp_rank']:<14}{stage['in_flight']:>10}{stage['activation_bytes'] / 2**20:>17.2f}"
+            f"{stage['device_peak_bytes'] / 2**20:>17.2f}"
+        )
+        if measured:
+            line += f"{measured['stages'][i]['device_peak_bytes'] / 2**20:>14.2f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def step_line(micro_num: int, timing: Any, hardware: Hardware) -> str:
+    """The predicted step time and its parts; a pipeline's with its bubble."""
+    bubble = f", {timing.bubble_fraction:.1%} of it the pipeline's bubble" if timing.bubble_fraction else ""
+    return (
+        f"predicted step time {timing.step_s:.4g} s ({micro_num} micro-batches x {timing.micro_batch_s:.4g} s{bubble} "
+        f"+ optimizer {timing.optimizer_s:.4g} s) on {hardware.name} [{hardware.source}]"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from internlm_offload.planner.compose import Tracer
     from internlm_offload.planner.knobs import WRAPPER
+    from internlm_offload.planner.pipeline import planned_step_time
     from internlm_offload.planner.trace import UnsupportedLayout, trace_step  # heavy imports after parsing
 
     if args.world_size < 1:
@@ -181,6 +210,9 @@ def run(args: argparse.Namespace) -> int:
         raw = load_config_file(args.config, args.cfg_options)
         cfg = resolve_config(raw, world_size=args.world_size)
     searching = bool(device_budget or host_budget) and not args.check_only
+    # the search's knobs and its peak estimates are one rank's: a pipeline's budget is checked as given
+    pipeline_checked = searching and cfg.parallel.pipeline.size > 1
+    searching = searching and not pipeline_checked
     tracer = Tracer(args.world_size)
     try:
         # the config as given: composed from its blocks when a search follows (which traces its choice whole)
@@ -191,12 +223,11 @@ def run(args: argparse.Namespace) -> int:
         raise PlanInputError(str(exc)) from None
     fits, reason = verdict(plan, device_budget, host_budget, disk_budget)
     hardware = shared_by(row(args), ranks_per_node)
-    timing = step_time(memory.micro_batch_work, memory.optimizer_work, memory.micro_num, hardware)
+    timing = planned_step_time(cfg, memory.stages, memory.micro_batch_work, memory.optimizer_work, hardware)
     print(table(plan, measured))
-    print(
-        f"predicted step time {timing.step_s:.4g} s ({memory.micro_num} micro-batches x {timing.micro_batch_s:.4g} s "
-        f"+ optimizer {timing.optimizer_s:.4g} s) on {hardware.name} [{hardware.source}]"
-    )
+    if memory.stages:
+        print(stage_table(plan, measured))
+    print(step_line(memory.micro_num, timing, hardware))
     collectives = memory.micro_batch_work.collective_bytes
     if collectives:
         which = "expert parallel" if cfg.parallel.tensor.size == 1 else "tensor parallel"
@@ -217,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
         + ("" if node_host is None else f" of {human_bytes(node_host)} ({human_bytes(host_budget)} per rank)")
     )
     print(f"{args.config} on {args.world_size} rank(s): {reason}")
+    if pipeline_checked:
+        print("pipeline: checked as given, not searched (the search does not vary a pipeline's settings yet)")
     options = dict(args.cfg_options)
     parallel_mode = cfg.parallel.mode
     searched = None
@@ -227,7 +260,10 @@ def run(args: argparse.Namespace) -> int:
             memory, options = chosen.memory, {**options, **chosen.options}
             parallel_mode = chosen.options.get(WRAPPER, parallel_mode)
             plan = memory.as_dict()
-            timing = step_time(memory.micro_batch_work, memory.optimizer_work, memory.micro_num, hardware)
+            chosen_cfg = resolve_config(merge_overrides(raw, chosen.options), world_size=args.world_size)
+            timing = planned_step_time(
+                chosen_cfg, memory.stages, memory.micro_batch_work, memory.optimizer_work, hardware
+            )
             reason = f"chosen: {chosen.name}"
         else:
             reason = "nothing fits"

@@ -15,6 +15,7 @@ CASES = {
         2,
     ),
     "moe + swap": ("configs/internlm2_tiny_moe.py", {"swap_optimizer": True}, 1),
+    "pipeline 2 x 1F1B + offload": ("configs/internlm2_tiny_pp2.py", {"cpu_offloading.enable": True}, 2),
 }
 
 

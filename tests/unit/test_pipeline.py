@@ -239,12 +239,16 @@ def test_micro_batch_rules_match_torchs_schedules():
     assert micro_batch_problem(2, "ZBV", 1, 2) is None
 
 
-def test_the_planner_refuses_a_pipeline_in_one_line(capsys):
-    """tools/plan would trace the whole model on rank 0: a pipeline's per-stage memory is issue 37 item 7."""
+def test_the_planner_refuses_fsdp2_under_a_pipeline_in_one_line(capsys):
+    """torch's stage defers FSDP2's gradient reduction to the step's end; the planner's local run of a stage does
+    not (tests/unit/test_planner_pipeline.py traces the other layouts)."""
     from internlm_offload.tools.plan import main
 
-    assert main(["--config", str(REPO / "configs" / "internlm2_tiny_pp2.py"), "--world-size", "2"]) == 2
-    assert "parallel.pipeline.size=2: the memory planner does not trace pipeline stages yet" in capsys.readouterr().err
+    config = str(REPO / "configs" / "internlm2_tiny_pp2.py")
+    assert main(["--config", config, "--world-size", "4", "--cfg-options", "parallel.mode=fsdp2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "parallel.mode='fsdp2' with parallel.pipeline.size=2: the memory planner traces a pipeline's" in err
+    assert len(err.splitlines()) == 1
 
 
 def test_another_trainers_weights_are_refused_under_a_pipeline_in_one_line(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """The `model.quantization_config` section: QLoRA's 4-bit frozen base, with `transformers.BitsAndBytesConfig`'s
 names (what XTuner's QLoRA configs and transformers users write)."""
 
+import importlib.util
 from typing import Any, Literal, Optional
 
 from pydantic import Field, model_validator
@@ -85,6 +86,8 @@ def quantization_problem(cfg: Any) -> str | None:
         )
     if cfg.parallel.pipeline.size > 1:
         return f"{where} with parallel.pipeline.size={cfg.parallel.pipeline.size}: not built for pipeline stages"
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return f'{where}: the 4-bit base needs bitsandbytes, which is not installed (pip install "internlm_offload[qlora]")'
     return None
 
 

@@ -141,8 +141,8 @@ def _check_pipeline(cfg: RunConfig, data_parallel: int) -> None:
         return
     if cfg.auto_knobs:
         raise ConfigError(
-            f"{cfg.auto_knobs[0]}='auto' with parallel.pipeline.size={pipe.size}: the planner does not trace "
-            "pipeline stages yet; give the knob a value"
+            f"{cfg.auto_knobs[0]}='auto' with parallel.pipeline.size={pipe.size}: the planner does not search "
+            "knobs under a pipeline yet (tools.plan checks a pipeline as given); give the knob a value"
         )
     problem = micro_batch_problem(pipe.size, pipe.mode, cfg.model.num_chunks, cfg.data.micro_num) or (
         data_parallel_problem(pipe.mode, data_parallel)

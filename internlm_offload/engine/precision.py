@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from internlm_offload.log import get_logger
+from internlm_offload.model.quantized import scale_tensors
 from internlm_offload.optim.dtensor import laid_out_like, local_shard
 from internlm_offload.optim.records import ParamRecord
 
@@ -131,9 +132,9 @@ class MasterWeights:
             if named[name].requires_grad
         }
         frozen = {id(p): p for p in named.values() if not p.requires_grad}
-        # integer buffers (a 4-bit base's scales, held as bytes) are shared too: the cast below leaves them as
-        # they are, and a copy of a 70B base's scales would be a GiB of device memory the masters never read
-        frozen.update({id(b): b for b in model.buffers() if not b.is_floating_point()})
+        # a 4-bit base's scales (buffers held as bytes) are shared too: the cast below leaves them as they are,
+        # and a copy of a 70B base's scales would be a GiB of device memory the masters never read
+        frozen.update({id(b): b for b in scale_tensors(model)})
         self.module = copy.deepcopy(model, {**hosted, **frozen})
         model.to(compute_dtype)
         named_model = dict(model.named_parameters())

@@ -47,11 +47,13 @@ class Linear4bit(nn.Module):
             packed, scales = _meta_quantized(weight.shape, self.double_quant)
         else:
             packed, scales = _quantized(weight.to(self.compute_dtype), self.quant_type, self.double_quant)
-        self.weight.data = packed.to(self.weight.device)
+        # Written in place once they exist: the masters' copy of the model shares these tensors (and a base on the
+        # host holds them pinned), so a base loaded from files must reach every holder.
+        _store(self._parameters, "weight", packed, self)
         for name, value in scales.items():
             self._dtypes[name] = value.dtype
             as_bytes = value.reshape(-1).view(torch.uint8)  # a model-wide .to(dtype) casts float buffers
-            self.register_buffer(name, as_bytes.to(self.weight.device), persistent=False)
+            _store(self._buffers, name, as_bytes, self)
 
     def host_tensor_names(self) -> list[str]:
         """What `model.lora.base_on_host` holds on the host and brings in (offload/hosted_base.py), in order."""
@@ -211,6 +213,17 @@ def quantized_linears(model: nn.Module) -> Iterator[tuple[str, Linear4bit]]:
 def full_weight_shapes(model: nn.Module) -> dict[str, torch.Size]:
     """{state-dict name: [out, in]} of the 4-bit weights: the shapes their files hold."""
     return {f"{name}.weight": torch.Size([m.out_features, m.in_features]) for name, m in quantized_linears(model)}
+
+
+def _store(held: dict, name: str, value: torch.Tensor, module: nn.Module) -> None:
+    """`value` into the tensor `held[name]` in place when it has its shape, else registered anew."""
+    current = held.get(name)
+    if current is not None and current.shape == value.shape and current.dtype == value.dtype:
+        current.copy_(value)
+    elif name == "weight":
+        current.data = value.to(current.device)
+    else:
+        module.register_buffer(name, value.to(module.weight.device), persistent=False)
 
 
 def scale_tensors(model: nn.Module) -> list[torch.Tensor]:

@@ -227,6 +227,7 @@ def serve() -> None:
                 pid = os.fork()
                 if pid == 0:
                     _child(request, env)
+                codes.pop(pid, None)  # a reused pid: an earlier child's code is not this one's
                 pids.append(pid)
             reply: dict[str, Any] = {"pids": pids}
         elif request["op"] == "poll":

@@ -5,6 +5,7 @@ the run a new process would; the rest start real processes (`_forkable` says whi
 
 import atexit
 import functools
+import itertools
 import json
 import os
 import subprocess
@@ -96,8 +97,9 @@ def run_python(
 
 
 def spawn_python(cmd: list[str], out: Path, *, env: dict[str, str] | None = None) -> "ForkedRun | subprocess.Popen":
-    """`cmd` started and left running, its stderr appended to `<out>.stderr` (`.stderr_path`), stdout dropped: a
-    forked run, or a subprocess where a fork would not give the same run. Both poll, wait and take signals."""
+    """`cmd` started and left running, its stderr appended to `<out>.stderr` (`.stderr_path`; a fork's stdout to
+    `<out>.stdout`, a subprocess's dropped): a forked run, or a subprocess where a fork would not give the same
+    run. Both poll, wait and take signals."""
     stderr = Path(f"{out}.stderr")
     plan = _forkable(cmd, env, expect_success=True)
     if plan is None:
@@ -129,6 +131,8 @@ class ForkedRun:
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
+        if self.returncode is not None:  # reaped: its pids may be another process's by now
+            return
         for pid in self.pids:
             try:
                 os.kill(pid, signum)
@@ -151,7 +155,7 @@ def _forkable(
         return None
     base = {**BASE_ENV, **(env or {})}
     if cmd[1:3] == ["-m", "torch.distributed.run"]:
-        flags = [a for a in cmd[3:] if a.startswith("--")]
+        flags = list(itertools.takewhile(lambda arg: arg.startswith("--"), cmd[3:]))  # torchrun's, not the script's
         rest = cmd[3 + len(flags) :]
         nproc = [int(f.split("=", 1)[1]) for f in flags if f.startswith(("--nproc_per_node=", "--nproc-per-node="))]
         if not expect_success or set(f.split("=", 1)[0] for f in flags) - TORCHRUN_FLAGS or len(nproc) != 1:

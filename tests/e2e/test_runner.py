@@ -61,3 +61,14 @@ def test_a_started_run_polls_takes_a_signal_and_reports_its_exit(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 5
     assert proc.stderr_path.read_text() == "to stderr\nstopped\n"
+
+
+def test_a_torchrun_command_forks_one_child_per_rank_with_its_worker_environment(tmp_path):
+    """The script's own flags (after its path) are not torchrun's: the run still forks."""
+    script = tmp_path / "ranks.py"
+    script.write_text("import os, sys\nprint(os.environ['RANK'], os.environ['WORLD_SIZE'], sys.argv[1:])\n")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+    proc = spawn_python([*launcher, str(script), "--config", "x.py"], tmp_path / "run")
+    assert isinstance(proc, ForkedRun) and proc.wait(timeout=60) == 0
+    lines = sorted((tmp_path / "run.stdout").read_text().splitlines())
+    assert lines == ["0 2 ['--config', 'x.py']", "1 2 ['--config', 'x.py']"]

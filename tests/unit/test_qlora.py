@@ -226,3 +226,31 @@ def test_the_planner_counts_the_base_at_its_4bit_bytes():
     # at rest the device keeps block 0's copy (kept from backward for the next forward) and nothing else of the base:
     # the masters' copy shares the scales, which moved to the host with the same tensor objects
     assert hosted["other_at_rest"] - parts["other_at_rest"] == blocks // 2
+
+
+def test_a_base_loaded_into_the_masters_copy_reaches_the_model_it_trains():
+    """bf16: a base from files loads through the masters' copy (the trainer's `state_module`), which shares the 4-bit
+    weights and scales with the model: the model's matmuls see the file's weights, quantized."""
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    parts = build(native())
+    trainer = make_trainer(resolve_config(native()), CTX, parts)
+    name, module = next(iter(quantized_linears(parts.model)))
+    twin = dict(trainer.state_module.named_modules())[name]
+    assert twin is not module
+    weight = torch.randn(module.out_features, module.in_features)
+    twin.load_state_dict({"weight": weight})
+    packed, state = quantize_4bit(weight.to(torch.bfloat16), blocksize=64, quant_type="nf4", compress_statistics=True)
+    assert torch.equal(module.weight, packed)
+    assert torch.equal(module.dequantized(), dequantize_4bit(packed, state))
+
+
+def test_without_bitsandbytes_a_4bit_base_is_a_one_line_config_error(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a)
+    )
+    with pytest.raises(ConfigError, match=r"needs bitsandbytes, which is not installed \(pip install"):
+        resolve_config(native())

@@ -151,7 +151,7 @@ def _forkable(
     on a script or a module, or torchrun of a script expected to succeed (a failure's report is torchrun's
     own); no start-up variable in `env`. None otherwise."""
     server = fork_server()
-    if server is None or cmd[0] != sys.executable or any(k.startswith(STARTUP_VARIABLES) for k in env or {}):
+    if server is None or cmd[0] != sys.executable or not _same_start(env):
         return None
     base = {**BASE_ENV, **(env or {})}
     if cmd[1:3] == ["-m", "torch.distributed.run"]:
@@ -166,6 +166,17 @@ def _forkable(
     if cmd[1].startswith("-"):
         return None
     return server, {"script": cmd[1]}, cmd[2:], [base]
+
+
+def _same_start(env: dict[str, str] | None) -> bool:
+    """Whether `env` leaves what is read at start-up as the server has it (a PYTHONPATH led by this repository
+    too: the server imports the package from there)."""
+    for key, value in (env or {}).items():
+        if not key.startswith(STARTUP_VARIABLES) or BASE_ENV.get(key) == value:
+            continue
+        if key != "PYTHONPATH" or value.split(os.pathsep)[0] != str(REPO):
+            return False
+    return True
 
 
 TORCHRUN_FLAGS = {"--nproc_per_node", "--nproc-per-node", "--standalone"}

@@ -5,6 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers (op_counter.py)
 sys.path.insert(0, str(Path(__file__).parents[1]))  # helpers shared with the e2e tests (chat_fixtures.py)
+sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))  # runner.py: multi-process runs forked (fork_server.py)
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,11 @@
 layer on the same weights and tokens."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from runner import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -115,7 +115,7 @@ def test_two_rank_dispatch_matches_one_process_layer(tmp_path, moe_type, routing
     script.write_text(SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([*cmd, moe_type, routing], cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+    proc = run_python([*cmd, moe_type, routing], env=env, timeout=170, expect_success=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "EP-DISPATCH-OK rank=0" in proc.stdout and "EP-DISPATCH-OK rank=1" in proc.stdout
 

@@ -2,12 +2,12 @@
 
 import functools
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from runner import run_python
 from stream_gates import held_back
 from torch.optim import AdamW
 from torch.optim.lr_scheduler import LambdaLR
@@ -726,9 +726,7 @@ def test_fsdp2_two_ranks_bitwise_and_dcp_round_trip(tmp_path):
     script.write_text(FSDP2_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        [*cmd, str(tmp_path / "ckpt")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_python([*cmd, str(tmp_path / "ckpt")], env=env, timeout=300, expect_success=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "HYBRID-FSDP2-OK rank=0" in proc.stdout and "HYBRID-FSDP2-OK rank=1" in proc.stdout
 

@@ -2,11 +2,11 @@
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from runner import run_python
 
 from internlm_offload.tools.loss_compare import (
     LossCompareError,
@@ -265,9 +265,9 @@ def test_plot_writes_png(capsys, tmp_path, base):
 def test_module_entry_point_exit_codes(tmp_path, base):
     test = write_jsonl(tmp_path / "test.jsonl", bumped(LOSSES, 0))
     cmd = [sys.executable, "-m", "internlm_offload.tools.loss_compare", str(base), str(test), "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = run_python(cmd, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert "MISALIGNED (exact): first divergent step 1" in proc.stdout
-    proc = subprocess.run(cmd[:-2] + [str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    proc = run_python(cmd[:-2] + [str(tmp_path / "missing")], timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.startswith("loss_compare: error: ") and "Traceback" not in proc.stderr

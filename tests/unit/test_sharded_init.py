@@ -4,12 +4,12 @@ offload policy, HSDP (isp's weight parallel), and FSDP2 over tensor parallel's D
 heads replicated where the tensor size exceeds them). Four gloo processes, one launch."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from runner import run_python
 
 from internlm_offload.engine.parallel import init_from_whole
 
@@ -122,7 +122,7 @@ def test_every_layouts_shards_are_slices_of_the_one_process_build(tmp_path: Path
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script)]
     # PYTHONPATH: the script lives in tmp_path, so without it the package would come from the installed checkout
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python(cmd, env=env, timeout=300, expect_success=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.count("INIT-OK") == (8 + 1) * 4, proc.stdout
 

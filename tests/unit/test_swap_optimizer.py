@@ -10,7 +10,6 @@ import copy
 import io
 import math
 import os
-import subprocess
 import sys
 import threading
 import weakref
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from runner import run_python
 from stream_gates import held_back
 
 import internlm_offload.optim.swap as swap_mod
@@ -783,7 +783,7 @@ def test_fsdp2_two_ranks_bitwise_with_dtensor_states(tmp_path: Path) -> None:
     script.write_text(FSDP_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python(cmd, env=env, timeout=300, expect_success=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "FSDP2-OK rank=0" in proc.stdout and "FSDP2-OK rank=1" in proc.stdout
 

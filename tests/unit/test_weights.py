@@ -6,7 +6,6 @@ file layouts and Meta's RoPE row order are written out with explicit loops and i
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -539,10 +538,10 @@ def test_two_ranks_load_foreign_weights_read_by_rank_0_alone(tmp_path, reference
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # this checkout's package
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path,
            "TEST_DIR": str(Path(__file__).parent)}  # fmt: skip
-    proc = subprocess.run(
-        [*cmd, json.dumps(folders), str(tmp_path / "reference.pt")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=280, check=False,
-    )  # fmt: skip
+    from runner import run_python  # here: the ranks' script imports this module, without the test path
+
+    proc = run_python([*cmd, json.dumps(folders), str(tmp_path / "reference.pt")], env=env, timeout=280,
+                      expect_success=True)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     reports = {}
     for rank in (0, 1):

@@ -63,6 +63,15 @@ def offloaded(chunks: dict[int, PipelineChunk], num_layers: int) -> ActivationOf
     return ActivationOffloader(stage_blocks(chunks), num_layers, mode="async", segments=segments)
 
 
+def reload_logged(
+    chunks: dict[int, PipelineChunk], num_layers: int
+) -> tuple[ActivationOffloader, list[str], dict[int, str]]:
+    """`offloaded(chunks, num_layers)` with its reloads logged: (offloader, the log, group id -> its name)."""
+    offloader, log, names = offloaded(chunks, num_layers), [], {}
+    log_reloads(offloader, log, names)
+    return offloader, log, names
+
+
 def log_reloads(offloader: ActivationOffloader, log: list[str], names: dict[int, str]) -> None:
     """Append `R<stage>.<micro-batch>` to `log` when a group's reload starts (not when it was started already)."""
     start = offloader._start_reload
@@ -110,11 +119,8 @@ def test_the_next_backward_comes_back_after_each_forward_in_the_schedule_order()
     just ended; the last backward, with no forward before it, reloads when its own backward reaches block 1.
     Red when the newest micro-batch in flight is reloaded instead of the oldest."""
     stages = split_model(decoder(), 2, 1, 0, False)
-    offloader = offloaded(stages, 1)
-    log: list[str] = []
-    names: dict[int, str] = {}
+    offloader, log, names = reload_logged(stages, 1)
     keep: list = []
-    log_reloads(offloader, log, names)
     run(stages, ONE_F_ONE_B, log, lambda stage, micro: name_groups(offloader, names, stage, micro, keep))
     assert log == ["F0.0", "F0.1", "R0.0", "B0.0", "F0.2", "R0.1", "B0.1", "F0.3", "R0.2", "B0.2", "B0.3", "R0.3"]
     offloader.close()
@@ -125,11 +131,8 @@ def test_a_stage_whose_blocks_are_all_offloaded_releases_them_at_its_end():
     when the stage's forward ends, before another stage's forward runs, and it comes back ahead of its backward
     (after the stage's next forward), not on demand. Red when a forward ends only at the rank's last block."""
     stages = split_model(decoder(), 2, 2, 0, False)
-    offloader = offloaded(stages, 1)
-    log: list[str] = []
-    names: dict[int, str] = {}
+    offloader, log, names = reload_logged(stages, 1)
     keep: list = []
-    log_reloads(offloader, log, names)
     outputs = []
     for _, stage, micro in INTERLEAVED[:2]:
         outputs.append(run_forward(stages, stage, micro))

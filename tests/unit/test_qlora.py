@@ -9,28 +9,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from internlm_offload.builder import Components, build_components, make_trainer
 from internlm_offload.config import ConfigError, resolve_config
 from internlm_offload.config.quantization import QuantizationConfig
-from internlm_offload.device import Accelerator
-from internlm_offload.engine.runtime import RunContext
 from internlm_offload.model.lora import adapter_parameters, is_adapter_name
 from internlm_offload.model.quantized import Linear4bit, full_weight_shapes, quantized_linears, scale_tensors
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
-CTX = RunContext(rank=0, local_rank=0, world_size=1, accelerator=Accelerator("cpu"))
-SEQ = 16
+from test_lora import CTX, LLAMA, SEQ  # noqa: E402  the LoRA tests' context and tiny Llama, here over a 4-bit base
+
 NF4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
-LLAMA = dict(
-    model_type="llama",
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=97,
-    tie_word_embeddings=False,
-)
 
 
 def native(quant: dict | None = NF4, lora: dict | None = LORA, **model) -> dict:

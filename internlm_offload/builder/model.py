@@ -239,6 +239,12 @@ def add_adapters(cfg: ModelConfig, model: nn.Module) -> None:
         adapters,
         frozen,
     )
+    if cfg.num_experts:
+        logger.info(
+            "LoRA on a mixture of experts: the MLP targets adapt the dense blocks and the shared experts; the "
+            "routers and the routed experts (%d per sparse block) stay frozen",
+            cfg.num_experts,
+        )
 
 
 def quantize_the_base(cfg: ModelConfig, model: nn.Module, *, log: bool = True) -> None:

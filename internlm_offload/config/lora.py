@@ -34,7 +34,8 @@ class LoraConfig(Section):
         description="Linear modules that get an adapter, matched by name suffix as in PEFT. `internlm2`: "
         "q_proj/k_proj/v_proj/o_proj/gate_proj/up_proj/down_proj or the native wq/wk/wv/wo/w1/w3/w2; "
         "`hf_causal_lm`: the Hugging Face model's own module names. Default: PEFT's llama default, "
-        "`['q_proj', 'v_proj']`.",
+        "`['q_proj', 'v_proj']`. On a mixture of experts the MLP names adapt the dense blocks' and the shared "
+        "experts' linears; the router and the routed experts stay frozen.",
     )
     bias: Literal["none"] = Field(
         "none", description="PEFT's `bias`: only `none` (biases stay frozen, so the adapter off is the base model)."
@@ -87,10 +88,10 @@ def check_lora(model: Any) -> None:
         return
     if model.type == "internlm2":
         native_targets(model.lora)  # raises naming a target the decoder does not have
-    if model.num_experts:
+    if model.num_experts and model.quantization_config is not None:
         raise ValueError(
-            f"model.lora with model.num_experts={model.num_experts}: adapters on mixture-of-experts models are not "
-            "built yet; use a dense model"
+            f"model.quantization_config with model.num_experts={model.num_experts}: the stacked experts are not "
+            "held in 4 bits yet; drop quantization_config (LoRA on a mixture of experts keeps its base in model.dtype)"
         )
 
 
@@ -106,4 +107,9 @@ def base_on_host_problem(cfg: Any) -> str | None:
         return f"{where} with parallel.pipeline.size={cfg.parallel.pipeline.size}: not built for pipeline stages; use 1"
     if cfg.model.type != "internlm2":
         return f"{where} with model.type={cfg.model.type!r}: built for model.type='internlm2' only"
+    if cfg.model.num_experts:
+        return (
+            f"{where} with model.num_experts={cfg.model.num_experts}: the stacked experts are not hosted yet, only "
+            "linears; leave it False for a mixture of experts"
+        )
     return None

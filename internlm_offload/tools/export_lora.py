@@ -21,7 +21,8 @@ from internlm_offload.device import Accelerator
 from internlm_offload.errors import CheckpointError
 from internlm_offload.model.lora import ADAPTER_NAME
 from internlm_offload.weights.convert import Heads, to_format
-from internlm_offload.weights.names import HF_LLAMA
+from internlm_offload.weights import hf_moe
+from internlm_offload.weights.names import HF_LLAMA, NameTable
 from internlm_offload.weights.sources import load_weights as load_foreign_weights
 
 HF_PREFIX = "hf_model."
@@ -80,11 +81,12 @@ def peft_tensors(weights: dict[str, torch.Tensor], run: dict) -> dict[str, torch
     model = run["model"]
     native = model["type"] == "internlm2"
     heads = Heads(model["num_attention_heads"], model["num_kv_attention_heads"]) if native else None
+    table = hf_names(run) if native else None
     out = {}
     for module, pair in adapters_of(weights).items():
         if native:
-            # the base weight's Llama name; B's rows follow the base's rows (to_format reorders both alike)
-            b = to_format({f"{module}.weight": pair["lora_B"]}, HF_LLAMA, heads)
+            # the base weight's Hugging Face name; B's rows follow the base's rows (to_format reorders both alike)
+            b = to_format({f"{module}.weight": pair["lora_B"]}, table, heads)
             ((hf_weight, lora_b),) = b.items()
             hf_module = hf_weight.removesuffix(".weight")
         else:
@@ -92,6 +94,13 @@ def peft_tensors(weights: dict[str, torch.Tensor], run: dict) -> dict[str, torch
         out[f"{PEFT_PREFIX}{hf_module}.lora_A.weight"] = pair["lora_A"]
         out[f"{PEFT_PREFIX}{hf_module}.lora_B.weight"] = lora_b
     return out
+
+
+def hf_names(run: dict) -> NameTable:
+    """The names a native run's `--hf` export writes: Llama's, or its mixture-of-experts family's (Qwen2-MoE's
+    shared expert and Qwen3-MoE's dense blocks are where the MLP adapters sit)."""
+    model = RunConfig.model_validate(run, strict=False).model
+    return hf_moe.TABLES[hf_moe.family_of(model)] if model.num_experts else HF_LLAMA
 
 
 def adapter_config(run: dict) -> dict:

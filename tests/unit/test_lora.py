@@ -285,7 +285,6 @@ def test_a_hugging_face_folder_loads_into_the_frozen_base(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"model": {"num_experts": 4}}, "model.lora with model.num_experts=4"),
         ({"parallel": {"tensor": {"size": 2, "mode": "mtp"}}}, "model.lora with parallel.tensor.size > 1"),
     ],
 )

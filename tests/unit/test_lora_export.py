@@ -30,6 +30,21 @@ MODELS = {
             "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         },
     },
+    "internlm2_moe": {  # exports as Qwen2-MoE: the MLP adapters sit on its shared expert
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_kv_attention_heads": 2,
+        "qkv_bias": True,
+        "o_bias": False,
+        "num_experts": 4,
+        "top_k": 2,
+        "moe_type": "Dropless",
+        "num_shared_experts": 1,
+        "shared_expert_gate": "sigmoid",
+        "mlp_ratio": 1.0,
+        "lora": {**LORA, "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]},
+    },
     "hf_causal_lm": {
         "type": "hf_causal_lm",
         "hf_config": {
@@ -76,6 +91,7 @@ def test_peft_folder_and_merged_weights_give_this_runs_logits(model, tmp_path):
     tokens = torch.randint(0, 259, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = trainer.model(tokens)
+        ours = ours[0] if isinstance(ours, tuple) else ours  # a mixture of experts gives (logits, aux loss)
         base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
         adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
         assert all(p.abs().sum() > 0 for n, p in adapted.named_parameters() if "lora_B" in n)  # trained

@@ -26,7 +26,7 @@ from internlm_offload.log import get_logger
 from internlm_offload.model.lora import adapter_parameters, apply_lora, draw_adapters
 from internlm_offload.model.quantized import quantize_base
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
-from internlm_offload.offload.hosted_base import HostedBase
+from internlm_offload.offload.hosted_base import HostedBase, frozen_linears, hosted_tensors
 from internlm_offload.offload.plan import LayerMode
 from internlm_offload.offload.selective_offload import SelectiveOffloader
 from internlm_offload.registry import MODELS, PARALLEL, build
@@ -173,11 +173,28 @@ def offload_settings(section: CpuOffloadingConfig) -> dict[str, Any]:
     )
 
 
+def hosts_base_from_meta(cfg: RunConfig) -> bool:
+    """`model.lora.base_on_host` built on meta (`parallel.meta_init`): the frozen block linears go straight to host
+    memory (`draw_base_on_host`). QLoRA quantizes a built base, and a tied embedding unties when materialized: both
+    keep the whole build on the device."""
+    model, lora = cfg.model, cfg.model.lora
+    return (
+        lora is not None
+        and lora.base_on_host
+        and cfg.parallel.meta_init
+        and not model.tie_word_embeddings
+        and model.quantization_config is None
+    )
+
+
 def build_bare_model(
     cfg: RunConfig, ctx: RunContext, *, on_meta: bool, check_model: Callable[[nn.Module], None] | None
 ) -> nn.Module:
-    """The model in fp32 (on meta when FSDP2 materializes the shards later); device memory counts from here."""
+    """The model in fp32 (on meta when FSDP2 materializes the shards later; the base on the host already with
+    `hosts_base_from_meta`); device memory counts from here."""
     ctx.accelerator.mark_memory_baseline()  # cpu: see device/cpu_memory.py
+    hosted = hosts_base_from_meta(cfg)
+    on_meta = on_meta or hosted
     model = build_model(cfg.model, torch.device("meta") if on_meta else ctx.device, cfg.loss.moe_loss_coeff)
     if check_model is not None:
         check_model(model)
@@ -188,6 +205,8 @@ def build_bare_model(
         else:
             add_adapters(cfg.model, model)
         quantize_the_base(cfg.model, model)
+    if hosted and ctx.device.type != "meta":  # the planner's trace keeps it on meta
+        draw_base_on_host(cfg, ctx, model)
     if ctx.expert_mesh is not None:  # each rank keeps its experts' slice of the seed-built whole
         apply_expert_parallel(model, ctx.expert_mesh)
     return model
@@ -278,6 +297,41 @@ def init_adapters(cfg: ModelConfig, ctx: RunContext, model: nn.Module) -> None:
         init_from_whole(param, functools.partial(copy_from, values[name]), device=ctx.device)
 
 
+def draw_base_on_host(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> None:
+    """A meta-built LoRA model whose base goes to the host: the blocks' frozen linears (what `HostedBase` holds)
+    allocated in host memory at the compute dtype, everything else on the device in fp32; then every weight drawn
+    as the whole build draws it (`init_from_whole`: whole, fp32, on the device, one at a time, rounded where it
+    lands as the cast would round it) and the adapters after them. The device holds one weight at a time above
+    the rest, never the base or the fp32 model."""
+    dtype = PrecisionPolicy.from_config(cfg.model.dtype, cfg.mixed_precision.master_weights).compute_dtype
+    on_host = {id(t) for t in base_tensors(model.layers)}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in on_host:
+                tensor = ctx.accelerator.host_empty(param.shape, dtype)
+            else:
+                tensor = torch.empty(param.shape, dtype=param.dtype, device=ctx.device)
+            module._parameters[name] = nn.Parameter(tensor, requires_grad=param.requires_grad)
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = torch.empty_like(buffer, device=ctx.device)
+    model.init_weights(apply=functools.partial(init_from_whole, device=ctx.device))
+    init_adapters(cfg.model, ctx, model)
+    logger.info("Drew the model on meta's plan: the frozen block linears straight into host memory")
+
+
+def base_tensors(layers: nn.ModuleList) -> list[torch.Tensor]:
+    """The tensors `model.lora.base_on_host` holds on the host: the blocks' frozen linears'."""
+    return [t for block in layers for linear in frozen_linears(block) for t in hosted_tensors(linear)]
+
+
+def base_names_on_host(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> list[str]:
+    """The parameters `draw_base_on_host` put in host memory (none where the base was built on the device)."""
+    if not (hosts_base_from_meta(cfg) and ctx.device.type != "meta"):
+        return []
+    hosted = {id(t) for t in base_tensors(model.layers)}
+    return [name for name, param in model.named_parameters() if id(param) in hosted]
+
+
 def copy_from(source: torch.Tensor, target: torch.Tensor) -> None:
     target.copy_(source)
 
@@ -287,7 +341,8 @@ def host_the_base(cfg: RunConfig, ctx: RunContext, layers: nn.ModuleList) -> Hos
     lora = cfg.model.lora
     if lora is None or not lora.base_on_host:
         return None
-    hosted = HostedBase(layers, ctx.accelerator)
+    placed = hosts_base_from_meta(cfg) and ctx.device.type != "meta"  # `draw_base_on_host` put it there
+    hosted = HostedBase(layers, ctx.accelerator, placed=placed)
     logger.info("LoRA base on the host: %.1f MiB of frozen block linears", hosted.host_bytes / 2**20)
     return hosted
 
@@ -356,7 +411,7 @@ def apply_data_parallel(
     par = cfg.parallel
     mode_args: dict[str, dict[str, Any]] = {
         "none": {},
-        "ddp": {"bucket_cap_mb": par.bucket_cap_mb},
+        "ddp": {"bucket_cap_mb": par.bucket_cap_mb, "host_frozen": base_names_on_host(cfg, ctx, model)},
         "fsdp2": {
             "layers": layers,
             "mesh": fsdp_mesh(cfg, ctx),

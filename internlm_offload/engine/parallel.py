@@ -6,6 +6,7 @@ root for the embeddings, final norm and head.
 """
 
 import functools
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -30,17 +31,23 @@ def apply_none(model: nn.Module, *, ctx: RunContext) -> nn.Module:
 
 
 @PARALLEL.register_module(name="ddp")
-def apply_ddp(model: nn.Module, *, ctx: RunContext, bucket_cap_mb: int = 25) -> nn.Module:
+def apply_ddp(
+    model: nn.Module, *, ctx: RunContext, bucket_cap_mb: int = 25, host_frozen: Sequence[str] = ()
+) -> nn.Module:
+    """DDP over the data-parallel ranks. `host_frozen`: frozen parameters in host memory (a LoRA base drawn there),
+    left out: DDP wants every parameter on one device type, and they take no gradient; every rank drew or loads
+    the same values."""
     device_ids = None if ctx.accelerator.name == "cpu" else [ctx.local_rank]
     experts = [name for name, _ in expert_params(model)] if ctx.expert_mesh is not None else []
-    if experts:  # expert shards differ across "ep": reduced over their own group below, not by DDP
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
+    if experts or host_frozen:  # expert shards differ across "ep": reduced over their own group below, not by DDP
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [*experts, *host_frozen])
     wrapped = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
     if experts:
         reduce_expert_grads_in_backward(
             model, ctx.expert_mesh, ctx.dp_size, sync=lambda: wrapped.require_backward_grad_sync
         )
     ignored = f", {len(experts)} expert weights apart" if experts else ""
+    ignored += f", {len(host_frozen)} frozen weights on the host apart" if host_frozen else ""
     logger.info("Applied DDP over %d ranks (bucket %d MB)%s", ctx.world_size, bucket_cap_mb, ignored)
     return wrapped
 

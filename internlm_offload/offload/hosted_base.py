@@ -28,7 +28,11 @@ from internlm_offload.features import MemoryFeature
 class HostedBase(MemoryFeature):
     """The frozen linears of `layers` in host memory, brought to the device a block at a time."""
 
-    def __init__(self, layers: nn.ModuleList, accelerator: Accelerator, *, asynchronous: bool = True) -> None:
+    def __init__(
+        self, layers: nn.ModuleList, accelerator: Accelerator, *, asynchronous: bool = True, placed: bool = False
+    ) -> None:
+        """`placed`: the frozen linears' tensors are host buffers of `accelerator.host_empty` already (built there
+        from meta); otherwise they are copied into new ones."""
         self.accelerator = accelerator
         self.device = accelerator.current_device()
         self.lane = CopyLane(accelerator, asynchronous=asynchronous, non_blocking=accelerator.supports_pinned_memory)
@@ -37,10 +41,13 @@ class HostedBase(MemoryFeature):
         for index, linears in enumerate(self.blocks):
             for linear in linears:
                 self._block_of[id(linear)] = index
-                self._to_host(linear)
+                if not placed:
+                    self._to_host(linear)
                 linear.__class__ = linear.hosted_class() if hasattr(linear, "hosted_class") else HostedLinear
                 linear.hosted = self
-        self.host_bytes = sum(p.numel() * p.element_size() for ls in self.blocks for lin in ls for p in params(lin))
+        self.host_bytes = sum(
+            p.numel() * p.element_size() for ls in self.blocks for lin in ls for p in hosted_tensors(lin)
+        )
         # block -> (its linears' device copies in `params` order, the copy's end event; None once waited on)
         self._resident: dict[int, tuple[dict[int, list[torch.Tensor]], Event | None]] = {}
         self._current: int | None = None
@@ -48,7 +55,7 @@ class HostedBase(MemoryFeature):
         self._reported = (0.0, 0)  # (copy seconds, blocks brought) at the last `metrics`
 
     def _to_host(self, linear: nn.Module) -> None:
-        for tensor in params(linear):
+        for tensor in hosted_tensors(linear):
             host = self.accelerator.host_empty(tensor.shape, tensor.dtype)
             with torch.no_grad():
                 host.copy_(tensor)
@@ -83,12 +90,12 @@ class HostedBase(MemoryFeature):
 
     def _bring(self, block: int) -> None:
         """Copy `block`'s frozen linears to fresh device buffers on the lane, after the compute stream's work."""
-        srcs = [p for linear in self.blocks[block] for p in params(linear)]
+        srcs = [p for linear in self.blocks[block] for p in hosted_tensors(linear)]
         dsts = [torch.empty(p.shape, dtype=p.dtype, device=self.device) for p in srcs]
         event = self.lane.copy(dsts, [p.detach() for p in srcs], keep_alive=dsts)
         copies, start = {}, 0
         for linear in self.blocks[block]:
-            count = len(params(linear))
+            count = len(hosted_tensors(linear))
             copies[id(linear)] = dsts[start : start + count]
             start += count
         self._resident[block] = (copies, event)
@@ -129,7 +136,7 @@ def tensor_names(linear: nn.Module) -> list[str]:
     return ["weight"] if linear.bias is None else ["weight", "bias"]
 
 
-def params(linear: nn.Module) -> list[torch.Tensor]:
+def hosted_tensors(linear: nn.Module) -> list[torch.Tensor]:
     return [getattr(linear, name) for name in tensor_names(linear)]
 
 

@@ -175,13 +175,14 @@ def offload_settings(section: CpuOffloadingConfig) -> dict[str, Any]:
 
 def hosts_base_from_meta(cfg: RunConfig) -> bool:
     """`model.lora.base_on_host` built on meta (`parallel.meta_init`): the frozen block linears go straight to host
-    memory (`draw_base_on_host`). QLoRA quantizes a built base, and a tied embedding unties when materialized: both
-    keep the whole build on the device."""
+    memory (`draw_base_on_host`). The native decoder only (its `init_weights` draws one weight at a time); QLoRA
+    quantizes a built base, and a tied embedding unties when materialized: those keep the whole build."""
     model, lora = cfg.model, cfg.model.lora
     return (
         lora is not None
         and lora.base_on_host
         and cfg.parallel.meta_init
+        and model.type == "internlm2"
         and not model.tie_word_embeddings
         and model.quantization_config is None
     )

@@ -44,8 +44,8 @@ class LoraConfig(Section):
         False,
         description="Hold the frozen base's block linears in host memory (pinned where the accelerator pins) and "
         "bring them to the device a block at a time for forward and again for backward, the next block copied "
-        "while the current one computes. `parallel.mode` none or ddp on `internlm2`; under fsdp2 use "
-        "`parallel.fsdp_cpu_offload`.",
+        "while the current one computes. `parallel.mode` none or ddp (`internlm2` builds it there from meta; "
+        "`hf_causal_lm` on the device first); under fsdp2 use `parallel.fsdp_cpu_offload`.",
     )
 
     @field_validator("target_modules", mode="before")
@@ -105,8 +105,6 @@ def base_on_host_problem(cfg: Any) -> str | None:
         return f"{where} with parallel.mode='fsdp2': use parallel.fsdp_cpu_offload=True (FSDP2's host shards)"
     if cfg.parallel.pipeline.size > 1:
         return f"{where} with parallel.pipeline.size={cfg.parallel.pipeline.size}: not built for pipeline stages; use 1"
-    if cfg.model.type != "internlm2":
-        return f"{where} with model.type={cfg.model.type!r}: built for model.type='internlm2' only"
     if cfg.model.num_experts:
         return (
             f"{where} with model.num_experts={cfg.model.num_experts}: the stacked experts are not hosted yet, only "

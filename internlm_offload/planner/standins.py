@@ -10,6 +10,10 @@
 - `fused_optimizers_on_meta()`: torch's fused AdamW kernel has a meta implementation (no temporaries,
   as on the device), but `torch.optim.Adam(W)` refuses meta params in a Python-side device check made
   when it creates a param's state; inside the context the check lets meta through.
+- `packed_sequences_on_meta()`: transformers' masks (5.x `masking_utils`) look for packed sequences in the position
+  ids with a data-dependent check, which meta tensors cannot answer; the stand-in answers "one sequence a row", as
+  the run does for the positions transformers makes itself (where the trainer passes packed positions it also
+  passes a mask, so transformers does not look; with flash attention the answer is a (B, T) index, not memory).
 - `flash_attention_on_meta()`: on meta tensors `scaled_dot_product_attention` takes its math path,
   which keeps the (T x T) score matrix for backward; on a device (and on cpu) it takes a flash kernel that keeps the
   output and one log-sum-exp per row. The stand-in calls cpu's flash op, which has a meta kernel,
@@ -124,6 +128,27 @@ class InlineExecutor(Executor):
         except BaseException as exc:  # noqa: BLE001  handed to whoever reads the future, as a thread pool does
             future.set_exception(exc)
         return future
+
+
+@contextlib.contextmanager
+def packed_sequences_on_meta() -> Iterator[None]:
+    """transformers' packed-sequence check answers "none" on meta position ids; see the module docstring. A no-op
+    without transformers' `masking_utils` (before 4.53 masks were built without the check)."""
+    try:
+        masking = importlib.import_module("transformers.masking_utils")
+    except ImportError:
+        yield
+        return
+    find = masking.find_packed_sequence_indices
+
+    def on_meta(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if position_ids.device.type == "meta" else find(position_ids)
+
+    masking.find_packed_sequence_indices = on_meta
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = find
 
 
 @contextlib.contextmanager

@@ -317,7 +317,7 @@ def draw_base_on_host(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> None
             module._buffers[name] = torch.empty_like(buffer, device=ctx.device)
     model.init_weights(apply=functools.partial(init_from_whole, device=ctx.device))
     init_adapters(cfg.model, ctx, model)
-    logger.info("Drew the model on meta's plan: the frozen block linears straight into host memory")
+    logger.info("Built on meta: the frozen block weights drawn straight into host memory")
 
 
 def base_tensors(layers: nn.ModuleList) -> list[torch.Tensor]:
@@ -344,7 +344,7 @@ def host_the_base(cfg: RunConfig, ctx: RunContext, layers: nn.ModuleList) -> Hos
         return None
     placed = hosts_base_from_meta(cfg) and ctx.device.type != "meta"  # `draw_base_on_host` put it there
     hosted = HostedBase(layers, ctx.accelerator, placed=placed)
-    logger.info("LoRA base on the host: %.1f MiB of frozen block linears", hosted.host_bytes / 2**20)
+    logger.info("LoRA base on the host: %.1f MiB of frozen block weights", hosted.host_bytes / 2**20)
     return hosted
 
 

@@ -105,9 +105,9 @@ def base_on_host_problem(cfg: Any) -> str | None:
         return f"{where} with parallel.mode='fsdp2': use parallel.fsdp_cpu_offload=True (FSDP2's host shards)"
     if cfg.parallel.pipeline.size > 1:
         return f"{where} with parallel.pipeline.size={cfg.parallel.pipeline.size}: not built for pipeline stages; use 1"
-    if cfg.model.num_experts:
+    if cfg.parallel.expert.size != 1 and cfg.model.num_experts:
         return (
-            f"{where} with model.num_experts={cfg.model.num_experts}: the stacked experts are not hosted yet, only "
-            "linears; leave it False for a mixture of experts"
+            f"{where} with parallel.expert.size={cfg.parallel.expert.size}: the experts are hosted on one rank's "
+            "blocks only, not dispatched over ranks yet; set parallel.expert.size=1"
         )
     return None

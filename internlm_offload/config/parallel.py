@@ -83,7 +83,7 @@ class ParallelConfig(Section):
         "device, shard, then materialize this rank's shards as slices of the one-process build's weights (each "
         "parameter drawn whole, one at a time: one parameter's memory above the shards), so a model larger than "
         "one rank's memory starts from the same model as one process. With `model.lora.base_on_host` (none or "
-        "ddp) the same meta build puts the frozen block linears straight into host memory at the compute dtype. "
+        "ddp) the same meta build puts the frozen block weights straight into host memory at the compute dtype. "
         "Other cases build the whole model first.",
     )
 

@@ -75,7 +75,18 @@ class GroupedExperts(nn.Module):
     def _compute(self, x: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """The experts on every row up to ends[-1]; rows past it are garbage (grouped GEMM) or 0 (loop)."""
         # this rank's experts: the local shard under expert parallel (a DTensor over "ep"), else all
-        w1, w3, w2 = local_shard(self.w1), local_shard(self.w3), local_shard(self.w2)
+        return self.compute_with(x, counts, ends, local_shard(self.w1), local_shard(self.w3), local_shard(self.w2))
+
+    def compute_with(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor,
+        ends: torch.Tensor,
+        w1: torch.Tensor,
+        w3: torch.Tensor,
+        w2: torch.Tensor,
+    ) -> torch.Tensor:
+        """`_compute` with these weights (the local experts' w1, w3, w2)."""
         if self.uses_grouped_mm(x):
             offs = ends.to(torch.int32)  # stays on the device: no host sync
             h = F.silu(_grouped_linear(x, w1, offs)) * _grouped_linear(x, w3, offs)
@@ -111,3 +122,44 @@ class GroupedExperts(nn.Module):
         yield self.w1, normal_init(std)
         yield self.w3, normal_init(std)
         yield self.w2, normal_init(out_std)
+
+    @staticmethod
+    def host_tensor_names() -> list[str]:
+        """What `model.lora.base_on_host` holds on the host and brings in (offload/hosted_base.py), in order."""
+        return ["w1", "w3", "w2"]
+
+    @staticmethod
+    def hosted_class() -> type["GroupedExperts"]:
+        return HostedGroupedExperts
+
+
+class HostedGroupedExperts(GroupedExperts):
+    """Frozen experts held on the host (`model.lora.base_on_host`): the stacked projections come in for forward and
+    again for backward (`hosted.weights`), nothing of them saved. Backward recomputes the experts on the saved rows
+    with the weights brought in again and differentiates that, so the input's gradient is `GroupedExperts`' own,
+    bit for bit, for one more expert forward a step."""
+
+    hosted: Any  # offload.hosted_base.HostedBase (a lower layer's class, set when it hosts this module)
+
+    def _compute(self, x: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        return _HostedExperts.apply(x, counts, ends, self)
+
+
+class _HostedExperts(torch.autograd.Function):
+    """`GroupedExperts.compute_with` on the device copies of the weights, fetched again for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor, module: HostedGroupedExperts):
+        ctx.module = module
+        ctx.save_for_backward(x, counts, ends)
+        return module.compute_with(x, counts, ends, *module.hosted.weights(module))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        x, counts, ends = ctx.saved_tensors
+        weights = ctx.module.hosted.weights(ctx.module)
+        with torch.enable_grad():
+            rows = x.detach().requires_grad_()
+            out = ctx.module.compute_with(rows, counts, ends, *weights)
+        (grad_rows,) = torch.autograd.grad(out, rows, grad)
+        return grad_rows, None, None, None

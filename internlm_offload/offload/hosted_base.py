@@ -121,11 +121,13 @@ class HostedBase(MemoryFeature):
 
 def frozen_linears(block: nn.Module) -> list[nn.Module]:
     """The plain linears of `block` whose weight trains not (a LoRA base layer, an untargeted projection), and
-    the frozen linears that say how to be hosted (`hosted_class`, `host_tensor_names`: QLoRA's 4-bit ones)."""
+    the frozen modules that say how to be hosted (`hosted_class`, `host_tensor_names`: QLoRA's 4-bit linears, a
+    mixture of experts' stacked experts)."""
     return [
         m
         for m in block.modules()
-        if (type(m) is nn.Linear and not m.weight.requires_grad) or hasattr(m, "hosted_class")
+        if (type(m) is nn.Linear and not m.weight.requires_grad)
+        or (hasattr(m, "hosted_class") and not any(p.requires_grad for p in m.parameters(recurse=False)))
     ]
 
 

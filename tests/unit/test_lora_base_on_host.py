@@ -11,6 +11,7 @@ from internlm_offload.builder import build_components, make_trainer
 from internlm_offload.config import ConfigError, resolve_config
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.runtime import RunContext
+from internlm_offload.model.experts import HostedGroupedExperts
 from internlm_offload.offload.hosted_base import HostedLinear
 
 pytest.importorskip("peft")
@@ -116,6 +117,28 @@ def test_a_hugging_face_models_base_on_host_is_bitwise_its_lora_baseline():
     assert brought == [1 + 2 * 3, 2 * 3, 2 * 3]
 
 
+MOE = {"num_experts": 4, "top_k": 2, "moe_type": "GShard", "num_shared_experts": 1, "mlp_ratio": 1.0}
+
+
+@pytest.mark.parametrize("variant", ["plain", "checkpointing"])
+def test_a_mixture_of_experts_base_on_host_is_bitwise_its_lora_baseline(variant):
+    """A GShard mixture of experts (4 experts, a shared one): the stacked experts go to the host with the frozen
+    linears and come in with their block; their backward recomputes the experts on the saved rows with the weights
+    brought in again. Losses, grad norms, adapter masters and the base bitwise the LoRA baseline's; the experts are
+    the largest part of what the host holds."""
+    moe = {"model": {**MOE, **VARIANTS[variant].get("model", {})}, "loss": {"moe_loss_coeff": 0.01}}
+    expected, expected_state, _ = train(config(False, **moe))
+    got, state, brought = train(config(True, **moe), copy_delay_s=0.002)
+    assert got == expected and len({loss for loss, _ in got}) == 3
+    assert all(torch.equal(state[name], tensor) for name, tensor in expected_state.items())
+    assert brought == [1 + 2 * 3, 2 * 3, 2 * 3]
+    hosted = build_components(resolve_config(config(True, **moe)), CTX).hosted_base
+    experts = [m for block in hosted.blocks for m in block if type(m) is HostedGroupedExperts]
+    assert len(experts) == 3
+    expert_bytes = sum(t.numel() * t.element_size() for m in experts for t in (m.w1, m.w3, m.w2))
+    assert expert_bytes > hosted.host_bytes / 2
+
+
 def step_peak(on_host: bool) -> tuple[int, list[list]]:
     """The device peak of a second step (width 256), and the frozen linears of each block when on the host."""
     gc.collect()  # the previous run's tensors go before this build marks the memory baseline
@@ -152,7 +175,10 @@ def test_the_base_lives_on_the_host_and_the_device_peak_falls_by_it():
     "overrides, message",
     [
         ({"parallel": {"mode": "fsdp2"}}, "model.lora.base_on_host=True with parallel.mode='fsdp2'"),
-        ({"model": {"num_experts": 4}}, "base_on_host=True with model.num_experts=4: the stacked experts are not"),
+        (
+            {"model": {"num_experts": 4}, "parallel": {"mode": "ddp", "expert": {"size": 2}}},
+            "base_on_host=True with parallel.expert.size=2: the experts are hosted on one rank's blocks only",
+        ),
     ],
 )
 def test_what_it_does_not_compose_with_is_refused(overrides, message):

@@ -1,7 +1,7 @@
 """Expert parallel under torchrun over gloo: the tiny MoE model's experts split over two ranks follow one process's
 curve of the same global batch, the same run twice is bitwise, and its checkpoint resumes bitwise at EP=2 and
 continues on one process and at EP=4 (one expert per rank); one process's checkpoint continues at EP=2; two expert
-groups of two on four processes under DDP and under FSDP2 too. Eight torchrun launches and two single-process runs
+groups of two on four processes under DDP and under FSDP2 too. Nine torchrun launches and three single-process runs
 (CI time)."""
 
 import shutil

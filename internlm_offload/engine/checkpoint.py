@@ -6,7 +6,11 @@ Layout of one checkpoint, `<folder>/step_00000020/`:
 - `train_state.pt`: step, tokens, sampler position, LR scheduler, the resolved config (plain types,
   loads with `weights_only=True`);
 - `rng/rank_<r>.pt`: each rank's RNG states;
-- `manifest.json`, written last: step, world size, config fingerprint and the model's parameter shapes.
+- `manifest.json`, written last: step, world size and parallel layout, config fingerprint and the model's parameter
+  shapes.
+
+Parameters and optimizer states are stored whole, by name: a checkpoint continues on another layout (see
+engine/checkpoint_layout.py), the optimizer's param groups regrouped by parameter name.
 
 A checkpoint is written into a hidden temporary folder and renamed into place only when complete,
 and the `latest` pointer moves after that; a crash mid-save never leaves a half checkpoint as
@@ -46,6 +50,13 @@ from internlm_offload.engine.checkpoint_integrity import (
     folder_bytes,
     free_bytes,
     record_files,
+)
+from internlm_offload.engine.checkpoint_layout import (
+    describe_layout,
+    describe_move,
+    run_layout,
+    same_layout,
+    saved_layout,
 )
 from internlm_offload.engine.checkpoint_reader import SafeFileSystemReader, UnsafeCheckpointError, read_checkpoint
 from internlm_offload.engine.runtime import RunContext, all_gather_object, barrier
@@ -174,6 +185,7 @@ class CheckpointManager:
             "format": FORMAT_VERSION,
             "step": step,
             "world_size": self.ctx.world_size,
+            "layout": run_layout(self.ctx),
             "config_fingerprint": train_state.get("config_fingerprint"),
             "torch_version": torch.__version__,
             "model": self._signature(model_state),
@@ -309,6 +321,10 @@ class CheckpointManager:
         """Load model, optimizer and RNG states in place; return the train state."""
         path = resolve_checkpoint_path(Path(path))
         manifest, reader = read_manifest(path), open_checkpoint(path)
+        saved, current = saved_layout(manifest), run_layout(self.ctx)
+        move = describe_move(saved, current)
+        if not same_layout(saved, current):
+            logger.info("Checkpoint %s: %s; parameters and optimizer states regroup by name", path.name, move)
         # a nested optimizer state (saved without a pipeline) splits into stages too: each rank takes its names
         flat = manifest.get(FLAT_OPTIM, False)
         model_state, optim_state = get_state_dict(model, optimizer, options=self._state_options(flat))
@@ -319,7 +335,9 @@ class CheckpointManager:
         state = {"model": model_state, "optim": optim_state}
         read_into(path, state, signature=self._signature(model_state), manifest=manifest, reader=reader)
         if own_groups is not None:
-            state["optim"]["param_groups"] = regroup_param_groups(state["optim"]["param_groups"], own_groups, path)
+            state["optim"]["param_groups"] = regroup_param_groups(
+                state["optim"]["param_groups"], own_groups, path, move=move
+            )
         set_state_dict(
             model,
             optimizer,
@@ -327,7 +345,7 @@ class CheckpointManager:
             optim_state_dict=state["optim"],
             options=self._state_options(flat, loading=True),
         )
-        self._load_rng(path, saved_world_size=manifest["world_size"])
+        self._load_rng(path, saved=saved)
         train_state = read_train_state(path)
         logger.info("Loaded checkpoint %s (step %d)", path, manifest["step"])
         return train_state
@@ -362,12 +380,12 @@ class CheckpointManager:
             whole.update(part)
         return dict(sorted(whole.items()))
 
-    def _load_rng(self, path: Path, *, saved_world_size: int) -> None:
+    def _load_rng(self, path: Path, *, saved: dict[str, int]) -> None:
+        """Each rank's RNG states, where this run has the ranks that saved them (its world size)."""
         rng_file = path / "rng" / f"rank_{self.ctx.rank}.pt"
-        if saved_world_size != self.ctx.world_size or not rng_file.is_file():
-            logger.warning(
-                "RNG states not restored (saved on %d ranks, running on %d)", saved_world_size, self.ctx.world_size
-            )
+        if saved["world_size"] != self.ctx.world_size or not rng_file.is_file():
+            here = describe_layout(run_layout(self.ctx))
+            logger.warning("RNG states not restored (saved on %s, running on %s)", describe_layout(saved), here)
             return
         state = torch.load(rng_file, weights_only=True)
         random.setstate(state["python"])
@@ -497,24 +515,29 @@ def saved_param_groups(metadata: Metadata) -> list[dict[str, Any]]:
     return [groups[index] for index in sorted(groups)]
 
 
-def regroup_param_groups(saved: list[dict[str, Any]], own: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+def regroup_param_groups(
+    saved: list[dict[str, Any]], own: list[dict[str, Any]], path: Path, *, move: str = ""
+) -> list[dict[str, Any]]:
     """The saved optimizer's hyperparameters in this optimizer's grouping (each group's "params" are FQNs).
 
-    The groups follow the layout (`optim.param_groups`: one per DTensor mesh), so a checkpoint moving between
-    layouts (expert parallel on or off) meets other groups, which DCP does not map: each group here takes the
-    hyperparameters its parameters were saved with. On the saving layout this returns the saved groups' values.
+    The groups follow the layout (`optim.param_groups`: one per DTensor mesh, and a pipeline rank's hold its
+    stages' parameters only), so a checkpoint moving between layouts (expert parallel of another size or none,
+    another pipeline size) meets other groups, which DCP does not map: each group here takes the hyperparameters
+    its parameters were saved with. On the saving layout this returns the saved groups' values. `move`: the two
+    layouts (`describe_move`), for the refusals.
     """
+    where = f"checkpoint {path}" + (f" ({move})" if move else "")
     saved_by_name = {name: group for group in saved for name in group["params"]}
     regrouped = []
     for group in own:
         missing = [name for name in group["params"] if name not in saved_by_name]
         if missing:
-            raise CheckpointError(f"checkpoint {path}: no optimizer hyperparameters saved for {missing[0]}")
+            raise CheckpointError(f"{where}: no optimizer hyperparameters saved for {missing[0]}")
         sources = {id(saved_by_name[name]): saved_by_name[name] for name in group["params"]}
         settings = [{key: value for key, value in source.items() if key != "params"} for source in sources.values()]
         if any(setting != settings[0] for setting in settings):
             raise CheckpointError(
-                f"checkpoint {path}: the parameters of one optimizer group here were saved with different "
+                f"{where}: the parameters of one optimizer group here were saved with different "
                 f"hyperparameters ({group['params'][0]} and others); resume on the layout that saved it"
             )
         regrouped.append({**settings[0], "params": group["params"]})

@@ -1,7 +1,8 @@
 """Expert parallel under torchrun over gloo: the tiny MoE model's experts split over two ranks follow one process's
 curve of the same global batch, the same run twice is bitwise, and its checkpoint resumes bitwise at EP=2 and
-continues on one process; two expert groups of two on four processes under DDP and under FSDP2 too. Five torchrun
-launches and two single-process runs (CI time)."""
+continues on one process and at EP=4 (one expert per rank); one process's checkpoint continues at EP=2; two expert
+groups of two on four processes under DDP and under FSDP2 too. Nine torchrun launches and three single-process runs
+(CI time)."""
 
 import shutil
 
@@ -17,6 +18,7 @@ MOE = REPO / "configs" / "internlm2_tiny_moe.py"
 # 8 steps of a global batch of 8 (micro-batch 2): one process runs 4 micro-batches a step, two ranks 2, four 1.
 STEPS = ["data.total_steps=8", "ckpt.enable_save_ckpt=False", "data.global_bsz=8", "model.dtype=torch.float32"]
 EP = ["parallel.mode=ddp", "parallel.expert.size=2"]
+EP4 = ["parallel.mode=ddp", "parallel.expert.size=4"]
 SAVE_AT_3 = ["ckpt.enable_save_ckpt=True", "ckpt.checkpoint_every=3", "ckpt.keep_last=0"]
 GATHER = REPO / "tests" / "e2e" / "gather_weights.py"
 
@@ -24,7 +26,7 @@ GATHER = REPO / "tests" / "e2e" / "gather_weights.py"
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     run = tmp_path_factory.mktemp("ep") / "one_process"
-    train(run, *STEPS, *CALM, config=MOE)
+    train(run, *STEPS, *CALM, *SAVE_AT_3, config=MOE)  # its step-3 checkpoint continues at EP=2 (saving moves no bit)
     return run
 
 
@@ -32,7 +34,10 @@ def test_ep_2_follows_one_process_and_repeats_bitwise(tmp_path, one_process):
     """fp32, 2 of the 4 experts per rank (DDP for the rest): loss within 1e-5 and grad norm within 1e-4 of one
     process for 8 steps (the expert gradients averaged as DDP averages the others, the norm summed over both
     ranks' experts); the same run again with activation offload, checkpointing, gradient offload and the swap
-    optimizer with its states on NVMe bitwise."""
+    optimizer with its states on NVMe bitwise. The checkpoints move between expert layouts: EP=2's at EP=2, 1 and 4,
+    one process's at EP=2. Red with each EP=4 rank's expert read from the next rank's slice of the checkpoint
+    (step 4's loss 4.7e-4 off), and with each EP=2 rank's two experts read that way from one process's checkpoint
+    (6.5e-4)."""
     first, second = tmp_path / "ep2", tmp_path / "ep2_again"
     proc = train(first, *STEPS, *CALM, *EP, *SAVE_AT_3, config=MOE, nproc=2)
     assert "Applied expert parallel over 2 ranks (1 expert-data groups): 4 sparse blocks, 2 of 4 experts" in proc.stderr
@@ -44,31 +49,44 @@ def test_ep_2_follows_one_process_and_repeats_bitwise(tmp_path, one_process):
     # offload (the experts' reduced over their own group) and the swap optimizer with its states in files
     train(second, *STEPS, *CALM, *EP, *OFFLOAD, *swap, config=MOE, nproc=2)
     assert_curves(first, second, EXACT)
-    _resume_on_each_layout(tmp_path, first)
+    # the EP=2 run's step-3 checkpoint on its own layout, on one process (every expert on the rank) and at EP=4
+    # (four processes, one expert per rank); one process's checkpoint at EP=2
+    for source, name, layout, nproc in (
+        (first, "same", EP, 2),
+        (first, "ep2_to_one_process", [], 1),
+        (first, "ep2_to_ep4", EP4, 4),
+        (one_process, "one_process_to_ep2", EP, 2),
+    ):
+        proc = _continue_at(tmp_path / name, source, layout, nproc, exact=name == "same")
+        if layout == EP4:
+            assert "Applied expert parallel over 4 ranks (1 expert-data groups): 4 sparse blocks, 1 of 4" in proc.stderr
+            move = "saved on 2 ranks (data 2, expert 2), loading on 4 ranks (data 4, expert 4); parameters and"
+            assert f"Checkpoint step_00000003: {move}" in proc.stderr
 
 
-def _resume_on_each_layout(tmp_path, full) -> None:
-    """The EP=2 run's step-3 checkpoint: resumed at EP=2, steps 4..8 are the full run's bitwise; on one process
-    (every expert on the rank, the optimizer's groups regrouped) it continues within 1e-5 (loss) and 1e-4 (grad
-    norm). Both hold, gathered, the checkpoint's full tensors as `tools.export` reads them."""
-    expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(full) if r["step"] > 3]
-    checkpoint = full / "checkpoints" / "step_00000003"
+def _continue_at(run, source, layout, nproc, *, exact):
+    """`source`'s step-3 checkpoint resumed on `layout`: steps 4..8 are `source`'s own bit for bit (`exact`, its
+    own layout) or within 1e-5 (loss) and 1e-4 (grad norm) where the experts and the optimizer's groups are
+    regrouped; the ranks hold, gathered, the checkpoint's full tensors as `tools.export` reads them."""
+    expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(source) if r["step"] > 3]
+    checkpoint = source / "checkpoints" / "step_00000003"
+    shutil.copytree(checkpoint, run / "checkpoints" / "step_00000003")
+    gathered = run / "gathered.pt"
+    env = {"GATHERED_WEIGHTS": str(gathered)}
+    proc = train(run, *STEPS, *CALM, *layout, config=MOE, nproc=nproc, resume=True, script=GATHER, env=env)
+    got = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(run)]
+    if exact:
+        assert got == expected
+    else:
+        assert [step for step, *_ in got] == [4, 5, 6, 7, 8]
+        for (step, loss, norm), (_, want_loss, want_norm) in zip(got, expected):
+            assert loss == pytest.approx(want_loss, rel=1e-5), (run.name, step)
+            assert norm == pytest.approx(want_norm, rel=1e-4), (run.name, step)
     exported = load_weights(checkpoint)
-    for name, layout, nproc in (("same", EP, 2), ("one_process", [], 1)):
-        run, gathered = tmp_path / name, tmp_path / f"{name}.pt"
-        shutil.copytree(checkpoint, run / "checkpoints" / "step_00000003")
-        env = {"GATHERED_WEIGHTS": str(gathered)}
-        train(run, *STEPS, *CALM, *layout, config=MOE, nproc=nproc, resume=True, script=GATHER, env=env)
-        got = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(run)]
-        if name == "same":
-            assert got == expected
-        else:
-            assert [step for step, *_ in got] == [4, 5, 6, 7, 8]
-            for (_, loss, norm), (_, want_loss, want_norm) in zip(got, expected):
-                assert loss == pytest.approx(want_loss, rel=1e-5) and norm == pytest.approx(want_norm, rel=1e-4)
-        weights = {key.removeprefix("module."): value for key, value in torch.load(gathered).items()}  # DDP's
-        assert weights.keys() == exported.keys()
-        assert all(torch.equal(weights[key], value) for key, value in exported.items()), name
+    weights = {key.removeprefix("module."): value for key, value in torch.load(gathered).items()}  # DDP's
+    assert weights.keys() == exported.keys()
+    assert all(torch.equal(weights[key], value) for key, value in exported.items()), run.name
+    return proc
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])

@@ -48,6 +48,24 @@ def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path):
     assert ckpt.checkpoint_problems(path) == []
 
 
+def test_the_manifest_records_the_layout_and_a_move_is_described_by_both(tmp_path):
+    """The manifest holds the saving run's parallel dims; a load on another layout names both, an old manifest
+    (world size only) matches any layout of its world size."""
+    from internlm_offload.engine.checkpoint_layout import describe_layout, describe_move, same_layout, saved_layout
+
+    manifest = json.loads((save(manager(tmp_path), 2) / MANIFEST).read_text())
+    one = {"world_size": 1, "pipeline": 1, "tensor": 1, "data": 1, "expert": 1}
+    assert saved_layout(manifest) == one and describe_layout(one) == "1 rank"
+    pipeline = {"world_size": 4, "pipeline": 2, "tensor": 1, "data": 2, "expert": 1}
+    experts = {"world_size": 4, "pipeline": 1, "tensor": 1, "data": 4, "expert": 4}
+    assert describe_move(pipeline, experts) == (
+        "saved on 4 ranks (pipeline 2, data 2), loading on 4 ranks (data 4, expert 4)"
+    )
+    assert not same_layout(pipeline, experts) and same_layout(experts, dict(experts))
+    old = saved_layout({"world_size": 4})
+    assert same_layout(old, experts) and not same_layout(old, one) and describe_layout(old) == "4 ranks"
+
+
 def _fail_writes(monkeypatch, error: OSError) -> None:
     def write_data(self, plan, planner):
         raise error
@@ -138,6 +156,7 @@ def test_saved_optimizer_groups_are_regrouped_by_parameter_name(tmp_path):
     its parameters were saved with; a group mixing parameters saved with different ones, or naming one the
     checkpoint lacks, is refused in one line."""
     from internlm_offload.engine.checkpoint import regroup_param_groups
+    from internlm_offload.engine.checkpoint_layout import describe_move
     from internlm_offload.errors import CheckpointError
 
     saved = [
@@ -155,7 +174,13 @@ def test_saved_optimizer_groups_are_regrouped_by_parameter_name(tmp_path):
         {"lr": 1e-3, "weight_decay": 0.0, "params": ["a.bias"]},
     ]
     assert regroup_param_groups(saved, saved, tmp_path) == saved  # the saving layout: unchanged
+    mixed = [{"lr": 0, "weight_decay": 0, "params": ["a.weight", "a.bias"]}]
     with pytest.raises(CheckpointError, match="saved with different hyperparameters"):
-        regroup_param_groups(saved, [{"lr": 0, "weight_decay": 0, "params": ["a.weight", "a.bias"]}], tmp_path)
+        regroup_param_groups(saved, mixed, tmp_path)
+    move = describe_move({"world_size": 2, "data": 2, "expert": 2}, {"world_size": 1})
+    with pytest.raises(CheckpointError) as refused:  # the refusal names both layouts, in one line
+        regroup_param_groups(saved, mixed, tmp_path, move=move)
+    assert "(saved on 2 ranks (data 2, expert 2), loading on 1 rank): the parameters of one" in str(refused.value)
+    assert "\n" not in str(refused.value)
     with pytest.raises(CheckpointError, match="no optimizer hyperparameters saved for b.weight"):
         regroup_param_groups(saved, [{"lr": 0, "weight_decay": 0, "params": ["b.weight"]}], tmp_path)

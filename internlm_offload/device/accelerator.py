@@ -332,6 +332,8 @@ class DeviceBackend:
 
     def mark_memory_baseline(self) -> None:
         self._baseline = int(self.module.memory_allocated())  # workspaces the probe left (cuBLAS)
+        # the peak starts here too: the runtime probe's step before the build is not the build's
+        self.module.reset_peak_memory_stats()
 
     def memory_allocated(self) -> int:
         return int(self.module.memory_allocated()) - self._baseline

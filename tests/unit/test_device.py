@@ -293,6 +293,22 @@ def test_device_wrappers_forward_to_the_torch_module(monkeypatch: pytest.MonkeyP
     assert log == [("enter", side.raw), ("exit", side.raw)]
 
 
+def test_the_memory_baseline_starts_the_peak_on_a_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda/npu: readings after `mark_memory_baseline` count from it, the peak included (a step run before the
+    build, as the runtime probe's, is not the build's peak)."""
+    allocated, peak = [300], [900]
+    fake = SimpleNamespace(
+        memory_allocated=lambda: allocated[0],
+        max_memory_allocated=lambda: peak[0],
+        reset_peak_memory_stats=lambda: peak.__setitem__(0, allocated[0]),
+    )
+    monkeypatch.setattr(torch, "fakedev", fake, raising=False)
+    acc = Accelerator("fakedev")
+    acc.mark_memory_baseline()
+    allocated[0], peak[0] = 350, max(peak[0], 420)
+    assert (acc.memory_allocated(), acc.max_memory_allocated()) == (50, 120)
+
+
 def test_accelerator_names_are_checked_and_npu_imports_torch_npu_itself():
     import importlib.util
 

@@ -54,7 +54,6 @@ _NOT_UNDER_PIPELINE: tuple[tuple[str, Any, str], ...] = (
     ("model.num_experts", 0, "a pipeline carries no MoE aux loss between stages yet; use a dense model"),
     ("model.tie_word_embeddings", False, "the embedding and the head sit on different stages; set False"),
     ("data.valid_folder", None, "validation runs the whole model on one rank; not built under a pipeline yet"),
-    ("model.lora", None, "LoRA adapters on a pipeline's stages are not built yet; leave model.lora unset"),
 )
 
 

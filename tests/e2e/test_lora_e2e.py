@@ -1,6 +1,6 @@
 """LoRA through train.py (docs/lora.md): the shipped config fine-tunes the baseline's checkpoint; its checkpoints hold
 the adapters only and a resume (which loads the base again) is bitwise; DDP and FSDP2 (base shards on the host by
-FSDP2's CPU offload policy) on two processes follow the one-process run."""
+FSDP2's CPU offload policy) and a two-stage pipeline on two processes follow the one-process run."""
 
 import json
 import math
@@ -73,6 +73,32 @@ def test_two_processes_follow_one(lora_run, base, tmp_path, request, mode, optio
     assert two.keys() == one.keys()
     for step, loss in one.items():
         assert math.isclose(two[step], loss, rel_tol=1e-5), (mode, step, two[step], loss)
+
+
+@pytest.mark.dist
+def test_pipeline_stages_follow_one_process_and_save_the_adapters_only(lora_run, base, tmp_path):
+    """`parallel.pipeline.size=2` (1F1B, two blocks a stage): each stage carries its blocks' adapters. The losses
+    follow the one-process run within 1e-5 (bf16: a stage's micro-batch gradients add up in bf16 before its fp32
+    masters take them, as every bf16 pipeline here does), the checkpoints hold the adapters only, by the
+    one-process names, and `--peft` exports them."""
+    from internlm_offload.engine.checkpoint_reader import read_metadata
+    from internlm_offload.tools.export import main as export
+
+    train(tmp_path / "run", *lora_options(base), "parallel.pipeline.size=2", config=CONFIG, nproc=2)
+    one, two = losses(lora_run), losses(tmp_path / "run")
+    assert two.keys() == one.keys()
+    assert all(math.isclose(two[step], loss, rel_tol=1e-5) for step, loss in one.items()), (one, two)
+    names = {
+        checkpoint: sorted(k for k in read_metadata(checkpoint).state_dict_metadata if k.startswith("model."))
+        for checkpoint in (
+            lora_run / "checkpoints" / "step_00000006",
+            tmp_path / "run" / "checkpoints" / "step_00000006",
+        )
+    }
+    ((_, single), (_, staged)) = names.items()
+    assert staged == single and all(".lora_A." in k or ".lora_B." in k for k in staged)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000006"
+    assert export([str(checkpoint), str(tmp_path / "adapter"), "--peft"]) == 0
 
 
 @pytest.mark.dist

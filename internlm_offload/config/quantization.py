@@ -79,10 +79,10 @@ def quantization_problem(cfg: Any) -> str | None:
     if cfg.model.quantization_config is None:
         return None
     where = "model.quantization_config"
-    if cfg.parallel.mode != "none":
+    if cfg.parallel.mode == "fsdp2":
         return (
-            f"{where} with parallel.mode={cfg.parallel.mode!r}: the 4-bit base is built for one process only "
-            "(parallel.mode='none')"
+            f"{where} with parallel.mode='fsdp2': FSDP2 would shard the packed 4-bit weights, which bitsandbytes "
+            "reads whole; use parallel.mode 'none' or 'ddp'"
         )
     if cfg.parallel.pipeline.size > 1:
         return f"{where} with parallel.pipeline.size={cfg.parallel.pipeline.size}: not built for pipeline stages"

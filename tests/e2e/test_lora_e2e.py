@@ -102,6 +102,24 @@ def test_pipeline_stages_follow_one_process_and_save_the_adapters_only(lora_run,
 
 
 @pytest.mark.dist
+def test_qlora_under_ddp_with_its_4bit_base_on_the_host_follows_one_process(tmp_path):
+    """QLoRA (`configs/internlm2_tiny_qlora.py`, nf4, shrunk to 2 blocks of width 64) on 2 DDP processes with the
+    packed base and its scales on the host follows the one-process QLoRA run with its base on the device, same
+    global batch, within 1e-5 (bitwise when written): DDP broadcasts the packed bytes and reduces the adapters only."""
+    pytest.importorskip("bitsandbytes")
+    small = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "data.seq_len=32"]
+    options = [*small, "data.total_steps=3", "data.global_bsz=8", "ckpt.enable_save_ckpt=False"]
+    qlora = REPO / "configs" / "internlm2_tiny_qlora.py"
+    train(tmp_path / "one", *options, config=qlora)
+    hosted = ["parallel.mode=ddp", "model.lora.base_on_host=True"]
+    proc = train(tmp_path / "ddp", *options, *hosted, config=qlora, nproc=2)
+    assert "Applied DDP over 2 ranks" in proc.stderr and "LoRA base on the host" in proc.stderr
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "ddp")
+    assert two.keys() == one.keys() and len(set(one.values())) == 3
+    assert all(math.isclose(two[step], loss, rel_tol=1e-5) for step, loss in one.items()), (one, two)
+
+
+@pytest.mark.dist
 def test_ddp_with_the_base_on_the_host_is_bitwise_ddp(ddp_run, base, tmp_path):
     """`model.lora.base_on_host=True` under DDP on two processes: only bytes move, so every step's loss and grad
     norm are DDP's own, bitwise; the frozen block linears were on the host (the run's metrics count them)."""

@@ -78,7 +78,6 @@ def test_defaults_are_transformers_bits_and_bytes_defaults():
         (native({**NF4, "bnb_4bit_quant_type": "int4"}), "model.quantization_config.bnb_4bit_quant_type='int4'"),
         (native({**NF4, "llm_int8_threshold": 4.0}), "model.quantization_config.llm_int8_threshold=4.0: an 8-bit"),
         (native({**NF4, "bnb_4bit_compute_dtype": "torch.int8"}), "model.quantization_config.bnb_4bit_compute_dtype"),
-        ({**native(), "parallel": {"mode": "ddp"}}, "model.quantization_config with parallel.mode='ddp'"),
         ({**native(), "parallel": {"mode": "fsdp2"}}, "model.quantization_config with parallel.mode='fsdp2'"),
     ],
 )

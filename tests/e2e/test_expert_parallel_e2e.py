@@ -12,6 +12,7 @@ from runner import REPO, metrics, train
 from tensor_parallel_runs import CALM, EXACT, NEAR, OFFLOAD, assert_curves
 
 from internlm_offload.tools.export import load_weights
+from internlm_offload.tools.export import main as export
 
 pytestmark = pytest.mark.e2e
 MOE = REPO / "configs" / "internlm2_tiny_moe.py"
@@ -62,6 +63,23 @@ def test_ep_2_follows_one_process_and_repeats_bitwise(tmp_path, one_process):
             assert "Applied expert parallel over 4 ranks (1 expert-data groups): 4 sparse blocks, 1 of 4" in proc.stderr
             move = "saved on 2 ranks (data 2, expert 2), loading on 4 ranks (data 4, expert 4); parameters and"
             assert f"Checkpoint step_00000003: {move}" in proc.stderr
+    _exports_every_expert(first / "checkpoints" / "step_00000003", tmp_path)
+
+
+def _exports_every_expert(checkpoint, tmp_path) -> None:
+    """`tools.export` of an EP=2 checkpoint: the safetensors file holds each block's expert stacks whole (4 experts),
+    and InternEvo's layout (its grouped experts: one file a sparse block) holds them all too, as from one process's
+    checkpoint (DCP saved each stack under the whole model's name). This GShard model (a softmax-gated shared
+    expert) has no transformers architecture, so no `--hf`."""
+    from safetensors.torch import load_file
+
+    assert export([str(checkpoint), str(tmp_path / "weights.safetensors")]) == 0
+    assert export([str(checkpoint), str(tmp_path / "internevo"), "--internevo"]) == 0
+    stacks = {k: t.shape[0] for k, t in load_file(tmp_path / "weights.safetensors").items() if ".experts." in k}
+    assert len(stacks) == 4 * 3 and set(stacks.values()) == {4}
+    for layer in range(4):
+        grouped = torch.load(tmp_path / "internevo" / f"model_moe_layer{layer}_expert0_tp0.pt", weights_only=True)
+        assert grouped and all(t.shape[0] == 4 for t in grouped.values())
 
 
 def _continue_at(run, source, layout, nproc, *, exact):

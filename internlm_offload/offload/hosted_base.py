@@ -5,7 +5,9 @@ weight and bias in host memory (pinned where the accelerator pins): the paramete
 so state dicts, weight loading and export see them as always. Its forward brings the block's frozen linears to the
 device a block at a time on a copy lane (`device.CopyLane`, the one recipe of side-stream copies), and backward does
 again: the linear is an autograd function that saves no weight, only which module it was, and asks for its device
-copy again to compute the input's gradient. Visiting block i brings block i + 1 in on the lane (i - 1 going down,
+copy again to compute the input's gradient. Modules that say how to be hosted (`hosted_class`, `host_tensor_names`:
+QLoRA's 4-bit linears with their scales, a mixture of experts' stacked experts) are held and brought the same way
+and compute with what `weights` hands them. Visiting block i brings block i + 1 in on the lane (i - 1 going down,
 in backward; at the last block, the one below, which backward visits next), so at most two blocks' copies are on the
 device and the next block's copy overlaps the current block's compute.
 
@@ -48,7 +50,7 @@ class HostedBase(MemoryFeature):
         self.host_bytes = sum(
             p.numel() * p.element_size() for ls in self.blocks for lin in ls for p in hosted_tensors(lin)
         )
-        # block -> (its linears' device copies in `params` order, the copy's end event; None once waited on)
+        # block -> (its linears' device copies in `hosted_tensors` order, the copy's end event; None once waited on)
         self._resident: dict[int, tuple[dict[int, list[torch.Tensor]], Event | None]] = {}
         self._current: int | None = None
         self._blocks_brought = 0

@@ -53,9 +53,10 @@ class ExpertWeightParallelConfig(Section):
     size: int = Field(
         1,
         ge=1,
-        description="InternEvo's expert weight parallel: the expert weights sharded over groups of this many "
-        "expert-data ranks (ranks holding the same experts). Must divide the data-parallel size / expert size; only "
-        "1 is built (with `parallel.mode='fsdp2'` FSDP2 shards the experts over all their expert-data ranks).",
+        description="InternEvo's expert weight parallel: FSDP2 shards each rank's experts over groups of this many "
+        "expert-data ranks (ranks holding the same experts) and replicates them across the groups (HSDP); needs "
+        "`parallel.mode='fsdp2'` and must divide the data-parallel size / expert size. 1 (or that whole quotient): "
+        "FSDP2 shards them over all their expert-data ranks. docs/parallelism.md, Expert parallel.",
     )
     overlap: bool = Field(False, description="InternEvo's expert weight all-gather overlap; no effect here.")
 

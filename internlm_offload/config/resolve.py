@@ -100,6 +100,11 @@ def _resolve_expert_parallel(cfg: RunConfig, data_parallel: int) -> None:
             f"parallel.expert_weight.size={weight.size} must divide the expert-data ranks left, data-parallel "
             f"{data_parallel} / expert {ep} = {left}; choose a divisor"
         )
+    if weight.size > 1 and cfg.parallel.mode != "fsdp2":
+        raise ConfigError(
+            f"parallel.expert_weight.size={weight.size} shards the experts with FSDP2 over groups of their expert-data "
+            f"ranks: set parallel.mode='fsdp2', got {cfg.parallel.mode!r}"
+        )
     blocker = _expert_parallel_blocker(cfg)
     if blocker is not None:
         raise ConfigError(f"parallel.expert.size={ep}: {blocker}")
@@ -108,11 +113,6 @@ def _resolve_expert_parallel(cfg: RunConfig, data_parallel: int) -> None:
 def _expert_parallel_blocker(cfg: RunConfig) -> str | None:
     """What in this config expert parallel is not built with, and the fix; None: nothing."""
     par = cfg.parallel
-    if par.expert_weight.size > 1:
-        return (
-            f"parallel.expert_weight.size={par.expert_weight.size}: sharding the experts over the expert-data "
-            "ranks is not built yet; set 1"
-        )
     if par.tensor.size > 1:
         return "expert parallel with tensor parallel is not built yet; set parallel.tensor.size=1"
     if par.fsdp_cpu_offload:

@@ -218,7 +218,7 @@ class RunConfig(Section):
                 f"got mode={tensor.mode!r}; set weight.size=1"
             )
         T, mode = tensor.size, tensor.mode
-        if model.num_experts:
+        if model.num_experts and T > 1:  # isp's weight groups alone (T = 1) keep every expert whole
             raise ValueError(
                 f"parallel.tensor (size {T}, mode {mode!r}) with model.num_experts={model.num_experts}: the experts "
                 "are not sharded over a tensor group yet (expert parallel with tensor parallel is not built); set "

@@ -25,6 +25,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from internlm_offload.engine.runtime import all_expert_data
 from internlm_offload.log import get_logger
 
 logger = get_logger(__name__)
@@ -117,7 +118,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     logger.info(
         "Applied expert parallel over %d ranks (%d expert-data groups): %d sparse blocks, %d of %d experts each",
         ep.size(),
-        mesh["edp"].size(),
+        all_expert_data(mesh).size(),
         len(blocks),
         blocks[0].experts.num_experts // ep.size() if blocks else 0,
         blocks[0].experts.num_experts if blocks else 0,
@@ -133,8 +134,9 @@ def expert_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def _mean_over_expert_data(mesh: DeviceMesh, data_parallel: int) -> Callable[[torch.Tensor], None]:
     """Sum a gradient (or a buffer of them) over the expert-data group, in place, and divide it by the
     data-parallel size: the mean over every rank's tokens, as DDP gives the other weights."""
-    group = mesh["edp"].get_group()
-    reduce = mesh["edp"].size() > 1
+    expert_data = all_expert_data(mesh)
+    group = expert_data.get_group()
+    reduce = expert_data.size() > 1
 
     @torch.no_grad()
     def mean(grads: torch.Tensor) -> None:

@@ -186,6 +186,18 @@ def test_every_tensor_mode_with_moe_is_refused_in_one_line(mode):
     assert f"parallel.tensor (size 2, mode {mode!r}) with model.num_experts=4" in message
 
 
+def test_qwen3_parallel_section_as_shipped_resolves_at_sizes_that_divide_the_world() -> None:
+    """qwen3_30B_A3B.py's isp of size 1 with weight, expert and expert_weight groups: FSDP2 (weight parallel maps onto
+    FSDP2 over all ranks), expert parallel with its experts sharded over groups of expert-data ranks. Expert weight
+    groups alone (weight 1) ask for FSDP2 too: DDP has no sharding to group."""
+    for weight in (2, 1):
+        raw = _with(QWEN3, parallel__weight=dict(size=weight, overlap=True), parallel__expert=dict(size=2, no_tp=True))
+        raw["parallel"]["expert_weight"] = dict(size=2, overlap=True)
+        cfg = resolve_config(raw, world_size=8)
+        assert cfg.parallel.mode == "fsdp2", weight
+        assert (cfg.parallel.expert.size, cfg.parallel.expert_weight.size) == (2, 2)
+
+
 def test_shipped_expert_sizes_exit_2_in_one_line(capsys: Any) -> None:
     """qwen3_30B_A3B.py's own expert and expert-weight sizes (8, 2) on one process stop train.py with exit code 2 in
     one line."""

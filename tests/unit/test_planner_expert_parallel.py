@@ -71,6 +71,18 @@ def test_experts_are_fsdp2_shards_over_the_expert_data_ranks() -> None:
     assert whole.components["model_params"] > sharded.components["model_params"]
 
 
+def test_expert_weight_parallel_shards_the_experts_over_its_groups_and_replicates_across_them() -> None:
+    """8 ranks, 8 experts, EP=2 (4 experts per rank): with expert weight 2 the 4 expert-data ranks are 2 replicas of
+    shard pairs (HSDP), so a rank keeps a quarter of the experts' weights (2 of its 4 experts); with 1, FSDP2 shards
+    them over all 4 (an eighth)."""
+    options = {"parallel.mode": "fsdp2", "parallel.expert.size": 2, "model.num_experts": 8}
+    cfg = moe(8, **options).model
+    expert_bytes = 3 * cfg.num_experts * cfg.hidden_size * 128 * 4 * cfg.num_layers
+    for weight, share in ((2, 4), (1, 8)):
+        traced = trace_step(moe(8, **options, **{"parallel.expert_weight.size": weight}), 8)
+        assert traced.components["expert_params"] == expert_bytes // share, weight
+
+
 def test_measuring_on_one_process_is_refused_in_one_line() -> None:
     with pytest.raises(UnsupportedLayout, match=r"^parallel.expert.size=2: .*torchrun") as info:
         trace_step(ep(), 2, measure=True)

@@ -68,17 +68,13 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
 
 
 def _resolve_expert_parallel(cfg: RunConfig, data_parallel: int) -> None:
-    """`parallel.expert.size` <= 0 as InternEvo's -1: min(data-parallel ranks, experts), or 1 where this run has
-    what expert parallel is not built with (said in the log); then what the expert mesh ("edp", "ep") over the
-    data-parallel ranks needs (one line each, exit 2)."""
+    """`parallel.expert.size` <= 0 as InternEvo's -1: min(data-parallel ranks, experts) (said in the log); then what
+    the expert mesh over the data-parallel ranks needs (one line each, exit 2). Tensor parallel of size > 1, which
+    it is not built with, the schema refuses on any model with experts."""
     expert, weight, experts = cfg.parallel.expert, cfg.parallel.expert_weight, cfg.model.num_experts
     if expert.size <= 0:
         resolved = min(data_parallel, experts) if experts else 1
-        blocker = _expert_parallel_blocker(cfg) if resolved > 1 else None
         rule = f"min(data-parallel ranks {data_parallel}, model.num_experts {experts}), InternEvo's rule for -1"
-        if blocker is not None:
-            rule += f", is {resolved}; 1 here: {blocker}"
-            resolved = 1
         cfg._derived.append(f"parallel.expert.size={expert.size} -> {resolved}: {rule}")
         expert.size = resolved
     ep = expert.size
@@ -105,19 +101,6 @@ def _resolve_expert_parallel(cfg: RunConfig, data_parallel: int) -> None:
             f"parallel.expert_weight.size={weight.size} shards the experts with FSDP2 over groups of their expert-data "
             f"ranks: set parallel.mode='fsdp2', got {cfg.parallel.mode!r}"
         )
-    blocker = _expert_parallel_blocker(cfg)
-    if blocker is not None:
-        raise ConfigError(f"parallel.expert.size={ep}: {blocker}")
-
-
-def _expert_parallel_blocker(cfg: RunConfig) -> str | None:
-    """What in this config expert parallel is not built with, and the fix; None: nothing."""
-    par = cfg.parallel
-    if par.tensor.size > 1:
-        return "expert parallel with tensor parallel is not built yet; set parallel.tensor.size=1"
-    if par.fsdp_cpu_offload:
-        return "parallel.fsdp_cpu_offload=True is not checked on expert shards yet; set False"
-    return None
 
 
 def _data_parallel_size(cfg: RunConfig, world_size: int) -> int:

@@ -219,10 +219,15 @@ class RunConfig(Section):
             )
         T, mode = tensor.size, tensor.mode
         if model.num_experts and T > 1:  # isp's weight groups alone (T = 1) keep every expert whole
+            why = (
+                "isp's sequence chunks are not routed through the experts yet (each chunk's capacity and aux loss "
+                "would be its own); set parallel.tensor.size=1 (isp's weight groups, parallel.weight.size, are built)"
+                if mode == "isp"
+                else "the experts are not sharded over a tensor group yet (expert parallel with tensor parallel is not "
+                "built); set parallel.tensor.size=1"
+            )
             raise ValueError(
-                f"parallel.tensor (size {T}, mode {mode!r}) with model.num_experts={model.num_experts}: the experts "
-                "are not sharded over a tensor group yet (expert parallel with tensor parallel is not built); set "
-                "parallel.tensor.size=1"
+                f"parallel.tensor (size {T}, mode {mode!r}) with model.num_experts={model.num_experts}: {why}"
             )
         if model.type != "internlm2":
             raise ValueError(

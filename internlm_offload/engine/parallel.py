@@ -90,7 +90,10 @@ def shard_experts(model: nn.Module, ctx: RunContext, reshard_after_forward: bool
     local = tuple(blocks[0].experts.w1.to_local().shape) if blocks else ()
     mesh = shard["mesh"]
     hsdp = f" (shards over {mesh.size(-1)}, {mesh.size(0)} replicas)" if mesh.ndim == 2 else ""
-    logger.info("Applied FSDP2 to the experts over %d expert-data ranks%s (w1 here: %s)", mesh.size(), hsdp, local)
+    offload = " with CPU offload policy" if isinstance(shard["offload_policy"], CPUOffloadPolicy) else ""
+    logger.info(
+        "Applied FSDP2 to the experts over %d expert-data ranks%s%s (w1 here: %s)", mesh.size(), hsdp, offload, local
+    )
 
 
 def buffers_to(model: nn.Module, device: torch.device) -> None:

@@ -104,10 +104,7 @@ def optimizer_kinds(
     hosted = cfg is not None and cfg.model.lora is not None and cfg.model.lora.base_on_host
     # a 4-bit base (QLoRA) is built for parallel.mode='none' only, which FSDP2's policy is not
     hosted = hosted or (cfg is not None and cfg.model.quantization_config is not None)
-    # FSDP2's CPU offload policy is not built under expert parallel (config/resolve.py refuses it): not offered where
-    # the config has or may choose expert parallel
-    experts = cfg is not None and (cfg.parallel.expert.size > 1 or EXPERT_SIZE in cfg.auto_knobs)
-    params_on_host = PARAMS_ON_HOST in auto and under_fsdp2 and not (fixed_swap or fixed_hybrid or hosted or experts)
+    params_on_host = PARAMS_ON_HOST in auto and under_fsdp2 and not (fixed_swap or fixed_hybrid or hosted)
     off = {
         **({"swap_optimizer": False} if swap else {}),
         **({"hybrid_optimizer.enable": False} if switch_hybrid else {}),

@@ -6,7 +6,7 @@ import math
 
 import pytest
 from runner import REPO, metrics, train
-from tensor_parallel_runs import NEAR, assert_curves
+from tensor_parallel_runs import EXACT, NEAR, assert_curves
 
 pytestmark = pytest.mark.e2e
 
@@ -105,7 +105,8 @@ def test_internevo_qwen3_layout_with_expert_weight_parallel_follows_one_process_
     """qwen3_30B_A3B.py's parallel section as shipped (isp of size 1, weight, expert and expert_weight groups), its
     sizes shrunk to 4 processes: weight 4 (FSDP2 over all ranks), expert 2 (8 of the 16 experts per rank), expert
     weight 2 (each rank's experts sharded over its expert-data pair). fp32, the one-process run's global batch of
-    8: loss within 1e-5 and grad norm within 1e-4 of one process for the 3 steps."""
+    8: loss within 1e-5 and grad norm within 1e-4 of one process for the 3 steps. The same layout with FSDP2's CPU
+    offload policy (the expert shards on the host too) is that run bitwise."""
     name = DATA / "internevo_qwen3_30b_a3b_shrunk.py"
     fp32 = ["model.dtype=torch.float32", "data.global_bsz=8"]
     train(tmp_path / "one", *fp32, config=name)
@@ -118,3 +119,7 @@ def test_internevo_qwen3_layout_with_expert_weight_parallel_follows_one_process_
     # Dropless: every choice of rank 0's tokens (1 micro-batch of 2 x 64) counted, 2 blocks x top-8
     assert [sum(r["moe_tokens_per_expert"]) for r in metrics(tmp_path / "qwen3_layout")] == [2 * 8 * 128] * 3
     assert_curves(tmp_path / "one", tmp_path / "qwen3_layout", NEAR)
+    host = ["parallel.fsdp_cpu_offload=True"]
+    proc = train(tmp_path / "on_host", *fp32, *layout, *host, nproc=4, config=name)
+    assert "Applied FSDP2 to the experts over 2 expert-data ranks with CPU offload policy" in proc.stderr
+    assert_curves(tmp_path / "qwen3_layout", tmp_path / "on_host", EXACT)

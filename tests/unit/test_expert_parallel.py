@@ -157,11 +157,9 @@ def test_expert_sizes_as_internevo_writes_them_resolve_and_are_logged():
         assert f"-> {expected}: min(data-parallel ranks {world}, model.num_experts 4)" in line
     cfg = resolved(["model.dtype=torch.float32", "parallel.mode=fsdp2", "parallel.expert.size=-1"], world_size=4)
     assert cfg.parallel.expert.size == 4
-    # -1 where expert parallel is not built (FSDP2's CPU offload here): 1, and the log says why
+    # FSDP2's CPU offload policy takes the expert shards too
     options = ["model.dtype=torch.float32", "parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=True"]
-    cfg = resolved([*options, "parallel.expert.size=-1"], world_size=2)
-    line = next(n for n in cfg.migration_notes()[0] if n.startswith("parallel.expert.size=-1"))
-    assert cfg.parallel.expert.size == 1 and "is 2; 1 here: parallel.fsdp_cpu_offload=True is not checked" in line
+    assert resolved([*options, "parallel.expert.size=-1"], world_size=2).parallel.expert.size == 2
 
 
 @pytest.mark.parametrize(
@@ -186,11 +184,6 @@ def test_expert_sizes_as_internevo_writes_them_resolve_and_are_logged():
         (["parallel.expert_weight.size=2"], 2, "parallel.expert_weight.size=2 needs parallel.expert.size > 1"),
         (["parallel.expert.size=2", "model.num_experts=0"], 2, "needs a mixture-of-experts model"),
         (
-            ["parallel.expert.size=2", "parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=True"],
-            2,
-            "parallel.fsdp_cpu_offload=True is not checked on expert shards yet",
-        ),
-        (
             ["parallel.expert.size=2", "parallel.tensor.size=2", "parallel.mode=fsdp2"],
             4,
             "with model.num_experts=4: the experts are not sharded over a tensor group",
@@ -209,7 +202,7 @@ def test_expert_weight_parallel_and_isp_weight_groups_resolve_with_expert_parall
     cfg = resolved(["model.dtype=torch.float32", *layout, "parallel.expert_weight.size=2"], world_size=8)
     assert (cfg.parallel.weight.size, cfg.parallel.expert.size, cfg.parallel.expert_weight.size) == (2, 2, 2)
     # isp with sequence shards (tensor size > 1) stays refused on a model with experts
-    assert "the experts are not sharded over a tensor group" in refused(
+    assert "isp's sequence chunks are not routed through the experts yet" in refused(
         ["model.dtype=torch.float32", *layout[:2], "parallel.tensor.size=2", "parallel.expert.size=2"], 4
     )
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from internlm_offload.config import load_config_file, resolve_config
+from internlm_offload.planner.knobs import PARAMS_ON_HOST
 from internlm_offload.planner.standins import assumed_split_sizes
 from internlm_offload.planner.trace import UnsupportedLayout, trace_step
 
@@ -124,18 +125,21 @@ def test_expert_size_auto_is_a_layout_the_search_chooses_within_the_budget() -> 
     assert chosen.memory.device_peak_bytes <= budget
 
 
-def test_fsdp2_cpu_offload_is_not_offered_under_expert_parallel() -> None:
-    """FSDP2's CPU offload policy is refused under expert parallel (config/resolve.py): the optimizer axis leaves it
-    out where the config has expert parallel or leaves its size "auto", so no candidate of a search is a config
-    error (`tools.plan` on the Qwen3 shapes at EP=8 stopped at exit 2 on it)."""
+def test_fsdp2_cpu_offload_holds_the_expert_shards_on_the_host_and_is_offered_under_expert_parallel() -> None:
+    """FSDP2's CPU offload policy takes the experts' FSDP2 units too: at EP=2 x expert-data 2 every parameter shard,
+    the experts' included, is on the host (none on the device), and the optimizer axis offers the policy where the
+    config has expert parallel or leaves its size "auto"."""
     from internlm_offload.planner.knobs import optimizer_settings
 
-    names = [s.name for s in optimizer_settings(moe(1, **{"parallel.mode": "fsdp2"}))]
-    assert "params on host (FSDP2)" in names
+    options = {"parallel.mode": "fsdp2", "parallel.expert.size": 2}
+    plain, offloaded = trace_step(moe(4, **options), 4), trace_step(moe(4, **options, **{PARAMS_ON_HOST: True}), 4)
+    assert plain.components["model_params"] > plain.components["expert_params"] > 0
+    assert offloaded.components["model_params"] == 0
+    assert offloaded.components["host_params"] == plain.components["model_params"]
     for size in (2, "auto"):
         cfg = (
             ep(wrapper="fsdp2")
             if size == 2
             else moe(2, **{"parallel.mode": "fsdp2", "parallel.expert.size": "auto", "memory_budget.device": "1GiB"})
         )
-        assert "params on host (FSDP2)" not in [s.name for s in optimizer_settings(cfg)], size
+        assert "params on host (FSDP2)" in [s.name for s in optimizer_settings(cfg)], size

@@ -79,7 +79,8 @@ def _resolve_expert_parallel(cfg: RunConfig, data_parallel: int) -> None:
         expert.size = resolved
     ep = expert.size
     if ep == 1:
-        if weight.size > 1:
+        # "auto" holds 1 until the planner chose: its sizes are those expert_weight can take (planner/knobs.py)
+        if weight.size > 1 and "parallel.expert.size" not in cfg.auto_knobs:
             raise ConfigError(f"parallel.expert_weight.size={weight.size} needs parallel.expert.size > 1; set 1")
         return
     if not experts:

@@ -125,6 +125,24 @@ def test_expert_size_auto_is_a_layout_the_search_chooses_within_the_budget() -> 
     assert chosen.memory.device_peak_bytes <= budget
 
 
+def test_expert_size_auto_searches_only_the_sizes_expert_weight_groups_can_take() -> None:
+    """`parallel.expert_weight.size=2` beside `parallel.expert.size="auto"` on 8 ranks, 8 experts: the config
+    resolves (the placeholder size 1 is not held against it) and the layouts are the sizes leaving expert-data ranks
+    that 2 divides (EP 2: 4 left, EP 4: 2 left), not EP 1 (no experts to group) or EP 8 (1 left)."""
+    from internlm_offload.planner.knobs import LAYOUT, Space, settings_on
+    from internlm_offload.planner.search import candidate_configs
+
+    options = {**MOE, "parallel.mode": "fsdp2", "parallel.expert.size": "auto", "parallel.expert_weight.size": 2}
+    options.update({"model.num_experts": 8, "memory_budget.device": "1GiB"})
+    config_for = candidate_configs(load_config_file(CONFIGS / "internlm2_tiny.py", options), world_size=8)
+    cfg = config_for({})
+    space = Space(cfg, frozenset(cfg.auto_knobs), num_layers=cfg.model.num_layers, world_size=8)
+    layouts = settings_on(LAYOUT, space)
+    assert [s.name for s in layouts] == ["ep 2", "ep 4"]
+    for layout in layouts:  # each a config that resolves
+        assert config_for(layout.options).parallel.expert_weight.size == 2
+
+
 def test_fsdp2_cpu_offload_holds_the_expert_shards_on_the_host_and_is_offered_under_expert_parallel() -> None:
     """FSDP2's CPU offload policy takes the experts' FSDP2 units too: at EP=2 x expert-data 2 every parameter shard,
     the experts' included, is on the host (none on the device), and the optimizer axis offers the policy where the

@@ -70,12 +70,14 @@ def init_runtime(
     tensor_size: int = 1,
     expert_size: int = 1,
     expert_weight_size: int = 1,
+    experts_over_tensor: bool = False,
     pipeline_size: int = 1,
 ) -> RunContext:
     """Join the process group when launched by torchrun (gloo on cpu, nccl/hccl on accelerators). Without
     torchrun, `needs_group` (the ddp and fsdp2 wrappers) makes a group of this one process. `tensor_size` > 1
     builds the ("dp", "tp") mesh, tensor ranks innermost; `expert_size` > 1 the expert mesh (`expert_mesh`, its
-    expert-data ranks sharded over groups of `expert_weight_size`); `pipeline_size` > 1 the ("pp", "dp") mesh."""
+    expert-data ranks sharded over groups of `expert_weight_size`; over every rank with `experts_over_tensor`, isp's
+    tensor ranks holding different chunks of the sequences); `pipeline_size` > 1 the ("pp", "dp") mesh."""
     if not launched_by_torchrun():
         if needs_group and not dist.is_initialized():
             dist.init_process_group(backend=accelerator.dist_backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -86,10 +88,8 @@ def init_runtime(
     if not dist.is_initialized():
         dist.init_process_group(backend=accelerator.dist_backend)
     mesh = tensor_parallel_mesh(accelerator.name, world_size, tensor_size)
-    data_parallel = world_size // tensor_size
-    experts = (
-        None if expert_size == 1 else expert_mesh(accelerator.name, data_parallel, expert_size, expert_weight_size)
-    )
+    ranks = world_size if experts_over_tensor else world_size // tensor_size
+    experts = None if expert_size == 1 else expert_mesh(accelerator.name, ranks, expert_size, expert_weight_size)
     pipeline = None if pipeline_size == 1 else pipeline_mesh(accelerator.name, world_size, pipeline_size)
     return RunContext(rank, local_rank, world_size, accelerator, tensor_size, mesh, experts, pipeline_size, pipeline)
 

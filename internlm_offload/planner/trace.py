@@ -369,7 +369,8 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_
     with group, _quiet(), kernels, contextlib.ExitStack() as stack, tracker, tracker.counting_resizes():
         for stand_in in stand_ins:
             stack.enter_context(stand_in)
-        expert_sizes = (experts, cfg.parallel.expert_weight.size)
+        expert_ranks = world_size if cfg.parallel.tensor.mode == "isp" else world_size // tensor
+        expert_sizes = (experts, cfg.parallel.expert_weight.size, expert_ranks)
         ctx = _rank_context(rank, world_size, tensor, expert_sizes, pipe, accelerator)
         parts = build_components(cfg, ctx, check_host_memory=False)
         if cfg.parallel.fsdp_cpu_offload:
@@ -430,17 +431,16 @@ def _rank_context(
     rank: int,
     world_size: int,
     tensor_size: int,
-    experts: tuple[int, int],
+    experts: tuple[int, int, int],
     pipeline_size: int,
     accelerator: PlanningAccelerator,
 ) -> RunContext:
     """`rank`'s context over the fake process group: with tensor parallel its ("dp", "tp") mesh, with expert
-    parallel (`experts`: the expert and expert weight sizes) its expert mesh, with a pipeline its ("pp", "dp") mesh."""
+    parallel (`experts`: the expert and expert weight sizes, the ranks they are carved from) its expert mesh, with a
+    pipeline its ("pp", "dp") mesh."""
     mesh = tensor_parallel_mesh("cpu", world_size, tensor_size)
-    expert_size, expert_weight = experts
-    experts_mesh = (
-        None if expert_size == 1 else expert_mesh("cpu", world_size // tensor_size, expert_size, expert_weight)
-    )
+    expert_size, expert_weight, ranks = experts
+    experts_mesh = None if expert_size == 1 else expert_mesh("cpu", ranks, expert_size, expert_weight)
     pipe_mesh = None if pipeline_size == 1 else pipeline_mesh("cpu", world_size, pipeline_size)
     return RunContext(
         rank, rank, world_size, accelerator, tensor_size=tensor_size, mesh=mesh, expert_mesh=experts_mesh,

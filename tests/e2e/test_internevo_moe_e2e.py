@@ -106,7 +106,9 @@ def test_internevo_qwen3_layout_with_expert_weight_parallel_follows_one_process_
     sizes shrunk to 4 processes: weight 4 (FSDP2 over all ranks), expert 2 (8 of the 16 experts per rank), expert
     weight 2 (each rank's experts sharded over its expert-data pair). fp32, the one-process run's global batch of
     8: loss within 1e-5 and grad norm within 1e-4 of one process for the 3 steps. The same layout with FSDP2's CPU
-    offload policy (the expert shards on the host too) is that run bitwise."""
+    offload policy (the expert shards on the host too) is that run bitwise. isp with sequence chunks (tensor 2,
+    weight 2: HSDP 2 x 2; expert 2 over all 4 ranks, each routing its own chunk; expert weight 2) follows one
+    process within the same bars (the aux loss, InternEvo's way, is each chunk's own: 0.001 of it)."""
     name = DATA / "internevo_qwen3_30b_a3b_shrunk.py"
     fp32 = ["model.dtype=torch.float32", "data.global_bsz=8"]
     train(tmp_path / "one", *fp32, config=name)
@@ -123,3 +125,13 @@ def test_internevo_qwen3_layout_with_expert_weight_parallel_follows_one_process_
     proc = train(tmp_path / "on_host", *fp32, *layout, *host, nproc=4, config=name)
     assert "Applied FSDP2 to the experts over 2 expert-data ranks with CPU offload policy" in proc.stderr
     assert_curves(tmp_path / "qwen3_layout", tmp_path / "on_host", EXACT)
+    chunks = [
+        "parallel.tensor.size=2",
+        "parallel.weight.size=2",
+        "parallel.expert.size=2",
+        "parallel.expert_weight.size=2",
+    ]
+    proc = train(tmp_path / "isp_chunks", *fp32, *chunks, nproc=4, config=name)
+    assert "Applied expert parallel over 2 ranks (2 expert-data groups)" in proc.stderr
+    assert "Applied tensor parallel isp over 2 ranks" in proc.stderr
+    assert_curves(tmp_path / "one", tmp_path / "isp_chunks", NEAR)

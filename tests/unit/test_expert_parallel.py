@@ -201,10 +201,16 @@ def test_expert_weight_parallel_and_isp_weight_groups_resolve_with_expert_parall
     layout = ["parallel.mode=fsdp2", "parallel.tensor.mode=isp", "parallel.weight.size=2", "parallel.expert.size=2"]
     cfg = resolved(["model.dtype=torch.float32", *layout, "parallel.expert_weight.size=2"], world_size=8)
     assert (cfg.parallel.weight.size, cfg.parallel.expert.size, cfg.parallel.expert_weight.size) == (2, 2, 2)
-    # isp with sequence shards (tensor size > 1) stays refused on a model with experts
-    assert "isp's sequence chunks are not routed through the experts yet" in refused(
-        ["model.dtype=torch.float32", *layout[:2], "parallel.tensor.size=2", "parallel.expert.size=2"], 4
+    # isp with sequence chunks (tensor size 2): its tensor ranks route their own chunks, so the expert dims are
+    # carved from all 8 ranks (expert 4 x expert-data 2), not from the 4 data-parallel ones; -1 is min(8, experts)
+    isp = ["model.dtype=torch.float32", *layout[:2], "parallel.tensor.size=2", "model.num_experts=8"]
+    assert resolved([*isp, "parallel.expert.size=4", "parallel.expert_weight.size=2"], 8).parallel.expert.size == 4
+    cfg = resolved([*isp, "parallel.expert.size=-1"], 8)
+    assert cfg.parallel.expert.size == 8
+    assert "-> 8: min(world ranks 8, model.num_experts 8)" in next(
+        n for n in cfg.migration_notes()[0] if n.startswith("parallel.expert.size=-1")
     )
+    assert "must divide the world size (8)" in refused([*isp, "parallel.expert.size=16", "model.num_experts=16"], 8)
 
 
 def test_the_expert_mesh_under_expert_weight_parallel_seen_from_rank_5():

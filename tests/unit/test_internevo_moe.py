@@ -174,14 +174,14 @@ def test_what_cannot_run_is_one_line(raw, part):
     assert part in refusal(raw)
 
 
-@pytest.mark.parametrize("mode", ["mtp", "msp", "fsp", "isp"])
-def test_every_tensor_mode_with_moe_is_refused_in_one_line(mode):
-    """Tensor size 2 on an MoE model: mtp/msp/fsp would split the experts over a tensor group, isp would route each
-    sequence chunk through them on its own; neither is built (isp of size 1 with weight groups is)."""
-    raw = _with(MOE4, parallel__tensor=dict(size=2, mode=mode))
-    message = refusal(raw, world_size=2)
+@pytest.mark.parametrize("mode", ["mtp", "msp", "fsp"])
+def test_every_column_row_tensor_mode_with_moe_is_refused_in_one_line(mode):
+    """Tensor size 2 on an MoE model: mtp/msp/fsp would split the experts over a tensor group, which is not built;
+    isp keeps them whole, each rank routing its own sequence chunk (InternEvo's isp does the same)."""
+    message = refusal(_with(MOE4, parallel__tensor=dict(size=2, mode=mode)), world_size=2)
     assert f"parallel.tensor (size 2, mode {mode!r}) with model.num_experts=4" in message
-    assert ("sequence chunks are not routed" in message) == (mode == "isp")
+    isp = resolve_config(_with(MOE4, parallel__tensor=dict(size=2, mode="isp")), world_size=2)
+    assert isp.parallel.expert.size == 2  # -1: min(every rank, 4 experts)
 
 
 def test_qwen3_parallel_section_as_shipped_resolves_at_sizes_that_divide_the_world() -> None:

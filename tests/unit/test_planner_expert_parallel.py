@@ -125,6 +125,15 @@ def test_expert_size_auto_is_a_layout_the_search_chooses_within_the_budget() -> 
     assert chosen.memory.device_peak_bytes <= budget
 
 
+def test_under_isp_the_expert_dims_are_carved_from_every_rank() -> None:
+    """isp at tensor size 2 on 4 ranks: each rank routes its own sequence chunk, so EP=2 leaves 2 expert-data ranks
+    (not 1): under FSDP2 a rank keeps a quarter of the experts' weights."""
+    options = {"parallel.mode": "fsdp2", "parallel.expert.size": 2, "parallel.tensor.mode": "isp"}
+    cfg = moe(4, **options, **{"parallel.tensor.size": 2})
+    expert_bytes = 3 * cfg.model.num_experts * cfg.model.hidden_size * 128 * 4 * cfg.model.num_layers
+    assert trace_step(cfg, 4).components["expert_params"] == expert_bytes // 4
+
+
 def test_expert_size_auto_searches_only_the_sizes_expert_weight_groups_can_take() -> None:
     """`parallel.expert_weight.size=2` beside `parallel.expert.size="auto"` on 8 ranks, 8 experts: the config
     resolves (the placeholder size 1 is not held against it) and the layouts are the sizes leaving expert-data ranks

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, RunConfig
+from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, RunConfig, expert_ranks
 
 MICRO_BATCH, OPTIMIZER, LAYOUT = "micro_batch", "optimizer", "layout"
 
@@ -192,7 +192,7 @@ def expert_size_settings(cfg: RunConfig, world_size: int) -> list[Setting]:
     knob would search each size's layout in full."""
     if EXPERT_SIZE not in cfg.auto_knobs or not cfg.model.num_experts:
         return [Setting("", {})]
-    data_parallel, weight = world_size // cfg.parallel.tensor.size, cfg.parallel.expert_weight.size
+    data_parallel, weight = expert_ranks(cfg, world_size), cfg.parallel.expert_weight.size
 
     def takes(size: int) -> bool:
         if data_parallel % size or cfg.model.num_experts % size:

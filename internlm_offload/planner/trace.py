@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves
 
 from internlm_offload.builder import build_components, make_trainer
-from internlm_offload.config import RunConfig
+from internlm_offload.config import RunConfig, expert_ranks
 from internlm_offload.data.loader import MicroBatch
 from internlm_offload.device import storage_key
 from internlm_offload.engine.expert_parallel import expert_params, moe_blocks
@@ -369,8 +369,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_
     with group, _quiet(), kernels, contextlib.ExitStack() as stack, tracker, tracker.counting_resizes():
         for stand_in in stand_ins:
             stack.enter_context(stand_in)
-        expert_ranks = world_size if cfg.parallel.tensor.mode == "isp" else world_size // tensor
-        expert_sizes = (experts, cfg.parallel.expert_weight.size, expert_ranks)
+        expert_sizes = (experts, cfg.parallel.expert_weight.size, expert_ranks(cfg, world_size))
         ctx = _rank_context(rank, world_size, tensor, expert_sizes, pipe, accelerator)
         parts = build_components(cfg, ctx, check_host_memory=False)
         if cfg.parallel.fsdp_cpu_offload:

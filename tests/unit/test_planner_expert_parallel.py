@@ -127,11 +127,17 @@ def test_expert_size_auto_is_a_layout_the_search_chooses_within_the_budget() -> 
 
 def test_under_isp_the_expert_dims_are_carved_from_every_rank() -> None:
     """isp at tensor size 2 on 4 ranks: each rank routes its own sequence chunk, so EP=2 leaves 2 expert-data ranks
-    (not 1): under FSDP2 a rank keeps a quarter of the experts' weights."""
+    (not 1): under FSDP2 a rank keeps a quarter of the experts' weights; "auto" searches sizes up to all 4 ranks."""
+    from internlm_offload.planner.knobs import expert_size_settings
+
     options = {"parallel.mode": "fsdp2", "parallel.expert.size": 2, "parallel.tensor.mode": "isp"}
     cfg = moe(4, **options, **{"parallel.tensor.size": 2})
     expert_bytes = 3 * cfg.model.num_experts * cfg.model.hidden_size * 128 * 4 * cfg.model.num_layers
     assert trace_step(cfg, 4).components["expert_params"] == expert_bytes // 4
+    auto = moe(
+        4, **{**options, "parallel.expert.size": "auto", "memory_budget.device": "1GiB", "parallel.tensor.size": 2}
+    )
+    assert [s.name for s in expert_size_settings(auto, 4)] == ["ep 1", "ep 2", "ep 4"]
 
 
 def test_expert_size_auto_searches_only_the_sizes_expert_weight_groups_can_take() -> None:

@@ -120,6 +120,8 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
         needs_group=cfg.parallel.mode != "none" or tensor > 1,
         tensor_size=tensor,
         expert_size=cfg.parallel.expert.size,
+        expert_weight_size=cfg.parallel.expert_weight.size,
+        experts_over_tensor=cfg.parallel.tensor.mode == "isp",
         pipeline_size=cfg.parallel.pipeline.size,
     )
     if cfg.auto_knobs:

@@ -381,8 +381,10 @@ def _parallel(t: Translation, world_size: int) -> None:
     fsdp = isinstance(zero1, dict) and bool(zero1.get("fsdp"))
     data_parallel = max(1, world_size // (tensor * pipeline))  # pipeline stages read the same micro-batches
     isp = isinstance(parallel.get("tensor"), dict) and parallel["tensor"].get("mode") == "isp"
-    if weight > 1 or fsdp or (tensor > 1 and data_parallel > 1 and not isp):
-        # weight parallel is FSDP2; other tensor modes take FSDP2 over the data-parallel dim (DDP takes no DTensors)
+    expert_weight = _size(parallel.get("expert_weight"))
+    if weight > 1 or expert_weight > 1 or fsdp or (tensor > 1 and data_parallel > 1 and not isp):
+        # weight parallel (the experts' too) is FSDP2; other tensor modes take FSDP2 over the data-parallel dim (DDP
+        # takes no DTensors)
         parallel["mode"] = "fsdp2"
     elif data_parallel > 1 or (isp and tensor > 1):
         # ZeRO-1 sharding of the optimizer states is not done here: all ranks hold them. isp: DDP sums the

@@ -37,15 +37,16 @@ class ExpertParallelConfig(Section):
     size: int = Field(
         1,
         description="Expert parallel (docs/parallelism.md): each sparse block's routed experts split over groups of "
-        "this many data-parallel ranks (E / size experts per rank, tokens sent to them by all-to-all; `parallel.mode` "
-        "ddp or fsdp2). -1 (InternEvo's "
-        "default) or <= 0: min(data-parallel ranks, model.num_experts), as InternEvo resolves -1; said in the log. "
+        "this many data-parallel ranks (every rank under isp; E / size experts per rank, tokens sent to them by "
+        "all-to-all; `parallel.mode` ddp or fsdp2). -1 (InternEvo's "
+        "default) or <= 0: min(those ranks, model.num_experts), as InternEvo resolves -1; said in the log. "
         '`"auto"` (with `memory_budget`): the planner chooses among the sizes dividing both.',
     )
     no_tp: bool = Field(
         False,
-        description="InternEvo's: experts not split over the tensor group. Expert parallel runs without tensor "
-        "parallel here, so the experts are whole on each rank either way.",
+        description="InternEvo's: experts not split over the tensor group. Read; the experts are whole on each rank "
+        "either way (isp keeps them whole, each rank routing its own sequence chunk; mtp/msp/fsp are refused on "
+        "models with experts).",
     )
 
 
@@ -53,9 +54,10 @@ class ExpertWeightParallelConfig(Section):
     size: int = Field(
         1,
         ge=1,
-        description="InternEvo's expert weight parallel: the expert weights sharded over groups of this many "
-        "expert-data ranks (ranks holding the same experts). Must divide the data-parallel size / expert size; only "
-        "1 is built (with `parallel.mode='fsdp2'` FSDP2 shards the experts over all their expert-data ranks).",
+        description="InternEvo's expert weight parallel: FSDP2 shards each rank's experts over groups of this many "
+        "expert-data ranks (ranks holding the same experts) and replicates them across the groups (HSDP); needs "
+        "`parallel.mode='fsdp2'` and must divide the data-parallel size / expert size. 1 (or that whole quotient): "
+        "FSDP2 shards them over all their expert-data ranks. docs/parallelism.md, Expert parallel.",
     )
     overlap: bool = Field(False, description="InternEvo's expert weight all-gather overlap; no effect here.")
 

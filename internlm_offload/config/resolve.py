@@ -63,61 +63,56 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
             f"parallel.mode='none' with {data_parallel} data-parallel ranks (world size {world_size}, tensor size "
             f"{cfg.parallel.tensor.size}): use parallel.mode='ddp' or 'fsdp2'"
         )
-    _resolve_expert_parallel(cfg, data_parallel)
+    _resolve_expert_parallel(cfg, expert_ranks(cfg, world_size))
     return cfg
 
 
-def _resolve_expert_parallel(cfg: RunConfig, data_parallel: int) -> None:
-    """`parallel.expert.size` <= 0 as InternEvo's -1: min(data-parallel ranks, experts), or 1 where this run has
-    what expert parallel is not built with (said in the log); then what the expert mesh ("edp", "ep") over the
-    data-parallel ranks needs (one line each, exit 2)."""
+def expert_ranks(cfg: RunConfig, world_size: int) -> int:
+    """The ranks expert parallel is carved from, each routing tokens of its own: the data-parallel ranks, or under
+    isp every rank (a tensor group's ranks hold different chunks of the sequences; InternEvo's isp order too)."""
+    return world_size if cfg.parallel.tensor.mode == "isp" else _data_parallel_size(cfg, world_size)
+
+
+def _resolve_expert_parallel(cfg: RunConfig, ranks: int) -> None:
+    """`parallel.expert.size` <= 0 as InternEvo's -1: min(`ranks`, experts) (said in the log); then what the expert
+    mesh over those ranks (`expert_ranks`) needs (one line each, exit 2). mtp/msp/fsp, which it is not built with,
+    the schema refuses on any model with experts."""
     expert, weight, experts = cfg.parallel.expert, cfg.parallel.expert_weight, cfg.model.num_experts
     if expert.size <= 0:
-        resolved = min(data_parallel, experts) if experts else 1
-        blocker = _expert_parallel_blocker(cfg) if resolved > 1 else None
-        rule = f"min(data-parallel ranks {data_parallel}, model.num_experts {experts}), InternEvo's rule for -1"
-        if blocker is not None:
-            rule += f", is {resolved}; 1 here: {blocker}"
-            resolved = 1
+        resolved = min(ranks, experts) if experts else 1
+        rule = f"min({_ranks_name(cfg)} ranks {ranks}, model.num_experts {experts}), InternEvo's rule for -1"
         cfg._derived.append(f"parallel.expert.size={expert.size} -> {resolved}: {rule}")
         expert.size = resolved
     ep = expert.size
     if ep == 1:
-        if weight.size > 1:
+        # "auto" holds 1 until the planner chose: its sizes are those expert_weight can take (planner/knobs.py)
+        if weight.size > 1 and "parallel.expert.size" not in cfg.auto_knobs:
             raise ConfigError(f"parallel.expert_weight.size={weight.size} needs parallel.expert.size > 1; set 1")
         return
     if not experts:
         raise ConfigError(f"parallel.expert.size={ep} needs a mixture-of-experts model (model.num_experts > 0)")
-    for name, value in (("model.num_experts", experts), ("the data-parallel size", data_parallel)):
+    for name, value in (("model.num_experts", experts), (f"the {_ranks_name(cfg)} size", ranks)):
         if value % ep:
             raise ConfigError(
                 f"parallel.expert.size={ep} must divide {name} ({value}): each of the {ep} ranks holds "
-                f"{experts}/{ep} experts of every sparse block, over the data-parallel ranks; choose a divisor"
+                f"{experts}/{ep} experts of every sparse block, over the {_ranks_name(cfg)} ranks; choose a divisor"
             )
-    left = data_parallel // ep
+    left = ranks // ep
     if left % weight.size:
         raise ConfigError(
-            f"parallel.expert_weight.size={weight.size} must divide the expert-data ranks left, data-parallel "
-            f"{data_parallel} / expert {ep} = {left}; choose a divisor"
+            f"parallel.expert_weight.size={weight.size} must divide the expert-data ranks left, "
+            f"{_ranks_name(cfg)} {ranks} / expert {ep} = {left}; choose a divisor"
         )
-    blocker = _expert_parallel_blocker(cfg)
-    if blocker is not None:
-        raise ConfigError(f"parallel.expert.size={ep}: {blocker}")
+    if weight.size > 1 and cfg.parallel.mode != "fsdp2":
+        raise ConfigError(
+            f"parallel.expert_weight.size={weight.size} shards the experts with FSDP2 over groups of their expert-data "
+            f"ranks: set parallel.mode='fsdp2', got {cfg.parallel.mode!r}"
+        )
 
 
-def _expert_parallel_blocker(cfg: RunConfig) -> str | None:
-    """What in this config expert parallel is not built with, and the fix; None: nothing."""
-    par = cfg.parallel
-    if par.expert_weight.size > 1:
-        return (
-            f"parallel.expert_weight.size={par.expert_weight.size}: sharding the experts over the expert-data "
-            "ranks is not built yet; set 1"
-        )
-    if par.tensor.size > 1:
-        return "expert parallel with tensor parallel is not built yet; set parallel.tensor.size=1"
-    if par.fsdp_cpu_offload:
-        return "parallel.fsdp_cpu_offload=True is not checked on expert shards yet; set False"
-    return None
+def _ranks_name(cfg: RunConfig) -> str:
+    """What `expert_ranks` counts, for the messages."""
+    return "world" if cfg.parallel.tensor.mode == "isp" and cfg.parallel.tensor.size > 1 else "data-parallel"
 
 
 def _data_parallel_size(cfg: RunConfig, world_size: int) -> int:

@@ -218,11 +218,12 @@ class RunConfig(Section):
                 f"got mode={tensor.mode!r}; set weight.size=1"
             )
         T, mode = tensor.size, tensor.mode
-        if model.num_experts:
+        # isp keeps the experts whole (its ranks route their own sequence chunks, as InternEvo's do)
+        if model.num_experts and T > 1 and mode != "isp":
             raise ValueError(
                 f"parallel.tensor (size {T}, mode {mode!r}) with model.num_experts={model.num_experts}: the experts "
-                "are not sharded over a tensor group yet (expert parallel with tensor parallel is not built); set "
-                "parallel.tensor.size=1"
+                "are not sharded over a tensor group yet (expert parallel with mtp/msp/fsp is not built); use "
+                "parallel.tensor.mode='isp' or parallel.tensor.size=1"
             )
         if model.type != "internlm2":
             raise ValueError(

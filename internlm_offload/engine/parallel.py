@@ -17,7 +17,7 @@ from torch.distributed.tensor import distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from internlm_offload.engine.expert_parallel import expert_params, moe_blocks, reduce_expert_grads_in_backward
-from internlm_offload.engine.runtime import RunContext
+from internlm_offload.engine.runtime import RunContext, expert_data_mesh
 from internlm_offload.log import get_logger
 from internlm_offload.optim.dtensor import is_dtensor
 from internlm_offload.registry import PARALLEL
@@ -43,9 +43,7 @@ def apply_ddp(
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [*experts, *host_frozen])
     wrapped = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
     if experts:
-        reduce_expert_grads_in_backward(
-            model, ctx.expert_mesh, ctx.dp_size, sync=lambda: wrapped.require_backward_grad_sync
-        )
+        reduce_expert_grads_in_backward(model, ctx.expert_mesh, sync=lambda: wrapped.require_backward_grad_sync)
     ignored = f", {len(experts)} expert weights apart" if experts else ""
     ignored += f", {len(host_frozen)} frozen weights on the host apart" if host_frozen else ""
     logger.info("Applied DDP over %d ranks (bucket %d MB)%s", ctx.world_size, bucket_cap_mb, ignored)
@@ -69,7 +67,7 @@ def apply_fsdp2(
     policy = CPUOffloadPolicy(pin_memory=ctx.accelerator.supports_pinned_memory) if cpu_offload else OffloadPolicy()
     shard = dict(mesh=mesh, offload_policy=policy, mp_policy=mixed_precision or MixedPrecisionPolicy())
     if ctx.expert_mesh is not None:
-        shard_experts(model, ctx, reshard_after_forward, {**shard, "mesh": ctx.expert_mesh["edp"]})
+        shard_experts(model, ctx, reshard_after_forward, {**shard, "mesh": expert_data_mesh(ctx.expert_mesh)})
     for block in layers:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **shard)
     # The root keeps its params unsharded after forward: backward needs the head straight away.
@@ -84,16 +82,23 @@ def apply_fsdp2(
 def shard_experts(model: nn.Module, ctx: RunContext, reshard_after_forward: bool, shard: dict[str, Any]) -> None:
     """Expert parallel: each sparse block's experts are their own FSDP2 unit over the expert-data dim (the ranks
     holding the same experts; FSDP2 shards the "ep" DTensors again over it, as it does tensor parallel's), before
-    their block takes the rest over all data-parallel ranks. Their reduce-scatter divides by the data-parallel size,
-    not the expert-data one: the experts' gradients already sum the tokens of their "ep" group's ranks."""
+    their block takes the rest over all data-parallel ranks. Under expert weight parallel the mesh is 2-D (HSDP):
+    sharded over groups of `parallel.expert_weight.size`, all-reduced across the replicas. Their reduction divides
+    by the expert mesh's size (the data-parallel ranks; all under isp), not the expert-data one: the experts'
+    gradients already sum the tokens of their "ep" group's ranks."""
     for moe in moe_blocks(model):
         fully_shard(moe.experts, reshard_after_forward=reshard_after_forward, **shard)
-        moe.experts.set_gradient_divide_factor(float(ctx.dp_size))
+        moe.experts.set_gradient_divide_factor(float(ctx.expert_mesh.size()))
         # a sum, then the division: a factor other than the group's size is PREMUL_SUM otherwise, which gloo lacks
         moe.experts.set_force_sum_reduction_for_comms(True)
     blocks = moe_blocks(model)
     local = tuple(blocks[0].experts.w1.to_local().shape) if blocks else ()
-    logger.info("Applied FSDP2 to the experts over %d expert-data ranks (w1 here: %s)", shard["mesh"].size(), local)
+    mesh = shard["mesh"]
+    hsdp = f" (shards over {mesh.size(-1)}, {mesh.size(0)} replicas)" if mesh.ndim == 2 else ""
+    offload = " with CPU offload policy" if isinstance(shard["offload_policy"], CPUOffloadPolicy) else ""
+    logger.info(
+        "Applied FSDP2 to the experts over %d expert-data ranks%s%s (w1 here: %s)", mesh.size(), hsdp, offload, local
+    )
 
 
 def buffers_to(model: nn.Module, device: torch.device) -> None:

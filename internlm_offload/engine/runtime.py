@@ -32,7 +32,8 @@ class RunContext:
     # `mesh` is the ("dp", "tp") DeviceMesh over the world, None without tensor parallel.
     tensor_size: int = 1
     mesh: DeviceMesh | None = None
-    # Expert parallel: the ("edp", "ep") mesh over the data-parallel ranks (engine/expert_parallel.py), None without
+    # Expert parallel: the ("edp", "ep") mesh over the data-parallel ranks, ("edp_replicate", "edp_shard", "ep") with
+    # "edp" flattened under expert weight parallel (engine/expert_parallel.py); None without
     expert_mesh: DeviceMesh | None = None
     # Pipeline parallel: the ("pp", "dp") mesh, stage ranks outermost (rank r is pipeline rank r // (W / P)); the
     # ranks of one stage read different micro-batches, those of one pipeline the same. None without a pipeline.
@@ -68,12 +69,15 @@ def init_runtime(
     needs_group: bool = False,
     tensor_size: int = 1,
     expert_size: int = 1,
+    expert_weight_size: int = 1,
+    experts_over_tensor: bool = False,
     pipeline_size: int = 1,
 ) -> RunContext:
     """Join the process group when launched by torchrun (gloo on cpu, nccl/hccl on accelerators). Without
     torchrun, `needs_group` (the ddp and fsdp2 wrappers) makes a group of this one process. `tensor_size` > 1
-    builds the ("dp", "tp") mesh, tensor ranks innermost; `expert_size` > 1 the ("edp", "ep") mesh; `pipeline_size` > 1
-    the ("pp", "dp") mesh."""
+    builds the ("dp", "tp") mesh, tensor ranks innermost; `expert_size` > 1 the expert mesh (`expert_mesh`, its
+    expert-data ranks sharded over groups of `expert_weight_size`; over every rank with `experts_over_tensor`, isp's
+    tensor ranks holding different chunks of the sequences); `pipeline_size` > 1 the ("pp", "dp") mesh."""
     if not launched_by_torchrun():
         if needs_group and not dist.is_initialized():
             dist.init_process_group(backend=accelerator.dist_backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -84,7 +88,8 @@ def init_runtime(
     if not dist.is_initialized():
         dist.init_process_group(backend=accelerator.dist_backend)
     mesh = tensor_parallel_mesh(accelerator.name, world_size, tensor_size)
-    experts = None if expert_size == 1 else expert_mesh(accelerator.name, world_size // tensor_size, expert_size)
+    ranks = world_size if experts_over_tensor else world_size // tensor_size
+    experts = None if expert_size == 1 else expert_mesh(accelerator.name, ranks, expert_size, expert_weight_size)
     pipeline = None if pipeline_size == 1 else pipeline_mesh(accelerator.name, world_size, pipeline_size)
     return RunContext(rank, local_rank, world_size, accelerator, tensor_size, mesh, experts, pipeline_size, pipeline)
 
@@ -101,11 +106,36 @@ def pipeline_mesh(device_type: str, world_size: int, pipeline_size: int) -> Devi
     return init_device_mesh(device_type, (pipeline_size, world_size // pipeline_size), mesh_dim_names=("pp", "dp"))
 
 
-def expert_mesh(device_type: str, data_parallel: int, expert_size: int) -> DeviceMesh:
+def expert_mesh(device_type: str, data_parallel: int, expert_size: int, expert_weight: int = 1) -> DeviceMesh:
     """The ("edp", "ep") mesh over the data-parallel ranks, expert ranks innermost (InternEvo's order: the ranks
-    of an expert group are contiguous, those holding the same experts at stride `expert_size`)."""
-    shape = (data_parallel // expert_size, expert_size)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("edp", "ep"))
+    of an expert group are contiguous, those holding the same experts at stride `expert_size`).
+
+    `expert_weight` W between 1 and the expert-data size: ("edp_replicate", "edp_shard", "ep"), the expert-data
+    ranks split into replicas of shard groups of W (at stride `expert_size`, "ep" stays innermost), with the two
+    flattened back into "edp" (the expert-data group as a whole)."""
+    expert_data = data_parallel // expert_size
+    if expert_weight in (1, expert_data):
+        return init_device_mesh(device_type, (expert_data, expert_size), mesh_dim_names=("edp", "ep"))
+    shape = (expert_data // expert_weight, expert_weight, expert_size)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=("edp_replicate", "edp_shard", "ep"))
+    mesh["edp_replicate", "edp_shard"]._flatten("edp")
+    return mesh
+
+
+def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """What FSDP2 shards the experts over: the whole expert-data dim, or under expert weight parallel its
+    (replicate, shard) dims (HSDP: sharded within groups of W, replicated across them)."""
+    return mesh["edp_replicate", "edp_shard"] if _split_expert_data(mesh) else mesh["edp"]
+
+
+def all_expert_data(mesh: DeviceMesh) -> DeviceMesh:
+    """The expert-data ranks as one dim (the ranks holding this rank's experts), whatever the expert mesh."""
+    # _flatten hands back the flattened dim `expert_mesh` made (torch deprecates slicing it from the root)
+    return mesh["edp_replicate", "edp_shard"]._flatten("edp") if _split_expert_data(mesh) else mesh["edp"]
+
+
+def _split_expert_data(mesh: DeviceMesh) -> bool:
+    return "edp_shard" in (mesh.mesh_dim_names or ())
 
 
 def data_parallel_group(ctx: RunContext) -> dist.ProcessGroup | None:

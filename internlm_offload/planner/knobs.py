@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, RunConfig
+from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, RunConfig, expert_ranks
 
 MICRO_BATCH, OPTIMIZER, LAYOUT = "micro_batch", "optimizer", "layout"
 
@@ -104,10 +104,7 @@ def optimizer_kinds(
     hosted = cfg is not None and cfg.model.lora is not None and cfg.model.lora.base_on_host
     # a 4-bit base (QLoRA) is built for parallel.mode='none' only, which FSDP2's policy is not
     hosted = hosted or (cfg is not None and cfg.model.quantization_config is not None)
-    # FSDP2's CPU offload policy is not built under expert parallel (config/resolve.py refuses it): not offered where
-    # the config has or may choose expert parallel
-    experts = cfg is not None and (cfg.parallel.expert.size > 1 or EXPERT_SIZE in cfg.auto_knobs)
-    params_on_host = PARAMS_ON_HOST in auto and under_fsdp2 and not (fixed_swap or fixed_hybrid or hosted or experts)
+    params_on_host = PARAMS_ON_HOST in auto and under_fsdp2 and not (fixed_swap or fixed_hybrid or hosted)
     off = {
         **({"swap_optimizer": False} if swap else {}),
         **({"hybrid_optimizer.enable": False} if switch_hybrid else {}),
@@ -188,15 +185,22 @@ def tensor_mode_settings(cfg: RunConfig, auto: Iterable[str] = AUTO_KNOBS) -> li
 
 
 def expert_size_settings(cfg: RunConfig, world_size: int) -> list[Setting]:
-    """Each expert-parallel size dividing both the data-parallel ranks and the experts, when the config itself leaves
-    `parallel.expert.size` "auto" (a size moves the experts' bytes and the all-to-all's: each is a search of its own);
-    else one setting that changes nothing. Only the config's own "auto" searches it: a tool searching every knob
-    would search each size's layout in full."""
+    """Each expert-parallel size dividing both the data-parallel ranks and the experts (and, with
+    `parallel.expert_weight.size` W > 1, above 1 and leaving expert-data ranks that W divides), when the config itself
+    leaves `parallel.expert.size` "auto" (a size moves the experts' bytes and the all-to-all's: each is a search of
+    its own); else one setting that changes nothing. Only the config's own "auto" searches it: a tool searching every
+    knob would search each size's layout in full."""
     if EXPERT_SIZE not in cfg.auto_knobs or not cfg.model.num_experts:
         return [Setting("", {})]
-    data_parallel = world_size // cfg.parallel.tensor.size
-    sizes = [e for e in range(1, data_parallel + 1) if data_parallel % e == 0 and cfg.model.num_experts % e == 0]
-    return [Setting(f"ep {size}", {EXPERT_SIZE: size}) for size in sizes]
+    data_parallel, weight = expert_ranks(cfg, world_size), cfg.parallel.expert_weight.size
+
+    def takes(size: int) -> bool:
+        if data_parallel % size or cfg.model.num_experts % size:
+            return False
+        # expert weight groups need expert parallel and must divide the expert-data ranks it leaves (config/resolve.py)
+        return weight == 1 or (size > 1 and data_parallel // size % weight == 0)
+
+    return [Setting(f"ep {size}", {EXPERT_SIZE: size}) for size in range(1, data_parallel + 1) if takes(size)]
 
 
 @dataclass(frozen=True)

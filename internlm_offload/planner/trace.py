@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves
 
 from internlm_offload.builder import build_components, make_trainer
-from internlm_offload.config import RunConfig
+from internlm_offload.config import RunConfig, expert_ranks
 from internlm_offload.data.loader import MicroBatch
 from internlm_offload.device import storage_key
 from internlm_offload.engine.expert_parallel import expert_params, moe_blocks
@@ -371,7 +371,8 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_
     with group, _quiet(), kernels, contextlib.ExitStack() as stack, tracker, tracker.counting_resizes():
         for stand_in in stand_ins:
             stack.enter_context(stand_in)
-        ctx = _rank_context(rank, world_size, tensor, experts, pipe, accelerator)
+        expert_sizes = (experts, cfg.parallel.expert_weight.size, expert_ranks(cfg, world_size))
+        ctx = _rank_context(rank, world_size, tensor, expert_sizes, pipe, accelerator)
         parts = build_components(cfg, ctx, check_host_memory=False)
         if cfg.parallel.fsdp_cpu_offload:
             for param in parts.model.parameters():  # FSDP2 keeps each shard in pinned host memory
@@ -428,15 +429,22 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_
 
 
 def _rank_context(
-    rank: int, world_size: int, tensor_size: int, expert_size: int, pipeline_size: int, accelerator: PlanningAccelerator
+    rank: int,
+    world_size: int,
+    tensor_size: int,
+    experts: tuple[int, int, int],
+    pipeline_size: int,
+    accelerator: PlanningAccelerator,
 ) -> RunContext:
     """`rank`'s context over the fake process group: with tensor parallel its ("dp", "tp") mesh, with expert
-    parallel its ("edp", "ep") mesh, with a pipeline its ("pp", "dp") mesh."""
+    parallel (`experts`: the expert and expert weight sizes, the ranks they are carved from) its expert mesh, with a
+    pipeline its ("pp", "dp") mesh."""
     mesh = tensor_parallel_mesh("cpu", world_size, tensor_size)
-    experts = None if expert_size == 1 else expert_mesh("cpu", world_size // tensor_size, expert_size)
+    expert_size, expert_weight, ranks = experts
+    experts_mesh = None if expert_size == 1 else expert_mesh("cpu", ranks, expert_size, expert_weight)
     pipe_mesh = None if pipeline_size == 1 else pipeline_mesh("cpu", world_size, pipeline_size)
     return RunContext(
-        rank, rank, world_size, accelerator, tensor_size=tensor_size, mesh=mesh, expert_mesh=experts,
+        rank, rank, world_size, accelerator, tensor_size=tensor_size, mesh=mesh, expert_mesh=experts_mesh,
         pipeline_size=pipeline_size, pipeline_mesh=pipe_mesh,
     )  # fmt: skip
 

@@ -110,13 +110,18 @@ def _continue_at(run, source, layout, nproc, *, exact):
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_ep_2_by_expert_data_2_follows_one_process(tmp_path, one_process, mode):
     """Four processes: expert groups {0, 1} and {2, 3}, ranks 0 and 2 (1 and 3) holding the same experts. DDP sums
-    their gradients over that expert-data pair; FSDP2 shards them over it (one expert of a block per rank) and
-    reduce-scatters there, the rest over all four: one process's curve within the same bars either way."""
+    their gradients over that expert-data pair, the rest over all four. FSDP2 shards them over it (one expert of a
+    block per rank; expert weight 2, the whole pair) and reduce-scatters there, the rest under isp's weight groups
+    of 2 (HSDP: sharded over pairs, replicated across them; the qwen3 layout's test in test_internevo_moe_e2e.py
+    shards the rest over all four): one process's curve within the same bars either way."""
     run = tmp_path / f"ep2_edp2_{mode}"
-    proc = train(run, *STEPS, *CALM, "parallel.expert.size=2", f"parallel.mode={mode}", config=MOE, nproc=4)
+    isp = ["parallel.tensor.mode=isp", "parallel.weight.size=2", "parallel.expert_weight.size=2"]
+    layout = ["parallel.expert.size=2", f"parallel.mode={mode}", *(isp if mode == "fsdp2" else [])]
+    proc = train(run, *STEPS, *CALM, *layout, config=MOE, nproc=4)
     assert "Applied expert parallel over 2 ranks (2 expert-data groups)" in proc.stderr
     if mode == "fsdp2":
         assert "Applied FSDP2 to the experts over 2 expert-data ranks (w1 here: (1, 128, 128))" in proc.stderr
+        assert "Applied FSDP2 over 4 ranks (shards over 2, 2 replicas): 4 blocks + root" in proc.stderr
     assert_curves(one_process, run, NEAR)
 
 

@@ -1,10 +1,12 @@
 """InternEvo's five MoE configs, their keys as shipped and shrunk in size only, train through train.py: each for 3
-steps on one process and each on two (DDP or FSDP2); 7B_MoE4 with expert parallel on four."""
+steps on one process and each on two (DDP or FSDP2); 7B_MoE4 with expert parallel on four, and qwen3_30B_A3B's
+layout (isp weight groups, expert and expert weight parallel) on four against one process."""
 
 import math
 
 import pytest
 from runner import REPO, metrics, train
+from tensor_parallel_runs import EXACT, NEAR, assert_curves
 
 pytestmark = pytest.mark.e2e
 
@@ -97,3 +99,39 @@ def test_internevo_moe_config_with_expert_size_minus_one_runs_expert_parallel_on
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["moe_aux_loss"] > 0 for r in records)
+
+
+def test_internevo_qwen3_layout_with_expert_weight_parallel_follows_one_process_on_four_processes(tmp_path):
+    """qwen3_30B_A3B.py's parallel section as shipped (isp of size 1, weight, expert and expert_weight groups), its
+    sizes shrunk to 4 processes: weight 4 (FSDP2 over all ranks), expert 2 (8 of the 16 experts per rank), expert
+    weight 2 (each rank's experts sharded over its expert-data pair). fp32, the one-process run's global batch of
+    8: loss within 1e-5 and grad norm within 1e-4 of one process for the 3 steps. The same layout with FSDP2's CPU
+    offload policy (the expert shards on the host too) is that run bitwise. isp with sequence chunks (tensor 2,
+    weight 2: HSDP 2 x 2; expert 2 over all 4 ranks, each routing its own chunk; expert weight 2) follows one
+    process within the same bars (the aux loss, InternEvo's way, is each chunk's own: 0.001 of it)."""
+    name = DATA / "internevo_qwen3_30b_a3b_shrunk.py"
+    fp32 = ["model.dtype=torch.float32", "data.global_bsz=8"]
+    train(tmp_path / "one", *fp32, config=name)
+    layout = ["parallel.weight.size=4", "parallel.expert.size=2", "parallel.expert_weight.size=2"]
+    proc = train(tmp_path / "qwen3_layout", *fp32, *layout, nproc=4, config=name)
+    assert (
+        "Applied expert parallel over 2 ranks (2 expert-data groups): 2 sparse blocks, 8 of 16 experts" in proc.stderr
+    )
+    assert "Applied FSDP2 to the experts over 2 expert-data ranks (w1 here: (4, 256, 64))" in proc.stderr
+    # Dropless: every choice of rank 0's tokens (1 micro-batch of 2 x 64) counted, 2 blocks x top-8
+    assert [sum(r["moe_tokens_per_expert"]) for r in metrics(tmp_path / "qwen3_layout")] == [2 * 8 * 128] * 3
+    assert_curves(tmp_path / "one", tmp_path / "qwen3_layout", NEAR)
+    host = ["parallel.fsdp_cpu_offload=True"]
+    proc = train(tmp_path / "on_host", *fp32, *layout, *host, nproc=4, config=name)
+    assert "Applied FSDP2 to the experts over 2 expert-data ranks with CPU offload policy" in proc.stderr
+    assert_curves(tmp_path / "qwen3_layout", tmp_path / "on_host", EXACT)
+    chunks = [
+        "parallel.tensor.size=2",
+        "parallel.weight.size=2",
+        "parallel.expert.size=2",
+        "parallel.expert_weight.size=2",
+    ]
+    proc = train(tmp_path / "isp_chunks", *fp32, *chunks, nproc=4, config=name)
+    assert "Applied expert parallel over 2 ranks (2 expert-data groups)" in proc.stderr
+    assert "Applied tensor parallel isp over 2 ranks" in proc.stderr
+    assert_curves(tmp_path / "one", tmp_path / "isp_chunks", NEAR)

@@ -157,11 +157,9 @@ def test_expert_sizes_as_internevo_writes_them_resolve_and_are_logged():
         assert f"-> {expected}: min(data-parallel ranks {world}, model.num_experts 4)" in line
     cfg = resolved(["model.dtype=torch.float32", "parallel.mode=fsdp2", "parallel.expert.size=-1"], world_size=4)
     assert cfg.parallel.expert.size == 4
-    # -1 where expert parallel is not built (FSDP2's CPU offload here): 1, and the log says why
+    # FSDP2's CPU offload policy takes the expert shards too
     options = ["model.dtype=torch.float32", "parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=True"]
-    cfg = resolved([*options, "parallel.expert.size=-1"], world_size=2)
-    line = next(n for n in cfg.migration_notes()[0] if n.startswith("parallel.expert.size=-1"))
-    assert cfg.parallel.expert.size == 1 and "is 2; 1 here: parallel.fsdp_cpu_offload=True is not checked" in line
+    assert resolved([*options, "parallel.expert.size=-1"], world_size=2).parallel.expert.size == 2
 
 
 @pytest.mark.parametrize(
@@ -178,15 +176,13 @@ def test_expert_sizes_as_internevo_writes_them_resolve_and_are_logged():
         (
             ["parallel.expert.size=2", "parallel.expert_weight.size=2"],
             4,
-            "parallel.expert_weight.size=2: sharding the experts over the expert-data ranks is not built yet",
+            (
+                "parallel.expert_weight.size=2 shards the experts with FSDP2 over groups of their expert-data ranks: "
+                "set parallel.mode='fsdp2', got 'ddp'"
+            ),
         ),
         (["parallel.expert_weight.size=2"], 2, "parallel.expert_weight.size=2 needs parallel.expert.size > 1"),
         (["parallel.expert.size=2", "model.num_experts=0"], 2, "needs a mixture-of-experts model"),
-        (
-            ["parallel.expert.size=2", "parallel.mode=fsdp2", "parallel.fsdp_cpu_offload=True"],
-            2,
-            "parallel.fsdp_cpu_offload=True is not checked on expert shards yet",
-        ),
         (
             ["parallel.expert.size=2", "parallel.tensor.size=2", "parallel.mode=fsdp2"],
             4,
@@ -197,6 +193,49 @@ def test_expert_sizes_as_internevo_writes_them_resolve_and_are_logged():
 def test_what_expert_parallel_cannot_take_is_one_line(options, world, part):
     options = ["model.dtype=torch.float32", "parallel.mode=ddp", *options]
     assert part in refused(options, world)
+
+
+def test_expert_weight_parallel_and_isp_weight_groups_resolve_with_expert_parallel():
+    """InternEvo's qwen3 layout, natively: isp over a tensor group of one with weight groups (FSDP2 HSDP of the
+    non-expert weights) beside expert parallel with its experts sharded over groups of expert-data ranks."""
+    layout = ["parallel.mode=fsdp2", "parallel.tensor.mode=isp", "parallel.weight.size=2", "parallel.expert.size=2"]
+    cfg = resolved(["model.dtype=torch.float32", *layout, "parallel.expert_weight.size=2"], world_size=8)
+    assert (cfg.parallel.weight.size, cfg.parallel.expert.size, cfg.parallel.expert_weight.size) == (2, 2, 2)
+    # isp with sequence chunks (tensor size 2): its tensor ranks route their own chunks, so the expert dims are
+    # carved from all 8 ranks (expert 4 x expert-data 2), not from the 4 data-parallel ones; -1 is min(8, experts)
+    isp = ["model.dtype=torch.float32", *layout[:2], "parallel.tensor.size=2", "model.num_experts=8"]
+    assert resolved([*isp, "parallel.expert.size=4", "parallel.expert_weight.size=2"], 8).parallel.expert.size == 4
+    cfg = resolved([*isp, "parallel.expert.size=-1"], 8)
+    assert cfg.parallel.expert.size == 8
+    assert "-> 8: min(world ranks 8, model.num_experts 8)" in next(
+        n for n in cfg.migration_notes()[0] if n.startswith("parallel.expert.size=-1")
+    )
+    assert "must divide the world size (8)" in refused([*isp, "parallel.expert.size=16", "model.num_experts=16"], 8)
+
+
+def test_the_expert_mesh_under_expert_weight_parallel_seen_from_rank_5():
+    """8 ranks, EP 2, expert weight 2: expert groups of consecutive ranks, expert-data ranks at stride 2, split into
+    shard pairs at stride 2 (ep innermost) and replicas at stride 4; "edp" is the whole expert-data group; W = 1
+    and W = the expert-data size keep the ("edp", "ep") mesh."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from internlm_offload.engine.runtime import all_expert_data, expert_data_mesh, expert_mesh
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        mesh = expert_mesh("cpu", 8, 2, 2)
+        assert mesh.mesh_dim_names == ("edp_replicate", "edp_shard", "ep")
+        groups = {name: mesh[name].mesh.tolist() for name in ("ep", "edp_shard", "edp_replicate")}
+        assert groups == {"ep": [4, 5], "edp_shard": [5, 7], "edp_replicate": [1, 5]}
+        assert all_expert_data(mesh).mesh.tolist() == [1, 3, 5, 7]
+        assert expert_data_mesh(mesh).mesh.tolist() == [[1, 3], [5, 7]]  # HSDP: rows replicas, columns shards
+        for weight in (1, 4):
+            flat = expert_mesh("cpu", 8, 2, weight)
+            assert flat.mesh_dim_names == ("edp", "ep") and expert_data_mesh(flat).mesh.tolist() == [1, 3, 5, 7]
+            assert all_expert_data(flat).mesh.tolist() == [1, 3, 5, 7]
+    finally:
+        dist.destroy_process_group()
 
 
 def test_pipeline_with_expert_parallel_is_refused_in_one_line():

@@ -86,8 +86,7 @@ def test_qwen2_gshard_trains_as_shipped_with_a_warning():
 
 
 def test_expert_parallel_size_minus_one_resolves_as_internevo_and_says_so():
-    """InternEvo's default expert size -1 (and <= 0): min(data-parallel ranks, experts) where the run takes expert
-    parallel (fp32 or bf16 with fp32 masters), else 1 with the reason; the log says which."""
+    """InternEvo's default expert size -1 (and <= 0): min(data-parallel ranks, experts), said in the log."""
     raw = load_config_file(MOE4)
     raw["model"]["dtype"] = "torch.float32"
     cfg = resolve_config(copy.deepcopy(raw), world_size=2)
@@ -99,10 +98,8 @@ def test_expert_parallel_size_minus_one_resolves_as_internevo_and_says_so():
     assert resolve_config(copy.deepcopy(raw), world_size=2).parallel.expert.size == 2
     assert resolve_config(load_config_file(MOE4), world_size=2).parallel.expert.size == 2  # as shipped: bf16
     raw["parallel"]["zero1"] = dict(size=-1, fsdp=True)
-    raw["parallel"]["fsdp_cpu_offload"] = True  # not under expert parallel yet
-    cfg = resolve_config(copy.deepcopy(raw), world_size=2)
-    line = next(n for n in cfg.migration_notes()[0] if "parallel.expert.size=0" in n)
-    assert cfg.parallel.expert.size == 1 and "is 2; 1 here: parallel.fsdp_cpu_offload=True is not checked" in line
+    raw["parallel"]["fsdp_cpu_offload"] = True  # FSDP2's CPU offload policy takes the expert shards too
+    assert resolve_config(copy.deepcopy(raw), world_size=2).parallel.expert.size == 2
 
 
 def test_first_k_dense_replace_and_num_experts_one():
@@ -177,13 +174,26 @@ def test_what_cannot_run_is_one_line(raw, part):
     assert part in refusal(raw)
 
 
-@pytest.mark.parametrize("mode", ["mtp", "msp", "fsp", "isp"])
-def test_every_tensor_mode_with_moe_is_refused_in_one_line(mode):
-    """Expert parallel is not built: the experts cannot be split over a tensor group in any mode (isp included,
-    whose weight parallel would shard them)."""
-    raw = _with(MOE4, parallel__tensor=dict(size=2, mode=mode))
-    message = refusal(raw, world_size=2)
+@pytest.mark.parametrize("mode", ["mtp", "msp", "fsp"])
+def test_every_column_row_tensor_mode_with_moe_is_refused_in_one_line(mode):
+    """Tensor size 2 on an MoE model: mtp/msp/fsp would split the experts over a tensor group, which is not built;
+    isp keeps them whole, each rank routing its own sequence chunk (InternEvo's isp does the same)."""
+    message = refusal(_with(MOE4, parallel__tensor=dict(size=2, mode=mode)), world_size=2)
     assert f"parallel.tensor (size 2, mode {mode!r}) with model.num_experts=4" in message
+    isp = resolve_config(_with(MOE4, parallel__tensor=dict(size=2, mode="isp")), world_size=2)
+    assert isp.parallel.expert.size == 2  # -1: min(every rank, 4 experts)
+
+
+def test_qwen3_parallel_section_as_shipped_resolves_at_sizes_that_divide_the_world() -> None:
+    """qwen3_30B_A3B.py's isp of size 1 with weight, expert and expert_weight groups: FSDP2 (weight parallel maps onto
+    FSDP2 over all ranks), expert parallel with its experts sharded over groups of expert-data ranks. Expert weight
+    groups alone (weight 1) ask for FSDP2 too: DDP has no sharding to group."""
+    for weight in (2, 1):
+        raw = _with(QWEN3, parallel__weight=dict(size=weight, overlap=True), parallel__expert=dict(size=2, no_tp=True))
+        raw["parallel"]["expert_weight"] = dict(size=2, overlap=True)
+        cfg = resolve_config(raw, world_size=8)
+        assert cfg.parallel.mode == "fsdp2", weight
+        assert (cfg.parallel.expert.size, cfg.parallel.expert_weight.size) == (2, 2)
 
 
 def test_shipped_expert_sizes_exit_2_in_one_line(capsys: Any) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from internlm_offload.config import load_config_file, resolve_config
+from internlm_offload.planner.knobs import PARAMS_ON_HOST
 from internlm_offload.planner.standins import assumed_split_sizes
 from internlm_offload.planner.trace import UnsupportedLayout, trace_step
 
@@ -71,6 +72,18 @@ def test_experts_are_fsdp2_shards_over_the_expert_data_ranks() -> None:
     assert whole.components["model_params"] > sharded.components["model_params"]
 
 
+def test_expert_weight_parallel_shards_the_experts_over_its_groups_and_replicates_across_them() -> None:
+    """8 ranks, 8 experts, EP=2 (4 experts per rank): with expert weight 2 the 4 expert-data ranks are 2 replicas of
+    shard pairs (HSDP), so a rank keeps a quarter of the experts' weights (2 of its 4 experts); with 1, FSDP2 shards
+    them over all 4 (an eighth)."""
+    options = {"parallel.mode": "fsdp2", "parallel.expert.size": 2, "model.num_experts": 8}
+    cfg = moe(8, **options).model
+    expert_bytes = 3 * cfg.num_experts * cfg.hidden_size * 128 * 4 * cfg.num_layers
+    for weight, share in ((2, 4), (1, 8)):
+        traced = trace_step(moe(8, **options, **{"parallel.expert_weight.size": weight}), 8)
+        assert traced.components["expert_params"] == expert_bytes // share, weight
+
+
 def test_measuring_on_one_process_is_refused_in_one_line() -> None:
     with pytest.raises(UnsupportedLayout, match=r"^parallel.expert.size=2: .*torchrun") as info:
         trace_step(ep(), 2, measure=True)
@@ -112,18 +125,54 @@ def test_expert_size_auto_is_a_layout_the_search_chooses_within_the_budget() -> 
     assert chosen.memory.device_peak_bytes <= budget
 
 
-def test_fsdp2_cpu_offload_is_not_offered_under_expert_parallel() -> None:
-    """FSDP2's CPU offload policy is refused under expert parallel (config/resolve.py): the optimizer axis leaves it
-    out where the config has expert parallel or leaves its size "auto", so no candidate of a search is a config
-    error (`tools.plan` on the Qwen3 shapes at EP=8 stopped at exit 2 on it)."""
+def test_under_isp_the_expert_dims_are_carved_from_every_rank() -> None:
+    """isp at tensor size 2 on 4 ranks: each rank routes its own sequence chunk, so EP=2 leaves 2 expert-data ranks
+    (not 1): under FSDP2 a rank keeps a quarter of the experts' weights; "auto" searches sizes up to all 4 ranks."""
+    from internlm_offload.planner.knobs import expert_size_settings
+
+    options = {"parallel.mode": "fsdp2", "parallel.expert.size": 2, "parallel.tensor.mode": "isp"}
+    cfg = moe(4, **options, **{"parallel.tensor.size": 2})
+    expert_bytes = 3 * cfg.model.num_experts * cfg.model.hidden_size * 128 * 4 * cfg.model.num_layers
+    assert trace_step(cfg, 4).components["expert_params"] == expert_bytes // 4
+    auto = moe(
+        4, **{**options, "parallel.expert.size": "auto", "memory_budget.device": "1GiB", "parallel.tensor.size": 2}
+    )
+    assert [s.name for s in expert_size_settings(auto, 4)] == ["ep 1", "ep 2", "ep 4"]
+
+
+def test_expert_size_auto_searches_only_the_sizes_expert_weight_groups_can_take() -> None:
+    """`parallel.expert_weight.size=2` beside `parallel.expert.size="auto"` on 8 ranks, 8 experts: the config
+    resolves (the placeholder size 1 is not held against it) and the layouts are the sizes leaving expert-data ranks
+    that 2 divides (EP 2: 4 left, EP 4: 2 left), not EP 1 (no experts to group) or EP 8 (1 left)."""
+    from internlm_offload.planner.knobs import LAYOUT, Space, settings_on
+    from internlm_offload.planner.search import candidate_configs
+
+    options = {**MOE, "parallel.mode": "fsdp2", "parallel.expert.size": "auto", "parallel.expert_weight.size": 2}
+    options.update({"model.num_experts": 8, "memory_budget.device": "1GiB"})
+    config_for = candidate_configs(load_config_file(CONFIGS / "internlm2_tiny.py", options), world_size=8)
+    cfg = config_for({})
+    space = Space(cfg, frozenset(cfg.auto_knobs), num_layers=cfg.model.num_layers, world_size=8)
+    layouts = settings_on(LAYOUT, space)
+    assert [s.name for s in layouts] == ["ep 2", "ep 4"]
+    for layout in layouts:  # each a config that resolves
+        assert config_for(layout.options).parallel.expert_weight.size == 2
+
+
+def test_fsdp2_cpu_offload_holds_the_expert_shards_on_the_host_and_is_offered_under_expert_parallel() -> None:
+    """FSDP2's CPU offload policy takes the experts' FSDP2 units too: at EP=2 x expert-data 2 every parameter shard,
+    the experts' included, is on the host (none on the device), and the optimizer axis offers the policy where the
+    config has expert parallel or leaves its size "auto"."""
     from internlm_offload.planner.knobs import optimizer_settings
 
-    names = [s.name for s in optimizer_settings(moe(1, **{"parallel.mode": "fsdp2"}))]
-    assert "params on host (FSDP2)" in names
+    options = {"parallel.mode": "fsdp2", "parallel.expert.size": 2}
+    plain, offloaded = trace_step(moe(4, **options), 4), trace_step(moe(4, **options, **{PARAMS_ON_HOST: True}), 4)
+    assert plain.components["model_params"] > plain.components["expert_params"] > 0
+    assert offloaded.components["model_params"] == 0
+    assert offloaded.components["host_params"] == plain.components["model_params"]
     for size in (2, "auto"):
         cfg = (
             ep(wrapper="fsdp2")
             if size == 2
             else moe(2, **{"parallel.mode": "fsdp2", "parallel.expert.size": "auto", "memory_budget.device": "1GiB"})
         )
-        assert "params on host (FSDP2)" not in [s.name for s in optimizer_settings(cfg)], size
+        assert "params on host (FSDP2)" in [s.name for s in optimizer_settings(cfg)], size

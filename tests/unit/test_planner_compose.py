@@ -49,6 +49,10 @@ CASES = {
     "msp 2 + ckpt 0.5": ({"parallel.tensor.size": 2, "parallel.tensor.mode": "msp", "model.checkpoint": 0.5}, 2),
     "moe gshard + offload 6": ({**MOE, **OFFLOAD, "cpu_offloading.num_layers": 6}, 1),
     "moe dropless bf16 + ckpt 0.5": ({**MOE, **BF16, "model.moe_type": "Dropless", "model.checkpoint": 0.5}, 1),
+    # the lane's two resident copies: composed from 2 and 3 blocks, the second block's extra copy was repeated (+63 %)
+    "lora bf16 base on host + ckpt 1.0": (
+        {**BF16, "model.lora.r": 8, "model.lora.base_on_host": True, "model.checkpoint": 1.0}, 1
+    ),
 }  # fmt: skip
 
 

@@ -219,7 +219,7 @@ def test_the_offload_optimizers_and_masters_pass_under_a_pipeline(options):
         (2, {"model.checkpoint": 0.5, "parallel.pipeline.mode": "ZBH1"}, "split backward fails on checkpointed"),
         (2, {"model.tie_word_embeddings": True}, "the embedding and the head sit on different stages"),
         (2, {"model.lora": {"r": 4}}, "LoRA adapters on a pipeline's stages are not built yet"),
-        (2, {"model.checkpoint": "auto", "memory_budget.device": "1GiB"}, "does not search knobs under a pipeline yet"),
+        (2, {"parallel.tensor.mode": "auto", "memory_budget.device": "1GiB"}, "not searched under a pipeline"),
     ],
 )
 def test_what_a_pipeline_cannot_take_is_one_line(world_size, options, message):

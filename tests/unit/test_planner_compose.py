@@ -182,7 +182,7 @@ def test_the_mode_search_traces_whole_only_the_choices_that_could_win():
     chosen, candidates, _ = search_tensor_modes(
         config_for, modes, activations, optimizers, HARDWARE["h100"], None, None, 2, tracer=tracer
     )
-    skipped = [c for c in candidates if c.verdict == "not tried: another tensor mode's choice is faster"]
+    skipped = [c for c in candidates if c.verdict == "not tried: another layout's choice is faster"]
     assert skipped and all(round(c.step_s, 6) > round(chosen.step_s, 6) for c in skipped)
     validated = [c for c in candidates if c.verdict == "chosen" or c.verdict.startswith("fits;")]
     whole = [key for key, _ in tracer._done if json.loads(key)["model"]["num_layers"] == 12]

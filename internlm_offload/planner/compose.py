@@ -282,7 +282,8 @@ class Tracer:
     def exact(self, cfg: RunConfig) -> bool:
         """Whether `step(cfg, approximate=True)` is the whole trace's figures (within 0.5 %); else within
         `APPROXIMATE_MARGIN` as measured."""
-        return not self.compose or composable(cfg, self.world_size) or not same_blocks(cfg)
+        whole = not same_blocks(cfg) or cfg.parallel.pipeline.size > 1  # `trace_composed` traces these whole
+        return not self.compose or composable(cfg, self.world_size) or whole
 
     def whole(self, cfg: RunConfig, count_work: bool = False) -> StepMemory:
         """`cfg`'s step traced whole, once per search (a trace with the work counted serves both)."""

@@ -149,6 +149,8 @@ def test_the_pipeline_is_a_layout_of_the_search() -> None:
     assert pipeline_settings(fixed, 2) == [Setting("", {})]  # only the config's own "auto" searches it
     assert fewest_blocks(fixed) == 2 and fewest_blocks(resolve_config(load_config_file(PP2, {
         **SHAPE, "model.num_layers": 5}), world_size=2)) == 2  # fmt: skip
+    # a pipeline is traced whole: its figures are exact with the swap optimizer too (no composition's margin)
+    assert Tracer(2).exact(resolve_config(load_config_file(PP2, {**SHAPE, "swap_optimizer": True}), world_size=2))
 
 
 def test_the_search_chooses_a_pipeline_where_one_rank_cannot_hold_the_model() -> None:

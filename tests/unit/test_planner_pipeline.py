@@ -177,3 +177,21 @@ def test_the_search_chooses_a_pipeline_where_one_rank_cannot_hold_the_model() ->
     assert chosen.step_s == pytest.approx(
         timing.step_s + step_time(StepWork(), chosen.memory.optimizer_work, 0, HARDWARE["h100"]).optimizer_s, rel=1e-9
     )
+
+
+def test_ddp_buckets_are_counted_only_where_the_builder_wraps_ddp() -> None:
+    """DDP's buckets (a second copy of the gradients) are counted where the builder wraps the model in DDP: fp32
+    stages over 2 data-parallel ranks; not stages with fp32 masters (they reduce the gradients themselves,
+    builder/pipeline.py), nor gradient offload without a pipeline (builder/model.py). Red with the buckets counted
+    whenever parallel.mode is 'ddp' (the 70B pipeline at P = 8 read 17.9 GiB too high a rank)."""
+    small = {**SHAPE, "data.seq_len": 32, "parallel.mode": "ddp"}
+
+    def buckets(config, world_size, **options):
+        cfg = resolve_config(load_config_file(config, {**small, **options}), world_size=world_size)
+        return trace_step(cfg, world_size, count_work=False).components.get("ddp_buckets", 0)
+
+    assert buckets(PP2, 4) > 0
+    assert buckets(PP2, 4, **{"model.dtype": "torch.bfloat16"}) == 0
+    tiny = PP2.parent / "internlm2_tiny.py"
+    assert buckets(tiny, 2, swap_optimizer=True) > 0
+    assert buckets(tiny, 2, swap_optimizer=True, grad_offload=True) == 0

@@ -396,6 +396,8 @@ def _parallel(t: Translation, world_size: int) -> None:
 
 
 def _size(section: Any) -> int:
+    """A section's size; "auto" (the planner's: `parallel.pipeline.size`) counts as 1 here."""
     if isinstance(section, dict):
-        return int(section.get("size", 1))
+        size = section.get("size", 1)
+        return 1 if size == "auto" else int(size)
     return int(section) if isinstance(section, int) else 1

@@ -45,7 +45,8 @@ class LoraConfig(Section):
         description="Hold the frozen base's block linears in host memory (pinned where the accelerator pins) and "
         "bring them to the device a block at a time for forward and again for backward, the next block copied "
         "while the current one computes. `parallel.mode` none or ddp (`internlm2` builds it there from meta; "
-        "`hf_causal_lm` on the device first); under fsdp2 use `parallel.fsdp_cpu_offload`.",
+        '`hf_causal_lm` on the device first); under fsdp2 use `parallel.fsdp_cpu_offload`. `"auto"` (with '
+        "`memory_budget`): the planner's search decides.",
     )
 
     @field_validator("target_modules", mode="before")

@@ -128,17 +128,23 @@ def _data_parallel_size(cfg: RunConfig, world_size: int) -> int:
     return world_size // (tensor * pipeline)
 
 
+PIPELINE_KNOBS = ("parallel.pipeline.size", "parallel.pipeline.mode", "model.num_chunks")
+NOT_SEARCHED_UNDER_PIPELINE = ("parallel.tensor.mode", "parallel.expert.size", "parallel.fsdp_cpu_offload")
+
+
 def _check_pipeline(cfg: RunConfig, data_parallel: int) -> None:
-    """The schedules' rules on the (derived) micro-batches per step and on data parallel within a stage; "auto"
-    knobs are not planned per stage yet."""
+    """The schedules' rules on the (derived) micro-batches per step and on data parallel within a stage; the "auto"
+    knobs the search does not vary under a pipeline (tensor mode, expert size, FSDP2's CPU offload policy)."""
     pipe = cfg.parallel.pipeline
+    staged = [k for k in cfg.auto_knobs if k in PIPELINE_KNOBS]
+    unsearched = [k for k in cfg.auto_knobs if k in NOT_SEARCHED_UNDER_PIPELINE]
+    if unsearched and (pipe.size > 1 or staged):
+        raise ConfigError(
+            f"{unsearched[0]}='auto' with parallel.pipeline.size={'auto' if staged else pipe.size}: not searched "
+            "under a pipeline (not built per stage); give the knob a value"
+        )
     if pipe.size == 1:
         return
-    if cfg.auto_knobs:
-        raise ConfigError(
-            f"{cfg.auto_knobs[0]}='auto' with parallel.pipeline.size={pipe.size}: the planner does not search "
-            "knobs under a pipeline yet (tools.plan checks a pipeline as given); give the knob a value"
-        )
     problem = micro_batch_problem(pipe.size, pipe.mode, cfg.model.num_chunks, cfg.data.micro_num) or (
         data_parallel_problem(pipe.mode, data_parallel)
     )

@@ -30,6 +30,10 @@ AUTO_KNOBS = (
     "nvme_offload.enable",
     "parallel.tensor.mode",
     "parallel.expert.size",
+    "model.lora.base_on_host",
+    "parallel.pipeline.size",
+    "parallel.pipeline.mode",
+    "model.num_chunks",
 )
 TENSOR_MODES = ("mtp", "msp", "fsp", "isp")  # InternEvo's `parallel.tensor.mode`s
 

@@ -157,7 +157,7 @@ class PipelineRunner:
         mine = torch.tensor([peak], dtype=torch.int64, device=self.ctx.device)
         every = [torch.empty_like(mine) for _ in range(self._pp_group.size())]
         dist.all_gather(every, mine, group=self._pp_group)
-        return [int(t.item()) for t in every]
+        return [int(v) for v in torch.cat(every).tolist()]  # one host sync, not one per rank
 
     def global_norm(self, stage_norm: torch.Tensor) -> torch.Tensor:
         """The 2-norm over every stage's gradients from this rank's stages' norm (replicated within a stage)."""

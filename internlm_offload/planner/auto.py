@@ -15,7 +15,7 @@ from internlm_offload.config import RunConfig
 from internlm_offload.log import get_logger
 from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate, shared_by
 from internlm_offload.planner.preflight import PreflightError
-from internlm_offload.planner.knobs import LAYOUT, MICRO_BATCH, OPTIMIZER, Space, settings_on
+from internlm_offload.planner.knobs import LAYOUT, MICRO_BATCH, OPTIMIZER, Space, activations_for, settings_on
 from internlm_offload.planner.search import Candidate, ConfigFor, search_tensor_modes, smallest_peak
 from internlm_offload.config.sizes import human_bytes
 from internlm_offload.torchrun_env import env_local_world_size
@@ -46,10 +46,18 @@ def choose_auto_knobs(
     modes = settings_on(LAYOUT, space)
     hardware = hardware_for(accelerator_name)
     chosen, candidates, refused = search_tensor_modes(
-        config_for, modes, activations, optimizers, hardware, device_budget, budget.host, world_size
+        config_for,
+        modes,
+        activations,
+        optimizers,
+        hardware,
+        device_budget,
+        budget.host,
+        world_size,
+        activations_for=activations_for(space),
     )
     for line in refused:
-        logger.info("memory_budget: tensor mode %s", line)
+        logger.info("memory_budget: layout %s", line)
     for candidate in candidates:
         logger.info(
             "memory_budget: %-39s step %.4g s, est. device %s, host %s: %s",

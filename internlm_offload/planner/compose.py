@@ -29,6 +29,10 @@ from internlm_offload.planner.trace import Segment, StepMemory, trace_step
 logger = get_logger(__name__)
 
 BASE_RUN = 2  # blocks a run keeps in the reduced model; with one more, the run's first, inner and last block
+# Under `model.lora.base_on_host` (offload/hosted_base.py) the model's second block is where the lane's two resident
+# copies settle: forward brings block 1 and block 2 in and lets block 0 go, one copy more than a later block
+# leaves. A run starting at block 0 keeps 3 blocks there, so that the repeated one (the third) is a steady block.
+HOSTED_BASE_RUN = 3
 # How far a step that is not `composable` may be off when composed all the same: on the validation model the
 # swap optimizer's peaks were within 1.7 % below, the hybrid's at fraction 0.5 within 8.6 % above and 28.5 %
 # below, gradient offload's within 5.0 % above (tests/unit/test_planner_compose.py); the search traces such a
@@ -91,7 +95,8 @@ def trace_composed(
         return trace(cfg, count_work)
     runs = block_runs(cfg)
     target = [n for _, n in runs]
-    base = [n if n <= BASE_RUN + 1 else BASE_RUN for n in target]
+    kept = base_run(cfg)
+    base = [n if n <= kept + 1 else kept for n in target]
     if base == target:
         return trace(cfg, count_work)
     try:
@@ -105,6 +110,12 @@ def trace_composed(
     except CompositionError as exc:
         logger.debug("tracing the whole model: %s", exc)
         return trace(cfg, count_work)
+
+
+def base_run(cfg: RunConfig) -> int:
+    """Blocks a run keeps in the reduced model (`HOSTED_BASE_RUN` with the trainer's own base on the host)."""
+    lora = cfg.model.lora
+    return HOSTED_BASE_RUN if lora is not None and lora.base_on_host else BASE_RUN
 
 
 def same_blocks(cfg: RunConfig) -> bool:
@@ -200,15 +211,16 @@ def _composed_segments(reduced: StepMemory, shares: list[Share], base: list[int]
     inserts: list[tuple[int, int, list[Event]]] = []  # (before which event, how often, the inner block's events)
     for share in shares:
         lengths = [n + (run == share.run) for run, n in enumerate(base)]
+        inner = base[share.run] - 1  # the longer run's last but one: its first steady block (`base_run`)
         kept: list[Event] = []
         for role, values in _events(share.memory, lengths, first):
             label, run, position = role
-            if run == share.run and position == 1:  # the inner block: repeated `extra` times
-                if not inserts or inserts[-1][0] != len(kept) or inserts[-1][2][-1][0][1:] != (run, 1):
+            if run == share.run and position == inner:  # the inner block: repeated `extra` times
+                if not inserts or inserts[-1][0] != len(kept) or inserts[-1][2][-1][0][1:] != (run, inner):
                     inserts.append((len(kept), share.extra, []))
                 inserts[-1][2].append((role, values))
                 continue
-            kept.append(((label, run, position - (run == share.run and position > 1)), values))
+            kept.append(((label, run, position - (run == share.run and position > inner)), values))
         if [role for role, _ in kept] != [role for role, _ in events]:
             raise CompositionError(f"run {share.run}'s segments differ from the reduced model's")
         for total, (_, values), (_, base_values) in zip(moved, kept, events):
@@ -237,7 +249,7 @@ def _work(
 
 
 def _blocks(reduced: StepMemory, shares: list[Share], base: list[int], target: list[int]) -> list[int]:
-    """Each block's figure: a lengthened run's first, its inner one repeated, its last (from its share's trace)."""
+    """Each block's figure: a lengthened run's first ones, its inner one repeated, its last (from its share's trace)."""
     longer = {s.run: s.memory for s in shares}
     blocks: list[int] = []
     for run, n in enumerate(target):
@@ -245,7 +257,8 @@ def _blocks(reduced: StepMemory, shares: list[Share], base: list[int], target: l
         lengths = [*base[:run], base[run] + (run in longer), *base[run + 1 :]]
         start = sum(lengths[:run])
         values = memory.block_activation_bytes[start : start + lengths[run]]
-        blocks += values if run not in longer else [values[0], *[values[1]] * (n - 2), values[-1]]
+        inner = base[run] - 1
+        blocks += values if run not in longer else [*values[:inner], *[values[inner]] * (n - base[run]), values[-1]]
     return blocks
 
 
@@ -269,7 +282,8 @@ class Tracer:
     def exact(self, cfg: RunConfig) -> bool:
         """Whether `step(cfg, approximate=True)` is the whole trace's figures (within 0.5 %); else within
         `APPROXIMATE_MARGIN` as measured."""
-        return not self.compose or composable(cfg, self.world_size) or not same_blocks(cfg)
+        whole = not same_blocks(cfg) or cfg.parallel.pipeline.size > 1  # `trace_composed` traces these whole
+        return not self.compose or composable(cfg, self.world_size) or whole
 
     def whole(self, cfg: RunConfig, count_work: bool = False) -> StepMemory:
         """`cfg`'s step traced whole, once per search (a trace with the work counted serves both)."""

@@ -13,19 +13,22 @@ Knobs sit on one of three axes, by what their cost depends on (`search.py`'s ste
   tier);
 - `LAYOUT`: how the ranks split the model (the tensor mode): each value is a search of its own.
 
-To add a knob (pipeline stages, LoRA's base on the host): write a function from the
+To add a knob: write a function from the
 settings so far and the `Space` to the new settings, and add a `Knob` to `KNOBS` on its axis. The search
 loop does not change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, RunConfig, expert_ranks
+from internlm_offload.config.pipeline import PIPELINE_MODES, virtual_chunks
+from internlm_offload.engine.pipeline_split import local_stages, partition_uniform
 
 MICRO_BATCH, OPTIMIZER, LAYOUT = "micro_batch", "optimizer", "layout"
 
@@ -43,6 +46,8 @@ NVME = "nvme_offload.enable"  # the offloaded optimizer states in files under nv
 TENSOR_MODE = "parallel.tensor.mode"
 EXPERT_SIZE = "parallel.expert.size"
 WRAPPER = "parallel.mode"  # a knob of its own where the config leaves it open: the settings that need FSDP2 set it
+BASE_ON_HOST = "model.lora.base_on_host"  # LoRA's frozen base on the host, the trainer's own (none / DDP)
+PIPELINE = ("parallel.pipeline.size", "parallel.pipeline.mode", "model.num_chunks")  # searched as layouts
 
 
 def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
@@ -102,9 +107,11 @@ def optimizer_kinds(
     under_fsdp2 = cfg is not None and (cfg.parallel.mode == "fsdp2" or free_wrapper)
     # `model.lora.base_on_host` already holds the base on the host, the trainer's way (FSDP2 refuses it)
     hosted = cfg is not None and cfg.model.lora is not None and cfg.model.lora.base_on_host
-    # a 4-bit base (QLoRA) is built for parallel.mode='none' only, which FSDP2's policy is not
+    # a 4-bit base (QLoRA) is refused under FSDP2, which its CPU offload policy needs
     hosted = hosted or (cfg is not None and cfg.model.quantization_config is not None)
-    params_on_host = PARAMS_ON_HOST in auto and under_fsdp2 and not (fixed_swap or fixed_hybrid or hosted)
+    # nor under a pipeline (refused per stage), nor where the config may choose one
+    staged = cfg is not None and (cfg.parallel.pipeline.size > 1 or bool(set(PIPELINE) & set(cfg.auto_knobs)))
+    params_on_host = PARAMS_ON_HOST in auto and under_fsdp2 and not (fixed_swap or fixed_hybrid or hosted or staged)
     off = {
         **({"swap_optimizer": False} if swap else {}),
         **({"hybrid_optimizer.enable": False} if switch_hybrid else {}),
@@ -176,6 +183,29 @@ def _steps_all_on_host(setting: Setting, cfg: RunConfig) -> bool:
     return bool(enabled) and options.get("hybrid_optimizer.offload_fraction", hybrid.offload_fraction) == 1.0
 
 
+def _with_hosted_base(settings: list[Setting], cfg: RunConfig | None, auto: frozenset[str]) -> list[Setting]:
+    """`model.lora.base_on_host` for the settings that keep the wrapper none or DDP, on a LoRA run without pipeline
+    stages (where `offload/hosted_base.py` is built; FSDP2 holds its base on the host through its own policy, the
+    "params on host (FSDP2)" setting)."""
+    if cfg is None or BASE_ON_HOST not in auto or not hosted_base_builds(cfg):
+        return settings
+
+    def applies(setting: Setting) -> bool:
+        options = setting.options
+        return options.get(WRAPPER, cfg.parallel.mode) != "fsdp2" and not options.get(PARAMS_ON_HOST, False)
+
+    if not any(applies(s) for s in settings):  # the config's own FSDP2
+        return settings
+    return _with_knob(settings, BASE_ON_HOST, "base on host", True, False, applies)
+
+
+def hosted_base_builds(cfg: RunConfig) -> bool:
+    """Whether `model.lora.base_on_host` is built for `cfg` apart from its wrapper (config/lora.py refuses the rest:
+    pipeline stages, a mixture of experts under expert parallel)."""
+    experts_spread = cfg.model.num_experts > 0 and cfg.parallel.expert.size != 1
+    return cfg.model.lora is not None and cfg.parallel.pipeline.size == 1 and not experts_spread
+
+
 def tensor_mode_settings(cfg: RunConfig, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
     """Each tensor mode when `parallel.tensor.mode` is searched and tensor groups have several ranks; else one
     setting that changes nothing."""
@@ -201,6 +231,44 @@ def expert_size_settings(cfg: RunConfig, world_size: int) -> list[Setting]:
         return weight == 1 or (size > 1 and data_parallel // size % weight == 0)
 
     return [Setting(f"ep {size}", {EXPERT_SIZE: size}) for size in range(1, data_parallel + 1) if takes(size)]
+
+
+def pipeline_settings(cfg: RunConfig, world_size: int) -> list[Setting]:
+    """Each pipeline layout, when the config itself leaves `parallel.pipeline.size`, `.mode` or `model.num_chunks`
+    "auto": sizes dividing the world size (at most one block a stage), each schedule with the chunks it runs (1F1B
+    over 1 or 2, ZBH1 over 1, ZBV over 2); a layout the config cannot take is a refusal line of the search. Each is a
+    search of its own traces (a pipeline rank holds other blocks and micro-batches in flight); else one setting that
+    changes nothing. Only the config's own "auto" searches it, as `expert_size_settings`."""
+    auto = set(cfg.auto_knobs) & set(PIPELINE)
+    if not auto:
+        return [Setting("", {})]
+    pipe, layers = cfg.parallel.pipeline, cfg.model.num_layers
+    sizes = [p for p in range(1, world_size + 1) if world_size % p == 0 and p <= layers]
+    sizes = sizes if PIPELINE[0] in auto else [pipe.size]
+    modes = PIPELINE_MODES if PIPELINE[1] in auto else (pipe.mode,)
+    settings = []
+    for size in sizes:
+        if size == 1:
+            settings.append(Setting("no pipeline", dict(zip(PIPELINE, (1, pipe.mode, 1)))))
+            continue
+        for mode in modes:
+            runs = {"1F1B": (1, 2), "ZBH1": (1,), "ZBV": (2,)}[mode] if PIPELINE[2] in auto else (cfg.model.num_chunks,)
+            for chunks in runs:
+                interleaved = f" x {chunks} chunks" if chunks > 1 and mode == "1F1B" else ""
+                settings.append(Setting(f"pp {size} {mode}{interleaved}", dict(zip(PIPELINE, (size, mode, chunks)))))
+    return settings
+
+
+def fewest_blocks(cfg: RunConfig) -> int:
+    """The blocks of the pipeline rank with the fewest (what `cpu_offloading.num_layers` counts under a pipeline:
+    the rank's own); the model's without one."""
+    pipe = cfg.parallel.pipeline
+    if pipe.size == 1:
+        return cfg.model.num_layers
+    chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
+    ranges = partition_uniform(cfg.model.num_layers, pipe.size, chunks)
+    stages = [local_stages(rank, pipe.size, chunks, v_shape=pipe.mode == "ZBV") for rank in range(pipe.size)]
+    return min(sum(ranges[s][1] - ranges[s][0] for s in local) for local in stages)
 
 
 @dataclass(frozen=True)
@@ -254,6 +322,10 @@ def _nvme_tier(settings: list[Setting], space: Space) -> list[Setting]:
     return _with_nvme_tier(settings, space.cfg, space.auto)
 
 
+def _hosted_base(settings: list[Setting], space: Space) -> list[Setting]:
+    return _with_hosted_base(settings, space.cfg, space.auto)
+
+
 def _tensor_modes(settings: list[Setting], space: Space) -> list[Setting]:
     if space.cfg is None:
         return settings
@@ -266,15 +338,34 @@ def _expert_sizes(settings: list[Setting], space: Space) -> list[Setting]:
     return cross(settings, expert_size_settings(space.cfg, space.world_size))
 
 
+def _pipelines(settings: list[Setting], space: Space) -> list[Setting]:
+    if space.cfg is None:
+        return settings
+    return cross(settings, pipeline_settings(space.cfg, space.world_size))
+
+
 KNOBS = (
     Knob("activation memory", MICRO_BATCH, _activations),
     Knob("micro-batch shape", MICRO_BATCH, _micro_batch_shapes),
     Knob("optimizer", OPTIMIZER, _optimizers),
     Knob("gradient offload", OPTIMIZER, _gradient_offload),
     Knob("NVMe tier", OPTIMIZER, _nvme_tier),
+    Knob("LoRA base on host", OPTIMIZER, _hosted_base),
     Knob("tensor mode", LAYOUT, _tensor_modes),
     Knob("expert parallel size", LAYOUT, _expert_sizes),
+    Knob("pipeline", LAYOUT, _pipelines),
 )
+
+
+def activations_for(space: Space) -> Callable[[RunConfig], list[Setting]]:
+    """The `MICRO_BATCH` axis of each layout: activation offload counts its rank's own blocks under a pipeline."""
+
+    def own(layout: RunConfig) -> list[Setting]:
+        if layout.parallel.pipeline.size == 1:
+            return settings_on(MICRO_BATCH, space)
+        return settings_on(MICRO_BATCH, dataclasses.replace(space, num_layers=fewest_blocks(layout)))
+
+    return own
 
 
 def settings_on(axis: str, space: Space, knobs: Iterable[Knob] = KNOBS) -> list[Setting]:

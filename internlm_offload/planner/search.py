@@ -31,12 +31,14 @@ from internlm_offload.config import ConfigError, RunConfig, merge_overrides, res
 from internlm_offload.planner.compose import APPROXIMATE_MARGIN, Tracer
 from internlm_offload.planner.cost import Hardware, StepWork, step_time
 from internlm_offload.planner.knobs import Setting
+from internlm_offload.planner.pipeline import StageMemory, planned_step_time
 from internlm_offload.planner.progress import SearchProgress
-from internlm_offload.planner.trace import StepMemory
+from internlm_offload.planner.trace import StepMemory, UnsupportedLayout
 from internlm_offload.planner.tracker import largest_component
 from internlm_offload.config.sizes import human_bytes
 
 ConfigFor = Callable[[dict[str, Any]], RunConfig]  # knob overrides -> the resolved config
+ActivationsFor = Callable[[RunConfig], list[Setting]]  # a layout's config -> its activation settings
 
 
 def candidate_configs(raw: dict[str, Any], world_size: int = 1) -> ConfigFor:
@@ -110,7 +112,11 @@ class PricedMode:
     def fits(self, candidate: Candidate, budgets: Budgets) -> bool:
         """Try the candidate: its estimate, then its composed trace, then its whole trace; set its verdict (and,
         when it fits, its memory: the whole trace's, with the composed work) and say whether it fits."""
-        config = self.config_for(candidate.options)
+        try:
+            config = self.config_for(candidate.options)
+        except ConfigError as exc:  # a setting this layout does not take (a pipeline's schedule and checkpointing)
+            candidate.verdict = f"refused: {exc}"
+            return False
         exact = self.tracer.exact(config)
         # composed where blocks share events: the budgets widened by its margin until the whole trace decides
         slack = 1.0 if exact else 1 + APPROXIMATE_MARGIN
@@ -138,8 +144,14 @@ class PricedMode:
             candidate.verdict = f"traced whole {problems[0][1]}"
             return False
         by_a, by_o = self.by_activation[candidate.activation.name], self.by_optimizer[candidate.optimizer.name]
-        work = _work(by_a, by_o, self.by_activation[self.base_activation.name])
-        candidate.memory = dataclasses.replace(whole, micro_batch_work=work[0], optimizer_work=work[1])
+        base = self.by_activation[self.base_activation.name]
+        work = _work(by_a, by_o, base)
+        # a pipeline's ranks: the whole trace's peaks with the separable work of each (what the step time reads)
+        stages = [
+            dataclasses.replace(rank, micro_batch_work=mine.micro_batch_work)
+            for rank, mine in zip(whole.stages, _stages(by_a, by_o, base))
+        ]
+        candidate.memory = dataclasses.replace(whole, micro_batch_work=work[0], optimizer_work=work[1], stages=stages)
         candidate.verdict = "chosen"
         return True
 
@@ -154,6 +166,8 @@ def priced(
 ) -> PricedMode:
     """Every candidate priced: `activations[0]` and `optimizers[0]` are the base settings the others are traced
     against (module docstring), A + O - 1 composed steps."""
+    activations = [a for a in activations if _takes(config_for, {**a.options, **optimizers[0].options})]
+    optimizers = [o for o in optimizers if _takes(config_for, {**activations[0].options, **o.options})]
     progress.add(len(activations) + len(optimizers) - 1 + len(activations) * len(optimizers))
 
     def traced(options: dict[str, Any]) -> StepMemory:
@@ -166,7 +180,7 @@ def priced(
     base = by_activation[activations[0].name]
     by_optimizer[optimizers[0].name] = base
     candidates = [
-        _candidate(a, o, by_activation[a.name], by_optimizer[o.name], base, hardware)
+        _candidate(a, o, by_activation[a.name], by_optimizer[o.name], base, hardware, config_for)
         for a in activations
         for o in optimizers
     ]
@@ -213,6 +227,23 @@ def _problems(memory: StepMemory, budgets: Budgets, slack: float = 1.0) -> list[
     return over_budget(*peaks, widened[0], widened[1], memory.disk_peak_bytes, widened[2])
 
 
+def _takes(config_for: ConfigFor, options: dict[str, Any]) -> bool:
+    """Whether the layout takes the setting (a zero-bubble schedule refuses checkpointing, a config error)."""
+    try:
+        config_for(options)
+    except ConfigError:
+        return False
+    return True
+
+
+def _stages(by_a: StepMemory, by_o: StepMemory, base: StepMemory) -> list[StageMemory]:
+    """A pipeline's ranks, each with its micro-batch work separable as the step's (`_work`); empty without one."""
+    return [
+        dataclasses.replace(a, micro_batch_work=a.micro_batch_work + o.micro_batch_work - b.micro_batch_work)
+        for a, o, b in zip(by_a.stages, by_o.stages, base.stages)
+    ]
+
+
 def _work(by_a: StepMemory, by_o: StepMemory, base: StepMemory) -> tuple[StepWork, StepWork]:
     """A candidate's micro-batch and optimizer work: separable (module docstring). Gradient offload's copies
     run during backward: an optimizer setting's share of the micro-batch work."""
@@ -232,8 +263,10 @@ def search_tensor_modes(
     *,
     tracer: Tracer | None = None,
     progress: SearchProgress | None = None,
+    activations_for: ActivationsFor | None = None,
 ) -> tuple[Candidate | None, list[Candidate], list[str]]:
-    """`search` in each tensor mode (`tensor_mode_settings`): the fastest of the modes' choices, every
+    """`search` in each layout (a tensor mode, an expert-parallel size, a pipeline: `knobs.py`'s `LAYOUT` axis;
+    `activations_for`: each layout's own activation settings, where they count its blocks): the fastest of the modes' choices, every
     candidate fastest first, and a line for each mode the config cannot take (its config error).
 
     A mode changes what both the activation and the optimizer settings cost (which weights are sharded,
@@ -248,11 +281,16 @@ def search_tensor_modes(
     for mode in modes:
         in_mode = functools.partial(_in_mode, config_for, mode.options)
         try:
-            in_mode({**activations[0].options, **optimizers[0].options})
+            layout = in_mode({**activations[0].options, **optimizers[0].options})
         except ConfigError as exc:
             refused.append(f"{mode.name}: {exc}")
             continue
-        priced_modes.append((mode, priced(in_mode, activations, optimizers, hardware, tracer, progress)))
+        own = activations if activations_for is None else activations_for(layout)
+        try:
+            priced_modes.append((mode, priced(in_mode, own, optimizers, hardware, tracer, progress)))
+        except UnsupportedLayout as exc:  # a layout the planner does not trace (FSDP2 per pipeline stage)
+            refused.append(f"{mode.name}: {exc}")
+            continue
         for candidate in priced_modes[-1][1].candidates:
             candidate.tensor_mode = mode
     # fastest first; equal times in the modes' order, each mode's candidates in its own order
@@ -268,7 +306,7 @@ def search_tensor_modes(
         if bests and step_s > min(round(b.step_s, 6) for b in bests.values()):
             for _, other, _, rest in queue[tried - 1 :]:
                 if other not in bests:
-                    rest.verdict = "not tried: another tensor mode's choice is faster"
+                    rest.verdict = "not tried: another layout's choice is faster"
             progress.advance(len(queue) - tried)
             break
         if index not in bests and priced_modes[index][1].fits(candidate, budgets):
@@ -343,9 +381,23 @@ class LeanEstimate:
 
 
 def _candidate(
-    activation: Setting, optimizer: Setting, by_a: StepMemory, by_o: StepMemory, base: StepMemory, hw: Hardware
+    activation: Setting,
+    optimizer: Setting,
+    by_a: StepMemory,
+    by_o: StepMemory,
+    base: StepMemory,
+    hw: Hardware,
+    config_for: ConfigFor,
 ) -> Candidate:
-    time = step_time(*_work(by_a, by_o, base), by_a.micro_num, hw).step_s
+    """Priced: its step time from the separable work (a pipeline's with its bubble, from each rank's work), its
+    memory estimated."""
+    micro_batch, optimizer_work = _work(by_a, by_o, base)
+    stages = _stages(by_a, by_o, base)
+    if stages:
+        layout = config_for({**activation.options, **optimizer.options})  # its micro-batches: the schedule's
+        time = planned_step_time(layout, stages, micro_batch, optimizer_work, hw).step_s
+    else:
+        time = step_time(micro_batch, optimizer_work, by_a.micro_num, hw).step_s
     device = by_a.device_peak_bytes + by_o.device_peak_bytes - base.device_peak_bytes
     host = by_a.host_peak_bytes + by_o.host_peak_bytes - base.host_peak_bytes
     return Candidate(activation, optimizer, time, device, host)

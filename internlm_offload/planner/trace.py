@@ -310,8 +310,16 @@ def _traced(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp
     """One rank's trace (pipeline rank `pp_rank`'s first); DDP as one process plus its buckets."""
     if cfg.parallel.mode == "ddp":
         single = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"mode": "none"})})
-        return _with_ddp_buckets(_trace(single, world_size, measure, count_work, pp_rank))
+        memory = _trace(single, world_size, measure, count_work, pp_rank)
+        return _with_ddp_buckets(memory) if _ddp_wraps(cfg, memory) else memory
     return _trace(cfg, world_size, measure, count_work, pp_rank)
+
+
+def _ddp_wraps(cfg: RunConfig, memory: StepMemory) -> bool:
+    """Whether the builder wraps the model in DDP: not under gradient offload (builder/model.py), nor a pipeline's
+    stages whose fp32 masters reduce the gradients themselves (builder/pipeline.py)."""
+    masters = memory.components["master_weights"] + memory.components["host_master_weights"]
+    return not cfg.grad_offload and not (cfg.parallel.pipeline.size > 1 and masters > 0)
 
 
 def _pipeline_step(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> StepMemory:

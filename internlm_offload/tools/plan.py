@@ -210,9 +210,6 @@ def run(args: argparse.Namespace) -> int:
         raw = load_config_file(args.config, args.cfg_options)
         cfg = resolve_config(raw, world_size=args.world_size)
     searching = bool(device_budget or host_budget) and not args.check_only
-    # the search's knobs and its peak estimates are one rank's: a pipeline's budget is checked as given
-    pipeline_checked = searching and cfg.parallel.pipeline.size > 1
-    searching = searching and not pipeline_checked
     tracer = Tracer(args.world_size)
     try:
         # the config as given: composed from its blocks when a search follows (which traces its choice whole)
@@ -248,8 +245,6 @@ def run(args: argparse.Namespace) -> int:
         + ("" if node_host is None else f" of {human_bytes(node_host)} ({human_bytes(host_budget)} per rank)")
     )
     print(f"{args.config} on {args.world_size} rank(s): {reason}")
-    if pipeline_checked:
-        print("pipeline: checked as given, not searched (the search does not vary a pipeline's settings yet)")
     options = dict(args.cfg_options)
     parallel_mode = cfg.parallel.mode
     searched = None
@@ -361,7 +356,15 @@ def run_search(
 
     `raw`: the loaded config (`--config` with `--cfg-options`); the candidates are merges of it."""
     from internlm_offload.planner.progress import SearchProgress
-    from internlm_offload.planner.knobs import LAYOUT, MICRO_BATCH, OPTIMIZER, WRAPPER, Space, settings_on
+    from internlm_offload.planner.knobs import (
+        LAYOUT,
+        MICRO_BATCH,
+        OPTIMIZER,
+        WRAPPER,
+        Space,
+        activations_for,
+        settings_on,
+    )
     from internlm_offload.planner.search import candidate_configs, search_tensor_modes, smallest_peak
 
     config_for = candidate_configs(raw, world_size=args.world_size)
@@ -391,11 +394,12 @@ def run_search(
             disk_budget,
             tracer=tracer,
             progress=progress,
+            activations_for=activations_for(space),
         )
     finally:
         progress.close()
     for line in refused:
-        print(f"tensor mode {line}")
+        print(f"layout {line}")
     print(f"\n{'setting':<52}{'step s':>11}{'est. device':>13}{'est. host':>11}  verdict")
     rows = []
     for c in candidates:

@@ -223,7 +223,7 @@ def test_the_offload_optimizers_and_masters_pass_under_a_pipeline(options):
             {"model.lora": {"r": 4, "base_on_host": True}},
             "base_on_host=True with parallel.pipeline.size=2: not built",
         ),
-        (2, {"model.checkpoint": "auto", "memory_budget.device": "1GiB"}, "does not search knobs under a pipeline yet"),
+        (2, {"parallel.tensor.mode": "auto", "memory_budget.device": "1GiB"}, "not searched under a pipeline"),
     ],
 )
 def test_what_a_pipeline_cannot_take_is_one_line(world_size, options, message):

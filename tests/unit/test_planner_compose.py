@@ -49,6 +49,10 @@ CASES = {
     "msp 2 + ckpt 0.5": ({"parallel.tensor.size": 2, "parallel.tensor.mode": "msp", "model.checkpoint": 0.5}, 2),
     "moe gshard + offload 6": ({**MOE, **OFFLOAD, "cpu_offloading.num_layers": 6}, 1),
     "moe dropless bf16 + ckpt 0.5": ({**MOE, **BF16, "model.moe_type": "Dropless", "model.checkpoint": 0.5}, 1),
+    # the lane's two resident copies: composed from 2 and 3 blocks, the second block's extra copy was repeated (+63 %)
+    "lora bf16 base on host + ckpt 1.0": (
+        {**BF16, "model.lora.r": 8, "model.lora.base_on_host": True, "model.checkpoint": 1.0}, 1
+    ),
 }  # fmt: skip
 
 
@@ -178,7 +182,7 @@ def test_the_mode_search_traces_whole_only_the_choices_that_could_win():
     chosen, candidates, _ = search_tensor_modes(
         config_for, modes, activations, optimizers, HARDWARE["h100"], None, None, 2, tracer=tracer
     )
-    skipped = [c for c in candidates if c.verdict == "not tried: another tensor mode's choice is faster"]
+    skipped = [c for c in candidates if c.verdict == "not tried: another layout's choice is faster"]
     assert skipped and all(round(c.step_s, 6) > round(chosen.step_s, 6) for c in skipped)
     validated = [c for c in candidates if c.verdict == "chosen" or c.verdict.startswith("fits;")]
     whole = [key for key, _ in tracer._done if json.loads(key)["model"]["num_layers"] == 12]

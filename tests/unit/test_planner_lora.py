@@ -3,7 +3,11 @@ priced at the base's own dtype and streamed a block at a time."""
 
 from internlm_offload.builder.model import build_probe_model
 from internlm_offload.config import load_config_file, resolve_config
-from internlm_offload.planner.knobs import PARAMS_ON_HOST, WRAPPER, optimizer_settings
+from internlm_offload.planner.compose import Tracer
+from internlm_offload.planner.cost import HARDWARE
+from internlm_offload.planner.knobs import BASE_ON_HOST as BASE_ON_HOST_KNOB
+from internlm_offload.planner.knobs import PARAMS_ON_HOST, WRAPPER, Setting, optimizer_settings
+from internlm_offload.planner.search import candidate_configs, search
 from internlm_offload.planner.trace import trace_step
 
 CONFIG = "configs/internlm2_tiny_lora.py"  # bf16, r=8 on all seven projections
@@ -79,3 +83,38 @@ def test_the_trainers_own_base_on_the_host_is_traced() -> None:
     assert parts["other_at_rest"] - on_device.components["other_at_rest"] == per_block
     drop = on_device.device_peak_bytes - plan.device_peak_bytes
     assert len(blocks) * per_block - 2 * per_block <= drop <= len(blocks) * per_block
+
+
+def test_the_trainers_base_on_the_host_is_a_knob_where_it_is_built() -> None:
+    """`model.lora.base_on_host="auto"`: each optimizer setting that keeps the wrapper none or DDP is offered with the
+    base on the host too; not beside FSDP2 (its own policy holds the base there), nor where it is not built."""
+    budget = {"memory_budget.device": "1GiB", BASE_ON_HOST_KNOB: "auto"}
+    cfg = resolve_config(load_config_file(CONFIG, budget))
+    assert BASE_ON_HOST_KNOB in cfg.auto_knobs and cfg.model.lora.base_on_host is False
+    settings = {s.name: s.options for s in optimizer_settings(cfg, cfg.auto_knobs)}
+    assert settings == {"optimizer as configured": {BASE_ON_HOST_KNOB: False}, "optimizer as configured + base on host":
+                        {BASE_ON_HOST_KNOB: True}}  # fmt: skip
+    everything = {s.name: s.options for s in optimizer_settings(cfg, free_wrapper=True)}  # tools.plan's search
+    assert everything["swap + grad offload + base on host"][BASE_ON_HOST_KNOB] is True
+    assert everything["params on host (FSDP2)"][BASE_ON_HOST_KNOB] is False
+    assert "params on host (FSDP2) + base on host" not in everything
+    fsdp2 = resolve_config(load_config_file(CONFIG, {**budget, "parallel.mode": "fsdp2"}))
+    assert optimizer_settings(fsdp2, fsdp2.auto_knobs) == [Setting("optimizer as configured", {})]
+
+
+def test_the_search_holds_the_base_on_the_host_where_the_device_cannot() -> None:
+    """At a device budget between the base on the host's traced peak and the base on the device's, the search's
+    choice (composed estimates, then the whole trace) holds it on the host."""
+    options = {"parallel.mode": "none", "model.checkpoint": 1.0, "data.seq_len": 32, "model.num_layers": 3}
+    raw = load_config_file(CONFIG, options)
+    config_for, tracer = candidate_configs(raw), Tracer()  # each config traced once, here and in the search
+    optimizers = optimizer_settings(config_for({}), {BASE_ON_HOST_KNOB})
+    on_device = tracer.whole(config_for({BASE_ON_HOST_KNOB: False}), count_work=True).device_peak_bytes
+    hosted = tracer.whole(config_for({BASE_ON_HOST_KNOB: True}), count_work=True)
+    budget = (on_device + hosted.device_peak_bytes) // 2
+    only = [Setting("", {})]
+    chosen, candidates = search(config_for, only, optimizers, HARDWARE["h100"], budget, None, tracer=tracer)
+    assert tracer.traces == 2
+    assert [c.verdict.split(" ")[0] for c in candidates] == ["estimated", "chosen"]  # the copies cost time
+    assert chosen.options == {BASE_ON_HOST_KNOB: True}
+    assert chosen.memory.device_peak_bytes == hosted.device_peak_bytes

@@ -6,14 +6,28 @@ from pathlib import Path
 import pytest
 
 from internlm_offload.config import load_config_file, resolve_config
+from internlm_offload.planner.compose import Tracer
 from internlm_offload.planner.cost import HARDWARE, StepWork, step_time
+from internlm_offload.planner.knobs import (
+    LAYOUT,
+    MICRO_BATCH,
+    OPTIMIZER,
+    Setting,
+    Space,
+    activations_for,
+    fewest_blocks,
+    pipeline_settings,
+    settings_on,
+)
 from internlm_offload.planner.pipeline import (
     StageMemory,
     bubble_fraction,
     pipeline_step_time,
+    planned_step_time,
     rank_in_flight,
     schedule_order,
 )
+from internlm_offload.planner.search import candidate_configs, search_tensor_modes
 from internlm_offload.planner.trace import trace_step
 
 PP2 = Path(__file__).resolve().parents[2] / "configs" / "internlm2_tiny_pp2.py"
@@ -100,15 +114,13 @@ def stage(work: StepWork) -> StageMemory:
 
 def test_plan_prints_each_pipeline_ranks_peak(capsys: pytest.CaptureFixture[str]) -> None:
     """tools.plan on a pipeline config: a line per pipeline rank with its micro-batches in flight and its device
-    peak, and the step time's bubble; with a budget, the config checked as given (the search does not cover a
-    pipeline yet). Red without the table."""
+    peak, and the step time's bubble (`--check-only`: the config as given). Red without the table."""
     from internlm_offload.tools.plan import main
 
     options = [f"{key}={value}" for key, value in SHAPE.items()]
-    argv = ["--config", str(PP2), "--world-size", "2", "--device-memory", "1GiB", "--cfg-options", *options]
-    assert main(argv) == 0
+    argv = ["--config", str(PP2), "--world-size", "2", "--device-memory", "1GiB", "--check-only", "--cfg-options"]
+    assert main([*argv, *options]) == 0
     out = capsys.readouterr().out
-    assert "pipeline: checked as given, not searched" in out
     rows = [line.split() for line in out.splitlines() if line[:1] in "01" and len(line.split()) == 4]
     assert [(row[0], row[1]) for row in rows] == [("0", "2"), ("1", "1")], out
     assert float(rows[0][3]) > float(rows[1][3])
@@ -123,3 +135,63 @@ def test_zero_bubble_keeps_what_its_input_pass_saves_for_the_weight_pass() -> No
     one_f_one_b, zbh1 = stages(), stages(**{"parallel.pipeline.mode": "ZBH1"})
     assert [s.in_flight for s in zbh1.stages] == [2, 2]
     assert zbh1.stages[1].device_peak_bytes > 2 * one_f_one_b.stages[1].device_peak_bytes, zbh1.stages
+
+
+def test_the_pipeline_is_a_layout_of_the_search() -> None:
+    """`parallel.pipeline.size="auto"` (`.mode`, `model.num_chunks` likewise): each size dividing the world size, each
+    schedule with the chunks it runs, one layout each; activation offload counts the rank's own blocks."""
+    budget = {"memory_budget.device": "1GiB", "parallel.mode": "ddp"}
+    auto = {"parallel.pipeline.size": "auto", "parallel.pipeline.mode": "auto", "model.num_chunks": "auto"}
+    cfg = resolve_config(load_config_file(PP2, {**SHAPE, **budget, **auto}), world_size=2)
+    names = [s.name for s in pipeline_settings(cfg, 2)]
+    assert names == ["no pipeline", "pp 2 1F1B", "pp 2 1F1B x 2 chunks", "pp 2 ZBH1", "pp 2 ZBV"]
+    fixed = resolve_config(load_config_file(PP2, SHAPE), world_size=2)
+    assert pipeline_settings(fixed, 2) == [Setting("", {})]  # only the config's own "auto" searches it
+    assert fewest_blocks(fixed) == 2 and fewest_blocks(resolve_config(load_config_file(PP2, {
+        **SHAPE, "model.num_layers": 5}), world_size=2)) == 2  # fmt: skip
+    # a pipeline is traced whole: its figures are exact with the swap optimizer too (no composition's margin)
+    assert Tracer(2).exact(resolve_config(load_config_file(PP2, {**SHAPE, "swap_optimizer": True}), world_size=2))
+
+
+def test_the_search_chooses_a_pipeline_where_one_rank_cannot_hold_the_model() -> None:
+    """At a device budget below the leanest setting without a pipeline, the search's choice is the 2-stage pipeline,
+    traced whole (every rank within the budget) and priced with its bubble from each rank's work."""
+    options = {**SHAPE, "data.seq_len": 32, "parallel.mode": "ddp", "parallel.pipeline.size": "auto",
+               "model.checkpoint": 1.0, "memory_budget.device": "1GiB"}  # fmt: skip
+    raw = load_config_file(PP2, options)
+    config_for, tracer = candidate_configs(raw, world_size=2), Tracer(2)
+    space = Space(config_for({}), frozenset(config_for({}).auto_knobs), num_layers=4, world_size=2)
+    leanest = tracer.whole(config_for({"parallel.pipeline.size": 1}), count_work=True)
+    budget = leanest.device_peak_bytes - 1
+    chosen, candidates, refused = search_tensor_modes(
+        config_for, settings_on(LAYOUT, space), settings_on(MICRO_BATCH, space), settings_on(OPTIMIZER, space),
+        HARDWARE["h100"], budget, None, 2, tracer=tracer, activations_for=activations_for(space),
+    )  # fmt: skip
+    assert refused == [] and {c.tensor_mode.name for c in candidates} == {"no pipeline", "pp 2 1F1B"}
+    assert chosen is not None and chosen.tensor_mode.name == "pp 2 1F1B", [(c.name, c.verdict) for c in candidates]
+    assert max(s.device_peak_bytes for s in chosen.memory.stages) <= budget
+    timing = planned_step_time(
+        config_for(chosen.options), chosen.memory.stages, StepWork(), StepWork(), HARDWARE["h100"]
+    )
+    assert timing.bubble_fraction > 0
+    assert chosen.step_s == pytest.approx(
+        timing.step_s + step_time(StepWork(), chosen.memory.optimizer_work, 0, HARDWARE["h100"]).optimizer_s, rel=1e-9
+    )
+
+
+def test_ddp_buckets_are_counted_only_where_the_builder_wraps_ddp() -> None:
+    """DDP's buckets (a second copy of the gradients) are counted where the builder wraps the model in DDP: fp32
+    stages over 2 data-parallel ranks; not stages with fp32 masters (they reduce the gradients themselves,
+    builder/pipeline.py), nor gradient offload without a pipeline (builder/model.py). Red with the buckets counted
+    whenever parallel.mode is 'ddp' (the 70B pipeline at P = 8 read 17.9 GiB too high a rank)."""
+    small = {**SHAPE, "data.seq_len": 32, "parallel.mode": "ddp"}
+
+    def buckets(config, world_size, **options):
+        cfg = resolve_config(load_config_file(config, {**small, **options}), world_size=world_size)
+        return trace_step(cfg, world_size, count_work=False).components.get("ddp_buckets", 0)
+
+    assert buckets(PP2, 4) > 0
+    assert buckets(PP2, 4, **{"model.dtype": "torch.bfloat16"}) == 0
+    tiny = PP2.parent / "internlm2_tiny.py"
+    assert buckets(tiny, 2, swap_optimizer=True) > 0
+    assert buckets(tiny, 2, swap_optimizer=True, grad_offload=True) == 0

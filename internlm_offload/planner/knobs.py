@@ -52,7 +52,8 @@ PIPELINE = ("parallel.pipeline.size", "parallel.pipeline.mode", "model.num_chunk
 
 def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
     """One activation-memory mechanism at a time, over the `auto` knobs only: no recompute, checkpoint 0.5
-    or 1.0, offload of half or all but one of the blocks. The first setting changes nothing."""
+    or 1.0, offload of half or all but one of the blocks (never all: the last block is never offloaded, so a pipeline
+    rank of one block is offered none). The first setting changes nothing."""
     auto = set(auto)
     recompute, offload = "model.checkpoint" in auto, bool(auto & {"cpu_offloading.enable", "cpu_offloading.num_layers"})
     none = {
@@ -63,7 +64,7 @@ def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> li
     if recompute:
         settings += [Setting(f"checkpoint {c}", {**none, "model.checkpoint": c}) for c in (0.5, 1.0)]
     if offload:
-        for blocks in sorted({max(1, num_layers // 2), num_layers - 1} - {0}):
+        for blocks in sorted({b for b in (max(1, num_layers // 2), num_layers - 1) if 0 < b < num_layers}):
             settings.append(
                 Setting(
                     f"offload {blocks} blocks",
@@ -243,6 +244,9 @@ def pipeline_settings(cfg: RunConfig, world_size: int) -> list[Setting]:
     if not auto:
         return [Setting("", {})]
     pipe, layers = cfg.parallel.pipeline, cfg.model.num_layers
+    # a fixed `cpu_offloading.num_layers` counts each rank's own blocks: a layout leaving a rank that many or fewer
+    # is not offered (the build refuses it)
+    offloaded = 0 if "cpu_offloading.num_layers" in cfg.auto_knobs else cfg.cpu_offloading.num_layers
     sizes = [p for p in range(1, world_size + 1) if world_size % p == 0 and p <= layers]
     sizes = sizes if PIPELINE[0] in auto else [pipe.size]
     modes = PIPELINE_MODES if PIPELINE[1] in auto else (pipe.mode,)
@@ -254,6 +258,8 @@ def pipeline_settings(cfg: RunConfig, world_size: int) -> list[Setting]:
         for mode in modes:
             runs = {"1F1B": (1, 2), "ZBH1": (1,), "ZBV": (2,)}[mode] if PIPELINE[2] in auto else (cfg.model.num_chunks,)
             for chunks in runs:
+                if offloaded and offloaded >= _fewest_or_none(layers, size, mode, chunks):
+                    continue
                 interleaved = f" x {chunks} chunks" if chunks > 1 and mode == "1F1B" else ""
                 settings.append(Setting(f"pp {size} {mode}{interleaved}", dict(zip(PIPELINE, (size, mode, chunks)))))
     return settings
@@ -265,9 +271,22 @@ def fewest_blocks(cfg: RunConfig) -> int:
     pipe = cfg.parallel.pipeline
     if pipe.size == 1:
         return cfg.model.num_layers
-    chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
-    ranges = partition_uniform(cfg.model.num_layers, pipe.size, chunks)
-    stages = [local_stages(rank, pipe.size, chunks, v_shape=pipe.mode == "ZBV") for rank in range(pipe.size)]
+    return rank_blocks_fewest(cfg.model.num_layers, pipe.size, pipe.mode, cfg.model.num_chunks)
+
+
+def _fewest_or_none(num_layers: int, size: int, mode: str, num_chunks: int) -> float:
+    """`rank_blocks_fewest`, or infinity for a split the config refuses (its refusal line names why)."""
+    try:
+        return rank_blocks_fewest(num_layers, size, mode, num_chunks)
+    except ValueError:
+        return float("inf")
+
+
+def rank_blocks_fewest(num_layers: int, size: int, mode: str, num_chunks: int) -> int:
+    """The blocks of the rank with the fewest when `num_layers` are split as the builder splits them."""
+    chunks = virtual_chunks(mode, num_chunks)
+    ranges = partition_uniform(num_layers, size, chunks)
+    stages = [local_stages(rank, size, chunks, v_shape=mode == "ZBV") for rank in range(size)]
     return min(sum(ranges[s][1] - ranges[s][0] for s in local) for local in stages)
 
 

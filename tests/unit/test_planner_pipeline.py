@@ -14,6 +14,7 @@ from internlm_offload.planner.knobs import (
     OPTIMIZER,
     Setting,
     Space,
+    activation_settings,
     activations_for,
     fewest_blocks,
     pipeline_settings,
@@ -149,6 +150,16 @@ def test_the_pipeline_is_a_layout_of_the_search() -> None:
     assert pipeline_settings(fixed, 2) == [Setting("", {})]  # only the config's own "auto" searches it
     assert fewest_blocks(fixed) == 2 and fewest_blocks(resolve_config(load_config_file(PP2, {
         **SHAPE, "model.num_layers": 5}), world_size=2)) == 2  # fmt: skip
+    # a fixed offload count counts each rank's own blocks: layouts leaving a rank that many or fewer are not offered
+    offload = {"cpu_offloading.enable": True, "cpu_offloading.num_layers": 1}
+    fixed_offload = resolve_config(load_config_file(PP2, {**SHAPE, **budget, **auto, **offload}), world_size=4)
+    # 4 blocks: 2 a rank at 2 ranks (two chunks of 1 too); at 4 ranks 1, unless 2 chunks, which no split holds (the
+    # search's refusal line says so)
+    assert [s.name for s in pipeline_settings(fixed_offload, 4)] == [
+        "no pipeline", "pp 2 1F1B", "pp 2 1F1B x 2 chunks", "pp 2 ZBH1", "pp 2 ZBV", "pp 4 1F1B x 2 chunks", "pp 4 ZBV",
+    ]  # fmt: skip
+    # and the search offers no offload of a rank's only block (the last is never offloaded)
+    assert [s.name for s in activation_settings(1, {"cpu_offloading.num_layers"})] == ["no recompute"]
     # a pipeline is traced whole: its figures are exact with the swap optimizer too (no composition's margin)
     assert Tracer(2).exact(resolve_config(load_config_file(PP2, {**SHAPE, "swap_optimizer": True}), world_size=2))
 

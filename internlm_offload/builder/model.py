@@ -325,12 +325,16 @@ def base_tensors(layers: nn.ModuleList) -> list[torch.Tensor]:
     return [t for block in layers for linear in frozen_linears(block) for t in hosted_tensors(linear)]
 
 
-def base_names_on_host(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> list[str]:
-    """The parameters `draw_base_on_host` put in host memory (none where the base was built on the device)."""
-    if not (hosts_base_from_meta(cfg) and ctx.device.type != "meta"):
+def frozen_base_names(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> list[str]:
+    """The frozen base's tensors (parameters and buffers) DDP leaves alone: a base `draw_base_on_host` put in host
+    memory (DDP wants one device type) and a 4-bit base (its scales are buffers DDP would broadcast before every
+    forward: a GiB a step at 70B). Every rank draws or loads the same values; they take no gradient."""
+    on_host = hosts_base_from_meta(cfg) and ctx.device.type != "meta"
+    if not (on_host or cfg.model.quantization_config is not None):
         return []
-    hosted = {id(t) for t in base_tensors(model.layers)}
-    return [name for name, param in model.named_parameters() if id(param) in hosted]
+    base = {id(t) for t in base_tensors(model.layers)}
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return [name for name, tensor in named if id(tensor) in base]
 
 
 def copy_from(source: torch.Tensor, target: torch.Tensor) -> None:
@@ -412,7 +416,7 @@ def apply_data_parallel(
     par = cfg.parallel
     mode_args: dict[str, dict[str, Any]] = {
         "none": {},
-        "ddp": {"bucket_cap_mb": par.bucket_cap_mb, "host_frozen": base_names_on_host(cfg, ctx, model)},
+        "ddp": {"bucket_cap_mb": par.bucket_cap_mb, "frozen_apart": frozen_base_names(cfg, ctx, model)},
         "fsdp2": {
             "layers": layers,
             "mesh": fsdp_mesh(cfg, ctx),

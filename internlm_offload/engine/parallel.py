@@ -32,20 +32,20 @@ def apply_none(model: nn.Module, *, ctx: RunContext) -> nn.Module:
 
 @PARALLEL.register_module(name="ddp")
 def apply_ddp(
-    model: nn.Module, *, ctx: RunContext, bucket_cap_mb: int = 25, host_frozen: Sequence[str] = ()
+    model: nn.Module, *, ctx: RunContext, bucket_cap_mb: int = 25, frozen_apart: Sequence[str] = ()
 ) -> nn.Module:
-    """DDP over the data-parallel ranks. `host_frozen`: frozen parameters in host memory (a LoRA base drawn there),
-    left out: DDP wants every parameter on one device type, and they take no gradient; every rank drew or loads
-    the same values."""
+    """DDP over the data-parallel ranks. `frozen_apart`: frozen tensors (parameters and buffers) DDP leaves alone, as
+    a LoRA base in host memory (DDP wants one device type) or a 4-bit base's scales (DDP would broadcast buffers
+    every step); they take no gradient, and every rank drew or loads the same values."""
     device_ids = None if ctx.accelerator.name == "cpu" else [ctx.local_rank]
     experts = [name for name, _ in expert_params(model)] if ctx.expert_mesh is not None else []
-    if experts or host_frozen:  # expert shards differ across "ep": reduced over their own group below, not by DDP
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [*experts, *host_frozen])
+    if experts or frozen_apart:  # expert shards differ across "ep": reduced over their own group below, not by DDP
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [*experts, *frozen_apart])
     wrapped = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
     if experts:
         reduce_expert_grads_in_backward(model, ctx.expert_mesh, sync=lambda: wrapped.require_backward_grad_sync)
     ignored = f", {len(experts)} expert weights apart" if experts else ""
-    ignored += f", {len(host_frozen)} frozen weights on the host apart" if host_frozen else ""
+    ignored += f", {len(frozen_apart)} frozen base tensors apart" if frozen_apart else ""
     logger.info("Applied DDP over %d ranks (bucket %d MB)%s", ctx.world_size, bucket_cap_mb, ignored)
     return wrapped
 

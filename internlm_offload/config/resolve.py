@@ -84,10 +84,12 @@ def _resolve_expert_parallel(cfg: RunConfig, ranks: int) -> None:
         cfg._derived.append(f"parallel.expert.size={expert.size} -> {resolved}: {rule}")
         expert.size = resolved
     ep = expert.size
+    # "auto" holds 1 until the planner chose: its sizes are those expert_weight can take (planner/knobs.py)
+    if ep == 1 and weight.size > 1 and "parallel.expert.size" not in cfg.auto_knobs:
+        raise ConfigError(f"parallel.expert_weight.size={weight.size} needs parallel.expert.size > 1; set 1")
     if ep == 1:
-        # "auto" holds 1 until the planner chose: its sizes are those expert_weight can take (planner/knobs.py)
-        if weight.size > 1 and "parallel.expert.size" not in cfg.auto_knobs:
-            raise ConfigError(f"parallel.expert_weight.size={weight.size} needs parallel.expert.size > 1; set 1")
+        if problem := _expert_weight_mode_problem(cfg):  # "auto": no size it may choose can take this mode
+            raise ConfigError(problem)
         return
     if not experts:
         raise ConfigError(f"parallel.expert.size={ep} needs a mixture-of-experts model (model.num_experts > 0)")
@@ -103,11 +105,18 @@ def _resolve_expert_parallel(cfg: RunConfig, ranks: int) -> None:
             f"parallel.expert_weight.size={weight.size} must divide the expert-data ranks left, "
             f"{_ranks_name(cfg)} {ranks} / expert {ep} = {left}; choose a divisor"
         )
-    if weight.size > 1 and cfg.parallel.mode != "fsdp2":
-        raise ConfigError(
-            f"parallel.expert_weight.size={weight.size} shards the experts with FSDP2 over groups of their expert-data "
+    if problem := _expert_weight_mode_problem(cfg):
+        raise ConfigError(problem)
+
+
+def _expert_weight_mode_problem(cfg: RunConfig) -> str | None:
+    weight = cfg.parallel.expert_weight.size
+    if weight > 1 and cfg.parallel.mode != "fsdp2":
+        return (
+            f"parallel.expert_weight.size={weight} shards the experts with FSDP2 over groups of their expert-data "
             f"ranks: set parallel.mode='fsdp2', got {cfg.parallel.mode!r}"
         )
+    return None
 
 
 def _ranks_name(cfg: RunConfig) -> str:

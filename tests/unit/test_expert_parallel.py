@@ -182,6 +182,11 @@ def test_expert_sizes_as_internevo_writes_them_resolve_and_are_logged():
             ),
         ),
         (["parallel.expert_weight.size=2"], 2, "parallel.expert_weight.size=2 needs parallel.expert.size > 1"),
+        (  # before the planner chooses a size: the mode no size can take is said at once
+            ["parallel.expert.size=auto", "parallel.expert_weight.size=2", "memory_budget.device=1GiB"],
+            4,
+            "parallel.expert_weight.size=2 shards the experts with FSDP2 over groups of their expert-data ranks",
+        ),
         (["parallel.expert.size=2", "model.num_experts=0"], 2, "needs a mixture-of-experts model"),
         (
             ["parallel.expert.size=2", "parallel.tensor.size=2", "parallel.mode=fsdp2"],

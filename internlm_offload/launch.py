@@ -28,7 +28,7 @@ from internlm_offload.config.file import add_cfg_options
 from internlm_offload.errors import CheckpointError, CheckpointWriteError, DataError, TrainingDiverged
 from internlm_offload.log import get_logger, setup_logging
 from internlm_offload.registry import UnknownTypeError
-from internlm_offload.torchrun_env import env_local_rank, env_local_world_size, env_world_size
+from internlm_offload.torchrun_env import env_local_rank, env_local_world_size, env_world_size, launched_by_torchrun
 
 if TYPE_CHECKING:
     from internlm_offload.device import Accelerator
@@ -114,6 +114,10 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
     if cfg.preflight:
         predicted = run_preflight(cfg, args.config, accelerator, runtime_bytes, traced) or predicted
     predicted_peak = None if predicted is None else comparable_peak(cfg, accelerator, *predicted)
+    if cfg.auto_knobs and launched_by_torchrun():
+        # every rank chose alone: the ranks join the group and take rank 0's choice before any mesh is built from it
+        # (meshes of different shapes on different ranks would wait on each other forever)
+        cfg = agree_on_auto_knobs(cfg, raw, init_runtime(accelerator), chosen)
     tensor = cfg.parallel.tensor.size
     ctx = init_runtime(
         accelerator,
@@ -124,8 +128,6 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
         experts_over_tensor=cfg.parallel.tensor.mode == "isp",
         pipeline_size=cfg.parallel.pipeline.size,
     )
-    if cfg.auto_knobs:
-        cfg = agree_on_auto_knobs(cfg, raw, ctx, chosen)
     try:
         return train_in_runtime(args, cfg, ctx, build_trainer, predicted_peak, runtime_bytes)
     finally:

@@ -188,6 +188,11 @@ def hosts_base_from_meta(cfg: RunConfig) -> bool:
     )
 
 
+def base_drawn_on_host(cfg: RunConfig, ctx: RunContext) -> bool:
+    """Whether `draw_base_on_host` puts the base in host memory at the build (the planner's trace stays on meta)."""
+    return hosts_base_from_meta(cfg) and ctx.device.type != "meta"
+
+
 def build_bare_model(
     cfg: RunConfig, ctx: RunContext, *, on_meta: bool, check_model: Callable[[nn.Module], None] | None
 ) -> nn.Module:
@@ -206,7 +211,7 @@ def build_bare_model(
         else:
             add_adapters(cfg.model, model)
         quantize_the_base(cfg.model, model)
-    if hosted and ctx.device.type != "meta":  # the planner's trace keeps it on meta
+    if base_drawn_on_host(cfg, ctx):
         draw_base_on_host(cfg, ctx, model)
     if ctx.expert_mesh is not None:  # each rank keeps its experts' slice of the seed-built whole
         apply_expert_parallel(model, ctx.expert_mesh)
@@ -329,8 +334,7 @@ def frozen_base_names(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> list
     """The frozen base's tensors (parameters and buffers) DDP leaves alone: a base `draw_base_on_host` put in host
     memory (DDP wants one device type) and a 4-bit base (its scales are buffers DDP would broadcast before every
     forward: a GiB a step at 70B). Every rank draws or loads the same values; they take no gradient."""
-    on_host = hosts_base_from_meta(cfg) and ctx.device.type != "meta"
-    if not (on_host or cfg.model.quantization_config is not None):
+    if not (base_drawn_on_host(cfg, ctx) or cfg.model.quantization_config is not None):
         return []
     base = {id(t) for t in base_tensors(model.layers)}
     named = [*model.named_parameters(), *model.named_buffers()]
@@ -346,8 +350,7 @@ def host_the_base(cfg: RunConfig, ctx: RunContext, layers: nn.ModuleList) -> Hos
     lora = cfg.model.lora
     if lora is None or not lora.base_on_host:
         return None
-    placed = hosts_base_from_meta(cfg) and ctx.device.type != "meta"  # `draw_base_on_host` put it there
-    hosted = HostedBase(layers, ctx.accelerator, placed=placed)
+    hosted = HostedBase(layers, ctx.accelerator, placed=base_drawn_on_host(cfg, ctx))
     logger.info("LoRA base on the host: %.1f MiB of frozen block weights", hosted.host_bytes / 2**20)
     return hosted
 

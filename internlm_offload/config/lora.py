@@ -104,6 +104,13 @@ def base_on_host_problem(cfg: Any) -> str | None:
     where = "model.lora.base_on_host=True"
     if cfg.parallel.mode == "fsdp2":
         return f"{where} with parallel.mode='fsdp2': use parallel.fsdp_cpu_offload=True (FSDP2's host shards)"
+    return base_on_host_layout_problem(cfg)
+
+
+def base_on_host_layout_problem(cfg: Any) -> str | None:
+    """What of the layout, the wrapper apart, keeps `model.lora.base_on_host` from being built: pipeline stages, a
+    mixture of experts spread over ranks; None if nothing (the planner offers the knob where this is None)."""
+    where = "model.lora.base_on_host=True"
     if cfg.parallel.pipeline.size > 1:
         return f"{where} with parallel.pipeline.size={cfg.parallel.pipeline.size}: not built for pipeline stages; use 1"
     if cfg.parallel.expert.size != 1 and cfg.model.num_experts:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, RunConfig, expert_ranks
+from internlm_offload.config.lora import base_on_host_layout_problem
 from internlm_offload.config.pipeline import PIPELINE_MODES, virtual_chunks
 from internlm_offload.engine.pipeline_split import local_stages, partition_uniform
 
@@ -201,10 +202,8 @@ def _with_hosted_base(settings: list[Setting], cfg: RunConfig | None, auto: froz
 
 
 def hosted_base_builds(cfg: RunConfig) -> bool:
-    """Whether `model.lora.base_on_host` is built for `cfg` apart from its wrapper (config/lora.py refuses the rest:
-    pipeline stages, a mixture of experts under expert parallel)."""
-    experts_spread = cfg.model.num_experts > 0 and cfg.parallel.expert.size != 1
-    return cfg.model.lora is not None and cfg.parallel.pipeline.size == 1 and not experts_spread
+    """Whether `model.lora.base_on_host` is built for `cfg` apart from its wrapper."""
+    return cfg.model.lora is not None and base_on_host_layout_problem(cfg) is None
 
 
 def tensor_mode_settings(cfg: RunConfig, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
@@ -258,7 +257,7 @@ def pipeline_settings(cfg: RunConfig, world_size: int) -> list[Setting]:
         for mode in modes:
             runs = {"1F1B": (1, 2), "ZBH1": (1,), "ZBV": (2,)}[mode] if PIPELINE[2] in auto else (cfg.model.num_chunks,)
             for chunks in runs:
-                if offloaded and offloaded >= _fewest_or_none(layers, size, mode, chunks):
+                if offloaded and offloaded >= _fewest_or_inf(layers, size, mode, chunks):
                     continue
                 interleaved = f" x {chunks} chunks" if chunks > 1 and mode == "1F1B" else ""
                 settings.append(Setting(f"pp {size} {mode}{interleaved}", dict(zip(PIPELINE, (size, mode, chunks)))))
@@ -274,7 +273,7 @@ def fewest_blocks(cfg: RunConfig) -> int:
     return rank_blocks_fewest(cfg.model.num_layers, pipe.size, pipe.mode, cfg.model.num_chunks)
 
 
-def _fewest_or_none(num_layers: int, size: int, mode: str, num_chunks: int) -> float:
+def _fewest_or_inf(num_layers: int, size: int, mode: str, num_chunks: int) -> float:
     """`rank_blocks_fewest`, or infinity for a split the config refuses (its refusal line names why)."""
     try:
         return rank_blocks_fewest(num_layers, size, mode, num_chunks)
@@ -374,6 +373,12 @@ KNOBS = (
     Knob("expert parallel size", LAYOUT, _expert_sizes),
     Knob("pipeline", LAYOUT, _pipelines),
 )
+
+
+def search_axes(space: Space) -> tuple[list[Setting], list[Setting], list[Setting]]:
+    """The search's layouts, activation settings and optimizer settings for `space` (`search_tensor_modes`' axes;
+    each layout's own activation settings: `activations_for`)."""
+    return settings_on(LAYOUT, space), settings_on(MICRO_BATCH, space), settings_on(OPTIMIZER, space)
 
 
 def activations_for(space: Space) -> Callable[[RunConfig], list[Setting]]:

@@ -356,15 +356,7 @@ def run_search(
 
     `raw`: the loaded config (`--config` with `--cfg-options`); the candidates are merges of it."""
     from internlm_offload.planner.progress import SearchProgress
-    from internlm_offload.planner.knobs import (
-        LAYOUT,
-        MICRO_BATCH,
-        OPTIMIZER,
-        WRAPPER,
-        Space,
-        activations_for,
-        settings_on,
-    )
+    from internlm_offload.planner.knobs import WRAPPER, Space, activations_for, search_axes
     from internlm_offload.planner.search import candidate_configs, search_tensor_modes, smallest_peak
 
     config_for = candidate_configs(raw, world_size=args.world_size)
@@ -378,8 +370,7 @@ def run_search(
         shapes=True,
         world_size=args.world_size,
     )
-    activations, optimizers = settings_on(MICRO_BATCH, space), settings_on(OPTIMIZER, space)
-    modes = settings_on(LAYOUT, space)
+    modes, activations, optimizers = search_axes(space)
     progress = SearchProgress(enabled=sys.stderr.isatty() and not args.no_progress)
     try:
         chosen, candidates, refused = search_tensor_modes(

@@ -148,12 +148,12 @@ def log_build_memory(ctx: RunContext) -> None:
     )
 
 
-def build_layer_plan(cfg: RunConfig, num_layers: int) -> LayerPlan:
-    offload = cfg.cpu_offloading
+def build_layer_plan(cfg: RunConfig, num_layers: int, pp_rank: int = 0) -> LayerPlan:
+    """The plan of `num_layers` blocks: the model's, or under a pipeline pipeline rank `pp_rank`'s own."""
     try:
         return make_layer_plan(
             num_layers,
-            offload_layers=offload.num_layers,
+            offload_layers=cfg.cpu_offloading.layers_on(pp_rank),
             checkpoint_ratio=cfg.model.checkpoint,
             selective=cfg.selective_checkpoint,
             selective_offload=cfg.selective_checkpoint_offload,
@@ -390,16 +390,22 @@ def apply_precision(
 
 
 def apply_memory_plan(
-    cfg: RunConfig, layers: nn.ModuleList, accelerator: Accelerator, segments: list[int] | None = None
+    cfg: RunConfig,
+    layers: nn.ModuleList,
+    accelerator: Accelerator,
+    segments: list[int] | None = None,
+    pp_rank: int = 0,
 ) -> tuple[ActivationOffloader | None, SelectiveOffloader | None]:
     """The per-block plan (offload / checkpoint / selective / plain) applied to the bare blocks; under a
-    pipeline `layers` are the rank's stages' blocks in stage order, `segments` their count per stage."""
-    if segments is not None and cfg.cpu_offloading.num_layers >= len(layers):
+    pipeline `layers` are pipeline rank `pp_rank`'s stages' blocks in stage order, `segments` their count per stage."""
+    offloaded = cfg.cpu_offloading.layers_on(pp_rank)
+    if segments is not None and offloaded >= len(layers):
         raise ConfigError(
-            f"cpu_offloading.num_layers={cfg.cpu_offloading.num_layers} must be < {len(layers)}: under a pipeline it "
-            f"counts this rank's blocks (stages of {segments} blocks), and the last is never offloaded"
+            f"cpu_offloading.num_layers={cfg.cpu_offloading.num_layers} must be < {len(layers)} on pipeline rank "
+            f"{pp_rank}: under a pipeline it counts the rank's blocks (stages of {segments} blocks), and the last is "
+            "never offloaded"
         )
-    plan = build_layer_plan(cfg, len(layers))
+    plan = build_layer_plan(cfg, len(layers), pp_rank)
     logger.info("Layer plan (%d blocks):\n%s", len(layers), plan.table())
     settings = offload_settings(cfg.cpu_offloading)
     return apply_layer_plan(layers, plan, **settings, accelerator=accelerator, segments=segments)

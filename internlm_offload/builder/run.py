@@ -99,7 +99,7 @@ def build_components(
         align_grads_in_backward(model)
     layers: nn.ModuleList = model.layers if chunks is None else stage_blocks(chunks)
     segments = None if chunks is None else [len(chunk.layers) for chunk in chunks.values()]
-    offloaders = apply_memory_plan(cfg, layers, ctx.accelerator, segments)
+    offloaders = apply_memory_plan(cfg, layers, ctx.accelerator, segments, ctx.pp_rank)
     if chunks is None:
         model, pipeline = apply_data_parallel(cfg, ctx, model, layers, policy, materialize=on_meta), None
     else:  # each stage in DDP or FSDP2 over its data-parallel ranks, then torch's PipelineStage

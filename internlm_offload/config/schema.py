@@ -139,9 +139,10 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
         offload = self.cpu_offloading
-        if not offload.enable and offload.num_layers != 0:
+        if not offload.enable and offload.most_layers != 0:
             raise ValueError(f"cpu_offloading.num_layers={offload.num_layers} needs cpu_offloading.enable=True")
-        if offload.num_layers >= self.model.num_layers:
+        self._check_offload_per_rank()
+        if offload.most_layers >= self.model.num_layers:
             raise ValueError(
                 f"cpu_offloading.num_layers={offload.num_layers} must be < model.num_layers={self.model.num_layers} "
                 "(the last block is never offloaded)"
@@ -208,6 +209,16 @@ class RunConfig(Section):
         if self.data.type == "text" and not self.data.paths:
             raise ValueError("data.type='text' needs data.paths (files or folders of .txt/.jsonl)")
         return self
+
+    def _check_offload_per_rank(self) -> None:
+        """A list of counts gives each pipeline rank its own: one entry per rank, only under a pipeline."""
+        layers, pipe = self.cpu_offloading.num_layers, self.parallel.pipeline.size
+        if isinstance(layers, list) and len(layers) != pipe:
+            raise ValueError(
+                f"cpu_offloading.num_layers={layers} has {len(layers)} entries: a list gives each pipeline rank its "
+                f"count, and parallel.pipeline.size={pipe}; give {pipe} entries"
+                + ("" if pipe > 1 else " (one count without a pipeline: an int)")
+            )
 
     def _check_tensor_parallel(self) -> None:
         """What the tensor modes need of the model and which features compose with them (docs/parallelism.md)."""

@@ -423,13 +423,14 @@ class CpuOffloadingConfig(Section):
         description="Offload saved activations of the first `num_layers` blocks to host. "
         '`"auto"` (with `memory_budget`): the planner chooses.',
     )
-    num_layers: int = Field(
+    num_layers: int | list[int] = Field(
         0,
-        ge=0,
         description="Blocks whose activations go to host memory; < `model.num_layers`. Under a pipeline: the "
         "first `num_layers` of each rank's own blocks in stage order (< the rank's blocks), each stage's micro-batches "
-        'in flight on the host until their backward (docs/parallelism.md). `"auto"` (with `memory_budget`): the '
-        "planner chooses (and sets `enable`).",
+        "in flight on the host until their backward; a list gives each pipeline rank its own count (one entry per "
+        "rank of `parallel.pipeline.size`, e.g. `[2, 1, 0, 0]`: the early stages hold the most micro-batches in "
+        'flight; docs/parallelism.md). `"auto"` (with `memory_budget`): the planner chooses (and sets `enable`; '
+        "under a pipeline, per rank).",
     )
     mode: Literal["auto", "sync", "async"] = Field(
         "auto",
@@ -439,6 +440,23 @@ class CpuOffloadingConfig(Section):
     min_offload_bytes: int = Field(1024, ge=0, description="Smaller saved tensors stay on the device.")
     prefetch_layers: int = Field(1, ge=1, description="Groups reloaded ahead during backward.")
     pin_memory: bool = Field(True, description="Pinned host buffers where the device supports them.")
+
+    @field_validator("num_layers")
+    @classmethod
+    def _counts(cls, value: int | list[int]) -> int | list[int]:
+        counts = value if isinstance(value, list) else [value]
+        if not counts or min(counts) < 0:
+            raise ValueError(f"cpu_offloading.num_layers={value!r}: give a block count >= 0, or one per pipeline rank")
+        return value
+
+    def layers_on(self, pp_rank: int) -> int:
+        """The blocks pipeline rank `pp_rank` offloads (the one count without a pipeline)."""
+        return self.num_layers[pp_rank] if isinstance(self.num_layers, list) else self.num_layers
+
+    @property
+    def most_layers(self) -> int:
+        """The largest count of any rank: what the rules on the model's blocks check."""
+        return max(self.num_layers) if isinstance(self.num_layers, list) else self.num_layers
 
 
 class NvmeOffloadConfig(Section):

@@ -46,6 +46,11 @@ class RunContext:
         return (self.rank % (self.world_size // self.pipeline_size)) // self.tensor_size
 
     @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline rank (0 without a pipeline): pipeline ranks are outermost."""
+        return self.rank // (self.world_size // self.pipeline_size)
+
+    @property
     def dp_size(self) -> int:
         """Ranks that read different micro-batches."""
         return self.world_size // (self.tensor_size * self.pipeline_size)

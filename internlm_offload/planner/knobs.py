@@ -245,7 +245,7 @@ def pipeline_settings(cfg: RunConfig, world_size: int) -> list[Setting]:
     pipe, layers = cfg.parallel.pipeline, cfg.model.num_layers
     # a fixed `cpu_offloading.num_layers` counts each rank's own blocks: a layout leaving a rank that many or fewer
     # is not offered (the build refuses it)
-    offloaded = 0 if "cpu_offloading.num_layers" in cfg.auto_knobs else cfg.cpu_offloading.num_layers
+    offloaded = 0 if "cpu_offloading.num_layers" in cfg.auto_knobs else cfg.cpu_offloading.most_layers
     sizes = [p for p in range(1, world_size + 1) if world_size % p == 0 and p <= layers]
     sizes = sizes if PIPELINE[0] in auto else [pipe.size]
     modes = PIPELINE_MODES if PIPELINE[1] in auto else (pipe.mode,)

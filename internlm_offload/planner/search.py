@@ -33,6 +33,7 @@ from internlm_offload.planner.cost import Hardware, StepWork, step_time
 from internlm_offload.planner.knobs import Setting
 from internlm_offload.planner.pipeline import StageMemory, planned_step_time
 from internlm_offload.planner.progress import SearchProgress
+from internlm_offload.planner.stage_offload import fewest_per_rank, offload_count, offload_ladder, per_rank_setting
 from internlm_offload.planner.trace import StepMemory, UnsupportedLayout
 from internlm_offload.planner.tracker import largest_component
 from internlm_offload.config.sizes import human_bytes
@@ -154,6 +155,32 @@ class PricedMode:
         candidate.memory = dataclasses.replace(whole, micro_batch_work=work[0], optimizer_work=work[1], stages=stages)
         candidate.verdict = "chosen"
         return True
+
+    def per_stage(self, chosen: Candidate, budgets: Budgets, hardware: Hardware) -> Candidate | None:
+        """`chosen` (which fits) with its offload lowered per pipeline rank (planner/stage_offload.py), when some
+        rank can offload fewer blocks: the new candidate if it is as fast and its whole trace fits, else None."""
+        ladder = offload_ladder(chosen.activation, (c.activation for c in self.candidates))
+        count = offload_count(chosen.activation)
+        if len(ladder) < 2 or count is None or budgets.device is None:
+            return None
+        base, by_o = self.by_activation[self.base_activation.name], self.by_optimizer[chosen.optimizer.name]
+        peaks = {
+            n: [a.device_peak_bytes + o.device_peak_bytes - b.device_peak_bytes
+                for a, o, b in zip(self.by_activation[s.name].stages, by_o.stages, base.stages)]
+            for n, s in ladder.items()
+        }  # fmt: skip
+        counts = fewest_per_rank(peaks, budgets.device, count)
+        if len(set(counts)) == 1:
+            return None
+        setting = per_rank_setting(chosen.activation, counts)
+        options = {**setting.options, **self.base_optimizer.options}
+        self.by_activation[setting.name] = by_a = self.tracer.step(self.config_for(options), approximate=True)
+        candidate = _candidate(setting, chosen.optimizer, by_a, by_o, base, hardware, self.config_for)
+        candidate.tensor_mode = chosen.tensor_mode
+        if round(candidate.step_s, 6) > round(chosen.step_s, 6) or not self.fits(candidate, budgets):
+            return None
+        chosen.verdict = f"fits; {setting.name} offloads less"
+        return candidate
 
 
 def priced(
@@ -310,8 +337,10 @@ def search_tensor_modes(
             progress.advance(len(queue) - tried)
             break
         if index not in bests and priced_modes[index][1].fits(candidate, budgets):
-            bests[index] = candidate
-            progress.found(candidate.name, candidate.step_s)
+            # under a pipeline a rank with room to spare offloads fewer blocks
+            leaner = priced_modes[index][1].per_stage(candidate, budgets, hardware)
+            bests[index] = leaner or candidate
+            progress.found(bests[index].name, bests[index].step_s)
     # Equal times (mtp and msp send the same bytes and do the same FLOPs): the one with less memory.
     ordered = [bests[index] for index in sorted(bests)]
     chosen = min(ordered, key=lambda c: (round(c.step_s, 6), c.memory.device_peak_bytes), default=None)
@@ -319,6 +348,7 @@ def search_tensor_modes(
         if best is not chosen:
             best.verdict = f"fits; {chosen.tensor_mode.name} is faster or leaner"
     candidates = [c for _, _, _, c in queue]
+    candidates += [best for best in ordered if all(best is not c for c in candidates)]  # offload per pipeline rank
     return chosen, candidates, refused
 
 

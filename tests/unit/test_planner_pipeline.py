@@ -1,11 +1,12 @@
 """The planner under a pipeline (planner/pipeline.py, planner/trace.py): micro-batches in flight and the bubble read
 off torch's schedule order, each pipeline rank traced on meta tensors with its own stages."""
 
+import re
 from pathlib import Path
 
 import pytest
 
-from internlm_offload.config import load_config_file, resolve_config
+from internlm_offload.config import ConfigError, load_config_file, resolve_config
 from internlm_offload.planner.compose import Tracer
 from internlm_offload.planner.cost import HARDWARE, StepWork, step_time
 from internlm_offload.planner.knobs import (
@@ -206,3 +207,51 @@ def test_ddp_buckets_are_counted_only_where_the_builder_wraps_ddp() -> None:
     tiny = PP2.parent / "internlm2_tiny.py"
     assert buckets(tiny, 2, swap_optimizer=True) > 0
     assert buckets(tiny, 2, swap_optimizer=True, grad_offload=True) == 0
+
+
+def test_offload_per_pipeline_rank_is_the_fewest_blocks_each_rank_fits_with() -> None:
+    """`cpu_offloading.num_layers` left "auto" under 2-stage 1F1B: the search's uniform count (1 of each rank's 2
+    blocks) lowered per rank to the fewest offered blocks whose traced peak fits, so the last stage, with one
+    micro-batch in flight, offloads none: its traced peak is that of no offload, the first stage's that of the
+    uniform count, the choice's device peak within the budget (planner/stage_offload.py)."""
+    options = {**SHAPE, "data.seq_len": 64, "cpu_offloading.enable": "auto", "cpu_offloading.num_layers": "auto",
+               "memory_budget.device": "1GiB"}  # fmt: skip
+    config_for, tracer = candidate_configs(load_config_file(PP2, options), world_size=2), Tracer(2)
+    space = Space(config_for({}), frozenset(config_for({}).auto_knobs), num_layers=4, world_size=2)
+    uniform = {n: tracer.whole(config_for({"cpu_offloading.enable": n > 0, "cpu_offloading.num_layers": n}), True)
+               for n in (0, 1)}  # fmt: skip
+    peaks = {n: [s.device_peak_bytes for s in memory.stages] for n, memory in uniform.items()}
+    budget = peaks[0][0] - 1  # rank 0 needs the offload, rank 1 not
+    assert peaks[1][0] <= budget and peaks[0][1] <= budget, peaks
+    chosen, candidates, _ = search_tensor_modes(
+        config_for, settings_on(LAYOUT, space), settings_on(MICRO_BATCH, space), settings_on(OPTIMIZER, space),
+        HARDWARE["h100"], budget, None, 2, tracer=tracer, activations_for=activations_for(space),
+    )  # fmt: skip
+    assert chosen is not None and chosen.options["cpu_offloading.num_layers"] == [1, 0], chosen.name
+    assert chosen.name == "offload 1/0 blocks per pipeline rank + optimizer as configured"
+    assert [s.device_peak_bytes for s in chosen.memory.stages] == [peaks[1][0], peaks[0][1]]
+    assert chosen.memory.device_peak_bytes <= budget
+    uniform_choice = next(c for c in candidates if c.activation.name == "offload 1 blocks")
+    assert uniform_choice.verdict == "fits; offload 1/0 blocks per pipeline rank offloads less"
+    assert tracer.traces == 3  # the search reads the two uniform traces above, and traces the choice
+
+
+@pytest.mark.parametrize(
+    "num_layers, pipeline, error",
+    [
+        (
+            [1, 0],
+            1,
+            "cpu_offloading.num_layers=[1, 0] has 2 entries: a list gives each pipeline rank its count, and "
+            "parallel.pipeline.size=1; give 1 entries (one count without a pipeline: an int)",
+        ),
+        ([1, 0, 0], 2, "cpu_offloading.num_layers=[1, 0, 0] has 3 entries"),
+        ([1, -1], 2, "cpu_offloading.num_layers=[1, -1]: give a block count >= 0, or one per pipeline rank"),
+        ([4, 0], 2, "cpu_offloading.num_layers=[4, 0] must be < model.num_layers=4"),
+    ],
+)
+def test_offload_counts_per_rank_are_checked(num_layers: list[int], pipeline: int, error: str) -> None:
+    options = {"cpu_offloading.enable": True, "cpu_offloading.num_layers": num_layers,
+               "parallel.pipeline.size": pipeline}  # fmt: skip
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        resolve_config(load_config_file(PP2, options), world_size=2)

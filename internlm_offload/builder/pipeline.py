@@ -1,14 +1,15 @@
 """Pipeline parallel from the config: this rank's stages of the seed-built model, their DDP and schedule."""
 
+import torch.distributed as dist
 from torch import nn
 
 from internlm_offload.builder.model import log_build_memory
 from internlm_offload.config import RunConfig
-from internlm_offload.config.pipeline import virtual_chunks
+from internlm_offload.config.pipeline import splits_backward, virtual_chunks
 from internlm_offload.engine.pipeline import PipelineRunner, schedule_class, wrap_chunks
 from internlm_offload.engine.pipeline_split import PipelineChunk, split_model
 from internlm_offload.engine.precision import PrecisionPolicy
-from internlm_offload.engine.runtime import RunContext
+from internlm_offload.engine.runtime import RunContext, data_parallel_group
 from internlm_offload.log import get_logger
 
 logger = get_logger(__name__)
@@ -20,6 +21,15 @@ def split_for_pipeline(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> dic
     chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
     rank = ctx.pipeline_mesh.get_local_rank("pp")
     return split_model(model, pipe.size, chunks, rank, v_shape=pipe.mode == "ZBV")
+
+
+def trainer_reduction(cfg: RunConfig, ctx: RunContext) -> dist.ProcessGroup | None:
+    """The group the trainer averages a pipeline's gradients over where no wrapper or fp32 copy does: the stages of
+    a zero-bubble schedule under `parallel.mode='ddp'` (`splits_backward`); None elsewhere."""
+    pipe = cfg.parallel.pipeline
+    if pipe.size == 1 or cfg.parallel.mode != "ddp" or not splits_backward(pipe.mode) or cfg.grad_offload:
+        return None
+    return data_parallel_group(ctx)
 
 
 def apply_pipeline(
@@ -37,7 +47,7 @@ def apply_pipeline(
     num_chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
     num_stages = pipe.size * num_chunks
     par = cfg.parallel
-    mode = "none" if par.mode == "ddp" and (fp32_reduce or cfg.grad_offload) else par.mode
+    mode = "none" if par.mode == "ddp" and (fp32_reduce or cfg.grad_offload or splits_backward(pipe.mode)) else par.mode
     modules = wrap_chunks(
         ctx,
         chunks,
@@ -47,7 +57,10 @@ def apply_pipeline(
         mixed_precision=policy.fsdp_mixed_precision(),
     )
     if mode != par.mode:
-        reducer = "gradient offload reduces" if cfg.grad_offload else "the fp32 masters reduce"
+        reducer = (
+            "gradient offload reduces" if cfg.grad_offload else "the fp32 masters reduce" if fp32_reduce
+            else "the trainer (a split backward) reduces"
+        )  # fmt: skip
         wrapper = f", not wrapped: {reducer} the gradients over {ctx.dp_size} ranks each"
     else:
         wrapper = "" if mode == "none" else f", {mode.upper()} over {ctx.dp_size} ranks each"

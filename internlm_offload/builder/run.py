@@ -20,7 +20,7 @@ from internlm_offload.builder.model import (
     uses_loss_parallel,
 )
 from internlm_offload.builder.optimizer import build_optimizer, build_scheduler, hybrid_cpu_mask, offload_gradients
-from internlm_offload.builder.pipeline import apply_pipeline, split_for_pipeline
+from internlm_offload.builder.pipeline import apply_pipeline, split_for_pipeline, trainer_reduction
 from internlm_offload.config import RunConfig
 from internlm_offload.data import StepLoader, build_tokenizer
 from internlm_offload.engine.checkpoint import CheckpointManager
@@ -106,7 +106,7 @@ def build_components(
         model, pipeline = stepped, apply_pipeline(cfg, ctx, chunks, policy, fp32_reduce=kept_masters is not None)
     # after the wrapper: DDP broadcasts the weights from rank 0 on the device when it is built
     hosted_base = host_the_base(cfg, ctx, layers)
-    masters: Masters = NoMasters(model) if kept_masters is None else kept_masters
+    masters: Masters = NoMasters(model, trainer_reduction(cfg, ctx)) if kept_masters is None else kept_masters
     optimizer = build_optimizer(cfg, masters, ctx.accelerator, cpu_mask=cpu_mask, check_host=check_host_memory)
     if cfg.grad_offload:  # its hooks feed the host gradients the optimizer just built reads
         masters = offload_gradients(cfg, ctx, masters, model)

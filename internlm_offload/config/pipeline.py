@@ -131,12 +131,20 @@ def micro_batch_problem(size: int, mode: str, num_chunks: int, micro_num: int) -
     return None
 
 
-def data_parallel_problem(mode: str, data_parallel: int) -> str | None:
-    """The zero-bubble schedules split each backward into an input and a weight pass; DDP's reducer follows
-    neither (checked: the gradient norm off from step 1), so they run with one rank per stage."""
-    if mode in ("ZBH1", "ZBV") and data_parallel > 1:
+def splits_backward(mode: str) -> bool:
+    """The zero-bubble schedules split each backward into an input and a weight pass, which DDP's reducer follows
+    neither of (checked: the gradient norm off from step 1): under `parallel.mode='ddp'` their stages are not
+    wrapped, and the trainer averages the gradients over the stage's data-parallel ranks after the last pass."""
+    return mode in ("ZBH1", "ZBV")
+
+
+def data_parallel_problem(mode: str, data_parallel: int, wrapper: str = "ddp") -> str | None:
+    """FSDP2 within a stage under the zero-bubble schedules: its reduce-scatter after the split backward's weight
+    passes is not checked, so they run under DDP's rule (`splits_backward`) or with one rank per stage."""
+    if splits_backward(mode) and data_parallel > 1 and wrapper == "fsdp2":
         return (
-            f"parallel.pipeline.mode={mode!r} with {data_parallel} data-parallel ranks per stage: DDP does not "
-            "reduce the zero-bubble schedules' split backward yet; use mode='1F1B' or one rank per stage"
+            f"parallel.pipeline.mode={mode!r} with parallel.mode='fsdp2' over {data_parallel} data-parallel ranks per "
+            "stage: FSDP2's reduction of the zero-bubble schedules' split backward is not checked yet; use "
+            "parallel.mode='ddp', mode='1F1B' or one rank per stage"
         )
     return None

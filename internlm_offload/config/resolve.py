@@ -155,7 +155,7 @@ def _check_pipeline(cfg: RunConfig, data_parallel: int) -> None:
     if pipe.size == 1:
         return
     problem = micro_batch_problem(pipe.size, pipe.mode, cfg.model.num_chunks, cfg.data.micro_num) or (
-        data_parallel_problem(pipe.mode, data_parallel)
+        data_parallel_problem(pipe.mode, data_parallel, cfg.parallel.mode)
     )
     if problem is not None:
         raise ConfigError(problem)

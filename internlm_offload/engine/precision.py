@@ -260,11 +260,14 @@ class MasterWeights:
 class NoMasters:
     """No fp32 copy apart from the model (fp32, pure low precision, FSDP2's fp32 shards): `MasterWeights`'
     interface over the model itself, whose hooks do nothing. `module` is the model the trainer runs (the
-    data-parallel wrapper, whose parameters the optimizer steps and checkpoints hold)."""
+    data-parallel wrapper, whose parameters the optimizer steps and checkpoints hold). `reduce_group`: the model
+    is not wrapped (a zero-bubble pipeline's stages, whose split backward DDP's reducer does not follow) and
+    `reduce_grads` averages its gradients over this group after the last backward."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, reduce_group: dist.ProcessGroup | None = None) -> None:
         self.module = model
         self._records = [ParamRecord(p, p) for p in model.parameters() if p.requires_grad]
+        self._reduce_group = reduce_group
 
     @property
     def on_host(self) -> bool:
@@ -272,8 +275,8 @@ class NoMasters:
 
     @property
     def reduce_in_backward(self) -> bool:
-        """True: the data-parallel wrapper reduces the model's own grads during the last backward."""
-        return True
+        """Whether the data-parallel wrapper reduces the model's own grads during the last backward."""
+        return self._reduce_group is None
 
     def master_params(self) -> Iterator[nn.Parameter]:
         """None: the model's parameters are the ones stepped."""
@@ -291,8 +294,16 @@ class NoMasters:
         """The model's gradients (those that exist), e.g. to clip them."""
         return [p.grad for p in self.module.parameters() if p.grad is not None]
 
+    @torch.no_grad()
     def reduce_grads(self, distributed: bool) -> None:
-        """Nothing: reduced in backward (see `reduce_in_backward`)."""
+        """Nothing where the wrapper reduced in backward (`reduce_in_backward`); else the model's grads averaged
+        over `reduce_group`, as one flat buffer (one all-reduce, in the parameters' order on every rank)."""
+        if self._reduce_group is None or not distributed or dist.get_world_size(self._reduce_group) == 1:
+            return
+        grads = self.grads()
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._reduce_group)
+        torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))
 
     def copy_to_model(self) -> None:
         """Nothing: the stepped parameters are the model's."""

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from internlm_offload.builder import build_components, make_trainer
 from internlm_offload.config import RunConfig, expert_ranks
+from internlm_offload.config.pipeline import splits_backward
 from internlm_offload.data.loader import MicroBatch
 from internlm_offload.device import storage_key
 from internlm_offload.engine.expert_parallel import expert_params, moe_blocks
@@ -317,9 +318,13 @@ def _traced(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp
 
 def _ddp_wraps(cfg: RunConfig, memory: StepMemory) -> bool:
     """Whether the builder wraps the model in DDP: not under gradient offload (builder/model.py), nor a pipeline's
-    stages whose fp32 masters reduce the gradients themselves (builder/pipeline.py)."""
+    stages whose fp32 masters reduce the gradients themselves or whose schedule splits the backward
+    (builder/pipeline.py; the trainer's flat copy of the gradients it all-reduces then, after the last backward,
+    is not traced)."""
     masters = memory.components["master_weights"] + memory.components["host_master_weights"]
-    return not cfg.grad_offload and not (cfg.parallel.pipeline.size > 1 and masters > 0)
+    pipe = cfg.parallel.pipeline
+    staged_apart = pipe.size > 1 and (masters > 0 or splits_backward(pipe.mode))
+    return not cfg.grad_offload and not staged_apart
 
 
 def _pipeline_step(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> StepMemory:

@@ -57,6 +57,13 @@ def one_process(one_process_reference):
             "0 of 4: stages [0] of 4 (ScheduleInterleavedZeroBubble)",
         ),
         (
+            "zbv_p2_ddp2",
+            4,
+            ["parallel.mode=ddp", "parallel.pipeline.mode=zbv"],
+            "0 of 2: stages [0, 3] of 4 (ScheduleZBVZeroBubble), not wrapped: the trainer (a split backward) reduces "
+            "the gradients over 2 ranks each",
+        ),
+        (
             "interleaved_p2_fsdp2",
             4,
             ["model.num_chunks=2", "parallel.mode=fsdp2"],

@@ -184,7 +184,9 @@ def test_activation_offload_counts_the_ranks_own_blocks():
     with 2 blocks refuses 2 in one line naming the key."""
     cfg = resolve(2, {"cpu_offloading.enable": True, "cpu_offloading.num_layers": 2})
     layers = split_model(tiny_decoder(), 2, 1, 0, False)[0].layers.values()
-    with pytest.raises(ConfigError, match=r"cpu_offloading.num_layers=2 must be < 2: under a pipeline it counts"):
+    with pytest.raises(
+        ConfigError, match=r"cpu_offloading.num_layers=2 must be < 2 on pipeline rank 0: under a pipeline it counts"
+    ):
         apply_memory_plan(cfg, torch.nn.ModuleList(layers), Accelerator("cpu"), segments=[2])
 
 
@@ -211,7 +213,11 @@ def test_the_offload_optimizers_and_masters_pass_under_a_pipeline(options):
         (2, {"model.num_chunks": 3}, "model.num_layers=4 must be divisible by the 3 pipeline chunks"),
         (4, {"parallel.pipeline.size": 4, "model.num_chunks": 2}, "leaves a stage without a block"),
         (2, {"parallel.pipeline.mode": "ZBH1", "model.num_chunks": 2}, "ZBH1 runs one chunk per rank"),
-        (4, {"parallel.pipeline.mode": "ZBV"}, "DDP does not reduce the zero-bubble schedules' split backward"),
+        (
+            4,
+            {"parallel.pipeline.mode": "ZBV", "parallel.mode": "fsdp2"},
+            "FSDP2's reduction of the zero-bubble schedules' split backward is not checked yet",
+        ),
         (3, {}, "parallel.pipeline.size=2 must divide the world size 3"),
         (4, {"parallel.tensor.size": 2}, "pipeline with tensor parallel is not built yet"),
         (4, {"parallel.mode": "fsdp2", "parallel.fsdp_cpu_offload": True}, "FSDP2's CPU offload per stage"),

@@ -216,7 +216,7 @@ def test_the_offload_optimizers_and_masters_pass_under_a_pipeline(options):
         (
             4,
             {"parallel.pipeline.mode": "ZBV", "parallel.mode": "fsdp2"},
-            "FSDP2's reduction of the zero-bubble schedules' split backward is not checked yet",
+            "FSDP2 does not reduce the zero-bubble schedules' split backward correctly yet",
         ),
         (3, {}, "parallel.pipeline.size=2 must divide the world size 3"),
         (4, {"parallel.tensor.size": 2}, "pipeline with tensor parallel is not built yet"),

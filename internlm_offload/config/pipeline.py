@@ -48,8 +48,6 @@ def virtual_chunks(mode: str, num_chunks: int) -> int:
 
 # Features not built under a pipeline yet: the key, its value when off, what a config sets.
 _NOT_UNDER_PIPELINE: tuple[tuple[str, Any, str], ...] = (
-    ("parallel.tensor.size", 1, "pipeline with tensor parallel is not built yet; set parallel.tensor.size=1"),
-    ("parallel.weight.size", 1, "pipeline with weight parallel is not built yet; set parallel.weight.size=1"),
     ("parallel.expert.size", 1, "pipeline with expert parallel is not built yet; set parallel.expert.size=1"),
     ("model.num_experts", 0, "a pipeline carries no MoE aux loss between stages yet; use a dense model"),
     ("model.tie_word_embeddings", False, "the embedding and the head sit on different stages; set False"),
@@ -131,12 +129,26 @@ def micro_batch_problem(size: int, mode: str, num_chunks: int, micro_num: int) -
     return None
 
 
-def data_parallel_problem(mode: str, data_parallel: int) -> str | None:
+def data_parallel_problem(mode: str, data_parallel: int, tensor: Any = None, weight: int = 1) -> str | None:
     """The zero-bubble schedules split each backward into an input and a weight pass; DDP's reducer follows
-    neither (checked: the gradient norm off from step 1), so they run with one rank per stage."""
+    neither (checked: the gradient norm off from step 1), so they run with one rank per stage, and not under isp
+    over several tensor ranks, whose wrapper (DDP or FSDP2) reduces over them (checked: off from step 1 under both).
+    `tensor`: `parallel.tensor`; `weight`: `parallel.weight.size`, isp's FSDP2 over a stage's ranks (all or 1)."""
     if mode in ("ZBH1", "ZBV") and data_parallel > 1:
         return (
             f"parallel.pipeline.mode={mode!r} with {data_parallel} data-parallel ranks per stage: DDP does not "
             "reduce the zero-bubble schedules' split backward yet; use mode='1F1B' or one rank per stage"
+        )
+    isp = tensor is not None and tensor.mode == "isp" and tensor.size > 1
+    if mode in ("ZBH1", "ZBV") and isp:
+        return (
+            f"parallel.pipeline.mode={mode!r} with parallel.tensor.mode='isp' (size {tensor.size}): the wrapper "
+            "that sums the sequence chunks' gradients does not follow the zero-bubble split backward; use mode='1F1B'"
+        )
+    stage_ranks = data_parallel * (tensor.size if tensor is not None else 1)
+    if weight not in (1, stage_ranks):
+        return (
+            f"parallel.weight.size={weight} under a pipeline: FSDP2 shards over a stage's {stage_ranks} ranks "
+            f"(data-parallel x tensor) whole; sharding over groups of them is not built; set 1 or {stage_ranks}"
         )
     return None

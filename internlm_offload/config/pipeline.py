@@ -16,7 +16,12 @@ PIPELINE_MODES = ("1F1B", "ZBH1", "ZBV")
 
 
 class PipelineConfig(Section):
-    size: int = Field(1, ge=1, description="Pipeline stages' ranks P (outermost: ranks r, r + W/P, ... form one).")
+    size: int = Field(
+        1,
+        ge=1,
+        description="Pipeline stages' ranks P (outermost: ranks r, r + W/P, ... form one pipeline); with "
+        '`parallel.tensor.size` T one ("pp", "dp", "tp") mesh of shape (P, W/(P*T), T), tensor innermost.',
+    )
     interleaved_overlap: bool = Field(
         False,
         description="InternEvo's communication overlap of the interleaved schedule: no effect here (torch's "

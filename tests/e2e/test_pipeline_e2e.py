@@ -4,11 +4,10 @@ over gloo, from the shipped configs/internlm2_tiny_pp2.py.
 In fp32 (at lr 1e-3, `CALM`) every schedule follows the one-process curve of the same global batch (8 sequences a
 step) within 1e-5 relative per step for 20 steps: 1F1B at P=2 with 2 data-parallel ranks per stage (DDP), ZBH1 at
 P=4, interleaved 1F1B over 2 chunks at P=2 with FSDP2 over 2 ranks per stage, ZBV at P=2; msp and isp within each
-stage at P=2 x T=2 (6 steps). Checkpoints (ZBV's step
-8) resume on the same layout bitwise, continue on one process and at P=4 within 1e-5 (one process's at P=2 too),
-load model-only into 1F1B's stages and export as one process's do; activation checkpointing under 1F1B is bitwise;
-activation offload per stage (and selective checkpointing's outputs offloaded) is bitwise and lowers the first
-stage's measured peak.
+stage at P=2 x T=2 (6 steps). Checkpoints (ZBV's step 8) resume on the same layout bitwise, continue on one process
+and at P=4 within 1e-5 (one process's at P=2 too), load model-only into 1F1B's stages and export as one process's
+do; activation checkpointing under 1F1B is bitwise; activation offload per stage (and selective checkpointing's
+outputs offloaded) is bitwise and lowers the first stage's measured peak.
 Red with a micro-batch's loss scaled twice (the schedule's `scale_grads=True` over the trainer's weighted
 loss) and with the gradient norm not summed over the stages.
 """

@@ -123,3 +123,16 @@ def test_the_planner_traces_each_stage_of_a_pipeline_of_tensor_groups():
     for with_tensor, without in zip(staged, alone, strict=True):
         assert 0.45 < with_tensor.activation_bytes / without.activation_bytes < 0.6, (with_tensor, without)
         assert with_tensor.device_peak_bytes < without.device_peak_bytes
+
+
+def test_the_search_keeps_the_configured_tensor_mode_under_a_pipeline():
+    """`tools.plan` with a budget searches every knob, the tensor mode among them where T > 1; under a pipeline the
+    mode is not searched (as `parallel.tensor.mode="auto"` is refused there): its candidates are the configured
+    mode's. Red with the pipeline's modes searched (the search chose isp under `parallel.mode='none'`, a layout
+    the config refuses)."""
+    from internlm_offload.planner.knobs import AUTO_KNOBS, tensor_mode_settings
+
+    cfg = resolve(4, {"parallel.tensor.size": 2, "parallel.tensor.mode": "msp"})
+    assert [(s.name, s.options) for s in tensor_mode_settings(cfg, AUTO_KNOBS)] == [("", {})]
+    alone = resolve(2, {"parallel.tensor.size": 2, "parallel.pipeline.size": 1})
+    assert [s.name for s in tensor_mode_settings(alone, AUTO_KNOBS)] == ["mtp", "msp", "fsp", "isp"]

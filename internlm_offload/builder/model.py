@@ -19,7 +19,7 @@ from internlm_offload.device import Accelerator
 from internlm_offload.engine.expert_parallel import apply_expert_parallel, expert_grad_reduction
 from internlm_offload.engine.parallel import init_from_whole, materialize_shards
 from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
-from internlm_offload.engine.runtime import RunContext, data_parallel_group
+from internlm_offload.engine.runtime import RunContext, data_parallel_group, stage_data_mesh
 from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
 from internlm_offload.log import get_logger
@@ -101,8 +101,12 @@ def sequence_shard(cfg: RunConfig, ctx: RunContext) -> SequenceShard | None:
 
 def gradient_group(cfg: RunConfig, ctx: RunContext) -> dist.ProcessGroup | None:
     """Whom gradients (and validation sums) are reduced over: the data-parallel dim under mtp/msp/fsp, whose
-    tensor ranks hold shards; every rank under isp (None), whose tensor ranks hold chunks of the sequence."""
-    return None if cfg.parallel.tensor.mode == "isp" else data_parallel_group(ctx)
+    tensor ranks hold shards; every rank under isp (None), whose tensor ranks hold chunks of the sequence. Under
+    a pipeline the same within this rank's stage (`stage_data_mesh`)."""
+    isp = cfg.parallel.tensor.mode == "isp"
+    if ctx.pipeline_mesh is not None:
+        return stage_data_mesh(ctx, over_tensor=isp).get_group()
+    return None if isp else data_parallel_group(ctx)
 
 
 def fsdp_mesh(cfg: RunConfig, ctx: RunContext) -> DeviceMesh | None:
@@ -355,16 +359,20 @@ def host_the_base(cfg: RunConfig, ctx: RunContext, layers: nn.ModuleList) -> Hos
     return hosted
 
 
-def apply_tensor_parallel_plan(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> None:
+def apply_tensor_parallel_plan(
+    cfg: RunConfig, ctx: RunContext, model: nn.Module, rank_blocks: list[int] | None = None
+) -> None:
     """mtp / msp / fsp over the "tp" mesh dim. fsp's gathers run again in backward where the layer plan leaves a
-    block plain (checkpointed blocks keep only their input anyway; offloaded ones move what they save)."""
-    plain = build_layer_plan(cfg, len(model.layers)).layers_with(LayerMode.PLAIN)
+    block plain (checkpointed blocks keep only their input anyway; offloaded ones move what they save). Under a
+    pipeline the plan counts this rank's blocks (`rank_blocks`: their global indices in stage order)."""
+    blocks = list(range(len(model.layers))) if rank_blocks is None else rank_blocks
+    plain = build_layer_plan(cfg, len(blocks), ctx.pp_rank).layers_with(LayerMode.PLAIN)
     apply_tensor_parallel(
         model,
         ctx.mesh["tp"],
         mode=cfg.parallel.tensor.mode,
         parallel_output=cfg.model.parallel_output,
-        gather_again_in=set(plain),
+        gather_again_in={blocks[i] for i in plain},
     )
 
 

@@ -15,7 +15,7 @@ from internlm_offload.device import Accelerator
 from internlm_offload.device.disk_buffers import DiskSpaceError
 from internlm_offload.engine.expert_parallel import expert_grad_reduction
 from internlm_offload.engine.precision import MasterWeights
-from internlm_offload.engine.runtime import RunContext, data_parallel_group, env_local_world_size
+from internlm_offload.engine.runtime import RunContext, env_local_world_size, stage_data_mesh
 from internlm_offload.optim import build_lr_scheduler, param_groups
 from internlm_offload.optim.adamw import AdamW, fused_supported
 from internlm_offload.optim.grad_offload import GradOffload
@@ -175,5 +175,6 @@ def offload_gradients(cfg: RunConfig, ctx: RunContext, masters: Masters, model: 
         from_zeros=isinstance(masters, MasterWeights),
         reduce=ctx.distributed and cfg.parallel.mode == "ddp",
         reduce_apart=reduce_apart,
-        group=data_parallel_group(ctx) if ctx.pipeline_size > 1 else None,  # a pipeline stage's ranks
+        # a pipeline stage's ranks (under isp its tensor ranks too: they hold chunks of the sequences)
+        group=stage_data_mesh(ctx, cfg.parallel.tensor.mode == "isp").get_group() if ctx.pipeline_size > 1 else None,
     )

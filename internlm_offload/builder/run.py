@@ -20,7 +20,13 @@ from internlm_offload.builder.model import (
     uses_loss_parallel,
 )
 from internlm_offload.builder.optimizer import build_optimizer, build_scheduler, hybrid_cpu_mask, offload_gradients
-from internlm_offload.builder.pipeline import apply_pipeline, split_for_pipeline, trainer_reduction
+from internlm_offload.builder.pipeline import (
+    apply_pipeline,
+    rank_blocks,
+    shard_stages,
+    split_for_pipeline,
+    trainer_reduction,
+)
 from internlm_offload.config import RunConfig
 from internlm_offload.data import StepLoader, build_tokenizer
 from internlm_offload.engine.checkpoint import CheckpointManager
@@ -83,18 +89,18 @@ def build_components(
     """The run's model, masters, memory features, optimizer and schedule, one named step each, in this order.
     `check_model` runs on the bare model; the planner passes `check_host_memory=False` (it predicts the host)."""
     policy = PrecisionPolicy.from_config(cfg.model.dtype, cfg.mixed_precision.master_weights)
-    # a pipeline cuts its stages from the whole seed-built model (FSDP2 then shards each stage's)
-    on_meta = builds_on_meta(cfg, policy) and ctx.pipeline_size == 1
+    on_meta = builds_on_meta(cfg, policy) and ctx.pipeline_size == 1  # a pipeline cuts the whole seed-built model
     model = build_bare_model(cfg, ctx, on_meta=on_meta, check_model=check_model)
     shard = sequence_shard(cfg, ctx)
     if shard is None and ctx.tensor_size > 1:  # before the masters exist: they copy the DTensor shards
-        apply_tensor_parallel_plan(cfg, ctx, model)
+        apply_tensor_parallel_plan(cfg, ctx, model, rank_blocks(cfg, ctx) if ctx.pipeline_size > 1 else None)
     chunks = split_for_pipeline(cfg, ctx, model) if ctx.pipeline_size > 1 else None
     stepped: nn.Module = model if chunks is None else PipelineStages(chunks)  # a pipeline rank steps its stages
     cpu_mask = hybrid_cpu_mask(cfg, stepped)
     kept_masters = apply_precision(cfg, ctx, stepped, policy, cpu_mask)
     if shard is not None:  # isp changes no parameter: after the masters' copy, which holds parameters only
         apply_sequence_parallel(model, shard)
+        shard_stages(chunks or {}, shard)  # a pipeline's stages keep this rank's chunk
     elif ctx.tensor_size > 1:  # after the cast (it may swap the parameters), before any other gradient hook
         align_grads_in_backward(model)
     layers: nn.ModuleList = model.layers if chunks is None else stage_blocks(chunks)
@@ -103,9 +109,9 @@ def build_components(
     if chunks is None:
         model, pipeline = apply_data_parallel(cfg, ctx, model, layers, policy, materialize=on_meta), None
     else:  # each stage in DDP or FSDP2 over its data-parallel ranks, then torch's PipelineStage
-        model, pipeline = stepped, apply_pipeline(cfg, ctx, chunks, policy, fp32_reduce=kept_masters is not None)
-    # after the wrapper: DDP broadcasts the weights from rank 0 on the device when it is built
-    hosted_base = host_the_base(cfg, ctx, layers)
+        pipeline = apply_pipeline(cfg, ctx, chunks, policy, fp32_reduce=kept_masters is not None, sequence_shard=shard)
+        model = stepped
+    hosted_base = host_the_base(cfg, ctx, layers)  # after the wrapper: DDP broadcasts rank 0's weights when built
     masters: Masters = NoMasters(model, trainer_reduction(cfg, ctx)) if kept_masters is None else kept_masters
     optimizer = build_optimizer(cfg, masters, ctx.accelerator, cpu_mask=cpu_mask, check_host=check_host_memory)
     if cfg.grad_offload:  # its hooks feed the host gradients the optimizer just built reads

@@ -9,7 +9,12 @@ from internlm_offload.config.pipeline import PipelineConfig
 
 
 class TensorParallelConfig(Section):
-    size: int = Field(1, ge=1, description="Tensor-parallel group size T (innermost: ranks r..r+T-1 form one group).")
+    size: int = Field(
+        1,
+        ge=1,
+        description="Tensor-parallel group size T (innermost: ranks r..r+T-1 form one group; under a "
+        "pipeline within each stage).",
+    )
     mode: Literal["mtp", "msp", "fsp", "isp"] = Field(
         "mtp",
         description="InternEvo's tensor mode: `mtp` (column/row-parallel projections, activations replicated), "
@@ -25,7 +30,8 @@ class WeightParallelConfig(Section):
         1,
         ge=1,
         description="InternEvo's weight parallel (isp only, InternEvo's rule): FSDP2 shards the weights over groups "
-        "of this many ranks and replicates them across the groups (HSDP); needs `parallel.mode='fsdp2'`.",
+        "of this many ranks and replicates them across the groups (HSDP); needs `parallel.mode='fsdp2'`. Under a "
+        "pipeline: 1 or a stage's ranks (FSDP2 over the stage's data-parallel and tensor ranks alike).",
     )
     overlap: bool = Field(
         False, description="InternEvo's weight all-gather overlap; no effect without weight parallel."

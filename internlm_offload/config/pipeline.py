@@ -16,7 +16,12 @@ PIPELINE_MODES = ("1F1B", "ZBH1", "ZBV")
 
 
 class PipelineConfig(Section):
-    size: int = Field(1, ge=1, description="Pipeline stages' ranks P (outermost: ranks r, r + W/P, ... form one).")
+    size: int = Field(
+        1,
+        ge=1,
+        description="Pipeline stages' ranks P (outermost: ranks r, r + W/P, ... form one pipeline); with "
+        '`parallel.tensor.size` T one ("pp", "dp", "tp") mesh of shape (P, W/(P*T), T), tensor innermost.',
+    )
     interleaved_overlap: bool = Field(
         False,
         description="InternEvo's communication overlap of the interleaved schedule: no effect here (torch's "
@@ -48,8 +53,6 @@ def virtual_chunks(mode: str, num_chunks: int) -> int:
 
 # Features not built under a pipeline yet: the key, its value when off, what a config sets.
 _NOT_UNDER_PIPELINE: tuple[tuple[str, Any, str], ...] = (
-    ("parallel.tensor.size", 1, "pipeline with tensor parallel is not built yet; set parallel.tensor.size=1"),
-    ("parallel.weight.size", 1, "pipeline with weight parallel is not built yet; set parallel.weight.size=1"),
     ("parallel.expert.size", 1, "pipeline with expert parallel is not built yet; set parallel.expert.size=1"),
     ("model.num_experts", 0, "a pipeline carries no MoE aux loss between stages yet; use a dense model"),
     ("model.tie_word_embeddings", False, "the embedding and the head sit on different stages; set False"),
@@ -138,14 +141,30 @@ def splits_backward(mode: str) -> bool:
     return mode in ("ZBH1", "ZBV")
 
 
-def data_parallel_problem(mode: str, data_parallel: int, wrapper: str = "ddp") -> str | None:
-    """FSDP2 within a stage under the zero-bubble schedules: its gradients after the split backward's weight passes
-    are wrong (checked: ZBV at P=2 x FSDP2 2, the loss off one process's from step 2, 0.06), so they run under DDP
-    (`splits_backward`) or with one rank per stage."""
+def data_parallel_problem(
+    mode: str, data_parallel: int, wrapper: str = "ddp", tensor: Any = None, weight: int = 1
+) -> str | None:
+    """What a stage's data-parallel ranks cannot take, as one line. FSDP2 under the zero-bubble schedules: its
+    gradients after the split backward's weight passes are wrong (checked: ZBV at P=2 x FSDP2 2, the loss off one
+    process's from step 2, 0.06), so they run under DDP (`splits_backward`) or with one rank per stage; nor isp over
+    several tensor ranks, whose wrapper (DDP or FSDP2) reduces over them (checked: off from step 1 under both).
+    `tensor`: `parallel.tensor`; `weight`: `parallel.weight.size`, isp's FSDP2 over a stage's ranks (all or 1)."""
     if splits_backward(mode) and data_parallel > 1 and wrapper == "fsdp2":
         return (
             f"parallel.pipeline.mode={mode!r} with parallel.mode='fsdp2' over {data_parallel} data-parallel ranks per "
             "stage: FSDP2 does not reduce the zero-bubble schedules' split backward correctly yet; use "
             "parallel.mode='ddp', mode='1F1B' or one rank per stage"
+        )
+    isp = tensor is not None and tensor.mode == "isp" and tensor.size > 1
+    if splits_backward(mode) and isp:
+        return (
+            f"parallel.pipeline.mode={mode!r} with parallel.tensor.mode='isp' (size {tensor.size}): the wrapper "
+            "that sums the sequence chunks' gradients does not follow the zero-bubble split backward; use mode='1F1B'"
+        )
+    stage_ranks = data_parallel * (tensor.size if tensor is not None else 1)
+    if weight not in (1, stage_ranks):
+        return (
+            f"parallel.weight.size={weight} under a pipeline: FSDP2 shards over a stage's {stage_ranks} ranks "
+            f"(data-parallel x tensor) whole; sharding over groups of them is not built; set 1 or {stage_ranks}"
         )
     return None

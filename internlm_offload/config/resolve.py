@@ -134,6 +134,11 @@ def _data_parallel_size(cfg: RunConfig, world_size: int) -> int:
                 f"parallel.{key}.size={size} must divide the world size {world_size} (torchrun --nproc-per-node "
                 f"x nodes); choose a size that divides it"
             )
+    if world_size % (tensor * pipeline):
+        raise ConfigError(
+            f"parallel.pipeline.size={pipeline} x parallel.tensor.size={tensor} must divide the world size "
+            f"{world_size}: each stage's ranks are whole tensor groups; choose sizes whose product divides it"
+        )
     return world_size // (tensor * pipeline)
 
 
@@ -155,7 +160,9 @@ def _check_pipeline(cfg: RunConfig, data_parallel: int) -> None:
     if pipe.size == 1:
         return
     problem = micro_batch_problem(pipe.size, pipe.mode, cfg.model.num_chunks, cfg.data.micro_num) or (
-        data_parallel_problem(pipe.mode, data_parallel, cfg.parallel.mode)
+        data_parallel_problem(
+            pipe.mode, data_parallel, cfg.parallel.mode, cfg.parallel.tensor, cfg.parallel.weight.size
+        )
     )
     if problem is not None:
         raise ConfigError(problem)

@@ -31,7 +31,9 @@ from torch.nn.parallel import DistributedDataParallel
 from internlm_offload.data.loader import MicroBatch
 from internlm_offload.engine.loss import token_loss_sum
 from internlm_offload.engine.pipeline_split import PipelineChunk
-from internlm_offload.engine.runtime import RunContext
+from internlm_offload.engine.runtime import RunContext, stage_data_mesh
+from internlm_offload.engine.sequence_parallel import SequenceShard
+from internlm_offload.engine.tensor_parallel import local_loss, loss_context
 
 
 def schedule_class(mode: str, num_chunks: int) -> type[_PipelineSchedule]:
@@ -74,14 +76,24 @@ class PipelineRunner:
         micro_num: int,
         *,
         label_smoothing: float = 0.0,
+        loss_parallel: bool = False,
+        sequence_shard: SequenceShard | None = None,
     ) -> None:
-        """`modules`: this rank's stage modules by stage index (wrapped in DDP where data parallel)."""
+        """`modules`: this rank's stage modules by stage index (wrapped in DDP where data parallel).
+        `loss_parallel`: vocab-sharded logits (mtp/msp/fsp with `parallel_output`), the step runs under
+        `loss_parallel`; `sequence_shard` (isp): the last stage's loss takes this rank's chunk of the labels."""
         self.ctx = ctx
         self.holds_first = 0 in modules
         self.holds_last = num_stages - 1 in modules
+        # Under tensor parallel the mesh is ("pp", "dp", "tp"): the "pp" group joins this (dp, tp) coordinate's
+        # ranks over the stages, so each tensor rank's sends and receives pair it with the same tensor rank.
         self._pp_group = ctx.pipeline_mesh["pp"].get_group()
         self._dp_group = ctx.pipeline_mesh["dp"].get_group()
+        # isp: the tensor ranks' losses are their chunks' shares; their average over "tp" is the sequences'
+        self._tp_group = None if sequence_shard is None else ctx.pipeline_mesh["tp"].get_group()
         self._label_smoothing = label_smoothing
+        self.loss_parallel = loss_parallel
+        self._sequence_shard = sequence_shard
         self._sums: list[torch.Tensor] = []  # this step's per-micro-batch loss sums, in micro-batch order
         # torch infers the shapes the stages exchange on the first step (one micro-batch's forward and its input
         # gradients, no parameter gradient)
@@ -97,8 +109,10 @@ class PipelineRunner:
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:
         """One micro-batch's loss on the last stage: its token-loss sum (kept for `step_loss_sum`) times `weight`."""
+        if self._sequence_shard is not None:
+            labels = self._sequence_shard.local(labels)  # shifted before the split, as the tokens were
         loss_sum = token_loss_sum(logits, labels, label_smoothing=self._label_smoothing)
-        self._sums.append(loss_sum.detach())
+        self._sums.append(local_loss(loss_sum).detach())
         return loss_sum * weight
 
     def _micro_batch_done(self) -> None:
@@ -120,14 +134,15 @@ class PipelineRunner:
         )
         kwargs = {"position_ids": positions[0]} if positions else {}  # every stage applies RoPE
         self.start_step(after_backward)
-        self.schedule.step(
-            *((input_ids,) if self.holds_first else ()),
-            target=labels if self.holds_last else None,
-            losses=[] if self.holds_last else None,
-            return_outputs=False,  # the last stage's logits would stay alive for every micro-batch
-            loss_kwargs={"weight": token_weight},
-            **kwargs,
-        )
+        with loss_context(self.loss_parallel):  # the loss and its backward run inside the step
+            self.schedule.step(
+                *((input_ids,) if self.holds_first else ()),
+                target=labels if self.holds_last else None,
+                losses=[] if self.holds_last else None,
+                return_outputs=False,  # the last stage's logits would stay alive for every micro-batch
+                loss_kwargs={"weight": token_weight},
+                **kwargs,
+            )
         return self.step_loss_sum(len(micro_batches))
 
     def start_step(self, after_backward: Callable[[], None] | None) -> None:
@@ -146,10 +161,11 @@ class PipelineRunner:
 
     def reduce_losses(self, values: torch.Tensor) -> None:
         """In place: `values` (a stop flag, then the losses: 0 off the last stage) averaged over this stage's
-        data-parallel ranks, then summed over the pipeline, so that every rank holds the last stage's average
-        and every stop request."""
-        if self._dp_group.size() > 1:
-            dist.all_reduce(values, op=dist.ReduceOp.AVG, group=self._dp_group)
+        data-parallel ranks (and under isp its tensor ranks), then summed over the pipeline, so that every rank
+        holds the last stage's average and every stop request."""
+        for group in (self._dp_group, self._tp_group):
+            if group is not None and group.size() > 1:
+                dist.all_reduce(values, op=dist.ReduceOp.AVG, group=group)
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self._pp_group)
 
     def stage_peaks(self, peak: int) -> list[int]:
@@ -191,15 +207,17 @@ def wrap_chunks(
     bucket_cap_mb: int = 25,
     reshard_after_forward: bool = True,
     mixed_precision: MixedPrecisionPolicy | None = None,
+    over_tensor: bool = False,
 ) -> dict[int, nn.Module]:
-    """Each chunk data parallel over its stage's "dp" ranks: `mode` "none", "ddp", or "fsdp2" (each block its own
-    unit, then the chunk, under `mixed_precision`: fp32 shards as masters); by stage index."""
+    """Each chunk data parallel over its stage's "dp" ranks (with `over_tensor`, isp, its "dp" and "tp" ranks):
+    `mode` "none", "ddp", or "fsdp2" (each block its own unit, then the chunk, under `mixed_precision`: fp32
+    shards as masters; under mtp/msp/fsp the tensor shards stay inside); by stage index."""
+    mesh = stage_data_mesh(ctx, over_tensor)
     if mode == "fsdp2":
-        mesh = ctx.pipeline_mesh["dp"]
         return {index: _shard(chunk, mesh, reshard_after_forward, mixed_precision) for index, chunk in chunks.items()}
     if mode == "none":
         return dict(chunks)
-    dp_group = ctx.pipeline_mesh["dp"].get_group()
+    dp_group = mesh.get_group()
     device_ids = None if ctx.accelerator.name == "cpu" else [ctx.local_rank]
     wrapped: dict[int, nn.Module] = {}
     for index, chunk in chunks.items():

@@ -7,6 +7,8 @@ its j-th rank in pipeline order is `c * P + j`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -51,6 +53,11 @@ class PipelineChunk(nn.Module):
 
     Holds the decoder's own modules (no copy): a stage built from the seed-built whole model starts from the
     one-process weights. Block names keep their global index (`layers.5`), as in the whole model.
+
+    Under a tensor mode that splits the sequence (msp, fsp, isp over T ranks: `sequence_parts` = T) the hidden
+    states a stage takes and returns are this tensor rank's 1/T of the sequence, plain tensors (the modes' plans
+    take and return local shards between blocks); RoPE is then that of the whole sequence. Under isp
+    (`sequence_shard`) the first stage keeps its chunk of the token ids and every stage its chunk of the positions.
     """
 
     def __init__(self, model: InternLM2, start: int, end: int, *, first: bool, last: bool) -> None:
@@ -63,12 +70,23 @@ class PipelineChunk(nn.Module):
         # what InternLM2.rope_cos_sin reads, so that every stage computes RoPE as the whole model does
         self.head_dim, self.rope_base = model.head_dim, model.rope_base
         self.register_buffer("inv_freq", model.inv_freq, persistent=False)
+        self.sequence_parts = 1  # msp / fsp / isp over T ranks: T (set by the builder)
+        self.sequence_shard: Any = None  # isp: an engine.sequence_parallel.SequenceShard (set by the builder)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (B, T) on the first stage, hidden states (B, T, C) on the others; logits on the last."""
+        """Token ids (B, T) on the first stage, hidden states (B, T, C) on the others (B, T / parts, C under a
+        mode that splits the sequence); logits on the last."""
+        seq_len = x.shape[1] if self.first else x.shape[1] * self.sequence_parts  # the whole sequence's
+        documents = None if position_ids is None else Documents(position_ids)  # the whole sequence's
+        shard = self.sequence_shard
+        if shard is not None:  # isp: this rank's chunk of the positions (and of the tokens on the first stage)
+            if position_ids is None:
+                position_ids = torch.arange(seq_len, device=x.device)[None]
+            position_ids = shard.local(position_ids)
+            if self.first:
+                x, seq_len = shard.local(x), seq_len // shard.size
         h = self.tok_embeddings(x) if self.first else x
-        documents = None if position_ids is None else Documents(position_ids)
-        rope = InternLM2.rope_cos_sin(self, h.shape[1], h.dtype, position_ids)  # type: ignore[arg-type]
+        rope = InternLM2.rope_cos_sin(self, seq_len, h.dtype, position_ids)  # type: ignore[arg-type]
         for layer in self.layers.values():
             h = layer(h, rope, documents)
         return self.output(self.norm(h)) if self.last else h

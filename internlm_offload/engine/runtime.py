@@ -37,6 +37,8 @@ class RunContext:
     expert_mesh: DeviceMesh | None = None
     # Pipeline parallel: the ("pp", "dp") mesh, stage ranks outermost (rank r is pipeline rank r // (W / P)); the
     # ranks of one stage read different micro-batches, those of one pipeline the same. None without a pipeline.
+    # With tensor parallel too, one ("pp", "dp", "tp") mesh of shape (P, W / (P * T), T), pipeline outermost and
+    # tensor innermost (InternEvo's order); `mesh` is then its ("dp", "tp") sub-mesh of this rank's stage.
     pipeline_size: int = 1
     pipeline_mesh: DeviceMesh | None = None
 
@@ -82,7 +84,8 @@ def init_runtime(
     torchrun, `needs_group` (the ddp and fsdp2 wrappers) makes a group of this one process. `tensor_size` > 1
     builds the ("dp", "tp") mesh, tensor ranks innermost; `expert_size` > 1 the expert mesh (`expert_mesh`, its
     expert-data ranks sharded over groups of `expert_weight_size`; over every rank with `experts_over_tensor`, isp's
-    tensor ranks holding different chunks of the sequences); `pipeline_size` > 1 the ("pp", "dp") mesh."""
+    tensor ranks holding different chunks of the sequences); `pipeline_size` > 1 the ("pp", "dp") mesh, or with
+    both the ("pp", "dp", "tp") mesh (`parallel_meshes`)."""
     if not launched_by_torchrun():
         if needs_group and not dist.is_initialized():
             dist.init_process_group(backend=accelerator.dist_backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -92,11 +95,27 @@ def init_runtime(
     accelerator.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend=accelerator.dist_backend)
-    mesh = tensor_parallel_mesh(accelerator.name, world_size, tensor_size)
+    mesh, pipeline = parallel_meshes(accelerator.name, world_size, tensor_size, pipeline_size)
     ranks = world_size if experts_over_tensor else world_size // tensor_size
     experts = None if expert_size == 1 else expert_mesh(accelerator.name, ranks, expert_size, expert_weight_size)
-    pipeline = None if pipeline_size == 1 else pipeline_mesh(accelerator.name, world_size, pipeline_size)
     return RunContext(rank, local_rank, world_size, accelerator, tensor_size, mesh, experts, pipeline_size, pipeline)
+
+
+def parallel_meshes(
+    device_type: str, world_size: int, tensor_size: int, pipeline_size: int
+) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """The tensor mesh ("dp", "tp") and the pipeline mesh, each None where its size is 1. With both, one
+    ("pp", "dp", "tp") mesh of shape (P, W / (P * T), T), pipeline outermost, tensor innermost (InternEvo's order):
+    the tensor mesh is its ("dp", "tp") sub-mesh of this rank's stage, so each rank's "pp" group joins the ranks
+    of the same (dp, tp) coordinate in every stage, and a tensor rank sends its shard to the same tensor rank of
+    the next stage."""
+    if pipeline_size == 1:
+        return tensor_parallel_mesh(device_type, world_size, tensor_size), None
+    if tensor_size == 1:
+        return None, pipeline_mesh(device_type, world_size, pipeline_size)
+    shape = (pipeline_size, world_size // (pipeline_size * tensor_size), tensor_size)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "tp"))
+    return mesh["dp", "tp"], mesh
 
 
 def tensor_parallel_mesh(device_type: str, world_size: int, tensor_size: int) -> DeviceMesh | None:
@@ -149,6 +168,16 @@ def data_parallel_group(ctx: RunContext) -> dist.ProcessGroup | None:
     if ctx.pipeline_mesh is not None:
         return ctx.pipeline_mesh["dp"].get_group()
     return ctx.mesh["dp"].get_group() if ctx.mesh is not None else None
+
+
+def stage_data_mesh(ctx: RunContext, over_tensor: bool = False) -> DeviceMesh:
+    """A pipeline stage's ranks its gradients are averaged over: its "dp" dim, or with `over_tensor` (isp, whose
+    tensor ranks hold different chunks of the sequences) its ("dp", "tp") dims flattened into one."""
+    mesh = ctx.pipeline_mesh
+    assert mesh is not None, "a pipeline's mesh"
+    if over_tensor and "tp" in (mesh.mesh_dim_names or ()):
+        return mesh["dp", "tp"]._flatten("dp_tp")
+    return mesh["dp"]
 
 
 def shutdown_runtime() -> None:

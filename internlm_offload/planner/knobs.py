@@ -207,9 +207,10 @@ def hosted_base_builds(cfg: RunConfig) -> bool:
 
 
 def tensor_mode_settings(cfg: RunConfig, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
-    """Each tensor mode when `parallel.tensor.mode` is searched and tensor groups have several ranks; else one
-    setting that changes nothing."""
-    if TENSOR_MODE not in set(auto) or cfg.parallel.tensor.size == 1:
+    """Each tensor mode when `parallel.tensor.mode` is searched and tensor groups have several ranks, without a
+    pipeline (under one the mode is not searched: config/resolve.py's NOT_SEARCHED_UNDER_PIPELINE); else one setting
+    that changes nothing."""
+    if TENSOR_MODE not in set(auto) or cfg.parallel.tensor.size == 1 or cfg.parallel.pipeline.size > 1:
         return [Setting("", {})]
     return [Setting(mode, {TENSOR_MODE: mode}) for mode in TENSOR_MODES]
 

@@ -35,6 +35,7 @@ from internlm_offload.config.pipeline import virtual_chunks
 from internlm_offload.data.loader import MicroBatch
 from internlm_offload.engine.pipeline import PipelineRunner, schedule_class
 from internlm_offload.engine.pipeline_split import local_stages
+from internlm_offload.engine.tensor_parallel import loss_context
 from internlm_offload.planner.cost import Hardware, StepTime, StepWork, step_time
 
 # torch's _ComputationType is a str enum: its values name the passes
@@ -199,12 +200,13 @@ class LocalSchedule:
     """The runner's `forward_backward` for the planner: this rank's actions on its stages without sends (the
     module docstring); the runner's reductions over stages as they are (the fake process group)."""
 
-    def __init__(self, runner: PipelineRunner, pp_rank: int, activation: tuple[int, torch.dtype]) -> None:
-        """`activation`: the hidden size and dtype of what stages send each other."""
+    def __init__(self, runner: PipelineRunner, pp_rank: int, activation: tuple[int, torch.dtype, int]) -> None:
+        """`activation`: the hidden size and dtype of what stages send each other, and the parts of the sequence
+        it is cut into over the tensor ranks (msp, fsp, isp: T; else 1)."""
         self.runner = runner
         self.stages = {stage.stage_index: stage for stage in runner.stages}
         self.actions = rank_actions(runner.schedule.pipeline_order, pp_rank)
-        self._hidden, self._dtype = activation
+        self._hidden, self._dtype, self._sequence_parts = activation
         self._inputs: dict[int, list[torch.Tensor]] = {}  # torch's receive buffers, per stage and micro-batch
         self._output_grads: dict[int, list[torch.Tensor]] = {}
 
@@ -224,10 +226,23 @@ class LocalSchedule:
             for i in range(len(micro_batches[0]))
         )
         self.runner.start_step(after_backward)
+        with loss_context(self.runner.loss_parallel):  # vocab-sharded logits: the loss and its backward inside
+            self._run_actions(ids, labels, positions, token_weight, after_backward)
+        return self.runner.step_loss_sum(len(micro_batches))
+
+    def _run_actions(
+        self,
+        ids: tuple[torch.Tensor, ...],
+        labels: tuple[torch.Tensor, ...],
+        positions: list[tuple[torch.Tensor, ...]],
+        token_weight: float,
+        after_backward: Callable[[], None] | None,
+    ) -> None:
+        """This rank's actions in torch's order on the micro-batches' chunks."""
         for buffers in self._inputs.values():  # PipelineStage.clear_runtime_states
             for buffer in buffers:
                 buffer.grad = None
-        micro_num = len(micro_batches)
+        micro_num = len(ids)
         in_flight: dict[tuple[int, int], torch.Tensor] = {}
         weight_passes: dict[tuple[int, int], list[dict[str, Any]]] = {}  # what an I keeps for its W
         for action in self.actions:
@@ -251,11 +266,11 @@ class LocalSchedule:
                 torch.autograd.backward(out, grad)
             if after_backward is not None:
                 after_backward()
-        return self.runner.step_loss_sum(micro_num)
 
     def _input(self, stage: int, ids_shape: torch.Size, micro_batch: int, micro_num: int) -> torch.Tensor:
         if stage not in self._inputs:
-            shape = (*ids_shape, self._hidden)
+            batch, seq_len = ids_shape
+            shape = (batch, seq_len // self._sequence_parts, self._hidden)
             device = self.runner.ctx.device
             self._inputs[stage] = [
                 torch.empty(shape, dtype=self._dtype, device=device).requires_grad_() for _ in range(micro_num)

@@ -43,7 +43,7 @@ from internlm_offload.data.loader import MicroBatch
 from internlm_offload.device import storage_key
 from internlm_offload.engine.expert_parallel import expert_params, moe_blocks
 from internlm_offload.engine.pipeline import PipelineRunner
-from internlm_offload.engine.runtime import RunContext, expert_mesh, pipeline_mesh, tensor_parallel_mesh
+from internlm_offload.engine.runtime import RunContext, expert_mesh, parallel_meshes
 from internlm_offload.engine.trainer import Trainer
 from internlm_offload.model.quantized import scale_tensors
 from internlm_offload.optim.records import ParamRecord
@@ -392,7 +392,9 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_
                 tracker.move_to(param, ("host", "pinned"))
         schedule = None
         if parts.pipeline is not None:  # the stages' schedule run here, in torch's order, without sends
-            activation = (cfg.model.hidden_size, parts.policy.compute_dtype)
+            # what stages send each other: under msp, fsp and isp a tensor rank's 1/T of the sequence
+            parts_of_sequence = tensor if cfg.parallel.tensor.mode != "mtp" else 1
+            activation = (cfg.model.hidden_size, parts.policy.compute_dtype, parts_of_sequence)
             schedule = LocalSchedule(parts.pipeline, pp_rank, activation)
             parts.pipeline = cast(PipelineRunner, schedule)
         trainer = make_trainer(cfg, ctx, parts, trainer_class=Trainer if measure else _TracingTrainer)
@@ -451,11 +453,10 @@ def _rank_context(
 ) -> RunContext:
     """`rank`'s context over the fake process group: with tensor parallel its ("dp", "tp") mesh, with expert
     parallel (`experts`: the expert and expert weight sizes, the ranks they are carved from) its expert mesh, with a
-    pipeline its ("pp", "dp") mesh."""
-    mesh = tensor_parallel_mesh("cpu", world_size, tensor_size)
+    pipeline its ("pp", "dp") mesh (("pp", "dp", "tp") with both, `parallel_meshes`)."""
+    mesh, pipe_mesh = parallel_meshes("cpu", world_size, tensor_size, pipeline_size)
     expert_size, expert_weight, ranks = experts
     experts_mesh = None if expert_size == 1 else expert_mesh("cpu", ranks, expert_size, expert_weight)
-    pipe_mesh = None if pipeline_size == 1 else pipeline_mesh("cpu", world_size, pipeline_size)
     return RunContext(
         rank, rank, world_size, accelerator, tensor_size=tensor_size, mesh=mesh, expert_mesh=experts_mesh,
         pipeline_size=pipeline_size, pipeline_mesh=pipe_mesh,

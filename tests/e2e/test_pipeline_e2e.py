@@ -3,11 +3,11 @@ over gloo, from the shipped configs/internlm2_tiny_pp2.py.
 
 In fp32 (at lr 1e-3, `CALM`) every schedule follows the one-process curve of the same global batch (8 sequences a
 step) within 1e-5 relative per step for 20 steps: 1F1B at P=2 with 2 data-parallel ranks per stage (DDP), ZBH1 at
-P=4, interleaved 1F1B over 2 chunks at P=2 with FSDP2 over 2 ranks per stage, ZBV at P=2. Checkpoints (ZBV's step
-8) resume on the same layout bitwise, continue on one process and at P=4 within 1e-5 (one process's at P=2 too),
-load model-only into 1F1B's stages and export as one process's do; activation checkpointing under 1F1B is bitwise;
-activation offload per stage (and selective checkpointing's outputs offloaded) is bitwise and lowers the first
-stage's measured peak.
+P=4, interleaved 1F1B over 2 chunks at P=2 with FSDP2 over 2 ranks per stage, ZBV at P=2; msp and isp within each
+stage at P=2 x T=2 (6 steps). Checkpoints (ZBV's step 8) resume on the same layout bitwise, continue on one process
+and at P=4 within 1e-5 (one process's at P=2 too), load model-only into 1F1B's stages and export as one process's
+do; activation checkpointing under 1F1B is bitwise; activation offload per stage (and selective checkpointing's
+outputs offloaded) is bitwise and lowers the first stage's measured peak.
 Red with a micro-batch's loss scaled twice (the schedule's `scale_grads=True` over the trainer's weighted
 loss) and with the gradient norm not summed over the stages.
 """
@@ -78,6 +78,28 @@ def test_each_schedule_follows_the_one_process_curve(tmp_path, one_process, name
     assert f"Pipeline rank {schedule}" in proc.stderr
     assert [record["step"] for record in metrics(run)] == list(range(1, 21))
     assert_curves(one_process, run, NEAR)
+
+
+@pytest.mark.parametrize(
+    "mode, wrapper",
+    [("msp", "parallel.mode=none"), ("isp", "parallel.mode=ddp")],
+)
+def test_tensor_modes_within_a_stage_follow_the_one_process_curve(tmp_path, one_process, mode, wrapper):
+    """P=2 x T=2 on 4 processes, one ("pp", "dp", "tp") mesh: each stage's blocks under the tensor mode, the
+    hidden states between stages this tensor rank's half of the sequence (msp: local shards of the sequence-parallel
+    residual stream, isp: its chunk of the sequence), each sent to the same tensor rank of the next stage; the loss
+    on vocab-sharded logits (msp) or the chunk of the labels (isp, DDP over the stage's two tensor ranks). The first
+    6 steps (of a 20-step schedule) within 1e-5 (loss) and 1e-4 (grad norm) of one process. Red with each tensor
+    rank's shard sent to the other tensor rank of the next stage, and with the tensor group's reduction of the grad
+    norm skipped."""
+    run = tmp_path / mode
+    options = [*CALM, *BATCH, "data.total_steps=6", "lr_scheduler.total_steps=20", "ckpt.enable_save_ckpt=False"]
+    tensor = ["parallel.tensor.size=2", f"parallel.tensor.mode={mode}", wrapper]
+    proc = train(run, *options, *tensor, nproc=4, config=PP2)
+    assert "Pipeline rank 0 of 2: stages [0] of 2 (Schedule1F1B)" in proc.stderr
+    assert f"tensor {mode} over 2 ranks each" in proc.stderr
+    assert [record["step"] for record in metrics(run)] == list(range(1, 7))
+    assert_curves(one_process, run, {name: [*flags, "--steps", ":6"] for name, flags in NEAR.items()})
 
 
 @pytest.fixture(scope="module")

@@ -219,7 +219,6 @@ def test_the_offload_optimizers_and_masters_pass_under_a_pipeline(options):
             "FSDP2 does not reduce the zero-bubble schedules' split backward correctly yet",
         ),
         (3, {}, "parallel.pipeline.size=2 must divide the world size 3"),
-        (4, {"parallel.tensor.size": 2}, "pipeline with tensor parallel is not built yet"),
         (4, {"parallel.mode": "fsdp2", "parallel.fsdp_cpu_offload": True}, "FSDP2's CPU offload per stage"),
         (2, {"model.checkpoint": 1.0, "parallel.pipeline.mode": "ZBV"}, "split backward fails on checkpointed"),
         (2, {"model.checkpoint": 0.5, "parallel.pipeline.mode": "ZBH1"}, "split backward fails on checkpointed"),

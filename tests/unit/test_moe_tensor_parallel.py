@@ -97,3 +97,19 @@ def test_a_sparse_block_keeps_its_moe_whole_and_replicated_over_the_tensor_group
         assert isinstance(moe.router.weight, torch.nn.Parameter) and moe.router.weight.placements == (Replicate(),)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_planner_states_a_rank_s_chunk_of_routed_rows():
+    """tools.plan's routing line counts this rank's chunk where each tensor rank routes its own (isp, and msp with
+    whole experts): the tiny MoE's micro-batch of 512 tokens, top-2, is 1024 rows on a rank of its own and 512 at
+    tensor 2 (256 tokens each), GShard's capacity from the chunk's tokens."""
+    from internlm_offload.tools.plan import experts_assumption
+
+    one = experts_assumption(resolved(["model.dtype=torch.float32"], 1))
+    assert one.startswith(
+        "mixture of experts: 4 experts, top-2, GShard: 1024 routed rows per sparse block per micro-batch through"
+    )
+    layout = [*FSDP2, "parallel.tensor.mode=msp", "parallel.expert.no_tp=True", "parallel.expert.size=2"]
+    line = experts_assumption(resolved(layout, 4))
+    assert "GShard: 512 routed rows per sparse block per micro-batch (this rank's 1/2 of the sequence)" in line
+    assert "capacity of 128 per expert" in line and "all 512 rows sent by all-to-all, 640 received" in line

@@ -338,10 +338,10 @@ class Trainer:
     def clip_gradients(self, unscale: float = 1.0) -> torch.Tensor:
         """Remove the loss scale, clip to the configured norm; returns the norm before clipping (a tensor)."""
         max_norm = self.settings.clip_grad_norm or float("inf")  # inf: scale 1.0, grads unchanged
-        grads = self.masters.grads()
+        groups = by_mesh(self.masters.grads())
         if unscale != 1.0:
-            torch._foreach_mul_(grads, unscale)  # a power of two: exact
-        groups = by_mesh(grads)
+            for group in groups.values():  # per mesh: torch's foreach kernels take no mix of DTensors and tensors
+                torch._foreach_mul_(group, unscale)  # a power of two: exact
         norm = total_norm(groups)
         if self.pipeline is not None:  # every stage clips by the norm over all stages
             norm = self.pipeline.global_norm(norm)

@@ -97,6 +97,12 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "moe ep 2 x edp 2 x fsdp2": {"model.num_experts": 8, "model.top_k": 2, "model.moe_type": "Dropless",
                                  "model.mlp_ratio": 1.0, "parallel.mode": "fsdp2", "parallel.expert.size": 2,
                                  "memory_budget.expert_imbalance": 1.0},
+    # msp at tensor 2 with the sparse blocks whole on both tensor ranks (no_tp), each routing its sequence chunk;
+    # expert 2 over all 4 ranks (the expert groups are the tensor groups), FSDP2 over "dp"
+    "moe msp 2 x ep 2 x fsdp2": {"model.num_experts": 8, "model.top_k": 2, "model.moe_type": "Dropless",
+                                 "model.mlp_ratio": 1.0, "parallel.mode": "fsdp2", "parallel.expert.size": 2,
+                                 "parallel.tensor.size": 2, "parallel.tensor.mode": "msp",
+                                 "parallel.expert.no_tp": True, "memory_budget.expert_imbalance": 1.0},
 }  # fmt: skip
 # Settings measured on several processes (torchrun, gloo); the others run on one.
 RANKS = {
@@ -111,6 +117,7 @@ RANKS = {
     "fsp 4 over 2 kv heads": 4,
     "moe ep 2 x fsdp2": 2,
     "moe ep 2 x edp 2 x fsdp2": 4,
+    "moe msp 2 x ep 2 x fsdp2": 4,
 }
 TOLERANCE = 0.05
 Launcher = Callable[[list[str]], None]

@@ -391,7 +391,9 @@ def apply_precision(
         host_empty=host_empty,
         host_names=host_names,
         reduce_group=gradient_group(cfg, ctx),
-        reduce_apart=None if ctx.expert_mesh is None else expert_grad_reduction(model, ctx.expert_mesh),
+        reduce_apart=None
+        if ctx.expert_mesh is None
+        else expert_grad_reduction(model, ctx.expert_mesh, ctx.expert_grad_divisor),
     )
     logger.info("Precision: %s", policy.describe())
     return kept

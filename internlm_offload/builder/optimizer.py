@@ -166,7 +166,7 @@ def offload_gradients(cfg: RunConfig, ctx: RunContext, masters: Masters, model: 
     parallel's experts over their own group; FSDP2 reduce-scatters before the hooks see a gradient."""
     reduce_apart = None
     if ctx.expert_mesh is not None:
-        names, reduce_experts = expert_grad_reduction(model, ctx.expert_mesh)
+        names, reduce_experts = expert_grad_reduction(model, ctx.expert_mesh, ctx.expert_grad_divisor)
         reduce_apart = ({id(p) for name, p in model.named_parameters() if name in names}, reduce_experts)
     return GradOffload(
         masters,

@@ -143,9 +143,17 @@ def trainer_settings(
         predicted_device_peak_bytes=predicted_device_peak,
         runtime_memory_bytes=runtime_memory,
         loss_parallel=uses_loss_parallel(cfg),
+        aux_chunks=aux_chunks(cfg),
         profile_step=cfg.monitor.profile_step,
         profile_dir=None if work_dir is None else work_dir / "profile",
     )
+
+
+def aux_chunks(cfg: RunConfig) -> int:
+    """The tensor ranks that each add their own chunk's aux loss to one objective: mtp/msp/fsp's with experts
+    (engine/moe_tensor_parallel.py); isp's chunks are weighted by the wrapper's mean over every rank instead."""
+    tensor = cfg.parallel.tensor
+    return tensor.size if cfg.model.num_experts and tensor.mode != "isp" else 1
 
 
 def build_trainer(

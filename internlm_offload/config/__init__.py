@@ -3,7 +3,7 @@
 and sizes like '80GiB' (sizes.py). The names other packages use are importable from here."""
 
 from internlm_offload.config.file import ConfigError, add_cfg_options, load_config_file, merge_overrides
-from internlm_offload.config.resolve import expert_ranks, resolve_config, take_auto_knobs
+from internlm_offload.config.resolve import expert_ranks, experts_over_tensor, resolve_config, take_auto_knobs
 from internlm_offload.config.schema import RunConfig
 from internlm_offload.config.sections import (
     AUTO,
@@ -32,6 +32,7 @@ __all__ = [
     "merge_overrides",
     "parse_size",
     "expert_ranks",
+    "experts_over_tensor",
     "resolve_config",
     "take_auto_knobs",
 ]

@@ -43,16 +43,18 @@ class ExpertParallelConfig(Section):
     size: int = Field(
         1,
         description="Expert parallel (docs/parallelism.md): each sparse block's routed experts split over groups of "
-        "this many data-parallel ranks (every rank under isp; E / size experts per rank, tokens sent to them by "
-        "all-to-all; `parallel.mode` ddp or fsdp2). -1 (InternEvo's "
+        "this many data-parallel ranks (every rank under isp and under mtp/msp/fsp with `no_tp`; E / size experts "
+        "per rank, tokens sent to them by all-to-all; `parallel.mode` ddp or fsdp2). -1 (InternEvo's "
         "default) or <= 0: min(those ranks, model.num_experts), as InternEvo resolves -1; said in the log. "
         '`"auto"` (with `memory_budget`): the planner chooses among the sizes dividing both.',
     )
     no_tp: bool = Field(
         False,
-        description="InternEvo's: experts not split over the tensor group. Read; the experts are whole on each rank "
-        "either way (isp keeps them whole, each rank routing its own sequence chunk; mtp/msp/fsp are refused on "
-        "models with experts).",
+        description="InternEvo's: experts not split over the tensor group. isp keeps them whole either way, each "
+        "rank routing its own sequence chunk. mtp/msp/fsp with tensor size > 1 on a model with experts need True: "
+        "each sparse block (router, routed and shared experts) whole on every tensor rank, each routing its own "
+        "chunk of the sequence, expert parallel carved from every rank; False (experts split over the tensor group) "
+        "is refused there. docs/parallelism.md, Expert parallel.",
     )
 
 

@@ -68,15 +68,23 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
 
 
 def expert_ranks(cfg: RunConfig, world_size: int) -> int:
-    """The ranks expert parallel is carved from, each routing tokens of its own: the data-parallel ranks, or under
-    isp every rank (a tensor group's ranks hold different chunks of the sequences; InternEvo's isp order too)."""
-    return world_size if cfg.parallel.tensor.mode == "isp" else _data_parallel_size(cfg, world_size)
+    """The ranks expert parallel is carved from, each routing tokens of its own: the data-parallel ranks, or with
+    tensor parallel every rank (isp's and, with `parallel.expert.no_tp`, mtp/msp/fsp's tensor ranks route different
+    chunks of the sequences; InternEvo's orders too: its expert tensor size is 1 there)."""
+    return world_size if experts_over_tensor(cfg) else _data_parallel_size(cfg, world_size)
+
+
+def experts_over_tensor(cfg: RunConfig) -> bool:
+    """Whether each tensor rank routes a sequence chunk of its own: isp, or mtp/msp/fsp on a model with experts
+    (whole under `parallel.expert.no_tp`, which the schema requires there)."""
+    tensor = cfg.parallel.tensor
+    return tensor.mode == "isp" or (tensor.size > 1 and cfg.model.num_experts > 0)
 
 
 def _resolve_expert_parallel(cfg: RunConfig, ranks: int) -> None:
     """`parallel.expert.size` <= 0 as InternEvo's -1: min(`ranks`, experts) (said in the log); then what the expert
-    mesh over those ranks (`expert_ranks`) needs (one line each, exit 2). mtp/msp/fsp, which it is not built with,
-    the schema refuses on any model with experts."""
+    mesh over those ranks (`expert_ranks`) needs (one line each, exit 2). mtp/msp/fsp with experts split over the
+    tensor group (`no_tp=False`), which it is not built with, the schema refuses."""
     expert, weight, experts = cfg.parallel.expert, cfg.parallel.expert_weight, cfg.model.num_experts
     if expert.size <= 0:
         resolved = min(ranks, experts) if experts else 1
@@ -121,7 +129,7 @@ def _expert_weight_mode_problem(cfg: RunConfig) -> str | None:
 
 def _ranks_name(cfg: RunConfig) -> str:
     """What `expert_ranks` counts, for the messages."""
-    return "world" if cfg.parallel.tensor.mode == "isp" and cfg.parallel.tensor.size > 1 else "data-parallel"
+    return "world" if experts_over_tensor(cfg) and cfg.parallel.tensor.size > 1 else "data-parallel"
 
 
 def _data_parallel_size(cfg: RunConfig, world_size: int) -> int:

@@ -229,12 +229,14 @@ class RunConfig(Section):
                 f"got mode={tensor.mode!r}; set weight.size=1"
             )
         T, mode = tensor.size, tensor.mode
-        # isp keeps the experts whole (its ranks route their own sequence chunks, as InternEvo's do)
-        if model.num_experts and T > 1 and mode != "isp":
+        # isp keeps the experts whole (its ranks route their own sequence chunks, as InternEvo's do); mtp/msp/fsp
+        # keep them whole with InternEvo's no_tp=True (engine/moe_tensor_parallel.py), its no_tp=False splits them
+        if model.num_experts and T > 1 and mode != "isp" and not self.parallel.expert.no_tp:
             raise ValueError(
-                f"parallel.tensor (size {T}, mode {mode!r}) with model.num_experts={model.num_experts}: the experts "
-                "are not sharded over a tensor group yet (expert parallel with mtp/msp/fsp is not built); use "
-                "parallel.tensor.mode='isp' or parallel.tensor.size=1"
+                f"parallel.expert.no_tp=False with parallel.tensor (size {T}, mode {mode!r}) and "
+                f"model.num_experts={model.num_experts}: experts split over the tensor group are not built; set "
+                "parallel.expert.no_tp=True (experts whole, each tensor rank routing its own sequence chunk) or "
+                "parallel.tensor.mode='isp'"
             )
         if model.type != "internlm2":
             raise ValueError(
@@ -253,7 +255,8 @@ class RunConfig(Section):
             self._check_column_row_parallel()
             width = intermediate_size(model.hidden_size, model.mlp_ratio, model.multiple_of)
             divisible["the SwiGLU width (model.hidden_size * mlp_ratio rounded up to multiple_of)"] = width
-        if mode in ("msp", "fsp", "isp"):  # the modes that split the sequence
+        # the modes that split the sequence; mtp too where the sparse blocks route a chunk each
+        if mode in ("msp", "fsp", "isp") or model.num_experts:
             divisible["data.seq_len"] = self.data.seq_len
         for name, value in divisible.items():
             if value % T:

@@ -18,7 +18,8 @@ DIMS = ("pipeline", "tensor", "data", "expert")
 
 def run_layout(ctx: RunContext) -> dict[str, int]:
     """This run's layout: its ranks and the size of each parallel dim (expert ranks are carved from "data", or from
-    every rank under isp with a tensor group, so "expert" may exceed "data")."""
+    every rank with a tensor group whose ranks route their own chunks: isp, and mtp/msp/fsp with whole experts; so
+    "expert" may exceed "data")."""
     expert = ctx.expert_mesh["ep"].size() if ctx.expert_mesh is not None else 1
     return {
         "world_size": ctx.world_size,

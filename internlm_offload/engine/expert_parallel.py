@@ -6,11 +6,12 @@ combine stay the block's own, on this rank's tokens: GShard's capacity is comput
 InternEvo does (each rank drops on its own), so the dropped choices are those of the same rank without expert
 parallel.
 
-The mesh is ("edp", "ep") over the data-parallel ranks (every rank under isp, whose tensor ranks route their own
-sequence chunks), "ep" innermost (InternEvo's order: expert ranks contiguous, expert-data ranks at stride ep); under
-expert weight parallel "edp" is split into ("edp_replicate", "edp_shard") (engine/runtime.py). Ranks of one "edp"
-group hold the same experts; their gradients are summed over it and divided by the mesh's size (the dense
-convention: the mean over every rank's tokens;
+The mesh is ("edp", "ep") over the data-parallel ranks (every rank where the tensor ranks route their own sequence
+chunks: isp, and mtp/msp/fsp with whole experts, engine/moe_tensor_parallel.py), "ep" innermost (InternEvo's order:
+expert ranks contiguous, expert-data ranks at stride ep); under expert weight parallel "edp" is split into
+("edp_replicate", "edp_shard") (engine/runtime.py). Ranks of one "edp" group hold the same experts; their gradients
+are summed over it and divided by the ranks whose losses the step averages (`RunContext.expert_grad_divisor`; the
+dense convention: the mean over every rank's tokens;
 InternEvo averages over "edp" only, ep times larger): under DDP by `reduce_expert_grads_in_backward`, under FSDP2
 by the experts' own FSDP2 unit over "edp" (engine/parallel.py's `shard_experts`).
 """
@@ -133,11 +134,10 @@ def expert_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if id(p) in experts]
 
 
-def _mean_over_expert_data(mesh: DeviceMesh) -> Callable[[torch.Tensor], None]:
-    """Sum a gradient (or a buffer of them) over the expert-data group, in place, and divide it by the expert
-    mesh's size (the data-parallel ranks; every rank under isp, whose loss weighs each chunk as its share of the
-    sequences): the mean over every rank's tokens, as the wrapper gives the other weights."""
-    ranks = mesh.size()
+def _mean_over_expert_data(mesh: DeviceMesh, ranks: int) -> Callable[[torch.Tensor], None]:
+    """Sum a gradient (or a buffer of them) over the expert-data group, in place, and divide it by `ranks`
+    (`RunContext.expert_grad_divisor`: the data-parallel ranks; every rank under isp, whose loss weighs each chunk
+    as its share of the sequences): the mean over every rank's tokens, as the wrapper gives the other weights."""
     expert_data = all_expert_data(mesh)
     group = expert_data.get_group()
     reduce = expert_data.size() > 1
@@ -151,18 +151,20 @@ def _mean_over_expert_data(mesh: DeviceMesh) -> Callable[[torch.Tensor], None]:
     return mean
 
 
-def expert_grad_reduction(model: nn.Module, mesh: DeviceMesh) -> tuple[set[str], Callable[[torch.Tensor], None]]:
+def expert_grad_reduction(
+    model: nn.Module, mesh: DeviceMesh, ranks: int
+) -> tuple[set[str], Callable[[torch.Tensor], None]]:
     """For fp32 masters (engine/precision.py, which reduces their gradients after backward, side by side in one
     buffer): the expert weights' names, and how that buffer is reduced (as `reduce_expert_grads_in_backward`
     reduces each gradient)."""
-    return {name for name, _ in expert_params(model)}, _mean_over_expert_data(mesh)
+    return {name for name, _ in expert_params(model)}, _mean_over_expert_data(mesh, ranks)
 
 
-def reduce_expert_grads_in_backward(model: nn.Module, mesh: DeviceMesh, sync: Callable[[], bool]) -> None:
+def reduce_expert_grads_in_backward(model: nn.Module, mesh: DeviceMesh, ranks: int, sync: Callable[[], bool]) -> None:
     """DDP leaves the experts alone (their gradients differ across "ep"); when `sync()` says this backward is
     the step's last, each expert gradient is averaged over the expert-data group as soon as backward
     accumulates it."""
-    mean = _mean_over_expert_data(mesh)
+    mean = _mean_over_expert_data(mesh, ranks)
 
     def hook(param: torch.Tensor) -> None:
         if sync():

@@ -43,7 +43,9 @@ def apply_ddp(
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [*experts, *frozen_apart])
     wrapped = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
     if experts:
-        reduce_expert_grads_in_backward(model, ctx.expert_mesh, sync=lambda: wrapped.require_backward_grad_sync)
+        reduce_expert_grads_in_backward(
+            model, ctx.expert_mesh, ctx.expert_grad_divisor, sync=lambda: wrapped.require_backward_grad_sync
+        )
     ignored = f", {len(experts)} expert weights apart" if experts else ""
     ignored += f", {len(frozen_apart)} frozen base tensors apart" if frozen_apart else ""
     logger.info("Applied DDP over %d ranks (bucket %d MB)%s", ctx.world_size, bucket_cap_mb, ignored)
@@ -84,11 +86,12 @@ def shard_experts(model: nn.Module, ctx: RunContext, reshard_after_forward: bool
     holding the same experts; FSDP2 shards the "ep" DTensors again over it, as it does tensor parallel's), before
     their block takes the rest over all data-parallel ranks. Under expert weight parallel the mesh is 2-D (HSDP):
     sharded over groups of `parallel.expert_weight.size`, all-reduced across the replicas. Their reduction divides
-    by the expert mesh's size (the data-parallel ranks; all under isp), not the expert-data one: the experts'
-    gradients already sum the tokens of their "ep" group's ranks."""
+    by the ranks whose losses the step averages (`RunContext.expert_grad_divisor`: the data-parallel ranks; all
+    under isp), not the expert-data size: the experts' gradients already sum the tokens of their "ep" group's ranks
+    (with mtp/msp/fsp's whole experts the expert-data group spans the tensor ranks, so its sum adds their chunks)."""
     for moe in moe_blocks(model):
         fully_shard(moe.experts, reshard_after_forward=reshard_after_forward, **shard)
-        moe.experts.set_gradient_divide_factor(float(ctx.expert_mesh.size()))
+        moe.experts.set_gradient_divide_factor(float(ctx.expert_grad_divisor))
         # a sum, then the division: a factor other than the group's size is PREMUL_SUM otherwise, which gloo lacks
         moe.experts.set_force_sum_reduction_for_comms(True)
     blocks = moe_blocks(model)

@@ -32,8 +32,9 @@ class RunContext:
     # `mesh` is the ("dp", "tp") DeviceMesh over the world, None without tensor parallel.
     tensor_size: int = 1
     mesh: DeviceMesh | None = None
-    # Expert parallel: the ("edp", "ep") mesh over the data-parallel ranks, ("edp_replicate", "edp_shard", "ep") with
-    # "edp" flattened under expert weight parallel (engine/expert_parallel.py); None without
+    # Expert parallel: the ("edp", "ep") mesh over the data-parallel ranks (every rank where the tensor ranks route
+    # chunks of their own), ("edp_replicate", "edp_shard", "ep") with "edp" flattened under expert weight parallel
+    # (engine/expert_parallel.py); None without
     expert_mesh: DeviceMesh | None = None
     # Pipeline parallel: the ("pp", "dp") mesh, stage ranks outermost (rank r is pipeline rank r // (W / P)); the
     # ranks of one stage read different micro-batches, those of one pipeline the same. None without a pipeline.
@@ -41,6 +42,15 @@ class RunContext:
     # tensor innermost (InternEvo's order); `mesh` is then its ("dp", "tp") sub-mesh of this rank's stage.
     pipeline_size: int = 1
     pipeline_mesh: DeviceMesh | None = None
+    # isp: each tensor rank's loss is its sequence chunk's, weighted as its share (the gradients average over every
+    # rank); mtp/msp/fsp's tensor ranks compute the one loss of their micro-batches
+    chunked_loss: bool = False
+
+    @property
+    def expert_grad_divisor(self) -> int:
+        """What expert gradients, summed over their expert-data group, are divided by: the ranks whose losses the
+        step averages (every rank under isp; the data-parallel ranks otherwise): the dense convention."""
+        return self.world_size // self.pipeline_size if self.chunked_loss else self.dp_size
 
     @property
     def dp_rank(self) -> int:
@@ -78,14 +88,18 @@ def init_runtime(
     expert_size: int = 1,
     expert_weight_size: int = 1,
     experts_over_tensor: bool = False,
+    chunked_loss: bool = False,
     pipeline_size: int = 1,
 ) -> RunContext:
     """Join the process group when launched by torchrun (gloo on cpu, nccl/hccl on accelerators). Without
     torchrun, `needs_group` (the ddp and fsdp2 wrappers) makes a group of this one process. `tensor_size` > 1
     builds the ("dp", "tp") mesh, tensor ranks innermost; `expert_size` > 1 the expert mesh (`expert_mesh`, its
-    expert-data ranks sharded over groups of `expert_weight_size`; over every rank with `experts_over_tensor`, isp's
-    tensor ranks holding different chunks of the sequences); `pipeline_size` > 1 the ("pp", "dp") mesh, or with
-    both the ("pp", "dp", "tp") mesh (`parallel_meshes`)."""
+    expert-data ranks sharded over groups of `expert_weight_size`; over every rank with `experts_over_tensor`, the
+    tensor ranks routing different chunks of the sequences: isp's, and mtp/msp/fsp's sparse blocks with whole
+    experts, InternEvo's no_tp=True, whose expert tensor size 1 puts its expert ranks innermost over the tensor
+    ranks: at 4 ranks, tensor 2 and expert 2 the expert groups are the tensor groups {0, 1}, {2, 3}, the expert-data
+    groups {0, 2}, {1, 3}); `chunked_loss`: isp's loss weighting (`RunContext.chunked_loss`); `pipeline_size` > 1
+    the ("pp", "dp") mesh, or with both the ("pp", "dp", "tp") mesh (`parallel_meshes`)."""
     if not launched_by_torchrun():
         if needs_group and not dist.is_initialized():
             dist.init_process_group(backend=accelerator.dist_backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -98,7 +112,9 @@ def init_runtime(
     mesh, pipeline = parallel_meshes(accelerator.name, world_size, tensor_size, pipeline_size)
     ranks = world_size if experts_over_tensor else world_size // tensor_size
     experts = None if expert_size == 1 else expert_mesh(accelerator.name, ranks, expert_size, expert_weight_size)
-    return RunContext(rank, local_rank, world_size, accelerator, tensor_size, mesh, experts, pipeline_size, pipeline)
+    return RunContext(
+        rank, local_rank, world_size, accelerator, tensor_size, mesh, experts, pipeline_size, pipeline, chunked_loss
+    )
 
 
 def parallel_meshes(

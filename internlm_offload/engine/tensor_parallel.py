@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from internlm_offload.engine.moe_tensor_parallel import WholeMoE
 from internlm_offload.log import get_logger
 from internlm_offload.optim.dtensor import is_dtensor
 
@@ -79,10 +80,13 @@ def apply_tensor_parallel(
         block_mode = mode
         if mode == "fsp" and gather_again_in is not None and index not in gather_again_in:
             block_mode = "msp"
-        parallelize_module(block, tp_mesh, _block_plan(block_mode, block.attention.n_kv_heads, tp_mesh.size()))
+        sparse = hasattr(block.feed_forward, "expert_dispatch")  # an MoE: whole experts (engine/moe_tensor_parallel.py)
+        plan = _block_plan(block_mode, block.attention.n_kv_heads, tp_mesh.size(), sparse)
+        parallelize_module(block, tp_mesh, plan)
         if block_mode == "fsp":
             gather_in_backward_again(block.attention)
-            gather_in_backward_again(block.feed_forward)
+            if not sparse:  # a sparse block routes its own chunk: nothing to gather
+                gather_in_backward_again(block.feed_forward)
     logger.info(
         "Applied tensor parallel %s over %d ranks (%s logits)",
         mode,
@@ -91,8 +95,9 @@ def apply_tensor_parallel(
     )
 
 
-def _block_plan(mode: str, kv_heads: int, tensor_size: int) -> dict:
-    """One decoder block's plan: column-parallel projections in, row-parallel out (torchtitan's shape)."""
+def _block_plan(mode: str, kv_heads: int, tensor_size: int, sparse: bool = False) -> dict:
+    """One decoder block's plan: column-parallel projections in, row-parallel out (torchtitan's shape); a sparse
+    block's MoE whole on every rank, routing this rank's sequence chunk (`WholeMoE`)."""
     sequence = mode in SEQUENCE_SHARDED
     kv = ColwiseParallel() if kv_heads % tensor_size == 0 else KVHeadReplicas(kv_heads)
     plan: dict = {
@@ -100,18 +105,22 @@ def _block_plan(mode: str, kv_heads: int, tensor_size: int) -> dict:
         "attention.wk": kv,
         "attention.wv": kv,
         "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate()),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate()),
     }
+    if sparse:
+        plan["feed_forward"] = WholeMoE(sequence_sharded=sequence)
+    else:
+        plan |= {
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate()),
+        }
     if sequence:
         plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
     if mode != "fsp":  # fsp gathers inside its checkpointed region instead
         # attention takes (x, rope, documents), the MLP x: only x is laid out
-        plan |= {
-            "attention": _shared_input(Shard(1) if sequence else Replicate(), extra_args=2),
-            "feed_forward": _shared_input(Shard(1) if sequence else Replicate(), extra_args=0),
-        }
+        plan["attention"] = _shared_input(Shard(1) if sequence else Replicate(), extra_args=2)
+        if not sparse:
+            plan["feed_forward"] = _shared_input(Shard(1) if sequence else Replicate(), extra_args=0)
     return plan
 
 

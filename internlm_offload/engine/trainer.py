@@ -69,6 +69,9 @@ class TrainerSettings:
     predicted_device_peak_bytes: int | None = None  # the planner's steady-step peak, logged beside the measured
     runtime_memory_bytes: int = 0  # the runtime's own, measured at start-up; in neither figure, logged with them
     loss_parallel: bool = False  # tensor parallel with vocab-sharded logits: forward, loss and backward under it
+    # mtp/msp/fsp with whole experts: the tensor ranks whose chunks' MoE aux losses one objective adds up (their
+    # gradients summed over "tp"); each is weighted by 1/aux_chunks, their mean as InternEvo averages it
+    aux_chunks: int = 1
     profile_step: int = 0  # run this step under torch.profiler; 0: never
     profile_dir: Path | None = None  # where its traces go
 
@@ -250,12 +253,16 @@ class Trainer:
                 labels = self.sequence_shard.local(labels)  # shifted before the split, as the tokens were
             loss_sum = token_loss_sum(logits, labels, label_smoothing=self.settings.label_smoothing)
             objective = loss_sum * token_weight
+            apart = []  # a rank's own aux loss beside a replicated DTensor loss (mtp/msp/fsp): two roots, no mix
             if aux_loss is not None:
                 aux_loss = aux_loss.float()
-                objective = objective + aux_loss * aux_weight
+                if is_dtensor(objective):
+                    apart.append(aux_loss * aux_weight)
+                else:
+                    objective = objective + aux_loss * aux_weight
             if on_backward_start is not None:
                 objective.register_hook(lambda _: on_backward_start())  # the first grad backward computes
-            objective.backward()
+            torch.autograd.backward([objective, *apart])
         return local_loss(loss_sum).detach(), None if aux_loss is None else aux_loss.detach()
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
@@ -270,7 +277,7 @@ class Trainer:
         # isp: a rank's loss is its chunk's share of the sequences; times the chunk count, the wrapper's average
         # over all ranks sums the chunks of a sequence and averages the data-parallel ranks.
         token_weight = loss_scale * self._chunks / tokens_per_rank
-        aux_weight = loss_scale / len(micro_batches)
+        aux_weight = loss_scale / len(micro_batches) / self.settings.aux_chunks
         if self.pipeline is not None:  # the schedule runs every micro-batch through this rank's stages
             loss_sum = self.pipeline.forward_backward(micro_batches, token_weight, self.masters.accumulate_grads)
             aux_sum = None
@@ -331,10 +338,10 @@ class Trainer:
     def clip_gradients(self, unscale: float = 1.0) -> torch.Tensor:
         """Remove the loss scale, clip to the configured norm; returns the norm before clipping (a tensor)."""
         max_norm = self.settings.clip_grad_norm or float("inf")  # inf: scale 1.0, grads unchanged
-        grads = self.masters.grads()
+        groups = by_mesh(self.masters.grads())
         if unscale != 1.0:
-            torch._foreach_mul_(grads, unscale)  # a power of two: exact
-        groups = by_mesh(grads)
+            for group in groups.values():  # per mesh: torch's foreach kernels take no mix of DTensors and tensors
+                torch._foreach_mul_(group, unscale)  # a power of two: exact
         norm = total_norm(groups)
         if self.pipeline is not None:  # every stage clips by the norm over all stages
             norm = self.pipeline.global_norm(norm)

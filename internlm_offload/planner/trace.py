@@ -385,7 +385,9 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_
         for stand_in in stand_ins:
             stack.enter_context(stand_in)
         expert_sizes = (experts, cfg.parallel.expert_weight.size, expert_ranks(cfg, world_size))
-        ctx = _rank_context(rank, world_size, tensor, expert_sizes, pipe, accelerator)
+        ctx = _rank_context(
+            rank, world_size, tensor, expert_sizes, pipe, accelerator, cfg.parallel.tensor.mode == "isp"
+        )
         parts = build_components(cfg, ctx, check_host_memory=False)
         if cfg.parallel.fsdp_cpu_offload:
             for param in parts.model.parameters():  # FSDP2 keeps each shard in pinned host memory
@@ -450,6 +452,7 @@ def _rank_context(
     experts: tuple[int, int, int],
     pipeline_size: int,
     accelerator: PlanningAccelerator,
+    chunked_loss: bool,
 ) -> RunContext:
     """`rank`'s context over the fake process group: with tensor parallel its ("dp", "tp") mesh, with expert
     parallel (`experts`: the expert and expert weight sizes, the ranks they are carved from) its expert mesh, with a
@@ -459,7 +462,7 @@ def _rank_context(
     experts_mesh = None if expert_size == 1 else expert_mesh("cpu", ranks, expert_size, expert_weight)
     return RunContext(
         rank, rank, world_size, accelerator, tensor_size=tensor_size, mesh=mesh, expert_mesh=experts_mesh,
-        pipeline_size=pipeline_size, pipeline_mesh=pipe_mesh,
+        pipeline_size=pipeline_size, pipeline_mesh=pipe_mesh, chunked_loss=chunked_loss,
     )  # fmt: skip
 
 

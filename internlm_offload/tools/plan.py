@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from internlm_offload.config import ConfigError, load_config_file, resolve_config
+from internlm_offload.config import ConfigError, experts_over_tensor, load_config_file, resolve_config
 from internlm_offload.config.file import add_cfg_options, merge_overrides
 from internlm_offload.device import get_accelerator
 from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate, shared_by
@@ -227,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
     print(step_line(memory.micro_num, timing, hardware))
     collectives = memory.micro_batch_work.collective_bytes
     if collectives:
-        which = "expert parallel" if cfg.parallel.tensor.size == 1 else "tensor parallel"
+        dims = (("tensor", cfg.parallel.tensor.size), ("expert", cfg.parallel.expert.size))
+        which = " and ".join(name for name, size in dims if size > 1) + " parallel"
         print(
             f"{which}: {human_bytes(collectives)} sent per rank per micro-batch at "
             f"{hardware.collective_bytes_per_s / 1e9:.3g} GB/s [{hardware.collective_source}]"
@@ -316,16 +317,19 @@ def experts_assumption(cfg: Any) -> str:
     from internlm_offload.model.router import gshard_capacity
 
     model, data = cfg.model, cfg.data
-    tokens = data.micro_bsz * data.seq_len
+    # a rank's tokens: its chunk of the sequence where each tensor rank routes its own (isp; mtp/msp/fsp's no_tp)
+    chunks = cfg.parallel.tensor.size if experts_over_tensor(cfg) else 1
+    tokens = data.micro_bsz * data.seq_len // chunks
     rows = tokens * model.top_k
     kwargs = model.moe_layer_kwargs
     dropped = ""
     if model.moe_type == "GShard" and kwargs.drop_tokens:
         capacity = gshard_capacity(tokens, model.num_experts, model.top_k, kwargs.capacity_factor, kwargs.min_capacity)
         dropped = f"; GShard's capacity of {capacity} per expert drops choices from the output, not from the buffers"
+    share = f" (this rank's 1/{chunks} of the sequence)" if chunks > 1 else ""
     head = (
         f"mixture of experts: {model.num_experts} experts, top-{model.top_k}, {model.moe_type}: {rows} routed rows "
-        f"per sparse block per micro-batch through one grouped GEMM{dropped}"
+        f"per sparse block per micro-batch{share} through one grouped GEMM{dropped}"
     )
     ep = cfg.parallel.expert.size
     if ep == 1:

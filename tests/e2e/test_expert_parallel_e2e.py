@@ -4,6 +4,7 @@ continues on one process and at EP=4 (one expert per rank); one process's checkp
 groups of two on four processes under DDP and under FSDP2 too. Nine torchrun launches and three single-process runs
 (CI time)."""
 
+import math
 import shutil
 
 import pytest
@@ -143,3 +144,27 @@ def test_bf16_with_fp32_masters_under_ep_2_follows_one_process(tmp_path):
     for mine, theirs in zip(got, reference):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4), (mine["step"], mine["loss"], theirs["loss"])
     assert got[0]["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-4)
+
+
+def test_fp16_loss_scaling_under_ep_2_skips_overflows_on_every_rank(tmp_path):
+    """fp16 with fp32 masters and the loss scaler at EP=2, from a scale of 2^20 backing off by 4 at once: the
+    overflowed steps (1 and 2: an expert's gradient sums the rows of both ranks, so it overflows where one process's
+    does not at step 2) are skipped with an infinite norm and the scale backed off to 2^16, where steps 3 and 4
+    train finite (measured: one process from the same scale skips steps 1 and 4 instead). Red before the loss scale
+    was removed per mesh (the experts' DTensor gradients beside the plain ones: `_foreach_mul_` refused the mix,
+    the run failed at step 1)."""
+    overflow = [
+        "model.dtype=torch.float16",
+        "grad_scaler.fp16.initial_scale=1048576",
+        "grad_scaler.max_scale=1e30",
+        "grad_scaler.hysteresis=1",
+        "grad_scaler.backoff_factor=0.25",
+    ]
+    kept = [step for step in STEPS if not step.startswith(("model.dtype", "data.total_steps"))]
+    fp16 = [*kept, "data.total_steps=4", *CALM, *overflow]  # fp16's matmuls are slow on cpu: 4 steps
+    train(tmp_path / "ep2", *fp16, *EP, config=MOE, nproc=2)
+    records = metrics(tmp_path / "ep2")
+    scales = [(r["step"], r["skipped"], r["loss_scale"]) for r in records]
+    assert scales == [(1, True, 2.0**20), (2, True, 2.0**18), (3, False, 2.0**16), (4, False, 2.0**16)]
+    assert all(r["grad_norm"] == float("inf") for r in records[:2])
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records[2:])

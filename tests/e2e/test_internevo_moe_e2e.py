@@ -108,7 +108,11 @@ def test_internevo_qwen3_layout_with_expert_weight_parallel_follows_one_process_
     8: loss within 1e-5 and grad norm within 1e-4 of one process for the 3 steps. The same layout with FSDP2's CPU
     offload policy (the expert shards on the host too) is that run bitwise. isp with sequence chunks (tensor 2,
     weight 2: HSDP 2 x 2; expert 2 over all 4 ranks, each routing its own chunk; expert weight 2) follows one
-    process within the same bars (the aux loss, InternEvo's way, is each chunk's own: 0.001 of it)."""
+    process within the same bars (the aux loss, InternEvo's way, is each chunk's own: 0.001 of it); so do msp at
+    tensor 2 with the experts whole (no_tp) and expert 2 over all four ranks, and mtp at tensor 2 with every expert
+    whole. Red with the experts' gradients divided by all 4 ranks under msp (step 1's grad norm 7.3e-4 relative
+    off), with the whole experts' and routers' gradients not summed over "tp" under mtp (step 1's grad norm 5.0e-4,
+    step 2's loss 5.5e-5), and with mtp's ranks routing each other's chunk (step 1's loss 2.1e-5)."""
     name = DATA / "internevo_qwen3_30b_a3b_shrunk.py"
     fp32 = ["model.dtype=torch.float32", "data.global_bsz=8"]
     train(tmp_path / "one", *fp32, config=name)
@@ -135,3 +139,13 @@ def test_internevo_qwen3_layout_with_expert_weight_parallel_follows_one_process_
     assert "Applied expert parallel over 2 ranks (2 expert-data groups)" in proc.stderr
     assert "Applied tensor parallel isp over 2 ranks" in proc.stderr
     assert_curves(tmp_path / "one", tmp_path / "isp_chunks", NEAR)
+    # InternEvo's no_tp=True under msp and mtp at tensor 2, FSDP2 over "dp": attention column/row parallel, the
+    # sparse blocks whole on both ranks of a tensor group, each routing its own chunk of the sequence. msp with
+    # expert 2 over all 4 ranks (the expert groups are the tensor groups); mtp (its replicated input sliced, the
+    # outputs gathered) without expert parallel: every expert whole, its gradient summed over "tp"
+    for mode, experts in (("msp", 2), ("mtp", 1)):
+        whole = [f"parallel.tensor.mode={mode}", "parallel.tensor.size=2", f"parallel.expert.size={experts}"]
+        proc = train(tmp_path / mode, *fp32, *whole, "parallel.zero1.fsdp=True", nproc=4, config=name)
+        assert f"Applied tensor parallel {mode} over 2 ranks" in proc.stderr
+        assert ("Applied expert parallel over 2 ranks (2 expert-data groups)" in proc.stderr) == (experts == 2)
+        assert_curves(tmp_path / "one", tmp_path / mode, NEAR)

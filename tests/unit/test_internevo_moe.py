@@ -175,11 +175,18 @@ def test_what_cannot_run_is_one_line(raw, part):
 
 
 @pytest.mark.parametrize("mode", ["mtp", "msp", "fsp"])
-def test_every_column_row_tensor_mode_with_moe_is_refused_in_one_line(mode):
-    """Tensor size 2 on an MoE model: mtp/msp/fsp would split the experts over a tensor group, which is not built;
-    isp keeps them whole, each rank routing its own sequence chunk (InternEvo's isp does the same)."""
+def test_every_column_row_tensor_mode_with_moe_needs_no_tp(mode):
+    """Tensor size 2 on an MoE model: mtp/msp/fsp with the config's no_tp=False would split the experts over a
+    tensor group, which is not built (refused in one line); with no_tp=True they stay whole, each tensor rank routing
+    its own sequence chunk (expert size -1: min(every rank, 4 experts)); isp keeps them whole either way (InternEvo's
+    isp does the same)."""
     message = refusal(_with(MOE4, parallel__tensor=dict(size=2, mode=mode)), world_size=2)
-    assert f"parallel.tensor (size 2, mode {mode!r}) with model.num_experts=4" in message
+    assert (
+        f"parallel.expert.no_tp=False with parallel.tensor (size 2, mode {mode!r}) and model.num_experts=4" in message
+    )
+    whole = _with(MOE4, parallel__tensor=dict(size=2, mode=mode), parallel__expert=dict(size=-1, no_tp=True))
+    whole["parallel"]["zero1"] = dict(size=-1, fsdp=True)  # FSDP2: DDP takes no tensor-parallel DTensors
+    assert resolve_config(whole, world_size=2).parallel.expert.size == 2
     isp = resolve_config(_with(MOE4, parallel__tensor=dict(size=2, mode="isp")), world_size=2)
     assert isp.parallel.expert.size == 2  # -1: min(every rank, 4 experts)
 

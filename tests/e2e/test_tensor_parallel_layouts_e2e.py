@@ -50,14 +50,49 @@ def dp2_tp2(tmp_path_factory):
     return run
 
 
-def test_tensor_2_by_data_2_under_fsdp2_follows_data_parallel(tmp_path, one_process_reference, dp2_tp2):
+def internevo_config(folder, mode: str, weight: int):
+    """The tiny config with a parallel section written as InternEvo's configs ship it (zero1, tensor, pipeline 1,
+    weight with its overlap flags, sequence_2D off) and a cpu_offloading block (one block offloaded, as OFFLOAD)."""
+    config = folder / f"internevo_{mode}.py"
+    base = (REPO / "configs" / "internlm2_tiny.py").read_text().replace('"./_base_/', f'"{REPO}/configs/_base_/')
+    config.write_text(
+        base
+        + """
+parallel = dict(
+    _delete_=True,
+    zero1=dict(size=-1),
+    tensor=dict(size=2, mode="MODE"),
+    pipeline=dict(size=1, interleaved_overlap=True),
+    weight=dict(size=WEIGHT, overlap=True, memory_pool=True, launch_allgather_before="wo", forward_overlap_per="layer"),
+    sequence_2D=dict(enable=False, head_size=2, context_size=1, window_size=1, device_placement_strategy=dict(
+        head_first=True, interleaved=False)),
+)
+cpu_offloading = dict(enable=True, num_layers=1)
+""".replace("MODE", mode).replace("WEIGHT", str(weight))
+    )
+    return config
+
+
+@pytest.fixture(scope="module")
+def internevo_offloaded(tmp_path_factory):
+    """(run, log): the (dp 2, tp 2) msp layout under FSDP2 with offload, swap and gradient offload, its parallel
+    section and cpu_offloading block written as InternEvo ships them (`internevo_config`), 8 steps on four
+    processes: one run for the bitwise test and the as-shipped test below (CI time)."""
+    folder = tmp_path_factory.mktemp("internevo_offloaded")
+    options = [*LAYOUT_STEPS, "model.checkpoint=0.75", "swap_optimizer=True", "grad_offload=True"]  # OFFLOAD's rest
+    proc = train(folder / "run", *options, nproc=4, config=internevo_config(folder, "msp", 1))
+    return folder / "run", proc.stderr
+
+
+def test_tensor_2_by_data_2_under_fsdp2_follows_data_parallel(
+    tmp_path, one_process_reference, dp2_tp2, internevo_offloaded
+):
     """Four processes, a (dp 2, tp 2) mesh, FSDP2 over dp: the data-parallel curve (one process's) within
-    1e-5 for 8 steps; with offload, swap and gradient offload bitwise its own, and with FSDP2's CPU offload
-    policy (parameter offload)."""
+    1e-5 for 8 steps; with offload, swap and gradient offload bitwise its own (that run's layout and offload
+    written in InternEvo's sections), and with FSDP2's CPU offload policy (parameter offload)."""
     options = [*LAYOUT_STEPS, "parallel.mode=fsdp2"]
-    both, offloaded = dp2_tp2, tmp_path / "offloaded"
+    both, (offloaded, _) = dp2_tp2, internevo_offloaded
     assert_curves(one_process_reference(*LAYOUT_STEPS), both, NEAR)
-    train(offloaded, *options, *tensor("msp"), *OFFLOAD, "swap_optimizer=True", "grad_offload=True", nproc=4)
     assert_curves(both, offloaded)
     policy = tmp_path / "params_on_host"  # FSDP2's CPU offload policy over the 2-D shards
     proc = train(policy, *options, *tensor("msp"), "parallel.fsdp_cpu_offload=True", nproc=4)
@@ -125,28 +160,11 @@ def test_fsp_keeps_less_than_msp_and_msp_less_than_mtp(tmp_path):
 
 
 # isp with weight parallel as shipped: InternEvo's own 7B_isp_sft (shrunk) in tests/e2e/test_internevo_e2e.py
-@pytest.mark.parametrize("mode, weight, wrapper", [("msp", 1, "FSDP2 over 2 ranks")])
-def test_internevo_parallel_section_trains_as_shipped(tmp_path, mode, weight, wrapper):
+def test_internevo_parallel_section_trains_as_shipped(internevo_offloaded):
     """A parallel section written as InternEvo's configs ship it (zero1, tensor, pipeline 1, weight with its
-    overlap flags, sequence_2D off) and a cpu_offloading block, on four processes with size-only changes:
-    msp takes FSDP2 over the data-parallel dim, isp with weight 2 FSDP2 sharding over pairs of ranks."""
-    config = tmp_path / f"internevo_{mode}.py"
-    base = (REPO / "configs" / "internlm2_tiny.py").read_text().replace('"./_base_/', f'"{REPO}/configs/_base_/')
-    config.write_text(
-        base
-        + """
-parallel = dict(
-    _delete_=True,
-    zero1=dict(size=-1),
-    tensor=dict(size=2, mode="MODE"),
-    pipeline=dict(size=1, interleaved_overlap=True),
-    weight=dict(size=WEIGHT, overlap=True, memory_pool=True, launch_allgather_before="wo", forward_overlap_per="layer"),
-    sequence_2D=dict(enable=False, head_size=2, context_size=1, window_size=1, device_placement_strategy=dict(
-        head_first=True, interleaved=False)),
-)
-cpu_offloading = dict(enable=True, num_layers=1)
-""".replace("MODE", mode).replace("WEIGHT", str(weight))
-    )
-    proc = train(tmp_path / "run", "data.total_steps=3", "ckpt.enable_save_ckpt=False", nproc=4, config=config)
-    assert f"Applied tensor parallel {mode} over 2 ranks" in proc.stderr and f"Applied {wrapper}" in proc.stderr
-    assert len(metrics(tmp_path / "run")) == 3
+    overlap flags, sequence_2D off) and a cpu_offloading block, on four processes with size-only changes: msp
+    takes FSDP2 over the data-parallel dim (the run the test above holds to the native config's, bitwise)."""
+    run, log = internevo_offloaded
+    assert "Applied tensor parallel msp over 2 ranks" in log and "Applied FSDP2 over 2 ranks" in log
+    assert "Applied async activation offload to 1 of 4 blocks" in log
+    assert len(metrics(run)) == 8

@@ -14,6 +14,7 @@ from internlm_offload.builder.optimizer import host_master_names
 from internlm_offload.config import ConfigError, CpuOffloadingConfig, ModelConfig, RunConfig
 from internlm_offload.config.lora import native_targets, resolved_targets
 from internlm_offload.config.moe import moe_kwargs
+from internlm_offload.config.pipeline import pipeline_rank_blocks
 from internlm_offload.config.quantization import compute_dtype_name
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.expert_parallel import apply_expert_parallel, expert_grad_reduction
@@ -359,13 +360,12 @@ def host_the_base(cfg: RunConfig, ctx: RunContext, layers: nn.ModuleList) -> Hos
     return hosted
 
 
-def apply_tensor_parallel_plan(
-    cfg: RunConfig, ctx: RunContext, model: nn.Module, rank_blocks: list[int] | None = None
-) -> None:
+def apply_tensor_parallel_plan(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> None:
     """mtp / msp / fsp over the "tp" mesh dim. fsp's gathers run again in backward where the layer plan leaves a
     block plain (checkpointed blocks keep only their input anyway; offloaded ones move what they save). Under a
-    pipeline the plan counts this rank's blocks (`rank_blocks`: their global indices in stage order)."""
-    blocks = list(range(len(model.layers))) if rank_blocks is None else rank_blocks
+    pipeline the plan counts this rank's blocks (their global indices in stage order)."""
+    staged = ctx.pipeline_size > 1
+    blocks = pipeline_rank_blocks(cfg, ctx.pp_rank) if staged else list(range(len(model.layers)))
     plain = build_layer_plan(cfg, len(blocks), ctx.pp_rank).layers_with(LayerMode.PLAIN)
     apply_tensor_parallel(
         model,
@@ -408,13 +408,6 @@ def apply_memory_plan(
 ) -> tuple[ActivationOffloader | None, SelectiveOffloader | None]:
     """The per-block plan (offload / checkpoint / selective / plain) applied to the bare blocks; under a
     pipeline `layers` are pipeline rank `pp_rank`'s stages' blocks in stage order, `segments` their count per stage."""
-    offloaded = cfg.cpu_offloading.layers_on(pp_rank)
-    if segments is not None and offloaded >= len(layers):
-        raise ConfigError(
-            f"cpu_offloading.num_layers={cfg.cpu_offloading.num_layers} must be < {len(layers)} on pipeline rank "
-            f"{pp_rank}: under a pipeline it counts the rank's blocks (stages of {segments} blocks), and the last is "
-            "never offloaded"
-        )
     plan = build_layer_plan(cfg, len(layers), pp_rank)
     logger.info("Layer plan (%d blocks):\n%s", len(layers), plan.table())
     settings = offload_settings(cfg.cpu_offloading)

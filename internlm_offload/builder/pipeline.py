@@ -7,7 +7,7 @@ from internlm_offload.builder.model import log_build_memory, uses_loss_parallel
 from internlm_offload.config import RunConfig
 from internlm_offload.config.pipeline import splits_backward, virtual_chunks
 from internlm_offload.engine.pipeline import PipelineRunner, schedule_class, wrap_chunks
-from internlm_offload.engine.pipeline_split import PipelineChunk, local_stages, partition_uniform, split_model
+from internlm_offload.engine.pipeline_split import PipelineChunk, split_model
 from internlm_offload.engine.precision import PrecisionPolicy
 from internlm_offload.engine.runtime import RunContext, data_parallel_group
 from internlm_offload.engine.sequence_parallel import SequenceShard
@@ -27,16 +27,6 @@ def split_for_pipeline(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> dic
         for stage in stages.values():
             stage.sequence_parts = ctx.tensor_size
     return stages
-
-
-def rank_blocks(cfg: RunConfig, ctx: RunContext) -> list[int]:
-    """The global indices of this pipeline rank's blocks, in stage order (what its layer plan counts)."""
-    pipe = cfg.parallel.pipeline
-    chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
-    ranges = partition_uniform(cfg.model.num_layers, pipe.size, chunks)
-    rank = ctx.pipeline_mesh.get_local_rank("pp")
-    stages = local_stages(rank, pipe.size, chunks, v_shape=pipe.mode == "ZBV")
-    return [block for stage in stages for block in range(*ranges[stage])]
 
 
 def shard_stages(chunks: dict[int, PipelineChunk], shard: SequenceShard) -> None:

@@ -22,7 +22,6 @@ from internlm_offload.builder.model import (
 from internlm_offload.builder.optimizer import build_optimizer, build_scheduler, hybrid_cpu_mask, offload_gradients
 from internlm_offload.builder.pipeline import (
     apply_pipeline,
-    rank_blocks,
     shard_stages,
     split_for_pipeline,
     trainer_reduction,
@@ -93,7 +92,7 @@ def build_components(
     model = build_bare_model(cfg, ctx, on_meta=on_meta, check_model=check_model)
     shard = sequence_shard(cfg, ctx)
     if shard is None and ctx.tensor_size > 1:  # before the masters exist: they copy the DTensor shards
-        apply_tensor_parallel_plan(cfg, ctx, model, rank_blocks(cfg, ctx) if ctx.pipeline_size > 1 else None)
+        apply_tensor_parallel_plan(cfg, ctx, model)
     chunks = split_for_pipeline(cfg, ctx, model) if ctx.pipeline_size > 1 else None
     stepped: nn.Module = model if chunks is None else PipelineStages(chunks)  # a pipeline rank steps its stages
     cpu_mask = hybrid_cpu_mask(cfg, stepped)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
+from internlm_offload.config.pipeline_partition import rank_blocks
 
 PIPELINE_MODES = ("1F1B", "ZBH1", "ZBV")
 
@@ -82,9 +83,33 @@ def pipeline_problem(cfg: Any) -> str | None:
         value = _value(cfg, key)
         if value != off:
             return f"{where} with {key}={value!r}: {why}"
-    return checkpoint_problem(pipe.mode, model.checkpoint) or _chunk_problem(
-        pipe.size, pipe.mode, model.num_chunks, model.num_layers
+    return (
+        checkpoint_problem(pipe.mode, model.checkpoint)
+        or _chunk_problem(pipe.size, pipe.mode, model.num_chunks, model.num_layers)
+        or _offload_problem(cfg)
     )
+
+
+def pipeline_rank_blocks(cfg: Any, rank: int) -> list[int]:
+    """The global indices of pipeline rank `rank`'s blocks in stage order (what its layer plan counts), for `cfg`
+    (a RunConfig) with a valid partition."""
+    pipe = cfg.parallel.pipeline
+    chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
+    return rank_blocks(cfg.model.num_layers, pipe.size, chunks, rank, v_shape=pipe.mode == "ZBV")
+
+
+def _offload_problem(cfg: Any) -> str | None:
+    """`cpu_offloading.num_layers` counts each pipeline rank's own blocks (its entry of a list), the last of them
+    never offloaded."""
+    offload = cfg.cpu_offloading
+    for rank in range(cfg.parallel.pipeline.size):
+        blocks = len(pipeline_rank_blocks(cfg, rank))
+        if offload.layers_on(rank) >= blocks:
+            return (
+                f"cpu_offloading.num_layers={offload.num_layers} must be < {blocks} on pipeline rank {rank}: under a "
+                "pipeline it counts the rank's own blocks, and the last is never offloaded"
+            )
+    return None
 
 
 def checkpoint_problem(mode: str, checkpoint: Any) -> str | None:
@@ -150,10 +175,11 @@ def data_parallel_problem(
     several tensor ranks, whose wrapper (DDP or FSDP2) reduces over them (checked: off from step 1 under both).
     `tensor`: `parallel.tensor`; `weight`: `parallel.weight.size`, isp's FSDP2 over a stage's ranks (all or 1)."""
     if splits_backward(mode) and data_parallel > 1 and wrapper == "fsdp2":
+        ddp = "parallel.mode='ddp', " if tensor is None or tensor.size == 1 else ""  # DDP takes no tensor mode here
         return (
             f"parallel.pipeline.mode={mode!r} with parallel.mode='fsdp2' over {data_parallel} data-parallel ranks per "
-            "stage: FSDP2 does not reduce the zero-bubble schedules' split backward correctly yet; use "
-            "parallel.mode='ddp', mode='1F1B' or one rank per stage"
+            f"stage: FSDP2 does not reduce the zero-bubble schedules' split backward correctly yet; use {ddp}"
+            "mode='1F1B' or one rank per stage"
         )
     isp = tensor is not None and tensor.mode == "isp" and tensor.size > 1
     if splits_backward(mode) and isp:

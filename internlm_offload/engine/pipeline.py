@@ -90,7 +90,11 @@ class PipelineRunner:
         self._pp_group = ctx.pipeline_mesh["pp"].get_group()
         self._dp_group = ctx.pipeline_mesh["dp"].get_group()
         # isp: the tensor ranks' losses are their chunks' shares; their average over "tp" is the sequences'
-        self._tp_group = None if sequence_shard is None else ctx.pipeline_mesh["tp"].get_group()
+        tensor = "tp" in (ctx.pipeline_mesh.mesh_dim_names or ())
+        self._tp_group = ctx.pipeline_mesh["tp"].get_group() if tensor else None
+        # isp's tensor ranks hold their chunks' losses (averaged); mtp/msp/fsp's the same loss: MAX keeps its bits
+        # and, as for every tensor mode, agrees the stop flag over the stage's tensor ranks
+        self._tp_op = dist.ReduceOp.AVG if sequence_shard is not None else dist.ReduceOp.MAX
         self._label_smoothing = label_smoothing
         self.loss_parallel = loss_parallel
         self._sequence_shard = sequence_shard
@@ -161,11 +165,11 @@ class PipelineRunner:
 
     def reduce_losses(self, values: torch.Tensor) -> None:
         """In place: `values` (a stop flag, then the losses: 0 off the last stage) averaged over this stage's
-        data-parallel ranks (and under isp its tensor ranks), then summed over the pipeline, so that every rank
-        holds the last stage's average and every stop request."""
-        for group in (self._dp_group, self._tp_group):
+        data-parallel ranks (under isp its tensor ranks too; under mtp/msp/fsp their largest), then summed over the
+        pipeline, so that every rank holds the last stage's average and every stop request."""
+        for group, op in ((self._dp_group, dist.ReduceOp.AVG), (self._tp_group, self._tp_op)):
             if group is not None and group.size() > 1:
-                dist.all_reduce(values, op=dist.ReduceOp.AVG, group=group)
+                dist.all_reduce(values, op=op, group=group)
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self._pp_group)
 
     def stage_peaks(self, peak: int) -> list[int]:

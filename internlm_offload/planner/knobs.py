@@ -29,7 +29,7 @@ from typing import Any
 from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, RunConfig, expert_ranks
 from internlm_offload.config.lora import base_on_host_layout_problem
 from internlm_offload.config.pipeline import PIPELINE_MODES, virtual_chunks
-from internlm_offload.engine.pipeline_split import local_stages, partition_uniform
+from internlm_offload.config.pipeline_partition import rank_blocks
 
 MICRO_BATCH, OPTIMIZER, LAYOUT = "micro_batch", "optimizer", "layout"
 
@@ -208,9 +208,10 @@ def hosted_base_builds(cfg: RunConfig) -> bool:
 
 def tensor_mode_settings(cfg: RunConfig, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:
     """Each tensor mode when `parallel.tensor.mode` is searched and tensor groups have several ranks, without a
-    pipeline (under one the mode is not searched: config/resolve.py's NOT_SEARCHED_UNDER_PIPELINE); else one setting
+    pipeline, fixed or searched (under one the mode is not searched: config/resolve.py's NOT_SEARCHED_UNDER_PIPELINE); else one setting
     that changes nothing."""
-    if TENSOR_MODE not in set(auto) or cfg.parallel.tensor.size == 1 or cfg.parallel.pipeline.size > 1:
+    staged = cfg.parallel.pipeline.size > 1 or bool(set(PIPELINE) & set(cfg.auto_knobs))  # P fixed or searched
+    if TENSOR_MODE not in set(auto) or cfg.parallel.tensor.size == 1 or staged:
         return [Setting("", {})]
     return [Setting(mode, {TENSOR_MODE: mode}) for mode in TENSOR_MODES]
 
@@ -285,9 +286,7 @@ def _fewest_or_inf(num_layers: int, size: int, mode: str, num_chunks: int) -> fl
 def rank_blocks_fewest(num_layers: int, size: int, mode: str, num_chunks: int) -> int:
     """The blocks of the rank with the fewest when `num_layers` are split as the builder splits them."""
     chunks = virtual_chunks(mode, num_chunks)
-    ranges = partition_uniform(num_layers, size, chunks)
-    stages = [local_stages(rank, size, chunks, v_shape=mode == "ZBV") for rank in range(size)]
-    return min(sum(ranges[s][1] - ranges[s][0] for s in local) for local in stages)
+    return min(len(rank_blocks(num_layers, size, chunks, rank, v_shape=mode == "ZBV")) for rank in range(size))
 
 
 @dataclass(frozen=True)

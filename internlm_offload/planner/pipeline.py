@@ -34,7 +34,7 @@ from internlm_offload.config import RunConfig
 from internlm_offload.config.pipeline import virtual_chunks
 from internlm_offload.data.loader import MicroBatch
 from internlm_offload.engine.pipeline import PipelineRunner, schedule_class
-from internlm_offload.engine.pipeline_split import local_stages
+from internlm_offload.config.pipeline_partition import local_stages
 from internlm_offload.engine.tensor_parallel import loss_context
 from internlm_offload.planner.cost import Hardware, StepTime, StepWork, step_time
 

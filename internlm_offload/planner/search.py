@@ -164,13 +164,15 @@ class PricedMode:
         if len(ladder) < 2 or count is None or budgets.device is None:
             return None
         base, by_o = self.by_activation[self.base_activation.name], self.by_optimizer[chosen.optimizer.name]
+        if len(base.stages) < 2:  # no pipeline: one rank, one count
+            return None
         peaks = {
             n: [a.device_peak_bytes + o.device_peak_bytes - b.device_peak_bytes
                 for a, o, b in zip(self.by_activation[s.name].stages, by_o.stages, base.stages)]
             for n, s in ladder.items()
         }  # fmt: skip
         counts = fewest_per_rank(peaks, budgets.device, count)
-        if len(set(counts)) == 1:
+        if len(set(counts)) <= 1:
             return None
         setting = per_rank_setting(chosen.activation, counts)
         options = {**setting.options, **self.base_optimizer.options}

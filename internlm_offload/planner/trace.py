@@ -308,8 +308,10 @@ def trace_step(cfg: RunConfig, world_size: int = 1, *, measure: bool = False, co
 
 
 def _traced(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_rank: int = 0) -> StepMemory:
-    """One rank's trace (pipeline rank `pp_rank`'s first); DDP as one process plus its buckets."""
-    if cfg.parallel.mode == "ddp":
+    """One rank's trace (pipeline rank `pp_rank`'s first); DDP as one process plus its buckets, except a
+    zero-bubble pipeline's unwrapped stages, traced as built (the trainer's flat all-reduce of their gradients)."""
+    pipe = cfg.parallel.pipeline
+    if cfg.parallel.mode == "ddp" and not (pipe.size > 1 and splits_backward(pipe.mode)):
         single = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"mode": "none"})})
         memory = _trace(single, world_size, measure, count_work, pp_rank)
         return _with_ddp_buckets(memory) if _ddp_wraps(cfg, memory) else memory
@@ -319,8 +321,7 @@ def _traced(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp
 def _ddp_wraps(cfg: RunConfig, memory: StepMemory) -> bool:
     """Whether the builder wraps the model in DDP: not under gradient offload (builder/model.py), nor a pipeline's
     stages whose fp32 masters reduce the gradients themselves or whose schedule splits the backward
-    (builder/pipeline.py; the trainer's flat copy of the gradients it all-reduces then, after the last backward,
-    is not traced)."""
+    (builder/pipeline.py)."""
     masters = memory.components["master_weights"] + memory.components["host_master_weights"]
     pipe = cfg.parallel.pipeline
     staged_apart = pipe.size > 1 and (masters > 0 or splits_backward(pipe.mode))

@@ -74,11 +74,11 @@ model = dict(num_layers=NUM_LAYERS, checkpoint=0.5)  # merged into the base's `m
 | model | `model.*` (`model.type` picks the registered model) |
 | data and batch size | `data.*` (`data.type` picks the registered dataset) |
 | optimizer and schedule | `adam.*`, `lr_scheduler.*`, `hybrid_zero_optimizer.clip_grad_norm` |
-| data parallelism | `parallel.*` (`none`, `ddp`, `fsdp2`) |
+| data, tensor, expert and pipeline parallelism | `parallel.*` (`mode`: `none`, `ddp`, `fsdp2`; `tensor`, `weight`, `expert`, `expert_weight`, `pipeline`), `model.num_chunks` |
 | checkpoints and resume | `ckpt.*` |
 | activation checkpointing | `model.checkpoint`, `selective_checkpoint` |
-| activation offload (reserved) | `cpu_offloading.*`, `selective_checkpoint_offload` |
-| optimizer offload (reserved) | `swap_optimizer`, `swap_optimizer_times`, `use_pinned_optimizer_offload`, `hybrid_optimizer.*` |
+| activation offload | `cpu_offloading.*`, `selective_checkpoint_offload` |
+| optimizer, gradient and parameter offload | `swap_optimizer`, `swap_optimizer_times`, `use_pinned_optimizer_offload`, `hybrid_optimizer.*`, `grad_offload`, `nvme_offload.*`, `parallel.fsdp_cpu_offload` |
 | logging | `monitor.*` |
 
 The per-block plan follows InternEvo: with `L = model.num_layers`, blocks `[0, cpu_offloading.num_layers)`
@@ -86,13 +86,11 @@ offload their saved activations, blocks `[cpu_offloading.num_layers, int(L * mod
 recomputed in backward (op-level selective recompute when `selective_checkpoint=True`), the rest keep
 their activations.
 
-The **reserved** keys belong to the activation-offload and optimizer-offload features. They are
-validated now (types, ranges and the cross-key rules below), so configs written for those features
-fail early on a typo; until a feature is available, a run that switches it on stops with an error
-rather than silently training without it.
+Under a pipeline the plan counts each pipeline rank's own blocks, and `cpu_offloading.num_layers` may give each
+rank its own count (a list).
 
 Cross-key rules: `cpu_offloading.num_layers` must be 0 unless `cpu_offloading.enable`, and below
-`model.num_layers`; `selective_checkpoint_offload` needs `selective_checkpoint`; `swap_optimizer` and
+`model.num_layers` (under a pipeline below each rank's own blocks; a list needs one entry per pipeline rank); `selective_checkpoint_offload` needs `selective_checkpoint`; `swap_optimizer` and
 `hybrid_optimizer.enable` exclude each other; `model.hidden_size` must be divisible by
 `model.num_attention_heads`, and that by `model.num_kv_attention_heads`; `model.type="hf_causal_lm"`
 needs exactly one of `model.hf_path` and `model.hf_config`; `data.type="text"` needs `data.paths`;

@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from internlm_offload.config import RunConfig
 from internlm_offload.tools.config_reference import DOC_PATH, PROG, main, render, type_name
 
-RESERVED = (
+OFFLOAD_KEYS = (
     "cpu_offloading",
     "selective_checkpoint",
     "selective_checkpoint_offload",
@@ -56,11 +56,11 @@ def test_row_content() -> None:
     assert "| `data.global_bsz` | int or None, >= 1 | `None` |" in text
 
 
-def test_intro_covers_syntax_and_reserved_keys() -> None:
+def test_intro_covers_syntax_and_the_offload_keys() -> None:
     intro = render().split("## Top-level keys")[0]
-    for phrase in ("literals only", "`_base_`", "`--cfg-options", "UPPER_CASE", "reserved"):
+    for phrase in ("literals only", "`_base_`", "`--cfg-options", "UPPER_CASE", "each pipeline rank's own blocks"):
         assert phrase in intro
-    for key in RESERVED:
+    for key in OFFLOAD_KEYS:
         assert f"`{key}" in intro
 
 

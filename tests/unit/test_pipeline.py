@@ -1,6 +1,7 @@
 """Pipeline parallel's pure parts: InternEvo's partition, the stage-to-rank placement, the schedule choice, the
 stage modules against the whole decoder, and the config section with its one-line refusals."""
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +14,11 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from internlm_offload.builder.model import apply_memory_plan
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
-from internlm_offload.device import Accelerator
 from internlm_offload.config.pipeline import micro_batch_problem
 from internlm_offload.engine.pipeline import PipelineStages, schedule_class
-from internlm_offload.engine.pipeline_split import local_stages, partition_uniform, split_model, stage_rank
+from internlm_offload.config.pipeline_partition import local_stages, partition_uniform, stage_rank
+from internlm_offload.engine.pipeline_split import split_model
 from internlm_offload.model.internlm2 import InternLM2
 
 REPO = Path(__file__).resolve().parents[2]
@@ -179,15 +179,18 @@ def test_activation_offload_under_every_schedule(options):
     assert cfg.cpu_offloading.num_layers == 1
 
 
-def test_activation_offload_counts_the_ranks_own_blocks():
-    """Under a pipeline `cpu_offloading.num_layers` counts the rank's blocks (the last never offloaded): a rank
-    with 2 blocks refuses 2 in one line naming the key."""
-    cfg = resolve(2, {"cpu_offloading.enable": True, "cpu_offloading.num_layers": 2})
-    layers = split_model(tiny_decoder(), 2, 1, 0, False)[0].layers.values()
-    with pytest.raises(
-        ConfigError, match=r"cpu_offloading.num_layers=2 must be < 2 on pipeline rank 0: under a pipeline it counts"
-    ):
-        apply_memory_plan(cfg, torch.nn.ModuleList(layers), Accelerator("cpu"), segments=[2])
+@pytest.mark.parametrize(
+    "count, message",
+    [
+        (2, "cpu_offloading.num_layers=2 must be < 2 on pipeline rank 0: under a pipeline it counts the rank's own"),
+        ([1, 2], "cpu_offloading.num_layers=[1, 2] must be < 2 on pipeline rank 1: under a pipeline it counts"),
+    ],
+)
+def test_activation_offload_counts_the_ranks_own_blocks(count, message):
+    """Under a pipeline `cpu_offloading.num_layers` counts the rank's blocks (the last never offloaded), each rank's
+    entry of a list its own: a rank with 2 blocks refuses 2 in one line naming the key, when the config resolves."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve(2, {"cpu_offloading.enable": True, "cpu_offloading.num_layers": count})
 
 
 @pytest.mark.parametrize(

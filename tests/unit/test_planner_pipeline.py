@@ -236,6 +236,21 @@ def test_offload_per_pipeline_rank_is_the_fewest_blocks_each_rank_fits_with() ->
     assert tracer.traces == 3  # the search reads the two uniform traces above, and traces the choice
 
 
+def test_without_a_pipeline_the_offload_choice_stays_one_count() -> None:
+    """One rank: the search's offload choice is taken as it is (a crash once: the per-rank pass made an empty list)."""
+    options = {**SHAPE, "data.seq_len": 64, "parallel.pipeline.size": 1, "cpu_offloading.enable": "auto",
+               "cpu_offloading.num_layers": "auto", "memory_budget.device": "1GiB"}  # fmt: skip
+    config_for, tracer = candidate_configs(load_config_file(PP2, options), world_size=1), Tracer(1)
+    space = Space(config_for({}), frozenset(config_for({}).auto_knobs), num_layers=4, world_size=1)
+    plain = tracer.whole(config_for({"cpu_offloading.enable": False, "cpu_offloading.num_layers": 0}), True)
+    chosen, _, _ = search_tensor_modes(
+        config_for, settings_on(LAYOUT, space), settings_on(MICRO_BATCH, space), settings_on(OPTIMIZER, space),
+        HARDWARE["h100"], plain.device_peak_bytes - 1, None, 1, tracer=tracer, activations_for=activations_for(space),
+    )  # fmt: skip
+    assert chosen is not None and isinstance(chosen.options["cpu_offloading.num_layers"], int), chosen
+    assert chosen.options["cpu_offloading.num_layers"] > 0
+
+
 @pytest.mark.parametrize(
     "num_layers, pipeline, error",
     [

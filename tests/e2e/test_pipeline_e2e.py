@@ -209,12 +209,12 @@ def test_activation_offload_is_bitwise_and_lowers_the_first_stages_peak(tmp_path
 
 
 def test_offload_per_pipeline_rank_at_p4_is_bitwise_and_planned_within_5_percent(tmp_path):
-    """`cpu_offloading.num_layers=[1, 1, 0, 0]` at P = 4 (8 blocks, 2 a stage): the first two stages offload a block,
-    the last two none. Loss and grad norm bit for bit the same run's without offload; the planner's peak of each of
+    """`cpu_offloading.num_layers=[1, 1, 0, 0]` at P = 4 (8 blocks, 2 a stage; 3 steps, the peaks of steps 2-3): the
+    first two stages offload a block, the last two none. Loss and grad norm bit for bit the same run's without offload; the planner's peak of each of
     the 4 stages within 5 % of its measured one, the last two stages' planned peaks those of no offload and the
     first two's lower. Red with one count for every rank (the last two stages' planned peaks fall)."""
     base, offloaded = tmp_path / "p4_base", tmp_path / "p4_offload"
-    options = [*PEAK, *PLANNED, "parallel.pipeline.size=4", "model.num_layers=8"]
+    options = [*PEAK, *PLANNED, "data.total_steps=3", "parallel.pipeline.size=4", "model.num_layers=8"]
     per_rank = ["cpu_offloading.enable=True", "cpu_offloading.num_layers=[1,1,0,0]"]
     train(base, *options, nproc=4, config=PP2)
     train(offloaded, *options, *per_rank, nproc=4, config=PP2)

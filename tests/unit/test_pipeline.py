@@ -2,7 +2,6 @@
 stage modules against the whole decoder, and the config section with its one-line refusals."""
 
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,14 +13,13 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from internlm_offload.config import ConfigError, load_config_file, resolve_config
+from internlm_offload.config import ConfigError
 from internlm_offload.config.pipeline import micro_batch_problem
 from internlm_offload.engine.pipeline import PipelineStages, schedule_class
 from internlm_offload.config.pipeline_partition import local_stages, partition_uniform, stage_rank
 from internlm_offload.engine.pipeline_split import split_model
 from internlm_offload.model.internlm2 import InternLM2
-
-REPO = Path(__file__).resolve().parents[2]
+from pipeline_configs import PP2, resolve
 
 
 # ----------------------------------------------------------------------------- partition and placement
@@ -128,11 +126,6 @@ def test_each_rank_holds_its_parameters_under_the_whole_models_names(size, chunk
 # ----------------------------------------------------------------------------- config
 
 
-def resolve(world_size: int, options: dict[str, Any]):
-    """configs/internlm2_tiny_pp2.py (pipeline=dict(size=2), 4 micro-batches) with dotted `options` set."""
-    return resolve_config(load_config_file(REPO / "configs" / "internlm2_tiny_pp2.py", options), world_size=world_size)
-
-
 def test_internevo_pipeline_section_as_written():
     """`pipeline=2` means size 2, the mode is upper-cased, num_chunks and interleaved_overlap are read as written;
     pipeline stages read the same micro-batches, so the data-parallel size is the world over the pipeline."""
@@ -232,6 +225,37 @@ def test_the_offload_optimizers_and_masters_pass_under_a_pipeline(options):
             "base_on_host=True with parallel.pipeline.size=2: not built",
         ),
         (2, {"parallel.tensor.mode": "auto", "memory_budget.device": "1GiB"}, "not searched under a pipeline"),
+        # a stage's tensor group
+        (
+            4,
+            {"parallel.tensor.size": 2, "parallel.tensor.mode": "msp", "parallel.mode": "ddp", "data.global_bsz": 16},
+            "DDP does not take torch's tensor-parallel DTensors",
+        ),
+        (
+            4,
+            {
+                "parallel.tensor.size": 2,
+                "parallel.tensor.mode": "isp",
+                "parallel.mode": "ddp",
+                "parallel.pipeline.mode": "ZBV",
+            },
+            "does not follow the zero-bubble split backward",
+        ),
+        (
+            8,
+            {
+                "parallel.tensor.size": 2,
+                "parallel.tensor.mode": "isp",
+                "parallel.mode": "fsdp2",
+                "parallel.weight.size": 2,
+            },
+            "parallel.weight.size=2 under a pipeline: FSDP2 shards over a stage's 4 ranks",
+        ),
+        (
+            4,
+            {"parallel.tensor.size": 4},
+            "parallel.pipeline.size=2 x parallel.tensor.size=4 must divide the world size 4",
+        ),
     ],
 )
 def test_what_a_pipeline_cannot_take_is_one_line(world_size, options, message):
@@ -256,7 +280,7 @@ def test_the_planner_refuses_fsdp2_under_a_pipeline_in_one_line(capsys):
     not (tests/unit/test_planner_pipeline.py traces the other layouts)."""
     from internlm_offload.tools.plan import main
 
-    config = str(REPO / "configs" / "internlm2_tiny_pp2.py")
+    config = str(PP2)
     assert main(["--config", config, "--world-size", "4", "--cfg-options", "parallel.mode=fsdp2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "parallel.mode='fsdp2' with parallel.pipeline.size=2: the memory planner traces a pipeline's" in err

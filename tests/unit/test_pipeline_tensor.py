@@ -1,23 +1,13 @@
 """Tensor modes within a pipeline stage: the ("pp", "dp", "tp") mesh and the config's rules (the curves:
-tests/e2e/test_pipeline_e2e.py, P=2 x T=2 on 4 processes)."""
-
-from pathlib import Path
-from typing import Any
+tests/e2e/test_pipeline_e2e.py, P=2 x T=2 on 4 processes; the one-line refusals: tests/unit/test_pipeline.py)."""
 
 import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from internlm_offload.config import ConfigError, load_config_file, resolve_config
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.runtime import RunContext, parallel_meshes, stage_data_mesh
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def resolve(world_size: int, options: dict[str, Any]):
-    """configs/internlm2_tiny_pp2.py (pipeline=dict(size=2), 4 micro-batches) with dotted `options` set."""
-    return resolve_config(load_config_file(REPO / "configs" / "internlm2_tiny_pp2.py", options), world_size=world_size)
+from pipeline_configs import resolve
 
 
 def test_the_pipeline_tensor_mesh_seen_from_rank_5():
@@ -62,48 +52,6 @@ def test_every_tensor_mode_resolves_within_a_stage(mode, parallel_mode):
     assert resolve(8, wide).parallel.mode == wide["parallel.mode"]
     if mode == "isp" and parallel_mode == "fsdp2":
         assert resolve(8, {**wide, "parallel.mode": "fsdp2", "parallel.weight.size": 4}).parallel.weight.size == 4
-
-
-@pytest.mark.parametrize(
-    ("world_size", "options", "message"),
-    [
-        (
-            4,
-            {"parallel.tensor.size": 2, "parallel.tensor.mode": "msp", "parallel.mode": "ddp", "data.global_bsz": 16},
-            "DDP does not take torch's tensor-parallel DTensors",
-        ),
-        (
-            4,
-            {
-                "parallel.tensor.size": 2,
-                "parallel.tensor.mode": "isp",
-                "parallel.mode": "ddp",
-                "parallel.pipeline.mode": "ZBV",
-            },
-            "does not follow the zero-bubble split backward",
-        ),
-        (
-            8,
-            {
-                "parallel.tensor.size": 2,
-                "parallel.tensor.mode": "isp",
-                "parallel.mode": "fsdp2",
-                "parallel.weight.size": 2,
-            },
-            "parallel.weight.size=2 under a pipeline: FSDP2 shards over a stage's 4 ranks",
-        ),
-        (
-            4,
-            {"parallel.tensor.size": 4},
-            "parallel.pipeline.size=2 x parallel.tensor.size=4 must divide the world size 4",
-        ),
-    ],
-)
-def test_what_a_stage_s_tensor_group_cannot_take_is_one_line(world_size, options, message):
-    with pytest.raises(ConfigError) as info:
-        resolve(world_size, options)
-    assert message in str(info.value), str(info.value)
-    assert len(str(info.value).splitlines()) <= 2
 
 
 def test_the_planner_traces_each_stage_of_a_pipeline_of_tensor_groups():

@@ -15,8 +15,8 @@ from internlm_offload.config import RunConfig
 from internlm_offload.log import get_logger
 from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate, shared_by
 from internlm_offload.planner.preflight import PreflightError
-from internlm_offload.planner.knobs import Space, activations_for, search_axes
-from internlm_offload.planner.search import Candidate, ConfigFor, search_tensor_modes, smallest_peak
+from internlm_offload.planner.knobs import Space
+from internlm_offload.planner.search import Candidate, ConfigFor, search_space, smallest_peak
 from internlm_offload.config.sizes import human_bytes
 from internlm_offload.torchrun_env import env_local_world_size
 
@@ -42,18 +42,8 @@ def choose_auto_knobs(
     device_budget = budget.device - runtime_bytes
     runtime_note = f" less {human_bytes(runtime_bytes)} in use before the run" if runtime_bytes else ""
     space = Space(cfg, frozenset(cfg.auto_knobs), num_layers=cfg.model.num_layers, world_size=world_size)
-    modes, activations, optimizers = search_axes(space)
-    hardware = hardware_for(accelerator_name)
-    chosen, candidates, refused = search_tensor_modes(
-        config_for,
-        modes,
-        activations,
-        optimizers,
-        hardware,
-        device_budget,
-        budget.host,
-        world_size,
-        activations_for=activations_for(space),
+    chosen, candidates, refused = search_space(
+        config_for, space, hardware_for(accelerator_name), device_budget, budget.host
     )
     for line in refused:
         logger.info("memory_budget: layout %s", line)

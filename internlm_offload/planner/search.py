@@ -30,7 +30,7 @@ from typing import Any
 from internlm_offload.config import ConfigError, RunConfig, merge_overrides, resolve_config
 from internlm_offload.planner.compose import APPROXIMATE_MARGIN, Tracer
 from internlm_offload.planner.cost import Hardware, StepWork, step_time
-from internlm_offload.planner.knobs import Setting
+from internlm_offload.planner.knobs import Setting, Space, activations_for, search_axes
 from internlm_offload.planner.pipeline import StageMemory, planned_step_time
 from internlm_offload.planner.progress import SearchProgress
 from internlm_offload.planner.stage_offload import fewest_per_rank, offload_count, offload_ladder, per_rank_setting
@@ -352,6 +352,26 @@ def search_tensor_modes(
     candidates = [c for _, _, _, c in queue]
     candidates += [best for best in ordered if all(best is not c for c in candidates)]  # offload per pipeline rank
     return chosen, candidates, refused
+
+
+def search_space(
+    config_for: ConfigFor,
+    space: Space,
+    hardware: Hardware,
+    device_budget: int | None,
+    host_budget: int | None,
+    disk_budget: int | None = None,
+    *,
+    tracer: Tracer | None = None,
+    progress: SearchProgress | None = None,
+) -> tuple[Candidate | None, list[Candidate], list[str]]:
+    """`search_tensor_modes` over `space`'s three axes (`knobs.search_axes`), each layout with its own activation
+    settings (`knobs.activations_for`): what `tools.plan` and a config's "auto" knobs both search."""
+    modes, activations, optimizers = search_axes(space)
+    return search_tensor_modes(
+        config_for, modes, activations, optimizers, hardware, device_budget, host_budget, space.world_size,
+        disk_budget, tracer=tracer, progress=progress, activations_for=activations_for(space),
+    )  # fmt: skip
 
 
 def _in_mode(config_for: ConfigFor, mode: dict[str, Any], overrides: dict[str, Any]) -> RunConfig:

@@ -360,8 +360,8 @@ def run_search(
 
     `raw`: the loaded config (`--config` with `--cfg-options`); the candidates are merges of it."""
     from internlm_offload.planner.progress import SearchProgress
-    from internlm_offload.planner.knobs import WRAPPER, Space, activations_for, search_axes
-    from internlm_offload.planner.search import candidate_configs, search_tensor_modes, smallest_peak
+    from internlm_offload.planner.knobs import WRAPPER, Space
+    from internlm_offload.planner.search import candidate_configs, search_space, smallest_peak
 
     config_for = candidate_configs(raw, world_size=args.world_size)
     # every knob searched, smaller micro-batches too; parameter offload switches the wrapper to FSDP2 unless
@@ -374,22 +374,10 @@ def run_search(
         shapes=True,
         world_size=args.world_size,
     )
-    modes, activations, optimizers = search_axes(space)
     progress = SearchProgress(enabled=sys.stderr.isatty() and not args.no_progress)
     try:
-        chosen, candidates, refused = search_tensor_modes(
-            config_for,
-            modes,
-            activations,
-            optimizers,
-            hardware,
-            device_budget,
-            host_budget,
-            args.world_size,
-            disk_budget,
-            tracer=tracer,
-            progress=progress,
-            activations_for=activations_for(space),
+        chosen, candidates, refused = search_space(
+            config_for, space, hardware, device_budget, host_budget, disk_budget, tracer=tracer, progress=progress
         )
     finally:
         progress.close()

@@ -320,12 +320,10 @@ def _traced(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp
 
 def _ddp_wraps(cfg: RunConfig, memory: StepMemory) -> bool:
     """Whether the builder wraps the model in DDP: not under gradient offload (builder/model.py), nor a pipeline's
-    stages whose fp32 masters reduce the gradients themselves or whose schedule splits the backward
-    (builder/pipeline.py)."""
+    stages whose fp32 masters reduce the gradients themselves (builder/pipeline.py; a zero-bubble pipeline's stages,
+    never wrapped, are traced as built: `_traced`)."""
     masters = memory.components["master_weights"] + memory.components["host_master_weights"]
-    pipe = cfg.parallel.pipeline
-    staged_apart = pipe.size > 1 and (masters > 0 or splits_backward(pipe.mode))
-    return not cfg.grad_offload and not staged_apart
+    return not cfg.grad_offload and not (cfg.parallel.pipeline.size > 1 and masters > 0)
 
 
 def _pipeline_step(cfg: RunConfig, world_size: int, measure: bool, count_work: bool) -> StepMemory:

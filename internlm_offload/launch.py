@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 # Only light imports here: a bad config and --print-config are answered before torch is imported
 # (about 1 s instead of 5); the runtime, the device and the checkpoint code load once the config is valid.
-from internlm_offload.config import ConfigError, RunConfig, experts_over_tensor, load_config_file, resolve_config
+from internlm_offload.config import (
+    ConfigError,
+    RunConfig,
+    chunked_loss,
+    experts_over_tensor,
+    load_config_file,
+    resolve_config,
+)
 from internlm_offload.config.file import add_cfg_options
 from internlm_offload.errors import CheckpointError, CheckpointWriteError, DataError, TrainingDiverged
 from internlm_offload.log import get_logger, setup_logging
@@ -126,7 +133,7 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
         expert_size=cfg.parallel.expert.size,
         expert_weight_size=cfg.parallel.expert_weight.size,
         experts_over_tensor=experts_over_tensor(cfg),
-        chunked_loss=cfg.parallel.tensor.mode == "isp",
+        chunked_loss=chunked_loss(cfg),
         pipeline_size=cfg.parallel.pipeline.size,
     )
     try:

@@ -5,7 +5,7 @@ from torch import nn
 
 from internlm_offload.builder.model import log_build_memory, uses_loss_parallel
 from internlm_offload.config import RunConfig
-from internlm_offload.config.pipeline import splits_backward, virtual_chunks
+from internlm_offload.config.pipeline import splits_backward, stage_sequence_parts, virtual_chunks
 from internlm_offload.engine.pipeline import PipelineRunner, schedule_class, wrap_chunks
 from internlm_offload.engine.pipeline_split import PipelineChunk, split_model
 from internlm_offload.engine.precision import PrecisionPolicy
@@ -23,9 +23,8 @@ def split_for_pipeline(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> dic
     chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
     rank = ctx.pipeline_mesh.get_local_rank("pp")
     stages = split_model(model, pipe.size, chunks, rank, v_shape=pipe.mode == "ZBV")
-    if cfg.parallel.tensor.mode != "mtp":  # mtp's are whole on every tensor rank
-        for stage in stages.values():
-            stage.sequence_parts = ctx.tensor_size
+    for stage in stages.values():
+        stage.sequence_parts = stage_sequence_parts(cfg)
     return stages
 
 

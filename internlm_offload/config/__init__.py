@@ -3,7 +3,13 @@
 and sizes like '80GiB' (sizes.py). The names other packages use are importable from here."""
 
 from internlm_offload.config.file import ConfigError, add_cfg_options, load_config_file, merge_overrides
-from internlm_offload.config.resolve import expert_ranks, experts_over_tensor, resolve_config, take_auto_knobs
+from internlm_offload.config.resolve import (
+    chunked_loss,
+    expert_ranks,
+    experts_over_tensor,
+    resolve_config,
+    take_auto_knobs,
+)
 from internlm_offload.config.schema import RunConfig
 from internlm_offload.config.sections import (
     AUTO,
@@ -33,6 +39,7 @@ __all__ = [
     "parse_size",
     "expert_ranks",
     "experts_over_tensor",
+    "chunked_loss",
     "resolve_config",
     "take_auto_knobs",
 ]

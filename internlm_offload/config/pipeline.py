@@ -14,6 +14,7 @@ from internlm_offload.config.base import Section
 from internlm_offload.config.pipeline_partition import rank_blocks
 
 PIPELINE_MODES = ("1F1B", "ZBH1", "ZBV")
+PIPELINE_KNOBS = ("parallel.pipeline.size", "parallel.pipeline.mode", "model.num_chunks")  # "auto" picks a layout
 
 
 class PipelineConfig(Section):
@@ -88,6 +89,13 @@ def pipeline_problem(cfg: Any) -> str | None:
         or _chunk_problem(pipe.size, pipe.mode, model.num_chunks, model.num_layers)
         or _offload_problem(cfg)
     )
+
+
+def stage_sequence_parts(cfg: Any) -> int:
+    """The parts each tensor group splits the hidden states between stages into: T under msp, fsp and isp (each
+    tensor rank sends its part of the sequence), 1 under mtp (whole on every tensor rank)."""
+    tensor = cfg.parallel.tensor
+    return 1 if tensor.mode == "mtp" else tensor.size
 
 
 def pipeline_rank_blocks(cfg: Any, rank: int) -> list[int]:

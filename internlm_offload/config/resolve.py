@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from internlm_offload.config.errors import report_problems, schema_at, validation_problem
 from internlm_offload.config.file import ConfigError
 from internlm_offload.config.internevo import translate
-from internlm_offload.config.pipeline import data_parallel_problem, micro_batch_problem
+from internlm_offload.config.pipeline import PIPELINE_KNOBS, data_parallel_problem, micro_batch_problem
 from internlm_offload.config.schema import RunConfig
 from internlm_offload.config.sections import AUTO, AUTO_KNOBS, TENSOR_MODES
 
@@ -79,6 +79,12 @@ def experts_over_tensor(cfg: RunConfig) -> bool:
     (whole under `parallel.expert.no_tp`, which the schema requires there)."""
     tensor = cfg.parallel.tensor
     return tensor.mode == "isp" or (tensor.size > 1 and cfg.model.num_experts > 0)
+
+
+def chunked_loss(cfg: RunConfig) -> bool:
+    """Whether each tensor rank's loss is its sequence chunk's share (isp), averaged with the others' over every
+    rank, where mtp/msp/fsp's tensor ranks compute the one loss of their micro-batches."""
+    return cfg.parallel.tensor.mode == "isp"
 
 
 def _resolve_expert_parallel(cfg: RunConfig, ranks: int) -> None:
@@ -150,7 +156,6 @@ def _data_parallel_size(cfg: RunConfig, world_size: int) -> int:
     return world_size // (tensor * pipeline)
 
 
-PIPELINE_KNOBS = ("parallel.pipeline.size", "parallel.pipeline.mode", "model.num_chunks")
 NOT_SEARCHED_UNDER_PIPELINE = ("parallel.tensor.mode", "parallel.expert.size", "parallel.fsdp_cpu_offload")
 
 

@@ -89,7 +89,6 @@ class PipelineRunner:
         # ranks over the stages, so each tensor rank's sends and receives pair it with the same tensor rank.
         self._pp_group = ctx.pipeline_mesh["pp"].get_group()
         self._dp_group = ctx.pipeline_mesh["dp"].get_group()
-        # isp: the tensor ranks' losses are their chunks' shares; their average over "tp" is the sequences'
         tensor = "tp" in (ctx.pipeline_mesh.mesh_dim_names or ())
         self._tp_group = ctx.pipeline_mesh["tp"].get_group() if tensor else None
         # isp's tensor ranks hold their chunks' losses (averaged); mtp/msp/fsp's the same loss: MAX keeps its bits

@@ -28,7 +28,7 @@ from typing import Any
 
 from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, RunConfig, expert_ranks
 from internlm_offload.config.lora import base_on_host_layout_problem
-from internlm_offload.config.pipeline import PIPELINE_MODES, virtual_chunks
+from internlm_offload.config.pipeline import PIPELINE_KNOBS, PIPELINE_MODES, virtual_chunks
 from internlm_offload.config.pipeline_partition import rank_blocks
 
 MICRO_BATCH, OPTIMIZER, LAYOUT = "micro_batch", "optimizer", "layout"
@@ -48,7 +48,7 @@ TENSOR_MODE = "parallel.tensor.mode"
 EXPERT_SIZE = "parallel.expert.size"
 WRAPPER = "parallel.mode"  # a knob of its own where the config leaves it open: the settings that need FSDP2 set it
 BASE_ON_HOST = "model.lora.base_on_host"  # LoRA's frozen base on the host, the trainer's own (none / DDP)
-PIPELINE = ("parallel.pipeline.size", "parallel.pipeline.mode", "model.num_chunks")  # searched as layouts
+PIPELINE = PIPELINE_KNOBS  # searched as layouts
 
 
 def activation_settings(num_layers: int, auto: Iterable[str] = AUTO_KNOBS) -> list[Setting]:

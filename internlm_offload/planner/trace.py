@@ -37,8 +37,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves
 
 from internlm_offload.builder import build_components, make_trainer
-from internlm_offload.config import RunConfig, expert_ranks
-from internlm_offload.config.pipeline import splits_backward
+from internlm_offload.config import RunConfig, chunked_loss, expert_ranks
+from internlm_offload.config.pipeline import splits_backward, stage_sequence_parts
 from internlm_offload.data.loader import MicroBatch
 from internlm_offload.device import storage_key
 from internlm_offload.engine.expert_parallel import expert_params, moe_blocks
@@ -384,9 +384,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_
         for stand_in in stand_ins:
             stack.enter_context(stand_in)
         expert_sizes = (experts, cfg.parallel.expert_weight.size, expert_ranks(cfg, world_size))
-        ctx = _rank_context(
-            rank, world_size, tensor, expert_sizes, pipe, accelerator, cfg.parallel.tensor.mode == "isp"
-        )
+        ctx = _rank_context(rank, world_size, tensor, expert_sizes, pipe, accelerator, chunked_loss(cfg))
         parts = build_components(cfg, ctx, check_host_memory=False)
         if cfg.parallel.fsdp_cpu_offload:
             for param in parts.model.parameters():  # FSDP2 keeps each shard in pinned host memory
@@ -394,8 +392,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_
         schedule = None
         if parts.pipeline is not None:  # the stages' schedule run here, in torch's order, without sends
             # what stages send each other: under msp, fsp and isp a tensor rank's 1/T of the sequence
-            parts_of_sequence = tensor if cfg.parallel.tensor.mode != "mtp" else 1
-            activation = (cfg.model.hidden_size, parts.policy.compute_dtype, parts_of_sequence)
+            activation = (cfg.model.hidden_size, parts.policy.compute_dtype, stage_sequence_parts(cfg))
             schedule = LocalSchedule(parts.pipeline, pp_rank, activation)
             parts.pipeline = cast(PipelineRunner, schedule)
         trainer = make_trainer(cfg, ctx, parts, trainer_class=Trainer if measure else _TracingTrainer)

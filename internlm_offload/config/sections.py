@@ -236,7 +236,11 @@ class DataConfig(Section):
         description="`chat`: lines that hold no usable conversation (not JSON, unknown role, nothing to train) are "
         "skipped and reported with file and line; more than this fraction of them stops the run (exit 2).",
     )
-    tokenizer: str = Field("byte", description="`byte` (259 tokens) or a local Hugging Face tokenizer folder.")
+    tokenizer: str = Field(
+        "byte",
+        description="`byte` (259 tokens), a local Hugging Face tokenizer folder, or a hub id (`Qwen/Qwen3-4B`) "
+        "already in the local Hugging Face cache (read offline, never downloaded).",
+    )
     seq_len: int = Field(128, ge=2, description="Tokens per sample.")
     micro_bsz: int = Field(2, ge=1, description="Samples per micro-batch, per rank.")
     micro_num: int = Field(1, ge=1, description="Micro-batches per step (gradient accumulation), per rank.")

@@ -74,6 +74,25 @@ def _save_tiny_hf_tokenizer(path: Path) -> None:
     fast.save_pretrained(str(path))
 
 
+def test_hf_tokenizer_from_a_hub_id_in_the_local_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """XTuner's configs name tokenizers by hub id: one already downloaded is read from the cache, offline; one not
+    there is refused in one line naming the id and the cache."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--tiny" / "snapshots" / ("0" * 40)
+    _save_tiny_hf_tokenizer(snapshot)
+    (cache / "models--org--tiny" / "refs").mkdir()
+    (cache / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    tok = build_tokenizer("org/tiny")
+    assert tok.encode("hello world") == HFTokenizer(str(snapshot)).encode("hello world")
+    with pytest.raises(DataError) as info:
+        build_tokenizer("org/absent")
+    assert str(info.value).startswith("data.tokenizer='org/absent': not a local directory and not in the Hugging")
+    assert str(cache) in str(info.value) and "\n" not in str(info.value)
+
+
 def test_hf_tokenizer_local(tmp_path: Path) -> None:
     _save_tiny_hf_tokenizer(tmp_path)
     tok = build_tokenizer(str(tmp_path))

@@ -16,3 +16,14 @@ def pytest_configure(config) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+# The kernel choice CI sets (tests/README.md): named at the top of every run, as it decides the last bits.
+KERNEL_VARIABLES = ("MKL_CBWR", "ATEN_CPU_CAPABILITY")
+
+
+def pytest_report_header(config) -> str:
+    import torch
+
+    chosen = ", ".join(f"{name}={os.environ[name]}" for name in KERNEL_VARIABLES if name in os.environ)
+    return f"cpu kernels: {torch.backends.cpu.get_cpu_capability()} ({chosen or 'the CPU default'})"

@@ -78,7 +78,9 @@ def main(moe_type, starve):
     check(moe.experts.w1.to_local().shape[0] == E // 2, "local experts")
     out, x_grad = run(moe, tokens(rank))
     ref_out, ref_x_grad = ref_outs[rank]
-    check(torch.equal(out, ref_out), f"output differs: {(out - ref_out).abs().max()}")
+    # not bitwise: an expert's matmul takes both ranks' rows at once, so its row count (and with it the kernel MKL
+    # or ATen picks, and the summation order) differs from the one-process layer's (tests/README.md, "Bitwise")
+    close(out, ref_out, "output", 1e-6)
     # GShard: the same choices kept per expert (capacity from this rank's tokens, as without expert parallel)
     check(torch.equal(moe.tokens_per_expert, ref_counts[rank]), "tokens per expert after capacity differ")
     if moe_type == "GShard":
@@ -109,8 +111,8 @@ if __name__ == "__main__":
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("moe_type, routing", [("Dropless", "uneven"), ("GShard", "uneven"), ("Dropless", "starve")])
 def test_two_rank_dispatch_matches_one_process_layer(tmp_path, moe_type, routing):
-    """Outputs bitwise (each row meets the same expert weights in the same kernel); input, expert and router
-    gradients within 1e-6 (expert weight gradients sum rows from both ranks, grouped differently)."""
+    """Outputs, input, expert and router gradients within 1e-6 relative (an expert's matmul sees both ranks' rows at
+    once; its weight gradients sum rows from both ranks, grouped differently); routing choices exactly."""
     script = tmp_path / "ep_dispatch.py"
     script.write_text(SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]

@@ -204,12 +204,13 @@ def run(args: argparse.Namespace) -> int:
     disk_budget = None if node_disk is None else node_disk // ranks_per_node
     if args.disk_bandwidth is not None and not args.disk_bandwidth > 0:
         raise PlanInputError(f"--disk-bandwidth {args.disk_bandwidth}: expected GB/s > 0")
-    raw = load_config_file(args.config, args.cfg_options)  # read once: the search's candidates merge into it
+    # read once: the search's candidates merge into it
+    raw = with_device_budget(load_config_file(args.config, args.cfg_options), device_budget)
     cfg = resolve_config(raw, world_size=args.world_size)
     if node_disk is not None and cfg.nvme_offload.path is None:
         # A disk budget offers the NVMe tier: the search tries it (nvme_offload.enable) under this directory.
         args.cfg_options = {**args.cfg_options, "nvme_offload.path": args.nvme_path}
-        raw = load_config_file(args.config, args.cfg_options)
+        raw = with_device_budget(load_config_file(args.config, args.cfg_options), device_budget)
         cfg = resolve_config(raw, world_size=args.world_size)
     check_weights(cfg)
     searching = bool(device_budget or host_budget) and not args.check_only
@@ -288,6 +289,15 @@ def run(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     return 0 if fits else EXIT_DOES_NOT_FIT
+
+
+def with_device_budget(raw: dict[str, Any], device_budget: int | None) -> dict[str, Any]:
+    """The loaded config with `--device-memory` as its `memory_budget.device` where it names none: the budget its
+    "auto" knobs need (the search reads the option itself; a config's own budget stays, as train.py would use it)."""
+    budget = raw.get("memory_budget")
+    if device_budget is None or (isinstance(budget, dict) and budget.get("device") is not None):
+        return raw
+    return merge_overrides(raw, {"memory_budget.device": device_budget})
 
 
 def check_weights(cfg: Any) -> None:

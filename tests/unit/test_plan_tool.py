@@ -399,3 +399,15 @@ def test_a_native_config_naming_a_folder_of_another_architecture_is_refused_as_t
     assert capsys.readouterr().err.strip().startswith(f"error: {refusal}")
     elsewhere = f"ckpt.load_ckpt_info.path={str(tmp_path / 'on_the_cluster')!r}"
     assert plan.main(["--config", str(config), "--check-only", "--cfg-options", *SMALL, elsewhere]) == 0
+
+
+def test_device_memory_is_the_budget_an_auto_knob_needs(capsys) -> None:
+    """`parallel.expert.size="auto"` asked tools.plan for `memory_budget.device` although `--device-memory` was given:
+    the option is that budget now (exit 0); without either, the one line still names the key."""
+    moe = str(Path(TINY).with_name("internlm2_tiny_moe.py"))
+    options = [*SMALL, "parallel.mode='ddp'", "parallel.expert.size=auto"]
+    argv = ["--config", moe, "--world-size", "2", "--check-only", "--cfg-options", *options]
+    assert plan.main(argv) == 2
+    assert "parallel.expert.size='auto' needs memory_budget.device" in capsys.readouterr().err
+    assert plan.main([*argv, "--device-memory", "1GiB"]) == 0
+    assert "configs/internlm2_tiny_moe.py on 2 rank(s): fits" in capsys.readouterr().out

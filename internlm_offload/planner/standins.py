@@ -162,7 +162,9 @@ def grouped_mm_on_meta() -> Iterator[None]:
     registrations = importlib.import_module("torch._meta_registrations")
     common = registrations._meta_grouped_mm_common
 
-    def cpu_dtypes(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: Any, scale_b: Any, *args: Any, **kwargs: Any):
+    def cpu_dtypes(
+        mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: Any, scale_b: Any, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         unscaled = scale_a is None and scale_b is None and mat_a.dtype == mat_b.dtype != torch.bfloat16
         if unscaled and has_grouped_mm(CPU, mat_a.dtype):
             offs = kwargs.get("offs", args[0] if args else None)

@@ -108,7 +108,9 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
         return 0
     from internlm_offload.device import get_accelerator
     from internlm_offload.engine.runtime import init_runtime, shutdown_runtime
+    from internlm_offload.engine.start_plan import check_named_weights
 
+    check_named_weights(cfg)  # before the planner traces the configured model: the weights may be another one
     gc.freeze()  # torch's objects live as long as the process: see `freeze_what_lives_for_good`
     accelerator = get_accelerator(cfg.device)
     setup_logging(int(os.environ.get("RANK", "0")))

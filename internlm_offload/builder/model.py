@@ -45,6 +45,8 @@ def build_model(cfg: ModelConfig, device: torch.device, moe_loss_coeff: float = 
         kwargs: dict[str, Any] = dict(
             path=cfg.hf_path, config=cfg.hf_config, trust_remote_code=cfg.trust_remote_code, attn_impl=cfg.attn_impl
         )
+        # a meta build (the planner's trace) has nowhere to read a folder's weights into: its config builds the modules
+        kwargs["read_weights"] = device.type != "meta"
     else:
         kwargs = dict(
             num_layers=cfg.num_layers,

@@ -5,6 +5,7 @@ and sizes like '80GiB' (sizes.py). The names other packages use are importable f
 from internlm_offload.config.file import ConfigError, add_cfg_options, load_config_file, merge_overrides
 from internlm_offload.config.resolve import (
     chunked_loss,
+    data_parallel_size,
     expert_ranks,
     experts_over_tensor,
     resolve_config,
@@ -37,6 +38,7 @@ __all__ = [
     "load_config_file",
     "merge_overrides",
     "parse_size",
+    "data_parallel_size",
     "expert_ranks",
     "experts_over_tensor",
     "chunked_loss",

@@ -72,7 +72,10 @@ class ExpertWeightParallelConfig(Section):
 
 class ParallelConfig(Section):
     mode: Literal["none", "ddp", "fsdp2"] = Field(
-        "none", description="`none` (one process), `ddp`, or `fsdp2` (`fully_shard` per block, then the root)."
+        "none",
+        description="`none` (one process), `ddp`, or `fsdp2` (`fully_shard` per block, then the root). "
+        '`"auto"` (with `memory_budget`): the planner chooses `ddp` or `fsdp2` (`none` or `fsdp2` with one '
+        "data-parallel rank).",
     )
     reshard_after_forward: bool = Field(True, description="`fsdp2`: free unsharded params after forward (ZeRO-3).")
     bucket_cap_mb: int = Field(25, ge=1, description="`ddp`: gradient bucket size.")

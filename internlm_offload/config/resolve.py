@@ -33,6 +33,8 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
             f"{auto[0]}='auto' needs memory_budget.device, the device memory per rank the planner "
             "may use, e.g. memory_budget=dict(device='40GiB')"
         )
+    if "parallel.mode" in auto:
+        raw["parallel"]["mode"] = _wrapper_placeholder(raw, world_size, tensor_auto="parallel.tensor.mode" in auto)
     if "parallel.tensor.mode" in auto:
         raw["parallel"]["tensor"]["mode"] = _tensor_mode_placeholder(raw)
     try:
@@ -43,13 +45,13 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
         raise ConfigError(report_problems(problems))
     cfg._migration = translation
     cfg._auto_knobs = auto
-    _derive_batch(cfg, _data_parallel_size(cfg, world_size))
-    _check_pipeline(cfg, _data_parallel_size(cfg, world_size))
+    _derive_batch(cfg, data_parallel_size(cfg, world_size))
+    _check_pipeline(cfg, data_parallel_size(cfg, world_size))
     if cfg.lr_scheduler.total_steps is None:
         cfg.lr_scheduler.total_steps = cfg.data.total_steps
     if cfg.data.seed is None:
         cfg.data.seed = cfg.seed
-    if "parallel.fsdp_cpu_offload" in auto and cfg.parallel.mode != "fsdp2":
+    if "parallel.fsdp_cpu_offload" in auto and cfg.parallel.mode != "fsdp2" and "parallel.mode" not in auto:
         raise ConfigError(
             f"parallel.fsdp_cpu_offload='auto' needs parallel.mode='fsdp2' (FSDP2's CPU offload policy), "
             f"got {cfg.parallel.mode!r}"
@@ -57,7 +59,7 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
     if "nvme_offload.enable" in auto and cfg.nvme_offload.path is None:
         raise ConfigError("nvme_offload.enable='auto' needs nvme_offload.path, the directory the planner may choose")
     # A 1-process ddp/fsdp2 run is legal (handy to debug the wrappers); several data-parallel ranks need one.
-    data_parallel = _data_parallel_size(cfg, world_size)
+    data_parallel = data_parallel_size(cfg, world_size)
     if cfg.parallel.mode == "none" and data_parallel > 1 and cfg.parallel.tensor.mode != "isp":
         raise ConfigError(
             f"parallel.mode='none' with {data_parallel} data-parallel ranks (world size {world_size}, tensor size "
@@ -71,7 +73,7 @@ def expert_ranks(cfg: RunConfig, world_size: int) -> int:
     """The ranks expert parallel is carved from, each routing tokens of its own: the data-parallel ranks, or with
     tensor parallel every rank (isp's and, with `parallel.expert.no_tp`, mtp/msp/fsp's tensor ranks route different
     chunks of the sequences; InternEvo's orders too: its expert tensor size is 1 there)."""
-    return world_size if experts_over_tensor(cfg) else _data_parallel_size(cfg, world_size)
+    return world_size if experts_over_tensor(cfg) else data_parallel_size(cfg, world_size)
 
 
 def experts_over_tensor(cfg: RunConfig) -> bool:
@@ -125,7 +127,7 @@ def _resolve_expert_parallel(cfg: RunConfig, ranks: int) -> None:
 
 def _expert_weight_mode_problem(cfg: RunConfig) -> str | None:
     weight = cfg.parallel.expert_weight.size
-    if weight > 1 and cfg.parallel.mode != "fsdp2":
+    if weight > 1 and cfg.parallel.mode != "fsdp2" and "parallel.mode" not in cfg.auto_knobs:  # "auto": its search
         return (
             f"parallel.expert_weight.size={weight} shards the experts with FSDP2 over groups of their expert-data "
             f"ranks: set parallel.mode='fsdp2', got {cfg.parallel.mode!r}"
@@ -138,7 +140,7 @@ def _ranks_name(cfg: RunConfig) -> str:
     return "world" if experts_over_tensor(cfg) and cfg.parallel.tensor.size > 1 else "data-parallel"
 
 
-def _data_parallel_size(cfg: RunConfig, world_size: int) -> int:
+def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
     """Ranks that read different micro-batches: the world over the tensor groups (tensor ranks innermost)."""
     tensor, pipeline = cfg.parallel.tensor.size, cfg.parallel.pipeline.size
     sizes = (("tensor", tensor), ("weight", cfg.parallel.weight.size), ("pipeline", pipeline))
@@ -188,12 +190,34 @@ def _tensor_mode_placeholder(raw: dict[str, Any]) -> str:
     for mode in TENSOR_MODES:
         candidate = copy.deepcopy(raw)
         candidate["parallel"]["tensor"]["mode"] = mode
-        try:
-            RunConfig.model_validate(candidate)
-        except ValidationError:
-            continue
-        return mode
+        if _validates(candidate):
+            return mode
     return TENSOR_MODES[0]
+
+
+def _wrapper_placeholder(raw: dict[str, Any], world_size: int, *, tensor_auto: bool) -> str:
+    """`parallel.mode="auto"` holds the first wrapper the rest of the config can take (with the tensor mode's
+    placeholder where that is "auto" too) until the planner chose: DDP then FSDP2 on several ranks (`none` cannot
+    hold several data-parallel ranks), `none` first on one; the planner's layouts are `knobs.wrapper_settings`.
+    None taking it: the first, whose problems the report then names."""
+    modes = ("ddp", "fsdp2") if world_size > 1 else ("none", "fsdp2", "ddp")
+    for mode in modes:
+        candidate = copy.deepcopy(raw)
+        candidate["parallel"]["mode"] = mode
+        if tensor_auto:
+            candidate["parallel"]["tensor"]["mode"] = _tensor_mode_placeholder(candidate)
+        if _validates(candidate):
+            return mode
+    return modes[0]
+
+
+def _validates(raw: dict[str, Any]) -> bool:
+    """Whether the schema takes `raw` (a placeholder's trial: its problems are reported by the real validation)."""
+    try:
+        RunConfig.model_validate(raw)
+    except ValidationError:
+        return False
+    return True
 
 
 def take_auto_knobs(raw: dict[str, Any]) -> tuple[str, ...]:

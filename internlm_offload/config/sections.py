@@ -26,6 +26,7 @@ AUTO_KNOBS = (
     "hybrid_optimizer.enable",
     "hybrid_optimizer.offload_fraction",
     "parallel.fsdp_cpu_offload",
+    "parallel.mode",
     "grad_offload",
     "nvme_offload.enable",
     "parallel.tensor.mode",

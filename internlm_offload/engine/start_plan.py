@@ -109,6 +109,20 @@ def find_weights_source(cfg: RunConfig) -> WeightsSource | None:
     return WeightsSource(resolve_checkpoint_path(Path(info.path)), "dcp")
 
 
+def check_named_weights(cfg: RunConfig) -> None:
+    """Refuse the weights `ckpt.load_ckpt_info` names when the run would refuse them at its start (another trainer's
+    folder of an architecture or shape the configured model is not, or that a pipeline cannot load), before
+    anything is traced for the configured model: a plan or a preflight of it would describe a model that never
+    trains. The start's own checks (`find_weights_source`, `foreign_source`), nothing else."""
+    info = cfg.ckpt.load_ckpt_info
+    if info is None:
+        return
+    if info.content == ["model"]:
+        find_weights_source(cfg)
+    else:
+        foreign_source(info, cfg.model)
+
+
 def refuse_to_clobber(folder: Path) -> None:
     """A fresh run must not mix its checkpoints with an earlier run's."""
     latest = latest_checkpoint(folder)

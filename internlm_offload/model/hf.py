@@ -1,5 +1,6 @@
 """A Hugging Face causal LM behind the same interface as InternLM2 (forward, layers, init_weights)."""
 
+import functools
 import os
 from typing import Any
 
@@ -62,12 +63,16 @@ def _router_aux_coef(config: Any) -> float | None:
     return float(getattr(config, "router_aux_loss_coef", 0.0)) or None
 
 
-def _build_hf_model(path: str | None, hf_config: Any, trust_remote_code: bool, attn: str) -> nn.Module:
+def _build_hf_model(
+    path: str | None, hf_config: Any, trust_remote_code: bool, attn: str, read_weights: bool = True
+) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     common = dict(trust_remote_code=trust_remote_code, attn_implementation=attn)
     if path is None:
         return AutoModelForCausalLM.from_config(hf_config, **common)
+    if not read_weights:  # the folder's modules without its weights (from_pretrained refuses a meta device)
+        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **common)
     # fp32 whatever the checkpoint's dtype: the precision policy decides what is cast (masters stay fp32).
     return AutoModelForCausalLM.from_pretrained(
         path, config=hf_config, local_files_only=True, dtype=torch.float32, **common
@@ -121,7 +126,8 @@ class HFCausalLM(nn.Module):
     """Wraps `AutoModelForCausalLM`, built from a local checkpoint (`path`) or a config dict (`config`).
 
     `forward` returns the logits, or `(logits, aux_loss)` for a mixture-of-experts model: its router
-    load-balancing loss already multiplied by the model's own `router_aux_loss_coef`.
+    load-balancing loss already multiplied by the model's own `router_aux_loss_coef`. `read_weights=False` builds a
+    local checkpoint's modules from its config alone, in fp32 as its weights would load (a build on meta).
     """
 
     def __init__(
@@ -131,6 +137,7 @@ class HFCausalLM(nn.Module):
         config: dict | None = None,
         trust_remote_code: bool = False,
         attn_impl: str = "auto",
+        read_weights: bool = True,
     ) -> None:
         super().__init__()
         if (path is None) == (config is None):
@@ -153,7 +160,7 @@ class HFCausalLM(nn.Module):
         if self.aux_loss_coef is not None:
             hf_config.output_router_logits = True  # the router's load-balancing loss is part of training
             logger.info("MoE model: router aux loss weighted by router_aux_loss_coef=%g", self.aux_loss_coef)
-        self.hf_model = self._build(path, hf_config, trust_remote_code, attn_impl)
+        self.hf_model = self._build(path, hf_config, trust_remote_code, attn_impl, read_weights)
         self.attn_impl = self.hf_model.config._attn_implementation
         self.pretrained = path is not None
         # A path string, not the ModuleList itself: a second reference would register the layers twice.
@@ -162,10 +169,13 @@ class HFCausalLM(nn.Module):
         self.vocab_size = self.hf_model.config.vocab_size
 
     @staticmethod
-    def _build(path: str | None, hf_config: Any, trust_remote_code: bool, attn_impl: str) -> nn.Module:
+    def _build(
+        path: str | None, hf_config: Any, trust_remote_code: bool, attn_impl: str, read_weights: bool
+    ) -> nn.Module:
+        build = functools.partial(_build_hf_model, path, hf_config, trust_remote_code, read_weights=read_weights)
         if attn_impl != "auto":
             try:
-                return _build_hf_model(path, hf_config, trust_remote_code, ATTN_IMPLS[attn_impl])
+                return build(ATTN_IMPLS[attn_impl])
             except ValueError as exc:
                 if "attention implementation" not in str(exc):
                     raise
@@ -174,14 +184,14 @@ class HFCausalLM(nn.Module):
                     f"({' '.join(str(exc).split())[:160]}); use 'auto' or 'eager'"
                 ) from None
         try:
-            return _build_hf_model(path, hf_config, trust_remote_code, "sdpa")
+            return build("sdpa")
         except ValueError as exc:  # transformers refuses sdpa for some architectures (Gemma2)
             if "attention implementation" not in str(exc):
                 raise
             logger.warning(
                 "%s does not support sdpa attention; using eager (model.attn_impl='auto')", hf_config.model_type
             )
-            return _build_hf_model(path, hf_config, trust_remote_code, "eager")
+            return build("eager")
 
     @property
     def layers(self) -> nn.ModuleList:

@@ -11,7 +11,7 @@ Knobs sit on one of three axes, by what their cost depends on (`search.py`'s ste
   micro-batch shape);
 - `OPTIMIZER`: the optimizer step and where its states live (which optimizer, gradient offload, the NVMe
   tier);
-- `LAYOUT`: how the ranks split the model (the tensor mode): each value is a search of its own.
+- `LAYOUT`: how the ranks split the model (the wrapper, the tensor mode, ...): each value is a search of its own.
 
 To add a knob: write a function from the
 settings so far and the `Space` to the new settings, and add a `Knob` to `KNOBS` on its axis. The search
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, RunConfig, expert_ranks
+from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, RunConfig, data_parallel_size, expert_ranks
 from internlm_offload.config.lora import base_on_host_layout_problem
 from internlm_offload.config.pipeline import PIPELINE_KNOBS, PIPELINE_MODES, virtual_chunks
 from internlm_offload.config.pipeline_partition import rank_blocks
@@ -106,7 +106,9 @@ def optimizer_kinds(
     fixed_hybrid = cfg is not None and cfg.hybrid_optimizer.enable and "hybrid_optimizer.enable" not in auto
     switch_hybrid = "hybrid_optimizer.enable" in auto and not fixed_swap
     swap = "swap_optimizer" in auto and not fixed_hybrid
-    under_fsdp2 = cfg is not None and (cfg.parallel.mode == "fsdp2" or free_wrapper)
+    # the wrapper "auto": a layout of its own (`wrapper_settings`), FSDP2's among them, where alone this is built
+    wrapper_searched = cfg is not None and WRAPPER in cfg.auto_knobs
+    under_fsdp2 = cfg is not None and (cfg.parallel.mode == "fsdp2" or free_wrapper or wrapper_searched)
     # `model.lora.base_on_host` already holds the base on the host, the trainer's way (FSDP2 refuses it)
     hosted = cfg is not None and cfg.model.lora is not None and cfg.model.lora.base_on_host
     # a 4-bit base (QLoRA) is refused under FSDP2, which its CPU offload policy needs
@@ -133,7 +135,7 @@ def optimizer_kinds(
     if swap:
         settings.append(Setting("swap", {**off, "swap_optimizer": True}))
     if params_on_host:
-        wrapper = {} if cfg.parallel.mode == "fsdp2" else {WRAPPER: "fsdp2"}
+        wrapper = {} if cfg.parallel.mode == "fsdp2" or wrapper_searched else {WRAPPER: "fsdp2"}
         settings.append(Setting("params on host (FSDP2)", {**off, **wrapper, PARAMS_ON_HOST: True}))
     return settings
 
@@ -214,6 +216,18 @@ def tensor_mode_settings(cfg: RunConfig, auto: Iterable[str] = AUTO_KNOBS) -> li
     if TENSOR_MODE not in set(auto) or cfg.parallel.tensor.size == 1 or staged:
         return [Setting("", {})]
     return [Setting(mode, {TENSOR_MODE: mode}) for mode in TENSOR_MODES]
+
+
+def wrapper_settings(cfg: RunConfig, world_size: int) -> list[Setting]:
+    """DDP and FSDP2 (`none` and FSDP2 with one data-parallel rank, where DDP only adds its buckets) when the config
+    itself leaves `parallel.mode` "auto": a wrapper decides what every rank holds of the parameters, gradients and
+    states, so each is a search of its own (FSDP2's CPU offload policy is an optimizer setting of FSDP2's layout only;
+    a wrapper the config cannot take is a refusal line); else one setting that changes nothing. Only the config's
+    own "auto" searches it, as `expert_size_settings`."""
+    if WRAPPER not in cfg.auto_knobs:
+        return [Setting("", {})]
+    modes = ("none", "fsdp2") if data_parallel_size(cfg, world_size) == 1 else ("ddp", "fsdp2")
+    return [Setting(mode, {WRAPPER: mode}) for mode in modes]
 
 
 def expert_size_settings(cfg: RunConfig, world_size: int) -> list[Setting]:
@@ -344,6 +358,12 @@ def _hosted_base(settings: list[Setting], space: Space) -> list[Setting]:
     return _with_hosted_base(settings, space.cfg, space.auto)
 
 
+def _wrappers(settings: list[Setting], space: Space) -> list[Setting]:
+    if space.cfg is None:
+        return settings
+    return cross(settings, wrapper_settings(space.cfg, space.world_size))
+
+
 def _tensor_modes(settings: list[Setting], space: Space) -> list[Setting]:
     if space.cfg is None:
         return settings
@@ -369,6 +389,7 @@ KNOBS = (
     Knob("gradient offload", OPTIMIZER, _gradient_offload),
     Knob("NVMe tier", OPTIMIZER, _nvme_tier),
     Knob("LoRA base on host", OPTIMIZER, _hosted_base),
+    Knob("parallel wrapper", LAYOUT, _wrappers),
     Knob("tensor mode", LAYOUT, _tensor_modes),
     Knob("expert parallel size", LAYOUT, _expert_sizes),
     Knob("pipeline", LAYOUT, _pipelines),

@@ -14,6 +14,9 @@
   ids with a data-dependent check, which meta tensors cannot answer; the stand-in answers "one sequence a row", as
   the run does for the positions transformers makes itself (where the trainer passes packed positions it also
   passes a mask, so transformers does not look; with flash attention the answer is a (B, T) index, not memory).
+- `grouped_mm_on_meta()`: transformers' experts run torch's grouped GEMM in the model's dtype wherever torch has it
+  (5.x `integrations/moe.py`: on meta too), and cpu's kernel takes fp32, but torch's meta kernel takes bf16 only:
+  inside the stand-in it makes the output of the dtypes cpu's kernel takes as well, of the same shape.
 - `flash_attention_on_meta()`: on meta tensors `scaled_dot_product_attention` takes its math path,
   which keeps the (T x T) score matrix for backward; on a device (and on cpu) it takes a flash kernel that keeps the
   output and one log-sum-exp per row. The stand-in calls cpu's flash op, which has a meta kernel,
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from internlm_offload.device import Accelerator, Stream
+from internlm_offload.device.kernels import has_grouped_mm
 from internlm_offload.planner.tracker import StorageTracker
 
 META = torch.device("meta")
@@ -149,6 +153,29 @@ def packed_sequences_on_meta() -> Iterator[None]:
         yield
     finally:
         masking.find_packed_sequence_indices = find
+
+
+@contextlib.contextmanager
+def grouped_mm_on_meta() -> Iterator[None]:
+    """`aten._grouped_mm` on meta in every dtype cpu's kernel takes; see the module docstring. A patch of the meta
+    kernel's shared body, which the registered kernel looks up when called (forward and the backward's products)."""
+    registrations = importlib.import_module("torch._meta_registrations")
+    common = registrations._meta_grouped_mm_common
+
+    def cpu_dtypes(
+        mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: Any, scale_b: Any, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        unscaled = scale_a is None and scale_b is None and mat_a.dtype == mat_b.dtype != torch.bfloat16
+        if unscaled and has_grouped_mm(CPU, mat_a.dtype):
+            offs = kwargs.get("offs", args[0] if args else None)
+            return registrations._create_grouped_mm_output_tensor(mat_a, mat_b, offs, kwargs.get("out_dtype"))
+        return common(mat_a, mat_b, scale_a, scale_b, *args, **kwargs)
+
+    registrations._meta_grouped_mm_common = cpu_dtypes
+    try:
+        yield
+    finally:
+        registrations._meta_grouped_mm_common = common
 
 
 @contextlib.contextmanager

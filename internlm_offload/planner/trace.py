@@ -56,6 +56,7 @@ from internlm_offload.planner.standins import (
     flash_attention_on_meta,
     fsdp2_on_meta,
     fused_optimizers_on_meta,
+    grouped_mm_on_meta,
     packed_sequences_on_meta,
 )
 from internlm_offload.planner.tracker import StorageTracker, plain_tensors
@@ -369,6 +370,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_
             fused_optimizers_on_meta(),
             flash_attention_on_meta(),
             packed_sequences_on_meta() if cfg.model.type == "hf_causal_lm" else contextlib.nullcontext(),
+            grouped_mm_on_meta() if cfg.model.type == "hf_causal_lm" else contextlib.nullcontext(),
             fsdp2_on_meta(),
             expert_dispatch_on_meta(cfg.memory_budget.expert_imbalance),
             torch.device("meta"),

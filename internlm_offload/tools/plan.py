@@ -25,7 +25,8 @@ Ranks on one node share its host: `--host-memory` is the node's, each rank's bud
 and the host's memory bandwidth (copies, host adds, the CPU AdamW step) is shared the same way.
 
 Exit codes: 0 the plan (or the choice) fits the budgets given, or none was given; 3 nothing fits (the
-line says what dominates, or the smallest peak found); 2 bad input (config, option or size).
+line says what dominates, or the smallest peak found); 2 bad input (config, option or size, or weights the
+config names that its run would refuse).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 from internlm_offload.config import ConfigError, experts_over_tensor, load_config_file, resolve_config
 from internlm_offload.config.file import add_cfg_options, merge_overrides
 from internlm_offload.device import get_accelerator
+from internlm_offload.errors import CheckpointError
 from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate, shared_by
 from internlm_offload.planner.tracker import largest_component
 from internlm_offload.config.sizes import human_bytes
@@ -202,13 +204,15 @@ def run(args: argparse.Namespace) -> int:
     disk_budget = None if node_disk is None else node_disk // ranks_per_node
     if args.disk_bandwidth is not None and not args.disk_bandwidth > 0:
         raise PlanInputError(f"--disk-bandwidth {args.disk_bandwidth}: expected GB/s > 0")
-    raw = load_config_file(args.config, args.cfg_options)  # read once: the search's candidates merge into it
+    # read once: the search's candidates merge into it
+    raw = with_device_budget(load_config_file(args.config, args.cfg_options), device_budget)
     cfg = resolve_config(raw, world_size=args.world_size)
     if node_disk is not None and cfg.nvme_offload.path is None:
         # A disk budget offers the NVMe tier: the search tries it (nvme_offload.enable) under this directory.
         args.cfg_options = {**args.cfg_options, "nvme_offload.path": args.nvme_path}
-        raw = load_config_file(args.config, args.cfg_options)
+        raw = with_device_budget(load_config_file(args.config, args.cfg_options), device_budget)
         cfg = resolve_config(raw, world_size=args.world_size)
+    check_weights(cfg)
     searching = bool(device_budget or host_budget) and not args.check_only
     tracer = Tracer(args.world_size)
     try:
@@ -285,6 +289,26 @@ def run(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     return 0 if fits else EXIT_DOES_NOT_FIT
+
+
+def with_device_budget(raw: dict[str, Any], device_budget: int | None) -> dict[str, Any]:
+    """The loaded config with `--device-memory` as its `memory_budget.device` where it names none: the budget its
+    "auto" knobs need (the search reads the option itself; a config's own budget stays, as train.py would use it)."""
+    budget = raw.get("memory_budget")
+    if device_budget is None or (isinstance(budget, dict) and budget.get("device") is not None):
+        return raw
+    return merge_overrides(raw, {"memory_budget.device": device_budget})
+
+
+def check_weights(cfg: Any) -> None:
+    """train.py's refusal of the weights the config names (engine/start_plan.check_named_weights), where they are
+    on this machine: a config planned away from its cluster plans the configured model, which its run trains or
+    refuses."""
+    from internlm_offload.engine.start_plan import check_named_weights
+
+    info = cfg.ckpt.load_ckpt_info
+    if info is not None and Path(info.path).exists():
+        check_named_weights(cfg)
 
 
 def row(args: argparse.Namespace) -> Hardware:
@@ -424,7 +448,7 @@ def leaves_wrapper_open(raw: dict[str, Any]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     try:
         return run(parse_args(argv))
-    except (PlanInputError, ConfigError) as exc:
+    except (PlanInputError, ConfigError, CheckpointError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

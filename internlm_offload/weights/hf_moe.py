@@ -49,9 +49,16 @@ _KEYS = {
 }
 
 
-def folder_values(hf: dict[str, Any]) -> dict[str, Any]:
-    """The native settings (keys of `_KEYS`) a Qwen3-MoE, Qwen2-MoE or Mixtral config.json describes."""
-    family = hf["model_type"]
+def folder_values(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """The native settings (keys of `_KEYS`) a Qwen3-MoE, Qwen2-MoE or Mixtral config.json (`where`) describes; any
+    other family is refused in one line (its keys would read as no experts, another router: DeepSeek-V3's and
+    GLM-4-MoE's `n_routed_experts` and bias-corrected router)."""
+    family = hf.get("model_type")
+    if family not in TABLES:
+        raise CheckpointError(
+            f"{where}: model_type={family!r}; the native mixture of experts is built from {', '.join(TABLES)} "
+            "config.json files (other architectures train as model.type='hf_causal_lm' with model.hf_path)"
+        )
     hidden, heads, layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     expert_width = hf["intermediate_size"] if family == "mixtral" else hf["moe_intermediate_size"]
     biased = bool(hf.get("attention_bias", False))  # Qwen3-MoE's: on q, k, v and o
@@ -91,10 +98,10 @@ def folder_values(hf: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-def model_section(hf: dict[str, Any]) -> dict[str, Any]:
-    """The `model` section of a config that builds the native model of a MoE config.json (the values
-    `check_config` wants)."""
-    values = folder_values(hf)
+def model_section(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """The `model` section of a config that builds the native model of a MoE config.json (`where`; the values
+    `check_config` wants); another family is refused (`folder_values`)."""
+    values = folder_values(hf, where)
     hidden, width = values["hidden_size"], values["expert_width"]
     section = {key: values[key] for key in _KEYS if key in ModelConfig.model_fields and key in values}
     section.update(mlp_ratio=width / hidden, multiple_of=_rounding(hidden, width))
@@ -141,7 +148,7 @@ def check_config(where: str, hf: dict[str, Any], model: ModelConfig) -> None:
     in one line that names the keys to set."""
     problems = unsupported(hf)
     try:
-        wanted = folder_values(hf)
+        wanted = folder_values(hf, where)
     except KeyError as exc:
         raise CheckpointError(f"{where}: no {exc.args[0]!r}; a {hf['model_type']} config.json has it") from None
     ours = model_values(model, list(wanted))

@@ -287,3 +287,17 @@ def test_a_malformed_internevo_moe_folder_is_one_line(tmp_path: Path, moe_refere
     with pytest.raises(CheckpointError) as err:
         load_internevo(folder, **model)
     assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_a_router_bias_family_has_no_native_model_section(family: str) -> None:
+    """DeepSeek-V3 and GLM-4-MoE name their experts `n_routed_experts` and correct their router with a bias: their
+    config.json is refused in one line naming its model_type, not read as a section with num_experts=None."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(family).to_dict()  # transformers' defaults: DeepSeek-V3 is the 671B shape
+    with pytest.raises(CheckpointError) as err:
+        hf_moe.model_section(hf, "/models/x/config.json")
+    message = str(err.value)
+    assert message.startswith(f"/models/x/config.json: model_type={family!r}; the native mixture of experts")
+    assert "qwen3_moe, qwen2_moe, mixtral" in message and "\n" not in message

@@ -374,3 +374,40 @@ def test_expert_parallel_states_its_imbalance_assumption_and_prices_the_all_to_a
     assert next(line for line in printed.splitlines() if line.startswith("expert parallel: ")).endswith(
         "GB/s [assumed: NVLink 4 (450 GB/s per direction), ~80% as NCCL's bus bandwidth]"
     )
+
+
+def test_a_native_config_naming_a_folder_of_another_architecture_is_refused_as_train_py_refuses_it(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """A DeepSeek-V3 folder in the tiny native config's `ckpt.load_ckpt_info`: tools.plan exits 2 with train.py's
+    one line (it planned the tiny model: 'fits'), and train.py says it before the preflight traces anything; a
+    folder not on this machine is the run's to check (planned off the cluster)."""
+    from transformers import AutoConfig
+
+    from internlm_offload import launch
+
+    AutoConfig.for_model("deepseek_v3").save_pretrained(str(tmp_path / "dsv3"))
+    config = tmp_path / "native.py"
+    info = f"dict(path={str(tmp_path / 'dsv3')!r}, content=('model',), ckpt_type='hf')"
+    config.write_text(f"_base_ = [{TINY!r}]\nckpt = dict(load_ckpt_info={info})\n")
+    assert plan.main(["--config", str(config), "--cfg-options", *SMALL]) == 2
+    refusal = f"{tmp_path / 'dsv3' / 'config.json'}: model_type='deepseek_v3'; the native model loads"
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"plan: error: {refusal}") and "\n" not in err
+    monkeypatch.setattr(launch, "run_preflight", lambda *args, **kwargs: pytest.fail("traced before the refusal"))
+    assert launch.main(["--config", str(config), "--cfg-options", *SMALL], build_trainer=None) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {refusal}")
+    elsewhere = f"ckpt.load_ckpt_info.path={str(tmp_path / 'on_the_cluster')!r}"
+    assert plan.main(["--config", str(config), "--check-only", "--cfg-options", *SMALL, elsewhere]) == 0
+
+
+def test_device_memory_is_the_budget_an_auto_knob_needs(capsys) -> None:
+    """`parallel.expert.size="auto"` asked tools.plan for `memory_budget.device` although `--device-memory` was given:
+    the option is that budget now (exit 0); without either, the one line still names the key."""
+    moe = str(Path(TINY).with_name("internlm2_tiny_moe.py"))
+    options = [*SMALL, "parallel.mode='ddp'", "parallel.expert.size=auto"]
+    argv = ["--config", moe, "--world-size", "2", "--check-only", "--cfg-options", *options]
+    assert plan.main(argv) == 2
+    assert "parallel.expert.size='auto' needs memory_budget.device" in capsys.readouterr().err
+    assert plan.main([*argv, "--device-memory", "1GiB"]) == 0
+    assert "configs/internlm2_tiny_moe.py on 2 rank(s): fits" in capsys.readouterr().out

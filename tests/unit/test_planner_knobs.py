@@ -73,3 +73,40 @@ def test_a_knob_added_to_the_list_is_searched_without_touching_the_search():
     assert chosen is not None and chosen.optimizer.name == "AdamW"
     one_chunk = next(c for c in candidates if c.optimizer.name == "swap in 1 chunk")
     assert one_chunk.step_s > chosen.step_s and one_chunk.options["swap_optimizer_times"] == 1
+
+
+def test_the_wrapper_left_auto_is_searched_on_several_ranks_and_every_rank_takes_rank_zeros_choice(monkeypatch):
+    """`parallel.mode="auto"` on 2 ranks resolves (DDP holds the place until the planner chose: 'none' cannot hold 2
+    data-parallel ranks), DDP and FSDP2 are layouts of the search (none and FSDP2 on one rank), FSDP2's CPU offload
+    policy an optimizer setting that names no wrapper (FSDP2's layout alone takes it). At a budget between FSDP2's
+    peak and DDP's the search train.py runs (`search_space`, planner/auto.py) chooses FSDP2, and under torchrun a rank
+    whose own choice was DDP takes rank 0's."""
+    from types import SimpleNamespace
+
+    from internlm_offload import launch
+    from internlm_offload.engine import runtime
+    from internlm_offload.planner.compose import Tracer
+    from internlm_offload.planner.search import search_space
+
+    options = {"parallel.mode": "auto", "memory_budget.device": "1GiB", "model.num_layers": 2}  # 2 blocks: CI time
+    raw = load_config_file(TINY, {**FAST, **options})
+    assert resolve_config(raw).parallel.mode == "none"
+    config_for = candidate_configs(raw, world_size=2)
+    cfg = config_for({})
+    assert cfg.parallel.mode == "ddp" and "parallel.mode" in cfg.auto_knobs
+    space = Space(cfg, frozenset(cfg.auto_knobs), num_layers=2, world_size=2)
+    assert [s.options for s in settings_on(LAYOUT, space)] == [{"parallel.mode": "ddp"}, {"parallel.mode": "fsdp2"}]
+    one_rank = Space(resolve_config(raw), frozenset(cfg.auto_knobs), num_layers=2)
+    assert [s.name for s in settings_on(LAYOUT, one_rank)] == ["none", "fsdp2"]
+    every_knob = Space(cfg, num_layers=2, world_size=2)  # tools.plan's
+    hosted = [s.options for s in settings_on(OPTIMIZER, every_knob) if s.name == "params on host (FSDP2)"]
+    assert hosted and hosted[0]["parallel.fsdp_cpu_offload"] and "parallel.mode" not in hosted[0]
+    tracer, row = Tracer(2), HARDWARE["h100"]
+    _, priced, _ = search_space(config_for, space, row, None, None, tracer=tracer)
+    peaks = {c.tensor_mode.name: c.estimated_device for c in priced}
+    assert peaks["ddp"] > peaks["fsdp2"], peaks
+    chosen, tried, _ = search_space(config_for, space, row, sum(peaks.values()) // 2, None, tracer=tracer)
+    assert chosen is not None and chosen.options == {"parallel.mode": "fsdp2"}, [(c.name, c.verdict) for c in tried]
+    monkeypatch.setattr(runtime, "all_gather_object", lambda ctx, obj: [chosen.options, obj])
+    mine = launch.agree_on_auto_knobs(cfg, raw, SimpleNamespace(world_size=2), {"parallel.mode": "ddp"})
+    assert mine.parallel.mode == "fsdp2"

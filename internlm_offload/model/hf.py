@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from internlm_offload.log import get_logger
+from internlm_offload.model.hf_routers import RouterTaps
 from internlm_offload.model.internlm2 import document_mask
 from internlm_offload.registry import MODELS
 
@@ -56,10 +57,11 @@ ATTN_IMPLS = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}
 
 
 def _router_aux_coef(config: Any) -> float | None:
-    """The load-balancing loss coefficient of a mixture-of-experts config (Mixtral, Qwen2/3-MoE), else None."""
+    """The load-balancing loss coefficient of a mixture-of-experts (text) config (Mixtral, Qwen2/3-MoE, Qwen3-Next,
+    Qwen3.5-MoE, GPT-OSS), else None."""
     if not hasattr(config, "output_router_logits"):
         return None
-    return float(getattr(config, "router_aux_loss_coef", 0.0)) or None
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) or None
 
 
 def _build_hf_model(path: str | None, hf_config: Any, trust_remote_code: bool, attn: str) -> nn.Module:
@@ -150,8 +152,11 @@ class HFCausalLM(nn.Module):
             logger.info("set HF dropout to 0 for reproducibility: %s", ", ".join(zeroed))
 
         self.aux_loss_coef = _router_aux_coef(hf_config)
+        if hasattr(hf_config, "output_router_logits"):
+            # transformers' own aux loss reads a 2-D padding mask, packed documents hand the model a 4-D one: the
+            # loss is computed here from the router logits the hooks record (RouterTaps.aux_loss)
+            hf_config.output_router_logits = False
         if self.aux_loss_coef is not None:
-            hf_config.output_router_logits = True  # the router's load-balancing loss is part of training
             logger.info("MoE model: router aux loss weighted by router_aux_loss_coef=%g", self.aux_loss_coef)
         self.hf_model = self._build(path, hf_config, trust_remote_code, attn_impl)
         self.attn_impl = self.hf_model.config._attn_implementation
@@ -160,6 +165,8 @@ class HFCausalLM(nn.Module):
         self._layers_path = _find_layers_path(self.hf_model, getattr(hf_config, "num_hidden_layers", None))
         self.num_layers = len(self.layers)
         self.vocab_size = self.hf_model.config.vocab_size
+        aux_top_k = None if self.aux_loss_coef is None else int(hf_config.num_experts_per_tok)
+        self.routers = RouterTaps(self.hf_model, aux_top_k)
 
     @staticmethod
     def _build(path: str | None, hf_config: Any, trust_remote_code: bool, attn_impl: str) -> nn.Module:
@@ -201,10 +208,11 @@ class HFCausalLM(nn.Module):
             kwargs["position_ids"] = position_ids
             if "flash" not in self.attn_impl:
                 kwargs["attention_mask"] = _document_mask(position_ids, self.hf_model.dtype)
-        out = self.hf_model(input_ids=input_ids, use_cache=False, **kwargs)
+        with self.routers.tap() as router_logits:
+            out = self.hf_model(input_ids=input_ids, use_cache=False, **kwargs)
         if self.aux_loss_coef is None:
             return out.logits
-        return out.logits, out.aux_loss * self.aux_loss_coef
+        return out.logits, self.routers.aux_loss(router_logits) * self.aux_loss_coef
 
     def init_weights(self) -> None:
         """Re-run HF's init from the current torch RNG when built from a config; keep pretrained weights as they are."""

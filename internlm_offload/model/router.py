@@ -164,3 +164,19 @@ def global_aux_loss(all_stats: list[RouterStats], num_experts: int) -> torch.Ten
     counts = torch.stack([s.topk_counts for s in all_stats]).sum(0)
     probs = torch.stack([s.prob_sum for s in all_stats]).sum(0)
     return num_experts * torch.sum((counts / rows) * (probs / rows))
+
+
+def router_logits_stats(logits: torch.Tensor, top_k: int) -> RouterStats:
+    """`RouterStats` of a softmax top-k router from its (T, E) logits alone, as transformers' load-balancing loss reads
+    them: the choices are the top-k of softmax(logits) in the logits' dtype, the sums in fp32."""
+    probs = logits.softmax(-1)
+    indices = probs.topk(top_k, dim=-1).indices
+    E = logits.shape[-1]
+    prob_sum = probs.float().sum(0)
+    return RouterStats(
+        tokens=logits.shape[0],
+        top1_counts=expert_counts(indices[:, 0], E),
+        topk_counts=expert_counts(indices, E),
+        score_sum=prob_sum,
+        prob_sum=prob_sum,
+    )

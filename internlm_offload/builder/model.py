@@ -20,10 +20,12 @@ from internlm_offload.device import Accelerator
 from internlm_offload.engine.expert_parallel import apply_expert_parallel, expert_grad_reduction
 from internlm_offload.engine.parallel import init_from_whole, materialize_shards
 from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
+from internlm_offload.engine.router_bias import RouterBiasUpdate
 from internlm_offload.engine.runtime import RunContext, data_parallel_group, stage_data_mesh
 from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
 from internlm_offload.log import get_logger
+from internlm_offload.model.hf_routers import RouterTaps
 from internlm_offload.model.lora import adapter_parameters, apply_lora, draw_adapters
 from internlm_offload.model.quantized import quantize_base
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
@@ -221,6 +223,22 @@ def build_bare_model(
     if ctx.expert_mesh is not None:  # each rank keeps its experts' slice of the seed-built whole
         apply_expert_parallel(model, ctx.expert_mesh)
     return model
+
+
+def router_bias_update(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> RouterBiasUpdate | None:
+    """The once-a-step bias update of a model whose routers pick experts with an `e_score_correction_bias`."""
+    taps = getattr(model, "routers", None)
+    if not isinstance(taps, RouterTaps) or not taps.bias_routers:
+        return None
+    speed = cfg.model.router_bias_update_speed
+    logger.info(
+        "Router bias: the e_score_correction_bias of %d routers %s (model.router_bias_update_speed=%g)",
+        len(taps.bias_routers),
+        "moves against its experts' load once a step" if speed > 0 else "stays as loaded",
+        speed,
+    )
+    # hf_causal_lm runs under none, DDP or FSDP2: every rank holds every router, and all of them are data parallel
+    return RouterBiasUpdate(taps.biases, taps.choices, speed, distributed=ctx.distributed)
 
 
 def build_probe_model(cfg: ModelConfig) -> nn.Module:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from internlm_offload.log import get_logger
-from internlm_offload.model.hf_routers import RouterTaps
+from internlm_offload.model.hf_routers import BIAS, RouterTaps
 from internlm_offload.model.internlm2 import document_mask
 from internlm_offload.registry import MODELS
 
@@ -213,6 +213,11 @@ class HFCausalLM(nn.Module):
         if self.aux_loss_coef is None:
             return out.logits
         return out.logits, self.routers.aux_loss(router_logits) * self.aux_loss_coef
+
+    def fp32_buffers(self) -> list[tuple[nn.Module, str]]:
+        """(module, name) of the buffers kept in fp32 whatever the compute dtype: the routers' bias, which only picks
+        experts and moves by 1e-3 a step (bf16 would round such steps away; transformers keeps it fp32 too)."""
+        return [(router, BIAS) for router in self.routers.bias_routers]
 
     def init_weights(self) -> None:
         """Re-run HF's init from the current torch RNG when built from a config; keep pretrained weights as they are."""

@@ -1,5 +1,5 @@
-"""`model.type="hf_causal_lm"` routers: the aux loss of documents packed apart (Mixtral, GPT-OSS). Tiny random models
-saved by transformers, one per family."""
+"""`model.type="hf_causal_lm"` routers: the noaux_tc bias trained as XTuner trains it (DeepSeek-V3, GLM-4.5), the aux
+loss of documents packed apart (Mixtral, GPT-OSS). Tiny random models saved by transformers, one per family."""
 
 import json
 import random
@@ -32,6 +32,7 @@ FAMILIES = {
                 "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8, "router_aux_loss_coef": 0.02},
 }  # fmt: skip
 VISION = {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32, "out_hidden_size": 32}
+SPEED = 0.001  # model.router_bias_update_speed's default, XTuner's
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,79 @@ def trainer_of(raw: dict, work_dir: Path):
     ctx = RunContext(rank=0, local_rank=0, world_size=1, accelerator=Accelerator("cpu"))
     work_dir.mkdir(parents=True, exist_ok=True)
     return build_trainer(resolve_config(raw), ctx, work_dir)
+
+
+def expected_bias(bias: torch.Tensor, chosen: list[torch.Tensor]) -> torch.Tensor:
+    """The rule, written out: -SPEED where an expert was chosen more often than its router's mean, +SPEED where less."""
+    counts = sum(torch.bincount(ids.flatten(), minlength=bias.numel()).float() for ids in chosen)
+    mean = counts.mean()
+    return torch.where(counts > mean, bias - SPEED, torch.where(counts < mean, bias + SPEED, bias))
+
+
+def train_recounting(trainer) -> tuple[list[list[torch.Tensor]], list[float]]:
+    """Train, checking after each step that every router's bias moved by the rule over the choices this test counted
+    itself (its own hooks); returns each step's biases and XTuner's maxvio of those counts."""
+    routers = trainer.model.routers.bias_routers
+    chosen: list[list[torch.Tensor]] = [[] for _ in routers]
+    for i, router in enumerate(routers):
+        router.register_forward_hook(lambda module, args, out, i=i: chosen[i].append(out[2].detach().clone()))
+    step, history, maxvio = trainer.train_step, [], []
+
+    def train_step(micro_batches):
+        before = [r.e_score_correction_bias.clone() for r in routers]
+        for ids in chosen:
+            ids.clear()
+        result = step(micro_batches)
+        after = [r.e_score_correction_bias.clone() for r in routers]
+        for old, new, ids in zip(before, after, chosen):
+            assert len(ids) == len(micro_batches) and new.dtype == torch.float32
+            assert torch.equal(new, expected_bias(old, ids)), (old, new)
+        counts = [sum(torch.bincount(i.flatten(), minlength=4).float() for i in ids) for ids in chosen]
+        maxvio.append(sum(float((c.max() - c.mean()) / c.mean()) for c in counts) / len(counts))
+        history.append(after)
+        return result
+
+    trainer.train_step = train_step
+    trainer.train()
+    return history, maxvio
+
+
+@pytest.mark.parametrize("family, dtype", [("deepseek_v3", "torch.float32"), ("glm4_moe", "torch.bfloat16")])
+def test_the_router_bias_moves_by_xtuners_rule_and_resumes_bitwise(family, dtype, chat, tiny, tmp_path):
+    """3 steps of 2 micro-batches on chat data: each bias moves by the rule over the step's choices, stays fp32 (in
+    bf16 one tensor in the model and its fp32 masters, which checkpoints save, exported in fp32); deepseek_v3
+    resumes bitwise."""
+    resume = family == "deepseek_v3"  # the checkpoint round trip once
+    ckpt = {"enable_save_ckpt": True, "checkpoint_every": 2 if resume else 0}
+    raw = run_config(tiny(family), chat, ckpt=ckpt, model={"dtype": dtype})
+    trainer = trainer_of(raw, tmp_path / "run")
+    saved = dict(trainer.state_module.named_buffers())
+    assert all(any(b is r.e_score_correction_bias for b in saved.values()) for r in trainer.model.routers.bias_routers)
+    history, maxvio = train_recounting(trainer)
+    trainer.close()
+    assert len(history) == 3 and not torch.equal(history[-1][0], torch.zeros(4))  # it moved
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["moe_maxvio"] for r in records] == pytest.approx(maxvio, rel=1e-6) and "moe_aux_loss" not in records[0]
+    if not resume:  # `export --hf --dtype bfloat16` keeps the bias fp32, as transformers loads it
+        from transformers import AutoModelForCausalLM
+
+        from internlm_offload.tools import export
+
+        assert (
+            export.main([str(tmp_path / "run" / "checkpoints"), str(tmp_path / "hf"), "--hf", "--dtype", "bfloat16"])
+            == 0
+        )
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").model.layers
+        assert all(torch.equal(layer.mlp.gate.e_score_correction_bias, b) for layer, b in zip(exported, history[-1]))
+        return
+    again = trainer_of(raw, tmp_path / "resumed")
+    again.resume_from(tmp_path / "run" / "checkpoints" / "step_00000002")
+    assert all(torch.equal(r.e_score_correction_bias, b) for r, b in zip(again.model.routers.bias_routers, history[1]))
+    resumed, _ = train_recounting(again)
+    again.close()
+    assert all(torch.equal(a, b) for a, b in zip(resumed[0], history[2]))
+    last = json.loads((tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 3 and last["loss"] == records[-1]["loss"] and last["moe_maxvio"] == records[-1]["moe_maxvio"]
 
 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])

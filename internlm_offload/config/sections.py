@@ -329,6 +329,11 @@ class DataConfig(Section):
         self.skip_ranges()  # validates the string
         return self
 
+    @property
+    def keeps_documents_apart(self) -> bool:
+        """Several documents per row kept apart by position ids that restart at each one (`pack_sample_into_one=False`)."""
+        return self.type in ("internevo", "chat") and not self.pack_sample_into_one
+
     def skip_ranges(self) -> list[tuple[int, int]]:
         """`skip_batches` as ascending inclusive (first, last) ranges."""
         ranges: list[tuple[int, int]] = []

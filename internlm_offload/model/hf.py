@@ -64,6 +64,28 @@ def _router_aux_coef(config: Any) -> float | None:
     return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) or None
 
 
+# Layer types (transformers' `layer_types`) that carry a recurrent or convolutional state along the row (Gated
+# DeltaNet, Mamba, short convolutions, and layers mixing one with attention): none of them reads position ids.
+STATEFUL_LAYER_TYPES = ("linear_attention", "mamba", "conv", "recurrent", "hybrid", "hybrid_sliding")
+
+
+def stateful_layers(config: Any) -> list[int]:
+    """The layers of a (text) config whose state runs along the whole row, across packed documents."""
+    types = getattr(config, "layer_types", None) or []
+    return [i for i, kind in enumerate(types) if kind in STATEFUL_LAYER_TYPES]
+
+
+def text_config(config: Any) -> Any:
+    """The config of the text decoder: a vision-language config's `text_config`, else the config itself."""
+    get = getattr(config, "get_text_config", None)
+    return config if get is None else get(decoder=True)
+
+
+def read_text_config(path: str | None, config: dict | None, trust_remote_code: bool) -> Any:
+    """`text_config` of a folder's or a dict's config; ValueError in one line naming the bad input."""
+    return text_config(_load_hf_config(path, config, trust_remote_code))
+
+
 def _build_hf_model(path: str | None, hf_config: Any, trust_remote_code: bool, attn: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 

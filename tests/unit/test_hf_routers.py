@@ -1,5 +1,6 @@
 """`model.type="hf_causal_lm"` routers: the noaux_tc bias trained as XTuner trains it (DeepSeek-V3, GLM-4.5), the aux
-loss of documents packed apart (Mixtral, GPT-OSS). Tiny random models saved by transformers, one per family."""
+loss of documents packed apart (Mixtral, GPT-OSS), packed rows refused for linear attention (Qwen3-Next, Qwen3.5-MoE).
+Tiny random models saved by transformers, one per family."""
 
 import json
 import random
@@ -10,7 +11,7 @@ import torch
 from chat_fixtures import WORDS, save_chatml_tokenizer
 
 from internlm_offload.builder import build_trainer
-from internlm_offload.config import resolve_config
+from internlm_offload.config import ConfigError, resolve_config
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.model.hf import HFCausalLM, _document_mask
@@ -182,3 +183,25 @@ def test_the_aux_loss_of_documents_packed_apart_is_transformers_loss_over_every_
     trainer.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(0 < r["moe_aux_loss"] < 1 for r in records)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_gated_deltanet_refuses_documents_packed_apart_in_one_line(family, chat, tiny, tmp_path):
+    from runner import TINY as BASE
+    from runner import train
+    from test_bad_input import assert_clean_error
+
+    tokenizer, data = chat
+    config = tmp_path / "cfg.py"
+    config.write_text(
+        f"_base_ = [{str(BASE)!r}]\n"
+        f"model = dict(_delete_=True, type='hf_causal_lm', hf_path={str(tiny(family))!r})\n"
+        f"data = dict(type='chat', tokenizer={str(tokenizer)!r}, paths=[{str(data)!r}], total_steps=1)\n"
+    )
+    proc = train(tmp_path / "run", config=config, check=False)
+    assert_clean_error(
+        proc, "data.pack_sample_into_one=False (data.type='chat')", "linear_attention layers [0]",
+        "set data.pack_sample_into_one=True",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="linear_attention"):  # also with dropout or a config dict: the same check
+        trainer_of(run_config(tiny(family), chat), tmp_path / "in_process")

@@ -86,16 +86,27 @@ def read_text_config(path: str | None, config: dict | None, trust_remote_code: b
     return text_config(_load_hf_config(path, config, trust_remote_code))
 
 
-def _build_hf_model(path: str | None, hf_config: Any, trust_remote_code: bool, attn: str) -> nn.Module:
+def _build_hf_model(
+    path: str | None, hf_config: Any, trust_remote_code: bool, attn: str, vision_language: bool = False
+) -> nn.Module:
+    """`vision_language`: `hf_config` is the text config of the folder's vision-language config, whose text weights
+    must all be found (transformers maps their names; what it cannot map would stay at random init, silently)."""
     from transformers import AutoModelForCausalLM
 
     common = dict(trust_remote_code=trust_remote_code, attn_implementation=attn)
     if path is None:
         return AutoModelForCausalLM.from_config(hf_config, **common)
     # fp32 whatever the checkpoint's dtype: the precision policy decides what is cast (masters stay fp32).
-    return AutoModelForCausalLM.from_pretrained(
-        path, config=hf_config, local_files_only=True, dtype=torch.float32, **common
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, config=hf_config, local_files_only=True, dtype=torch.float32, output_loading_info=True, **common
     )
+    missing = sorted(info.get("missing_keys") or ())
+    if missing and vision_language:
+        raise ValueError(
+            f"hf_path={path!r}: {len(missing)} weights of its text model ({type(model).__name__}) are not in the "
+            f"folder under names transformers maps (first: {missing[0]!r}); only the text model trains here"
+        )
+    return model
 
 
 def _load_hf_config(path: str | None, config: dict | None, trust_remote_code: bool) -> Any:
@@ -123,6 +134,25 @@ def _load_hf_config(path: str | None, config: dict | None, trust_remote_code: bo
             f"hf_config.model_type={config['model_type']!r} is not a model type transformers "
             f"{transformers.__version__} knows (e.g. 'llama', 'qwen2', 'mistral', 'gemma2', 'mixtral')"
         ) from None
+
+
+def _check_text_model(config: Any, text: Any, path: str | None) -> None:
+    """A vision-language config trains its text model alone: one transformers can build as a causal LM."""
+    import transformers
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    where = f"hf_path={path!r}" if path is not None else f"hf_config.model_type={config.model_type!r}"
+    if type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"{where}: a vision-language config whose text model ({text.model_type!r}) transformers "
+            f"{transformers.__version__} has no causal LM for; only text models train here"
+        )
+    logger.info(
+        "%s is a vision-language config: its text model (%s, from text_config) trains alone, the vision tower is "
+        "not built",
+        config.model_type,
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(text)].__name__,
+    )
 
 
 def _check_pad_token(hf_config: Any) -> None:
@@ -166,7 +196,11 @@ class HFCausalLM(nn.Module):
         except ImportError as e:
             raise ImportError('HFCausalLM needs transformers: pip install "internlm_offload[hf]"') from e
 
-        hf_config = _load_hf_config(path, config, trust_remote_code)
+        loaded = _load_hf_config(path, config, trust_remote_code)
+        hf_config = text_config(loaded)
+        vision_language = hf_config is not loaded
+        if vision_language:
+            _check_text_model(loaded, hf_config, path)
         _check_pad_token(hf_config)
         hf_config.use_cache = False
         zeroed = _zero_dropout(hf_config)
@@ -180,7 +214,7 @@ class HFCausalLM(nn.Module):
             hf_config.output_router_logits = False
         if self.aux_loss_coef is not None:
             logger.info("MoE model: router aux loss weighted by router_aux_loss_coef=%g", self.aux_loss_coef)
-        self.hf_model = self._build(path, hf_config, trust_remote_code, attn_impl)
+        self.hf_model = self._build(path, hf_config, trust_remote_code, attn_impl, vision_language)
         self.attn_impl = self.hf_model.config._attn_implementation
         self.pretrained = path is not None
         # A path string, not the ModuleList itself: a second reference would register the layers twice.
@@ -191,10 +225,12 @@ class HFCausalLM(nn.Module):
         self.routers = RouterTaps(self.hf_model, aux_top_k)
 
     @staticmethod
-    def _build(path: str | None, hf_config: Any, trust_remote_code: bool, attn_impl: str) -> nn.Module:
+    def _build(
+        path: str | None, hf_config: Any, trust_remote_code: bool, attn_impl: str, vision_language: bool
+    ) -> nn.Module:
         if attn_impl != "auto":
             try:
-                return _build_hf_model(path, hf_config, trust_remote_code, ATTN_IMPLS[attn_impl])
+                return _build_hf_model(path, hf_config, trust_remote_code, ATTN_IMPLS[attn_impl], vision_language)
             except ValueError as exc:
                 if "attention implementation" not in str(exc):
                     raise
@@ -203,14 +239,14 @@ class HFCausalLM(nn.Module):
                     f"({' '.join(str(exc).split())[:160]}); use 'auto' or 'eager'"
                 ) from None
         try:
-            return _build_hf_model(path, hf_config, trust_remote_code, "sdpa")
+            return _build_hf_model(path, hf_config, trust_remote_code, "sdpa", vision_language)
         except ValueError as exc:  # transformers refuses sdpa for some architectures (Gemma2)
             if "attention implementation" not in str(exc):
                 raise
             logger.warning(
                 "%s does not support sdpa attention; using eager (model.attn_impl='auto')", hf_config.model_type
             )
-            return _build_hf_model(path, hf_config, trust_remote_code, "eager")
+            return _build_hf_model(path, hf_config, trust_remote_code, "eager", vision_language)
 
     @property
     def layers(self) -> nn.ModuleList:

@@ -40,6 +40,7 @@ from internlm_offload.config import ModelConfig
 from internlm_offload.engine.checkpoint import CheckpointError, read_train_state, resolve_checkpoint_path
 from internlm_offload.engine.checkpoint_reader import read_checkpoint, read_metadata
 from internlm_offload.log import get_logger
+from internlm_offload.model.hf import text_config
 from internlm_offload.model.hf_routers import BIAS
 from internlm_offload.tools.export_lora import base_weights, is_lora_run, merged, write_peft_folder
 from internlm_offload.weights import hf_moe
@@ -111,6 +112,7 @@ def export_hf(weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtyp
         )
     else:
         hf_config = AutoConfig.for_model(**model_cfg["hf_config"])
+    hf_config = text_config(hf_config)  # a vision-language config's text model is what trained
     set_dtype(hf_config, dtype)
     hf_weights = {name.removeprefix(HF_PREFIX): t for name, t in weights.items()}
     if getattr(hf_config, "tie_word_embeddings", False):

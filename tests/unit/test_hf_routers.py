@@ -1,9 +1,10 @@
 """`model.type="hf_causal_lm"` routers: the noaux_tc bias trained as XTuner trains it (DeepSeek-V3, GLM-4.5), the aux
-loss of documents packed apart (Mixtral, GPT-OSS), packed rows refused for linear attention (Qwen3-Next, Qwen3.5-MoE).
-Tiny random models saved by transformers, one per family."""
+loss of documents packed apart (Mixtral, GPT-OSS), packed rows refused for linear attention (Qwen3-Next, Qwen3.5-MoE),
+a vision-language folder's text model (Qwen3.5-MoE). Tiny random models saved by transformers, one per family."""
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,28 @@ def test_gated_deltanet_refuses_documents_packed_apart_in_one_line(family, chat,
     )  # fmt: skip
     with pytest.raises(ConfigError, match="linear_attention"):  # also with dropout or a config dict: the same check
         trainer_of(run_config(tiny(family), chat), tmp_path / "in_process")
+
+
+def test_a_vision_language_folder_trains_its_text_model_with_its_aux_loss(chat, tiny, tmp_path):
+    """Qwen3.5-MoE's composite folder: Qwen3_5MoeForCausalLM from text_config, every text weight loaded, the aux
+    loss coefficient read from text_config; a folder whose text weights transformers cannot map is refused."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny("qwen3_5_moe")
+    model = HFCausalLM(path=str(folder))
+    saved = load_file(folder / "model.safetensors")
+    assert type(model.hf_model).__name__ == "Qwen3_5MoeForCausalLM" and model.aux_loss_coef == 0.02
+    assert torch.equal(
+        model.hf_model.model.layers[1].mlp.gate.weight, saved["model.language_model.layers.1.mlp.gate.weight"]
+    )
+    raw = run_config(folder, chat, data={"pack_sample_into_one": True, "total_steps": 2})
+    trainer = trainer_of(raw, tmp_path / "run")
+    trainer.train()
+    trainer.close()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["moe_aux_loss"] < 1 for r in records)
+    renamed = tmp_path / "renamed"
+    shutil.copytree(folder, renamed)
+    save_file({k.replace("language_model.", "text."): v for k, v in saved.items()}, renamed / "model.safetensors")
+    with pytest.raises(ValueError, match=r"weights of its text model \(Qwen3_5MoeForCausalLM\) are not in the folder"):
+        HFCausalLM(path=str(renamed))

@@ -20,10 +20,13 @@ from internlm_offload.device import Accelerator
 from internlm_offload.engine.expert_parallel import apply_expert_parallel, expert_grad_reduction
 from internlm_offload.engine.parallel import init_from_whole, materialize_shards
 from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
+from internlm_offload.engine.router_bias import RouterBiasUpdate
 from internlm_offload.engine.runtime import RunContext, data_parallel_group, stage_data_mesh
 from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
 from internlm_offload.log import get_logger
+from internlm_offload.model.hf import read_text_config, stateful_layers
+from internlm_offload.model.hf_routers import RouterTaps
 from internlm_offload.model.lora import adapter_parameters, apply_lora, draw_adapters
 from internlm_offload.model.quantized import quantize_base
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
@@ -206,6 +209,7 @@ def build_bare_model(
     """The model in fp32 (on meta when FSDP2 materializes the shards later; the base on the host already with
     `hosts_base_from_meta`); device memory counts from here."""
     ctx.accelerator.mark_memory_baseline()  # cpu: see device/cpu_memory.py
+    check_documents_apart(cfg)
     hosted = hosts_base_from_meta(cfg)
     on_meta = on_meta or hosted
     model = build_model(cfg.model, torch.device("meta") if on_meta else ctx.device, cfg.loss.moe_loss_coeff)
@@ -223,6 +227,46 @@ def build_bare_model(
     if ctx.expert_mesh is not None:  # each rank keeps its experts' slice of the seed-built whole
         apply_expert_parallel(model, ctx.expert_mesh)
     return model
+
+
+def check_documents_apart(cfg: RunConfig) -> None:
+    """Refuse rows of several documents kept apart by position ids for an `hf_causal_lm` model with layers that carry
+    a state along the row (Gated DeltaNet, Mamba): they read no position ids, and transformers' torch path takes no
+    document boundaries (`cu_seqlens`/`seq_idx` raise there without flash-linear-attention / causal-conv1d), so one
+    document's state would run into the next."""
+    data = cfg.data
+    if cfg.model.type != "hf_causal_lm" or not data.keeps_documents_apart:
+        return
+    model = cfg.model
+    try:
+        text = read_text_config(model.hf_path, model.hf_config, model.trust_remote_code)
+    except ValueError:
+        return  # build_model reports a bad folder or config in its own words
+    layers = stateful_layers(text)
+    if layers:
+        kinds = sorted({text.layer_types[i] for i in layers})
+        raise ConfigError(
+            f"data.pack_sample_into_one=False (data.type={data.type!r}) packs several documents into a row kept "
+            f"apart by position ids, which {text.model_type}'s {'/'.join(kinds)} layers {layers} do not read: each "
+            "document's state would run into the next; set data.pack_sample_into_one=True (documents packed into "
+            "rows of data.seq_len, attention across them too)"
+        )
+
+
+def router_bias_update(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> RouterBiasUpdate | None:
+    """The once-a-step bias update of a model whose routers pick experts with an `e_score_correction_bias`."""
+    taps = getattr(model, "routers", None)
+    if not isinstance(taps, RouterTaps) or not taps.bias_routers:
+        return None
+    speed = cfg.model.router_bias_update_speed
+    logger.info(
+        "Router bias: the e_score_correction_bias of %d routers %s (model.router_bias_update_speed=%g)",
+        len(taps.bias_routers),
+        "moves against its experts' load once a step" if speed > 0 else "stays as loaded",
+        speed,
+    )
+    # hf_causal_lm runs under none, DDP or FSDP2: every rank holds every router, and all of them are data parallel
+    return RouterBiasUpdate(taps.biases, taps.choices, speed, distributed=ctx.distributed)
 
 
 def build_probe_model(cfg: ModelConfig) -> nn.Module:

@@ -16,6 +16,7 @@ from internlm_offload.builder.model import (
     build_bare_model,
     builds_on_meta,
     host_the_base,
+    router_bias_update,
     sequence_shard,
     uses_loss_parallel,
 )
@@ -36,6 +37,7 @@ from internlm_offload.engine.metrics import MetricsLog
 from internlm_offload.engine.pipeline import PipelineRunner, PipelineStages
 from internlm_offload.engine.pipeline_split import stage_blocks
 from internlm_offload.engine.precision import NoMasters, PrecisionPolicy
+from internlm_offload.engine.router_bias import RouterBiasUpdate
 from internlm_offload.engine.runtime import RunContext, set_determinism
 from internlm_offload.engine.sequence_parallel import SequenceShard, apply_sequence_parallel
 from internlm_offload.engine.start_plan import checkpoint_folder
@@ -65,6 +67,7 @@ class Components:
     sequence_shard: SequenceShard | None = None  # isp: this rank's chunk of every sequence
     pipeline: PipelineRunner | None = None  # this rank's pipeline stages' schedule
     hosted_base: HostedBase | None = None  # model.lora.base_on_host: the frozen block linears on the host
+    router_bias: RouterBiasUpdate | None = None  # the noaux_tc routers' once-a-step bias update
 
     @property
     def features(self) -> list[MemoryFeature]:
@@ -75,6 +78,8 @@ class Components:
             hooks.append(self.masters)
         expert_load = ExpertLoad(self.layers)
         monitors = [expert_load] if expert_load.moes else []
+        if self.router_bias is not None:
+            monitors.append(self.router_bias)
         return [*(feature for feature in hooks if feature is not None), self.optimizer, *monitors]
 
 
@@ -90,6 +95,7 @@ def build_components(
     policy = PrecisionPolicy.from_config(cfg.model.dtype, cfg.mixed_precision.master_weights)
     on_meta = builds_on_meta(cfg, policy) and ctx.pipeline_size == 1  # a pipeline cuts the whole seed-built model
     model = build_bare_model(cfg, ctx, on_meta=on_meta, check_model=check_model)
+    router_bias = router_bias_update(cfg, ctx, model)
     shard = sequence_shard(cfg, ctx)
     if shard is None and ctx.tensor_size > 1:  # before the masters exist: they copy the DTensor shards
         apply_tensor_parallel_plan(cfg, ctx, model)
@@ -116,7 +122,9 @@ def build_components(
     if cfg.grad_offload:  # its hooks feed the host gradients the optimizer just built reads
         masters = offload_gradients(cfg, ctx, masters, model)
     scheduler = build_scheduler(cfg, optimizer)
-    return Components(model, masters, policy, optimizer, scheduler, *offloaders, layers, shard, pipeline, hosted_base)
+    return Components(
+        model, masters, policy, optimizer, scheduler, *offloaders, layers, shard, pipeline, hosted_base, router_bias
+    )
 
 
 def trainer_settings(

@@ -141,6 +141,17 @@ class ModelConfig(Section):
         description="SwiGLU width of the dense blocks of a mixture-of-experts model (Qwen's `intermediate_size`); "
         "default: the expert width (`hidden_size * mlp_ratio` rounded up to `multiple_of`).",
     )
+    router_bias_update_speed: float = Field(
+        0.001,
+        ge=0,
+        description="Routers that pick experts with an `e_score_correction_bias` (DeepSeek-V3's auxiliary-loss-free "
+        "balancing; `hf_causal_lm` models of deepseek_v3, deepseek_v32, glm4_moe, glm4_moe_lite, glm_moe_dsa): once a "
+        "step, after backward and before clipping, each router's bias goes down by this much for the experts chosen "
+        "more often than the router's mean over the step's tokens (all micro-batches, all ranks) and up for those "
+        "chosen less (XTuner's `router_bias_update_speed`; the bias is an fp32 buffer, saved in checkpoints). 0: the "
+        "bias stays as loaded. `moe_maxvio` in metrics.jsonl: XTuner's max violation of those counts. No effect on "
+        "other models.",
+    )
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
     parallel_output: bool = Field(
         True,
@@ -322,6 +333,11 @@ class DataConfig(Section):
             raise ValueError(f"data.valid_every={self.valid_every} needs data.valid_folder")
         self.skip_ranges()  # validates the string
         return self
+
+    @property
+    def keeps_documents_apart(self) -> bool:
+        """Several documents per row kept apart by position ids that restart at each one (`pack_sample_into_one=False`)."""
+        return self.type in ("internevo", "chat") and not self.pack_sample_into_one
 
     def skip_ranges(self) -> list[tuple[int, int]]:
         """`skip_batches` as ascending inclusive (first, last) ranges."""

@@ -24,6 +24,7 @@ Pure low precision (`master_weights=False`) casts the whole model, grads and sta
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -135,8 +136,9 @@ class MasterWeights:
         # a 4-bit base's scales (buffers held as bytes) are shared too: the cast below leaves them as they are,
         # and a copy of a 70B base's scales would be a GiB of device memory the masters never read
         frozen.update({id(b): b for b in scale_tensors(model)})
-        self.module = copy.deepcopy(model, {**hosted, **frozen})
-        model.to(compute_dtype)
+        with fp32_buffers_kept(model) as kept:  # one fp32 tensor, in the model and in the masters (saved from there)
+            self.module = copy.deepcopy(model, {**hosted, **frozen, **{id(t): t for t in kept}})
+            model.to(compute_dtype)
         named_model = dict(model.named_parameters())
         pairs = [(name, named_model[name], master) for name, master in self.module.named_parameters()]
         pairs = [(name, param, master) for name, param, master in pairs if param is not master]
@@ -358,8 +360,22 @@ def cast_model(
             cast_frozen(model, policy.compute_dtype)
             return None
         return MasterWeights(model, policy.compute_dtype, host_empty, host_names, reduce_group, reduce_apart)
-    model.to(policy.compute_dtype)
+    with fp32_buffers_kept(model):
+        model.to(policy.compute_dtype)
     return None
+
+
+@contextlib.contextmanager
+def fp32_buffers_kept(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """The buffers a model keeps in fp32 whatever the compute dtype (its `fp32_buffers()`, e.g. a router bias that
+    moves by 1e-3 a step) are the same tensors after a cast in the `with` body as before; yields them."""
+    declared = getattr(model, "fp32_buffers", None)
+    kept = [(module, name, getattr(module, name)) for module, name in (declared() if declared else [])]
+    try:
+        yield [tensor for _, _, tensor in kept]
+    finally:
+        for module, name, tensor in kept:
+            setattr(module, name, tensor)
 
 
 @torch.no_grad()

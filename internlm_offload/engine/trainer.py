@@ -96,7 +96,7 @@ class Trainer:
     checkpoints: CheckpointManager
     metrics: MetricsLog | None  # rank 0 only
     settings: TrainerSettings
-    features: list[MemoryFeature]  # the memory features (offloaders, then the optimizer): figures and teardown
+    features: list[MemoryFeature]  # offloaders, the optimizer, monitors: per-step work, figures and teardown
     masters: Masters  # explicit fp32 masters (low precision outside FSDP2), or NoMasters over the model
     scaler: DynamicLossScaler | None  # fp16 loss scaling
     evaluator: Evaluator | None  # validation sets, if any
@@ -284,6 +284,8 @@ class Trainer:
         else:
             loss_sum, aux_sum = self._micro_batches(micro_batches, token_weight, aux_weight)
         self.masters.reduce_grads(self.ctx.distributed)
+        for feature in self.features:  # per-step work before clipping (the router bias update)
+            feature.after_backward()
         losses = [loss_sum * self._chunks / tokens_per_rank] + (
             [aux_sum / len(micro_batches)] if aux_sum is not None else []
         )

@@ -2,12 +2,14 @@
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from internlm_offload.log import get_logger
+from internlm_offload.model.hf_routers import BIAS, RouterTaps
 from internlm_offload.model.internlm2 import document_mask
 from internlm_offload.registry import MODELS
 
@@ -57,15 +59,46 @@ ATTN_IMPLS = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}
 
 
 def _router_aux_coef(config: Any) -> float | None:
-    """The load-balancing loss coefficient of a mixture-of-experts config (Mixtral, Qwen2/3-MoE), else None."""
+    """The load-balancing loss coefficient of a mixture-of-experts (text) config (Mixtral, Qwen2/3-MoE, Qwen3-Next,
+    Qwen3.5-MoE, GPT-OSS), else None."""
     if not hasattr(config, "output_router_logits"):
         return None
-    return float(getattr(config, "router_aux_loss_coef", 0.0)) or None
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) or None
+
+
+# Layer types (transformers' `layer_types`) that carry a recurrent or convolutional state along the row (Gated
+# DeltaNet, Mamba, short convolutions, and layers mixing one with attention): none of them reads position ids.
+STATEFUL_LAYER_TYPES = ("linear_attention", "mamba", "conv", "recurrent", "hybrid", "hybrid_sliding")
+
+
+def stateful_layers(config: Any) -> list[int]:
+    """The layers of a (text) config whose state runs along the whole row, across packed documents."""
+    types = getattr(config, "layer_types", None) or []
+    return [i for i, kind in enumerate(types) if kind in STATEFUL_LAYER_TYPES]
+
+
+def text_config(config: Any) -> Any:
+    """The config of the text decoder: a vision-language config's `text_config`, else the config itself."""
+    get = getattr(config, "get_text_config", None)
+    return config if get is None else get(decoder=True)
+
+
+def read_text_config(path: str | None, config: dict | None, trust_remote_code: bool) -> Any:
+    """`text_config` of a folder's or a dict's config; ValueError in one line naming the bad input."""
+    return text_config(_load_hf_config(path, config, trust_remote_code))
 
 
 def _build_hf_model(
-    path: str | None, hf_config: Any, trust_remote_code: bool, attn: str, read_weights: bool = True
+    path: str | None,
+    hf_config: Any,
+    trust_remote_code: bool,
+    attn: str,
+    *,
+    read_weights: bool = True,
+    vision_language: bool = False,
 ) -> nn.Module:
+    """`vision_language`: `hf_config` is the text config of the folder's vision-language config, whose text weights
+    must all be found (transformers maps their names; what it cannot map would stay at random init, silently)."""
     from transformers import AutoModelForCausalLM
 
     common = dict(trust_remote_code=trust_remote_code, attn_implementation=attn)
@@ -74,9 +107,16 @@ def _build_hf_model(
     if not read_weights:  # the folder's modules without its weights (from_pretrained refuses a meta device)
         return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **common)
     # fp32 whatever the checkpoint's dtype: the precision policy decides what is cast (masters stay fp32).
-    return AutoModelForCausalLM.from_pretrained(
-        path, config=hf_config, local_files_only=True, dtype=torch.float32, **common
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, config=hf_config, local_files_only=True, dtype=torch.float32, output_loading_info=True, **common
     )
+    missing = sorted(info.get("missing_keys") or ())
+    if missing and vision_language:
+        raise ValueError(
+            f"hf_path={path!r}: {len(missing)} weights of its text model ({type(model).__name__}) are not in the "
+            f"folder under names transformers maps (first: {missing[0]!r}); only the text model trains here"
+        )
+    return model
 
 
 def _load_hf_config(path: str | None, config: dict | None, trust_remote_code: bool) -> Any:
@@ -104,6 +144,25 @@ def _load_hf_config(path: str | None, config: dict | None, trust_remote_code: bo
             f"hf_config.model_type={config['model_type']!r} is not a model type transformers "
             f"{transformers.__version__} knows (e.g. 'llama', 'qwen2', 'mistral', 'gemma2', 'mixtral')"
         ) from None
+
+
+def _check_text_model(config: Any, text: Any, path: str | None) -> None:
+    """A vision-language config trains its text model alone: one transformers can build as a causal LM."""
+    import transformers
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    where = f"hf_path={path!r}" if path is not None else f"hf_config.model_type={config.model_type!r}"
+    if type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"{where}: a vision-language config whose text model ({text.model_type!r}) transformers "
+            f"{transformers.__version__} has no causal LM for; only text models train here"
+        )
+    logger.info(
+        "%s is a vision-language config: its text model (%s, from text_config) trains alone, the vision tower is "
+        "not built",
+        config.model_type,
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(text)].__name__,
+    )
 
 
 def _check_pad_token(hf_config: Any) -> None:
@@ -149,7 +208,11 @@ class HFCausalLM(nn.Module):
         except ImportError as e:
             raise ImportError('HFCausalLM needs transformers: pip install "internlm_offload[hf]"') from e
 
-        hf_config = _load_hf_config(path, config, trust_remote_code)
+        loaded = _load_hf_config(path, config, trust_remote_code)
+        hf_config = text_config(loaded)
+        vision_language = hf_config is not loaded
+        if vision_language:
+            _check_text_model(loaded, hf_config, path)
         _check_pad_token(hf_config)
         hf_config.use_cache = False
         zeroed = _zero_dropout(hf_config)
@@ -157,22 +220,33 @@ class HFCausalLM(nn.Module):
             logger.info("set HF dropout to 0 for reproducibility: %s", ", ".join(zeroed))
 
         self.aux_loss_coef = _router_aux_coef(hf_config)
+        if hasattr(hf_config, "output_router_logits"):
+            # transformers' own aux loss reads a 2-D padding mask, packed documents hand the model a 4-D one: the
+            # loss is computed here from the router logits the hooks record (RouterTaps.aux_loss)
+            hf_config.output_router_logits = False
         if self.aux_loss_coef is not None:
-            hf_config.output_router_logits = True  # the router's load-balancing loss is part of training
             logger.info("MoE model: router aux loss weighted by router_aux_loss_coef=%g", self.aux_loss_coef)
-        self.hf_model = self._build(path, hf_config, trust_remote_code, attn_impl, read_weights)
+        build = functools.partial(
+            _build_hf_model,
+            path,
+            hf_config,
+            trust_remote_code,
+            read_weights=read_weights,
+            vision_language=vision_language,
+        )
+        self.hf_model = self._build(build, hf_config, attn_impl)
         self.attn_impl = self.hf_model.config._attn_implementation
         self.pretrained = path is not None
         # A path string, not the ModuleList itself: a second reference would register the layers twice.
         self._layers_path = _find_layers_path(self.hf_model, getattr(hf_config, "num_hidden_layers", None))
         self.num_layers = len(self.layers)
         self.vocab_size = self.hf_model.config.vocab_size
+        aux_top_k = None if self.aux_loss_coef is None else int(hf_config.num_experts_per_tok)
+        self.routers = RouterTaps(self.hf_model, aux_top_k)
 
     @staticmethod
-    def _build(
-        path: str | None, hf_config: Any, trust_remote_code: bool, attn_impl: str, read_weights: bool
-    ) -> nn.Module:
-        build = functools.partial(_build_hf_model, path, hf_config, trust_remote_code, read_weights=read_weights)
+    def _build(build: Callable[[str], nn.Module], hf_config: Any, attn_impl: str) -> nn.Module:
+        """`build(attn_implementation)`: the model; `attn_impl` "auto" tries sdpa, then eager."""
         if attn_impl != "auto":
             try:
                 return build(ATTN_IMPLS[attn_impl])
@@ -211,10 +285,16 @@ class HFCausalLM(nn.Module):
             kwargs["position_ids"] = position_ids
             if "flash" not in self.attn_impl:
                 kwargs["attention_mask"] = _document_mask(position_ids, self.hf_model.dtype)
-        out = self.hf_model(input_ids=input_ids, use_cache=False, **kwargs)
+        with self.routers.tap() as router_logits:
+            out = self.hf_model(input_ids=input_ids, use_cache=False, **kwargs)
         if self.aux_loss_coef is None:
             return out.logits
-        return out.logits, out.aux_loss * self.aux_loss_coef
+        return out.logits, self.routers.aux_loss(router_logits) * self.aux_loss_coef
+
+    def fp32_buffers(self) -> list[tuple[nn.Module, str]]:
+        """(module, name) of the buffers kept in fp32 whatever the compute dtype: the routers' bias, which only picks
+        experts and moves by 1e-3 a step (bf16 would round such steps away; transformers keeps it fp32 too)."""
+        return [(router, BIAS) for router in self.routers.bias_routers]
 
     def init_weights(self) -> None:
         """Re-run HF's init from the current torch RNG when built from a config; keep pretrained weights as they are."""

@@ -164,3 +164,63 @@ def global_aux_loss(all_stats: list[RouterStats], num_experts: int) -> torch.Ten
     counts = torch.stack([s.topk_counts for s in all_stats]).sum(0)
     probs = torch.stack([s.prob_sum for s in all_stats]).sum(0)
     return num_experts * torch.sum((counts / rows) * (probs / rows))
+
+
+def router_logits_stats(logits: torch.Tensor, top_k: int) -> RouterStats:
+    """`RouterStats` of a softmax top-k router from its (T, E) logits alone, as transformers' load-balancing loss reads
+    them: the choices are the top-k of softmax(logits) in the logits' dtype, the sums in fp32."""
+    probs = logits.softmax(-1)
+    indices = probs.topk(top_k, dim=-1).indices
+    E = logits.shape[-1]
+    prob_sum = probs.float().sum(0)
+    return RouterStats(
+        tokens=logits.shape[0],
+        top1_counts=expert_counts(indices[:, 0], E),
+        topk_counts=expert_counts(indices, E),
+        score_sum=prob_sum,
+        prob_sum=prob_sum,
+    )
+
+
+# ----------------------------------------------------------------------------- the noaux_tc router bias
+
+
+class ChoiceCounts:
+    """Top-k choices per expert of `num_routers` routers, summed over the forwards since the last `take` (device
+    tensors, no host sync): a step's load, which the router bias update reads once per step."""
+
+    def __init__(self, num_routers: int) -> None:
+        self.num_routers = num_routers
+        self._counts: list[torch.Tensor | None] = [None] * num_routers
+
+    def add(self, router: int, indices: torch.Tensor, num_experts: int) -> None:
+        """Count router `router`'s choices `indices` (T, k) of one forward."""
+        counts = expert_counts(indices.detach(), num_experts)
+        previous = self._counts[router]
+        self._counts[router] = counts if previous is None else previous + counts
+
+    def take(self) -> torch.Tensor | None:
+        """(routers, E) fp32 counts since the last call, and reset; None when no forward counted (a router skipped
+        counts zero)."""
+        counted = [c for c in self._counts if c is not None]
+        if not counted:
+            return None
+        zeros = torch.zeros_like(counted[0])
+        counts = torch.stack([zeros if c is None else c for c in self._counts])
+        self._counts = [None] * self.num_routers
+        return counts
+
+
+def bias_update(bias: torch.Tensor, counts: torch.Tensor, speed: float) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free balancing (XTuner's `update_bias`): the bias of an expert chosen more often
+    than the mean of its router's experts goes down by `speed`, of one chosen less often up by `speed`, of one
+    chosen exactly the mean number of times stays. bias, counts: (..., E), one row per router; fp32 in, fp32 out."""
+    excess = counts - counts.mean(-1, keepdim=True)
+    return bias - speed * torch.sign(excess)
+
+
+def max_violation(counts: torch.Tensor) -> torch.Tensor:
+    """XTuner's `maxvio`: over routers (rows of `counts`, (routers, E)), the mean of (busiest expert's count - mean
+    count) / mean count; 0 for a perfectly balanced step."""
+    mean = counts.mean(-1)
+    return ((counts.amax(-1) - mean) / mean.clamp(min=1e-9)).mean()

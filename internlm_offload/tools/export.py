@@ -40,6 +40,8 @@ from internlm_offload.config import ModelConfig
 from internlm_offload.engine.checkpoint import CheckpointError, read_train_state, resolve_checkpoint_path
 from internlm_offload.engine.checkpoint_reader import read_checkpoint, read_metadata
 from internlm_offload.log import get_logger
+from internlm_offload.model.hf import text_config
+from internlm_offload.model.hf_routers import BIAS
 from internlm_offload.tools.export_lora import base_weights, is_lora_run, merged, write_peft_folder
 from internlm_offload.weights import hf_moe
 from internlm_offload.weights.convert import Heads, to_format
@@ -73,10 +75,14 @@ def run_config(path: Path) -> dict:
     return read_train_state(path)["config"]
 
 
-def export_safetensors(weights: dict[str, torch.Tensor], out: Path, dtype: torch.dtype, source: Path) -> None:
+def export_safetensors(
+    weights: dict[str, torch.Tensor], out: Path, dtype: torch.dtype, source: Path, keep_fp32: tuple[str, ...] = ()
+) -> None:
+    """`keep_fp32`: names ending so stay fp32 (a router bias moves by 1e-3 a step: bf16 would round its training
+    away; transformers loads it as fp32)."""
     from safetensors.torch import save_file
 
-    tensors = {name: t.to(dtype).contiguous() for name, t in weights.items()}
+    tensors = {name: t.to(t.dtype if name.endswith(keep_fp32) else dtype).contiguous() for name, t in weights.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata={"format": "pt", "source": str(source)})
 
@@ -106,13 +112,14 @@ def export_hf(weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtyp
         )
     else:
         hf_config = AutoConfig.for_model(**model_cfg["hf_config"])
+    hf_config = text_config(hf_config)  # a vision-language config's text model is what trained
     set_dtype(hf_config, dtype)
     hf_weights = {name.removeprefix(HF_PREFIX): t for name, t in weights.items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         hf_weights.pop("lm_head.weight", None)  # tied: transformers restores it from the embeddings
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(str(out_dir))
-    export_safetensors(hf_weights, out_dir / "model.safetensors", dtype, out_dir)
+    export_safetensors(hf_weights, out_dir / "model.safetensors", dtype, out_dir, keep_fp32=(BIAS,))
 
 
 def export_internevo(

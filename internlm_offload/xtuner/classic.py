@@ -61,7 +61,10 @@ def _llm(t: Translation, model: dict[str, Any], names: dict[str, Any]) -> dict[s
     if path is None:
         t.fatal.append("model.llm.pretrained_model_name_or_path: not set (a local Hugging Face folder)")
         return None
-    hf = model_from_folder(t, str(path), "model.llm.pretrained_model_name_or_path")
+    # XTuner's classic trainer trains transformers' (or the folder's own) modelling code, which never moves a router
+    # bias: the run here keeps it too
+    frozen = (0.0, "XTuner's classic trainer (transformers' model, whose router bias stays as loaded)")
+    hf = model_from_folder(t, str(path), "model.llm.pretrained_model_name_or_path", bias_speed=frozen)
     if hf is None:
         return None
     dtype = str(llm.get("torch_dtype", "torch.float32")).removeprefix("torch.")

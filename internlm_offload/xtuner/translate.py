@@ -5,10 +5,10 @@ trainer's key), dropped (no counterpart here; the report says why and what chang
 not be the same training: another optimizer, no data, no steps, a model only XTuner can build); any fatal
 problem makes the translation fail. XTuner's defaults (`xtuner/v1/config/*.py`) fill what a config leaves out.
 The model comes from `load_from`'s Hugging Face folder: InternLM2, InternLM and Llama folders load into the
-native model, others train as `hf_causal_lm`, except families XTuner trains in a way not built here (experts
-balanced by a router bias, vision-language models, multi-token prediction): those are fatal, named. Without
-`load_from`, XTuner's Qwen3 / Qwen3-MoE model classes and `get_model_config_from_hf` map onto the native model,
-initialised at random (`models.py`).
+native model, others train as `hf_causal_lm` (experts balanced by a router bias with the bias moved as XTuner moves
+it, `model.router_bias_update_speed`), except families XTuner trains in a way not built here (vision-language models,
+multi-token prediction): those are fatal, named. Without `load_from`, XTuner's Qwen3 / Qwen3-MoE model classes and
+`get_model_config_from_hf` map onto the native model, initialised at random (`models.py`).
 """
 
 import math
@@ -28,6 +28,8 @@ ADAMW_DEFAULTS = {"lr": 1e-5, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay":
 LR_DEFAULTS = {"lr_type": "constant", "warmup_ratio": 0.03, "lr_min": 1e-6}
 FSDP_DEFAULTS = {"recompute_ratio": 1.0, "cpu_offload": False, "tp_size": 1, "ep_size": 1}
 PACK_MAX_LENGTH = 32768
+ROUTER_BIAS_UPDATE_SPEED = 0.001  # NoAuxRouterConfig's router_bias_update_speed
+_UNSET = object()
 ACTIVATION_OFFLOAD_ENV = "XTUNER_ACTIVATION_OFFLOAD"
 
 # TrainerConfig fields that change nothing about what is trained, and why they are not carried.
@@ -91,17 +93,25 @@ def _model(t: Translation, trainer: Any) -> None:
     if load_from is None:
         _model_class(t, trainer)
         return
-    if model_from_folder(t, str(load_from), "load_from", field(field(trainer, "model_cfg"), "mtp_config")) is None:
+    model_cfg = field(trainer, "model_cfg")
+    hf = model_from_folder(t, str(load_from), "load_from", field(model_cfg, "mtp_config"), _bias_speed(model_cfg))
+    if hf is None:
         return
+    if _router_bias(hf):
+        _balancing_loss(t, model_cfg, hf)
     if field(trainer, "model_cfg") is not None:
         t.carried.append("model_cfg -> read from load_from's config.json (its class is XTuner's)")
     tokenizer = field(trainer, "tokenizer_path") or load_from
     t.set("data", "tokenizer", str(tokenizer))
 
 
-def model_from_folder(t: Translation, load_from: str, key: str, mtp: Any = None) -> dict[str, Any] | None:
+def model_from_folder(
+    t: Translation, load_from: str, key: str, mtp: Any = None, bias_speed: tuple[float, str] = (0.0, "")
+) -> dict[str, Any] | None:
     """The model of a local Hugging Face folder (`key` names where the config gave it): the native decoder with
-    its weights via ckpt.load_ckpt_info, or hf_causal_lm; its config.json, or None (a fatal line added)."""
+    its weights via ckpt.load_ckpt_info, or hf_causal_lm; its config.json, or None (a fatal line added).
+    `bias_speed`: for routers with a bias (DeepSeek-V3's noaux_tc), how fast the trainer moves it and where that
+    comes from (model.router_bias_update_speed)."""
     folder = Path(load_from)
     try:
         hf = read_config(folder)
@@ -121,6 +131,10 @@ def model_from_folder(t: Translation, load_from: str, key: str, mtp: Any = None)
         t.set("model", "type", "hf_causal_lm")
         t.set("model", "hf_path", str(folder))
         t.carried.append(f"{key} -> model.hf_path (model_type={hf.get('model_type')!r} trains as hf_causal_lm)")
+        if _router_bias(hf):
+            speed, source = bias_speed
+            t.set("model", "router_bias_update_speed", speed)
+            t.carried.append(f"{source} -> model.router_bias_update_speed={speed:g} (the router bias, once a step)")
     else:
         t.config["model"] = {"type": "internlm2", **native, **t.config.get("model", {})}
         t.set("ckpt", "load_ckpt_info", {"path": str(folder), "content": ("model",), "ckpt_type": "hf"})
@@ -155,8 +169,6 @@ def _model_class(t: Translation, trainer: Any) -> None:
 def _not_built_here(hf: dict[str, Any], mtp: Any) -> str | None:
     """Why XTuner's model of this config.json would not train the same here, naming the family; None if it would."""
     reasons = []
-    if hf.get("n_routed_experts"):  # DeepSeek-V3 / GLM-MoE: experts balanced by a bias XTuner updates each step
-        reasons.append("its experts are balanced by a router bias, which is not updated here")
     if "vision_config" in hf:
         reasons.append("it is a vision-language model (only text models are built here)")
     if mtp is not None:
@@ -166,7 +178,36 @@ def _not_built_here(hf: dict[str, Any], mtp: Any) -> str | None:
     family = f"model_type={hf.get('model_type')!r}" + "".join(f" ({a})" for a in (hf.get("architectures") or [])[:1])
     return (
         f"{family} is not built here: {'; '.join(reasons)}. Built here: {', '.join(TABLES)} (native), and "
-        "as hf_causal_lm dense causal LMs and mixture-of-experts with a router aux loss (Mixtral, Qwen2/3-MoE)"
+        "as hf_causal_lm dense causal LMs and mixtures of experts with a router aux loss (Mixtral, Qwen2/3-MoE) or a "
+        "router bias (DeepSeek-V3, GLM-4.5/5)"
+    )
+
+
+def _router_bias(hf: dict[str, Any]) -> bool:
+    """DeepSeek-V3's noaux_tc router (deepseek_v3, deepseek_v32, glm4_moe, glm4_moe_lite, glm_moe_dsa): experts
+    picked with an `e_score_correction_bias` that XTuner moves each step."""
+    return bool(hf.get("n_routed_experts")) and hf.get("topk_method", "noaux_tc") == "noaux_tc"
+
+
+def _bias_speed(model_cfg: Any) -> tuple[float, str]:
+    """XTuner v1's bias update speed (`NoAuxRouterConfig.router_bias_update_speed`, 0.001 unless set; 0 with
+    `freeze_routers`) and the field it came from."""
+    if field(model_cfg, "freeze_routers", False):
+        return 0.0, "model_cfg.freeze_routers=True"
+    speed = field(field(model_cfg, "router"), "router_bias_update_speed")
+    if speed is None:
+        return ROUTER_BIAS_UPDATE_SPEED, "model_cfg.router.router_bias_update_speed (XTuner's default)"
+    return float(speed), "model_cfg.router.router_bias_update_speed"
+
+
+def _balancing_loss(t: Translation, model_cfg: Any, hf: dict[str, Any]) -> None:
+    """XTuner adds its balancing loss to DeepSeekV3Config's routers by default; transformers' model has none."""
+    balancing = field(model_cfg, "balancing_loss_cfg", _UNSET)
+    if balancing is None or (balancing is _UNSET and kind(model_cfg) != "DeepSeekV3Config"):
+        return
+    t.dropped.append(
+        f"model_cfg.balancing_loss_cfg: XTuner's balancing loss is not added to {hf.get('model_type')}'s routers "
+        "here (transformers' model has none); the router bias alone balances the experts"
     )
 
 

@@ -192,8 +192,8 @@ def test_what_cannot_carry_stops_in_one_line_and_writes_nothing(model_and_data, 
 
 
 def test_xtuners_glm_swap_example_stops_in_one_line_naming_the_family(tmp_path):
-    """Its `-> Float8Config | None` runs under the stand-ins; GLM's MoE (router-bias experts, multi-token
-    prediction) is not built here: one line names it and what is, exit 2."""
+    """Its `-> Float8Config | None` runs under the stand-ins; GLM-5's multi-token prediction is not built here (its
+    router-bias experts are): one line names it and what is, exit 2."""
     model = tmp_path / "glm"
     model.mkdir()
     glm = {"model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"], "n_routed_experts": 8,
@@ -208,8 +208,8 @@ def test_xtuners_glm_swap_example_stops_in_one_line_naming_the_family(tmp_path):
     line = assert_clean_error(
         from_xtuner(config, out, env=env),
         "model_type='glm_moe_dsa' (GlmMoeDsaForCausalLM) is not built here",
-        "router bias",
         "model_cfg.mtp_config",
+        "or a router bias (DeepSeek-V3, GLM-4.5/5)",
         "Built here: internlm2, llama, internlm (native)",
     )
     assert "TypeError" not in line and not out.exists()

@@ -103,19 +103,38 @@ def test_stand_ins_take_union_annotations() -> None:
     assert repr(cls | StandIn("MuonConfig") | int) == "Float8Config | MuonConfig | int"
 
 
-def test_a_model_family_trained_otherwise_by_xtuner_is_fatal_and_named(tmp_path: Path) -> None:
-    """Router-bias experts (DeepSeek-V3, GLM) are refused in one line; an aux-loss MoE still trains as hf_causal_lm."""
+def test_router_bias_experts_train_as_hf_causal_lm_with_xtuners_bias_speed(tmp_path: Path) -> None:
+    """DeepSeek-V3 / GLM folders (router-bias experts) train as hf_causal_lm with the bias moved at XTuner's speed
+    (its default, or the model config's router); an aux-loss MoE trains as hf_causal_lm; a vision-language folder is
+    fatal and named."""
     import json
 
-    for model_type, keys, refused in (("deepseek_v3", {"n_routed_experts": 8}, True),
-                                      ("qwen3_moe", {"num_experts": 8, "output_router_logits": False}, False)):  # fmt: skip
+    bias = {"n_routed_experts": 8}
+    cases = (("deepseek_v3", bias, "", 0.001), ("glm4_moe", bias, "router_bias_update_speed=0.0005", 0.0005),
+             ("qwen3_moe", {"num_experts": 8, "output_router_logits": False}, "", None),
+             ("qwen3_5_moe", {"vision_config": {}, "text_config": {}}, "", "fatal"))  # fmt: skip
+    for model_type, keys, router, speed in cases:
         folder = tmp_path / model_type
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps({"model_type": model_type, **keys}))
         path = tmp_path / f"{model_type}.py"
-        path.write_text(CONFIG.replace("total_step=5", f"total_step=5, load_from={str(folder)!r}"))
+        text = CONFIG.replace("total_step=5", f"total_step=5, load_from={str(folder)!r}")
+        if router:
+            text = text.replace(
+                'model_cfg = get_model_config_from_hf("/nowhere")',
+                f'model_cfg = get_model_config_from_hf("/nowhere", router=NoAuxRouterConfig({router}))',
+            )
+            text = text.replace("from xtuner.v1.model import", "from xtuner.v1.module.router import NoAuxRouterConfig\n"
+                                "from xtuner.v1.model import")  # fmt: skip
+        path.write_text(text)
         t = translate_trainer(load_trainer(path), path)
         named = [line for line in t.fatal if f"model_type={model_type!r} is not built here" in line]
-        assert len(named) == int(refused), t.fatal
-        assert refused or t.config["model"] == {"type": "hf_causal_lm", "hf_path": str(folder), "checkpoint": 1.0,
-                                                "dtype": "torch.bfloat16"}  # fmt: skip
+        assert len(named) == int(speed == "fatal"), t.fatal
+        if speed == "fatal":
+            assert "vision-language" in named[0]
+            continue
+        expected = {"type": "hf_causal_lm", "hf_path": str(folder), "checkpoint": 1.0, "dtype": "torch.bfloat16"}
+        if speed is not None:
+            expected["router_bias_update_speed"] = speed
+        assert t.config["model"] == expected, t.config["model"]
+        assert any("-> model.router_bias_update_speed" in line for line in t.carried) == (speed is not None)

@@ -217,3 +217,21 @@ def test_tokenize_reads_oasst1_lines_as_the_same_conversations_written_as_messag
     assert len(packs[0]) == len(packs[1]) > 3
     for a, b in zip(*packs):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_router_bias_folder_keeps_its_bias_as_xtuners_classic_trainer_does(tmp_path):
+    """XTuner's classic trainer trains transformers' DeepSeek-V3, which never moves the router bias: here too."""
+    folder = tmp_path / "deepseek_v3"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "vocab_size": 32, "hidden_size": 32,
+                                                    "intermediate_size": 64, "moe_intermediate_size": 16,
+                                                    "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+                                                    "topk_group": 1, "first_k_dense_replace": 0}))  # fmt: skip
+    path = write_classic(tmp_path / "cfg.py", folder, tmp_path / "d.jsonl", quant="")
+    t = translate_classic(load_classic(path), path)
+    assert (
+        not any("is not built here" in line for line in t.fatal)
+        and t.config["model"]["router_bias_update_speed"] == 0.0
+    )
+    assert any("-> model.router_bias_update_speed=0" in line for line in t.carried)

@@ -1,0 +1,60 @@
+"""The noaux_tc router bias update (DeepSeek-V3's auxiliary-loss-free balancing, as XTuner trains it), once a step.
+
+Each router's `e_score_correction_bias` only picks experts (their weights come from the unbiased scores). After every
+micro-batch's backward and before clipping, the step's top-k choices per expert, counted on every token of every
+micro-batch, are summed over all ranks (every rank then holds the same counts and applies the same update: the
+biases stay replicated with no broadcast), and each bias moves by `speed` against its expert's load
+(`model.router.bias_update`). The counts also give XTuner's `maxvio`, logged as `moe_maxvio`.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from internlm_offload.features import MemoryFeature
+from internlm_offload.model.router import ChoiceCounts, bias_update, max_violation
+
+
+class RouterBiasUpdate(MemoryFeature):
+    """Updates the biases `biases()` (one (E,) fp32 buffer per router, in `choices`' order) from `choices` each step.
+
+    `speed` 0 leaves them as they are and still logs `moe_maxvio`. `group`: the ranks whose tokens the counts pool
+    over (None: all, the data-parallel ranks of a model every rank holds whole).
+    """
+
+    def __init__(
+        self,
+        biases: Callable[[], list[torch.Tensor]],
+        choices: ChoiceCounts,
+        speed: float,
+        *,
+        distributed: bool,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.biases = biases
+        self.choices = choices
+        self.speed = speed
+        self.distributed = distributed
+        self.group = group
+        self._maxvio: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def after_backward(self) -> None:
+        counts = self.choices.take()
+        if counts is None:
+            return
+        if self.distributed:
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.group)
+        if self.speed > 0:
+            for bias, row in zip(self.biases(), counts, strict=True):
+                bias.copy_(bias_update(bias, row.to(bias.device), self.speed))
+        self._maxvio = max_violation(counts)
+
+    def metrics(self) -> dict[str, float]:
+        """`moe_maxvio`: over the routers, the mean of (busiest expert's choices - mean) / mean in the last step
+        (read after the step's own sync)."""
+        if self._maxvio is None:
+            return {}
+        value, self._maxvio = float(self._maxvio), None
+        return {"moe_maxvio": value}

@@ -43,13 +43,14 @@ def test_resume_is_bitwise(full_runs, tmp_path, mode):
 
 
 def test_layouts_agree_within_reduction_order(full_runs):
-    """Same global batch on 1 process, DDP and FSDP2 (its default meta build): one initial model, so step 1
-    (forward only) is bitwise equal; later steps equal up to float summation order."""
+    """Same global batch on 1 process, DDP and FSDP2 (its default meta build): one initial model; every step within
+    1e-5 relative. Not bitwise even at step 1 (forward only): its four micro-batch losses are summed in another
+    grouping, ((l0 + l1) + l2) + l3 on one process, (l0 + l2) + (l1 + l3) over two ranks (2 ulp apart under
+    MKL_CBWR=COMPATIBLE; tests/README.md)."""
     base = losses(full_runs["none", "a"])
     for mode in ("ddp", "fsdp2"):
         other = losses(full_runs[mode, "a"])
         assert other.keys() == base.keys()
-        assert other[1] == base[1], (mode, other[1], base[1])
         for step, loss in base.items():
             assert math.isclose(other[step], loss, rel_tol=1e-5), (mode, step, other[step], loss)
 

@@ -187,9 +187,11 @@ def flash_attention_on_meta() -> Iterator[None]:
     """
     sdpa = F.scaled_dot_product_attention
 
-    def choose(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        kernel = flash_attention if query.device.type == "meta" else sdpa
-        return kernel(query, *args, **kwargs)
+    def choose(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # cpu's flash kernel takes one head dim for q, k and v; with another v head dim (MLA's) cpu runs the math
+        # path, as the meta kernel does
+        flash = query.device.type == "meta" and value.shape[-1] == query.shape[-1]
+        return (flash_attention if flash else sdpa)(query, key, value, *args, **kwargs)
 
     F.scaled_dot_product_attention = choose
     try:

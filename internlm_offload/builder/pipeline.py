@@ -74,18 +74,26 @@ def apply_pipeline(
     reduced = ctx.dp_size * (ctx.tensor_size if sequence_shard is not None else 1)
     if mode != par.mode:
         reducer = (
-            "gradient offload reduces" if cfg.grad_offload else "the fp32 masters reduce" if fp32_reduce
+            "gradient offload reduces"
+            if cfg.grad_offload
+            else "the fp32 masters reduce"
+            if fp32_reduce
             else "the trainer (a split backward) reduces"
-        )  # fmt: skip
+        )
         wrapper = f", not wrapped: {reducer} the gradients over {reduced} ranks each"
     else:
         wrapper = "" if mode == "none" else f", {mode.upper()} over {reduced} ranks each"
     if ctx.tensor_size > 1:
         wrapper += f", tensor {cfg.parallel.tensor.mode} over {ctx.tensor_size} ranks each"
     logger.info(
-        "Pipeline rank %d of %d: stages %s of %d (%s)%s", ctx.pipeline_mesh.get_local_rank("pp"), pipe.size,
-        list(chunks), num_stages, schedule_class(pipe.mode, num_chunks).__name__, wrapper,
-    )  # fmt: skip
+        "Pipeline rank %d of %d: stages %s of %d (%s)%s",
+        ctx.pipeline_mesh.get_local_rank("pp"),
+        pipe.size,
+        list(chunks),
+        num_stages,
+        schedule_class(pipe.mode, num_chunks).__name__,
+        wrapper,
+    )
     log_build_memory(ctx)
     return PipelineRunner(
         ctx,

@@ -42,16 +42,33 @@ MODEL_TYPES = {
 # Keys that change nothing here, by section ("" is the top level).
 IGNORED = {
     "": {"cudnn_deterministic", "cudnn_benchmark", "generation", "use_fp32_norm", "use_apex_adam", "metric_dtype"},
-    "model": {"embed_split_hidden", "qk_interleaved", "enable_qkv_fusion", "use_flash_attn",
-              "max_position_embeddings", "mlp_layer_fusion"},
-    "data": {"empty_cache_and_diag_interval", "diag_outlier_ratio", "tokenizer_path", "use_shm", "shm_path",
-             "packed_length"},
+    "model": {
+        "embed_split_hidden",
+        "qk_interleaved",
+        "enable_qkv_fusion",
+        "use_flash_attn",
+        "max_position_embeddings",
+        "mlp_layer_fusion",
+    },
+    "data": {
+        "empty_cache_and_diag_interval",
+        "diag_outlier_ratio",
+        "tokenizer_path",
+        "use_shm",
+        "shm_path",
+        "packed_length",
+    },
     "ckpt": {"async_upload", "async_upload_tmp_folder", "oss_snapshot_freq", "stop_file_path", "generate_meta_data"},
-    "hybrid_zero_optimizer": {"overlap_sync_grad", "overlap_sync_param", "reduce_bucket_size", "use_split_tensor_optim",
-                              "all_gather_size"},
+    "hybrid_zero_optimizer": {
+        "overlap_sync_grad",
+        "overlap_sync_param",
+        "reduce_bucket_size",
+        "use_split_tensor_optim",
+        "all_gather_size",
+    },
     "monitor": {"alert"},
     "loss": {"op_type"},
-}  # fmt: skip
+}
 
 
 # InternEvo's knobs of when weight parallel's all-gathers are launched (develop, 2025).

@@ -278,8 +278,11 @@ def read_chat_files(
         if cut:
             logger.warning(
                 "%s: %d of %d conversations have no trained token within data.max_length=%d tokens; dropped",
-                path, cut, cut + len(ids), encoder.max_length,
-            )  # fmt: skip
+                path,
+                cut,
+                cut + len(ids),
+                encoder.max_length,
+            )
         files.append(ChatFile(path, ids, is_target))
     bad.check(max_bad_fraction)
     return files

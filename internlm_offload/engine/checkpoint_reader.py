@@ -28,8 +28,14 @@ from internlm_offload.weights.safe_pickle import AllowListUnpickler, UnsafeCheck
 # What DCP (torch 2.6 - 2.13) writes into a `.metadata`, by module.
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "StorageMeta",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch": {"Size"},
@@ -37,7 +43,7 @@ _METADATA_CLASSES = {
     "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset", "bytearray", "complex", "slice", "range"},
-}  # fmt: skip
+}
 
 
 def _metadata_unpickler(stream: Any, path: str) -> AllowListUnpickler:

@@ -86,28 +86,52 @@ class Hardware:
 
 
 HARDWARE = {
-    "h100": Hardware("H100 SXM 80GB", 400e12, 50e9, 2.7e12, 3e9,
-                     "assumed: 40% MFU of 989 TFLOP/s dense bf16; PCIe 5.0 x16 ~50 GB/s; 80% of 3.35 TB/s HBM3; "
-                     "host fused AdamW 3e9 elem/s (~100 GB/s DRAM at 28 B/elem)",
-                     collective_bytes_per_s=360e9,
-                     collective_source="assumed: NVLink 4 (450 GB/s per direction), ~80% as NCCL's bus bandwidth"),
-    "h200": Hardware("H200 SXM 141GB", 400e12, 50e9, 3.8e12, 3e9,
-                     "assumed: 40% MFU of 989 TFLOP/s dense bf16; link measured by scripts/gpu_check.sh on one H200 "
-                     "(2026-11-26): 49-55 GB/s per direction, pinned, PCIe 5.0 x16; 80% of 4.8 TB/s HBM3e; "
-                     "host fused AdamW 3e9 elem/s",
-                     collective_bytes_per_s=360e9,
-                     collective_source="assumed: NVLink 4 (450 GB/s per direction), ~80% as NCCL's bus bandwidth"),
-    "a100": Hardware("A100 SXM 80GB", 125e12, 25e9, 1.6e12, 3e9,
-                     "assumed: 40% MFU of 312 TFLOP/s dense bf16; PCIe 4.0 x16 ~25 GB/s; 80% of 2.0 TB/s HBM2e; "
-                     "host fused AdamW 3e9 elem/s",
-                     collective_bytes_per_s=230e9,
-                     collective_source="assumed: NVLink 3 (300 GB/s per direction), ~75% as NCCL's bus bandwidth"),
-    "910b": Hardware("Ascend 910B", 125e12, 25e9, 1.3e12, 3e9,
-                     "assumed: 40% of ~313 TFLOP/s fp16/bf16; PCIe 4.0 x16 ~25 GB/s; 80% of 1.6 TB/s HBM; "
-                     "host fused AdamW 3e9 elem/s",
-                     collective_bytes_per_s=100e9,
-                     collective_source="assumed: HCCS within a node, ~100 GB/s as HCCL's bus bandwidth"),
-}  # fmt: skip
+    "h100": Hardware(
+        "H100 SXM 80GB",
+        400e12,
+        50e9,
+        2.7e12,
+        3e9,
+        "assumed: 40% MFU of 989 TFLOP/s dense bf16; PCIe 5.0 x16 ~50 GB/s; 80% of 3.35 TB/s HBM3; "
+        "host fused AdamW 3e9 elem/s (~100 GB/s DRAM at 28 B/elem)",
+        collective_bytes_per_s=360e9,
+        collective_source="assumed: NVLink 4 (450 GB/s per direction), ~80% as NCCL's bus bandwidth",
+    ),
+    "h200": Hardware(
+        "H200 SXM 141GB",
+        400e12,
+        50e9,
+        3.8e12,
+        3e9,
+        "assumed: 40% MFU of 989 TFLOP/s dense bf16; link measured by scripts/gpu_check.sh on one H200 "
+        "(2026-11-26): 49-55 GB/s per direction, pinned, PCIe 5.0 x16; 80% of 4.8 TB/s HBM3e; "
+        "host fused AdamW 3e9 elem/s",
+        collective_bytes_per_s=360e9,
+        collective_source="assumed: NVLink 4 (450 GB/s per direction), ~80% as NCCL's bus bandwidth",
+    ),
+    "a100": Hardware(
+        "A100 SXM 80GB",
+        125e12,
+        25e9,
+        1.6e12,
+        3e9,
+        "assumed: 40% MFU of 312 TFLOP/s dense bf16; PCIe 4.0 x16 ~25 GB/s; 80% of 2.0 TB/s HBM2e; "
+        "host fused AdamW 3e9 elem/s",
+        collective_bytes_per_s=230e9,
+        collective_source="assumed: NVLink 3 (300 GB/s per direction), ~75% as NCCL's bus bandwidth",
+    ),
+    "910b": Hardware(
+        "Ascend 910B",
+        125e12,
+        25e9,
+        1.3e12,
+        3e9,
+        "assumed: 40% of ~313 TFLOP/s fp16/bf16; PCIe 4.0 x16 ~25 GB/s; 80% of 1.6 TB/s HBM; "
+        "host fused AdamW 3e9 elem/s",
+        collective_bytes_per_s=100e9,
+        collective_source="assumed: HCCS within a node, ~100 GB/s as HCCL's bus bandwidth",
+    ),
+}
 
 
 @dataclass
@@ -247,12 +271,22 @@ def _metadata_ops() -> set[Any]:
     """Ops that read a tensor's metadata: FlopCounterMode leaves them to the tensor (NotImplemented)."""
     aten = torch.ops.aten
     return {
-        aten.sym_is_contiguous.default, aten.is_contiguous.default, aten.is_contiguous.memory_format,
-        aten.is_strides_like_format.default, aten.is_non_overlapping_and_dense.default, aten.size.default,
-        aten.sym_size.default, aten.stride.default, aten.sym_stride.default, aten.storage_offset.default,
-        aten.sym_storage_offset.default, aten.numel.default, aten.sym_numel.default, aten.dim.default,
+        aten.sym_is_contiguous.default,
+        aten.is_contiguous.default,
+        aten.is_contiguous.memory_format,
+        aten.is_strides_like_format.default,
+        aten.is_non_overlapping_and_dense.default,
+        aten.size.default,
+        aten.sym_size.default,
+        aten.stride.default,
+        aten.sym_stride.default,
+        aten.storage_offset.default,
+        aten.sym_storage_offset.default,
+        aten.numel.default,
+        aten.sym_numel.default,
+        aten.dim.default,
         torch.ops.prim.layout.default,
-    }  # fmt: skip
+    }
 
 
 def extra_flops() -> dict[Any, Any]:

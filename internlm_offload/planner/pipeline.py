@@ -71,11 +71,18 @@ def schedule_order(mode: str, num_chunks: int, size: int, micro_num: int) -> dic
     num_stages = size * num_chunks
     stages = [
         SimpleNamespace(
-            stage_index=s, num_stages=num_stages, group_size=size, group_rank=0, submod=nn.Module(),
-            is_first=s == 0, is_last=s == num_stages - 1, has_backward=True, stage_index_to_group_rank={},
+            stage_index=s,
+            num_stages=num_stages,
+            group_size=size,
+            group_rank=0,
+            submod=nn.Module(),
+            is_first=s == 0,
+            is_last=s == num_stages - 1,
+            has_backward=True,
+            stage_index_to_group_rank={},
         )
         for s in local_stages(0, size, num_chunks, v_shape=mode == "ZBV")
-    ]  # fmt: skip
+    ]
     single = cls is Schedule1F1B
     return cls(stages[0] if single else stages, micro_num, scale_grads=False).pipeline_order  # type: ignore[arg-type]
 

@@ -167,10 +167,12 @@ class PricedMode:
         if len(base.stages) < 2:  # no pipeline: one rank, one count
             return None
         peaks = {
-            n: [a.device_peak_bytes + o.device_peak_bytes - b.device_peak_bytes
-                for a, o, b in zip(self.by_activation[s.name].stages, by_o.stages, base.stages)]
+            n: [
+                a.device_peak_bytes + o.device_peak_bytes - b.device_peak_bytes
+                for a, o, b in zip(self.by_activation[s.name].stages, by_o.stages, base.stages)
+            ]
             for n, s in ladder.items()
-        }  # fmt: skip
+        }
         counts = fewest_per_rank(peaks, budgets.device, count)
         if len(set(counts)) <= 1:
             return None
@@ -324,10 +326,13 @@ def search_tensor_modes(
             candidate.tensor_mode = mode
     # fastest first; equal times in the modes' order, each mode's candidates in its own order
     queue = sorted(
-        ((round(c.step_s, 6), index, position, c) for index, (_, m) in enumerate(priced_modes) for position, c in
-         enumerate(m.candidates)),
+        (
+            (round(c.step_s, 6), index, position, c)
+            for index, (_, m) in enumerate(priced_modes)
+            for position, c in enumerate(m.candidates)
+        ),
         key=lambda item: item[:3],
-    )  # fmt: skip
+    )
     budgets = Budgets(device_budget, host_budget, disk_budget)
     bests: dict[int, Candidate] = {}
     for tried, (step_s, index, _, candidate) in enumerate(queue, 1):
@@ -369,9 +374,19 @@ def search_space(
     settings (`knobs.activations_for`): what `tools.plan` and a config's "auto" knobs both search."""
     modes, activations, optimizers = search_axes(space)
     return search_tensor_modes(
-        config_for, modes, activations, optimizers, hardware, device_budget, host_budget, space.world_size,
-        disk_budget, tracer=tracer, progress=progress, activations_for=activations_for(space),
-    )  # fmt: skip
+        config_for,
+        modes,
+        activations,
+        optimizers,
+        hardware,
+        device_budget,
+        host_budget,
+        space.world_size,
+        disk_budget,
+        tracer=tracer,
+        progress=progress,
+        activations_for=activations_for(space),
+    )
 
 
 def _in_mode(config_for: ConfigFor, mode: dict[str, Any], overrides: dict[str, Any]) -> RunConfig:

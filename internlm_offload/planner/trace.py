@@ -335,11 +335,16 @@ def _pipeline_step(cfg: RunConfig, world_size: int, measure: bool, count_work: b
     worst = max(ranks, key=lambda m: m.device_peak_bytes)
     per_rank = [
         StageMemory(
-            r, m.device_peak_bytes, m.host_peak_bytes, m.first_step_device_peak_bytes, m.in_flight,
-            m.components["activations"], m.micro_batch_work,
+            r,
+            m.device_peak_bytes,
+            m.host_peak_bytes,
+            m.first_step_device_peak_bytes,
+            m.in_flight,
+            m.components["activations"],
+            m.micro_batch_work,
         )
         for r, m in enumerate(ranks)
-    ]  # fmt: skip
+    ]
     return dataclasses.replace(worst, stages=per_rank, host_peak_bytes=max(m.host_peak_bytes for m in ranks))
 
 
@@ -459,9 +464,17 @@ def _rank_context(
     expert_size, expert_weight, ranks = experts
     experts_mesh = None if expert_size == 1 else expert_mesh("cpu", ranks, expert_size, expert_weight)
     return RunContext(
-        rank, rank, world_size, accelerator, tensor_size=tensor_size, mesh=mesh, expert_mesh=experts_mesh,
-        pipeline_size=pipeline_size, pipeline_mesh=pipe_mesh, chunked_loss=chunked_loss,
-    )  # fmt: skip
+        rank,
+        rank,
+        world_size,
+        accelerator,
+        tensor_size=tensor_size,
+        mesh=mesh,
+        expert_mesh=experts_mesh,
+        pipeline_size=pipeline_size,
+        pipeline_mesh=pipe_mesh,
+        chunked_loss=chunked_loss,
+    )
 
 
 def _grads_bytes(optimizer: torch.optim.Optimizer, records: list[ParamRecord]) -> int:

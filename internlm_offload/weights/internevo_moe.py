@@ -47,8 +47,10 @@ def check_expert_layout(folder: Path, entries: list[Path]) -> list[Path]:
     for layer, expert, rank in product(*(range(max(key[i] for key in found) + 1) for i in (0, 1, 3))):
         name = f"model_moe_layer{layer}_expert{expert}_{next(iter(modes))}{rank}.pt"
         if (layer, expert, next(iter(modes)), rank) not in found:
-            raise CheckpointError(f"{folder}: {name} is missing (the folder has experts 0..{_largest(found, 1)} of "
-                                  f"blocks 0..{_largest(found, 0)})")  # fmt: skip
+            raise CheckpointError(
+                f"{folder}: {name} is missing (the folder has experts 0..{_largest(found, 1)} of "
+                f"blocks 0..{_largest(found, 0)})"
+            )
     return files
 
 
@@ -84,9 +86,13 @@ def _ungroup(
     match = _KEY.match(name)
     layer = name.split(".")[1]
     siblings = [
-        n for n in list_shapes
-        if (m := _KEY.match(n)) and n.split(".")[1] == layer and m["path"] == match["path"] and m["rest"] == match["rest"]
-    ]  # fmt: skip
+        n
+        for n in list_shapes
+        if (m := _KEY.match(n))
+        and n.split(".")[1] == layer
+        and m["path"] == match["path"]
+        and m["rest"] == match["rest"]
+    ]
     if not siblings:
         return {name: parts[0]}  # not this model's: named by the caller's check
     out_features, in_features = list_shapes[siblings[0]]

@@ -26,8 +26,15 @@ QUANT_KEYS = ("bnb_4bit_quant_type", "bnb_4bit_compute_dtype", "bnb_4bit_use_dou
 QUANT_8BIT = ("llm_int8_threshold", "llm_int8_has_fp16_weight", "llm_int8_enable_fp32_cpu_offload")
 LORA_KEYS = ("r", "lora_alpha", "lora_dropout", "bias", "target_modules")
 # PEFT options that train something else than plain LoRA: fatal unless at PEFT's default.
-LORA_VARIANTS = {"use_rslora": False, "use_dora": False, "modules_to_save": None, "rank_pattern": {},
-                 "alpha_pattern": {}, "init_lora_weights": True, "layers_to_transform": None}  # fmt: skip
+LORA_VARIANTS = {
+    "use_rslora": False,
+    "use_dora": False,
+    "modules_to_save": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "init_lora_weights": True,
+    "layers_to_transform": None,
+}
 # XTuner's find_all_linear_names leaves these heads out; every other nn.Linear's last name is a target.
 NOT_TARGETED = ("lm_head", "output_layer")
 # Top-level names that change nothing about what trains, and why they are not carried.
@@ -87,11 +94,17 @@ def _llm(t: Translation, model: dict[str, Any], names: dict[str, Any]) -> dict[s
     if model.get("use_varlen_attn"):
         t.carried.append("model.use_varlen_attn=True -> attention never crosses packed conversations (always so here)")
     elif "use_varlen_attn" in model:
-        t.dropped.append("model.use_varlen_attn=False: attention never crosses packed conversations here "
-                         "(XTuner's lets a packed sample attend to the one before it)")  # fmt: skip
+        t.dropped.append(
+            "model.use_varlen_attn=False: attention never crosses packed conversations here "
+            "(XTuner's lets a packed sample attend to the one before it)"
+        )
     _rest(t, "model", model, ("type", "llm", "lora", "use_activation_checkpointing", "use_varlen_attn"))
-    _rest(t, "model.llm", llm, ("type", "pretrained_model_name_or_path", "torch_dtype", "quantization_config",
-                                "trust_remote_code"))  # fmt: skip
+    _rest(
+        t,
+        "model.llm",
+        llm,
+        ("type", "pretrained_model_name_or_path", "torch_dtype", "quantization_config", "trust_remote_code"),
+    )
     tokenizer = (names.get("tokenizer") or {}).get("pretrained_model_name_or_path") or path
     t.set("data", "tokenizer", str(tokenizer))
     t.carried.append("tokenizer.pretrained_model_name_or_path -> data.tokenizer")
@@ -118,13 +131,16 @@ def _quantization(t: Translation, quant: Any) -> None:
     if "bnb_4bit_compute_dtype" in out:
         dtype = DTYPES.get(str(out["bnb_4bit_compute_dtype"]).removeprefix("torch."))
         if dtype is None:
-            t.fatal.append(f"{key}.bnb_4bit_compute_dtype={out['bnb_4bit_compute_dtype']}: use float16, bfloat16 "
-                           "or float32")  # fmt: skip
+            t.fatal.append(
+                f"{key}.bnb_4bit_compute_dtype={out['bnb_4bit_compute_dtype']}: use float16, bfloat16 or float32"
+            )
             return
         out["bnb_4bit_compute_dtype"] = dtype
     t.set("model", "quantization_config", out)
-    t.carried.append(f"{key} ({', '.join(out)}) -> model.quantization_config: the frozen base's block linears in "
-                     "4 bits (bitsandbytes), BitsAndBytesConfig's names")  # fmt: skip
+    t.carried.append(
+        f"{key} ({', '.join(out)}) -> model.quantization_config: the frozen base's block linears in "
+        "4 bits (bitsandbytes), BitsAndBytesConfig's names"
+    )
     eight_bit = [name for name in QUANT_8BIT if name in quant]
     if eight_bit:
         t.dropped.append(
@@ -162,8 +178,10 @@ def _all_linears(t: Translation, hf: dict[str, Any]) -> None:
         try:
             targets = _hf_linear_names(t.config["model"]["hf_path"])
         except (ImportError, OSError, KeyError, ValueError) as exc:  # a model_type transformers does not know
-            t.fatal.append(f"model.lora.target_modules unset and the folder's linears cannot be listed ({exc}); "
-                           "name them in target_modules")  # fmt: skip
+            t.fatal.append(
+                f"model.lora.target_modules unset and the folder's linears cannot be listed ({exc}); "
+                "name them in target_modules"
+            )
             return
         t.config["model"]["lora"]["target_modules"] = targets
         head = " (InternLM2's head `output` included, as XTuner's rule does)" if "output" in targets else ""
@@ -210,24 +228,46 @@ def _data(t: Translation, names: dict[str, Any]) -> None:
     t.carried.append("train_dataset.max_length -> data.max_length and data.seq_len (one pack per sample)")
     t.carried.append("train_dataloader.batch_size -> data.micro_bsz (samples per micro-batch and rank)")
     if dataset.get("pack_to_max_length", True) is False:
-        t.dropped.append("train_dataset.pack_to_max_length=False: conversations are packed here (kept apart) into "
-                         "batch_size * max_length tokens a micro-batch instead of padded one by one")  # fmt: skip
+        t.dropped.append(
+            "train_dataset.pack_to_max_length=False: conversations are packed here (kept apart) into "
+            "batch_size * max_length tokens a micro-batch instead of padded one by one"
+        )
     else:
         t.carried.append("train_dataset.pack_to_max_length=True -> packs of max_length (conversations kept apart)")
     template = dataset.get("template_map_fn")
     if template is not None:
         template = _name(template.get("template") if isinstance(template, dict) else template)
-        t.dropped.append(f"train_dataset.template_map_fn (template={template}): the tokenizer's own chat template "
-                         "renders the messages here")  # fmt: skip
+        t.dropped.append(
+            f"train_dataset.template_map_fn (template={template}): the tokenizer's own chat template "
+            "renders the messages here"
+        )
     sampler = loader.get("sampler") or {}
     if isinstance(sampler, dict) and sampler.get("shuffle") is False:
         t.set("data", "shuffle", False)
     t.carried.append("train_dataloader.sampler.shuffle -> data.shuffle")
-    _rest(t, "train_dataset", dataset, ("type", "dataset", "tokenizer", "max_length", "dataset_map_fn",
-                                        "template_map_fn", "pack_to_max_length", "remove_unused_columns",
-                                        "shuffle_before_pack", "use_varlen_attn"))  # fmt: skip
-    _rest(t, "train_dataloader", loader, ("batch_size", "num_workers", "dataset", "sampler", "collate_fn",
-                                          "persistent_workers", "prefetch_factor"))  # fmt: skip
+    _rest(
+        t,
+        "train_dataset",
+        dataset,
+        (
+            "type",
+            "dataset",
+            "tokenizer",
+            "max_length",
+            "dataset_map_fn",
+            "template_map_fn",
+            "pack_to_max_length",
+            "remove_unused_columns",
+            "shuffle_before_pack",
+            "use_varlen_attn",
+        ),
+    )
+    _rest(
+        t,
+        "train_dataloader",
+        loader,
+        ("batch_size", "num_workers", "dataset", "sampler", "collate_fn", "persistent_workers", "prefetch_factor"),
+    )
 
 
 def _jsonl_paths(t: Translation, source: dict[str, Any]) -> list[str]:
@@ -238,8 +278,10 @@ def _jsonl_paths(t: Translation, source: dict[str, Any]) -> list[str]:
         return [str(f) for f in ([files] if isinstance(files, str) else files)]
     if path is not None and Path(str(path)).exists():
         return [str(path)]
-    t.fatal.append(f"train_dataset.dataset (path={path!r}): a local jsonl maps here, as "
-                   "dict(type=load_dataset, path='json', data_files=...) (a hub dataset is not downloaded)")  # fmt: skip
+    t.fatal.append(
+        f"train_dataset.dataset (path={path!r}): a local jsonl maps here, as "
+        "dict(type=load_dataset, path='json', data_files=...) (a hub dataset is not downloaded)"
+    )
     return []
 
 
@@ -288,8 +330,10 @@ def _schedule_and_length(t: Translation, names: dict[str, Any]) -> None:
             t.fatal.append(f"train_cfg.max_epochs={epochs}: the data cannot be counted: {exc}")
         else:
             t.set("data", "total_steps", max(1, math.ceil(epochs * batches / micro_num)))
-            t.carried.append(f"train_cfg.max_epochs={epochs} -> data.total_steps={t.config['data']['total_steps']} "
-                             f"({batches} micro-batches of the data on one rank, {micro_num} a step)")  # fmt: skip
+            t.carried.append(
+                f"train_cfg.max_epochs={epochs} -> data.total_steps={t.config['data']['total_steps']} "
+                f"({batches} micro-batches of the data on one rank, {micro_num} a step)"
+            )
     _scheduler(t, names.get("param_scheduler"), epochs, t.config.get("data", {}).get("total_steps"), micro_num)
 
 
@@ -313,8 +357,10 @@ def _scheduler(t: Translation, entries: Any, epochs: Any, steps: int | None, mic
         t.carried.append(
             f"param_scheduler LinearLR (begin, end) -> lr_scheduler.warmup_ratio={scheduler['warmup_ratio']:g}"
         )
-        t.dropped.append(f"param_scheduler LinearLR.start_factor={warm.get('start_factor', 1 / 3)}: the warm-up here "
-                         "starts at lr / warm-up steps and rises linearly to lr")  # fmt: skip
+        t.dropped.append(
+            f"param_scheduler LinearLR.start_factor={warm.get('start_factor', 1 / 3)}: the warm-up here "
+            "starts at lr / warm-up steps and rises linearly to lr"
+        )
     if entries and kinds[-1] == "CosineAnnealingLR":
         scheduler["eta_min"] = float(entries[-1].get("eta_min", 0.0))
         t.carried.append("param_scheduler CosineAnnealingLR.eta_min -> lr_scheduler (type='cosine', eta_min)")

@@ -21,25 +21,71 @@ from internlm_offload.xtuner.standins import Recorded, field, kind
 
 _QWEN3 = {"vocab_size": 151936, "rms_norm_eps": 1e-6, "hidden_act": "silu", "use_sliding_window": False}
 DENSE = {
-    "Qwen3Dense0P6BConfig": {**_QWEN3, "num_hidden_layers": 28, "hidden_size": 1024, "intermediate_size": 3072,
-                             "rope_theta": 1e6, "heads": (16, 8, 128), "tie_word_embeddings": False},
-    "Qwen3Dense4BConfig": {**_QWEN3, "num_hidden_layers": 36, "hidden_size": 2560, "intermediate_size": 9728,
-                           "rope_theta": 5e6, "heads": (32, 8, 128), "tie_word_embeddings": True},
-    "Qwen3Dense8BConfig": {**_QWEN3, "num_hidden_layers": 36, "hidden_size": 4096, "intermediate_size": 12288,
-                           "rope_theta": 1e6, "heads": (32, 8, 128), "tie_word_embeddings": False},
-}  # fmt: skip
+    "Qwen3Dense0P6BConfig": {
+        **_QWEN3,
+        "num_hidden_layers": 28,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "rope_theta": 1e6,
+        "heads": (16, 8, 128),
+        "tie_word_embeddings": False,
+    },
+    "Qwen3Dense4BConfig": {
+        **_QWEN3,
+        "num_hidden_layers": 36,
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "rope_theta": 5e6,
+        "heads": (32, 8, 128),
+        "tie_word_embeddings": True,
+    },
+    "Qwen3Dense8BConfig": {
+        **_QWEN3,
+        "num_hidden_layers": 36,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "rope_theta": 1e6,
+        "heads": (32, 8, 128),
+        "tie_word_embeddings": False,
+    },
+}
 DENSE["Qwen3_8BConfig"] = DENSE["Qwen3Dense8BConfig"]  # its name in older XTuner v1 releases
-_MOE = {"n_shared_experts": 0, "first_k_dense_replace": 0, "norm_topk_prob": True, "scoring_func": "softmax",
-        "router_scaling_factor": 1.0, "balancing_loss_alpha": 0.001}  # fmt: skip
+_MOE = {
+    "n_shared_experts": 0,
+    "first_k_dense_replace": 0,
+    "norm_topk_prob": True,
+    "scoring_func": "softmax",
+    "router_scaling_factor": 1.0,
+    "balancing_loss_alpha": 0.001,
+}
 MOE = {
-    "Qwen3MoE30BA3Config": {**_QWEN3, **_MOE, "num_hidden_layers": 48, "hidden_size": 2048, "intermediate_size": 6144,
-                            "rope_theta": 1e6, "heads": (32, 4, 128), "tie_word_embeddings": False,
-                            "n_routed_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
-    "Qwen3MoE235BA22Config": {**_QWEN3, **_MOE, "num_hidden_layers": 94, "hidden_size": 4096,
-                              "intermediate_size": 12288, "rope_theta": 1e6, "heads": (64, 4, 128),
-                              "tie_word_embeddings": False, "n_routed_experts": 128, "num_experts_per_tok": 8,
-                              "moe_intermediate_size": 1536},
-}  # fmt: skip
+    "Qwen3MoE30BA3Config": {
+        **_QWEN3,
+        **_MOE,
+        "num_hidden_layers": 48,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "rope_theta": 1e6,
+        "heads": (32, 4, 128),
+        "tie_word_embeddings": False,
+        "n_routed_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+    },
+    "Qwen3MoE235BA22Config": {
+        **_QWEN3,
+        **_MOE,
+        "num_hidden_layers": 94,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "rope_theta": 1e6,
+        "heads": (64, 4, 128),
+        "tie_word_embeddings": False,
+        "n_routed_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 1536,
+    },
+}
 FROM_HF = "get_model_config_from_hf"
 KNOWN = (*DENSE, *MOE, FROM_HF)
 

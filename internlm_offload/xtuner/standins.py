@@ -162,8 +162,12 @@ def _stand_ins(roots: tuple[str, ...] = (ROOT,)) -> Iterator[None]:
 def is_classic(path: Path) -> bool:
     """Whether the file is an XTuner classic (mmengine) config: it assigns no top-level `trainer` (v1's contract)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    targets = [t for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
-               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]  # fmt: skip
+    targets = [
+        t
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+    ]
     return not any(isinstance(t, ast.Name) and t.id == "trainer" for t in targets)
 
 

@@ -254,8 +254,10 @@ def _fsdp(t: Translation, trainer: Any) -> None:
     t.set("model", "checkpoint", ratio)
     t.set("model", "dtype", "torch.bfloat16")  # XTuner computes in bf16 over fp32 sharded params (param_dtype)
     t.set("parallel", "mode", "fsdp2")
-    t.carried.append("fsdp_cfg.recompute_ratio -> model.checkpoint; FSDP with bf16 compute -> parallel.mode='fsdp2', "
-                     "model.dtype='torch.bfloat16' with fp32 masters")  # fmt: skip
+    t.carried.append(
+        "fsdp_cfg.recompute_ratio -> model.checkpoint; FSDP with bf16 compute -> parallel.mode='fsdp2', "
+        "model.dtype='torch.bfloat16' with fp32 masters"
+    )
     if _get(fsdp, "cpu_offload", FSDP_DEFAULTS):
         t.set("parallel", "fsdp_cpu_offload", True)
         t.carried.append("fsdp_cfg.cpu_offload -> parallel.fsdp_cpu_offload (FSDP2's CPUOffloadPolicy)")
@@ -352,8 +354,10 @@ def _run(t: Translation, trainer: Any, source: Path) -> None:
             return
         batch = t.config["data"].get("global_bsz", 1)
         t.set("data", "total_steps", max(1, math.ceil(epochs * packs / batch)))
-        t.carried.append(f"total_epoch={epochs} -> data.total_steps={t.config['data']['total_steps']} "
-                         f"({packs} packs of the data at {batch} per step)")  # fmt: skip
+        t.carried.append(
+            f"total_epoch={epochs} -> data.total_steps={t.config['data']['total_steps']} "
+            f"({packs} packs of the data at {batch} per step)"
+        )
     else:
         t.fatal.append("neither total_step nor total_epoch: the run has no length")
     total = t.config.get("data", {}).get("total_steps")
@@ -374,8 +378,12 @@ def _run(t: Translation, trainer: Any, source: Path) -> None:
     t.config["JOB_NAME"] = Path(str(work_dir)).name if work_dir else source.stem
     if work_dir:
         t.carried.append(f"work_dir -> train.py --work-dir {work_dir}")
-    for name, section, key in (("seed", "", "seed"), ("checkpoint_interval", "ckpt", "checkpoint_every"),
-                               ("checkpoint_maxkeep", "ckpt", "keep_last"), ("auto_resume", "ckpt", "auto_resume")):  # fmt: skip
+    for name, section, key in (
+        ("seed", "", "seed"),
+        ("checkpoint_interval", "ckpt", "checkpoint_every"),
+        ("checkpoint_maxkeep", "ckpt", "keep_last"),
+        ("auto_resume", "ckpt", "auto_resume"),
+    ):
         value = field(trainer, name)
         if isinstance(value, int) and not isinstance(value, bool) and value < 0:
             value = 0  # XTuner's -1 (no interval, keep all) is 0 here

@@ -179,11 +179,11 @@ def test_the_aux_loss_of_documents_packed_apart_is_transformers_loss_over_every_
     mask = _document_mask(positions, torch.float32)
     routed = model.hf_model.model(input_ids=ids, position_ids=positions, attention_mask=mask, output_router_logits=True)
     assert torch.equal(aux, load_balancing_loss_func(routed.router_logits, 4, 2) * 0.02)
-    trainer = trainer_of(run_config(tiny(family), chat, data={"total_steps": 2}), tmp_path)
+    trainer = trainer_of(run_config(tiny(family), chat, data={"total_steps": 3}), tmp_path)
     trainer.train()
     trainer.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 2 and all(0 < r["moe_aux_loss"] < 1 for r in records)
+    assert len(records) == 3 and all(0 < r["moe_aux_loss"] < 1 for r in records)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])

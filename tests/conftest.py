@@ -7,9 +7,9 @@ that way against 9.5 s with one thread, same results. A value set outside (`OMP_
 kept, and the processes the tests start inherit it.
 
 `TEST_SHIFTED_KERNELS` moves the kernels off the CPU's own (tests/README.md, "Bitwise, or a tolerance"): `all` for
-every test process, `half` for pytest-xdist's second worker only (what CI runs: a claim that holds only with one
-kernel choice goes red whenever its file lands there, at half the shifted kernels' cost). Set before torch is
-imported, so the worker's own tests and every run they start (the fork server included) take them.
+every test process, `half` for pytest-xdist's second worker only (a claim that holds only with one kernel choice
+goes red whenever its file lands there, at half the shifted kernels' cost). Set before torch is imported, so the
+worker's own tests and every run they start (the fork server included) take them.
 """
 
 import os

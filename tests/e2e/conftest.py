@@ -13,6 +13,9 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # helpers shared with the un
 
 from runner import BASELINE_NPROC, TINY, baseline_options, train  # found through the path above
 
+# What decides a run's kernels, and so its last bits, besides its options (tests/README.md)
+KERNEL_VARIABLES = ("MKL_CBWR", "ATEN_CPU_CAPABILITY")
+
 
 def _run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This pytest run's own temporary root, shared by its xdist workers (each has a subfolder of it)."""
@@ -31,6 +34,8 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pat
 
     def reference(*options: str, nproc: int = 1, config: Path = TINY) -> Path:
         named = [str(nproc), *options] if config == TINY else [str(nproc), str(config), *options]
+        # a worker on other kernels (TEST_SHIFTED_KERNELS=half, tests/conftest.py) trains its own: the last bits differ
+        named += [f"{name}={os.environ.get(name, '')}" for name in KERNEL_VARIABLES]
         key = hashlib.sha256("\0".join(named).encode()).hexdigest()[:16]
         run, done = root / key, root / f"{key}.done"
         with open(root / f"{key}.lock", "w") as lock:

@@ -143,7 +143,7 @@ def step(case: Case, tokens: torch.Tensor, acc: Accelerator, sampler: StepPeaks 
     """Forward + backward of one batch; returns the seconds it took."""
     start = time.perf_counter()
     with case.context() if case.context is not None else suppress():
-        logits = case.model(tokens[:, :-1])
+        logits = case.model(tokens[:, :-1]).logits
     loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     if sampler is not None:
         sampler.split()

@@ -28,6 +28,7 @@ from internlm_offload.log import get_logger
 from internlm_offload.model.hf import read_text_config, stateful_layers
 from internlm_offload.model.hf_routers import RouterTaps
 from internlm_offload.model.lora import adapter_parameters, apply_lora, draw_adapters
+from internlm_offload.model.output import MOE_AUX
 from internlm_offload.model.quantized import quantize_base
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
 from internlm_offload.offload.hosted_base import HostedBase, frozen_linears, hosted_tensors
@@ -38,11 +39,11 @@ from internlm_offload.registry import MODELS, PARALLEL, build
 logger = get_logger(__name__)
 
 
-def build_model(cfg: ModelConfig, device: torch.device, moe_loss_coeff: float = 1.0) -> nn.Module:
+def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
     """Construct the model in fp32 on `device`; weights are a pure function of the torch seed.
 
-    The precision policy (`cast_model`) then decides which copy is cast to the compute dtype. A mixture-of-experts
-    model multiplies its load-balancing loss by `moe_loss_coeff` (`loss.moe_loss_coeff`).
+    The precision policy (`cast_model`) then decides which copy is cast to the compute dtype. Its auxiliary losses
+    come unweighted: `aux_loss_coefficients` says what each weighs.
     """
     if cfg.type == "hf_causal_lm":
         kwargs: dict[str, Any] = dict(
@@ -81,7 +82,6 @@ def build_model(cfg: ModelConfig, device: torch.device, moe_loss_coeff: float = 
                 mlp_only_layers=tuple(cfg.mlp_only_layers),
                 decoder_sparse_step=cfg.decoder_sparse_step,
                 dense_intermediate_size=cfg.dense_intermediate_size,
-                moe_loss_coeff=moe_loss_coeff,
             )
     with torch.device(device):
         try:
@@ -95,6 +95,14 @@ def build_model(cfg: ModelConfig, device: torch.device, moe_loss_coeff: float = 
             elif not message.startswith("model."):
                 message = f"model.type='hf_causal_lm': {message}"
             raise ConfigError(message) from None
+
+
+def aux_loss_coefficients(cfg: RunConfig, model: nn.Module) -> dict[str, float]:
+    """The weight of each auxiliary loss the (bare) model returns, by name: the native decoder's router loss weighs
+    `loss.moe_loss_coeff`, a Hugging Face model's what its own config says (`router_aux_loss_coef`, the wrapper's)."""
+    if cfg.model.type == "hf_causal_lm":
+        return dict(model.aux_loss_coefficients)
+    return {MOE_AUX: cfg.loss.moe_loss_coeff} if cfg.model.num_experts else {}
 
 
 def sequence_shard(cfg: RunConfig, ctx: RunContext) -> SequenceShard | None:
@@ -212,7 +220,7 @@ def build_bare_model(
     check_documents_apart(cfg)
     hosted = hosts_base_from_meta(cfg)
     on_meta = on_meta or hosted
-    model = build_model(cfg.model, torch.device("meta") if on_meta else ctx.device, cfg.loss.moe_loss_coeff)
+    model = build_model(cfg.model, torch.device("meta") if on_meta else ctx.device)
     if check_model is not None:
         check_model(model)
     if cfg.model.lora is not None:  # on the fp32 base, before any cast, split or wrapper

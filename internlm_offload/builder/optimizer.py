@@ -1,9 +1,10 @@
 """The optimizer steps of a run: AdamW or its offloading variants over the masters, their host and disk checks,
 the learning-rate schedule and gradient offload's hooks."""
 
-import functools
 import os
 import shutil
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -17,19 +18,25 @@ from internlm_offload.engine.expert_parallel import expert_grad_reduction
 from internlm_offload.engine.precision import MasterWeights
 from internlm_offload.engine.runtime import RunContext, env_local_world_size, stage_data_mesh
 from internlm_offload.optim import build_lr_scheduler, param_groups
-from internlm_offload.optim.adamw import AdamW, fused_supported
+from internlm_offload.optim.adamw import fused_supported
+from internlm_offload.optim.adamw_rule import ADAMW
 from internlm_offload.optim.grad_offload import GradOffload
 from internlm_offload.optim.hybrid import HybridDeviceOptimizer
 from internlm_offload.optim.hybrid_host import offload_mask
 from internlm_offload.optim.interface import OffloadOptimizer
 from internlm_offload.optim.memory import (
-    HYBRID_CPU_BYTES,
-    SWAP_STATE_BYTES,
     HostMemoryError,
     check_host_memory,
+    hybrid_bytes_per_element,
+    state_bytes_per_element,
     trainable_elements,
 )
 from internlm_offload.optim.records import Masters
+from internlm_offload.optim.rule_optimizer import optimizer_for_groups
+from internlm_offload.optim.rules import UpdateRule
+
+# The update rules a config can name (`optimizer.rules`; config/optimizer.py lists the same names), by name.
+RULES: Mapping[str, UpdateRule] = MappingProxyType({ADAMW.name: ADAMW})
 from internlm_offload.optim.swap import SwapAdamW
 
 
@@ -50,7 +57,12 @@ def host_master_names(cfg: RunConfig, model: nn.Module, cpu_mask: list[bool]) ->
 
 
 def _optimizer_order(cfg: RunConfig, model: nn.Module) -> list[nn.Parameter]:
-    return [p for group in param_groups(model, cfg.adam.weight_decay) for p in group["params"]]
+    return [p for group in run_param_groups(cfg, model) for p in group["params"]]
+
+
+def run_param_groups(cfg: RunConfig, model: nn.Module) -> list[dict[str, Any]]:
+    """The optimizer's param groups: decay on matrices only, each parameter's update rule by `optimizer.rules`."""
+    return param_groups(model, cfg.adam.weight_decay, cfg.optimizer.rules, default_rule=ADAMW.name)
 
 
 def build_optimizer(
@@ -71,15 +83,17 @@ def build_optimizer(
     """
     model, host_params = masters.module, masters.on_host
     adam = cfg.adam
+    rule = ADAMW  # for the parameters no `optimizer.rules` pattern names another
     on_disk = cfg.nvme_offload.directory is not None
+    hyper = {"lr": adam.lr, "betas": (adam.adam_beta1, adam.adam_beta2), "eps": adam.adam_eps}
     if check_host and ((cfg.swap_optimizer and not on_disk) or cfg.hybrid_optimizer.enable):
-        check_optimizer_host_memory(cfg, model)
+        check_optimizer_host_memory(cfg, model, rule, hyper)
     if check_host and on_disk:
         fraction = 1.0 if cfg.swap_optimizer else cfg.hybrid_optimizer.offload_fraction
-        check_nvme_path(cfg.nvme_offload.directory, int(trainable_elements(model) * fraction) * SWAP_STATE_BYTES)
-    groups = param_groups(model, adam.weight_decay)
+        per_element = state_bytes_per_element(rule, hyper)
+        check_nvme_path(cfg.nvme_offload.directory, int(trainable_elements(model) * fraction) * per_element)
+    groups = run_param_groups(cfg, model)
     fused = fused_supported(accelerator.name) if adam.fused is None else adam.fused
-    hyper = {"lr": adam.lr, "betas": (adam.adam_beta1, adam.adam_beta2), "eps": adam.adam_eps}
     if cfg.swap_optimizer:
         return build_swap_optimizer(
             groups,
@@ -91,15 +105,17 @@ def build_optimizer(
             nvme_path=cfg.nvme_offload.directory,
             records=masters.records(),
             accelerator=accelerator,
+            rule=rule,
+            rules=RULES,
             **hyper,
         )
     if cfg.hybrid_optimizer.enable:
         hybrid = cfg.hybrid_optimizer
-        # The CPU side keeps the optimizer's default (fused AdamW on cpu); the device side gets the run's choice.
+        # The CPU side keeps its default (the rules' plain optimizers, fused on cpu); the device side gets `fused`.
         return HybridDeviceOptimizer(
             groups,
             offload_fraction=hybrid.offload_fraction,
-            gpu_optimizer_cls=functools.partial(torch.optim.AdamW, fused=fused),
+            gpu_optimizer_cls=optimizer_for_groups(groups, rule, RULES, accelerator.name, fused=fused),
             param_update_in_fp32=hybrid.param_update_in_fp32,
             overlap_cpu_optimizer_d2h_h2d=hybrid.overlap_cpu_optimizer_d2h_h2d,
             accelerator=accelerator,
@@ -107,9 +123,11 @@ def build_optimizer(
             grads_on_host=cfg.grad_offload,
             nvme_path=cfg.nvme_offload.directory,
             records=masters.records(),
+            rule=rule,
+            rules=RULES,
             **hyper,
         )
-    return AdamW(groups, fused=fused, **hyper)
+    return optimizer_for_groups(groups, rule, RULES, accelerator.name, fused=fused)(groups, **hyper)
 
 
 def build_swap_optimizer(groups: list[dict[str, Any]], **kwargs: Any) -> SwapAdamW:
@@ -134,14 +152,16 @@ def check_nvme_path(path: str, state_bytes: int) -> None:
         )
 
 
-def check_optimizer_host_memory(cfg: RunConfig, model: nn.Module) -> None:
-    """Refuse before training when the host cannot hold the offloaded optimizer states."""
+def check_optimizer_host_memory(cfg: RunConfig, model: nn.Module, rule: UpdateRule, hyper: dict[str, Any]) -> None:
+    """Refuse before training when the host cannot hold the offloaded optimizer states (`rule`'s, with `hyper`)."""
     elements = trainable_elements(model)
     if cfg.swap_optimizer:
-        required, what = elements * SWAP_STATE_BYTES, "swap_optimizer (AdamW states on the host)"
+        per_element, what = state_bytes_per_element(rule, hyper), f"swap_optimizer ({rule.name} states on the host)"
+        required = elements * per_element
     else:
         fraction = cfg.hybrid_optimizer.offload_fraction
-        required, what = int(elements * fraction) * HYBRID_CPU_BYTES, "hybrid_optimizer (CPU-stepped params)"
+        per_element, what = hybrid_bytes_per_element(rule, hyper), "hybrid_optimizer (CPU-stepped params)"
+        required = int(elements * fraction) * per_element
     try:
         check_host_memory(required, what, world_local=env_local_world_size())
     except HostMemoryError as exc:

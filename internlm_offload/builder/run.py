@@ -1,7 +1,7 @@
 """A run's components in their order (`build_components`) and the one place a `Trainer` is made (`make_trainer`)."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,6 +13,7 @@ from internlm_offload.builder.model import (
     apply_memory_plan,
     apply_precision,
     apply_tensor_parallel_plan,
+    aux_loss_coefficients,
     build_bare_model,
     builds_on_meta,
     host_the_base,
@@ -68,6 +69,7 @@ class Components:
     pipeline: PipelineRunner | None = None  # this rank's pipeline stages' schedule
     hosted_base: HostedBase | None = None  # model.lora.base_on_host: the frozen block linears on the host
     router_bias: RouterBiasUpdate | None = None  # the noaux_tc routers' once-a-step bias update
+    aux_loss_coefficients: dict[str, float] = field(default_factory=dict)  # each auxiliary loss's weight, by name
 
     @property
     def features(self) -> list[MemoryFeature]:
@@ -95,6 +97,7 @@ def build_components(
     policy = PrecisionPolicy.from_config(cfg.model.dtype, cfg.mixed_precision.master_weights)
     on_meta = builds_on_meta(cfg, policy) and ctx.pipeline_size == 1  # a pipeline cuts the whole seed-built model
     model = build_bare_model(cfg, ctx, on_meta=on_meta, check_model=check_model)
+    aux_coefficients = aux_loss_coefficients(cfg, model)
     router_bias = router_bias_update(cfg, ctx, model)
     shard = sequence_shard(cfg, ctx)
     if shard is None and ctx.tensor_size > 1:  # before the masters exist: they copy the DTensor shards
@@ -123,7 +126,18 @@ def build_components(
         masters = offload_gradients(cfg, ctx, masters, model)
     scheduler = build_scheduler(cfg, optimizer)
     return Components(
-        model, masters, policy, optimizer, scheduler, *offloaders, layers, shard, pipeline, hosted_base, router_bias
+        model,
+        masters,
+        policy,
+        optimizer,
+        scheduler,
+        *offloaders,
+        layers,
+        shard,
+        pipeline,
+        hosted_base,
+        router_bias,
+        aux_coefficients,
     )
 
 
@@ -235,6 +249,7 @@ def make_trainer(
         evaluator=evaluator,
         sequence_shard=parts.sequence_shard,
         pipeline=parts.pipeline,
+        aux_loss_coefficients=parts.aux_loss_coefficients,
     )
 
 

@@ -16,6 +16,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from internlm_offload.config.internevo import Translation
 from internlm_offload.config.lora import base_on_host_problem
+from internlm_offload.config.optimizer import OptimizerConfig, shared_lr_problem
 from internlm_offload.config.quantization import quantization_problem
 from internlm_offload.config.parallel import ParallelConfig
 from internlm_offload.config.pipeline import pipeline_problem
@@ -53,6 +54,7 @@ class RunConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     adam: AdamConfig = Field(default_factory=AdamConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     lr_scheduler: LrSchedulerConfig = Field(default_factory=LrSchedulerConfig)
     hybrid_zero_optimizer: HybridZeroOptimizerConfig = Field(default_factory=HybridZeroOptimizerConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
@@ -138,6 +140,10 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
+        if problem := shared_lr_problem(self.optimizer, self.adam.lr, "lr" in self.adam.model_fields_set):
+            raise ValueError(problem)
+        if self.optimizer.lr is not None:
+            self.adam.lr = self.optimizer.lr  # one value: `adam.lr` is what the optimizers and schedule read
         offload = self.cpu_offloading
         if not offload.enable and offload.most_layers != 0:
             raise ValueError(f"cpu_offloading.num_layers={offload.num_layers} needs cpu_offloading.enable=True")

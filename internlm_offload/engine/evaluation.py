@@ -74,8 +74,7 @@ class Evaluator:
             input_ids = torch.stack([s[0] for s in samples]).to(self.device)
             labels = torch.stack([s[1] for s in samples]).to(self.device)
             with loss_context(self.loss_parallel):
-                out = model(input_ids)
-                logits = out[0] if isinstance(out, tuple) else out
+                logits = model(input_ids).logits  # the auxiliary losses are training's, not the validation loss
                 if self.sequence_shard is not None:
                     labels = self.sequence_shard.local(labels)
                 loss = local_loss(token_loss_sum(logits, labels))

@@ -1,4 +1,4 @@
-"""The language-model loss: summed token cross-entropy, computed in row chunks.
+"""The language-model loss: summed token cross-entropy, computed in row chunks; a model's auxiliary losses weighted.
 
 `F.cross_entropy(logits.float(), ...)` over a whole micro-batch holds its fp32 temporaries for every
 token at once: the upcast logits, the log-softmax autograd saves for backward, and in backward the fp32
@@ -12,6 +12,7 @@ differ). The price: backward recomputes the chunk's log-softmax.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -62,3 +63,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 (chunk_grad,) = torch.autograd.grad(loss, upcast, grad_loss)
             grad[chunk].copy_(chunk_grad)  # the cast back to the logits' dtype, as `.float()`'s backward does
         return grad, None, None, None
+
+
+def weighted_aux_losses(
+    aux_losses: Mapping[str, torch.Tensor], coefficients: Mapping[str, float]
+) -> dict[str, torch.Tensor]:
+    """Each auxiliary loss of a `ModelOutput` times its coefficient, in fp32, by name: what the objective adds."""
+    unknown = sorted(aux_losses.keys() - coefficients.keys())
+    if unknown:
+        raise ValueError(
+            f"the model returned auxiliary losses {unknown} with no coefficient (known: {sorted(coefficients)})"
+        )
+    # the coefficient's product before the fp32 cast: the order in which the models weighed their losses themselves
+    return {name: (coefficients[name] * loss).float() for name, loss in aux_losses.items()}

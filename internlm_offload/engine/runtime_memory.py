@@ -61,10 +61,9 @@ def _one_block_step(
             tensor.zero_()
     tokens, labels, *positions = (t.to(device) for t in batch)
     out = model(tokens, *positions)
-    if isinstance(out, tuple):  # a mixture of experts: (logits, aux_loss)
-        loss = token_loss_sum(out[0], labels) + out[1]
-    else:
-        loss = token_loss_sum(out, labels)
+    loss = token_loss_sum(out.logits, labels)
+    for aux_loss in out.aux_losses.values():  # a mixture of experts' router loss: its backward runs too
+        loss = loss + aux_loss
     loss.backward()
     del out, loss
     del model, tokens, labels, positions

@@ -9,9 +9,10 @@ through the optimizer interface, whose calls are no-ops where a feature is off.
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from internlm_offload.data.tokenized import IGNORE_INDEX
 from internlm_offload.engine.checkpoint import CheckpointManager
 from internlm_offload.engine.evaluation import Evaluator
 from internlm_offload.engine.interrupts import GracefulStop
-from internlm_offload.engine.loss import token_loss_sum
+from internlm_offload.engine.loss import token_loss_sum, weighted_aux_losses
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog, Progress, memory_record
 from internlm_offload.engine.pipeline import PipelineRunner
@@ -81,9 +82,15 @@ class StepResult:
     loss: float  # global token-mean loss
     grad_norm: float  # before clipping, after loss-scale removal
     skipped: bool  # non-finite loss or grad norm: the update was not applied
-    aux_loss: float | None = None  # MoE router load-balancing loss (weighted), mean over micro-batches
+    # each auxiliary loss (MoE router load balancing: `moe_aux`) by name, weighted, mean over micro-batches
+    aux_losses: dict[str, float] = field(default_factory=dict)
     stop: bool = False  # some rank received SIGTERM/SIGINT: checkpoint after this step and return
     loss_scale: float | None = None  # fp16: the loss scale this step used
+
+
+def aux_metric(name: str) -> str:
+    """The metrics key of auxiliary loss `name`: `moe_aux` logs as `moe_aux_loss`."""
+    return f"{name}_loss"
 
 
 class Trainer:
@@ -123,10 +130,12 @@ class Trainer:
         evaluator: Evaluator | None = None,
         sequence_shard: SequenceShard | None = None,
         pipeline: PipelineRunner | None = None,
+        aux_loss_coefficients: Mapping[str, float] = MappingProxyType({}),
     ) -> None:
         """`sequence_shard` (isp): the model returns this rank's chunk of the sequence; the loss takes the
         matching labels, weighted by the chunk count (the wrapper averages over every rank). `pipeline`: the
-        model is this rank's pipeline stages; their schedule runs the micro-batches (engine/pipeline.py)."""
+        model is this rank's pipeline stages; their schedule runs the micro-batches (engine/pipeline.py).
+        `aux_loss_coefficients`: the weight of each auxiliary loss the model returns, by name."""
         self.ctx = ctx
         self.model = model
         self.optimizer = optimizer
@@ -141,6 +150,7 @@ class Trainer:
         self.evaluator = evaluator
         self.sequence_shard = sequence_shard
         self.pipeline = pipeline
+        self.aux_loss_coefficients = dict(aux_loss_coefficients)
         self._chunks = sequence_shard.size if sequence_shard is not None else 1
         self._closed = False
         self._line_peaks: list[int] = []  # the device peaks of LINE_STEPS so far
@@ -238,24 +248,24 @@ class Trainer:
         token_weight: float,
         aux_weight: float,
         on_backward_start: Callable[[], None] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Loss sum (and MoE aux loss) of one micro-batch; backpropagates their weighted sum.
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss sum and weighted auxiliary losses (by name) of one micro-batch; backpropagates their weighted sum.
 
         A micro-batch is (input_ids, labels) or, with packed documents kept apart, (input_ids, labels,
-        position_ids). A model returns logits, or `(logits, aux_loss)` with its auxiliary loss already
-        coefficient-weighted. Labels of -100 carry no loss. `on_backward_start` runs once backward begins.
+        position_ids). The model returns a `ModelOutput`: logits (B, T, V) and its auxiliary losses unweighted,
+        each weighed here by its coefficient. Labels of -100 carry no loss. `on_backward_start` runs once backward
+        begins.
         """
         input_ids, labels, *positions = (t.to(self.ctx.device, non_blocking=True) for t in micro_batch)
         with loss_context(self.settings.loss_parallel):
             out = self.model(input_ids, *positions)
-            logits, aux_loss = out if isinstance(out, tuple) else (out, None)  # logits: (B, T, V)
             if self.sequence_shard is not None:
                 labels = self.sequence_shard.local(labels)  # shifted before the split, as the tokens were
-            loss_sum = token_loss_sum(logits, labels, label_smoothing=self.settings.label_smoothing)
+            loss_sum = token_loss_sum(out.logits, labels, label_smoothing=self.settings.label_smoothing)
+            aux_losses = weighted_aux_losses(out.aux_losses, self.aux_loss_coefficients)
             objective = loss_sum * token_weight
             apart = []  # a rank's own aux loss beside a replicated DTensor loss (mtp/msp/fsp): two roots, no mix
-            if aux_loss is not None:
-                aux_loss = aux_loss.float()
+            for aux_loss in aux_losses.values():
                 if is_dtensor(objective):
                     apart.append(aux_loss * aux_weight)
                 else:
@@ -263,7 +273,7 @@ class Trainer:
             if on_backward_start is not None:
                 objective.register_hook(lambda _: on_backward_start())  # the first grad backward computes
             torch.autograd.backward([objective, *apart])
-        return local_loss(loss_sum).detach(), None if aux_loss is None else aux_loss.detach()
+        return local_loss(loss_sum).detach(), {name: loss.detach() for name, loss in aux_losses.items()}
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
         """One optimizer step over this rank's micro-batches; skipped when the loss or grad norm is not finite."""
@@ -272,7 +282,7 @@ class Trainer:
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         # Each rank weighs by its own count of labelled tokens; the gradient reduction then averages over
         # ranks: a global token mean when ranks hold equally many labelled tokens (always, without -100
-        # labels). The aux loss (a per-micro-batch mean) is averaged over micro-batches. fp16 multiplies
+        # labels). The aux losses (per-micro-batch means) are averaged over micro-batches. fp16 multiplies
         # both by the loss scale, removed again before clipping.
         # isp: a rank's loss is its chunk's share of the sequences; times the chunk count, the wrapper's average
         # over all ranks sums the chunks of a sequence and averages the data-parallel ranks.
@@ -280,15 +290,13 @@ class Trainer:
         aux_weight = loss_scale / len(micro_batches) / self.settings.aux_chunks
         if self.pipeline is not None:  # the schedule runs every micro-batch through this rank's stages
             loss_sum = self.pipeline.forward_backward(micro_batches, token_weight, self.masters.accumulate_grads)
-            aux_sum = None
+            aux_sums: dict[str, torch.Tensor] = {}  # a pipeline trains dense models only (config/pipeline.py)
         else:
-            loss_sum, aux_sum = self._micro_batches(micro_batches, token_weight, aux_weight)
+            loss_sum, aux_sums = self._micro_batches(micro_batches, token_weight, aux_weight)
         self.masters.reduce_grads(self.ctx.distributed)
         for feature in self.features:  # per-step work before clipping (the router bias update)
             feature.after_backward()
-        losses = [loss_sum * self._chunks / tokens_per_rank] + (
-            [aux_sum / len(micro_batches)] if aux_sum is not None else []
-        )
+        losses = [loss_sum * self._chunks / tokens_per_rank, *(aux / len(micro_batches) for aux in aux_sums.values())]
         # Stop requests ride on the loss all-reduce: every rank sees the same (averaged) flag, so all stop
         # after the same step. The flag goes first so that the loss stays at index 1.
         stop_flag = torch.tensor(float(self._stop.requested), device=self.ctx.device)
@@ -300,7 +308,7 @@ class Trainer:
         norm = self.clip_gradients(unscale=1.0 / loss_scale)
         values = self.read_floats(torch.cat([loss, norm.to(loss.device, torch.float32).reshape(1)]))
         stop, loss_value, norm_value = values[0] > 0, values[1], values[-1]
-        aux_value = values[2] if len(values) == 4 else None
+        aux_values = dict(zip(aux_sums, values[2:-1], strict=True))
         skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
         if not skipped:
             self.optimizer.step()
@@ -311,15 +319,15 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.update(overflow=skipped)
         used_scale = loss_scale if self.scaler is not None else None
-        return StepResult(loss_value, norm_value, skipped, aux_value, stop, used_scale)
+        return StepResult(loss_value, norm_value, skipped, aux_values, stop, used_scale)
 
     def _micro_batches(
         self, micro_batches: list[MicroBatch], token_weight: float, aux_weight: float
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Forward and backward of each micro-batch in turn; the sum of their loss sums (and aux losses)."""
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward and backward of each micro-batch in turn; the sum of their loss sums and of each aux loss."""
         sync_in_backward = self.masters.reduce_in_backward
         loss_sum = torch.zeros((), device=self.ctx.device, dtype=torch.float32)
-        aux_sum = None
+        aux_sums: dict[str, torch.Tensor] = {}
         for i, micro_batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             # SwapAdamW copies its first chunk of states in while the last backward runs (a no-op for the others).
@@ -327,10 +335,10 @@ class Trainer:
             with gradient_sync(self.model, enabled=sync_in_backward and last):
                 micro_loss, micro_aux = self.forward_backward(micro_batch, token_weight, aux_weight, prefetch)
             loss_sum += micro_loss
-            if micro_aux is not None:
-                aux_sum = micro_aux if aux_sum is None else aux_sum + micro_aux
+            for name, aux in micro_aux.items():
+                aux_sums[name] = aux_sums[name] + aux if name in aux_sums else aux
             self.masters.accumulate_grads()  # fp32 accumulation over micro-batches
-        return loss_sum, aux_sum
+        return loss_sum, aux_sums
 
     def read_floats(self, values: torch.Tensor) -> list[float]:
         """The step's one host sync: the loss, flags and grad norm as Python floats (the planner's trace,
@@ -420,7 +428,7 @@ class Trainer:
                 "skipped": result.skipped,
                 "skipped_steps": self.skipped_steps,
                 **({"loss_scale": result.loss_scale} if result.loss_scale is not None else {}),
-                **({"moe_aux_loss": result.aux_loss} if result.aux_loss is not None else {}),
+                **{aux_metric(name): value for name, value in result.aux_losses.items()},
                 **memory_record(self.ctx.accelerator),
             }
             self._note_peak(self.step - first_step, record["device_peak_mem_bytes"])

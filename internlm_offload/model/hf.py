@@ -11,6 +11,7 @@ from torch import nn
 from internlm_offload.log import get_logger
 from internlm_offload.model.hf_routers import BIAS, RouterTaps
 from internlm_offload.model.internlm2 import document_mask
+from internlm_offload.model.output import MOE_AUX, ModelOutput
 from internlm_offload.registry import MODELS
 
 logger = get_logger(__name__)
@@ -184,8 +185,9 @@ def _short(exc: BaseException) -> str:
 class HFCausalLM(nn.Module):
     """Wraps `AutoModelForCausalLM`, built from a local checkpoint (`path`) or a config dict (`config`).
 
-    `forward` returns the logits, or `(logits, aux_loss)` for a mixture-of-experts model: its router
-    load-balancing loss already multiplied by the model's own `router_aux_loss_coef`. `read_weights=False` builds a
+    `forward` returns a `ModelOutput`: for a mixture-of-experts model with its router load-balancing loss
+    (`moe_aux`, unweighted), whose coefficient, the config's own `router_aux_loss_coef`, the wrapper holds as data
+    (`aux_loss_coefficients`) for the trainer to apply. `read_weights=False` builds a
     local checkpoint's modules from its config alone, in fp32 as its weights would load (a build on meta).
     """
 
@@ -219,13 +221,15 @@ class HFCausalLM(nn.Module):
         if zeroed:
             logger.info("set HF dropout to 0 for reproducibility: %s", ", ".join(zeroed))
 
-        self.aux_loss_coef = _router_aux_coef(hf_config)
+        aux_coef = _router_aux_coef(hf_config)
+        # the model's own weight of each aux loss it returns (none at a coefficient of 0: the loss is not computed)
+        self.aux_loss_coefficients: dict[str, float] = {} if aux_coef is None else {MOE_AUX: aux_coef}
         if hasattr(hf_config, "output_router_logits"):
             # transformers' own aux loss reads a 2-D padding mask, packed documents hand the model a 4-D one: the
             # loss is computed here from the router logits the hooks record (RouterTaps.aux_loss)
             hf_config.output_router_logits = False
-        if self.aux_loss_coef is not None:
-            logger.info("MoE model: router aux loss weighted by router_aux_loss_coef=%g", self.aux_loss_coef)
+        if aux_coef is not None:
+            logger.info("MoE model: router aux loss weighted by router_aux_loss_coef=%g", aux_coef)
         build = functools.partial(
             _build_hf_model,
             path,
@@ -241,7 +245,7 @@ class HFCausalLM(nn.Module):
         self._layers_path = _find_layers_path(self.hf_model, getattr(hf_config, "num_hidden_layers", None))
         self.num_layers = len(self.layers)
         self.vocab_size = self.hf_model.config.vocab_size
-        aux_top_k = None if self.aux_loss_coef is None else int(hf_config.num_experts_per_tok)
+        aux_top_k = None if aux_coef is None else int(hf_config.num_experts_per_tok)
         self.routers = RouterTaps(self.hf_model, aux_top_k)
 
     @staticmethod
@@ -272,10 +276,8 @@ class HFCausalLM(nn.Module):
         """The decoder layers (checkpointing and offload wrap these)."""
         return self.hf_model.get_submodule(self._layers_path)
 
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits (B, T, V) for input_ids (B, T); with an MoE model also its weighted router aux loss.
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> ModelOutput:
+        """Logits (B, T, V) for input_ids (B, T); with an MoE model also its router aux loss (`moe_aux`, unweighted).
 
         `position_ids` (B, T) restarting at 0 keeps packed documents apart: flash_attention_2 reads the
         boundaries from the positions itself, sdpa and eager get a 4-D additive block-causal mask.
@@ -287,9 +289,9 @@ class HFCausalLM(nn.Module):
                 kwargs["attention_mask"] = _document_mask(position_ids, self.hf_model.dtype)
         with self.routers.tap() as router_logits:
             out = self.hf_model(input_ids=input_ids, use_cache=False, **kwargs)
-        if self.aux_loss_coef is None:
-            return out.logits
-        return out.logits, self.routers.aux_loss(router_logits) * self.aux_loss_coef
+        if not self.aux_loss_coefficients:
+            return ModelOutput(out.logits)
+        return ModelOutput(out.logits, {MOE_AUX: self.routers.aux_loss(router_logits)})
 
     def fp32_buffers(self) -> list[tuple[nn.Module, str]]:
         """(module, name) of the buffers kept in fp32 whatever the compute dtype: the routers' bias, which only picks

@@ -2,8 +2,8 @@
 the attention projections, and only when asked (InternLM v1, Llama's `attention_bias`, Qwen2's on q, k, v alone).
 
 Qwen3's attention (an explicit `head_dim`, RMSNorm of q and k per head) and mixture-of-experts feed-forwards
-(`num_experts > 0`, model/moe.py) are options of the same decoder; an MoE model's forward returns
-`(logits, aux_loss)`, its load-balancing loss already times `moe_loss_coeff`.
+(`num_experts > 0`, model/moe.py) are options of the same decoder. The forward returns a `ModelOutput`
+(model/output.py): an MoE model's load-balancing loss is in it as `moe_aux`, unweighted.
 """
 
 import contextlib
@@ -18,6 +18,7 @@ from torch import nn
 from internlm_offload.config import intermediate_size
 from internlm_offload.model.mlp import FeedForward, ParamInit, normal_init
 from internlm_offload.model.moe import MoE
+from internlm_offload.model.output import MOE_AUX, ModelOutput
 from internlm_offload.model.router import RouterStats, dropless_aux_loss, global_aux_loss, gshard_aux_loss
 from internlm_offload.offload.activation import mark_not_offload
 from internlm_offload.registry import MODELS
@@ -332,7 +333,6 @@ class InternLM2(nn.Module):
         mlp_only_layers: tuple[int, ...] = (),
         decoder_sparse_step: int = 1,
         dense_intermediate_size: int | None = None,
-        moe_loss_coeff: float = 1.0,
     ) -> None:
         """`qkv_bias`/`o_bias` (default: `attention_bias`) put biases on wq, wk, wv / wo apart. `num_experts > 0`
         makes the blocks sparse (model/moe.py), except those in `mlp_only_layers` or off the `decoder_sparse_step`
@@ -369,7 +369,6 @@ class InternLM2(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.moe_type = moe_type
-        self.moe_loss_coeff = moe_loss_coeff
         self.aux_loss_by_layer = moe_kwargs.pop("aux_loss_by_layer", True)
 
         def sparse(i: int) -> bool:
@@ -467,11 +466,9 @@ class InternLM2(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)  # (..., T, D): rotate-half pairs dim i with i + D/2
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> ModelOutput:
         """Logits (B, T, V) for input_ids (B, T), in the model's dtype; with experts also the load-balancing loss
-        (fp32 scalar, times `moe_loss_coeff`).
+        (`moe_aux`: an fp32 scalar without its coefficient).
 
         `position_ids` (B, T) packs several documents per row: positions restart at 0 where a document
         begins, and attention never crosses into another document. With a `sequence_shard` (isp) the
@@ -490,8 +487,8 @@ class InternLM2(nn.Module):
                 h = layer(h, rope, documents)
         logits = self.output(self.norm(h))  # (B, T, V)
         if self.num_experts == 0:
-            return logits
-        return logits, self.moe_loss_coeff * self.aux_loss(stats)
+            return ModelOutput(logits)
+        return ModelOutput(logits, {MOE_AUX: self.aux_loss(stats)})
 
     def moe_layers(self) -> list[MoE]:
         """The sparse blocks' feed-forwards, in depth order."""

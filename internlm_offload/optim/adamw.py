@@ -1,5 +1,7 @@
-"""The baseline optimizer: torch's AdamW with decay on matrices only; helpers the offloading optimizers share."""
+"""The baseline optimizer: torch's AdamW with decay on matrices only (and each group's update rule); helpers the
+offloading optimizers share."""
 
+import fnmatch
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
@@ -8,6 +10,7 @@ import torch.nn as nn
 
 from internlm_offload.optim.dtensor import is_dtensor
 from internlm_offload.optim.interface import OffloadOptimizer
+from internlm_offload.optim.rules import RULE_KEY
 
 T = TypeVar("T")
 
@@ -16,19 +19,25 @@ class AdamW(OffloadOptimizer, torch.optim.AdamW):
     """`torch.optim.AdamW` with the run's optimizer interface (all no-ops): same steps, same state dicts."""
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(
+    model: nn.Module, weight_decay: float, rule_patterns: Sequence[tuple[str, str]] = (), default_rule: str = "adamw"
+) -> list[dict]:
     """Matrices (embeddings, linears) decay; vectors (norm weights, biases) do not. Each of the two is one group
     per DTensor mesh (first seen first): torch's fused and foreach kernels take no mix of meshes, or of DTensors
-    and plain tensors (expert parallel's expert shards beside DDP's plain weights)."""
-    by_key: dict[tuple[bool, Hashable], list[nn.Parameter]] = {}
-    for param in model.parameters():
+    and plain tensors (expert parallel's expert shards beside DDP's plain weights). And one group per update rule:
+    a param takes the rule of the first `(pattern, rule name)` whose fnmatch pattern matches its name, else
+    `default_rule`; a group of another rule names it (`RULE_KEY`), so groups without patterns stay as they were."""
+    by_key: dict[tuple[bool, Hashable, str], list[nn.Parameter]] = {}
+    for name, param in model.named_parameters():
         if param.requires_grad:
             mesh = param.device_mesh if is_dtensor(param) else None
-            by_key.setdefault((param.ndim >= 2, mesh), []).append(param)
+            rule = next((r for pattern, r in rule_patterns if fnmatch.fnmatchcase(name, pattern)), default_rule)
+            by_key.setdefault((param.ndim >= 2, mesh, rule), []).append(param)
     return [
         {"params": params, "weight_decay": weight_decay if decays else 0.0}
+        | ({} if rule == default_rule else {RULE_KEY: rule})
         for decay in (True, False)
-        for (decays, _), params in by_key.items()
+        for (decays, _, rule), params in by_key.items()
         if decays == decay
     ]
 

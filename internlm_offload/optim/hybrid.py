@@ -13,8 +13,7 @@ docs/optimizer_offload.md.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from copy import deepcopy
 from typing import Any
@@ -25,6 +24,7 @@ from torch.optim import Optimizer
 from internlm_offload.device import Accelerator, CopyLane, Event, HostArena, Stream, accelerator_for, finish_and_close
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import fused_supported
+from internlm_offload.optim.adamw_rule import ADAMW
 from internlm_offload.optim.dtensor import is_dtensor, laid_out_like, local_nbytes, local_shard
 from internlm_offload.optim.hybrid_host import (
     CPU_STEP_PIECES,
@@ -36,8 +36,10 @@ from internlm_offload.optim.hybrid_host import (
     states_into_slab,
 )
 from internlm_offload.optim.hybrid_state import StateView, group_of, hyper_params, is_shard_state, placed, state_bytes
-from internlm_offload.optim.interface import OffloadOptimizer
+from internlm_offload.optim.interface import OffloadOptimizer, evaluate_closure
 from internlm_offload.optim.records import ParamRecord, records_by_master
+from internlm_offload.optim.rule_optimizer import optimizer_for_groups
+from internlm_offload.optim.rules import UpdateRule, refuse_sharded_params, rule_for
 
 __all__ = ["CPU_STEP_PIECES", "HybridDeviceOptimizer", "offload_mask"]  # offload_mask: the placement's rule
 
@@ -54,15 +56,16 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
     moves all); frozen params stay on the device. A step: the CPU share's grads go D2H, a host thread steps
     it piece by piece while the calling thread steps the device share, updated params go H2D behind each
     piece, and the compute stream waits for them before `step()` returns. `state_dict()` is that of one
-    `torch.optim.AdamW` over every param, whatever the fraction on either side. The schedule, host memory,
-    numerics, checkpoints and DTensor params in detail: docs/optimizer_offload.md.
+    plain optimizer of the rule (`torch.optim.AdamW` for AdamW) over every param, whatever the fraction on either
+    side. The schedule, host memory, numerics, checkpoints and DTensor params in detail: docs/optimizer_offload.md.
 
     Args:
         params: params or param-group dicts, as for any torch optimizer.
         offload_fraction: share of the trainable elements stepped on the CPU, in [0, 1].
         cpu_optimizer_cls: factory `(param_groups, **kwargs) -> Optimizer` for host params
-            (default `torch.optim.AdamW` with `fused=True`, ~17x faster on cpu than the for-loop).
-        gpu_optimizer_cls: the same for device params (default AdamW, fused where torch has a fused
+            (default: the rule's plain optimizer, `torch.optim.AdamW` with `fused=True` for AdamW, ~17x faster
+            on cpu than the for-loop).
+        gpu_optimizer_cls: the same for device params (default: the rule's, fused where torch has a fused
             kernel for the device).
         param_update_in_fp32: keep fp32 masters for fp16/bf16 params (host masters for CPU params,
             device masters for device params: +4 B/element there) and update those.
@@ -79,6 +82,10 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
             params.
         records: the params' `ParamRecord`s from the masters layer (where each gradient is, which params live on
             the host); without them every param is a device param whose gradient is its `.grad`.
+        rule: the update rule both sides step (`optim.rules`; default AdamW); its plain optimizer is the default
+            of both classes, and the state dict is that optimizer's over every param.
+        rules: by name, the rules param groups name (`optim.rules.RULE_KEY`); where the groups one side steps name
+            several, that side's default optimizer is a `RuleOptimizer` stepping each group with its own.
         nvme_path: the CPU share's AdamW states live in files in this directory (the NVMe tier,
             `device/disk_buffers.py`), one per piece: the next piece's are read ahead while one is stepped,
             and a stepped piece's are written back and dropped from memory.
@@ -102,6 +109,8 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         grads_on_host: bool = False,
         nvme_path: str | None = None,
         records: Iterable[ParamRecord] | None = None,
+        rule: UpdateRule = ADAMW,
+        rules: Mapping[str, UpdateRule] | None = None,
         **kwargs: Any,
     ) -> None:
         if not 0.0 <= offload_fraction <= 1.0:
@@ -132,6 +141,9 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         self._masters_stale = True
 
         all_params = [p for group in self.param_groups for p in group["params"]]
+        self.rule, self.rules = rule, dict(rules or {})
+        for group in self.param_groups:  # CPU pieces hold whole local tensors, but a DTensor's is this rank's shard
+            refuse_sharded_params(rule_for(group, rule, self.rules), group["params"], "the hybrid optimizer")
         placement = cpu_placement(all_params, offload_fraction, cpu_mask)
         offloaded = {id(p) for p, cpu in zip(all_params, placement) if cpu}
         if any(self._resident(p) and id(p) not in offloaded for p in all_params):
@@ -139,9 +151,8 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
                 "a host-resident param (its record placed on the host) falls outside the CPU share of "
                 f"offload_fraction={offload_fraction}: place exactly the CPU share on the host"
             )
-        cpu_cls = cpu_optimizer_cls or functools.partial(torch.optim.AdamW, fused=True)
-        self._cpu_units = self._build_cpu_units(cpu_cls, offloaded, kwargs)
-        gpu_cls = gpu_optimizer_cls or _default_device_cls(self._acc)
+        self._cpu_units = self._build_cpu_units(cpu_optimizer_cls, offloaded, kwargs)
+        gpu_cls = gpu_optimizer_cls or self._default_cls(self.param_groups, self._acc.name)
         self._device_optimizer = self._build_device_optimizer(gpu_cls, kwargs)
         self._fill_group_defaults()
         self.state = StateView(self._route, self._params_in_order)  # type: ignore[assignment]  # a live view
@@ -153,12 +164,20 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
     def _params_in_order(self) -> Iterator[torch.Tensor]:
         return (p for group in self.param_groups for p in group["params"])
 
+    def _default_cls(self, groups: list[dict[str, Any]], device_type: str) -> Callable[..., Optimizer]:
+        """The plain optimizer of the groups' rule (fused where torch has a fused kernel for the device), or one
+        stepping each group with its own rule when they name several."""
+        flags = {"fused": True} if fused_supported(device_type) else {}
+        return optimizer_for_groups(groups, self.rule, self.rules, device_type, **flags)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._built:
             raise NotImplementedError("HybridDeviceOptimizer places params at construction; build a new one instead")
         super().add_param_group(param_group)
 
-    def _build_cpu_units(self, cls: Callable[..., Optimizer], offloaded: set[int], kwargs: dict) -> list[CpuUnit]:
+    def _build_cpu_units(
+        self, cls: Callable[..., Optimizer] | None, offloaded: set[int], kwargs: dict
+    ) -> list[CpuUnit]:
         slots = self._host_slots([p for g in self.param_groups for p in g["params"] if id(p) in offloaded])
         grouped = [[slots[id(p)] for p in g["params"] if id(p) in offloaded] for g in self.param_groups]
         if not self.overlap_cpu_optimizer_d2h_h2d:
@@ -216,11 +235,12 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         return record is not None and record.on_host
 
     def _cpu_unit(
-        self, cls: Callable[..., Optimizer], groups: list[tuple[int, list[HostSlot]]], kwargs: dict
+        self, cls: Callable[..., Optimizer] | None, groups: list[tuple[int, list[HostSlot]]], kwargs: dict
     ) -> CpuUnit:
         sub_groups = [
             {**hyper_params(self.param_groups[gid]), "params": [s.master for s in slots]} for gid, slots in groups
         ]
+        cls = cls or self._default_cls(sub_groups, "cpu")
         slots = [slot for _, group_slots in groups for slot in group_slots]
         unit = CpuUnit(cls(sub_groups, **kwargs), [gid for gid, _ in groups], slots)
         for slot in unit.slots:
@@ -279,10 +299,7 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Step both sides; the params are updated for the compute stream when this returns."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         if self._states_offloaded:
             raise RuntimeError("optimizer states are offloaded; call reload_optimizer_states() before step()")
         if self._masters_stale:
@@ -365,7 +382,8 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        """The state dict of one `torch.optim.AdamW` over all params; tensors alias the live state, as in torch.
+        """The state dict of one plain optimizer of the rule (`torch.optim.AdamW`) over all params; tensors alias
+        the live state, as in torch.
 
         CPU-side states of DTensor params come as DTensors laid out like the param (aliasing the host shards).
         """
@@ -553,9 +571,3 @@ class HybridDeviceOptimizer(OffloadOptimizer, Optimizer):
             local_nbytes(m) + (local_nbytes(m.grad) if m.grad is not None else 0) for _, m in self._device_masters
         )
         return int(states + masters)
-
-
-def _default_device_cls(accelerator: Accelerator) -> Callable[..., Optimizer]:
-    if fused_supported(accelerator.name):
-        return functools.partial(torch.optim.AdamW, fused=True)
-    return torch.optim.AdamW

@@ -1,6 +1,19 @@
 """What a run asks of any optimizer, whether or not it offloads: no-op defaults, so callers never probe."""
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
 from internlm_offload.features import MemoryFeature
+
+
+def evaluate_closure(closure: Callable[[], Any] | None) -> Any:
+    """torch's `step(closure)` contract: re-evaluate the loss with gradients on, before the step reads them."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 class OffloadOptimizer(MemoryFeature):

@@ -1,16 +1,29 @@
 """Host-memory preflight for optimizer offload: refuse a run whose host states cannot fit."""
 
+from collections.abc import Mapping
+from typing import Any
+
+import torch
 import torch.nn as nn
 
 from internlm_offload.log import get_logger
+from internlm_offload.optim.rules import UpdateRule
 
 logger = get_logger(__name__)
 
-# Host bytes per trainable parameter element (fp32 states: exp_avg + exp_avg_sq [+ max_exp_avg_sq]).
-SWAP_STATE_BYTES = 8
-SWAP_STATE_BYTES_AMSGRAD = 12
-# Hybrid CPU side: fp32 master param + grad buffer + exp_avg + exp_avg_sq.
-HYBRID_CPU_BYTES = 16
+# Hybrid CPU side, besides the rule's states: the fp32 master param and its grad buffer.
+HYBRID_MASTER_AND_GRAD_BYTES = 8
+
+
+def state_bytes_per_element(rule: UpdateRule, hyper: Mapping[str, Any]) -> int:
+    """Host (or disk) bytes per trainable element the swap tier keeps: the rule's fp32 states (AdamW: 8, 12 with
+    amsgrad)."""
+    return rule.state_bytes(torch.float32, hyper)
+
+
+def hybrid_bytes_per_element(rule: UpdateRule, hyper: Mapping[str, Any]) -> int:
+    """Host bytes per CPU-stepped element of the hybrid optimizer: master, grad buffer and states (AdamW: 16)."""
+    return HYBRID_MASTER_AND_GRAD_BYTES + state_bytes_per_element(rule, hyper)
 
 
 class HostMemoryError(RuntimeError):

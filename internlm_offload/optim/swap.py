@@ -22,9 +22,11 @@ Schedule of one `step()` (device picture; the cpu backend runs the same schedule
 - the device holds at most `budget` bytes of state (at least one chunk): a chunk's buffer is freed only
   after the compute stream waited for its copy-out, and the next copy-in is admitted only when the
   budget allows it.
-The update is torch's own AdamW kernel (`torch.optim.adam.adam` with the group's flags and
-`decoupled_weight_decay=True`) over a chunk's params at once; the kernels are elementwise, so params
-and states are bitwise those of `torch.optim.AdamW` with the same arguments.
+The update is the update rule's step (`rule=`, optim/rules.py) over a chunk's params at once; the chunk's
+states are those the rule names. AdamW's (the default) is torch's own kernel (`torch.optim.adam.adam` with
+the group's flags and `decoupled_weight_decay=True`); the kernels are elementwise, so params and states are
+bitwise those of `torch.optim.AdamW` with the same arguments. A param is never split across chunks, so a
+rule that needs whole parameters gets them (over a DTensor's shard it is refused).
 
 With `swap_params=True` the parameters themselves live on the host too (fp32 master weights of a
 low-precision model, as ZeRO-Offload keeps them): each parameter's `ParamRecord` (optim/records.py,
@@ -53,13 +55,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.optim.adam import adam
-from torch.optim.optimizer import _get_scalar_dtype
 
 from internlm_offload.device import (
     Accelerator,
@@ -74,13 +74,14 @@ from internlm_offload.device import (
 )
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import consecutive_runs
+from internlm_offload.optim.adamw_rule import ADAMW
 from internlm_offload.optim.dtensor import laid_out_like, local_nbytes, local_shard
-from internlm_offload.optim.interface import OffloadOptimizer
+from internlm_offload.optim.interface import OffloadOptimizer, evaluate_closure
 from internlm_offload.optim.records import ParamRecord, records_by_master
+from internlm_offload.optim.rules import StateSpec, UpdateRule, fill_defaults, refuse_sharded_params, rule_for
 
 logger = get_logger(__name__)
 
-SWAPPED_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 PARAM = "param"  # slot of a host-resident parameter in a chunk
 GRAD = "grad"  # slot of a host-resident gradient (gradient offload): copied in, never out
 OUTSIDE_ARENA = (PARAM, GRAD)  # slots whose host tensor is the param's own, not an arena view
@@ -144,7 +145,9 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
     tensors, swapped in with the states), `nvme_path` (the arena is a file in this directory, the NVMe
     tier; see the module docstring), `records` (the params' `ParamRecord`s, from the masters layer: where
     each gradient is and which model tensor an update goes to; without them, `.grad` and the param itself),
-    `accelerator` (default: the params' device's, `accelerator_for`).
+    `accelerator` (default: the params' device's, `accelerator_for`), `rule` (the update rule stepped: its states
+    are what is swapped; default AdamW), `rules` (by name, those that param groups name under
+    `optim.rules.RULE_KEY`).
     """
 
     def __init__(
@@ -166,9 +169,13 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         nvme_path: str | None = None,
         records: Iterable[ParamRecord] | None = None,
         accelerator: Accelerator | None = None,
+        rule: UpdateRule = ADAMW,
+        rules: Mapping[str, UpdateRule] | None = None,
     ) -> None:
         if swap_optimizer_times < 1:
             raise ValueError(f"swap_optimizer_times={swap_optimizer_times} must be >= 1")
+        self.rule = rule  # before the groups are added: each gets its rule's defaults
+        self.rules = dict(rules or {})
         super().__init__(
             params,
             lr=lr,
@@ -208,22 +215,20 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         if nvme_path is not None:
             self._ensure_layout()  # reserve the file now: a full disk fails at start, not at the first step
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        fill_defaults(self.param_groups[-1], self._rule(self.param_groups[-1]))  # AdamW's: all there already
+
     # ------------------------------------------------------------------ layout
 
-    def _swaps_step(self, group: dict[str, Any]) -> bool:
-        # AdamW keeps `step` on the param's device only for fused/capturable kernels; else on the host.
-        return bool(group["fused"] or group["capturable"])
-
-    def _keys(self, group: dict[str, Any]) -> list[str]:
-        """The per-param tensors that travel: AdamW's states, `step` where the kernel reads it on the device."""
-        return list(SWAPPED_KEYS[: 3 if group["amsgrad"] else 2]) + (["step"] if self._swaps_step(group) else [])
-
     def _ensure_layout(self) -> None:
-        """Cut the params into chunks (and allocate the arena) once; again only if the groups' flags changed."""
-        key = tuple((g["amsgrad"], self._swaps_step(g), tuple(map(id, g["params"]))) for g in self.param_groups)
+        """Cut the params into chunks (and allocate the arena) once; again only if the groups' states changed."""
+        key = tuple((self._rule(g).state_keys(g), tuple(map(id, g["params"]))) for g in self.param_groups)
         if key == self._layout_key:
             return
         self._finish_pending()
+        for group in self.param_groups:  # chunks hold whole local tensors: a DTensor's is a shard
+            refuse_sharded_params(self._rule(group), group["params"], "the swap optimizer")
         per_param = [(p, g, self._slot_specs(p, g)) for g in self.param_groups for p in g["params"] if p.requires_grad]
         total = sum(
             round_up(shape.numel() * dtype.itemsize, SLOT_ALIGNMENT)
@@ -236,16 +241,14 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         self._layout_key = key
         self._adopt_states()
 
+    def _rule(self, group: dict[str, Any]) -> UpdateRule:
+        return rule_for(group, self.rule, self.rules)
+
     def _slot_specs(self, param: torch.Tensor, group: dict[str, Any]) -> list[tuple[str, torch.Size, torch.dtype]]:
+        """The param's tensors that travel: the rule's states, then the param and its gradient where they are host
+        tensors."""
         local = local_shard(param)
-        specs = [
-            (
-                k,
-                torch.Size(()) if k == "step" else local.shape,
-                _get_scalar_dtype(is_fused=group["fused"]) if k == "step" else local.dtype,
-            )
-            for k in self._keys(group)
-        ]
+        specs = [(s.key, s.shape, s.dtype) for s in self._rule(group).state_specs(local, group)]
         specs += [(PARAM, local.shape, local.dtype)] if self.swap_params else []
         return specs + ([(GRAD, local.shape, local.dtype)] if self.host_grads else [])
 
@@ -268,7 +271,7 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         for slot, offset in zip(owners, arena.offsets):
             self._arena_offsets[id(slot.param), slot.key] = offset
         for chunk in self._chunks:
-            states = [s for s in chunk.slots if s.key not in OUTSIDE_ARENA]  # every param has AdamW states
+            states = [s for s in chunk.slots if s.key not in OUTSIDE_ARENA]  # a rule without states: no chunk here
             chunk.arena_start = self._arena_offsets[id(states[0].param), states[0].key] - states[0].offset
             chunk.states_nbytes = states[-1].offset + states[-1].nbytes
         self._arena = arena
@@ -278,47 +281,43 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         if old is not None:
             old.release()
 
-    def _host_buffer(self, param: torch.Tensor, key: str, like: torch.Tensor) -> torch.Tensor:
+    def _host_buffer(self, param: torch.Tensor, spec: StateSpec) -> torch.Tensor:
         """Host storage for one state tensor of `param`: its arena view; a pageable buffer of its own for a
         param that is in no chunk (a loaded state of a frozen param)."""
-        local = local_shard(like)
-        offset = self._arena_offsets.get((id(param), key))
+        offset = self._arena_offsets.get((id(param), spec.key))
         if offset is not None:
-            host = self._arena.span(offset, local.numel() * local.element_size()).view(local.dtype).view(local.shape)
+            host = self._arena.span(offset, spec.nbytes).view(spec.dtype).view(spec.shape)
         else:
-            host = self.accelerator.host_empty(local.shape, local.dtype, pinned=False)
-        return host if key == "step" else laid_out_like(host, param)
+            host = self.accelerator.host_empty(spec.shape, spec.dtype, pinned=False)
+        return laid_out_like(host, param) if spec.per_element else host
 
     def _adopt_states(self) -> None:
         """Move every existing state tensor into its host buffer (after a load or a new layout)."""
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
-                for key in [k for k in self._keys(group) if state and k in state]:
-                    value = state[key]
-                    host = self._host_buffer(p, key, value if key != "step" else value.reshape(()))
-                    if host.data_ptr() != local_shard(value).data_ptr() or key == "step":
-                        local_shard(host).copy_(local_shard(value))
-                    state[key] = host
+                for spec in [
+                    s for s in self._rule(group).state_specs(local_shard(p), group) if state and s.key in state
+                ]:
+                    value = local_shard(state[spec.key])
+                    host = self._host_buffer(p, spec)
+                    if host.data_ptr() != value.data_ptr() or not spec.per_element:
+                        local_shard(host).copy_(value.reshape(spec.shape))
+                    state[spec.key] = host
 
     def _init_host_state(self, param: torch.Tensor, group: dict[str, Any]) -> None:
-        """AdamW's lazy state init, with the tensors on the host."""
+        """The rule's lazy state init, with the tensors on the host."""
         state = self.state[param]
-        if not self._swaps_step(group):
-            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-        for key in self._keys(group):
-            like = torch.empty((), dtype=_get_scalar_dtype(is_fused=group["fused"])) if key == "step" else param
-            state[key] = self._host_buffer(param, key, like)
-            local_shard(state[key]).zero_()
+        state.update(self._rule(group).host_states(group))
+        for spec in self._rule(group).state_specs(local_shard(param), group):
+            state[spec.key] = self._host_buffer(param, spec)
+            local_shard(state[spec.key]).zero_()
 
     # ------------------------------------------------------------------ step
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         self._ensure_layout()
         active = self._init_missing_states()
         staged: deque[_Chunk] = deque()
@@ -432,38 +431,24 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         ]
 
     def _update(self, chunk: _Chunk, active: dict[torch.Tensor, torch.Tensor]) -> None:
-        """torch's AdamW kernel on the chunk's params that have grads, with the group's flags."""
+        """The rule's step on the chunk's params that have grads: their states' device views, host-kept states
+        (AdamW's `step` for non-fused kernels) as they are."""
         group, views = chunk.group, chunk.views
         chunk.stepped = [p for p in chunk.params if p in active]
         if not chunk.stepped:
             return
         targets = [views[id(p), PARAM] if self.swap_params else local_shard(p) for p in chunk.stepped]
-        states = {key: [views[id(p), key] for p in chunk.stepped] for key in self._keys(group)}
-        steps = states.get("step") or [self.state[p]["step"] for p in chunk.stepped]
-        beta1, beta2 = group["betas"]
+        states = {key: [self.state[p][key] for p in chunk.stepped] for key in self._rule(group).host_states(group)}
+        states.update({key: [views[id(p), key] for p in chunk.stepped] for key in self._rule(group).state_keys(group)})
         grads = [views[id(p), GRAD] if self.host_grads else local_shard(active[p]) for p in chunk.stepped]
-        adam(
+        self._rule(group).step(
             targets,
             grads,
-            states["exp_avg"],
-            states["exp_avg_sq"],
-            states.get("max_exp_avg_sq", []),
-            steps,
-            amsgrad=group["amsgrad"],
+            states,
+            group,
             has_complex=chunk.has_complex,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            foreach=group["foreach"],
-            capturable=group["capturable"],
-            differentiable=group["differentiable"],
-            fused=group["fused"],
             grad_scale=getattr(self, "grad_scale", None),
             found_inf=getattr(self, "found_inf", None),
-            decoupled_weight_decay=group["decoupled_weight_decay"],
         )
         for p, target in zip(chunk.stepped, targets):
             record = self._records.get(id(p))
@@ -524,8 +509,8 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
-                if state and not self._swaps_step(group):
-                    state["step"] = state["step"].to("cpu", copy=True)
+                for key in [k for k in self._rule(group).host_states(group) if state and k in state]:
+                    state[key] = state[key].to("cpu", copy=True)
 
     def memory_stats(self) -> dict[str, int]:
         """Byte counts (sizes, not values): no wait for a write-back still running; metrics read them every step."""

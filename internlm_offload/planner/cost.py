@@ -47,11 +47,15 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from internlm_offload.optim.adamw_rule import ADAMW
 from internlm_offload.optim.dtensor import is_dtensor, local_nbytes, local_shard
 from internlm_offload.planner.tracker import StorageTracker, copies_meta_to_cpu
 
-ADAMW_BYTES_PER_ELEMENT = 28  # read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq (fp32)
-ADAMW_OPS = ("aten._fused_adamw_.default", "aten._fused_adam_.default")
+# The update rule the traced step runs (the one a config names today): its kernels are counted, its bytes per
+# element price the device step, and the host's CPU rate (`cpu_adam_elements_per_s`) is measured on it.
+PLANNED_RULE = ADAMW
+ADAMW_BYTES_PER_ELEMENT = PLANNED_RULE.update_bytes
+ADAMW_OPS = PLANNED_RULE.kernel_ops
 ADD_OPS = ("aten.add_.Tensor", "aten.add.out")
 # Functional collectives (what DTensor and Ulysses issue) -> how many times its buffer a rank sends, times
 # (n-1)/n: all-gather and reduce-scatter send one buffer's worth (the larger side), all-reduce two. FSDP2's

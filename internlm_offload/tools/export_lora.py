@@ -53,7 +53,7 @@ def base_weights(run: dict, read_checkpoint: Callable[[Path], dict[str, torch.Te
     hf_causal_lm). `read_checkpoint`: a DCP checkpoint's full model tensors (a base that is another run's)."""
     cfg = RunConfig.model_validate(run, strict=False)
     set_determinism(cfg.seed, False, Accelerator("cpu"))
-    model = build_model(cfg.model.model_copy(update={"lora": None}), torch.device("cpu"), cfg.loss.moe_loss_coeff)
+    model = build_model(cfg.model.model_copy(update={"lora": None}), torch.device("cpu"))
     source = find_weights_source(cfg)
     if source is not None and source.kind == "dcp":
         model.load_state_dict(read_checkpoint(source.path))

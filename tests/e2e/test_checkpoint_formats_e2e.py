@@ -94,7 +94,7 @@ def test_transformers_loads_the_hf_export_with_the_native_logits(exported):
     native.load_state_dict(load_weights(sorted(exported["dcp"].glob("step_*"))[-1]))
     ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, native(ids), rtol=0, atol=1e-5)
+        torch.testing.assert_close(hf(ids).logits, native(ids).logits, rtol=0, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def transformers_llama(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
 def assert_same_logits(reference: torch.nn.Module, native: torch.nn.Module) -> None:
     ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(native(ids), reference(ids).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(native(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
 
 
 def test_a_transformers_llama_loads_with_its_logits_and_trains(transformers_llama, tmp_path):

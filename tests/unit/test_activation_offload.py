@@ -31,7 +31,7 @@ def step(model: nn.Module, micro_num: int = 1, seq_len: int = 32):
     """Gradient accumulation over `micro_num` micro-batches; returns losses, last logits, grads."""
     losses, logits = [], None
     for tokens in batches(micro_num, seq_len):
-        logits = model(tokens[:, :-1])
+        logits = model(tokens[:, :-1]).logits
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) / micro_num
         loss.backward()
         losses.append(loss.detach())
@@ -173,7 +173,7 @@ def test_lifecycle_edge_cases_leave_no_state(baselines, mode):
     with torch.no_grad():
         model(tokens[:, :-1])  # no-grad forward in train mode
     model.eval()
-    model(tokens[:, :-1]).sum()  # eval forward with grad, never backpropagated
+    model(tokens[:, :-1]).logits.sum()  # eval forward with grad, never backpropagated
     model.train()
     model(tokens[:, :-1])  # forward never followed by backward
     with pytest.raises(RuntimeError, match="boom"):
@@ -195,7 +195,7 @@ def test_two_forwards_before_one_backward_and_retain_graph(mode):
         model = tiny_model()
         handle = offload_layers(model.layers, 2, mode=mode) if offload else None
         first, second = batches(2)
-        loss = sum(F.cross_entropy(model(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten()) for t in (first, second))
+        loss = sum(F.cross_entropy(model(t[:, :-1]).logits.flatten(0, 1), t[:, 1:].flatten()) for t in (first, second))
         loss.backward(retain_graph=True)
         loss.backward()  # the host copies are still there: a second backward reloads again
         return [p.grad for p in model.parameters()], handle
@@ -344,7 +344,7 @@ def test_peak_resident_matches_the_plan(mode, prefetch, expected_groups):
 def _unconsumed_prefetch(handle, model: InternLM2) -> None:
     """Backward over layer 2's parameters only: it prefetches group 1 and never reads it."""
     tokens = batches(1)[0]
-    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss = F.cross_entropy(model(tokens[:, :-1]).logits.flatten(0, 1), tokens[:, 1:].flatten())
     torch.autograd.grad(loss, list(model.layers[2].parameters()))
 
 
@@ -511,7 +511,8 @@ def moe_step(model: InternLM2, micro_num: int = 2):
     """`step` for a model that also returns its load-balancing loss; adds the per-expert token counts."""
     losses, logits = [], None
     for tokens in batches(micro_num):
-        logits, aux = model(tokens[:, :-1])
+        out = model(tokens[:, :-1])
+        logits, aux = out.logits, out.aux_losses["moe_aux"]
         loss = (F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux) / micro_num
         loss.backward()
         losses.append(loss.detach())

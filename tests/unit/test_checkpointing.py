@@ -35,7 +35,8 @@ def run(model: InternLM2) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.T
     inputs, labels = batch()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(inputs)
-        logits, aux = out if isinstance(out, tuple) else (out, 0.0)  # an MoE model adds its load-balancing loss
+        logits = out.logits
+        aux = sum(out.aux_losses.values())  # an MoE model adds its load-balancing loss
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten()) + aux
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -32,7 +32,7 @@ def micro_batches() -> list[torch.Tensor]:
 
 
 def backward(model: nn.Module, masters, tokens: torch.Tensor) -> None:
-    model(tokens).float().square().mean().backward()
+    model(tokens).logits.float().square().mean().backward()
     masters.accumulate_grads()
 
 

@@ -14,6 +14,7 @@ from chat_fixtures import WORDS, save_chatml_tokenizer
 from internlm_offload.builder import build_trainer
 from internlm_offload.config import ConfigError, resolve_config
 from internlm_offload.device import Accelerator
+from internlm_offload.engine.loss import weighted_aux_losses
 from internlm_offload.engine.runtime import RunContext
 from internlm_offload.model.hf import HFCausalLM, _document_mask
 
@@ -175,10 +176,10 @@ def test_the_aux_loss_of_documents_packed_apart_is_transformers_loss_over_every_
     model = HFCausalLM(path=str(tiny(family)))
     ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(0))
     positions = torch.cat([torch.arange(6), torch.arange(10)])[None].expand(2, -1)
-    _, aux = model(ids, positions)
+    aux = weighted_aux_losses(model(ids, positions).aux_losses, model.aux_loss_coefficients)
     mask = _document_mask(positions, torch.float32)
     routed = model.hf_model.model(input_ids=ids, position_ids=positions, attention_mask=mask, output_router_logits=True)
-    assert torch.equal(aux, load_balancing_loss_func(routed.router_logits, 4, 2) * 0.02)
+    assert torch.equal(aux["moe_aux"], load_balancing_loss_func(routed.router_logits, 4, 2) * 0.02)
     trainer = trainer_of(run_config(tiny(family), chat, data={"total_steps": 3}), tmp_path)
     trainer.train()
     trainer.close()
@@ -216,7 +217,7 @@ def test_a_vision_language_folder_trains_its_text_model_with_its_aux_loss(chat, 
     folder = tiny("qwen3_5_moe")
     model = HFCausalLM(path=str(folder))
     saved = load_file(folder / "model.safetensors")
-    assert type(model.hf_model).__name__ == "Qwen3_5MoeForCausalLM" and model.aux_loss_coef == 0.02
+    assert type(model.hf_model).__name__ == "Qwen3_5MoeForCausalLM" and model.aux_loss_coefficients == {"moe_aux": 0.02}
     assert torch.equal(
         model.hf_model.model.layers[1].mlp.gate.weight, saved["model.language_model.layers.1.mlp.gate.weight"]
     )

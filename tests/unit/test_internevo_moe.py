@@ -56,7 +56,7 @@ def test_each_family_builds_its_internevo_layer(
     )
     assert (m.shared_expert_gate, m.qk_norm, m.head_dim, cfg.loss.moe_loss_coeff) == (gate, qk_norm, head_dim, coeff)
     assert cfg.parallel.mode == "none"
-    model = build_model(m, torch.device("meta"), cfg.loss.moe_loss_coeff)
+    model = build_model(m, torch.device("meta"))
     block = model.layers[0]
     attention, moe = block.attention, block.feed_forward
     assert isinstance(moe, MoE) and moe.experts.w1.shape[0] == experts and moe.top_k == top_k

@@ -30,8 +30,10 @@ def test_adapters_sit_on_attention_and_shared_experts_and_the_rest_stays_frozen(
     tokens = batches(1, 259)[0][0]
     base = build(moe(dtype="torch.float32")).model
     parts = build(raw)
-    with torch.no_grad():  # (logits, aux loss): both the base model's
-        assert all(torch.equal(a, b) for a, b in zip(parts.model(tokens), base(tokens), strict=True))
+    with torch.no_grad():  # logits and aux loss: both the base model's
+        ours, theirs = parts.model(tokens), base(tokens)
+        assert torch.equal(ours.logits, theirs.logits) and ours.aux_losses.keys() == theirs.aux_losses.keys()
+        assert all(torch.equal(ours.aux_losses[name], theirs.aux_losses[name]) for name in ours.aux_losses)
     adapted = {name.split(".lora_")[0] for name, _ in adapter_parameters(parts.model)}
     attention = {f"layers.{i}.attention.{w}" for i in range(2) for w in ("wq", "wk", "wv", "wo")}
     shared = {f"layers.{i}.feed_forward.shared_experts.{w}" for i in range(2) for w in ("w1", "w3", "w2")}

@@ -7,21 +7,14 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_configs import TINY_HF_LLAMA
 
 from internlm_offload.model import DecoderLayer, HFCausalLM, InternLM2
 from internlm_offload.model.internlm2 import _flash_attn_func
 from internlm_offload.registry import MODELS, lookup
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=97)
-TINY_LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 300,
-}
+TINY_LLAMA = {**TINY_HF_LLAMA, "vocab_size": 300}
 
 
 def build(seed: int = 0, **overrides) -> InternLM2:
@@ -43,7 +36,7 @@ def params_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 def test_forward_shape_and_submodules():
     model = build()
-    logits = model(tokens(2, 16))
+    logits = model(tokens(2, 16)).logits
     assert logits.shape == (2, 16, TINY["vocab_size"]) and logits.dtype == torch.float32
     assert model.num_layers == 2 and model.vocab_size == TINY["vocab_size"]
     assert len(model.layers) == 2 and all(isinstance(layer, DecoderLayer) for layer in model.layers)
@@ -71,13 +64,13 @@ def test_same_seed_is_bitwise_identical():
     a, b = build(seed=7), build(seed=7)
     assert params_equal(a, b)
     x = tokens()
-    assert torch.equal(a(x), b(x))
+    assert torch.equal(a(x).logits, b(x).logits)
 
 
 def test_different_seed_differs():
     a, b = build(seed=7), build(seed=8)
     assert not torch.equal(a.layers[0].attention.wq.weight, b.layers[0].attention.wq.weight)
-    assert not torch.equal(a(tokens()), b(tokens()))
+    assert not torch.equal(a(tokens()).logits, b(tokens()).logits)
 
 
 def test_init_weights_statistics():
@@ -95,7 +88,7 @@ def test_causal_masking():
     t = 7
     y = x.clone()
     y[0, t] = (x[0, t] + 1) % TINY["vocab_size"]
-    lx, ly = model(x), model(y)
+    lx, ly = model(x).logits, model(y).logits
     assert torch.equal(lx[:, :t], ly[:, :t])
     assert not torch.allclose(lx[:, t:], ly[:, t:])
 
@@ -162,12 +155,12 @@ def test_meta_build_then_init_matches_direct_build(tied):
     assert params_equal(direct, model)
     assert torch.equal(direct.inv_freq, model.inv_freq)
     assert (model.output.weight is model.tok_embeddings.weight) == tied
-    assert torch.equal(direct(tokens()), model(tokens()))
+    assert torch.equal(direct(tokens()).logits, model(tokens()).logits)
 
 
 def test_bf16_forward_keeps_dtype():
     model = build().to(torch.bfloat16)
-    logits = model(tokens())
+    logits = model(tokens()).logits
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
 
 
@@ -204,7 +197,7 @@ def test_training_reduces_loss():
     inputs, targets = x[:, :-1], x[:, 1:]
     losses = []
     for _ in range(30):
-        logits = model(inputs)
+        logits = model(inputs).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         optim.zero_grad()
         loss.backward()
@@ -232,7 +225,7 @@ def test_hf_from_config(transformers):
     assert model.layers is model.hf_model.model.layers
     assert model.hf_model.config.use_cache is False
     x = tokens(2, 8, vocab=300)
-    logits = model(x)
+    logits = model(x).logits
     assert logits.shape == (2, 8, 300)
     F.cross_entropy(logits.reshape(-1, 300), x.reshape(-1)).backward()
     assert all(p.grad is not None for p in model.layers.parameters())
@@ -263,7 +256,7 @@ def test_hf_save_and_load_from_path(transformers, tmp_path):
     loaded.init_weights()  # pretrained: must keep the loaded weights
     assert all(torch.equal(before[k], v) for k, v in loaded.state_dict().items())
     x = tokens(2, 8, vocab=300)
-    assert torch.equal(model(x), loaded(x))
+    assert torch.equal(model(x).logits, loaded(x).logits)
 
 
 def test_hf_missing_path_raises(transformers, tmp_path):

@@ -18,7 +18,7 @@ def test_weights_load_exactly_and_leave_the_optimizer_alone(tmp_path):
     ctx = RunContext(rank=0, local_rank=0, world_size=1, accelerator=Accelerator("cpu"))
     source = model(seed=1)
     optimizer = torch.optim.AdamW(source.parameters(), lr=1e-3)
-    source(torch.randint(0, 259, (2, 8))).sum().backward()
+    source(torch.randint(0, 259, (2, 8))).logits.sum().backward()
     optimizer.step()
     manager = CheckpointManager(tmp_path / "ckpt", ctx)
     manager.save(1, model=source, optimizer=optimizer, train_state={"step": 1})

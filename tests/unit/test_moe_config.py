@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from internlm_offload import launch
-from internlm_offload.builder.model import build_model
+from internlm_offload.builder.model import aux_loss_coefficients, build_model
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
 from internlm_offload.model.moe import MoE
 
@@ -26,9 +26,9 @@ def config_error(raw: dict[str, Any]) -> str:
 
 def test_tiny_moe_config_builds_sparse_blocks_with_its_coefficient() -> None:
     cfg = resolve_config(load_config_file(str(REPO / "configs/internlm2_tiny_moe.py")))
-    model = build_model(cfg.model, torch.device("cpu"), cfg.loss.moe_loss_coeff)
+    model = build_model(cfg.model, torch.device("cpu"))
     moes = model.moe_layers()
-    assert len(moes) == cfg.model.num_layers and model.moe_loss_coeff == 0.01
+    assert len(moes) == cfg.model.num_layers and aux_loss_coefficients(cfg, model) == {"moe_aux": 0.01}
     assert moes[0].experts.w1.shape == (4, 128, 128) and moes[0].shared_experts.w1.weight.shape == (128, 128)
     assert moes[0].drop_tokens and moes[0].min_capacity == 4
 

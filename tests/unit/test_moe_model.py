@@ -9,8 +9,10 @@ import torch.nn.functional as F
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+from internlm_offload.engine.loss import weighted_aux_losses
 from internlm_offload.model import InternLM2
 from internlm_offload.model.moe import MoE
+from internlm_offload.model.output import MOE_AUX, ModelOutput
 from internlm_offload.model.router import RouterStats, global_aux_loss
 
 V, H, HEADS, KV, E, K = 97, 64, 4, 2, 4, 2
@@ -24,6 +26,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def tokens(seed: int = 3) -> torch.Tensor:
     return torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def logits_and_aux(out: ModelOutput) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MoE model's logits and its load-balancing loss (unweighted)."""
+    return out.logits, out.aux_losses[MOE_AUX]
 
 
 def load_from_hf(model: InternLM2, hf: torch.nn.Module) -> None:
@@ -97,7 +104,7 @@ def test_model_matches_transformers(family: str) -> None:
     load_from_hf(model, hf)
     ids = tokens()
     hf_out = hf(ids, output_router_logits=True)
-    logits, aux = model(ids)
+    logits, aux = logits_and_aux(model(ids))
     assert rel_err(logits, hf_out.logits) < 1e-5
     assert rel_err(aux, hf_out.aux_loss) < 1e-5
     labels = torch.roll(ids, -1, 1)
@@ -123,9 +130,9 @@ def test_attention_bias_apart_from_output_bias() -> None:
 # ----------------------------------------------------------------------------- load-balancing losses
 
 
-def uniform_model(moe_type: str, coeff: float, **kwargs) -> InternLM2:
+def uniform_model(moe_type: str, **kwargs) -> InternLM2:
     """Routers at zero: every expert scores 1/E exactly."""
-    model = InternLM2(**TINY, num_experts=E, top_k=K, moe_type=moe_type, moe_loss_coeff=coeff, **kwargs)
+    model = InternLM2(**TINY, num_experts=E, top_k=K, moe_type=moe_type, **kwargs)
     with torch.no_grad():
         for moe in model.moe_layers():
             moe.router.weight.zero_()
@@ -134,22 +141,22 @@ def uniform_model(moe_type: str, coeff: float, **kwargs) -> InternLM2:
 
 @pytest.mark.parametrize("moe_type", ["GShard", "Dropless"])
 def test_per_layer_aux_loss_is_one_per_layer_for_a_uniform_router(moe_type: str) -> None:
-    _, aux = uniform_model(moe_type, 1.0)(tokens())
+    _, aux = logits_and_aux(uniform_model(moe_type)(tokens()))
     assert aux.item() == 2.0  # two sparse blocks, 1 each
 
 
 def test_global_aux_loss_is_top_k_for_a_uniform_router() -> None:
-    model = uniform_model("Dropless", 1.0, moe_layer_kwargs=dict(aux_loss_by_layer=False))
-    _, aux = model(tokens())
+    model = uniform_model("Dropless", moe_layer_kwargs=dict(aux_loss_by_layer=False))
+    _, aux = logits_and_aux(model(tokens()))
     assert aux.item() == float(K)
 
 
-def test_aux_loss_carries_its_coefficient() -> None:
-    """The model returns the loss already multiplied by moe_loss_coeff (the trainer adds it as it is)."""
-    _, aux = uniform_model("GShard", 0.01)(tokens())
-    assert aux.item() == pytest.approx(0.02, rel=1e-6)
-    _, raw = uniform_model("GShard", 1.0)(tokens())
-    assert torch.equal(aux, 0.01 * raw)
+def test_the_engine_weighs_the_aux_loss_by_its_coefficient() -> None:
+    """The model returns its loss without a coefficient; the engine multiplies it by `loss.moe_loss_coeff`."""
+    raw = uniform_model("GShard")(tokens()).aux_losses
+    weighted = weighted_aux_losses(raw, {MOE_AUX: 0.01})
+    assert raw[MOE_AUX].item() == 2.0 and weighted[MOE_AUX].item() == pytest.approx(0.02, rel=1e-6)
+    assert torch.equal(weighted[MOE_AUX], 0.01 * raw[MOE_AUX])
 
 
 def test_global_aux_loss_equals_transformers_on_random_logits() -> None:
@@ -200,7 +207,7 @@ def test_same_seed_same_losses_bitwise(moe_type: str) -> None:
         losses = []
         for step in range(3):
             ids = tokens(step)
-            logits, aux = model(ids)
+            logits, aux = logits_and_aux(model(ids))
             loss = F.cross_entropy(logits.flatten(0, 1), torch.roll(ids, -1, 1).flatten()) + aux
             loss.backward()
             opt.step()
@@ -226,7 +233,7 @@ def test_expert_load_sums_forwards_once_each_even_when_recomputed() -> None:
     for layer, forward in zip(model.layers, plain):
         layer.forward = lambda *args, f=forward: checkpoint(f, *args, use_reentrant=False)
     for seed in (1, 2):
-        logits, aux = model(tokens(seed))
+        logits, aux = logits_and_aux(model(tokens(seed)))
         (logits.float().pow(2).mean() + aux).backward()
     figures = load.metrics()
     routed = 2 * 2 * 16 * K * 2  # forwards x rows x tokens x choices x sparse blocks
@@ -252,7 +259,7 @@ def test_a_recomputed_block_keeps_nothing_alive_after_backward(selective: bool) 
     model = InternLM2(**TINY, num_experts=E, top_k=K, moe_type="GShard")
     apply_activation_checkpointing(model.layers, range(len(model.layers)), selective=selective)
     before = live_tensors()
-    logits, aux = model(tokens(1))
+    logits, aux = logits_and_aux(model(tokens(1)))
     (logits.float().pow(2).mean() + aux).backward()
     for p in model.parameters():
         p.grad = None

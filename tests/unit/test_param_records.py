@@ -36,7 +36,7 @@ def build(dtype: str = "torch.bfloat16", **overrides) -> Components:
 def micro_batch(parts: Components) -> None:
     """One forward and backward, then the trainer's accumulation call."""
     tokens = torch.randint(0, 259, (2, 16), generator=torch.Generator().manual_seed(0))
-    parts.model(tokens).float().square().mean().backward()
+    parts.model(tokens).logits.float().square().mean().backward()
     parts.masters.accumulate_grads()
 
 

@@ -27,7 +27,7 @@ def step(model: nn.Module, micro_num: int = 1):
     losses = []
     for _ in range(micro_num):
         tokens = torch.randint(0, 259, (2, 33), generator=g)
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()) / micro_num
+        loss = F.cross_entropy(model(tokens[:, :-1]).logits.flatten(0, 1), tokens[:, 1:].flatten()) / micro_num
         loss.backward()
         losses.append(loss.detach())
     return torch.stack(losses), {n: p.grad.clone() for n, p in model.named_parameters()}

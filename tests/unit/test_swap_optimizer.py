@@ -24,7 +24,8 @@ from stream_gates import held_back
 import internlm_offload.optim.swap as swap_mod
 from internlm_offload.device import Accelerator, StreamError
 from internlm_offload.optim.records import ParamRecord
-from internlm_offload.optim.swap import SLOT_ALIGNMENT, SWAPPED_KEYS, SwapAdamW, _Chunk
+from internlm_offload.optim.adamw_rule import ADAMW_STATE_KEYS as SWAPPED_KEYS
+from internlm_offload.optim.swap import SLOT_ALIGNMENT, SwapAdamW, _Chunk
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -161,9 +161,9 @@ def test_a_packed_row_gives_each_document_the_logits_it_gets_alone(tmp_path: Pat
     row = torch.tensor([t for d in docs for t in d])[None]
     positions = torch.cat([torch.arange(len(d)) for d in docs])[None]
     with torch.no_grad():
-        packed = model(row, positions)
-        alone = [model(torch.tensor(d)[None]) for d in docs]
-        unmasked = model(row)
+        packed = model(row, positions).logits
+        alone = [model(torch.tensor(d)[None]).logits for d in docs]
+        unmasked = model(row).logits
     starts = np.cumsum([0] + [len(d) for d in docs])
     for k, logits in enumerate(alone):
         torch.testing.assert_close(packed[:, starts[k] : starts[k + 1]], logits, rtol=1e-5, atol=1e-5)
@@ -203,8 +203,8 @@ def test_hf_models_keep_packed_documents_apart(tmp_path: Path) -> None:
         torch.manual_seed(0)
         model = HFCausalLM(config=config, attn_impl=impl).eval()
         with torch.no_grad():
-            packed = model(row, positions)
-            second = model(torch.tensor(docs[1])[None])
+            packed = model(row, positions).logits
+            second = model(torch.tensor(docs[1])[None]).logits
         torch.testing.assert_close(packed[:, 5:], second, rtol=1e-5, atol=1e-5)
 
 
@@ -249,7 +249,7 @@ def test_evaluation_runs_without_autograd_and_restores_train_mode(tmp_path: Path
     with torch.no_grad():
         for i in range(6):
             inputs, labels = sets[0].sample(i)
-            logits = model(inputs[None])[0]
+            logits = model(inputs[None]).logits[0]
             loss_sum += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").item()
             count += int((labels != IGNORE_INDEX).sum())
     assert result["valid_loss"] == pytest.approx(loss_sum / count, rel=1e-6)

@@ -33,6 +33,7 @@ from internlm_offload.config import (
 )
 from internlm_offload.config.file import add_cfg_options
 from internlm_offload.errors import CheckpointError, CheckpointWriteError, DataError, TrainingDiverged
+from internlm_offload.family import capabilities
 from internlm_offload.log import get_logger, setup_logging
 from internlm_offload.registry import UnknownTypeError
 from internlm_offload.torchrun_env import env_local_rank, env_local_world_size, env_world_size, launched_by_torchrun
@@ -145,9 +146,9 @@ def run(args: argparse.Namespace, build_trainer: BuildTrainer) -> int:
 
 
 def probe_kernel_memory(cfg: RunConfig, accelerator: Accelerator) -> int:
-    """What the run's kernels keep after a one-block probe step (engine/runtime_memory.py); 0 for model types
+    """What the run's kernels keep after a one-block probe step (engine/runtime_memory.py); 0 for model families
     without a one-block copy (`hf_causal_lm`: their kernels' memory shows in the step readings)."""
-    if cfg.model.type != "internlm2":
+    if not capabilities(cfg.model.type).one_block_copy:
         return 0
     from internlm_offload.builder.model import build_probe_model
     from internlm_offload.engine.precision import DTYPES
@@ -182,8 +183,8 @@ def train_in_runtime(
     runtime_bytes: int = 0,
 ) -> int:
     """Everything after the process group is joined: start plan, build, resume or load, train."""
-    from internlm_offload.engine.start_plan import plan_start
     from internlm_offload.engine.runtime import barrier, set_determinism
+    from internlm_offload.engine.start_plan import plan_start
 
     notes, warnings = cfg.migration_notes()
     for line in notes:

@@ -6,15 +6,29 @@ lists the modules that register into it (`locations`); mmengine imports them on 
 caller has to import a module only for its side effect.
 """
 
+import importlib
 from typing import Any
 
 from mmengine.registry import Registry
 
 SCOPE = "internlm_offload"
 
-MODELS = Registry("model", scope=SCOPE, locations=["internlm_offload.model"])
-DATASETS = Registry("dataset", scope=SCOPE, locations=["internlm_offload.data"])
-PARALLEL = Registry("parallel", scope=SCOPE, locations=["internlm_offload.engine.parallel"])
+# Each registry's name -> the modules that register into it.
+LOCATIONS = {
+    "model": ["internlm_offload.model.families"],  # family.FamilySpec, one per model family
+    "dataset": ["internlm_offload.data"],
+    "parallel": ["internlm_offload.engine.parallel"],
+}
+MODELS = Registry("model", scope=SCOPE, locations=LOCATIONS["model"])
+DATASETS = Registry("dataset", scope=SCOPE, locations=LOCATIONS["dataset"])
+PARALLEL = Registry("parallel", scope=SCOPE, locations=LOCATIONS["parallel"])
+
+
+def import_locations(registry: Registry) -> None:
+    """Import the modules that register into `registry` (mmengine's `import_from_location` without its logger, which
+    imports torch: the config checks read model families before anything heavy is imported)."""
+    for location in LOCATIONS[registry.name]:
+        importlib.import_module(location)
 
 
 class UnknownTypeError(KeyError):
@@ -26,7 +40,7 @@ class UnknownTypeError(KeyError):
 
 def lookup(registry: Registry, type_name: str, key: str) -> Any:
     """Return the object registered as `type_name`, or raise naming `key` and the registered names."""
-    registry.import_from_location()
+    import_locations(registry)
     # Not `registry.get`: it falls back to importing any dotted path, so "json" would build a module.
     obj = registry.module_dict.get(type_name)
     if obj is None:

@@ -12,8 +12,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from internlm_offload.builder.optimizer import host_master_names
 from internlm_offload.config import ConfigError, CpuOffloadingConfig, ModelConfig, RunConfig
-from internlm_offload.config.lora import native_targets, resolved_targets
-from internlm_offload.config.moe import moe_kwargs
 from internlm_offload.config.pipeline import pipeline_rank_blocks
 from internlm_offload.config.quantization import compute_dtype_name
 from internlm_offload.device import Accelerator
@@ -24,11 +22,10 @@ from internlm_offload.engine.router_bias import RouterBiasUpdate
 from internlm_offload.engine.runtime import RunContext, data_parallel_group, stage_data_mesh
 from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
+from internlm_offload.family import capabilities, family_spec
 from internlm_offload.log import get_logger
-from internlm_offload.model.hf import read_text_config, stateful_layers
 from internlm_offload.model.hf_routers import RouterTaps
 from internlm_offload.model.lora import adapter_parameters, apply_lora, draw_adapters
-from internlm_offload.model.output import MOE_AUX
 from internlm_offload.model.quantized import quantize_base
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
 from internlm_offload.offload.hosted_base import HostedBase, frozen_linears, hosted_tensors
@@ -40,69 +37,18 @@ logger = get_logger(__name__)
 
 
 def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
-    """Construct the model in fp32 on `device`; weights are a pure function of the torch seed.
+    """Construct the model of `model.type`'s family in fp32 on `device`; weights are a pure function of the torch
+    seed (or the folder's).
 
     The precision policy (`cast_model`) then decides which copy is cast to the compute dtype. Its auxiliary losses
     come unweighted: `aux_loss_coefficients` says what each weighs.
     """
-    if cfg.type == "hf_causal_lm":
-        kwargs: dict[str, Any] = dict(
-            path=cfg.hf_path, config=cfg.hf_config, trust_remote_code=cfg.trust_remote_code, attn_impl=cfg.attn_impl
-        )
-        # a meta build (the planner's trace) has nowhere to read a folder's weights into: its config builds the modules
-        kwargs["read_weights"] = device.type != "meta"
-    else:
-        kwargs = dict(
-            num_layers=cfg.num_layers,
-            hidden_size=cfg.hidden_size,
-            num_attention_heads=cfg.num_attention_heads,
-            num_kv_attention_heads=cfg.num_kv_attention_heads,
-            vocab_size=cfg.vocab_size,
-            mlp_ratio=cfg.mlp_ratio,
-            multiple_of=cfg.multiple_of,
-            norm_eps=cfg.norm_eps,
-            rope_base=cfg.rope_base,
-            tie_word_embeddings=cfg.tie_word_embeddings,
-            init_std=cfg.init_std,
-            attn_impl=cfg.attn_impl,
-            attention_bias=cfg.attention_bias,
-            qkv_bias=cfg.qkv_bias,
-            o_bias=cfg.o_bias,
-            head_dim=cfg.head_dim,
-            qk_norm=cfg.qk_norm,
-        )
-        if cfg.num_experts:
-            kwargs.update(
-                num_experts=cfg.num_experts,
-                top_k=cfg.top_k,
-                moe_type=cfg.moe_type,
-                num_shared_experts=cfg.num_shared_experts,
-                shared_expert_gate=cfg.shared_expert_gate,
-                moe_layer_kwargs=moe_kwargs(cfg),
-                mlp_only_layers=tuple(cfg.mlp_only_layers),
-                decoder_sparse_step=cfg.decoder_sparse_step,
-                dense_intermediate_size=cfg.dense_intermediate_size,
-            )
-    with torch.device(device):
-        try:
-            return build(MODELS, cfg.type, "model.type", **kwargs)
-        except ValueError as exc:  # the HF wrapper names its argument (model.<name>) and the fix
-            if cfg.type != "hf_causal_lm":
-                raise
-            message = " ".join(str(exc).split())
-            if message.startswith(("hf_path", "hf_config", "attn_impl")):
-                message = f"model.{message}"  # the wrapper's messages start with its argument: a model.* key
-            elif not message.startswith("model."):
-                message = f"model.type='hf_causal_lm': {message}"
-            raise ConfigError(message) from None
+    return build(MODELS, cfg.type, "model.type", cfg, device)
 
 
 def aux_loss_coefficients(cfg: RunConfig, model: nn.Module) -> dict[str, float]:
-    """The weight of each auxiliary loss the (bare) model returns, by name: the native decoder's router loss weighs
-    `loss.moe_loss_coeff`, a Hugging Face model's what its own config says (`router_aux_loss_coef`, the wrapper's)."""
-    if cfg.model.type == "hf_causal_lm":
-        return dict(model.aux_loss_coefficients)
-    return {MOE_AUX: cfg.loss.moe_loss_coeff} if cfg.model.num_experts else {}
+    """The weight of each auxiliary loss the (bare) model returns, by name, as its family reads them off the config."""
+    return family_spec(cfg.model.type).module().aux_loss_coefficients(cfg, model)
 
 
 def sequence_shard(cfg: RunConfig, ctx: RunContext) -> SequenceShard | None:
@@ -150,7 +96,7 @@ def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
     return (
         cfg.parallel.mode == "fsdp2"
         and cfg.parallel.meta_init
-        and model.type == "internlm2"
+        and capabilities(model.type).init_per_param
         and not model.tie_word_embeddings
         and policy.param_dtype == torch.float32
     )
@@ -200,7 +146,7 @@ def hosts_base_from_meta(cfg: RunConfig) -> bool:
         lora is not None
         and lora.base_on_host
         and cfg.parallel.meta_init
-        and model.type == "internlm2"
+        and capabilities(model.type).init_per_param
         and not model.tie_word_embeddings
         and model.quantization_config is None
     )
@@ -217,7 +163,7 @@ def build_bare_model(
     """The model in fp32 (on meta when FSDP2 materializes the shards later; the base on the host already with
     `hosts_base_from_meta`); device memory counts from here."""
     ctx.accelerator.mark_memory_baseline()  # cpu: see device/cpu_memory.py
-    check_documents_apart(cfg)
+    family_spec(cfg.model.type).module().check_run(cfg)
     hosted = hosts_base_from_meta(cfg)
     on_meta = on_meta or hosted
     model = build_model(cfg.model, torch.device("meta") if on_meta else ctx.device)
@@ -235,30 +181,6 @@ def build_bare_model(
     if ctx.expert_mesh is not None:  # each rank keeps its experts' slice of the seed-built whole
         apply_expert_parallel(model, ctx.expert_mesh)
     return model
-
-
-def check_documents_apart(cfg: RunConfig) -> None:
-    """Refuse rows of several documents kept apart by position ids for an `hf_causal_lm` model with layers that carry
-    a state along the row (Gated DeltaNet, Mamba): they read no position ids, and transformers' torch path takes no
-    document boundaries (`cu_seqlens`/`seq_idx` raise there without flash-linear-attention / causal-conv1d), so one
-    document's state would run into the next."""
-    data = cfg.data
-    if cfg.model.type != "hf_causal_lm" or not data.keeps_documents_apart:
-        return
-    model = cfg.model
-    try:
-        text = read_text_config(model.hf_path, model.hf_config, model.trust_remote_code)
-    except ValueError:
-        return  # build_model reports a bad folder or config in its own words
-    layers = stateful_layers(text)
-    if layers:
-        kinds = sorted({text.layer_types[i] for i in layers})
-        raise ConfigError(
-            f"data.pack_sample_into_one=False (data.type={data.type!r}) packs several documents into a row kept "
-            f"apart by position ids, which {text.model_type}'s {'/'.join(kinds)} layers {layers} do not read: each "
-            "document's state would run into the next; set data.pack_sample_into_one=True (documents packed into "
-            "rows of data.seq_len, attention across them too)"
-        )
 
 
 def router_bias_update(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> RouterBiasUpdate | None:
@@ -300,9 +222,8 @@ def lora_settings(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def lora_targets(cfg: ModelConfig) -> list[str]:
-    """`model.lora.target_modules` as PEFT matches them on this model type."""
-    assert cfg.lora is not None
-    return native_targets(cfg.lora) if cfg.type == "internlm2" else resolved_targets(cfg.lora)
+    """`model.lora.target_modules` as PEFT matches them on this model's family."""
+    return family_spec(cfg.type).module().lora_targets(cfg)
 
 
 def add_adapters(cfg: ModelConfig, model: nn.Module) -> None:

@@ -44,6 +44,7 @@ from internlm_offload.engine.sequence_parallel import SequenceShard, apply_seque
 from internlm_offload.engine.start_plan import checkpoint_folder
 from internlm_offload.engine.tensor_parallel import align_grads_in_backward
 from internlm_offload.engine.trainer import Trainer, TrainerSettings
+from internlm_offload.family import capabilities
 from internlm_offload.features import MemoryFeature
 from internlm_offload.offload import ActivationOffloader
 from internlm_offload.offload.hosted_base import HostedBase
@@ -194,7 +195,7 @@ def build_trainer(
     # 0. data first: a bad path or tokenizer fails before any model memory is allocated
     pretokenized = cfg.data.type == "internevo"
     tokenizer = None if pretokenized else build_tokenizer(cfg.data.tokenizer)
-    if cfg.model.type == "internlm2" and tokenizer is not None:
+    if capabilities(cfg.model.type).config_vocab and tokenizer is not None:
         check_vocab(cfg.model.vocab_size, tokenizer.vocab_size, cfg.data.tokenizer)
     loader = build_loader(cfg, ctx, tokenizer)
     evaluator = build_evaluator(cfg, ctx)

@@ -5,6 +5,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
+from internlm_offload.family import capabilities
 
 # Hugging Face's Llama projection names -> the native decoder's modules (model/internlm2.py, model/mlp.py).
 HF_TO_NATIVE = {
@@ -87,7 +88,7 @@ def check_lora(model: Any) -> None:
     """The checks of `model.lora` against the rest of the model section (a `ModelConfig`)."""
     if model.lora is None:
         return
-    if model.type == "internlm2":
+    if capabilities(model.type).native_names:
         native_targets(model.lora)  # raises naming a target the decoder does not have
     if model.num_experts and model.quantization_config is not None:
         raise ValueError(

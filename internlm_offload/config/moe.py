@@ -5,6 +5,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from internlm_offload.config.base import Section
+from internlm_offload.family import capabilities, families_with
 
 MOE_TYPES = ("GShard", "Dropless")  # InternEvo's `moe_type`s built here (model/moe.py)
 # `moe_layer_kwargs` keys that exist for one moe_type only (InternEvo's layer constructors raise TypeError on the
@@ -56,9 +57,10 @@ def check_moe(model: Any) -> None:
         )
     if model.num_experts == 0:
         return
-    if model.type != "internlm2":
+    if not capabilities(model.type).native_experts:
         raise ValueError(
-            f"model.num_experts={model.num_experts} is for model.type='internlm2'; an {model.type} model has its own"
+            f"model.num_experts={model.num_experts} builds the experts of model.type "
+            f"{families_with('native_experts')}; a {model.type!r} model has its own"
         )
     if model.top_k > model.num_experts:
         raise ValueError(f"model.top_k={model.top_k} must be <= model.num_experts={model.num_experts}")

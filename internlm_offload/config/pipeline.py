@@ -12,6 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
 from internlm_offload.config.pipeline_partition import rank_blocks
+from internlm_offload.family import capabilities, families_with
 
 PIPELINE_MODES = ("1F1B", "ZBH1", "ZBV")
 PIPELINE_KNOBS = ("parallel.pipeline.size", "parallel.pipeline.mode", "model.num_chunks")  # "auto" picks a layout
@@ -74,8 +75,8 @@ def pipeline_problem(cfg: Any) -> str | None:
     (`parallel.pipeline.size` > 1) that is not built yet, as one line; None if nothing."""
     pipe, model = cfg.parallel.pipeline, cfg.model
     where = f"parallel.pipeline.size={pipe.size}"
-    if model.type != "internlm2":
-        return f"{where} splits model.type='internlm2' only, got {model.type!r}"
+    if not capabilities(model.type).pipeline:
+        return f"{where} splits model.type {families_with('pipeline')}, not {model.type!r}"
     if cfg.parallel.fsdp_cpu_offload:
         return (
             f"{where} with parallel.fsdp_cpu_offload=True: FSDP2's CPU offload per stage is not checked yet; set False"

@@ -10,20 +10,21 @@ Every problem is reported as one `ConfigError` line naming the key, the bad valu
 
 import hashlib
 import json
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import Field, PrivateAttr, model_validator
 
 from internlm_offload.config.internevo import Translation
 from internlm_offload.config.lora import base_on_host_problem
 from internlm_offload.config.optimizer import OptimizerConfig, shared_lr_problem
-from internlm_offload.config.quantization import quantization_problem
 from internlm_offload.config.parallel import ParallelConfig
 from internlm_offload.config.pipeline import pipeline_problem
+from internlm_offload.config.quantization import quantization_problem
 from internlm_offload.config.sections import (
     AdamConfig,
     CkptConfig,
     CpuOffloadingConfig,
+    CustomImportsConfig,
     DataConfig,
     GradScalerConfig,
     HybridOptimizerConfig,
@@ -38,6 +39,7 @@ from internlm_offload.config.sections import (
     Section,
     intermediate_size,
 )
+from internlm_offload.family import capabilities, families_with
 
 
 class RunConfig(Section):
@@ -50,6 +52,9 @@ class RunConfig(Section):
     deterministic: bool = Field(True, description="Deterministic algorithms: bitwise-reproducible runs.")
     device: Literal["auto", "cpu", "cuda", "npu"] = Field(
         "auto", description="Accelerator; `auto` picks cuda > npu > cpu."
+    )
+    custom_imports: Optional[CustomImportsConfig] = Field(
+        None, description="mmengine's: modules imported as the file loads, e.g. a model family's package."
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -201,10 +206,11 @@ class RunConfig(Section):
         if problem := quantization_problem(self):
             raise ValueError(problem)
         info = self.ckpt.load_ckpt_info
-        if info is not None and info.ckpt_type != "internevo" and self.model.type != "internlm2":
+        if info is not None and info.ckpt_type != "internevo" and not capabilities(self.model.type).foreign_weights:
             raise ValueError(
-                f"ckpt.load_ckpt_info.ckpt_type={info.ckpt_type!r} loads into model.type='internlm2'; for "
-                f"model.type={self.model.type!r} give the folder as model.hf_path"
+                f"ckpt.load_ckpt_info.ckpt_type={info.ckpt_type!r} loads into model.type "
+                f"{families_with('foreign_weights')}; for model.type={self.model.type!r} give "
+                "the folder as model.hf_path"
             )
         profile_step, last_step = self.monitor.profile_step, self.data.total_steps
         if profile_step > last_step:
@@ -244,9 +250,10 @@ class RunConfig(Section):
                 "parallel.expert.no_tp=True (experts whole, each tensor rank routing its own sequence chunk) or "
                 "parallel.tensor.mode='isp'"
             )
-        if model.type != "internlm2":
+        if not capabilities(model.type).tensor_parallel:
             raise ValueError(
-                f"parallel.tensor (size {T}, mode {mode!r}) needs model.type='internlm2', got {model.type!r}"
+                f"parallel.tensor (size {T}, mode {mode!r}) splits model.type "
+                f"{families_with('tensor_parallel')}, not {model.type!r}"
             )
         divisible = {"model.num_attention_heads": model.num_attention_heads}
         kv_heads = model.num_kv_attention_heads or model.num_attention_heads

@@ -12,9 +12,10 @@ from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
 from internlm_offload.config.lora import LoraConfig, check_lora
-from internlm_offload.config.quantization import QuantizationConfig, check_quantization
 from internlm_offload.config.moe import MoeLayerKwargsConfig, check_moe
+from internlm_offload.config.quantization import QuantizationConfig, check_quantization
 from internlm_offload.config.sizes import parse_size
+from internlm_offload.family import check_model_section
 
 # Knobs a config may set to "auto" (with `memory_budget`): the memory planner chooses them at start-up.
 AUTO = "auto"
@@ -45,7 +46,11 @@ def intermediate_size(hidden_size: int, mlp_ratio: float, multiple_of: int) -> i
 
 
 class ModelConfig(Section):
-    type: str = Field("internlm2", description="Registered model type: `internlm2` or `hf_causal_lm`.")
+    type: str = Field(
+        "internlm2",
+        description="The model family (internlm_offload/model/families/): `internlm2`, the native decoder, or "
+        "`hf_causal_lm`, a transformers model; a family registered by `custom_imports` by its name.",
+    )
     num_layers: int = Field(4, ge=1, description="Number of decoder blocks (`model.layers`).")
     hidden_size: int = Field(128, ge=1, description="Model width.")
     num_attention_heads: int = Field(4, ge=1, description="Query heads.")
@@ -204,14 +209,7 @@ class ModelConfig(Section):
         check_moe(self)
         check_lora(self)
         check_quantization(self)
-        if self.type == "hf_causal_lm" and (self.hf_path is None) == (self.hf_config is None):
-            raise ValueError("model.type='hf_causal_lm' needs exactly one of model.hf_path and model.hf_config")
-        if self.type == "hf_causal_lm" and self.attention_bias:
-            raise ValueError("model.attention_bias is for model.type='internlm2'; an hf_causal_lm model has its own")
-        if self.type != "hf_causal_lm" and self.attn_impl == "eager":
-            raise ValueError(
-                f"model.attn_impl='eager' is for model.type='hf_causal_lm'; {self.type} has sdpa and flash"
-            )
+        check_model_section(self)
         return self
 
 
@@ -586,3 +584,11 @@ class GradScalerConfig(Section):
                 f"grad_scaler: need fp16.min_scale <= fp16.initial_scale <= max_scale, got {lo} <= {init} <= {hi}"
             )
         return self
+
+
+class CustomImportsConfig(Section):
+    """mmengine's `custom_imports`: modules the config file imports as it loads (a model family of your own
+    registers there: docs/architecture.md, "A new model family")."""
+
+    imports: list[str] = Field([], description="Dotted module names, importable from the run's `PYTHONPATH`.")
+    allow_failed_imports: bool = Field(False, description="mmengine's: warn instead of failing on one that fails.")

@@ -1,6 +1,22 @@
-"""Models; importing this package registers them in `internlm_offload.registry.MODELS`."""
+"""Models: the shared blocks here, each model family a package under `families/` (registered in
+`internlm_offload.registry.MODELS` by `internlm_offload.model.families`).
 
-from internlm_offload.model.hf import HFCausalLM
-from internlm_offload.model.internlm2 import DecoderLayer, InternLM2
+The package's names load on first use, so importing a family's spec (plain data) imports no torch.
+"""
 
-__all__ = ["DecoderLayer", "HFCausalLM", "InternLM2"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DecoderLayer": "internlm_offload.model.internlm2",
+    "InternLM2": "internlm_offload.model.internlm2",
+    "HFCausalLM": "internlm_offload.model.hf",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

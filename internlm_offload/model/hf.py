@@ -12,7 +12,6 @@ from internlm_offload.log import get_logger
 from internlm_offload.model.hf_routers import BIAS, RouterTaps
 from internlm_offload.model.internlm2 import document_mask
 from internlm_offload.model.output import MOE_AUX, ModelOutput
-from internlm_offload.registry import MODELS
 
 logger = get_logger(__name__)
 
@@ -181,7 +180,6 @@ def _short(exc: BaseException) -> str:
     return text if len(text) < 200 else text[:197] + "..."
 
 
-@MODELS.register_module(name="hf_causal_lm")
 class HFCausalLM(nn.Module):
     """Wraps `AutoModelForCausalLM`, built from a local checkpoint (`path`) or a config dict (`config`).
 

@@ -21,7 +21,6 @@ from internlm_offload.model.moe import MoE
 from internlm_offload.model.output import MOE_AUX, ModelOutput
 from internlm_offload.model.router import RouterStats, dropless_aux_loss, global_aux_loss, gshard_aux_loss
 from internlm_offload.offload.activation import mark_not_offload
-from internlm_offload.registry import MODELS
 
 ATTN_IMPLS = ("sdpa", "flash", "auto")
 
@@ -300,7 +299,6 @@ def _validate_args(**args: Any) -> None:
         raise ValueError("attn_impl='flash' but flash_attn is not importable: pip install flash-attn, or use 'auto'")
 
 
-@MODELS.register_module(name="internlm2")
 class InternLM2(nn.Module):
     """Decoder-only LM: tok_embeddings -> layers -> norm -> output."""
 

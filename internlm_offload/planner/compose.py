@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 from internlm_offload.builder.model import build_layer_plan
 from internlm_offload.config import RunConfig
+from internlm_offload.family import capabilities
 from internlm_offload.log import get_logger
 from internlm_offload.offload.plan import LayerMode
 from internlm_offload.planner.cost import StepWork
@@ -124,7 +125,7 @@ def same_blocks(cfg: RunConfig) -> bool:
     a reduced model would keep other blocks than the whole one's)."""
     model = cfg.model
     mixed = model.num_experts > 0 and (bool(model.mlp_only_layers) or model.decoder_sparse_step > 1)
-    return model.type == "internlm2" and not mixed
+    return capabilities(model.type).one_block_copy and not mixed
 
 
 def composable(cfg: RunConfig, world_size: int = 1) -> bool:

@@ -45,6 +45,7 @@ from internlm_offload.engine.expert_parallel import expert_params, moe_blocks
 from internlm_offload.engine.pipeline import PipelineRunner
 from internlm_offload.engine.runtime import RunContext, expert_mesh, parallel_meshes
 from internlm_offload.engine.trainer import Trainer
+from internlm_offload.family import capabilities
 from internlm_offload.model.quantized import scale_tensors
 from internlm_offload.optim.records import ParamRecord
 from internlm_offload.planner.cost import FlopCounter, StepWork, WorkCounter, extra_flops
@@ -368,14 +369,15 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_
     # real host tensors, as the loader's: the trainer counts their labels; a pipeline's schedule runs all
     batches = micro_batches(cfg, every=pipe > 1)
     # Factory calls without a device (buffers made by `init_weights`) land on meta too.
+    transformers_modules = capabilities(cfg.model.type).transformers_modules
     stand_ins = (
         ()
         if measure
         else (
             fused_optimizers_on_meta(),
             flash_attention_on_meta(),
-            packed_sequences_on_meta() if cfg.model.type == "hf_causal_lm" else contextlib.nullcontext(),
-            grouped_mm_on_meta() if cfg.model.type == "hf_causal_lm" else contextlib.nullcontext(),
+            packed_sequences_on_meta() if transformers_modules else contextlib.nullcontext(),
+            grouped_mm_on_meta() if transformers_modules else contextlib.nullcontext(),
             fsdp2_on_meta(),
             expert_dispatch_on_meta(cfg.memory_budget.expert_imbalance),
             torch.device("meta"),

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from internlm_offload.config import ModelConfig
 from internlm_offload.engine.checkpoint import CheckpointError, read_train_state, resolve_checkpoint_path
 from internlm_offload.engine.checkpoint_reader import read_checkpoint, read_metadata
+from internlm_offload.family import capabilities, families_with
 from internlm_offload.log import get_logger
 from internlm_offload.model.hf import text_config
 from internlm_offload.model.hf_routers import BIAS
@@ -91,7 +92,7 @@ def export_hf(weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtyp
     """A folder `AutoModelForCausalLM.from_pretrained(out_dir)` loads: a native run as Llama (plus its
     tokenizer), an hf_causal_lm run as its own architecture."""
     model_cfg = run["model"]
-    if model_cfg["type"] == "internlm2":
+    if capabilities(model_cfg["type"]).native_names:
         model = native_model_config(model_cfg)
         heads = Heads(model.num_attention_heads, model.num_kv_attention_heads)
         if model.num_experts:
@@ -126,9 +127,10 @@ def export_internevo(
     weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype, run: dict, *, tp: int, wp: int
 ) -> None:
     """InternEvo's model files of a native run: its names, fused wqkv, split for `tp` (or ISP's `wp`) ranks."""
-    if run["model"]["type"] != "internlm2":
+    if not capabilities(run["model"]["type"]).native_names:
         raise CheckpointError(
-            f"--internevo needs a run of model.type='internlm2'; this one is {run['model']['type']!r}"
+            f"--internevo needs a run of model.type {families_with('native_names')}; this one is "
+            f"{run['model']['type']!r}"
         )
     model = native_model_config(run["model"])
     if tp > 1 and not wp and model.num_kv_attention_heads % tp:

@@ -15,13 +15,14 @@ import torch
 from internlm_offload.builder.model import build_model
 from internlm_offload.config import RunConfig
 from internlm_offload.config.lora import DEFAULT_TARGETS, HF_TO_NATIVE
+from internlm_offload.device import Accelerator
 from internlm_offload.engine.runtime import set_determinism
 from internlm_offload.engine.start_plan import find_weights_source
-from internlm_offload.device import Accelerator
 from internlm_offload.errors import CheckpointError
+from internlm_offload.family import capabilities
 from internlm_offload.model.lora import ADAPTER_NAME
-from internlm_offload.weights.convert import Heads, to_format
 from internlm_offload.weights import hf_moe
+from internlm_offload.weights.convert import Heads, to_format
 from internlm_offload.weights.names import HF_LLAMA, NameTable
 from internlm_offload.weights.sources import load_weights as load_foreign_weights
 
@@ -79,7 +80,7 @@ def merged(base: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], run:
 def peft_tensors(weights: dict[str, torch.Tensor], run: dict) -> dict[str, torch.Tensor]:
     """The adapters under PEFT's saved names: `base_model.model.<HF module>.lora_A.weight` (adapter name dropped)."""
     model = run["model"]
-    native = model["type"] == "internlm2"
+    native = capabilities(model["type"]).native_names
     heads = Heads(model["num_attention_heads"], model["num_kv_attention_heads"]) if native else None
     table = hf_names(run) if native else None
     out = {}
@@ -107,7 +108,7 @@ def adapter_config(run: dict) -> dict:
     """PEFT's adapter_config.json of the run's `model.lora` (HF target names; the base named where it is a path)."""
     model, lora = run["model"], run["model"]["lora"]
     targets = list(lora["target_modules"] or DEFAULT_TARGETS)
-    if model["type"] == "internlm2":
+    if capabilities(model["type"]).native_names:
         targets = [NATIVE_TO_HF.get(name, name) for name in targets]
     alpha = lora["lora_alpha"]
     return {

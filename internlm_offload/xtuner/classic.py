@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from internlm_offload.config.lora import HF_TO_NATIVE
+from internlm_offload.family import capabilities
 from internlm_offload.errors import DataError
 from internlm_offload.xtuner.standins import type_name
 from internlm_offload.xtuner.translate import Translation, count_packs, model_from_folder, short
@@ -174,7 +175,7 @@ def _lora(t: Translation, model: dict[str, Any], hf: dict[str, Any] | None) -> N
 
 def _all_linears(t: Translation, hf: dict[str, Any]) -> None:
     """XTuner's rule without target_modules (find_all_linear_names): every nn.Linear but lm_head/output_layer."""
-    if t.config["model"]["type"] == "hf_causal_lm":
+    if capabilities(t.config["model"]["type"]).transformers_modules:
         try:
             targets = _hf_linear_names(t.config["model"]["hf_path"])
         except (ImportError, OSError, KeyError, ValueError) as exc:  # a model_type transformers does not know

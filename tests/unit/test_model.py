@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 from tiny_configs import TINY_HF_LLAMA
 
+from internlm_offload.config import ModelConfig
 from internlm_offload.model import DecoderLayer, HFCausalLM, InternLM2
 from internlm_offload.model.internlm2 import _flash_attn_func
-from internlm_offload.registry import MODELS, lookup
+from internlm_offload.registry import MODELS
+from internlm_offload.registry import build as build_registered
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=97)
 TINY_LLAMA = {**TINY_HF_LLAMA, "vocab_size": 300}
@@ -185,9 +187,11 @@ def test_bad_args_raise_value_error_naming_the_arg(overrides, arg):
         InternLM2(**{**TINY, **overrides})
 
 
-def test_registry_lookup():
-    assert lookup(MODELS, "internlm2", "model.type") is InternLM2
-    assert lookup(MODELS, "hf_causal_lm", "model.type") is HFCausalLM
+def test_registry_lookup_builds_each_family():
+    config = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=97)
+    assert isinstance(build_registered(MODELS, "internlm2", "model.type", config, torch.device("cpu")), InternLM2)
+    hf = ModelConfig(type="hf_causal_lm", hf_config=TINY_LLAMA)
+    assert isinstance(build_registered(MODELS, "hf_causal_lm", "model.type", hf, torch.device("cpu")), HFCausalLM)
 
 
 def test_training_reduces_loss():

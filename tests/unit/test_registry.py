@@ -8,12 +8,12 @@ from mmengine.registry import Registry
 
 from internlm_offload.data.packed import build_builtin_dataset, build_text_dataset
 from internlm_offload.engine.parallel import apply_ddp, apply_fsdp2, apply_none
-from internlm_offload.model import HFCausalLM, InternLM2
+from internlm_offload.model.families import hf_causal_lm, internlm2
 from internlm_offload.registry import DATASETS, MODELS, PARALLEL, SCOPE, UnknownTypeError, build, lookup
 
 LOOKUPS = [
-    (MODELS, "internlm2", InternLM2),
-    (MODELS, "hf_causal_lm", HFCausalLM),
+    (MODELS, "internlm2", internlm2.FAMILY),
+    (MODELS, "hf_causal_lm", hf_causal_lm.FAMILY),
     (DATASETS, "builtin", build_builtin_dataset),
     (DATASETS, "text", build_text_dataset),
     (PARALLEL, "none", apply_none),

@@ -1,0 +1,111 @@
+"""Model families: what a config's `model.type` names, what each family can do, and where its code lives.
+
+A family is one package under `internlm_offload/model/families/` (or anywhere a config's `custom_imports` reaches)
+whose `__init__` registers one `FamilySpec` in `registry.MODELS`. The spec is plain data and imports no torch, so
+the config checks ask a family's `Capabilities` before anything heavy is imported; the family's `entry` module
+(the builder, imported on first use) does the work. Every check of what a feature allows reads a capability, never
+a family's name: a new family states what it can do in its spec and touches no engine, planner or config code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from types import ModuleType
+from typing import Any
+
+from internlm_offload.registry import MODELS, import_locations, lookup
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a family's model offers the rest of the trainer; False: the feature refuses the family in one line."""
+
+    # The `model.num_experts` / `top_k` / `moe_*` keys build its mixture of experts (config/moe.py).
+    native_experts: bool = False
+    # `parallel.tensor`: its blocks carry a tensor plan (engine/tensor_parallel.py).
+    tensor_parallel: bool = False
+    # `parallel.pipeline`: it splits into stages (tok_embeddings, layers, norm, output; engine/pipeline_split.py).
+    pipeline: bool = False
+    # `init_weights(apply=)` draws one whole parameter at a time: FSDP2's meta build and a LoRA base drawn on the host.
+    init_per_param: bool = False
+    # `model.num_layers=1` builds one of its blocks alone, and every block is that block: the kernel probe before
+    # the run (engine/runtime_memory.py) and the planner's per-block trace (planner/compose.py).
+    one_block_copy: bool = False
+    # Its parameters carry this trainer's names (wq, w1, ...): other formats' names come from weights/names.py
+    # tables, LoRA targets are named as the native decoder names its modules, exports map names out.
+    native_names: bool = False
+    # `ckpt.load_ckpt_info.ckpt_type` "hf" / "hf_llama" / "llama" load other trainers' files into it.
+    foreign_weights: bool = False
+    # `model.vocab_size` is the config's (checked against the tokenizer before the build); else the model's own.
+    config_vocab: bool = False
+    # Its modules are transformers': the planner's meta trace stands in for their packed-sequence masks and grouped
+    # matmuls, which read tensor values (planner/standins.py).
+    transformers_modules: bool = False
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One registered family: its `model.type` name, its capabilities, and the module that builds it.
+
+    `entry` names a module with `build_model(cfg: ModelConfig, device) -> nn.Module` (the bare fp32 model),
+    `aux_loss_coefficients(cfg: RunConfig, model) -> dict[str, float]` (the weight of each auxiliary loss its
+    model returns), `lora_targets(cfg: ModelConfig) -> list[str]` (PEFT's target names on its modules) and
+    `check_run(cfg: RunConfig) -> None` (what the run asks that the schema cannot see, as a ConfigError).
+    """
+
+    name: str
+    entry: str
+    capabilities: Capabilities
+    summary: str = ""  # one line for messages and the config reference
+    # The checks of its `model` section (a ModelConfig) the schema runs, torch-free: ValueError naming the key.
+    check_section: Callable[[Any], None] | None = None
+
+    def module(self) -> ModuleType:
+        """The family's builder module, imported on first use (it imports torch)."""
+        return importlib.import_module(self.entry)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """`build_model`: a registry entry is something to call (mmengine's `Registry` holds callables)."""
+        return self.module().build_model(*args, **kwargs)
+
+
+def register_family(spec: FamilySpec) -> FamilySpec:
+    """Register `spec` under its name (once: a second family of the same name is an error)."""
+    MODELS.register_module(name=spec.name, module=spec)
+    return spec
+
+
+def family_spec(name: str, key: str = "model.type") -> FamilySpec:
+    """The family registered as `name`; an unknown one raises naming `key` and the registered names."""
+    return lookup(MODELS, name, key)
+
+
+def check_model_section(model: Any) -> None:
+    """The family's own checks of its `model` section (`FamilySpec.check_section`); an unknown `model.type` is
+    reported where the model is built."""
+    try:
+        spec = family_spec(model.type)
+    except KeyError:
+        return
+    if spec.check_section is not None:
+        spec.check_section(model)
+
+
+def capabilities(name: str) -> Capabilities:
+    """`family_spec(name).capabilities`; an unknown name has none (its `model.type` check reports it)."""
+    try:
+        return family_spec(name).capabilities
+    except KeyError:
+        return Capabilities()
+
+
+def families_with(capability: str) -> str:
+    """The registered families that have `capability` (a `Capabilities` field), as a message names them:
+    "'internlm2'" or "'a' / 'b'"."""
+    if capability not in {f.name for f in fields(Capabilities)}:
+        raise ValueError(f"unknown capability {capability!r}")
+    import_locations(MODELS)
+    names = sorted(name for name, spec in MODELS.module_dict.items() if getattr(spec.capabilities, capability))
+    return " / ".join(map(repr, names)) or "none"

@@ -1,0 +1,9 @@
+"""The built-in model families, one package each; importing this registers their specs (`family.FamilySpec`).
+
+Each package's `__init__` is plain data (no torch): the config checks read its capabilities before the run
+imports anything heavy. Where a new family goes: docs/architecture.md, "A new model family".
+"""
+
+from internlm_offload.model.families import hf_causal_lm, internlm2
+
+__all__ = ["hf_causal_lm", "internlm2"]

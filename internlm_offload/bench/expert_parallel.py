@@ -90,7 +90,7 @@ class Exchanges(TorchDispatchMode):
 
 
 class Block(nn.Module):
-    """One MoE block as a model: what `apply_expert_parallel` finds sparse blocks in."""
+    """One MoE block as a model (`apply_expert_parallel` takes its sparse block, `moe`, as it is)."""
 
     def __init__(self, shape: dict[str, int]) -> None:
         super().__init__()
@@ -135,7 +135,7 @@ def worker(shape: dict[str, int], out: Path) -> None:
     rank = dist.get_rank()
     mesh = expert_mesh("cpu", RANKS, RANKS)
     ep2, ep1 = build(shape), build(shape)
-    apply_expert_parallel(ep2, mesh)
+    apply_expert_parallel(ep2.moe, mesh)  # a sparse block alone: no tensor plan to find it through
     generator = torch.Generator().manual_seed(1 + rank)  # each rank its own tokens
     x = torch.randn(shape["tokens"], shape["hidden"], generator=generator).requires_grad_()  # an activation
     target = torch.randn(shape["tokens"], shape["hidden"], generator=generator)

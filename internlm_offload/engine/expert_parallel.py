@@ -1,10 +1,11 @@
 """Expert parallel: each sparse block's routed experts split over the "ep" dim of the expert mesh.
 
-What it may touch: every `MoE` block's `experts` (their stacked weights become DTensors sharded on dim 0 over
-"ep": a rank holds E / ep experts) and its `expert_dispatch` (set here); nothing else. Routing, capacity and the
-combine stay the block's own, on this rank's tokens: GShard's capacity is computed from the local token count, as
-InternEvo does (each rank drops on its own), so the dropped choices are those of the same rank without expert
-parallel.
+What it may touch: every sparse block's `experts` (their stacked weights become DTensors sharded on dim 0 over
+"ep": a rank holds E / ep experts) and its `expert_dispatch` (set here); nothing else. The sparse blocks are those
+the model's tensor plan names, each a model/hooks.py `DispatchesExperts` (refused in one line otherwise). Routing,
+capacity and the combine stay the block's own, on this rank's tokens: GShard's capacity is computed from the local
+token count, as InternEvo does (each rank drops on its own), so the dropped choices are those of the same rank
+without expert parallel.
 
 The mesh is ("edp", "ep") over the data-parallel ranks (every rank where the tensor ranks route their own sequence
 chunks: isp, and mtp/msp/fsp with whole experts, engine/moe_tensor_parallel.py), "ep" innermost (InternEvo's order:
@@ -28,12 +29,12 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from internlm_offload.engine.model_plan import sparse_blocks
 from internlm_offload.engine.runtime import all_expert_data
 from internlm_offload.log import get_logger
+from internlm_offload.model.hooks import DispatchesExperts
 
 logger = get_logger(__name__)
-
-EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
 
 @dataclass(frozen=True)
@@ -97,23 +98,22 @@ def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int]
     return out.wait() if hasattr(out, "wait") else out  # an AsyncCollectiveTensor until waited on
 
 
-def moe_blocks(model: nn.Module) -> list[nn.Module]:
-    """The sparse blocks' `MoE` modules (those with an `expert_dispatch` slot)."""
-    return [m for m in model.modules() if hasattr(m, "expert_dispatch")]
+def moe_blocks(model: nn.Module) -> list[DispatchesExperts]:
+    """The sparse blocks of `model` (after `apply_expert_parallel` checked them against the plan)."""
+    return [m for m in model.modules() if isinstance(m, DispatchesExperts)]
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Shard every sparse block's experts over `mesh["ep"]` (each rank keeps its slice of the whole weights it
     built from the seed) and route their rows through the all-to-all."""
     ep = mesh["ep"]
+    blocks = sparse_blocks(model, f"parallel.expert.size={ep.size()}")
     dispatch = ExpertDispatch(group=ep.get_group(), size=ep.size())
-    blocks = moe_blocks(model)
     for moe in blocks:
+        if moe.num_experts % ep.size():
+            raise ValueError(f"{moe.num_experts} experts do not split over {ep.size()} expert-parallel ranks")
         experts = moe.experts
-        if experts.num_experts % ep.size():
-            raise ValueError(f"{experts.num_experts} experts do not split over {ep.size()} expert-parallel ranks")
-        for name in EXPERT_WEIGHTS:
-            weight = getattr(experts, name)
+        for name, weight in list(experts.named_parameters(recurse=False)):  # stacked over the experts on dim 0
             # src_data_rank=None: every rank built the same whole weight; each keeps its slice, no communication
             shard = distribute_tensor(weight.detach(), ep, [Shard(0)], src_data_rank=None)
             setattr(experts, name, nn.Parameter(shard, requires_grad=weight.requires_grad))
@@ -123,8 +123,8 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         ep.size(),
         all_expert_data(mesh).size(),
         len(blocks),
-        blocks[0].experts.num_experts // ep.size() if blocks else 0,
-        blocks[0].experts.num_experts if blocks else 0,
+        blocks[0].num_experts // ep.size() if blocks else 0,
+        blocks[0].num_experts if blocks else 0,
     )
 
 

@@ -6,16 +6,15 @@ The partition and the placement are config/pipeline_partition.py's.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn as nn
 
 from internlm_offload.config.pipeline_partition import local_stages, partition_uniform
+from internlm_offload.model.hooks import ShardsSequence
 from internlm_offload.model.internlm2 import Documents, InternLM2
 
 
-class PipelineChunk(nn.Module):
+class PipelineChunk(nn.Module, ShardsSequence):
     """Blocks `[start, end)` of an InternLM2 decoder; the first stage embeds the token ids, the last returns logits.
 
     Holds the decoder's own modules (no copy): a stage built from the seed-built whole model starts from the
@@ -24,7 +23,8 @@ class PipelineChunk(nn.Module):
     Under a tensor mode that splits the sequence (msp, fsp, isp over T ranks: `sequence_parts` = T) the hidden
     states a stage takes and returns are this tensor rank's 1/T of the sequence, plain tensors (the modes' plans
     take and return local shards between blocks); RoPE is then that of the whole sequence. Under isp
-    (`sequence_shard`) the first stage keeps its chunk of the token ids and every stage its chunk of the positions.
+    (`sequence_shard`, set by the builder: model/hooks.py) the first stage keeps its chunk of the token ids and every
+    stage its chunk of the positions.
     """
 
     def __init__(self, model: InternLM2, start: int, end: int, *, first: bool, last: bool) -> None:
@@ -38,7 +38,6 @@ class PipelineChunk(nn.Module):
         self.head_dim, self.rope_base = model.head_dim, model.rope_base
         self.register_buffer("inv_freq", model.inv_freq, persistent=False)
         self.sequence_parts = 1  # msp / fsp / isp over T ranks: T (set by the builder)
-        self.sequence_shard: Any = None  # isp: an engine.sequence_parallel.SequenceShard (set by the builder)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) on the first stage, hidden states (B, T, C) on the others (B, T / parts, C under a

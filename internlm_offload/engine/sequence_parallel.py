@@ -1,7 +1,8 @@
 """InternEvo's `isp` (Intern sequence parallel): each rank of a tensor group holds 1/T of every sequence.
 
-What it may touch: the model's `sequence_shard` and its attention modules' `sequence_group` (set by
-`apply_sequence_parallel`); nothing else. Weights stay whole modules: the data-parallel wrapper over all
+What it may touch: the model's `sequence_shard` and its attention modules' `sequence_exchange` (set by
+`apply_sequence_parallel`; model/hooks.py `ShardsSequence` and `ExchangesSequence`, each block's attention found
+through the model's tensor plan); nothing else. Weights stay whole modules: the data-parallel wrapper over all
 ranks (DDP, or FSDP2 over the weight group: InternEvo's weight parallel) sums their gradients, which each
 rank computes from its part of the sequence.
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from internlm_offload.engine.model_plan import sequence_exchangers
 from internlm_offload.log import get_logger
 
 logger = get_logger(__name__)
@@ -62,9 +64,11 @@ def sequence_all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: 
 
 
 def apply_sequence_parallel(model: nn.Module, shard: SequenceShard) -> None:
-    """isp on an InternLM2: the model splits its input, each attention exchanges heads for sequence."""
+    """isp: the model splits its input, each block's attention exchanges heads for sequence; refused in one line
+    where the model or an attention does not take its hook."""
+    attentions = sequence_exchangers(model, "parallel.tensor.mode='isp'")
     model.sequence_shard = shard
     exchange = functools.partial(sequence_all_to_all, group=shard.group)
-    for block in model.layers:
-        block.attention.sequence_exchange = exchange
+    for attention in attentions:
+        attention.sequence_exchange = exchange
     logger.info("Applied tensor parallel isp over %d ranks (sequence chunks, Ulysses attention)", shard.size)

@@ -2,7 +2,8 @@
 
 What it may touch: the model's submodules, which it replaces parameters of by DTensors over the tensor
 mesh; nothing else. The data-parallel wrappers (engine/parallel.py) come after it, the layer plan's
-checkpoint and offload hooks act on the blocks it returns.
+checkpoint and offload hooks act on the blocks it returns. Which module takes which role is the model family's
+data (its `TensorPlan`, model/tensor_plan.py); the styles of each role are this module's. Below, InternLM2's names.
 
 - `mtp` (Megatron TP): wq/wk/wv/w1/w3 column parallel, wo/w2 row parallel (their outputs all-reduced),
   norms replicated plain modules; the embedding vocab-parallel, the head column parallel. The column
@@ -40,8 +41,16 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from internlm_offload.engine.model_plan import (
+    check_model_names,
+    check_names,
+    planned_blocks,
+    planned_module,
+    tensor_plan,
+)
 from internlm_offload.engine.moe_tensor_parallel import WholeMoE
 from internlm_offload.log import get_logger
+from internlm_offload.model.tensor_plan import BlockPlan
 from internlm_offload.optim.dtensor import is_dtensor
 
 logger = get_logger(__name__)
@@ -57,36 +66,40 @@ def apply_tensor_parallel(
     parallel_output: bool,
     gather_again_in: Collection[int] | None = None,
 ) -> None:
-    """Shard `model` (an InternLM2: tok_embeddings, layers, norm, output) over `tp_mesh` in `mode`.
+    """Shard `model` over `tp_mesh` in `mode`, module by module as its tensor plan says (refused without one).
 
     `gather_again_in`: the blocks fsp gathers again in backward (default all); the others run msp's plan.
     Activation offload and checkpointing save through saved-tensor hooks, which selective checkpointing's
     own saves bypass: the layer plan's offloaded and checkpointed blocks are left out."""
     if mode not in ("mtp", "msp", "fsp"):
         raise ValueError(f"parallel.tensor.mode={mode!r} has no column/row plan; expected mtp, msp or fsp")
+    feature = f"parallel.tensor.mode={mode!r}"
+    plan = tensor_plan(model, feature)
+    blocks = list(planned_blocks(model, plan))
+    check_model_names(model, plan, feature)  # every name first: parallelize_module skips one it does not find
+    for index, block, block_plan in blocks:
+        check_names(block, index, _block_names(block_plan), feature)
     sequence = mode in SEQUENCE_SHARDED
     between = Shard(1) if sequence else Replicate()  # the residual stream's layout between the blocks
     head_output = Shard(-1) if parallel_output else Replicate()
     top_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-        "output": ColwiseParallel(
+        plan.embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        plan.head: ColwiseParallel(
             input_layouts=between, output_layouts=head_output, use_local_output=not parallel_output
         ),
     }
     if sequence:
-        top_plan["norm"] = SequenceParallel()
+        top_plan[plan.final_norm] = SequenceParallel()
     parallelize_module(model, tp_mesh, top_plan)
-    for index, block in enumerate(model.layers):
+    for index, block, block_plan in blocks:
         block_mode = mode
         if mode == "fsp" and gather_again_in is not None and index not in gather_again_in:
             block_mode = "msp"
-        sparse = hasattr(block.feed_forward, "expert_dispatch")  # an MoE: whole experts (engine/moe_tensor_parallel.py)
-        plan = _block_plan(block_mode, block.attention.n_kv_heads, tp_mesh.size(), sparse)
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, _block_styles(block_mode, block_plan, tp_mesh.size()))
         if block_mode == "fsp":
-            gather_in_backward_again(block.attention)
-            if not sparse:  # a sparse block routes its own chunk: nothing to gather
-                gather_in_backward_again(block.feed_forward)
+            gather_in_backward_again(planned_module(block, index, block_plan.attention.module, feature))
+            if not block_plan.sparse:  # a sparse block routes its own chunk: nothing to gather
+                gather_in_backward_again(planned_module(block, index, block_plan.feed_forward.module, feature))
     logger.info(
         "Applied tensor parallel %s over %d ranks (%s logits)",
         mode,
@@ -95,33 +108,41 @@ def apply_tensor_parallel(
     )
 
 
-def _block_plan(mode: str, kv_heads: int, tensor_size: int, sparse: bool = False) -> dict:
-    """One decoder block's plan: column-parallel projections in, row-parallel out (torchtitan's shape); a sparse
-    block's MoE whole on every rank, routing this rank's sequence chunk (`WholeMoE`)."""
+def _block_names(plan: BlockPlan) -> list[str]:
+    """Every module a block's plan names."""
+    attention, feed_forward = plan.attention, plan.feed_forward
+    regions = [attention.module, *attention.column, *attention.row, feed_forward.module, *feed_forward.column]
+    return [*regions, *feed_forward.row, *plan.kv, *plan.norms]
+
+
+def _block_styles(mode: str, plan: BlockPlan, tensor_size: int) -> dict[str, ParallelStyle]:
+    """One decoder block's styles: column-parallel projections in, row-parallel out (torchtitan's shape); a sparse
+    block whole on every rank, routing this rank's sequence chunk (`WholeMoE`)."""
     sequence = mode in SEQUENCE_SHARDED
-    kv = ColwiseParallel() if kv_heads % tensor_size == 0 else KVHeadReplicas(kv_heads)
-    plan: dict = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": kv,
-        "attention.wv": kv,
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate()),
-    }
-    if sparse:
-        plan["feed_forward"] = WholeMoE(sequence_sharded=sequence)
+    kv = ColwiseParallel() if plan.kv_heads % tensor_size == 0 else KVHeadReplicas(plan.kv_heads)
+    attention, feed_forward = plan.attention, plan.feed_forward
+    styles: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in attention.column}
+    styles |= {name: kv for name in plan.kv}
+    styles |= {name: _row(sequence) for name in attention.row}
+    if plan.sparse:
+        styles[feed_forward.module] = WholeMoE(sequence_sharded=sequence)
     else:
-        plan |= {
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate()),
-        }
+        styles |= {name: ColwiseParallel() for name in feed_forward.column}
+        styles |= {name: _row(sequence) for name in feed_forward.row}
     if sequence:
-        plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+        styles |= {name: SequenceParallel() for name in plan.norms}
     if mode != "fsp":  # fsp gathers inside its checkpointed region instead
-        # attention takes (x, rope, documents), the MLP x: only x is laid out
-        plan["attention"] = _shared_input(Shard(1) if sequence else Replicate(), extra_args=2)
-        if not sparse:
-            plan["feed_forward"] = _shared_input(Shard(1) if sequence else Replicate(), extra_args=0)
-    return plan
+        # only the residual stream is laid out (attention's rope and documents are left alone)
+        layout = Shard(1) if sequence else Replicate()
+        styles[attention.module] = _shared_input(layout, extra_args=attention.extra_args)
+        if not plan.sparse:
+            styles[feed_forward.module] = _shared_input(layout, extra_args=feed_forward.extra_args)
+    return styles
+
+
+def _row(sequence: bool) -> RowwiseParallel:
+    """A row-parallel projection: its output reduce-scattered to the sequence (msp, fsp) or all-reduced (mtp)."""
+    return RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate())
 
 
 def _shared_input(layout: Shard | Replicate, extra_args: int) -> PrepareModuleInput:

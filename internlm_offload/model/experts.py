@@ -14,6 +14,7 @@ from torch import nn
 
 from internlm_offload.device.kernels import grouped_mm_aligned, has_grouped_mm
 from internlm_offload.model.mlp import ParamInit, normal_init
+from internlm_offload.offload.hosted_base import Hostable
 from internlm_offload.optim.dtensor import local_shard
 
 
@@ -41,8 +42,8 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -
     return _ContiguousGrad.apply(F.grouped_mm(x, weight.transpose(-2, -1), offs=offs))
 
 
-class GroupedExperts(nn.Module):
-    """E SwiGLU experts of width I over tokens already sorted by expert."""
+class GroupedExperts(nn.Module, Hostable):
+    """E SwiGLU experts of width I over tokens already sorted by expert; frozen, they can be held on the host."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -138,8 +139,6 @@ class HostedGroupedExperts(GroupedExperts):
     again for backward (`hosted.weights`), nothing of them saved. Backward recomputes the experts on the saved rows
     with the weights brought in again and differentiates that, so the input's gradient is `GroupedExperts`' own,
     bit for bit, for one more expert forward a step."""
-
-    hosted: Any  # offload.hosted_base.HostedBase (a lower layer's class, set when it hosts this module)
 
     def _compute(self, x: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         return _HostedExperts.apply(x, counts, ends, self)

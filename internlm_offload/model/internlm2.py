@@ -16,10 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from internlm_offload.config import intermediate_size
+from internlm_offload.model.hooks import ExchangesSequence, HasTensorPlan, ShardsSequence
 from internlm_offload.model.mlp import FeedForward, ParamInit, normal_init
 from internlm_offload.model.moe import MoE
 from internlm_offload.model.output import MOE_AUX, ModelOutput
 from internlm_offload.model.router import RouterStats, dropless_aux_loss, global_aux_loss, gshard_aux_loss
+from internlm_offload.model.tensor_plan import BlockPlan, Region, TensorPlan
 from internlm_offload.offload.activation import mark_not_offload
 
 ATTN_IMPLS = ("sdpa", "flash", "auto")
@@ -120,8 +122,9 @@ class RMSNorm(nn.Module):
         yield self.weight, nn.init.ones_
 
 
-class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary position embeddings."""
+class Attention(nn.Module, ExchangesSequence):
+    """Causal grouped-query self-attention with rotary position embeddings; under isp it exchanges heads for
+    sequence around attending (`sequence_exchange`, model/hooks.py)."""
 
     def __init__(
         self,
@@ -150,8 +153,6 @@ class Attention(nn.Module):
         # Qwen3: RMSNorm over each head's dim, before RoPE; one weight shared by all heads
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
-        # isp (engine/sequence_parallel.py): exchange(t, scatter_dim, gather_dim) between sequence and heads
-        self.sequence_exchange: Callable[..., torch.Tensor] | None = None
 
     def _use_flash(self, x: torch.Tensor) -> bool:
         """Whether this call goes to flash-attn (decided per call from the activation)."""
@@ -299,8 +300,25 @@ def _validate_args(**args: Any) -> None:
         raise ValueError("attn_impl='flash' but flash_attn is not importable: pip install flash-attn, or use 'auto'")
 
 
-class InternLM2(nn.Module):
-    """Decoder-only LM: tok_embeddings -> layers -> norm -> output."""
+def decoder_block_plan(kv_heads: int, sparse: bool) -> BlockPlan:
+    """`DecoderLayer`'s modules by tensor-parallel role (model/tensor_plan.py)."""
+    if sparse:
+        feed_forward = Region("feed_forward")
+    else:
+        feed_forward = Region("feed_forward", column=("feed_forward.w1", "feed_forward.w3"), row=("feed_forward.w2",))
+    return BlockPlan(
+        attention=Region("attention", column=("attention.wq",), row=("attention.wo",), extra_args=2),  # rope, documents
+        kv=("attention.wk", "attention.wv"),
+        kv_heads=kv_heads,
+        feed_forward=feed_forward,
+        sparse=sparse,
+        norms=("attention_norm", "ffn_norm"),
+    )
+
+
+class InternLM2(nn.Module, HasTensorPlan, ShardsSequence):
+    """Decoder-only LM: tok_embeddings -> layers -> norm -> output. Under isp it keeps its rank's chunk of the
+    sequence (`sequence_shard`, model/hooks.py)."""
 
     def __init__(
         self,
@@ -361,7 +379,7 @@ class InternLM2(nn.Module):
         self.rope_base = rope_base
         self.init_std = init_std
         self.tie_word_embeddings = tie_word_embeddings
-        self.sequence_shard: Any = None  # isp: an engine.sequence_parallel.SequenceShard
+        self.num_kv_heads = num_kv_attention_heads
         intermediate = intermediate_size(hidden_size, mlp_ratio, multiple_of)
         moe_kwargs = dict(moe_layer_kwargs or {})
         self.num_experts = num_experts
@@ -371,6 +389,9 @@ class InternLM2(nn.Module):
 
         def sparse(i: int) -> bool:
             return num_experts > 0 and i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+
+        # by the config, not by the blocks' classes: a block that should be sparse and is not is refused, not skipped
+        self.sparse_layers = tuple(i for i in range(num_layers) if sparse(i))
 
         def moe_block() -> MoE:
             return MoE(
@@ -487,6 +508,11 @@ class InternLM2(nn.Module):
         if self.num_experts == 0:
             return ModelOutput(logits)
         return ModelOutput(logits, {MOE_AUX: self.aux_loss(stats)})
+
+    def tensor_plan(self) -> TensorPlan:
+        """Where tensor parallel, isp and expert parallel find this decoder's modules (model/tensor_plan.py)."""
+        blocks = tuple(decoder_block_plan(self.num_kv_heads, i in self.sparse_layers) for i in range(self.num_layers))
+        return TensorPlan(embedding="tok_embeddings", final_norm="norm", head="output", blocks=blocks)
 
     def moe_layers(self) -> list[MoE]:
         """The sparse blocks' feed-forwards, in depth order."""

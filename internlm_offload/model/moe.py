@@ -3,18 +3,20 @@
 `moe_type="GShard"` drops the choices over each expert's capacity (InternEvo's fused gating); `"Dropless"`
 computes every routed choice. Shared experts run on every token beside the routed ones, mixed in by a sigmoid
 gate (Qwen2-MoE's `shared_expert_gate`) or a softmax coefficient over (routed, shared) (InternEvo's InternLM1
-and Mixtral `MoE`). A forward with a `stats_sink` appends to it what the load-balancing loss needs.
+and Mixtral `MoE`). A forward with a `stats_sink` appends to it what the load-balancing loss needs; with an
+`expert_dispatch` (expert parallel) the routed rows go to the ranks holding their experts (model/hooks.py).
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from internlm_offload.model.experts import GroupedExperts
+from internlm_offload.model.hooks import DispatchesExperts, RecordsRouterStats
 from internlm_offload.model.mlp import FeedForward, ParamInit, normal_init
 from internlm_offload.model.permutation import PermuteRows, UnpermuteRows
-from internlm_offload.model.router import Router, RouterStats, drop_over_capacity, expert_counts, gshard_capacity
+from internlm_offload.model.router import Router, drop_over_capacity, expert_counts, gshard_capacity
 
 MOE_TYPES = ("GShard", "Dropless")
 SHARED_EXPERT_GATES = ("softmax", "sigmoid")
@@ -41,7 +43,7 @@ def unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) ->
     return (flat * weights.to(rows.dtype)[..., None]).sum(1)
 
 
-class MoE(nn.Module):
+class MoE(nn.Module, DispatchesExperts, RecordsRouterStats):
     """Router + stacked experts (+ shared experts): the feed-forward of a sparse decoder block."""
 
     def __init__(
@@ -92,14 +94,8 @@ class MoE(nn.Module):
                 self.coefficient = nn.Linear(hidden_size, 1, bias=False)
             else:  # InternEvo MoE: softmax(Linear(H, 2)) weighs (routed, shared)
                 self.coefficient = nn.Linear(hidden_size, 2)
-        # Expert parallel (engine/expert_parallel.py): sends the sorted rows to the ranks holding their experts and
-        # brings the outputs back; None: every expert is on this rank
-        self.expert_dispatch: Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor] | None = None
-        # The model lends each sparse block a list for its router statistics during its own forward and takes it
-        # back after. A forward recomputed in backward (activation checkpointing) then finds none and keeps
-        # nothing: statistics stored on the module would hold the recomputed graph, block activations included,
-        # until the next step.
-        self.stats_sink: list[RouterStats] | None = None
+        # `expert_dispatch` (expert parallel; None: every expert on this rank) and `stats_sink` (lent by the model
+        # during its own forward): model/hooks.py
         self.tokens_per_expert: torch.Tensor | None = None  # (E,) after capacity, last forward; detached
         # (E,) fp32 sum of tokens_per_expert over the model's forwards since the last `take_load`: added by the
         # model after its forward (a recompute in backward would count a block's forward twice), on the device

@@ -12,17 +12,18 @@ exact and a device move carries them. Loading a full-precision weight (`load_sta
 """
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
+
+from internlm_offload.offload.hosted_base import Hostable
 
 BLOCKSIZE = 64  # bitsandbytes' default for 4-bit weights (transformers' too)
 NESTED_BLOCKSIZE = 256  # double quantization's blocks of scales (bitsandbytes' fixed choice)
 _SCALES = ("absmax", "code", "offset", "absmax2", "code2")
 
 
-class Linear4bit(nn.Module):
+class Linear4bit(nn.Module, Hostable):
     """A frozen linear whose weight is held in 4 bits and dequantized to `compute_dtype` for each matmul."""
 
     def __init__(self, linear: nn.Linear, *, quant_type: str, compute_dtype: torch.dtype, double_quant: bool) -> None:
@@ -115,8 +116,6 @@ class Linear4bit(nn.Module):
 class HostedLinear4bit(Linear4bit):
     """A 4-bit linear held on the host (`model.lora.base_on_host`): its packed weight and scales come in for forward
     and again for backward (`hosted.weights`), nothing of them saved; the kernels are `Linear4bit`'s."""
-
-    hosted: Any  # offload.hosted_base.HostedBase (a lower layer's class, set when it hosts this module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _HostedMatmul4bit.apply(x.to(self.compute_dtype), self).to(x.dtype)

@@ -5,9 +5,9 @@ weight and bias in host memory (pinned where the accelerator pins): the paramete
 so state dicts, weight loading and export see them as always. Its forward brings the block's frozen linears to the
 device a block at a time on a copy lane (`device.CopyLane`, the one recipe of side-stream copies), and backward does
 again: the linear is an autograd function that saves no weight, only which module it was, and asks for its device
-copy again to compute the input's gradient. Modules that say how to be hosted (`hosted_class`, `host_tensor_names`:
-QLoRA's 4-bit linears with their scales, a mixture of experts' stacked experts) are held and brought the same way
-and compute with what `weights` hands them. Visiting block i brings block i + 1 in on the lane (i - 1 going down,
+copy again to compute the input's gradient. Modules that say how to be hosted (`Hostable`: QLoRA's 4-bit linears
+with their scales, a mixture of experts' stacked experts) are held and brought the same way and compute with what
+`weights` hands them. Visiting block i brings block i + 1 in on the lane (i - 1 going down,
 in backward; at the last block, the one below, which backward visits next), so at most two blocks' copies are on the
 device and the next block's copy overlaps the current block's compute.
 
@@ -25,6 +25,22 @@ from torch import nn
 
 from internlm_offload.device import Accelerator, CopyLane, Event, finish_and_close
 from internlm_offload.features import MemoryFeature
+
+
+class Hostable:
+    """A frozen module that says how `HostedBase` holds it on the host (model/hooks.py lists it with the model's
+    other hooks; it lives here, a floor below the model). A plain frozen `nn.Linear` needs no declaration."""
+
+    hosted: HostedBase  # set by `HostedBase` when it holds this module, which then has the class `hosted_class()`
+
+    def host_tensor_names(self) -> list[str]:
+        """What is held on the host and brought in, in order."""
+        raise NotImplementedError
+
+    @staticmethod
+    def hosted_class() -> type[nn.Module]:
+        """The class this module takes when hosted: its forward computes with `hosted.weights(self)`."""
+        raise NotImplementedError
 
 
 class HostedBase(MemoryFeature):
@@ -45,7 +61,7 @@ class HostedBase(MemoryFeature):
                 self._block_of[id(linear)] = index
                 if not placed:
                     self._to_host(linear)
-                linear.__class__ = linear.hosted_class() if hasattr(linear, "hosted_class") else HostedLinear
+                linear.__class__ = linear.hosted_class() if isinstance(linear, Hostable) else HostedLinear
                 linear.hosted = self
         self.host_bytes = sum(
             p.numel() * p.element_size() for ls in self.blocks for lin in ls for p in hosted_tensors(lin)
@@ -123,19 +139,19 @@ class HostedBase(MemoryFeature):
 
 def frozen_linears(block: nn.Module) -> list[nn.Module]:
     """The plain linears of `block` whose weight trains not (a LoRA base layer, an untargeted projection), and
-    the frozen modules that say how to be hosted (`hosted_class`, `host_tensor_names`: QLoRA's 4-bit linears, a
-    mixture of experts' stacked experts)."""
+    the frozen modules that say how to be hosted (`Hostable`: QLoRA's 4-bit linears, a mixture of experts' stacked
+    experts)."""
     return [
         m
         for m in block.modules()
         if (type(m) is nn.Linear and not m.weight.requires_grad)
-        or (hasattr(m, "hosted_class") and not any(p.requires_grad for p in m.parameters(recurse=False)))
+        or (isinstance(m, Hostable) and not any(p.requires_grad for p in m.parameters(recurse=False)))
     ]
 
 
 def tensor_names(linear: nn.Module) -> list[str]:
     """What is held on the host and brought in, in order: weight, bias, then a 4-bit linear's scales."""
-    if hasattr(linear, "host_tensor_names"):
+    if isinstance(linear, Hostable):
         return linear.host_tensor_names()
     return ["weight"] if linear.bias is None else ["weight", "bias"]
 

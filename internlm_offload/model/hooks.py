@@ -1,0 +1,122 @@
+"""The hooks a model's modules offer the engine: one mixin per hook, which a module's class declares by subclassing.
+
+- `HasTensorPlan` (the model: `InternLM2`): its modules by parallel role (model/tensor_plan.py). Read by
+  engine/tensor_parallel.py (the styles), engine/sequence_parallel.py (each block's attention) and
+  engine/expert_parallel.py (the sparse blocks).
+- `ShardsSequence` (the model, a pipeline stage: `InternLM2`, engine/pipeline_split.py `PipelineChunk`): isp, keep
+  this rank's chunk of the tokens and positions. Set by engine/sequence_parallel.py (the model) and
+  builder/pipeline.py (the stages).
+- `ExchangesSequence` (each block's attention: `Attention`): isp, Ulysses' all-to-all between sequence and heads
+  around attention. Set by engine/sequence_parallel.py.
+- `DispatchesExperts` (a sparse block: `MoE`): expert parallel, its `experts` sharded over "ep" and its routed rows
+  sent through the dispatch. Set by engine/expert_parallel.py; tensor parallel keeps the block whole, FSDP2 and DDP
+  reduce its experts' gradients apart (engine/parallel.py).
+- `RecordsRouterStats` (a sparse block: `MoE`): the router statistics of the model's own forward, for the
+  load-balancing loss. Set by the model itself (`InternLM2._router_stats`).
+- `Hostable` (offload/hosted_base.py, a floor below; frozen modules that say how to be held on the host:
+  `GroupedExperts`, `Linear4bit`): `model.lora.base_on_host`, their tensors in host memory, brought in a block at
+  a time. Its `hosted` slot is set by offload/hosted_base.py `HostedBase`.
+
+Why nominal mixins and not `runtime_checkable` Protocols: `isinstance` against a runtime-checkable Protocol only
+checks that the attribute names exist, which is the `hasattr` test these hooks replace: a module that happens to
+have an attribute of that name would pass, and one that forgot it is indistinguishable from one that never meant
+to. A mixin is a declaration the class makes ("my forward uses the exchange"), `isinstance` asks exactly that, and
+the mixin carries the slot's type and default (None: the feature is off), so a new family gets a working default
+by declaring the hook. The engine finds the modules through the model's plan and refuses in one line a feature
+asked of a module that does not declare its hook (engine/model_plan.py), never skipping it silently.
+
+What the hooks are handed is typed by Protocols (`SequenceChunk`, `SequenceExchange`, `ExpertDispatchFn`): the
+engine's classes satisfy them structurally, so the model names no engine class (a higher layer).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from internlm_offload.model.router import RouterStats
+from internlm_offload.model.tensor_plan import TensorPlan
+from internlm_offload.offload.hosted_base import Hostable
+
+__all__ = [
+    "DispatchesExperts",
+    "ExchangesSequence",
+    "ExpertDispatchFn",
+    "HasTensorPlan",
+    "Hostable",
+    "RecordsRouterStats",
+    "SequenceChunk",
+    "SequenceExchange",
+    "ShardsSequence",
+]
+
+
+class SequenceChunk(Protocol):
+    """What a model reads of its isp shard (engine/sequence_parallel.py `SequenceShard`)."""
+
+    size: int
+
+    def local(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's contiguous chunk of `tensor` along `dim`."""
+        ...
+
+
+class SequenceExchange(Protocol):
+    """isp's all-to-all (engine/sequence_parallel.py `sequence_all_to_all` over the tensor group)."""
+
+    def __call__(self, x: torch.Tensor, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        """Split `x` along `scatter_dim` over the ranks, gather what they send along `gather_dim`."""
+        ...
+
+
+class ExpertDispatchFn(Protocol):
+    """Expert parallel's dispatch (engine/expert_parallel.py `ExpertDispatch`)."""
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """The experts' outputs for `rows` sorted by global expert, `counts[e]` rows each, computed where they live."""
+        ...
+
+
+class HasTensorPlan:
+    """A model whose modules the parallel features find by role (model/tensor_plan.py)."""
+
+    def tensor_plan(self) -> TensorPlan:
+        """This model's plan: the model-level modules and one `BlockPlan` per entry of `layers`."""
+        raise NotImplementedError(f"{type(self).__name__} declares HasTensorPlan but gives no tensor_plan()")
+
+
+class ShardsSequence:
+    """A model (or pipeline stage) that takes the whole micro-batch and, with a shard, keeps its rank's chunk of the
+    tokens and positions (isp); documents' boundaries still come from the whole sequence's positions."""
+
+    sequence_shard: SequenceChunk | None = None
+
+
+class ExchangesSequence:
+    """An attention module that, with an exchange, trades its local (B, s/T, H, D) queries, keys and values for the
+    whole sequence of H/T heads before attending, and the output back after (isp's Ulysses attention)."""
+
+    sequence_exchange: SequenceExchange | None = None
+
+
+class DispatchesExperts:
+    """A sparse block whose routed experts the engine may shard over ranks: `experts` holds only parameters stacked
+    over the `num_experts` experts on dim 0, and with a dispatch the block sends its sorted rows through it instead
+    of computing them all here."""
+
+    experts: nn.Module
+    num_experts: int
+    expert_dispatch: ExpertDispatchFn | None = None
+
+
+class RecordsRouterStats:
+    """A sparse block that appends its router statistics to a sink while the model lends it one.
+
+    The model lends each sparse block a list during its own forward and takes it back after: a forward recomputed
+    in backward (activation checkpointing) finds none and keeps nothing. Statistics stored on the module would hold
+    the recomputed graph, block activations included, until the next step.
+    """
+
+    stats_sink: list[RouterStats] | None = None

@@ -1,0 +1,65 @@
+"""A model family's tensor plan: its modules by parallel role, as data the engine maps to torch's ParallelStyles.
+
+The family names its modules (InternLM2's `attention.wq`, `feed_forward.w1`, `tok_embeddings`, ...) and says which
+blocks are sparse; engine/tensor_parallel.py owns the styles (column, row, sequence parallel, the kv replicas, the
+whole sparse block), and isp (engine/sequence_parallel.py) and expert parallel (engine/expert_parallel.py) find the
+attention and the sparse blocks through the same names. Names are module paths as `nn.Module.get_submodule` takes
+them: a block's relative to the block, the model-level ones relative to the model. A model offers its plan through
+model/hooks.py's `HasTensorPlan`.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Region:
+    """A sub-module of a block that takes the residual stream as its first argument: column-parallel projections in
+    (output dim sharded), row-parallel ones out (input dim sharded, outputs reduced)."""
+
+    module: str
+    column: tuple[str, ...] = ()
+    row: tuple[str, ...] = ()
+    # positional arguments after the residual stream, passed on as they are (attention's rope and documents)
+    extra_args: int = 0
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """One decoder block's modules by role.
+
+    `attention`: the token mixer (isp exchanges heads for sequence in it, fsp gathers its input again in backward);
+    `kv`: its key and value projections over `kv_heads` heads (column parallel where the tensor size divides them,
+    else whole on every rank, each keeping its query heads' kv head); `feed_forward`: the MLP after it, or with
+    `sparse` a sparse block (a model/hooks.py `DispatchesExperts`: whole on every tensor rank, its experts what
+    expert parallel shards), whose column and row are then empty; `norms`: replicated, sequence parallel under
+    msp / fsp.
+    """
+
+    attention: Region
+    kv: tuple[str, ...]
+    kv_heads: int
+    feed_forward: Region
+    sparse: bool = False
+    norms: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.sparse and (self.feed_forward.column or self.feed_forward.row):
+            raise ValueError(f"a sparse block {self.feed_forward.module!r} stays whole: it has no column/row plan")
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """A decoder's tensor plan: the model-level modules and one `BlockPlan` per entry of `model.layers`.
+
+    `embedding`: vocab-parallel; `head`: column parallel over the vocabulary; `final_norm`: sequence parallel under
+    msp / fsp.
+    """
+
+    embedding: str
+    final_norm: str
+    head: str
+    blocks: tuple[BlockPlan, ...]
+
+    def sparse_blocks(self) -> list[int]:
+        """The indices of the blocks whose feed-forward is a sparse block."""
+        return [index for index, block in enumerate(self.blocks) if block.sparse]

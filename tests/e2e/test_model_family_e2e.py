@@ -3,17 +3,20 @@
 step-1 loss and grad norm, trains from a config that imports it, as the native family trains the same folder, and is
 refused by the features its capabilities do not name; no engine, planner or config code names any family."""
 
+import importlib
 import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import stub_family  # tests/, on the path through conftest.py: registers "stub_llama"
 import torch
 import torch.nn.functional as F
 from runner import REPO, TINY, losses, train
 
 from internlm_offload.config import ModelConfig, resolve_config
-from internlm_offload.family import family_spec
+from internlm_offload.family import FamilySpec, family_spec
+from internlm_offload.registry import MODELS
 
 pytest.importorskip("transformers")
 
@@ -22,6 +25,17 @@ pytestmark = pytest.mark.e2e
 VOCAB = 259  # the byte tokenizer's
 # Where train.py finds `custom_imports`' stub_family: a new process (the fork server's path is set at its start)
 TESTS_PATH = {"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stub_family() -> Iterator[FamilySpec]:
+    """The stub family registered for this file's tests only (tests/ is on the path through conftest.py), as a
+    config's `custom_imports` registers it; the other files' processes see the built-in families alone."""
+    module = importlib.import_module("stub_family")
+    yield module.FAMILY
+    MODELS.module_dict.pop(module.FAMILY.name)
+    for name in [name for name in sys.modules if name == "stub_family" or name.startswith("stub_family.")]:
+        del sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +61,9 @@ def grad_norm(model: torch.nn.Module) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
 
 
-def test_the_stub_family_gives_transformers_step_1_loss_and_grad_norm(llama_folder):
+def test_the_stub_family_gives_transformers_step_1_loss_and_grad_norm(stub_family, llama_folder):
     reference, folder = llama_folder
-    assert family_spec("stub_llama") is stub_family.FAMILY
+    assert family_spec("stub_llama") is stub_family
     stub = family_spec("stub_llama")(ModelConfig(type="stub_llama", hf_path=str(folder)), torch.device("cpu"))
     assert type(stub).__name__ == "StubLlama"
     ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from internlm_offload.device import Accelerator, host_alloc
 from internlm_offload.device.cpu_memory import PeakSampler, rss_anon_bytes
-from internlm_offload.model.internlm2 import InternLM2
+from internlm_offload.model.families.internlm2.model import InternLM2
 from internlm_offload.offload import apply_activation_checkpointing
 from internlm_offload.offload.activation import ActivationOffloader, offload_layers
 from internlm_offload.offload.selective_offload import SelectiveOffloader, apply_selective_offload

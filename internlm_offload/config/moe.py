@@ -59,7 +59,7 @@ def check_moe(model: Any) -> None:
         return
     if not capabilities(model.type).native_experts:
         raise ValueError(
-            f"model.num_experts={model.num_experts} builds the experts of model.type "
+            f"model.num_experts={model.num_experts} builds the experts of model.type="
             f"{families_with('native_experts')}; a {model.type!r} model has its own"
         )
     if model.top_k > model.num_experts:

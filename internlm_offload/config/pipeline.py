@@ -76,7 +76,7 @@ def pipeline_problem(cfg: Any) -> str | None:
     pipe, model = cfg.parallel.pipeline, cfg.model
     where = f"parallel.pipeline.size={pipe.size}"
     if not capabilities(model.type).pipeline:
-        return f"{where} splits model.type {families_with('pipeline')}, not {model.type!r}"
+        return f"{where} splits model.type={families_with('pipeline')}, not {model.type!r}"
     if cfg.parallel.fsdp_cpu_offload:
         return (
             f"{where} with parallel.fsdp_cpu_offload=True: FSDP2's CPU offload per stage is not checked yet; set False"

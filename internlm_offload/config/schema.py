@@ -208,7 +208,7 @@ class RunConfig(Section):
         info = self.ckpt.load_ckpt_info
         if info is not None and info.ckpt_type != "internevo" and not capabilities(self.model.type).foreign_weights:
             raise ValueError(
-                f"ckpt.load_ckpt_info.ckpt_type={info.ckpt_type!r} loads into model.type "
+                f"ckpt.load_ckpt_info.ckpt_type={info.ckpt_type!r} loads into model.type="
                 f"{families_with('foreign_weights')}; for model.type={self.model.type!r} give "
                 "the folder as model.hf_path"
             )
@@ -252,7 +252,7 @@ class RunConfig(Section):
             )
         if not capabilities(model.type).tensor_parallel:
             raise ValueError(
-                f"parallel.tensor (size {T}, mode {mode!r}) splits model.type "
+                f"parallel.tensor (size {T}, mode {mode!r}) splits model.type="
                 f"{families_with('tensor_parallel')}, not {model.type!r}"
             )
         divisible = {"model.num_attention_heads": model.num_attention_heads}

@@ -10,12 +10,14 @@ import torch
 import torch.nn as nn
 
 from internlm_offload.config.pipeline_partition import local_stages, partition_uniform
+from internlm_offload.model.attention import Documents
+from internlm_offload.model.decoder import Decoder
 from internlm_offload.model.hooks import ShardsSequence
-from internlm_offload.model.internlm2 import Documents, InternLM2
+from internlm_offload.model.rope import float32_inv_freq, rope_cos_sin
 
 
 class PipelineChunk(nn.Module, ShardsSequence):
-    """Blocks `[start, end)` of an InternLM2 decoder; the first stage embeds the token ids, the last returns logits.
+    """Blocks `[start, end)` of a decoder (model/decoder.py); the first stage embeds the token ids, the last returns logits.
 
     Holds the decoder's own modules (no copy): a stage built from the seed-built whole model starts from the
     one-process weights. Block names keep their global index (`layers.5`), as in the whole model.
@@ -27,15 +29,15 @@ class PipelineChunk(nn.Module, ShardsSequence):
     stage its chunk of the positions.
     """
 
-    def __init__(self, model: InternLM2, start: int, end: int, *, first: bool, last: bool) -> None:
+    def __init__(self, model: Decoder, start: int, end: int, *, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
         self.tok_embeddings = model.tok_embeddings if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, end)})
         self.norm = model.norm if last else None
         self.output = model.output if last else None
-        # what InternLM2.rope_cos_sin reads, so that every stage computes RoPE as the whole model does
-        self.head_dim, self.rope_base = model.head_dim, model.rope_base
+        # what Decoder.rope_cos_sin reads, so that every stage computes RoPE as the whole model does
+        self.rope_dim, self.rope_base = model.rope_dim, model.rope_base
         self.register_buffer("inv_freq", model.inv_freq, persistent=False)
         self.sequence_parts = 1  # msp / fsp / isp over T ranks: T (set by the builder)
 
@@ -52,13 +54,14 @@ class PipelineChunk(nn.Module, ShardsSequence):
             if self.first:
                 x, seq_len = shard.local(x), seq_len // shard.size
         h = self.tok_embeddings(x) if self.first else x
-        rope = InternLM2.rope_cos_sin(self, seq_len, h.dtype, position_ids)  # type: ignore[arg-type]
+        inv_freq = float32_inv_freq(self.inv_freq, self.rope_dim, self.rope_base)
+        rope = rope_cos_sin(inv_freq, seq_len, h.dtype, position_ids)
         for layer in self.layers.values():
             h = layer(h, rope, documents)
         return self.output(self.norm(h)) if self.last else h
 
 
-def split_model(model: InternLM2, size: int, num_chunks: int, rank: int, v_shape: bool) -> dict[int, PipelineChunk]:
+def split_model(model: Decoder, size: int, num_chunks: int, rank: int, v_shape: bool) -> dict[int, PipelineChunk]:
     """This pipeline rank's stages of `model`, by stage index; the blocks of other ranks' stages are dropped."""
     ranges = partition_uniform(model.num_layers, size, num_chunks)
     last = len(ranges) - 1

@@ -8,8 +8,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "DecoderLayer": "internlm_offload.model.internlm2",
-    "InternLM2": "internlm_offload.model.internlm2",
+    "Decoder": "internlm_offload.model.decoder",
+    "DecoderLayer": "internlm_offload.model.decoder",
+    "InternLM2": "internlm_offload.model.families.internlm2.model",
     "HFCausalLM": "internlm_offload.model.hf",
 }
 

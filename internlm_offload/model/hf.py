@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from internlm_offload.log import get_logger
+from internlm_offload.model.attention import document_mask
 from internlm_offload.model.hf_routers import BIAS, RouterTaps
-from internlm_offload.model.internlm2 import document_mask
 from internlm_offload.model.output import MOE_AUX, ModelOutput
 
 logger = get_logger(__name__)

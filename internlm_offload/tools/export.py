@@ -129,7 +129,7 @@ def export_internevo(
     """InternEvo's model files of a native run: its names, fused wqkv, split for `tp` (or ISP's `wp`) ranks."""
     if not capabilities(run["model"]["type"]).native_names:
         raise CheckpointError(
-            f"--internevo needs a run of model.type {families_with('native_names')}; this one is "
+            f"--internevo needs a run of model.type={families_with('native_names')}; this one is "
             f"{run['model']['type']!r}"
         )
     model = native_model_config(run["model"])

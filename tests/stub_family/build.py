@@ -6,7 +6,7 @@ import torch
 
 from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.config.lora import resolved_targets
-from internlm_offload.model.internlm2 import InternLM2
+from internlm_offload.model.families.internlm2.model import InternLM2
 from internlm_offload.weights.convert import Heads, to_native
 from internlm_offload.weights.hf_folder import name_table, native_model_values, read_config, read_weights, weight_files
 

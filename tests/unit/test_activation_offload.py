@@ -471,7 +471,7 @@ def test_dtensor_activations_go_as_local_shards_and_dtensor_params_stay(group_of
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
 
-    from internlm_offload.model.internlm2 import RMSNorm
+    from internlm_offload.model.norm import RMSNorm
 
     mesh = init_device_mesh("cpu", (1,))
     torch.manual_seed(0)

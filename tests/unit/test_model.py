@@ -11,7 +11,7 @@ from tiny_configs import TINY_HF_LLAMA
 
 from internlm_offload.config import ModelConfig
 from internlm_offload.model import DecoderLayer, HFCausalLM, InternLM2
-from internlm_offload.model.internlm2 import _flash_attn_func
+from internlm_offload.model.attention import _flash_attn_func, uses_flash
 from internlm_offload.registry import MODELS
 from internlm_offload.registry import build as build_registered
 
@@ -129,7 +129,7 @@ def test_gqa_attention_matches_reference(kv_heads):
 
 def test_auto_attention_uses_sdpa_on_cpu():
     attn = build(attn_impl="auto").layers[0].attention
-    assert not attn._use_flash(torch.zeros(1, 2, TINY["hidden_size"], dtype=torch.bfloat16))
+    assert not uses_flash(attn.attn_impl, torch.zeros(1, 2, TINY["hidden_size"], dtype=torch.bfloat16))
 
 
 @pytest.mark.skipif(_flash_attn_func() is not None, reason="flash_attn is installed")

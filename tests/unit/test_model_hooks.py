@@ -19,8 +19,9 @@ from internlm_offload.engine.pipeline_split import PipelineChunk
 from internlm_offload.engine.runtime import expert_mesh, tensor_parallel_mesh
 from internlm_offload.engine.sequence_parallel import SequenceShard, apply_sequence_parallel
 from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
+from internlm_offload.model.attention import Attention
+from internlm_offload.model.families.internlm2.model import InternLM2
 from internlm_offload.model.hooks import DispatchesExperts, ExchangesSequence, ShardsSequence
-from internlm_offload.model.internlm2 import Attention, InternLM2
 from internlm_offload.model.mlp import FeedForward
 from internlm_offload.model.moe import MoE
 

@@ -69,7 +69,7 @@ def test_a_sparse_block_keeps_its_moe_whole_and_replicated_over_the_tensor_group
 
     from internlm_offload.engine.moe_tensor_parallel import local_parameters
     from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
-    from internlm_offload.model.internlm2 import InternLM2
+    from internlm_offload.model.families.internlm2.model import InternLM2
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from pipeline_configs import PP2, resolve
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleInterleaved1F1B,
@@ -15,12 +16,10 @@ from torch.distributed.pipelining import (
 
 from internlm_offload.config import ConfigError
 from internlm_offload.config.pipeline import micro_batch_problem
-from internlm_offload.engine.pipeline import PipelineStages, schedule_class
 from internlm_offload.config.pipeline_partition import local_stages, partition_uniform, stage_rank
+from internlm_offload.engine.pipeline import PipelineStages, schedule_class
 from internlm_offload.engine.pipeline_split import split_model
-from internlm_offload.model.internlm2 import InternLM2
-from pipeline_configs import PP2, resolve
-
+from internlm_offload.model.families.internlm2.model import InternLM2
 
 # ----------------------------------------------------------------------------- partition and placement
 

@@ -10,7 +10,7 @@ import torch
 
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.pipeline_split import PipelineChunk, split_model, stage_blocks
-from internlm_offload.model.internlm2 import InternLM2
+from internlm_offload.model.families.internlm2.model import InternLM2
 from internlm_offload.offload.activation import ActivationOffloader
 from internlm_offload.offload.selective_offload import SelectiveOffloader
 

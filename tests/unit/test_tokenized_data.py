@@ -10,7 +10,7 @@ import torch
 from internlm_offload.data import DataError, build_internevo_dataset
 from internlm_offload.data.tokenized import IGNORE_INDEX, SHUFFLE_SEED, find_bin_files, open_bin_file, write_bin_file
 from internlm_offload.data.validation import find_validation_sets
-from internlm_offload.model.internlm2 import InternLM2
+from internlm_offload.model.families.internlm2.model import InternLM2
 
 
 def _documents(seed: int, count: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
@@ -171,7 +171,7 @@ def test_a_packed_row_gives_each_document_the_logits_it_gets_alone(tmp_path: Pat
 
 
 def test_document_mask_is_block_causal() -> None:
-    from internlm_offload.model.internlm2 import Documents, document_mask
+    from internlm_offload.model.attention import Documents, document_mask
 
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 3]])
     doc_of = [[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 1, 1, 1, 1]]

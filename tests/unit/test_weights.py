@@ -221,7 +221,7 @@ def test_meta_rows_rotate_as_metas_interleaved_rope():
     rotated = torch.view_as_real(q * torch.polar(torch.ones_like(angles), angles)[:, None]).flatten(-2)
     (native,) = to_native({"layers.0.attention.wq.weight": wq_meta}, META_LLAMA, Heads(HEADS, KV_HEADS), "x").values()
     cos, sin = model.rope_cos_sin(T, torch.float64)
-    from internlm_offload.model.internlm2 import apply_rope
+    from internlm_offload.model.rope import apply_rope
 
     ours = apply_rope((x @ native.T).view(1, T, HEADS, HEAD_DIM), cos, sin)[0]
     halves = rotated.view(T, HEADS, HEAD_DIM // 2, 2).transpose(-1, -2).reshape(T, HEADS, HEAD_DIM)

@@ -7,7 +7,7 @@ import torch
 from internlm_offload.config import ModelConfig, RunConfig
 from internlm_offload.config.lora import native_targets
 from internlm_offload.config.moe import moe_kwargs
-from internlm_offload.model.internlm2 import InternLM2
+from internlm_offload.model.families.internlm2.model import InternLM2
 from internlm_offload.model.output import MOE_AUX
 
 

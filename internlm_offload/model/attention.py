@@ -1,0 +1,180 @@
+"""Attention the decoder families share: packed documents, the kernel dispatch (sdpa / flash-attn), and grouped-query
+self-attention with rotary embeddings (InternLM2, Llama, Qwen2/3: biases, head_dim and q/k norms as options).
+
+A new attention module (MLA, sliding windows, sinks) takes the same (x, rope, documents) and calls `attend` for
+the kernel; under isp it declares `ExchangesSequence` (model/hooks.py) and exchanges heads around it.
+"""
+
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from internlm_offload.model.hooks import ExchangesSequence
+from internlm_offload.model.mlp import ParamInit, normal_init
+from internlm_offload.model.norm import RMSNorm
+from internlm_offload.model.rope import apply_rope
+from internlm_offload.offload.activation import mark_not_offload
+
+ATTN_IMPLS = ("sdpa", "flash", "auto")
+
+
+@functools.cache
+def _flash_attn_func() -> Callable | None:
+    """Return `flash_attn.flash_attn_func`, or None when flash-attn is not importable."""
+    try:
+        from flash_attn import flash_attn_func
+    except Exception:  # a broken CUDA install raises more than ImportError
+        return None
+    return flash_attn_func
+
+
+@functools.cache
+def _flash_attn_varlen_func() -> Callable | None:
+    """Return `flash_attn.flash_attn_varlen_func` (packed documents), or None."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:
+        return None
+    return flash_attn_varlen_func
+
+
+class Documents:
+    """Where the documents of packed rows begin, from `position_ids` (B, T) that restart at 0 per document.
+
+    Each attention path derives what it needs once per forward: SDPA a mask, flash-attn varlen the
+    document starts.
+    """
+
+    def __init__(self, position_ids: torch.Tensor) -> None:
+        self.position_ids = position_ids
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """(B, 1, T, T), True where a token may attend: same document, not later."""
+        mask = document_mask(self.position_ids)
+        mark_not_offload(mask)  # every block saves the same mask: keep one copy on the device
+        return mask
+
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 offsets of every document of the flattened batch, then the total token count."""
+        starts = (self.position_ids == 0).flatten()
+        starts[:: self.position_ids.shape[-1]] = True  # every row begins a sequence
+        # nonzero synchronizes with the host, once per forward
+        total = starts.new_tensor([starts.numel()], dtype=torch.long)
+        return torch.cat([starts.nonzero().flatten(), total]).to(torch.int32)
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) block-causal mask of packed rows: True where a token may attend."""
+    doc = (position_ids == 0).cumsum(-1)  # (B, T): document number within the row
+    T = position_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+def check_attn_impl(attn_impl: str) -> None:
+    """ValueError naming an attention implementation that is not one of ATTN_IMPLS or cannot run here."""
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl={attn_impl!r} must be one of {ATTN_IMPLS}")
+    if attn_impl == "flash" and _flash_attn_func() is None:
+        raise ValueError("attn_impl='flash' but flash_attn is not importable: pip install flash-attn, or use 'auto'")
+
+
+def uses_flash(attn_impl: str, x: torch.Tensor) -> bool:
+    """Whether a call on activation `x` goes to flash-attn (`auto`: half precision on a cuda device, if installed)."""
+    if attn_impl == "flash":
+        return True
+    if attn_impl == "sdpa":
+        return False
+    on_gpu_half = x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16)
+    return on_gpu_half and _flash_attn_func() is not None
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None, *, flash: bool
+) -> torch.Tensor:
+    """Causal attention (within documents) of (B, S, H, D) queries over (B, S, KVH, D) keys and values: (B, S, H, D)."""
+    B, S = q.shape[:2]
+    if flash and documents is not None:
+        # varlen over the flattened batch; S bounds every document's length (no host sync for the max)
+        cu = documents.cu_seqlens
+        flat = (t.flatten(0, 1) for t in (q, k, v))  # (B*S, H or KVH, D)
+        return _flash_attn_varlen_func()(*flat, cu, cu, S, S, causal=True).view(B, S, -1, v.shape[-1])
+    if flash:
+        return _flash_attn_func()(q, k, v, causal=True)  # flash-attn takes (B, T, H, D) and fewer kv heads itself
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H or KVH, S, D)
+    if documents is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, S, D)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask, enable_gqa=True)
+    return out.transpose(1, 2)  # (B, S, H, D)
+
+
+class Attention(nn.Module, ExchangesSequence):
+    """Causal grouped-query self-attention with rotary position embeddings; under isp it exchanges heads for
+    sequence around attending (`sequence_exchange`, model/hooks.py)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        n_heads: int,
+        n_kv_heads: int,
+        attn_impl: str,
+        bias: bool = False,
+        *,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        o_bias: bool | None = None,
+    ) -> None:
+        """`bias` is on wq, wk, wv, and on wo unless `o_bias` says otherwise (Qwen2: q, k, v only). `head_dim`
+        defaults to hidden_size / n_heads (Qwen3 sets its own); `qk_norm` RMS-normalises q and k per head."""
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim or hidden_size // n_heads
+        self.attn_impl = attn_impl
+        self.wq = nn.Linear(hidden_size, n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * self.head_dim, hidden_size, bias=bias if o_bias is None else o_bias)
+        # Qwen3: RMSNorm over each head's dim, before RoPE; one weight shared by all heads
+        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: Documents | None = None
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds whole heads of its column shard of wq/wk/wv
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, KVH, D)
+        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, KVH, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        exchange = self.sequence_exchange
+        if exchange is not None:  # isp: this rank's tokens of all heads -> all tokens of its heads
+            q, k, v = (exchange(t, scatter_dim=2, gather_dim=1) for t in (q, k, v))
+        out = attend(q, k, v, documents, flash=uses_flash(self.attn_impl, x))
+        if exchange is not None:
+            out = exchange(out, scatter_dim=1, gather_dim=2)
+        return self.wo(out.reshape(B, T, -1))  # (B, T, C)
+
+    def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
+        """normal(0, std) for wq, wk, wv; normal(0, out_std) for wo, which writes into the residual stream;
+        biases (if any) to zero."""
+        for lin in (self.wq, self.wk, self.wv):
+            yield lin.weight, normal_init(std)
+        yield self.wo.weight, normal_init(out_std)
+        for lin in (self.wq, self.wk, self.wv, self.wo):
+            if lin.bias is not None:
+                yield lin.bias, nn.init.zeros_
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                yield from norm.param_inits()

@@ -1,0 +1,187 @@
+"""The decoder every native family builds on: embeddings, a stack of pre-norm blocks, the final norm and the head;
+RoPE, packed documents and isp's sequence shard in the forward; the router statistics of its sparse blocks; and
+the weights as data (`param_inits`: every parameter with its init, drawn in one order, so one process, DDP and
+FSDP2 start bit-identical).
+
+A family subclasses `Decoder`, hands it a factory of its blocks, and says which auxiliary losses its router
+statistics make (`aux_losses`); its blocks are `DecoderLayer`s of its own attention and feed-forward modules.
+"""
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from internlm_offload.model.attention import Documents
+from internlm_offload.model.hooks import HasTensorPlan, RecordsRouterStats, ShardsSequence
+from internlm_offload.model.mlp import ParamInit, normal_init
+from internlm_offload.model.norm import RMSNorm
+from internlm_offload.model.output import ModelOutput
+from internlm_offload.model.rope import float32_inv_freq, rope_cos_sin, rope_inv_freq
+from internlm_offload.model.router import RouterStats
+
+# What `Decoder.init_weights` does with each (parameter, init): by default `init(parameter)`.
+ApplyInit = Callable[[nn.Parameter, ParamInit], None]
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then h + feed_forward(norm(h)).
+
+    The attention takes (x, rope, documents); the feed-forward is a SwiGLU or a sparse block (`MoE`).
+    """
+
+    def __init__(self, hidden_size: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module) -> None:
+        super().__init__()
+        # registered in this order: the parameters' order (state dicts, optimizer groups, DDP buckets) follows it
+        self.attention_norm = RMSNorm(hidden_size, norm_eps)
+        self.attention = attention
+        self.ffn_norm = RMSNorm(hidden_size, norm_eps)
+        self.feed_forward = feed_forward
+
+    def forward(self, x: torch.Tensor, rope: Rope, documents: Documents | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, documents)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
+        """Norms to ones, the attention's and feed-forward's as theirs."""
+        yield from self.attention_norm.param_inits()
+        yield from self.attention.param_inits(std, out_std)
+        yield from self.ffn_norm.param_inits()
+        yield from self.feed_forward.param_inits(std, out_std)
+
+
+class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
+    """Decoder-only LM: tok_embeddings -> layers -> norm -> output. Under isp it keeps its rank's chunk of the
+    sequence (`sequence_shard`, model/hooks.py).
+
+    Built on meta, so that construction draws no random numbers: `init_weights` alone sets every weight, which makes
+    a direct build equal a meta build + to_empty + init_weights under the same seed.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        hidden_size: int,
+        num_layers: int,
+        norm_eps: float,
+        rope_dim: int,
+        rope_base: float,
+        tie_word_embeddings: bool,
+        init_std: float,
+        block: Callable[[int], nn.Module],
+    ) -> None:
+        """`block(i)` builds block i (on meta); RoPE rotates `rope_dim` dims of each head at base `rope_base`."""
+        super().__init__()
+        self.num_layers = num_layers
+        self.vocab_size = vocab_size
+        self.rope_dim = rope_dim
+        self.rope_base = rope_base
+        self.init_std = init_std
+        self.tie_word_embeddings = tie_word_embeddings
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            self.tok_embeddings = nn.Embedding(vocab_size, hidden_size)
+            self.layers = nn.ModuleList(block(i) for i in range(num_layers))
+            self.norm = RMSNorm(hidden_size, norm_eps)
+            self.output = nn.Linear(hidden_size, vocab_size, bias=False)
+            # Non-persistent: derived from config, so checkpoints hold only parameters.
+            self.register_buffer("inv_freq", rope_inv_freq(rope_dim, rope_base), persistent=False)
+        if tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.to_empty(device=device)
+        self.init_weights()
+
+    def init_weights(self, apply: ApplyInit | None = None) -> None:
+        """Reset RoPE and set every weight from the current torch RNG (normal(0, init_std); residual outputs
+        scaled), one parameter at a time in `param_inits` order. `apply(param, init)` replaces `init(param)`:
+        a sharded build draws each parameter whole and keeps its shard, so it draws what this one does."""
+        if self.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # to_empty from meta makes a new Parameter per module, which unties a shared weight
+            self.output.weight = self.tok_embeddings.weight
+        with torch.no_grad():
+            self.inv_freq.copy_(rope_inv_freq(self.rope_dim, self.rope_base, self.inv_freq.device))
+            for param, init in self.param_inits():
+                if apply is None:
+                    init(param)
+                else:
+                    apply(param, init)
+
+    def param_inits(self) -> Iterator[tuple[nn.Parameter, ParamInit]]:
+        """Every parameter (a tied one once) with its init, in the order the seeded draws happen."""
+        yield self.tok_embeddings.weight, normal_init(self.init_std)
+        # GPT-2: shrink the projections that write into the residual stream so its variance stays flat in depth.
+        out_std = self.init_std / math.sqrt(2 * self.num_layers)
+        for layer in self.layers:
+            yield from layer.param_inits(self.init_std, out_std)
+        yield from self.norm.param_inits()
+        if not self.tie_word_embeddings:
+            yield self.output.weight, normal_init(self.init_std)
+
+    def rope_cos_sin(self, seq_len: int, dtype: torch.dtype, position_ids: torch.Tensor | None = None) -> Rope:
+        """(cos, sin) for positions 0..T-1, each (T, rope_dim), or for `position_ids` (B, T), each (B, T,
+        rope_dim); computed in float32, cast to `dtype`."""
+        inv_freq = float32_inv_freq(self.inv_freq, self.rope_dim, self.rope_base)
+        return rope_cos_sin(inv_freq, seq_len, dtype, position_ids)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> ModelOutput:
+        """Logits (B, T, V) for input_ids (B, T), in the model's dtype, and the auxiliary losses of its sparse blocks
+        (`aux_losses`: fp32 scalars without their coefficients).
+
+        `position_ids` (B, T) packs several documents per row: positions restart at 0 where a document
+        begins, and attention never crosses into another document. With a `sequence_shard` (isp) the
+        logits are this rank's chunk of the sequence, (B, T / shard.size, V).
+        """
+        documents = None if position_ids is None else Documents(position_ids)  # the whole sequence's
+        shard = self.sequence_shard
+        if shard is not None:  # isp: this rank's chunk of the tokens, at their own positions
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+            input_ids, position_ids = shard.local(input_ids), shard.local(position_ids)
+        h = self.tok_embeddings(input_ids)  # (B, T, C)
+        rope = self.rope_cos_sin(input_ids.shape[1], h.dtype, position_ids)
+        with self._router_stats() as stats:
+            for layer in self.layers:
+                h = layer(h, rope, documents)
+        logits = self.output(self.norm(h))  # (B, T, V)
+        return ModelOutput(logits, self.aux_losses(stats))
+
+    def aux_losses(self, stats: list[RouterStats]) -> dict[str, torch.Tensor]:
+        """The auxiliary losses by name (model/output.py) of this forward's router statistics; none by default."""
+        return {}
+
+    def moe_layers(self) -> list[RecordsRouterStats]:
+        """The sparse blocks' feed-forwards, in depth order."""
+        return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, RecordsRouterStats)]
+
+    @contextlib.contextmanager
+    def _router_stats(self) -> Iterator[list[RouterStats]]:
+        """This forward's router statistics in depth order, the sparse blocks' tokens per expert recorded after.
+
+        Only this forward fills the list: a block recomputed in backward finds no sink and keeps no graph alive.
+        """
+        stats: list[RouterStats] = []
+        moes = self.moe_layers()
+        for moe in moes:
+            moe.stats_sink = stats
+        try:
+            yield stats
+        finally:
+            for moe in moes:
+                moe.stats_sink = None
+        for moe in moes:
+            moe.record_load()
+
+    def tokens_per_expert(self) -> torch.Tensor:
+        """(sparse blocks, E) fp32: tokens each expert computed in the last forward, after capacity (detached)."""
+        return torch.stack([moe.tokens_per_expert for moe in self.moe_layers()])
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count (tied weights once); exclude_embeddings drops the tok_embeddings table."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.tok_embeddings.weight.numel()
+        return n

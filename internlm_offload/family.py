@@ -33,8 +33,9 @@ class Capabilities:
     # `model.num_layers=1` builds one of its blocks alone, and every block is that block: the kernel probe before
     # the run (engine/runtime_memory.py) and the planner's per-block trace (planner/compose.py).
     one_block_copy: bool = False
-    # Its parameters carry this trainer's names (wq, w1, ...): other formats' names come from weights/names.py
-    # tables, LoRA targets are named as the native decoder names its modules, exports map names out.
+    # Its parameters carry this trainer's names (wq, w1, ...): other formats' names come from name tables
+    # (weights/names.py, the native family's hf_names.py), LoRA targets are named as the native decoder names its
+    # modules, exports map names out.
     native_names: bool = False
     # `ckpt.load_ckpt_info.ckpt_type` "hf" / "hf_llama" / "llama" load other trainers' files into it.
     foreign_weights: bool = False

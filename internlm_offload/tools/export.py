@@ -41,6 +41,7 @@ from internlm_offload.engine.checkpoint import CheckpointError, read_train_state
 from internlm_offload.engine.checkpoint_reader import read_checkpoint, read_metadata
 from internlm_offload.family import capabilities, families_with
 from internlm_offload.log import get_logger
+from internlm_offload.model.families.internlm2.hf_names import HF_LLAMA
 from internlm_offload.model.hf import text_config
 from internlm_offload.model.hf_routers import BIAS
 from internlm_offload.tools.export_lora import base_weights, is_lora_run, merged, write_peft_folder
@@ -49,7 +50,7 @@ from internlm_offload.weights.convert import Heads, to_format
 from internlm_offload.weights.hf_folder import copy_tokenizer, set_dtype, write_llama_folder, write_moe_folder
 from internlm_offload.weights.internevo_files import write_internevo_files
 from internlm_offload.weights.internevo_moe import is_expert_name, write_expert_files
-from internlm_offload.weights.names import HF_LLAMA, INTERNEVO, INTERNEVO_MOE
+from internlm_offload.weights.names import INTERNEVO, INTERNEVO_MOE
 
 MODEL_PREFIX = "model."
 HF_PREFIX = "hf_model."

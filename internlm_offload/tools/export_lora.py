@@ -20,10 +20,11 @@ from internlm_offload.engine.runtime import set_determinism
 from internlm_offload.engine.start_plan import find_weights_source
 from internlm_offload.errors import CheckpointError
 from internlm_offload.family import capabilities
+from internlm_offload.model.families.internlm2.hf_names import HF_LLAMA
+from internlm_offload.model.families.internlm2.names import NameTable
 from internlm_offload.model.lora import ADAPTER_NAME
 from internlm_offload.weights import hf_moe
 from internlm_offload.weights.convert import Heads, to_format
-from internlm_offload.weights.names import HF_LLAMA, NameTable
 from internlm_offload.weights.sources import load_weights as load_foreign_weights
 
 HF_PREFIX = "hf_model."

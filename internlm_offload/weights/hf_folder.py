@@ -15,9 +15,10 @@ import torch
 
 from internlm_offload.config import ModelConfig, intermediate_size
 from internlm_offload.errors import CheckpointError
+from internlm_offload.model.families.internlm2.hf_names import HF_INTERNLM2, HF_LLAMA
+from internlm_offload.model.families.internlm2.names import NameTable
 from internlm_offload.weights import hf_moe
 from internlm_offload.weights.files import load_model_file, read_json_object
-from internlm_offload.weights.names import HF_INTERNLM2, HF_LLAMA, NameTable
 
 CONFIG = "config.json"
 TABLES = {"internlm2": HF_INTERNLM2, "llama": HF_LLAMA, "internlm": HF_LLAMA}  # InternLM v1's port: Llama's names

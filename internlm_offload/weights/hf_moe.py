@@ -12,7 +12,7 @@ from typing import Any
 
 from internlm_offload.config import ModelConfig, intermediate_size
 from internlm_offload.errors import CheckpointError
-from internlm_offload.weights.names import HF_MIXTRAL, HF_QWEN2_MOE, HF_QWEN3_MOE
+from internlm_offload.model.families.internlm2.hf_names import HF_MIXTRAL, HF_QWEN2_MOE, HF_QWEN3_MOE
 
 TABLES = {"qwen3_moe": HF_QWEN3_MOE, "qwen2_moe": HF_QWEN2_MOE, "mixtral": HF_MIXTRAL}
 ARCHITECTURES = {

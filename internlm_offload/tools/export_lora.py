@@ -20,10 +20,10 @@ from internlm_offload.engine.runtime import set_determinism
 from internlm_offload.engine.start_plan import find_weights_source
 from internlm_offload.errors import CheckpointError
 from internlm_offload.family import capabilities
-from internlm_offload.model.families.internlm2.hf_names import HF_LLAMA
+from internlm_offload.model.families.internlm2.hf_export import export_family
+from internlm_offload.model.families.internlm2.hf_names import TABLES as HF_TABLES
 from internlm_offload.model.families.internlm2.names import NameTable
 from internlm_offload.model.lora import ADAPTER_NAME
-from internlm_offload.weights import hf_moe
 from internlm_offload.weights.convert import Heads, to_format
 from internlm_offload.weights.sources import load_weights as load_foreign_weights
 
@@ -102,7 +102,7 @@ def hf_names(run: dict) -> NameTable:
     """The names a native run's `--hf` export writes: Llama's, or its mixture-of-experts family's (Qwen2-MoE's
     shared expert and Qwen3-MoE's dense blocks are where the MLP adapters sit)."""
     model = RunConfig.model_validate(run, strict=False).model
-    return hf_moe.TABLES[hf_moe.family_of(model)] if model.num_experts else HF_LLAMA
+    return HF_TABLES[export_family(model)]
 
 
 def adapter_config(run: dict) -> dict:

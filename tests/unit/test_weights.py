@@ -350,7 +350,7 @@ def write_hf_folder(folder: Path, reference: dict[str, torch.Tensor]) -> None:
     """A Hugging Face Llama folder of `reference`: config.json and one model.safetensors."""
     from safetensors.torch import save_file
 
-    from internlm_offload.weights.hf_folder import llama_values
+    from internlm_offload.model.families.internlm2.hf_export import llama_values
 
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", **llama_values(run_config().model)}))

@@ -10,8 +10,8 @@ a family's name: a new family states what it can do in its spec and touches no e
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from types import ModuleType
 from typing import Any
 
@@ -62,6 +62,8 @@ class FamilySpec:
     summary: str = ""  # one line for messages and the config reference
     # The checks of its `model` section (a ModelConfig) the schema runs, torch-free: ValueError naming the key.
     check_section: Callable[[Any], None] | None = None
+    # Hugging Face's names of its LoRA-targetable modules -> its own (`model.lora.target_modules` takes either).
+    module_names: Mapping[str, str] = field(default_factory=dict)
 
     def module(self) -> ModuleType:
         """The family's builder module, imported on first use (it imports torch)."""

@@ -41,7 +41,7 @@ def attention_bias(hf: dict[str, Any]) -> Any:
 
 
 def hf_value(hf: dict[str, Any], key: str) -> Any:
-    """A dense config.json's value of `key` as transformers reads it: the rules above, else the key's default."""
+    """A config.json's value of `key` as transformers reads it: the rules above, else the key's default."""
     rules = {"rope_theta": rope_base, "attention_bias": attention_bias, "num_key_value_heads": kv_heads}
     return rules[key](hf) if key in rules else hf.get(key, _DEFAULTS.get(key))
 

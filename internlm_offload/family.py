@@ -10,8 +10,8 @@ a family's name: a new family states what it can do in its spec and touches no e
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from types import ModuleType
 from typing import Any
 
@@ -33,8 +33,9 @@ class Capabilities:
     # `model.num_layers=1` builds one of its blocks alone, and every block is that block: the kernel probe before
     # the run (engine/runtime_memory.py) and the planner's per-block trace (planner/compose.py).
     one_block_copy: bool = False
-    # Its parameters carry this trainer's names (wq, w1, ...): other formats' names come from weights/names.py
-    # tables, LoRA targets are named as the native decoder names its modules, exports map names out.
+    # Its parameters carry this trainer's names (wq, w1, ...): other formats' names come from name tables
+    # (weights/names.py, the native family's hf_names.py), LoRA targets are named as the native decoder names its
+    # modules, exports map names out.
     native_names: bool = False
     # `ckpt.load_ckpt_info.ckpt_type` "hf" / "hf_llama" / "llama" load other trainers' files into it.
     foreign_weights: bool = False
@@ -61,6 +62,8 @@ class FamilySpec:
     summary: str = ""  # one line for messages and the config reference
     # The checks of its `model` section (a ModelConfig) the schema runs, torch-free: ValueError naming the key.
     check_section: Callable[[Any], None] | None = None
+    # Hugging Face's names of its LoRA-targetable modules -> its own (`model.lora.target_modules` takes either).
+    module_names: Mapping[str, str] = field(default_factory=dict)
 
     def module(self) -> ModuleType:
         """The family's builder module, imported on first use (it imports torch)."""

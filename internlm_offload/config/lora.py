@@ -5,19 +5,8 @@ from typing import Any, Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
-from internlm_offload.family import capabilities
+from internlm_offload.family import capabilities, family_spec
 
-# Hugging Face's Llama projection names -> the native decoder's modules (model/internlm2.py, model/mlp.py).
-HF_TO_NATIVE = {
-    "q_proj": "wq",
-    "k_proj": "wk",
-    "v_proj": "wv",
-    "o_proj": "wo",
-    "gate_proj": "w1",
-    "up_proj": "w3",
-    "down_proj": "w2",
-}
-NATIVE_TARGETS = tuple(HF_TO_NATIVE.values())
 # PEFT's default for llama-like models (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`).
 DEFAULT_TARGETS = ("q_proj", "v_proj")
 
@@ -69,15 +58,18 @@ def resolved_targets(lora: LoraConfig) -> list[str]:
     return list(lora.target_modules or DEFAULT_TARGETS)
 
 
-def native_targets(lora: LoraConfig) -> list[str]:
-    """The native decoder's module names for the targets (HF names translated); ValueError naming a bad one."""
+def native_targets(lora: LoraConfig, family: str) -> list[str]:
+    """The targets as `family` names its modules (Hugging Face names translated by its `FamilySpec.module_names`);
+    ValueError naming a bad one."""
+    module_names = family_spec(family).module_names
+    own = tuple(module_names.values())
     names = []
     for name in resolved_targets(lora):
-        native = HF_TO_NATIVE.get(name, name)
-        if native not in NATIVE_TARGETS:
-            allowed = ", ".join([*HF_TO_NATIVE, *NATIVE_TARGETS])
+        native = module_names.get(name, name)
+        if native not in own:
+            allowed = ", ".join([*module_names, *own])
             raise ValueError(
-                f"model.lora.target_modules: {name!r} is not a linear of model.type='internlm2'; allowed: {allowed}"
+                f"model.lora.target_modules: {name!r} is not a linear of model.type={family!r}; allowed: {allowed}"
             )
         if native not in names:
             names.append(native)
@@ -89,7 +81,7 @@ def check_lora(model: Any) -> None:
     if model.lora is None:
         return
     if capabilities(model.type).native_names:
-        native_targets(model.lora)  # raises naming a target the decoder does not have
+        native_targets(model.lora, model.type)  # raises naming a target the decoder does not have
     if model.num_experts and model.quantization_config is not None:
         raise ValueError(
             f"model.quantization_config with model.num_experts={model.num_experts}: the stacked experts are not "

@@ -7,7 +7,7 @@ from pydantic import Field
 from internlm_offload.config.base import Section
 from internlm_offload.family import capabilities, families_with
 
-MOE_TYPES = ("GShard", "Dropless")  # InternEvo's `moe_type`s built here (model/moe.py)
+MOE_TYPES = ("GShard", "Dropless")  # InternEvo's `moe_type`s built here (model/moe.py's too)
 # `moe_layer_kwargs` keys that exist for one moe_type only (InternEvo's layer constructors raise TypeError on the
 # others; here one line says which type takes them).
 GSHARD_ONLY = ("capacity_factor", "min_capacity", "drop_tokens")

@@ -12,13 +12,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from internlm_offload.config.moe import MOE_TYPES
 from internlm_offload.model.experts import GroupedExperts
 from internlm_offload.model.hooks import DispatchesExperts, RecordsRouterStats
 from internlm_offload.model.mlp import FeedForward, ParamInit, normal_init
 from internlm_offload.model.permutation import PermuteRows, UnpermuteRows
 from internlm_offload.model.router import Router, drop_over_capacity, expert_counts, gshard_capacity
 
-MOE_TYPES = ("GShard", "Dropless")
 SHARED_EXPERT_GATES = ("softmax", "sigmoid")
 
 

@@ -12,8 +12,8 @@ model or a process group. The weights are the fp32 masters; `--dtype` casts them
 `--hf` writes `config.json` and `model.safetensors` that `AutoModelForCausalLM.from_pretrained` loads
 without remote code: a native `internlm2` run as `LlamaForCausalLM` (its architecture; the run's
 tokenizer folder is copied beside it), one with experts as `Qwen3MoeForCausalLM`, `Qwen2MoeForCausalLM`
-or `MixtralForCausalLM` (weights/hf_moe.family_of: the one whose fixed options it has; one tensor per
-expert, as transformers saves them), an `hf_causal_lm` run as its own architecture.
+or `MixtralForCausalLM` (the native family's hf_export.family_of: the one whose fixed options it has; one
+tensor per expert, as transformers saves them), an `hf_causal_lm` run as its own architecture.
 `--internevo` writes InternEvo's layout of a native run (`model_tp{t}_pp0.pt` with InternEvo's names
 and fused wqkv, split for `--tp` tensor-parallel ranks, or `model_wp{w}_pp0.pt` for `--wp` ISP
 weight-parallel ranks), which InternEvo's `load_ckpt_info` reads; a run with experts as InternEvo's
@@ -41,15 +41,16 @@ from internlm_offload.engine.checkpoint import CheckpointError, read_train_state
 from internlm_offload.engine.checkpoint_reader import read_checkpoint, read_metadata
 from internlm_offload.family import capabilities, families_with
 from internlm_offload.log import get_logger
+from internlm_offload.model.families.internlm2.hf_export import export_family
+from internlm_offload.model.families.internlm2.hf_names import TABLES as HF_TABLES
 from internlm_offload.model.hf import text_config
 from internlm_offload.model.hf_routers import BIAS
 from internlm_offload.tools.export_lora import base_weights, is_lora_run, merged, write_peft_folder
-from internlm_offload.weights import hf_moe
 from internlm_offload.weights.convert import Heads, to_format
 from internlm_offload.weights.hf_folder import copy_tokenizer, set_dtype, write_llama_folder, write_moe_folder
 from internlm_offload.weights.internevo_files import write_internevo_files
 from internlm_offload.weights.internevo_moe import is_expert_name, write_expert_files
-from internlm_offload.weights.names import HF_LLAMA, INTERNEVO, INTERNEVO_MOE
+from internlm_offload.weights.names import INTERNEVO, INTERNEVO_MOE
 
 MODEL_PREFIX = "model."
 HF_PREFIX = "hf_model."
@@ -95,14 +96,14 @@ def export_hf(weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtyp
     if capabilities(model_cfg["type"]).native_names:
         model = native_model_config(model_cfg)
         heads = Heads(model.num_attention_heads, model.num_kv_attention_heads)
+        family = export_family(model)
+        if model.num_experts and model.moe_type == "GShard":
+            logger.warning("%s computes every routed choice: GShard's capacity drops do not carry over", family)
+        tensors = to_format(weights, HF_TABLES[family], heads)
         if model.num_experts:
-            family = hf_moe.family_of(model)
-            if model.moe_type == "GShard":
-                logger.warning("%s computes every routed choice: GShard's capacity drops do not carry over", family)
-            tensors = to_format(weights, hf_moe.TABLES[family], heads)
             write_moe_folder(tensors, model, family, out_dir, dtype, max_positions=run["data"]["seq_len"])
         else:
-            write_llama_folder(to_format(weights, HF_LLAMA, heads), model, out_dir, dtype, run["data"]["seq_len"])
+            write_llama_folder(tensors, model, out_dir, dtype, run["data"]["seq_len"])
         copy_tokenizer(run["data"]["tokenizer"], out_dir)
         return
     from transformers import AutoConfig

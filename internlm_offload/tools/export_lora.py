@@ -14,22 +14,22 @@ import torch
 
 from internlm_offload.builder.model import build_model
 from internlm_offload.config import RunConfig
-from internlm_offload.config.lora import DEFAULT_TARGETS, HF_TO_NATIVE
+from internlm_offload.config.lora import DEFAULT_TARGETS
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.runtime import set_determinism
 from internlm_offload.engine.start_plan import find_weights_source
 from internlm_offload.errors import CheckpointError
-from internlm_offload.family import capabilities
+from internlm_offload.family import capabilities, family_spec
+from internlm_offload.model.families.internlm2.hf_export import export_family
+from internlm_offload.model.families.internlm2.hf_names import TABLES as HF_TABLES
+from internlm_offload.model.families.internlm2.names import NameTable
 from internlm_offload.model.lora import ADAPTER_NAME
-from internlm_offload.weights import hf_moe
 from internlm_offload.weights.convert import Heads, to_format
-from internlm_offload.weights.names import HF_LLAMA, NameTable
 from internlm_offload.weights.sources import load_weights as load_foreign_weights
 
 HF_PREFIX = "hf_model."
 PEFT_PREFIX = "base_model.model."
 _PARTS = ("lora_A", "lora_B")
-NATIVE_TO_HF = {native: hf for hf, native in HF_TO_NATIVE.items()}
 
 
 def is_lora_run(run: dict) -> bool:
@@ -101,7 +101,7 @@ def hf_names(run: dict) -> NameTable:
     """The names a native run's `--hf` export writes: Llama's, or its mixture-of-experts family's (Qwen2-MoE's
     shared expert and Qwen3-MoE's dense blocks are where the MLP adapters sit)."""
     model = RunConfig.model_validate(run, strict=False).model
-    return hf_moe.TABLES[hf_moe.family_of(model)] if model.num_experts else HF_LLAMA
+    return HF_TABLES[export_family(model)]
 
 
 def adapter_config(run: dict) -> dict:
@@ -109,7 +109,8 @@ def adapter_config(run: dict) -> dict:
     model, lora = run["model"], run["model"]["lora"]
     targets = list(lora["target_modules"] or DEFAULT_TARGETS)
     if capabilities(model["type"]).native_names:
-        targets = [NATIVE_TO_HF.get(name, name) for name in targets]
+        to_hf = {native: hf for hf, native in family_spec(model["type"]).module_names.items()}
+        targets = [to_hf.get(name, name) for name in targets]
     alpha = lora["lora_alpha"]
     return {
         "peft_type": "LORA",

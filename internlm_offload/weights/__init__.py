@@ -2,7 +2,8 @@
 
 Every reader ends in the native model's parameter names with full (unsharded) tensors; every writer starts
 from them. The pieces, each usable alone:
-- `names`: the name tables (foreign name <-> native name), one per format;
+- `names`: InternEvo's and Meta's name tables (foreign name <-> native name; Hugging Face's are the native family's,
+  model/families/internlm2/hf_names.py);
 - `qkv`: the attention projections' foreign layouts (InternLM2's fused wqkv, Meta's interleaved RoPE rows);
 - `shards`: tensor-parallel pieces merged into full tensors and split back out;
 - `safe_pickle`: pickles unpickled as data, never code (also the engine's checkpoint reader's);

@@ -1,4 +1,4 @@
-"""A whole state dict between native names and a format's (`names.NameTable`), with the row orders of `qkv`
+"""A whole state dict between native names and a format's (a `NameTable`), with the row orders of `qkv`
 and the experts of a mixture-of-experts block stacked (native) or one tensor each (foreign `experts.{e}.`).
 
 Renames, row moves, stacks and splits only: every tensor comes out bit for bit, so a round trip is exact.
@@ -11,14 +11,15 @@ from dataclasses import dataclass
 import torch
 
 from internlm_offload.errors import CheckpointError
-from internlm_offload.weights.names import NameTable, is_derived
+from internlm_offload.model.families.internlm2.names import NameTable
+from internlm_offload.weights.names import is_derived
 from internlm_offload.weights.qkv import fuse_wqkv, halves_to_interleaved, interleaved_to_halves, split_wqkv
 
 _WQKV = re.compile(r"layers\.(\d+)\.attention\.wqkv\.(weight|bias)$")
 _QKV = re.compile(r"layers\.(\d+)\.attention\.w([qkv])\.(weight|bias)$")
 _QUERY_KEY = re.compile(r"layers\.\d+\.attention\.w([qk])\.weight$")
 # One expert's tensor in a foreign format: `...experts.{e}.rest` (Hugging Face), `...wrapped_experts.{e}.rest`
-# (InternEvo); the stacked name puts `*` in place of e (`names.NameTable`).
+# (InternEvo); the stacked name puts `*` in place of e (`NameTable`).
 _EXPERT = re.compile(r"^(.*experts\.)(\d+)(\..+)$")
 
 

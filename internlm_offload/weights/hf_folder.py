@@ -1,10 +1,11 @@
-"""Hugging Face model folders of InternLM2 and Llama, and of the mixture-of-experts families in `hf_moe`:
-config.json against the native model's config, and the weights in (safetensors or .bin, sharded or not) and out
-(a `LlamaForCausalLM` folder, or a `Qwen3MoeForCausalLM` / `Qwen2MoeForCausalLM` / `MixtralForCausalLM` one).
+"""Hugging Face model folders of the formats the native decoder loads (InternLM2, Llama, InternLM v1, Qwen3-MoE,
+Qwen2-MoE, Mixtral): config.json read and checked, the weights in (safetensors or .bin, sharded or not) and out (a
+`LlamaForCausalLM` folder, or a `Qwen3MoeForCausalLM` / `Qwen2MoeForCausalLM` / `MixtralForCausalLM` one).
 
-InternLM2's architecture is Llama's (RMSNorm, rotate-half RoPE, GQA, SwiGLU, no biases); its HF port only
-fuses wq, wk, wv (see `qkv`). So a dense native model goes out as Llama, which transformers, vLLM and the rest
-load without remote code, and both kinds come in.
+What a config.json means and what it refuses, its names and the config.json of an export are the native family's
+Hugging Face side (model/families/internlm2/hf_config.py, hf_names.py, hf_export.py); here, the files.
+(`native_model_values` is hf_config's; tests/stub_family, a second family reading a Llama folder, imports it from
+here.)
 """
 
 import shutil
@@ -13,14 +14,15 @@ from typing import Any
 
 import torch
 
-from internlm_offload.config import ModelConfig, intermediate_size
+from internlm_offload.config import ModelConfig
 from internlm_offload.errors import CheckpointError
-from internlm_offload.weights import hf_moe
+from internlm_offload.model.families.internlm2 import hf_config
+from internlm_offload.model.families.internlm2.hf_config import native_model_values  # noqa: F401
+from internlm_offload.model.families.internlm2.hf_export import llama_config, moe_config
+from internlm_offload.model.families.internlm2.names import NameTable
 from internlm_offload.weights.files import load_model_file, read_json_object
-from internlm_offload.weights.names import HF_INTERNLM2, HF_LLAMA, NameTable
 
 CONFIG = "config.json"
-TABLES = {"internlm2": HF_INTERNLM2, "llama": HF_LLAMA, "internlm": HF_LLAMA}  # InternLM v1's port: Llama's names
 # Files of a tokenizer folder that go beside exported weights.
 TOKENIZER_FILES = (
     "tokenizer*",
@@ -32,62 +34,6 @@ TOKENIZER_FILES = (
     "chat_template*",
 )
 
-# config.json key -> the model.* key(s) that set it here.
-_SHAPE_KEYS = {
-    "hidden_size": "model.hidden_size",
-    "num_hidden_layers": "model.num_layers",
-    "num_attention_heads": "model.num_attention_heads",
-    "num_key_value_heads": "model.num_kv_attention_heads",
-    "intermediate_size": "model.mlp_ratio and model.multiple_of",
-    "vocab_size": "model.vocab_size",
-    "rms_norm_eps": "model.norm_eps",
-    "rope_theta": "model.rope_base",
-    "tie_word_embeddings": "model.tie_word_embeddings",
-    "attention_bias": "model.attention_bias",
-}
-
-
-def llama_values(model: ModelConfig) -> dict[str, Any]:
-    """The config.json values (Llama's and InternLM2's keys) the native model `model` has."""
-    return {
-        "hidden_size": model.hidden_size,
-        "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_attention_heads,
-        "num_key_value_heads": model.num_kv_attention_heads,
-        "intermediate_size": intermediate_size(model.hidden_size, model.mlp_ratio, model.multiple_of),
-        "vocab_size": model.vocab_size,
-        "rms_norm_eps": model.norm_eps,
-        "rope_theta": model.rope_base,
-        "tie_word_embeddings": model.tie_word_embeddings,
-        "attention_bias": model.attention_bias,
-    }
-
-
-def native_model_values(hf: dict[str, Any]) -> dict[str, Any] | None:
-    """The `model.*` settings of the native model a config.json describes; None when its architecture is not
-    the native one (another model_type, MLP biases, scaled RoPE, ...)."""
-    if hf.get("model_type") not in TABLES or _unsupported(hf):
-        return None
-    hidden, intermediate = hf["hidden_size"], hf["intermediate_size"]
-    ratio = intermediate / hidden
-    # the largest rounding that gives the folder's width back from hidden_size * mlp_ratio (any width: itself)
-    multiple_of = next(
-        m for m in (256, 128, 64, 32, 16, 8, 1, intermediate) if intermediate_size(hidden, ratio, m) == intermediate
-    )
-    return {
-        "num_layers": hf["num_hidden_layers"],
-        "hidden_size": hidden,
-        "num_attention_heads": hf["num_attention_heads"],
-        "num_kv_attention_heads": _hf_value(hf, "num_key_value_heads"),
-        "vocab_size": hf["vocab_size"],
-        "mlp_ratio": ratio,
-        "multiple_of": multiple_of,
-        "norm_eps": _hf_value(hf, "rms_norm_eps"),
-        "rope_base": float(_hf_value(hf, "rope_theta")),
-        "tie_word_embeddings": bool(_hf_value(hf, "tie_word_embeddings")),
-        "attention_bias": bool(_hf_value(hf, "attention_bias")),
-    }
-
 
 def read_config(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG
@@ -98,59 +44,12 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 def name_table(folder: Path, hf: dict[str, Any]) -> NameTable:
     """The names of the folder's architecture (config.json's model_type)."""
-    model_type = hf.get("model_type")
-    tables = {**TABLES, **hf_moe.TABLES}
-    if model_type not in tables:
-        raise CheckpointError(
-            f"{folder / CONFIG}: model_type={model_type!r}; the native model loads {', '.join(tables)} folders "
-            "(other architectures train as model.type='hf_causal_lm' with model.hf_path)"
-        )
-    return tables[model_type]
+    return hf_config.name_table(str(folder / CONFIG), hf.get("model_type"))
 
 
 def check_config(folder: Path, hf: dict[str, Any], model: ModelConfig) -> None:
     """The folder's model must be the configured one; every difference in one line, with the key to set."""
-    if hf.get("model_type") in hf_moe.TABLES:
-        hf_moe.check_config(str(folder / CONFIG), hf, model)
-        return
-    problems = (
-        [f"model.num_experts={model.num_experts} (the folder's model is dense: set 0)"] if model.num_experts else []
-    )
-    problems += [
-        f"{key}={found!r} (set {_SHAPE_KEYS[key]} to match; it gives {wanted!r})"
-        for key, wanted in llama_values(model).items()
-        if (found := _hf_value(hf, key)) != wanted
-    ]
-    problems += _unsupported(hf)
-    if problems:
-        raise CheckpointError(f"{folder / CONFIG}: " + "; ".join(problems))
-
-
-def _hf_value(hf: dict[str, Any], key: str) -> Any:
-    """A config.json value with transformers' defaults (kv heads = heads, rope_theta 1e4, untied, eps 1e-6)."""
-    if key == "rope_theta":
-        return hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    if key == "attention_bias":  # InternLM2's and InternLM v1's configs call it `bias`
-        return hf.get("attention_bias", hf.get("bias", False))
-    if key == "num_key_value_heads":
-        return hf.get(key) or hf.get("num_attention_heads")
-    defaults = {"tie_word_embeddings": False, "rms_norm_eps": 1e-6}
-    return hf.get(key, defaults.get(key))
-
-
-def _unsupported(hf: dict[str, Any]) -> list[str]:
-    """What the native model does not build: MLP biases, another activation, scaled RoPE, another head_dim."""
-    problems = ["mlp_bias=True (the native model's MLP has no biases)"] if hf.get("mlp_bias") else []
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf['hidden_act']!r} (the native model's MLP is SwiGLU: silu)")
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = (hf.get("rope_parameters") or {}).get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-    if rope_type not in (None, "default"):
-        problems.append(f"RoPE scaling {rope_type!r} (the native model has plain RoPE)")
-    heads, hidden, head_dim = hf.get("num_attention_heads"), hf.get("hidden_size"), hf.get("head_dim")
-    if head_dim is not None and heads and hidden and head_dim != hidden // heads:
-        problems.append(f"head_dim={head_dim} (the native model's is hidden_size / num_attention_heads)")
-    return problems
+    hf_config.check_config(str(folder / CONFIG), hf, model)
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -208,47 +107,30 @@ def write_llama_folder(
     tensors: dict[str, torch.Tensor], model: ModelConfig, out: Path, dtype: torch.dtype, max_positions: int
 ) -> None:
     """config.json + model.safetensors of a `LlamaForCausalLM`; `tensors` under Hugging Face Llama's names."""
-    from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    qkv_bias = model.attention_bias if model.qkv_bias is None else model.qkv_bias
-    o_bias = model.attention_bias if model.o_bias is None else model.o_bias
-    if qkv_bias != o_bias or model.qk_norm or model.num_experts:
-        # Llama's attention_bias is on q, k, v and o alike, and it has no q/k norms or experts: its folder would
-        # load without those weights (transformers drops unexpected names with a warning)
-        raise CheckpointError(
-            f"{out}: a LlamaForCausalLM folder cannot hold model.qkv_bias={qkv_bias} with model.o_bias={o_bias}, "
-            f"model.qk_norm={model.qk_norm} or model.num_experts={model.num_experts}; export to safetensors instead"
-        )
-    config = LlamaConfig(
-        **llama_values(model),
-        head_dim=model.head_dim or model.hidden_size // model.num_attention_heads,
-        max_position_embeddings=max_positions,
-        hidden_act="silu",
-        mlp_bias=False,
-        architectures=["LlamaForCausalLM"],
-    )
-    set_dtype(config, dtype)
-    if model.tie_word_embeddings:
-        tensors = {name: t for name, t in tensors.items() if name != "lm_head.weight"}  # restored from the embeddings
-    out.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(str(out))
-    save_file(
-        {name: t.to(dtype).contiguous() for name, t in tensors.items()},
-        str(out / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    config = LlamaConfig(**llama_config(model, max_positions, str(out)))
+    _write_folder(config, tensors, model, out, dtype)
 
 
 def write_moe_folder(
     tensors: dict[str, torch.Tensor], model: ModelConfig, family: str, out: Path, dtype: torch.dtype, max_positions: int
 ) -> None:
-    """config.json + model.safetensors of transformers' `family` (`hf_moe.TABLES`); `tensors` under its names, one
-    per expert, as transformers' save_pretrained writes them and its from_pretrained reads them."""
-    from safetensors.torch import save_file
+    """config.json + model.safetensors of transformers' `family` (`hf_names.MOE_TABLES`); `tensors` under its names,
+    one per expert, as transformers' save_pretrained writes them and its from_pretrained reads them."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(family, **hf_moe.export_config(model, family, max_positions))
+    config = AutoConfig.for_model(family, **moe_config(model, family, max_positions))
+    _write_folder(config, tensors, model, out, dtype)
+
+
+def _write_folder(
+    config: Any, tensors: dict[str, torch.Tensor], model: ModelConfig, out: Path, dtype: torch.dtype
+) -> None:
+    """A transformers `config` and `tensors` in `dtype` into `out` (a tied head left out: restored from the
+    embeddings)."""
+    from safetensors.torch import save_file
+
     set_dtype(config, dtype)
     if model.tie_word_embeddings:
         tensors = {name: t for name, t in tensors.items() if name != "lm_head.weight"}

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from internlm_offload.config import LoadCkptInfo, ModelConfig
 from internlm_offload.errors import CheckpointError
 from internlm_offload.log import get_logger
+from internlm_offload.model.families.internlm2.names import NameTable
 from internlm_offload.model.lora import base_keys, has_adapters
 from internlm_offload.model.quantized import full_weight_shapes
 from internlm_offload.weights import hf_folder, internevo_moe, meta_llama
@@ -40,7 +41,6 @@ from internlm_offload.weights.names import (
     INTERNEVO_UNFUSED,
     INTERNLM1,
     META_LLAMA,
-    NameTable,
     bias_hint,
     is_derived,
 )

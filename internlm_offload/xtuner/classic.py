@@ -12,9 +12,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from internlm_offload.config.lora import HF_TO_NATIVE
-from internlm_offload.family import capabilities
 from internlm_offload.errors import DataError
+from internlm_offload.family import capabilities, family_spec
 from internlm_offload.xtuner.standins import type_name
 from internlm_offload.xtuner.translate import Translation, count_packs, model_from_folder, short
 
@@ -188,15 +187,16 @@ def _all_linears(t: Translation, hf: dict[str, Any]) -> None:
         head = " (InternLM2's head `output` included, as XTuner's rule does)" if "output" in targets else ""
         t.carried.append(f"model.lora.target_modules unset -> XTuner's every linear: {targets}{head}")
         return
-    t.config["model"]["lora"]["target_modules"] = list(HF_TO_NATIVE)
+    linears = list(family_spec(t.config["model"]["type"]).module_names)
+    t.config["model"]["lora"]["target_modules"] = linears
     if hf.get("model_type") == "internlm2":
         t.dropped.append(
             "model.lora.target_modules unset: XTuner adapts every linear of InternLM2's remote code: wqkv, wo, w1, w2, "
             "w3 and the head `output` (its rule leaves out only lm_head/output_layer); here the native decoder adapts "
-            f"{list(HF_TO_NATIVE)}: q, k and v get an adapter each (XTuner one over the fused wqkv) and the head none"
+            f"{linears}: q, k and v get an adapter each (XTuner one over the fused wqkv) and the head none"
         )
     else:
-        t.carried.append(f"model.lora.target_modules unset -> XTuner's every linear but lm_head: {list(HF_TO_NATIVE)}")
+        t.carried.append(f"model.lora.target_modules unset -> XTuner's every linear but lm_head: {linears}")
 
 
 def _hf_linear_names(folder: str) -> list[str]:

@@ -14,8 +14,8 @@ loss (`aux_loss_by_layer=True`) times `loss.moe_loss_coeff`.
 from pathlib import Path
 from typing import Any
 
-from internlm_offload.config import intermediate_size
-from internlm_offload.weights import hf_moe
+from internlm_offload.model.families.internlm2.hf_config import model_section, unsupported
+from internlm_offload.model.families.internlm2.hf_rules import first_dense, head_dim, kv_heads, mlp_width, rope_base
 from internlm_offload.weights.hf_folder import read_config
 from internlm_offload.xtuner.standins import Recorded, field, kind
 
@@ -157,7 +157,7 @@ def _section(values: dict[str, Any], sparse: bool) -> tuple[dict[str, Any], dict
         "norm_eps": values["rms_norm_eps"],
         "rope_base": float(values["rope_theta"]),
         "tie_word_embeddings": bool(values["tie_word_embeddings"]),
-        **_width(hidden, values["moe_intermediate_size"] if sparse else values["intermediate_size"]),
+        **mlp_width(hidden, values["moe_intermediate_size"] if sparse else values["intermediate_size"]),
     }
     if not sparse:
         return model, {}
@@ -176,17 +176,10 @@ def _section(values: dict[str, Any], sparse: bool) -> tuple[dict[str, Any], dict
     )
     if values["first_k_dense_replace"]:
         model.update(
-            mlp_only_layers=list(range(values["first_k_dense_replace"])),
+            mlp_only_layers=first_dense(values["first_k_dense_replace"]),
             dense_intermediate_size=values["intermediate_size"],
         )
     return model, {"moe_loss_coeff": float(values["balancing_loss_alpha"])}
-
-
-def _width(hidden: int, width: int) -> dict[str, Any]:
-    """`mlp_ratio` and `multiple_of` that give `width` back exactly."""
-    ratio = width / hidden
-    multiple_of = next(m for m in (256, 128, 64, 32, 16, 8, 1, width) if intermediate_size(hidden, ratio, m) == width)
-    return {"mlp_ratio": ratio, "multiple_of": multiple_of}
 
 
 def _from_folder(model_cfg: Recorded) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
@@ -195,10 +188,10 @@ def _from_folder(model_cfg: Recorded) -> tuple[dict[str, Any], dict[str, Any], l
     hf = read_config(folder)  # CheckpointError names a missing folder or config.json
     family = hf.get("model_type")
     if family == "qwen3_moe":
-        problems = hf_moe.unsupported(hf)
+        problems = unsupported(hf)
         if problems:
             raise ModelClassError(f"{folder}: {'; '.join(problems)}")
-        model = {"type": "internlm2", **hf_moe.model_section(hf)}
+        model = {"type": "internlm2", **model_section(hf)}
         model["moe_layer_kwargs"]["aux_loss_by_layer"] = True  # XTuner's balancing loss, as for its classes
         loss = {"moe_loss_coeff": 0.001}  # BalancingLossConfig's alpha, which from_hf leaves at its default
     elif family == "qwen3":
@@ -209,10 +202,10 @@ def _from_folder(model_cfg: Recorded) -> tuple[dict[str, Any], dict[str, Any], l
         }
         values.update(
             num_attention_heads=hf["num_attention_heads"],
-            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            num_key_value_heads=kv_heads(hf),
+            head_dim=head_dim(hf["hidden_size"], hf["num_attention_heads"], hf.get("head_dim")),
             qk_norm=True,
-            rope_theta=hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_theta=rope_base(hf),
         )
         model, loss = _section(values, sparse=False)
     else:

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from internlm_offload.errors import CheckpointError, DataError
-from internlm_offload.weights.hf_folder import TABLES, native_model_values, read_config
+from internlm_offload.model.families.internlm2.hf_config import native_model_values
+from internlm_offload.model.families.internlm2.hf_names import DENSE_TABLES
+from internlm_offload.weights.hf_folder import read_config
 from internlm_offload.xtuner.models import ModelClassError, model_from_xtuner
 from internlm_offload.xtuner.standins import Recorded, field, kind
 
@@ -177,7 +179,7 @@ def _not_built_here(hf: dict[str, Any], mtp: Any) -> str | None:
         return None
     family = f"model_type={hf.get('model_type')!r}" + "".join(f" ({a})" for a in (hf.get("architectures") or [])[:1])
     return (
-        f"{family} is not built here: {'; '.join(reasons)}. Built here: {', '.join(TABLES)} (native), and "
+        f"{family} is not built here: {'; '.join(reasons)}. Built here: {', '.join(DENSE_TABLES)} (native), and "
         "as hf_causal_lm dense causal LMs and mixtures of experts with a router aux loss (Mixtral, Qwen2/3-MoE) or a "
         "router bias (DeepSeek-V3, GLM-4.5/5)"
     )

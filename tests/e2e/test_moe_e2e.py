@@ -45,8 +45,8 @@ def test_a_qwen3_moe_folder_trains_exports_and_a_wrong_one_is_one_line(tmp_path:
 
     from internlm_offload.builder import build_model
     from internlm_offload.config import resolve_config
+    from internlm_offload.model.families.internlm2.hf_config import model_section
     from internlm_offload.tools.export import load_weights
-    from internlm_offload.weights.hf_moe import model_section
     from internlm_offload.weights.sources import foreign_source, read_native_weights
 
     torch.manual_seed(0)

@@ -256,10 +256,10 @@ def test_a_hugging_face_folder_loads_into_the_frozen_base(tmp_path):
 
     from internlm_offload.builder import build_model
     from internlm_offload.engine.start_plan import find_weights_source
+    from internlm_offload.model.families.internlm2.hf_export import llama_values
+    from internlm_offload.model.families.internlm2.hf_names import HF_LLAMA
     from internlm_offload.model.lora import base_keys
     from internlm_offload.weights.convert import Heads, to_format
-    from internlm_offload.weights.hf_folder import llama_values
-    from internlm_offload.weights.names import HF_LLAMA
 
     plain = resolve_config(native(dtype="torch.float32")).model
     torch.manual_seed(5)

@@ -22,7 +22,7 @@ from transformers import (
 from internlm_offload.builder import build_model
 from internlm_offload.config import resolve_config
 from internlm_offload.errors import CheckpointError
-from internlm_offload.weights import hf_moe
+from internlm_offload.model.families.internlm2 import hf_config, hf_export, hf_names
 from internlm_offload.weights.convert import Heads, to_format
 from internlm_offload.weights.hf_folder import write_moe_folder
 from internlm_offload.weights.sources import foreign_source, load_weights, read_native_weights
@@ -54,7 +54,7 @@ def hf_folder(folder: Path, family: str, seed: int = 0) -> torch.nn.Module:
 
 def native_config(folder: Path, **model):
     hf = json.loads((folder / "config.json").read_text())
-    raw = {"model": {**hf_moe.model_section(hf), "attn_impl": "sdpa", **model}}
+    raw = {"model": {**hf_config.model_section(hf), "attn_impl": "sdpa", **model}}
     raw["ckpt"] = {"load_ckpt_info": {"path": str(folder), "ckpt_type": "hf", "content": ("model",)}}
     return resolve_config(raw)
 
@@ -83,9 +83,9 @@ def test_transformers_folders_load_with_its_logits_and_export_back_bitwise(tmp_p
         assert rel_err(native(ids).logits, hf(ids).logits) < 1e-5
 
     cfg = native_config(tmp_path / "hf")
-    assert hf_moe.family_of(cfg.model) == family
+    assert hf_export.family_of(cfg.model) == family
     weights = {name: t.detach() for name, t in native.state_dict().items()}
-    tensors = to_format(weights, hf_moe.TABLES[family], Heads(HEADS, KV))
+    tensors = to_format(weights, hf_names.MOE_TABLES[family], Heads(HEADS, KV))
     write_moe_folder(tensors, cfg.model, family, tmp_path / "out", torch.float32, max_positions=64)
     assert (
         load_file(tmp_path / "out" / "model.safetensors").keys()
@@ -133,7 +133,7 @@ def test_a_malformed_moe_folder_is_one_line(tmp_path: Path, case: str) -> None:
 
 
 def test_a_dense_folder_for_a_model_with_experts_says_so(tmp_path: Path) -> None:
-    from internlm_offload.weights.hf_folder import llama_values
+    from internlm_offload.model.families.internlm2.hf_export import llama_values
 
     cfg = resolve_config({"model": dict(num_experts=E, top_k=K)})
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **llama_values(cfg.model)}))
@@ -153,10 +153,10 @@ def test_an_architecture_no_transformers_family_holds_is_refused_on_export() -> 
     """InternEvo's softmax-mixed shared expert has no transformers counterpart: one line, no folder."""
     cfg = resolve_config({"model": dict(num_experts=E, top_k=K, num_shared_experts=1, shared_expert_gate="softmax")})
     with pytest.raises(CheckpointError, match="model.shared_expert_gate='softmax' \\(Qwen2-MoE's gate is a sigmoid\\)"):
-        hf_moe.family_of(cfg.model)
+        hf_export.family_of(cfg.model)
     cfg = resolve_config({"model": dict(num_layers=4, num_experts=E, top_k=K, decoder_sparse_step=2)})
     with pytest.raises(CheckpointError, match="holds dense blocks \\[0, 2\\] \\(Mixtral's are all sparse\\)"):
-        hf_moe.family_of(cfg.model)
+        hf_export.family_of(cfg.model)
 
 
 # ----------------------------------------------------------------------------- InternEvo's MoE files
@@ -297,7 +297,7 @@ def test_a_router_bias_family_has_no_native_model_section(family: str) -> None:
 
     hf = AutoConfig.for_model(family).to_dict()  # transformers' defaults: DeepSeek-V3 is the 671B shape
     with pytest.raises(CheckpointError) as err:
-        hf_moe.model_section(hf, "/models/x/config.json")
+        hf_config.model_section(hf, "/models/x/config.json")
     message = str(err.value)
     assert message.startswith(f"/models/x/config.json: model_type={family!r}; the native mixture of experts")
     assert "qwen3_moe, qwen2_moe, mixtral" in message and "\n" not in message

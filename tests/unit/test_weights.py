@@ -15,8 +15,9 @@ import torch
 from internlm_offload.builder import build_model
 from internlm_offload.config import resolve_config
 from internlm_offload.errors import CheckpointError
+from internlm_offload.model.families.internlm2.hf_names import HF_INTERNLM2, HF_LLAMA
 from internlm_offload.weights.convert import Heads, to_format, to_native
-from internlm_offload.weights.names import HF_INTERNLM2, HF_LLAMA, INTERNEVO, META_LLAMA
+from internlm_offload.weights.names import INTERNEVO, META_LLAMA
 from internlm_offload.weights.qkv import fuse_wqkv, split_wqkv
 from internlm_offload.weights.shards import merge_pieces
 from internlm_offload.weights.sources import foreign_source, read_native_weights
@@ -349,7 +350,7 @@ def write_hf_folder(folder: Path, reference: dict[str, torch.Tensor]) -> None:
     """A Hugging Face Llama folder of `reference`: config.json and one model.safetensors."""
     from safetensors.torch import save_file
 
-    from internlm_offload.weights.hf_folder import llama_values
+    from internlm_offload.model.families.internlm2.hf_export import llama_values
 
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", **llama_values(run_config().model)}))

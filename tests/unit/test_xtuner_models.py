@@ -7,8 +7,8 @@ import pytest
 from transformers import Qwen3Config, Qwen3MoeConfig
 
 from internlm_offload.config import ModelConfig, intermediate_size
+from internlm_offload.model.families.internlm2.hf_config import model_section
 from internlm_offload.tools import from_xtuner
-from internlm_offload.weights import hf_moe
 from internlm_offload.xtuner.models import ModelClassError, model_from_xtuner
 from internlm_offload.xtuner.standins import StandIn, load_trainer
 from internlm_offload.xtuner.translate import translate_trainer
@@ -73,7 +73,7 @@ def test_get_model_config_from_hf_reads_a_local_qwen3_moe_or_qwen3_folder(tmp_pa
     moe = Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, vocab_size=96)
     moe.save_pretrained(tmp_path / "moe")
     model, loss, _ = model_from_xtuner(StandIn("get_model_config_from_hf")(str(tmp_path / "moe")))
-    expected = {"type": "internlm2", **hf_moe.model_section(moe.to_dict())}
+    expected = {"type": "internlm2", **model_section(moe.to_dict())}
     expected["moe_layer_kwargs"] = {**expected["moe_layer_kwargs"], "aux_loss_by_layer": True}
     assert model == expected and loss == {"moe_loss_coeff": 0.001}
     assert (model["num_experts"], model["top_k"], model["head_dim"], model["qk_norm"]) == (8, 2, 32, True)

@@ -65,4 +65,4 @@ def aux_loss_coefficients(cfg: RunConfig, model: InternLM2) -> dict[str, float]:
 def lora_targets(cfg: ModelConfig) -> list[str]:
     """`model.lora.target_modules` as the decoder names its linears (Hugging Face names translated)."""
     assert cfg.lora is not None
-    return native_targets(cfg.lora)
+    return native_targets(cfg.lora, cfg.type)

@@ -66,7 +66,7 @@ def test_each_family_builds_its_internevo_layer(
     assert moe.router.normalize_weights and moe.router.scoring_func == "softmax"
     if shared:
         assert moe.coefficient.weight.shape == ((1, m.hidden_size) if gate == "sigmoid" else (2, m.hidden_size))
-    assert model.aux_loss_by_layer == (path != QWEN3)  # Qwen: one loss from all layers' router logits
+    assert model.args.aux_loss_by_layer == (path != QWEN3)  # Qwen: one loss from all layers' router logits
 
 
 def test_moe16_takes_internevos_top_k_default_and_width_rounding():

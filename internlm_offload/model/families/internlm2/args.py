@@ -4,8 +4,14 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-from internlm_offload.config import intermediate_size
 from internlm_offload.model.attention import check_attn_impl
+from internlm_offload.model.families.internlm2.hf_rules import (
+    model_biases,
+    model_dense_width,
+    model_expert_width,
+    model_head_dim,
+    model_sparse_blocks,
+)
 
 
 @dataclass(frozen=True)
@@ -49,32 +55,28 @@ class InternLM2Args:
 
     @property
     def attention_head_dim(self) -> int:
-        """Each head's width: `head_dim` (Qwen3 sets its own), else hidden_size / num_attention_heads."""
-        return self.head_dim or self.hidden_size // self.num_attention_heads
+        """Each head's width (hf_rules.head_dim: `head_dim`, else hidden_size / num_attention_heads)."""
+        return model_head_dim(self)
 
     @property
     def projection_biases(self) -> tuple[bool, bool]:
-        """(on wq, wk, wv; on wo), each `attention_bias` unless given apart."""
-        qkv = self.attention_bias if self.qkv_bias is None else self.qkv_bias
-        return qkv, self.attention_bias if self.o_bias is None else self.o_bias
+        """(on wq, wk, wv; on wo), each `attention_bias` unless given apart (hf_rules.model_biases)."""
+        return model_biases(self)
 
     @property
     def expert_width(self) -> int:
         """The SwiGLU width of `mlp_ratio` (a dense model's, and each expert's)."""
-        return intermediate_size(self.hidden_size, self.mlp_ratio, self.multiple_of)
+        return model_expert_width(self)
 
     @property
     def dense_width(self) -> int:
         """The SwiGLU width of a dense block: `dense_intermediate_size` among experts, else the expert width."""
-        return self.dense_intermediate_size or self.expert_width
+        return model_dense_width(self)
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:
-        """The sparse blocks: with experts, those not in `mlp_only_layers` and on the `decoder_sparse_step`."""
-        if self.num_experts == 0:
-            return ()
-        step = self.decoder_sparse_step
-        return tuple(i for i in range(self.num_layers) if i not in self.mlp_only_layers and (i + 1) % step == 0)
+        """The sparse blocks (hf_rules.sparse_blocks, Qwen's rule): none without experts."""
+        return tuple(model_sparse_blocks(self))
 
     @property
     def moe_options(self) -> dict[str, Any]:

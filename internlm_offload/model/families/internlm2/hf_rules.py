@@ -8,9 +8,29 @@ the messages that compare them quote the file.
 """
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
-from internlm_offload.config import ModelConfig, intermediate_size
+from internlm_offload.config import intermediate_size
+
+
+class NativeKeys(Protocol):
+    """The native model's keys the `model_*` rules read: a `model` section (config.ModelConfig) or the decoder's own
+    arguments (args.InternLM2Args), which name them alike."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    head_dim: int | None
+    attention_bias: bool
+    qkv_bias: bool | None
+    o_bias: bool | None
+    mlp_ratio: float
+    multiple_of: int
+    num_experts: int
+    mlp_only_layers: Any
+    decoder_sparse_step: int
+    dense_intermediate_size: int | None
+
 
 # transformers' defaults (Llama's) of the keys a config.json may leave out.
 _DEFAULTS = {"tie_word_embeddings": False, "rms_norm_eps": 1e-6}
@@ -51,7 +71,7 @@ def head_dim(hidden: int, heads: int, given: int | None = None) -> int:
     return given or hidden // heads
 
 
-def model_head_dim(model: ModelConfig) -> int:
+def model_head_dim(model: NativeKeys) -> int:
     """The native model's head width (`head_dim` over `model.head_dim`)."""
     return head_dim(model.hidden_size, model.num_attention_heads, model.head_dim)
 
@@ -68,7 +88,7 @@ def folder_biases(hf: dict[str, Any]) -> tuple[bool, bool]:
     return biased, biased
 
 
-def model_biases(model: ModelConfig) -> tuple[bool, bool]:
+def model_biases(model: NativeKeys) -> tuple[bool, bool]:
     """(q/k/v, o) biases of the native model: `model.qkv_bias` and `model.o_bias` (InternEvo's), each
     `model.attention_bias` (Llama's) unless set."""
     qkv = model.attention_bias if model.qkv_bias is None else model.qkv_bias
@@ -91,7 +111,7 @@ def folder_sparse_blocks(hf: dict[str, Any]) -> list[int]:
     return sparse_blocks(layers, hf.get("mlp_only_layers") or (), hf.get("decoder_sparse_step") or 1)
 
 
-def model_sparse_blocks(model: ModelConfig) -> list[int]:
+def model_sparse_blocks(model: NativeKeys) -> list[int]:
     """The native model's sparse blocks: none without experts, else by `sparse_blocks` of its keys."""
     if not model.num_experts:
         return []
@@ -114,12 +134,12 @@ def expert_width(hf: dict[str, Any]) -> int:
     return hf["intermediate_size"] if hf.get("model_type") == "mixtral" else hf["moe_intermediate_size"]
 
 
-def model_expert_width(model: ModelConfig) -> int:
+def model_expert_width(model: NativeKeys) -> int:
     """The native model's expert (or dense MLP) width: hidden_size * mlp_ratio, rounded to `multiple_of`."""
     return intermediate_size(model.hidden_size, model.mlp_ratio, model.multiple_of)
 
 
-def model_dense_width(model: ModelConfig) -> int:
+def model_dense_width(model: NativeKeys) -> int:
     """A dense block's width beside sparse ones: `model.dense_intermediate_size`, the expert width unless set."""
     return model.dense_intermediate_size or model_expert_width(model)
 

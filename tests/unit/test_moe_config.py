@@ -56,7 +56,9 @@ def test_keys_reach_the_model() -> None:
     dense, sparse = model.layers[0], model.layers[1]
     assert not isinstance(dense.feed_forward, MoE) and dense.feed_forward.w1.weight.shape == (96, 128)
     moe = sparse.feed_forward
-    assert moe.router.scoring_func == "sigmoid" and moe.router.scaling_factor == 2.0 and not model.args.aux_loss_by_layer
+    assert (
+        moe.router.scoring_func == "sigmoid" and moe.router.scaling_factor == 2.0 and not model.args.aux_loss_by_layer
+    )
     assert moe.shared_expert_gate == "sigmoid" and moe.coefficient.weight.shape == (1, 128)
     attn = sparse.attention
     assert attn.head_dim == 48 and attn.q_norm is not None and attn.wq.bias is not None and attn.wo.bias is None

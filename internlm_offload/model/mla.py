@@ -3,6 +3,12 @@ bottleneck, keys and values expanded per head from one normed latent per token, 
 whose key part all heads share. Module names are transformers' (`DeepseekV3Attention`), so its weights load by name.
 
 Per head, q and k are [nope (dn) | rope (dr)] and v is dv wide; dv may differ from dn + dr (`attend` takes it).
+
+Saved for backward, per token and block (C hidden, H heads, qr / kr the ranks): the input x (C, read by q_a_proj and
+kv_a_proj_with_mqa); each latent norm's float32 input and normalised output (2 qr + 2 kr, and 2 rsqrt) and the
+projections' inputs after them (qr, kr); the kernel's q and k (H (dn + dr) each), v (H dv) and its output and
+logsumexp (flash / efficient sdpa); o_proj's input (H dv). RoPE's (cos, sin) are one pair for all blocks. In
+training MLA saves about what multi-head attention of H heads would: the latents shrink only the projections.
 """
 
 from collections.abc import Iterator
@@ -85,6 +91,8 @@ class MultiLatentAttention(nn.Module, ExchangesSequence):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, dr], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, -1, dn + self.v_head_dim)
         k_nope, v = kv.split([dn, self.v_head_dim], dim=-1)  # (B, T, H, dn), (B, T, H, dv)
+        # the kernel saves v for backward: a view would keep all of kv alive, k_nope's H x dn included
+        v = v.contiguous()
         rotate = apply_rope_interleaved if self.rope_interleave else apply_rope
         cos, sin = rope
         q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope[:, :, None], cos, sin)  # k_rope (B, T, 1, dr)

@@ -38,6 +38,7 @@ class PipelineChunk(nn.Module, ShardsSequence):
         self.output = model.output if last else None
         # what Decoder.rope_cos_sin reads, so that every stage computes RoPE as the whole model does
         self.rope_dim, self.rope_base = model.rope_dim, model.rope_base
+        self.inv_freq_fn, self.rope_attention_factor = model.inv_freq_fn, model.rope_attention_factor
         self.register_buffer("inv_freq", model.inv_freq, persistent=False)
         self.sequence_parts = 1  # msp / fsp / isp over T ranks: T (set by the builder)
 
@@ -54,8 +55,8 @@ class PipelineChunk(nn.Module, ShardsSequence):
             if self.first:
                 x, seq_len = shard.local(x), seq_len // shard.size
         h = self.tok_embeddings(x) if self.first else x
-        inv_freq = float32_inv_freq(self.inv_freq, self.rope_dim, self.rope_base)
-        rope = rope_cos_sin(inv_freq, seq_len, h.dtype, position_ids)
+        inv_freq = float32_inv_freq(self.inv_freq, self.rope_dim, self.rope_base, self.inv_freq_fn)
+        rope = rope_cos_sin(inv_freq, seq_len, h.dtype, position_ids, self.rope_attention_factor)
         for layer in self.layers.values():
             h = layer(h, rope, documents)
         return self.output(self.norm(h)) if self.last else h

@@ -1,8 +1,10 @@
 """Attention the decoder families share: packed documents, the kernel dispatch (sdpa / flash-attn), and grouped-query
-self-attention with rotary embeddings (InternLM2, Llama, Qwen2/3: biases, head_dim and q/k norms as options).
+self-attention with rotary embeddings (InternLM2, Llama, Qwen2/3, GLM-4.5: biases, head_dim, q/k norms and partial
+rotary as options).
 
-A new attention module (MLA, sliding windows, sinks) takes the same (x, rope, documents) and calls `attend` for
-the kernel; under isp it declares `ExchangesSequence` (model/hooks.py) and exchanges heads around it.
+Another attention module (model/mla.py's multi-head latent attention; sliding windows, sinks) takes the same
+(x, rope, documents) and calls `attend` for the kernel; under isp it declares `ExchangesSequence` (model/hooks.py)
+and exchanges heads around it.
 """
 
 import functools
@@ -15,7 +17,7 @@ from torch import nn
 from internlm_offload.model.hooks import ExchangesSequence
 from internlm_offload.model.mlp import ParamInit, normal_init
 from internlm_offload.model.norm import RMSNorm
-from internlm_offload.model.rope import apply_rope
+from internlm_offload.model.rope import apply_partial_rope, apply_rope
 from internlm_offload.offload.activation import mark_not_offload
 
 ATTN_IMPLS = ("sdpa", "flash", "auto")
@@ -95,23 +97,47 @@ def uses_flash(attn_impl: str, x: torch.Tensor) -> bool:
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None, *, flash: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: Documents | None,
+    *,
+    flash: bool,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention (within documents) of (B, S, H, D) queries over (B, S, KVH, D) keys and values: (B, S, H, D)."""
+    """Causal attention (within documents) of (B, S, H, D) queries over (B, S, KVH, D) keys and (B, S, KVH, Dv)
+    values: (B, S, H, Dv). `scale` multiplies q.k before the softmax (None: D^-0.5)."""
+    if flash and v.shape[-1] != q.shape[-1]:
+        return _flash_with_padded_heads(q, k, v, documents, scale)
     B, S = q.shape[:2]
     if flash and documents is not None:
         # varlen over the flattened batch; S bounds every document's length (no host sync for the max)
         cu = documents.cu_seqlens
         flat = (t.flatten(0, 1) for t in (q, k, v))  # (B*S, H or KVH, D)
-        return _flash_attn_varlen_func()(*flat, cu, cu, S, S, causal=True).view(B, S, -1, v.shape[-1])
+        out = _flash_attn_varlen_func()(*flat, cu, cu, S, S, softmax_scale=scale, causal=True)
+        return out.view(B, S, -1, v.shape[-1])
     if flash:
-        return _flash_attn_func()(q, k, v, causal=True)  # flash-attn takes (B, T, H, D) and fewer kv heads itself
+        # flash-attn takes (B, T, H, D) and fewer kv heads itself
+        return _flash_attn_func()(q, k, v, softmax_scale=scale, causal=True)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H or KVH, S, D)
     if documents is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, S, D)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)  # (B, H, S, Dv)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask, enable_gqa=True)
-    return out.transpose(1, 2)  # (B, S, H, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)  # (B, S, H, Dv)
+
+
+def _flash_with_padded_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None, scale: float | None
+) -> torch.Tensor:
+    """flash-attn of values apart from q and k in width (MLA: Dv != D): it takes one head width, so the narrower
+    side is zero-padded (XTuner pads v) and the output sliced back to Dv. Zero columns of v give zero outputs, zero
+    columns of q and k add nothing to q.k; the scale stays the unpadded D's."""
+    d, dv = q.shape[-1], v.shape[-1]
+    width = max(d, dv)
+    q, k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+    out = attend(q, k, v, documents, flash=True, scale=d**-0.5 if scale is None else scale)
+    return out[..., :dv]
 
 
 class Attention(nn.Module, ExchangesSequence):
@@ -130,13 +156,18 @@ class Attention(nn.Module, ExchangesSequence):
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
         o_bias: bool | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
-        """`bias` is on wq, wk, wv, and on wo unless `o_bias` says otherwise (Qwen2: q, k, v only). `head_dim`
-        defaults to hidden_size / n_heads (Qwen3 sets its own); `qk_norm` RMS-normalises q and k per head."""
+        """`bias` is on wq, wk, wv, and on wo unless `o_bias` says otherwise (Qwen2, GLM-4.5: q, k, v only).
+        `head_dim` defaults to hidden_size / n_heads (Qwen3 sets its own); `qk_norm` RMS-normalises q and k per head.
+        RoPE rotates the first `rotary_dim` dims of each head (default all; GLM-4.5 half) and passes the rest."""
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim or hidden_size // n_heads
+        self.rotary_dim = self.head_dim if rotary_dim is None else rotary_dim
+        if self.rotary_dim > self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim={rotary_dim} must be even and at most head_dim={self.head_dim}")
         self.attn_impl = attn_impl
         self.wq = nn.Linear(hidden_size, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=bias)
@@ -156,8 +187,9 @@ class Attention(nn.Module, ExchangesSequence):
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, KVH, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        rotate = apply_rope if self.rotary_dim == self.head_dim else apply_partial_rope
         cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         exchange = self.sequence_exchange
         if exchange is not None:  # isp: this rank's tokens of all heads -> all tokens of its heads
             q, k, v = (exchange(t, scatter_dim=2, gather_dim=1) for t in (q, k, v))

@@ -19,7 +19,7 @@ from internlm_offload.model.hooks import HasTensorPlan, RecordsRouterStats, Shar
 from internlm_offload.model.mlp import ParamInit, normal_init
 from internlm_offload.model.norm import RMSNorm
 from internlm_offload.model.output import ModelOutput
-from internlm_offload.model.rope import float32_inv_freq, rope_cos_sin, rope_inv_freq
+from internlm_offload.model.rope import InvFreqFn, float32_inv_freq, rope_cos_sin, rope_inv_freq
 from internlm_offload.model.router import RouterStats
 
 # What `Decoder.init_weights` does with each (parameter, init): by default `init(parameter)`.
@@ -73,13 +73,19 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
         tie_word_embeddings: bool,
         init_std: float,
         block: Callable[[int], nn.Module],
+        inv_freq_fn: InvFreqFn = rope_inv_freq,
+        rope_attention_factor: float = 1.0,
     ) -> None:
-        """`block(i)` builds block i (on meta); RoPE rotates `rope_dim` dims of each head at base `rope_base`."""
+        """`block(i)` builds block i (on meta); RoPE rotates `rope_dim` dims of each head at base `rope_base`, at
+        the frequencies `inv_freq_fn(rope_dim, rope_base, device)` makes, its cos and sin times
+        `rope_attention_factor` (a family's scaled rope, e.g. YaRN: model/rope.py `rope_from_parameters`)."""
         super().__init__()
         self.num_layers = num_layers
         self.vocab_size = vocab_size
         self.rope_dim = rope_dim
         self.rope_base = rope_base
+        self.inv_freq_fn = inv_freq_fn
+        self.rope_attention_factor = rope_attention_factor
         self.init_std = init_std
         self.tie_word_embeddings = tie_word_embeddings
         device = torch.get_default_device()
@@ -89,7 +95,7 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
             self.norm = RMSNorm(hidden_size, norm_eps)
             self.output = nn.Linear(hidden_size, vocab_size, bias=False)
             # Non-persistent: derived from config, so checkpoints hold only parameters.
-            self.register_buffer("inv_freq", rope_inv_freq(rope_dim, rope_base), persistent=False)
+            self.register_buffer("inv_freq", inv_freq_fn(rope_dim, rope_base, None), persistent=False)
         if tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.to_empty(device=device)
@@ -103,7 +109,7 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
             # to_empty from meta makes a new Parameter per module, which unties a shared weight
             self.output.weight = self.tok_embeddings.weight
         with torch.no_grad():
-            self.inv_freq.copy_(rope_inv_freq(self.rope_dim, self.rope_base, self.inv_freq.device))
+            self.inv_freq.copy_(self.inv_freq_fn(self.rope_dim, self.rope_base, self.inv_freq.device))
             for param, init in self.param_inits():
                 if apply is None:
                     init(param)
@@ -124,8 +130,8 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
     def rope_cos_sin(self, seq_len: int, dtype: torch.dtype, position_ids: torch.Tensor | None = None) -> Rope:
         """(cos, sin) for positions 0..T-1, each (T, rope_dim), or for `position_ids` (B, T), each (B, T,
         rope_dim); computed in float32, cast to `dtype`."""
-        inv_freq = float32_inv_freq(self.inv_freq, self.rope_dim, self.rope_base)
-        return rope_cos_sin(inv_freq, seq_len, dtype, position_ids)
+        inv_freq = float32_inv_freq(self.inv_freq, self.rope_dim, self.rope_base, self.inv_freq_fn)
+        return rope_cos_sin(inv_freq, seq_len, dtype, position_ids, self.rope_attention_factor)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> ModelOutput:
         """Logits (B, T, V) for input_ids (B, T), in the model's dtype, and the auxiliary losses of its sparse blocks

@@ -105,8 +105,11 @@ class MoE(nn.Module, DispatchesExperts, RecordsRouterStats):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, H)
         routing = self.router(x)
+        # computed in a recompute too, then dropped: activation checkpointing wants the tensors the recompute saves
+        # to be the forward's (a sigmoid router's stats save a softmax of their own)
+        stats = self.router.stats(routing)
         if self.stats_sink is not None:
-            self.stats_sink.append(self.router.stats(routing))
+            self.stats_sink.append(stats)
         expert_ids = routing.indices
         if self.drop_tokens:
             capacity = gshard_capacity(

@@ -11,6 +11,7 @@ from torch import nn
 from internlm_offload.log import get_logger
 from internlm_offload.model.attention import document_mask
 from internlm_offload.model.hf_routers import BIAS, RouterTaps
+from internlm_offload.model.hooks import KeepsFp32Buffers
 from internlm_offload.model.output import MOE_AUX, ModelOutput
 
 logger = get_logger(__name__)
@@ -180,7 +181,7 @@ def _short(exc: BaseException) -> str:
     return text if len(text) < 200 else text[:197] + "..."
 
 
-class HFCausalLM(nn.Module):
+class HFCausalLM(nn.Module, KeepsFp32Buffers):
     """Wraps `AutoModelForCausalLM`, built from a local checkpoint (`path`) or a config dict (`config`).
 
     `forward` returns a `ModelOutput`: for a mixture-of-experts model with its router load-balancing loss

@@ -286,7 +286,7 @@ class HFCausalLM(nn.Module, KeepsFp32Buffers):
             kwargs["position_ids"] = position_ids
             if "flash" not in self.attn_impl:
                 kwargs["attention_mask"] = _document_mask(position_ids, self.hf_model.dtype)
-        with self.routers.tap() as router_logits:
+        with self.routers.tap(count=self.training) as router_logits:
             out = self.hf_model(input_ids=input_ids, use_cache=False, **kwargs)
         if not self.aux_loss_coefficients:
             return ModelOutput(out.logits)

@@ -26,14 +26,22 @@ STEPS = ["data.total_steps=4", "data.global_bsz=8", "model.dtype=torch.float32",
 BIASES = "feed_forward.router.e_score_correction_bias"
 
 
-def test_ep_2_by_expert_data_2_moves_the_bias_as_one_process(tmp_path):
-    """Four ranks, expert groups {0, 1} and {2, 3}: each step's choices, pooled over all four (the expert-data and the
-    expert ranks), give one process's counts (XTuner's maxvio the same at every step) and its biases, bit for bit,
-    saved once; the losses within 1e-5. Pooling over an expert group or an expert-data pair alone would see half the
-    tokens."""
-    one, four = tmp_path / "one_process", tmp_path / "ep2_edp2"
-    train(one, *STEPS, *CALM, *BIAS_ROUTER, config=MOE)
-    proc = train(four, *STEPS, *CALM, *BIAS_ROUTER, "parallel.mode=ddp", "parallel.expert.size=2", config=MOE, nproc=4)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    run = tmp_path_factory.mktemp("bias") / "one_process"
+    train(run, *STEPS, *CALM, *BIAS_ROUTER, config=MOE)
+    return run
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_ep_2_by_expert_data_2_moves_the_bias_as_one_process(tmp_path, one_process, mode):
+    """Four ranks, expert groups {0, 1} and {2, 3}, under DDP and under FSDP2 (its meta build zeroes the bias): each
+    step's choices, pooled over all four (the expert-data and the expert ranks), give one process's counts (XTuner's
+    maxvio the same at every step) and its biases, bit for bit, saved once; the losses within 1e-5. Pooling over an
+    expert group or an expert-data pair alone would see half the tokens."""
+    one, four = one_process, tmp_path / "ep2_edp2"
+    layout = [f"parallel.mode={mode}", "parallel.expert.size=2"]
+    proc = train(four, *STEPS, *CALM, *BIAS_ROUTER, *layout, config=MOE, nproc=4)
     assert "Applied expert parallel over 2 ranks (2 expert-data groups)" in proc.stderr
     assert "Router bias: the e_score_correction_bias of 4 routers moves against its experts' load" in proc.stderr
     assert [r["moe_maxvio"] for r in metrics(four)] == [r["moe_maxvio"] for r in metrics(one)]

@@ -26,6 +26,7 @@ from internlm_offload.family import capabilities, family_spec
 from internlm_offload.log import get_logger
 from internlm_offload.model.hf_routers import RouterTaps
 from internlm_offload.model.lora import adapter_parameters, apply_lora, draw_adapters
+from internlm_offload.model.moe import BiasBlocks
 from internlm_offload.model.quantized import quantize_base
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
 from internlm_offload.offload.hosted_base import HostedBase, frozen_linears, hosted_tensors
@@ -184,19 +185,28 @@ def build_bare_model(
 
 
 def router_bias_update(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> RouterBiasUpdate | None:
-    """The once-a-step bias update of a model whose routers pick experts with an `e_score_correction_bias`."""
+    """The once-a-step bias update of a model whose routers pick experts with an `e_score_correction_bias`: a
+    transformers model's (its router taps) or a native model's (its sparse blocks with a bias router)."""
     taps = getattr(model, "routers", None)
-    if not isinstance(taps, RouterTaps) or not taps.bias_routers:
+    if isinstance(taps, RouterTaps):
+        biases, choices, routers = taps.biases, taps.choices, len(taps.bias_routers)
+    else:
+        blocks = BiasBlocks(model)
+        biases, choices, routers = blocks.biases, blocks, len(blocks.blocks)
+    if not routers:
         return None
     speed = cfg.model.router_bias_update_speed
     logger.info(
         "Router bias: the e_score_correction_bias of %d routers %s (model.router_bias_update_speed=%g)",
-        len(taps.bias_routers),
+        routers,
         "moves against its experts' load once a step" if speed > 0 else "stays as loaded",
         speed,
     )
-    # hf_causal_lm runs under none, DDP or FSDP2: every rank holds every router, and all of them are data parallel
-    return RouterBiasUpdate(taps.biases, taps.choices, speed, distributed=ctx.distributed)
+    # Pooled over every rank (group None): each holds every router whole (expert parallel shards the experts, tensor
+    # parallel keeps a sparse block whole) and routes tokens of its own (the data and expert-data ranks; the tensor
+    # ranks' chunks of the sequence under isp and under mtp/msp/fsp with experts), so the sums count each token
+    # once and leave every replica of a bias equal with no broadcast.
+    return RouterBiasUpdate(biases, choices, speed, distributed=ctx.distributed)
 
 
 def build_probe_model(cfg: ModelConfig) -> nn.Module:

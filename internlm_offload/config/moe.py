@@ -11,7 +11,15 @@ MOE_TYPES = ("GShard", "Dropless")  # InternEvo's `moe_type`s built here (model/
 # `moe_layer_kwargs` keys that exist for one moe_type only (InternEvo's layer constructors raise TypeError on the
 # others; here one line says which type takes them).
 GSHARD_ONLY = ("capacity_factor", "min_capacity", "drop_tokens")
-DROPLESS_ONLY = ("normalize_expert_weights", "scoring_func", "routed_scaling_factor", "aux_loss_by_layer")
+DROPLESS_ONLY = (
+    "normalize_expert_weights",
+    "scoring_func",
+    "routed_scaling_factor",
+    "aux_loss_by_layer",
+    "score_correction_bias",
+    "n_group",
+    "topk_group",
+)
 
 
 class MoeLayerKwargsConfig(Section):
@@ -42,6 +50,26 @@ class MoeLayerKwargsConfig(Section):
         "softmax", description="Dropless: router scores; GShard always scores by softmax."
     )
     routed_scaling_factor: float = Field(1.0, gt=0, description="Dropless: the routed weights are multiplied by it.")
+    score_correction_bias: bool = Field(
+        False,
+        description="Dropless, sigmoid scores: DeepSeek-V3's noaux_tc router (transformers' `topk_method='noaux_tc'`, "
+        "its `e_score_correction_bias`): a per-expert fp32 bias, zero at the start, saved in checkpoints, is added to "
+        "the scores only to choose the top-k; the weights stay the unbiased scores. Once a step it moves by "
+        "`model.router_bias_update_speed` against each expert's load (auxiliary-loss-free balancing).",
+    )
+    n_group: int = Field(
+        1,
+        ge=1,
+        description="Dropless, with `score_correction_bias`: DeepSeek-V3's group-limited routing (transformers' "
+        "`n_group`): the experts in `n_group` equal groups, each scored by the sum of its 2 best biased scores; "
+        "the top-k are chosen in the `topk_group` best groups only (the others masked with -inf). 1: no groups.",
+    )
+    topk_group: int = Field(
+        1,
+        ge=1,
+        description="Dropless, with `score_correction_bias`: groups kept per token (transformers' `topk_group`; "
+        "DeepSeek-V3: 4 of 8). `topk_group == n_group` keeps every group.",
+    )
 
 
 def check_moe(model: Any) -> None:
@@ -74,11 +102,46 @@ def check_moe(model: Any) -> None:
                 f"model.moe_layer_kwargs.{key} is a moe_type='{owner}' option; model.moe_type={model.moe_type!r}"
                 " does not take it"
             )
+    check_bias_router(model)
     bad = [i for i in model.mlp_only_layers if not 0 <= i < model.num_layers]
     if bad:
         raise ValueError(
             f"model.mlp_only_layers={model.mlp_only_layers}: {bad[0]} is not a block in [0, {model.num_layers})"
         )
+
+
+def check_bias_router(model: Any) -> None:
+    """DeepSeek-V3's router keys: the bias with sigmoid scores only, groups only with the bias, groups that fit."""
+    kwargs, key = model.moe_layer_kwargs, "model.moe_layer_kwargs"
+    if kwargs.score_correction_bias and kwargs.scoring_func != "sigmoid":
+        raise ValueError(
+            f"{key}.score_correction_bias=True is DeepSeek-V3's sigmoid router: {key}.scoring_func="
+            f"{kwargs.scoring_func!r} must be 'sigmoid'"
+        )
+    grouped = kwargs.n_group != 1 or kwargs.topk_group != 1
+    if grouped and not kwargs.score_correction_bias:
+        raise ValueError(
+            f"{key}.n_group={kwargs.n_group}, topk_group={kwargs.topk_group}: group-limited routing is DeepSeek-V3's "
+            f"noaux_tc router's; set {key}.score_correction_bias=True (and scoring_func='sigmoid')"
+        )
+    problem = group_problem(model.num_experts, model.top_k, kwargs.n_group, kwargs.topk_group, f"{key}.")
+    if problem:
+        raise ValueError(problem)
+
+
+def group_problem(num_experts: int, top_k: int, n_group: int, topk_group: int, prefix: str = "") -> str | None:
+    """What is wrong with routing `top_k` of `num_experts` experts within the `topk_group` best of `n_group` groups
+    (transformers' names; `prefix` before each key); None if nothing."""
+    if n_group < 1 or not 1 <= topk_group <= n_group:
+        return f"{prefix}topk_group={topk_group} must be in [1, {prefix}n_group={n_group}]"
+    if num_experts % n_group:
+        return f"{prefix}n_group={n_group} must divide the {num_experts} experts"
+    size = num_experts // n_group
+    if topk_group < n_group and size < 2:  # a group scores the sum of its 2 best
+        return f"{prefix}n_group={n_group} leaves groups of 1 expert; a group is scored by its 2 best"
+    if topk_group * size < top_k:
+        return f"{prefix}topk_group={topk_group} groups of {size} experts hold fewer than top_k={top_k}"
+    return None
 
 
 def moe_kwargs(model: Any) -> dict[str, Any]:

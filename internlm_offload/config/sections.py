@@ -125,11 +125,12 @@ class ModelConfig(Section):
     moe_use_residual: Optional[bool] = Field(
         None, description="InternEvo's legacy name: True is `num_shared_experts=1`."
     )
-    shared_expert_gate: Literal["softmax", "sigmoid"] = Field(
+    shared_expert_gate: Literal["softmax", "sigmoid", "none"] = Field(
         "softmax",
         description="How shared experts mix in: `softmax`, out = routed * c0 + shared * c1 with c = softmax(Linear(H, "
         "2)) (InternEvo's InternLM-MoE and Mixtral); `sigmoid`, out = routed + sigmoid(Linear(H, 1, no bias)) * "
-        "shared (Qwen2-MoE's `shared_expert_gate`).",
+        "shared (Qwen2-MoE's `shared_expert_gate`); `none`, out = routed + shared, no gate (DeepSeek-V3's and GLM-4.5's "
+        "`shared_experts`, `n_shared_experts` of `moe_intermediate_size` each).",
     )
     moe_layer_kwargs: MoeLayerKwargsConfig = Field(
         default_factory=MoeLayerKwargsConfig, description="InternEvo's per-layer MoE options (below)."
@@ -150,9 +151,10 @@ class ModelConfig(Section):
         0.001,
         ge=0,
         description="Routers that pick experts with an `e_score_correction_bias` (DeepSeek-V3's auxiliary-loss-free "
-        "balancing; `hf_causal_lm` models of deepseek_v3, deepseek_v32, glm4_moe, glm4_moe_lite, glm_moe_dsa): once a "
-        "step, after backward and before clipping, each router's bias goes down by this much for the experts chosen "
-        "more often than the router's mean over the step's tokens (all micro-batches, all ranks) and up for those "
+        "balancing; `hf_causal_lm` models of deepseek_v3, deepseek_v32, glm4_moe, glm4_moe_lite, glm_moe_dsa; native "
+        "sparse blocks with `moe_layer_kwargs.score_correction_bias`): once a step, after backward and before "
+        "clipping, each router's bias goes down by this much for the experts chosen more often than the router's mean "
+        "over the step's training tokens (all micro-batches, all ranks) and up for those "
         "chosen less (XTuner's `router_bias_update_speed`; the bias is an fp32 buffer, saved in checkpoints). 0: the "
         "bias stays as loaded. `moe_maxvio` in metrics.jsonl: XTuner's max violation of those counts. No effect on "
         "other models.",

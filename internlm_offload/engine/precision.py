@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from internlm_offload.log import get_logger
+from internlm_offload.model.hooks import KeepsFp32Buffers
 from internlm_offload.model.quantized import scale_tensors
 from internlm_offload.optim.dtensor import laid_out_like, local_shard
 from internlm_offload.optim.records import ParamRecord
@@ -367,10 +368,11 @@ def cast_model(
 
 @contextlib.contextmanager
 def fp32_buffers_kept(model: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """The buffers a model keeps in fp32 whatever the compute dtype (its `fp32_buffers()`, e.g. a router bias that
-    moves by 1e-3 a step) are the same tensors after a cast in the `with` body as before; yields them."""
-    declared = getattr(model, "fp32_buffers", None)
-    kept = [(module, name, getattr(module, name)) for module, name in (declared() if declared else [])]
+    """The buffers a model keeps in fp32 whatever the compute dtype (the `fp32_buffers()` of each of its modules that
+    declares `KeepsFp32Buffers`, e.g. a router bias that moves by 1e-3 a step) are the same tensors after a cast in
+    the `with` body as before; yields them."""
+    declared = [pair for m in model.modules() if isinstance(m, KeepsFp32Buffers) for pair in m.fp32_buffers()]
+    kept = [(module, name, getattr(module, name)) for module, name in declared]
     try:
         yield [tensor for _, _, tensor in kept]
     finally:

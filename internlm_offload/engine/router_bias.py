@@ -2,8 +2,9 @@
 
 Each router's `e_score_correction_bias` only picks experts (their weights come from the unbiased scores). After every
 micro-batch's backward and before clipping, the step's top-k choices per expert, counted on every token of every
-micro-batch, are summed over all ranks (every rank then holds the same counts and applies the same update: the
-biases stay replicated with no broadcast), and each bias moves by `speed` against its expert's load
+micro-batch (a transformers model's through its router taps, a native model's by its sparse blocks, never a
+forward recomputed in backward), are summed over all ranks (every rank then holds the same counts and applies the
+same update: the biases stay replicated with no broadcast), and each bias moves by `speed` against its expert's load
 (`model.router.bias_update`). The counts also give XTuner's `maxvio`, logged as `moe_maxvio`.
 """
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from internlm_offload.features import MemoryFeature
-from internlm_offload.model.router import ChoiceCounts, bias_update, max_violation
+from internlm_offload.model.router import StepChoices, bias_update, max_violation
 
 
 class RouterBiasUpdate(MemoryFeature):
@@ -26,7 +27,7 @@ class RouterBiasUpdate(MemoryFeature):
     def __init__(
         self,
         biases: Callable[[], list[torch.Tensor]],
-        choices: ChoiceCounts,
+        choices: StepChoices,
         speed: float,
         *,
         distributed: bool,

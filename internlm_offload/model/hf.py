@@ -11,6 +11,7 @@ from torch import nn
 from internlm_offload.log import get_logger
 from internlm_offload.model.attention import document_mask
 from internlm_offload.model.hf_routers import BIAS, RouterTaps
+from internlm_offload.model.hooks import KeepsFp32Buffers
 from internlm_offload.model.output import MOE_AUX, ModelOutput
 
 logger = get_logger(__name__)
@@ -180,7 +181,7 @@ def _short(exc: BaseException) -> str:
     return text if len(text) < 200 else text[:197] + "..."
 
 
-class HFCausalLM(nn.Module):
+class HFCausalLM(nn.Module, KeepsFp32Buffers):
     """Wraps `AutoModelForCausalLM`, built from a local checkpoint (`path`) or a config dict (`config`).
 
     `forward` returns a `ModelOutput`: for a mixture-of-experts model with its router load-balancing loss
@@ -285,7 +286,7 @@ class HFCausalLM(nn.Module):
             kwargs["position_ids"] = position_ids
             if "flash" not in self.attn_impl:
                 kwargs["attention_mask"] = _document_mask(position_ids, self.hf_model.dtype)
-        with self.routers.tap() as router_logits:
+        with self.routers.tap(count=self.training) as router_logits:
             out = self.hf_model(input_ids=input_ids, use_cache=False, **kwargs)
         if not self.aux_loss_coefficients:
             return ModelOutput(out.logits)

@@ -14,9 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from internlm_offload.model.router import ChoiceCounts, global_aux_loss, router_logits_stats
-
-BIAS = "e_score_correction_bias"
+from internlm_offload.model.router import BIAS, ChoiceCounts, global_aux_loss, router_logits_stats
 
 
 def logits_router_class(hf_model: nn.Module) -> tuple[type[nn.Module], int] | None:
@@ -84,10 +82,11 @@ class RouterTaps:
         return count
 
     @contextlib.contextmanager
-    def tap(self) -> Iterator[list[torch.Tensor]]:
-        """Record during the `with` body (the wrapper's forward): yields the list the router logits go to."""
+    def tap(self, count: bool = True) -> Iterator[list[torch.Tensor]]:
+        """Record during the `with` body (the wrapper's forward): yields the list the router logits go to; `count`:
+        the bias routers' choices too (a training forward's; a validation forward must not move the bias)."""
         logits: list[torch.Tensor] = []
-        self._logits, self._counting = (logits if self.aux_routers else None), True
+        self._logits, self._counting = (logits if self.aux_routers else None), count
         try:
             yield logits
         finally:

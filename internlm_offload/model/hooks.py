@@ -13,6 +13,8 @@
   reduce its experts' gradients apart (engine/parallel.py).
 - `RecordsRouterStats` (a sparse block: `MoE`): the router statistics of the model's own forward, for the
   load-balancing loss. Set by the model itself (`InternLM2._router_stats`).
+- `KeepsFp32Buffers` (a sparse block with a bias router: `MoE`; the transformers wrapper: `HFCausalLM`): buffers
+  that stay fp32 whatever the compute dtype (a router bias). Read by engine/precision.py's casts.
 - `Hostable` (offload/hosted_base.py, a floor below; frozen modules that say how to be held on the host:
   `GroupedExperts`, `Linear4bit`): `model.lora.base_on_host`, their tensors in host memory, brought in a block at
   a time. Its `hosted` slot is set by offload/hosted_base.py `HostedBase`.
@@ -46,6 +48,7 @@ __all__ = [
     "ExpertDispatchFn",
     "HasTensorPlan",
     "Hostable",
+    "KeepsFp32Buffers",
     "RecordsRouterStats",
     "SequenceChunk",
     "SequenceExchange",
@@ -120,3 +123,12 @@ class RecordsRouterStats:
     """
 
     stats_sink: list[RouterStats] | None = None
+
+
+class KeepsFp32Buffers:
+    """A module some of whose buffers stay fp32 whatever the compute dtype: a cast to bf16 keeps these very tensors
+    (engine/precision.py `fp32_buffers_kept`)."""
+
+    def fp32_buffers(self) -> list[tuple[nn.Module, str]]:
+        """(module, buffer name) of each kept buffer; none by default."""
+        return []

@@ -7,14 +7,17 @@ Notation: T tokens, E experts, k choices per token. Formulas follow InternEvo (d
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from internlm_offload.config.moe import group_problem
 from internlm_offload.model.mlp import ParamInit, normal_init
 
 SCORING_FUNCS = ("softmax", "sigmoid")
+BIAS = "e_score_correction_bias"  # the noaux_tc router's bias, transformers' name (so in state dicts)
 
 
 @dataclass
@@ -106,6 +109,63 @@ class Router(nn.Module):
 
     def param_inits(self, std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
         yield self.weight, normal_init(std)
+
+
+class BiasRouter(Router):
+    """DeepSeek-V3's noaux_tc router (transformers' `DeepseekV3TopkRouter`, XTuner's `NoAuxRouter`): sigmoid scores
+    plus a per-expert `e_score_correction_bias` choose the top-k, among the experts of the `topk_group` best of
+    `n_group` equal groups; the weights are the unbiased scores of the chosen, renormalised over the k
+    (`normalize_weights`), then always times `scaling_factor`. The statistics are the sigmoid router's.
+
+    The bias is a persistent fp32 buffer (state dicts, checkpoints), zero at the start, outside autograd and the
+    optimizer: only the once-a-step update moves it (engine/router_bias.py), from the choices its sparse block
+    counts (`MoE.take_choices`).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        normalize_weights: bool = True,
+        scaling_factor: float = 1.0,
+        n_group: int = 1,
+        topk_group: int = 1,
+    ) -> None:
+        super().__init__(hidden_size, num_experts, top_k, "sigmoid", normalize_weights, scaling_factor)
+        problem = group_problem(num_experts, top_k, n_group, topk_group)
+        if problem:
+            raise ValueError(problem)
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.register_buffer(BIAS, torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """Route x (T, H)."""
+        logits = F.linear(x.float(), self.weight.float())  # (T, E)
+        scores = logits.sigmoid()
+        # the bias picks the experts and never weighs them; the choice takes no gradient
+        choice = scores.detach() + self.e_score_correction_bias
+        if self.topk_group < self.n_group:  # all groups kept: nothing masked, the same bits without the step
+            choice = group_limited(choice, self.n_group, self.topk_group)
+        indices = choice.topk(self.top_k, dim=-1).indices  # (T, k), best (biased) first
+        weights = scores.gather(1, indices)
+        if self.normalize_weights:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)  # transformers' epsilon
+        return Routing(logits, scores, indices, weights * self.scaling_factor)
+
+
+def group_limited(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """DeepSeek-V3's node-limited choice: the (T, E) scores with every expert outside the `topk_group` best of
+    `n_group` equal groups set to -inf, a group scoring the sum of its 2 best (transformers'; XTuner's 0.0 instead of
+    -inf can pick a masked expert once biased scores go negative)."""
+    T, E = choice.shape
+    grouped = choice.view(T, n_group, E // n_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, n_group)
+    kept = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
 
 
 # ----------------------------------------------------------------------------- GShard capacity
@@ -202,13 +262,25 @@ class ChoiceCounts:
     def take(self) -> torch.Tensor | None:
         """(routers, E) fp32 counts since the last call, and reset; None when no forward counted (a router skipped
         counts zero)."""
-        counted = [c for c in self._counts if c is not None]
-        if not counted:
-            return None
-        zeros = torch.zeros_like(counted[0])
-        counts = torch.stack([zeros if c is None else c for c in self._counts])
-        self._counts = [None] * self.num_routers
-        return counts
+        counts, self._counts = self._counts, [None] * self.num_routers
+        return stack_counts(counts)
+
+
+class StepChoices(Protocol):
+    """What the bias update reads once a step: `ChoiceCounts` (transformers' routers), `moe.BiasBlocks` (native)."""
+
+    def take(self) -> torch.Tensor | None:
+        """(routers, E) fp32 top-k choices per expert since the last call, and reset; None when nothing counted."""
+        ...
+
+
+def stack_counts(counts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """(routers, E) of per-router (E,) counts, a router that counted nothing (None) as zeros; None if none counted."""
+    counted = [c for c in counts if c is not None]
+    if not counted:
+        return None
+    zeros = torch.zeros_like(counted[0])
+    return torch.stack([zeros if c is None else c for c in counts])
 
 
 def bias_update(bias: torch.Tensor, counts: torch.Tensor, speed: float) -> torch.Tensor:

@@ -52,8 +52,10 @@ class FamilySpec:
 
     `entry` names a module with `build_model(cfg: ModelConfig, device) -> nn.Module` (the bare fp32 model),
     `aux_loss_coefficients(cfg: RunConfig, model) -> dict[str, float]` (the weight of each auxiliary loss its
-    model returns), `lora_targets(cfg: ModelConfig) -> list[str]` (PEFT's target names on its modules) and
-    `check_run(cfg: RunConfig) -> None` (what the run asks that the schema cannot see, as a ConfigError).
+    model returns), `lora_targets(cfg: ModelConfig) -> list[str]` (PEFT's target names on its modules),
+    `folder_format(model) -> FolderFormat | None` (how `model.hf_path`'s tensors are named, which the builder reads
+    them by; None: the family reads its folder otherwise) and `check_run(cfg: RunConfig) -> None` (what the run asks
+    that the schema cannot see, as a ConfigError).
     """
 
     name: str

@@ -3,6 +3,7 @@ per-block memory plan and wrap it for data parallelism (each an `apply_*` with p
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,17 +23,20 @@ from internlm_offload.engine.router_bias import RouterBiasUpdate
 from internlm_offload.engine.runtime import RunContext, data_parallel_group, stage_data_mesh
 from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
+from internlm_offload.errors import CheckpointError
 from internlm_offload.family import capabilities, family_spec
 from internlm_offload.log import get_logger
 from internlm_offload.model.hf_routers import RouterTaps
 from internlm_offload.model.lora import adapter_parameters, apply_lora, draw_adapters
 from internlm_offload.model.moe import BiasBlocks
+from internlm_offload.model.name_table import FolderFormat
 from internlm_offload.model.quantized import quantize_base
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
 from internlm_offload.offload.hosted_base import HostedBase, frozen_linears, hosted_tensors
 from internlm_offload.offload.plan import LayerMode
 from internlm_offload.offload.selective_offload import SelectiveOffloader
 from internlm_offload.registry import MODELS, PARALLEL, build
+from internlm_offload.weights.hf_folder import read_folder
 
 logger = get_logger(__name__)
 
@@ -42,9 +46,24 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
     seed (or the folder's).
 
     The precision policy (`cast_model`) then decides which copy is cast to the compute dtype. Its auxiliary losses
-    come unweighted: `aux_loss_coefficients` says what each weighs.
+    come unweighted: `aux_loss_coefficients` says what each weighs. A family that names its folder's tensors
+    (`folder_format`) gets `model.hf_path`'s weights read over its seeded ones here (not on meta: the planner's trace).
     """
-    return build(MODELS, cfg.type, "model.type", cfg, device)
+    model = build(MODELS, cfg.type, "model.type", cfg, device)
+    layout = family_spec(cfg.type).module().folder_format(model)
+    if layout is not None and cfg.hf_path is not None and device.type != "meta":
+        load_folder(Path(cfg.hf_path), layout, model)
+    return model
+
+
+def load_folder(folder: Path, layout: FolderFormat, model: nn.Module) -> None:
+    """Every parameter and persistent buffer of `model` from the folder, none missing and none left over."""
+    weights = read_folder(folder, layout)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{folder}: {' '.join(str(exc).split())[:400]}") from None
+    logger.info("Loaded %d tensors from %s (%s)", len(weights), folder, layout.table.format)
 
 
 def aux_loss_coefficients(cfg: RunConfig, model: nn.Module) -> dict[str, float]:

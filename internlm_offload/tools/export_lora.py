@@ -22,8 +22,8 @@ from internlm_offload.errors import CheckpointError
 from internlm_offload.family import capabilities, family_spec
 from internlm_offload.model.families.internlm2.hf_export import export_family
 from internlm_offload.model.families.internlm2.hf_names import TABLES as HF_TABLES
-from internlm_offload.model.families.internlm2.names import NameTable
 from internlm_offload.model.lora import ADAPTER_NAME
+from internlm_offload.model.name_table import NameTable
 from internlm_offload.weights.convert import Heads, to_format
 from internlm_offload.weights.sources import load_weights as load_foreign_weights
 

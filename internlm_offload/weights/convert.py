@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from internlm_offload.errors import CheckpointError
-from internlm_offload.model.families.internlm2.names import NameTable
+from internlm_offload.model.name_table import NameTable
 from internlm_offload.weights.names import is_derived
 from internlm_offload.weights.qkv import fuse_wqkv, halves_to_interleaved, interleaved_to_halves, split_wqkv
 

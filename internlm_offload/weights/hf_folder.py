@@ -4,10 +4,10 @@ Qwen2-MoE, Mixtral): config.json read and checked, the weights in (safetensors o
 
 What a config.json means and what it refuses, its names and the config.json of an export are the native family's
 Hugging Face side (model/families/internlm2/hf_config.py, hf_names.py, hf_export.py); here, the files.
-(`native_model_values` is hf_config's; tests/stub_family, a second family reading a Llama folder, imports it from
-here.)
+Any family's folder is read by its `FolderFormat` (`read_folder`: the builder's, for `model.hf_path`).
 """
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,11 +16,15 @@ import torch
 
 from internlm_offload.config import ModelConfig
 from internlm_offload.errors import CheckpointError
+from internlm_offload.log import get_logger
 from internlm_offload.model.families.internlm2 import hf_config
-from internlm_offload.model.families.internlm2.hf_config import native_model_values  # noqa: F401
 from internlm_offload.model.families.internlm2.hf_export import llama_config, moe_config
-from internlm_offload.model.families.internlm2.names import NameTable
+from internlm_offload.model.name_table import FolderFormat, NameTable
+from internlm_offload.weights.convert import Heads, to_native
 from internlm_offload.weights.files import load_model_file, read_json_object
+
+logger = get_logger(__name__)
+_BLOCK_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 CONFIG = "config.json"
 # Files of a tokenizer folder that go beside exported weights.
@@ -82,6 +86,23 @@ def _indexed_files(folder: Path, index: Path) -> list[Path]:
     if missing:
         raise CheckpointError(f"{index}: lists {missing[0]}, which is not in the folder")
     return [folder / name for name in names]
+
+
+def read_folder(folder: Path, layout: FolderFormat) -> dict[str, torch.Tensor]:
+    """`folder`'s tensors under a family's own names (`layout`); those of blocks at or past its `num_layers` (a
+    multi-token-prediction block it does not build) are left out, said in one line."""
+    tensors = read_weights(weight_files(folder))
+    beyond = [n for n in tensors if (m := _BLOCK_INDEX.match(n)) and int(m.group(1)) >= layout.num_layers]
+    if beyond:
+        logger.warning(
+            "%s: %d tensors of blocks past the model's %d (multi-token prediction) are not built here: left out",
+            folder,
+            len(beyond),
+            layout.num_layers,
+        )
+        for name in beyond:
+            del tensors[name]
+    return to_native(tensors, layout.table, Heads(layout.n_heads, layout.n_kv_heads), str(folder))
 
 
 def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:

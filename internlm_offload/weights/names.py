@@ -15,9 +15,8 @@ from internlm_offload.model.families.internlm2.names import (
     QK_NORMS,
     SEPARATE_QKV,
     WO_BIAS,
-    NameTable,
-    identity,
 )
+from internlm_offload.model.name_table import NameTable, identity
 
 # Names that hold no parameter: RoPE tables some writers save (the native model derives its own).
 _DERIVED = re.compile(r"(^|\.)(inv_freq|rope\.freqs)$")

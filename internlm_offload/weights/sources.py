@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from internlm_offload.config import LoadCkptInfo, ModelConfig
 from internlm_offload.errors import CheckpointError
 from internlm_offload.log import get_logger
-from internlm_offload.model.families.internlm2.names import NameTable
 from internlm_offload.model.lora import base_keys, has_adapters
+from internlm_offload.model.name_table import NameTable
 from internlm_offload.model.quantized import full_weight_shapes
 from internlm_offload.weights import hf_folder, internevo_moe, meta_llama
 from internlm_offload.weights.convert import Heads, to_format, to_native

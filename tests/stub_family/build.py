@@ -1,14 +1,17 @@
-"""The stub family's builder: a Llama folder's config.json as the decoder's arguments, its weights loaded."""
+"""The stub family's builder: a Llama folder's config.json as the decoder's arguments; the builder reads the
+folder's weights by `folder_format` (Llama's names)."""
 
+import json
 from pathlib import Path
 
 import torch
 
 from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.config.lora import resolved_targets
+from internlm_offload.model.families.internlm2.hf_config import native_model_values
+from internlm_offload.model.families.internlm2.hf_names import HF_LLAMA
 from internlm_offload.model.families.internlm2.model import InternLM2
-from internlm_offload.weights.convert import Heads, to_native
-from internlm_offload.weights.hf_folder import name_table, native_model_values, read_config, read_weights, weight_files
+from internlm_offload.model.name_table import FolderFormat
 
 
 class StubLlama(InternLM2):
@@ -16,21 +19,19 @@ class StubLlama(InternLM2):
 
 
 def build_model(cfg: ModelConfig, device: torch.device) -> StubLlama:
-    """The folder's model in fp32 on `device`; on meta (the planner's trace) its modules alone."""
+    """The folder's model in fp32 on `device`, weights drawn from the seed (the builder reads the folder's over them)."""
     if cfg.hf_path is None:
         raise ConfigError("model.type='stub_llama' needs model.hf_path: a Hugging Face Llama folder")
-    folder = Path(cfg.hf_path)
-    hf = read_config(folder)
-    values = native_model_values(hf)
+    values = native_model_values(json.loads((Path(cfg.hf_path) / "config.json").read_text()))
     if values is None or values["tie_word_embeddings"]:
         raise ConfigError(f"model.hf_path={cfg.hf_path!r}: the stub family reads untied Llama folders")
     with torch.device(device):
-        model = StubLlama(**values, attn_impl=cfg.attn_impl)
-    if device.type != "meta":
-        heads = Heads(values["num_attention_heads"], values["num_kv_attention_heads"])
-        foreign = read_weights(weight_files(folder))
-        model.load_state_dict(to_native(foreign, name_table(folder, hf), heads, str(folder)))
-    return model
+        return StubLlama(**values, attn_impl=cfg.attn_impl)
+
+
+def folder_format(model: StubLlama) -> FolderFormat:
+    args = model.args
+    return FolderFormat(HF_LLAMA, args.num_attention_heads, args.num_kv_attention_heads, args.num_layers)
 
 
 def check_run(cfg: RunConfig) -> None:

@@ -33,6 +33,11 @@ def config_message(error: str) -> str:
     return message
 
 
+def folder_format(model: HFCausalLM) -> None:
+    """None: transformers reads model.hf_path itself."""
+    return None
+
+
 def check_run(cfg: RunConfig) -> None:
     """Refuse rows of several documents kept apart by position ids for an `hf_causal_lm` model with layers that carry
     a state along the row (Gated DeltaNet, Mamba): they read no position ids, and transformers' torch path takes no

@@ -53,6 +53,11 @@ def build_model(cfg: ModelConfig, device: torch.device) -> InternLM2:
         return InternLM2(**model_arguments(cfg))
 
 
+def folder_format(model: InternLM2) -> None:
+    """None: a folder loads through ckpt.load_ckpt_info (weights/sources.py)."""
+    return None
+
+
 def check_run(cfg: RunConfig) -> None:
     """Nothing beyond the schema's checks: every run the config validates builds."""
 

@@ -32,7 +32,7 @@ from internlm_offload.model.families.internlm2.hf_rules import (
     shared_experts,
     whole_experts,
 )
-from internlm_offload.model.families.internlm2.names import NameTable
+from internlm_offload.model.name_table import NameTable
 
 # A dense config.json's key -> the model.* key(s) that set it here.
 DENSE_KEYS = {

@@ -1,7 +1,8 @@
 """The Hugging Face formats the native decoder loads and writes, by config.json's `model_type`: their names against
 the native ones (`names.NameTable`)."""
 
-from internlm_offload.model.families.internlm2.names import BLOCK, FUSED_WQKV, WO_BIAS, NameTable
+from internlm_offload.model.families.internlm2.names import BLOCK, FUSED_WQKV, WO_BIAS
+from internlm_offload.model.name_table import NameTable
 
 # Hugging Face InternLM2 (`InternLM2ForCausalLM`): InternEvo's names under `model.`, the head outside it.
 HF_INTERNLM2 = NameTable(

@@ -1,0 +1,40 @@
+"""The DeepSeek-V3 lineage: DeepSeek-V3 / R1 and Kimi-K2 (`deepseek_v3`), GLM-4.7-Flash (`glm4_moe_lite`), both with
+multi-head latent attention, and GLM-4.5 / 4.6 / 4.7 (`glm4_moe`, grouped-query attention with partial RoPE); all
+with dense-first blocks and the sigmoid router balanced by a bias (noaux_tc), its un-gated shared expert.
+
+Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.hf_config`, config.json's keys);
+docs/deepseek.md. Its tensor plan, pipeline split and multi-token prediction are not built yet: those features
+refuse it in one line.
+"""
+
+from typing import Any
+
+from internlm_offload.family import Capabilities, FamilySpec, register_family
+
+# config.json's model_type values this family reads (Kimi-K2's `kimi_k2`, which transformers does not register, is
+# read as `deepseek_v3`: the same architecture).
+MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite")
+
+
+def check_section(model: Any) -> None:
+    """A folder or a config of one of MODEL_TYPES; the native decoder's keys do not apply."""
+    if (model.hf_path is None) == (model.hf_config is None):
+        raise ValueError("model.type='deepseek_v3' needs exactly one of model.hf_path and model.hf_config")
+    if model.hf_config is not None and model.hf_config.get("model_type") not in MODEL_TYPES:
+        raise ValueError(
+            f"model.hf_config['model_type']={model.hf_config.get('model_type')!r}: model.type='deepseek_v3' builds "
+            f"{', '.join(MODEL_TYPES)}"
+        )
+    if model.attn_impl == "eager":
+        raise ValueError("model.attn_impl='eager' is for model.type='hf_causal_lm'; deepseek_v3 has sdpa and flash")
+
+
+FAMILY = register_family(
+    FamilySpec(
+        name="deepseek_v3",
+        entry="internlm_offload.model.families.deepseek_v3.build",
+        summary="DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash from a Hugging Face folder or config",
+        capabilities=Capabilities(init_per_param=True),
+        check_section=check_section,
+    )
+)

@@ -1,0 +1,58 @@
+"""The DeepSeek-V3 lineage from the `model` section: its config.json (a folder's, or `model.hf_config`), the
+model, the folder's weights under the native names; no auxiliary loss (the router bias balances it)."""
+
+from typing import Any
+
+import torch
+
+from internlm_offload.config import ConfigError, ModelConfig, RunConfig
+from internlm_offload.config.lora import resolved_targets
+from internlm_offload.model.families.deepseek_v3.args import args_from_config
+from internlm_offload.model.families.deepseek_v3.hf_names import HF_GQA_MOE, HF_MLA_MOE
+from internlm_offload.model.families.deepseek_v3.model import DeepseekV3
+from internlm_offload.model.name_table import FolderFormat
+
+
+def transformers_config(cfg: ModelConfig) -> Any:
+    """config.json (or `model.hf_config`) with transformers' defaults for the keys it leaves out. Kimi-K2's
+    `kimi_k2`, which transformers does not register, is DeepSeek-V3's architecture: read as `deepseek_v3`."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    raw = (
+        PretrainedConfig.get_config_dict(cfg.hf_path, local_files_only=True)[0] if cfg.hf_path else dict(cfg.hf_config)
+    )
+    if raw.get("model_type") == "kimi_k2":
+        raw["model_type"] = "deepseek_v3"
+    return AutoConfig.for_model(**raw)
+
+
+def build_model(cfg: ModelConfig, device: torch.device) -> DeepseekV3:
+    """The model in fp32 on `device`, every weight drawn from the seed; a folder's weights are read over them by the
+    builder (`folder_format`)."""
+    try:
+        args = args_from_config(transformers_config(cfg))
+        with torch.device(device):
+            return DeepseekV3(args, attn_impl=cfg.attn_impl)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"model.type='deepseek_v3': {' '.join(str(exc).split())}") from None
+
+
+def folder_format(model: DeepseekV3) -> FolderFormat:
+    """How `model.hf_path`'s tensors are named: transformers' names of MLA or of GLM-4.5's attention."""
+    args = model.args
+    table = HF_MLA_MOE if args.mla else HF_GQA_MOE
+    return FolderFormat(table, args.num_attention_heads, args.num_key_value_heads, args.num_layers)
+
+
+def check_run(cfg: RunConfig) -> None:
+    """Nothing beyond the schema's and the capabilities' checks."""
+
+
+def aux_loss_coefficients(cfg: RunConfig, model: DeepseekV3) -> dict[str, float]:
+    return {}
+
+
+def lora_targets(cfg: ModelConfig) -> list[str]:
+    """`model.lora.target_modules` as the model names its linears (MLA's are transformers' own)."""
+    assert cfg.lora is not None
+    return resolved_targets(cfg.lora)

@@ -1,0 +1,49 @@
+"""The DeepSeek-V3 lineage's Hugging Face names against the native ones (names.NameTable): transformers' decoder,
+MLA's projections (kept under their own names), GLM-4.5's grouped-query attention, the dense-first SwiGLU, the
+bias-balanced router and its experts one tensor each on disk (stacked here), the un-gated shared experts."""
+
+from internlm_offload.model.name_table import NameTable
+
+_SWIGLU = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
+_MLA = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+_MLA_NORMS = ("q_a_layernorm", "kv_a_layernorm")
+_LAYER = "model.layers.{i}"
+
+_DECODER = (
+    ("model.embed_tokens.weight", "tok_embeddings.weight"),
+    (f"{_LAYER}.input_layernorm.weight", "layers.{i}.attention_norm.weight"),
+    (f"{_LAYER}.post_attention_layernorm.weight", "layers.{i}.ffn_norm.weight"),
+    ("model.norm.weight", "norm.weight"),
+    ("lm_head.weight", "output.weight"),
+)
+_MLA_ATTENTION = (
+    *(
+        (f"{_LAYER}.self_attn.{n}.{kind}", f"layers.{{i}}.attention.{n}.{kind}")
+        for n in _MLA
+        for kind in ("weight", "bias")
+    ),
+    *((f"{_LAYER}.self_attn.{n}.weight", f"layers.{{i}}.attention.{n}.weight") for n in _MLA_NORMS),
+)
+_GQA_ATTENTION = (
+    *(
+        (f"{_LAYER}.self_attn.{hf}_proj.{kind}", f"layers.{{i}}.attention.{ours}.{kind}")
+        for hf, ours in (("q", "wq"), ("k", "wk"), ("v", "wv"), ("o", "wo"))
+        for kind in ("weight", "bias")
+    ),
+    *((f"{_LAYER}.self_attn.{n}.weight", f"layers.{{i}}.attention.{n}.weight") for n in ("q_norm", "k_norm")),
+)
+_FEED_FORWARD = (
+    *((f"{_LAYER}.mlp.{hf}.weight", f"layers.{{i}}.feed_forward.{ours}.weight") for hf, ours in _SWIGLU),
+    (f"{_LAYER}.mlp.gate.weight", "layers.{i}.feed_forward.router.weight"),
+    (f"{_LAYER}.mlp.gate.e_score_correction_bias", "layers.{i}.feed_forward.router.e_score_correction_bias"),
+    *((f"{_LAYER}.mlp.experts.*.{hf}.weight", f"layers.{{i}}.feed_forward.experts.{ours}") for hf, ours in _SWIGLU),
+    *(
+        (f"{_LAYER}.mlp.shared_experts.{hf}.weight", f"layers.{{i}}.feed_forward.shared_experts.{ours}.weight")
+        for hf, ours in _SWIGLU
+    ),
+)
+
+# DeepSeek-V3 / R1, Kimi-K2, GLM-4.7-Flash: MLA.
+HF_MLA_MOE = NameTable("hf (deepseek_v3)", (*_DECODER, *_MLA_ATTENTION, *_FEED_FORWARD))
+# GLM-4.5 / 4.6 / 4.7: grouped-query attention.
+HF_GQA_MOE = NameTable("hf (glm4_moe)", (*_DECODER, *_GQA_ATTENTION, *_FEED_FORWARD))

@@ -26,7 +26,7 @@ from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
 from internlm_offload.errors import CheckpointError
 from internlm_offload.family import capabilities, family_spec
 from internlm_offload.log import get_logger
-from internlm_offload.model.hf_routers import RouterTaps
+from internlm_offload.model.families.hf_causal_lm.routers import RouterTaps
 from internlm_offload.model.lora import adapter_parameters, apply_lora, draw_adapters
 from internlm_offload.model.moe import BiasBlocks
 from internlm_offload.model.name_table import FolderFormat

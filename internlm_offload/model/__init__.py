@@ -11,7 +11,7 @@ _EXPORTS = {
     "Decoder": "internlm_offload.model.decoder",
     "DecoderLayer": "internlm_offload.model.decoder",
     "InternLM2": "internlm_offload.model.families.internlm2.model",
-    "HFCausalLM": "internlm_offload.model.hf",
+    "HFCausalLM": "internlm_offload.model.families.hf_causal_lm.model",
 }
 
 __all__ = sorted(_EXPORTS)

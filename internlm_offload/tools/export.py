@@ -41,10 +41,10 @@ from internlm_offload.engine.checkpoint import CheckpointError, read_train_state
 from internlm_offload.engine.checkpoint_reader import read_checkpoint, read_metadata
 from internlm_offload.family import capabilities, families_with
 from internlm_offload.log import get_logger
+from internlm_offload.model.families.hf_causal_lm.model import text_config
+from internlm_offload.model.families.hf_causal_lm.routers import BIAS
 from internlm_offload.model.families.internlm2.hf_export import export_family
 from internlm_offload.model.families.internlm2.hf_names import TABLES as HF_TABLES
-from internlm_offload.model.hf import text_config
-from internlm_offload.model.hf_routers import BIAS
 from internlm_offload.tools.export_lora import base_weights, is_lora_run, merged, write_peft_folder
 from internlm_offload.weights.convert import Heads, to_format
 from internlm_offload.weights.hf_folder import copy_tokenizer, set_dtype, write_llama_folder, write_moe_folder

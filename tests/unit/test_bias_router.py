@@ -16,7 +16,7 @@ from internlm_offload.config import ConfigError, resolve_config
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.router_bias import RouterBiasUpdate
 from internlm_offload.engine.runtime import RunContext
-from internlm_offload.model.hf import HFCausalLM
+from internlm_offload.model.families.hf_causal_lm.model import HFCausalLM
 from internlm_offload.model.moe import MoE
 from internlm_offload.model.router import BiasRouter, group_limited
 

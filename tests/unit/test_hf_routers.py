@@ -16,7 +16,7 @@ from internlm_offload.config import ConfigError, resolve_config
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.loss import weighted_aux_losses
 from internlm_offload.engine.runtime import RunContext
-from internlm_offload.model.hf import HFCausalLM, _document_mask
+from internlm_offload.model.families.hf_causal_lm.model import HFCausalLM, _document_mask
 
 MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 16, "intermediate_size": 64}
 NOAUX = {**MOE, "n_routed_experts": 4, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0}

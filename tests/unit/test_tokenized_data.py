@@ -185,7 +185,7 @@ def test_document_mask_is_block_causal() -> None:
 def test_hf_models_keep_packed_documents_apart(tmp_path: Path) -> None:
     """The wrapper passes a block-causal mask; recent transformers also detect packing from positions alone."""
     pytest.importorskip("transformers")
-    from internlm_offload.model.hf import HFCausalLM
+    from internlm_offload.model.families.hf_causal_lm.model import HFCausalLM
 
     config = dict(
         model_type="llama",

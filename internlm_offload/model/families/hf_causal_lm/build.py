@@ -4,7 +4,7 @@ import torch
 
 from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.config.lora import resolved_targets
-from internlm_offload.model.hf import HFCausalLM, read_text_config, stateful_layers
+from internlm_offload.model.families.hf_causal_lm.model import HFCausalLM, read_text_config, stateful_layers
 
 
 def build_model(cfg: ModelConfig, device: torch.device) -> HFCausalLM:

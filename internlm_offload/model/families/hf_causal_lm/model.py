@@ -10,7 +10,7 @@ from torch import nn
 
 from internlm_offload.log import get_logger
 from internlm_offload.model.attention import document_mask
-from internlm_offload.model.hf_routers import BIAS, RouterTaps
+from internlm_offload.model.families.hf_causal_lm.routers import BIAS, RouterTaps
 from internlm_offload.model.hooks import KeepsFp32Buffers
 from internlm_offload.model.output import MOE_AUX, ModelOutput
 

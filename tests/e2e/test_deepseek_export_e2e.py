@@ -124,14 +124,15 @@ def test_a_bfloat16_export_keeps_the_router_in_fp32(trained, tmp_path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-def step_0_checkpoint(folder: Path, where: Path) -> Path:
-    """A checkpoint of the model loaded from `folder` with no step trained, written as a run writes one."""
-    run = RunConfig.model_validate({"model": {"type": "deepseek_v3", "hf_path": str(folder)}})
+def step_0_checkpoint(where: Path, **model_keys: object) -> tuple[Path, torch.nn.Module]:
+    """A checkpoint of the model of `model_keys` (`hf_path` / `hf_config`) with no step trained, written as a run
+    writes one, and the model."""
+    run = RunConfig.model_validate({"model": {"type": "deepseek_v3", **model_keys}})
     model = build_model(run.model, torch.device("cpu"))
     ctx = RunContext(rank=0, local_rank=0, world_size=1, accelerator=Accelerator("cpu"))
     optimizer = torch.optim.AdamW(model.parameters())
     state = {"step": 0, "config": run.model_dump()}
-    return CheckpointManager(where, ctx).save(0, model=model, optimizer=optimizer, train_state=state)
+    return CheckpointManager(where, ctx).save(0, model=model, optimizer=optimizer, train_state=state), model
 
 
 def bits(tensor: torch.Tensor) -> bytes:
@@ -145,7 +146,7 @@ def test_loaded_and_exported_with_no_step_the_folders_tensors_come_back_bit_for_
     mtp = case in ("deepseek_v3", "kimi_k2")
     folder = make_folder(case, tmp_path / "folder", mtp=mtp)
     out = tmp_path / "hf"
-    proc = export(step_0_checkpoint(folder, tmp_path / "ckpt"), out, "--hf")
+    proc = export(step_0_checkpoint(tmp_path / "ckpt", hf_path=str(folder))[0], out, "--hf")
     assert proc.returncode == 0, proc.stderr
     original, exported = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
     layers = FAMILIES[CASES[case][0]][1]["num_hidden_layers"]
@@ -161,3 +162,27 @@ def test_loaded_and_exported_with_no_step_the_folders_tensors_come_back_bit_for_
         assert "are not in it" in said[0]
     want = native_logits(folder, None, IDS)
     torch.testing.assert_close(transformers_logits(out, IDS, CASES[case][1]), want, rtol=0, atol=1e-5)
+
+
+def test_a_model_of_model_hf_config_exports_that_config(tmp_path):
+    """No folder: config.json is `model.hf_config`'s (its dtype the export's), the weights the seeded model's."""
+    folder = make_folder("glm4_moe_lite", tmp_path / "folder")
+    keys = json.loads((folder / "config.json").read_text())
+    checkpoint, model = step_0_checkpoint(tmp_path / "ckpt", hf_config=keys)
+    out = tmp_path / "hf"
+    proc = export(checkpoint, out, "--hf", "--dtype", "bfloat16")
+    assert proc.returncode == 0, proc.stderr
+    written = json.loads((out / "config.json").read_text())
+    assert written["dtype"] == "bfloat16" and keys["dtype"] == "float32"
+    assert {k: v for k, v in written.items() if k not in ("dtype", "transformers_version")} == {
+        k: v for k, v in keys.items() if k not in ("dtype", "transformers_version")
+    }
+    from safetensors.torch import load_file
+
+    exported = load_file(out / "model.safetensors")
+    weights = model.state_dict()
+    assert torch.equal(exported["lm_head.weight"], weights["output.weight"].to(torch.bfloat16))
+    assert torch.equal(exported[BIAS], weights[BIAS.removeprefix("model.").replace("mlp.gate", "feed_forward.router")])
+    # the family reads its own export back as transformers reads it
+    want = native_logits(out, None, IDS)
+    torch.testing.assert_close(transformers_logits(out, IDS, CASES["glm4_moe_lite"][1]), want, rtol=0, atol=1e-5)

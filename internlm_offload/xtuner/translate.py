@@ -284,13 +284,28 @@ def _fsdp(t: Translation, trainer: Any) -> None:
     if field(fsdp, "reshard_after_forward") is False:
         t.set("parallel", "reshard_after_forward", False)
     offload = os.environ.get(ACTIVATION_OFFLOAD_ENV, "0").lower() in ("1", "true", "yes")
-    layers = t.config.get("model", {}).get("num_layers")
+    layers = _num_layers(t.config.get("model", {}))
     if offload and layers:
         t.config["cpu_offloading"] = {"enable": True, "num_layers": layers - 1}
         t.carried.append(
             f"{ACTIVATION_OFFLOAD_ENV}=1 -> cpu_offloading.num_layers={layers - 1}: here the first blocks offload all "
             "their saved activations (dense models too) instead of recomputing from an offloaded input"
         )
+    elif offload and "model" in t.config:
+        t.dropped.append(f"{ACTIVATION_OFFLOAD_ENV}=1: the model's block count is not known here; set cpu_offloading")
+
+
+def _num_layers(model: dict[str, Any]) -> int | None:
+    """The model's blocks: `num_layers`, or config.json's `num_hidden_layers` (`model.hf_config`'s or
+    `model.hf_path`'s)."""
+    if model.get("num_layers"):
+        return model["num_layers"]
+    try:
+        hf = model.get("hf_config") or (read_config(Path(model["hf_path"])) if model.get("hf_path") else {})
+    except CheckpointError:
+        return None
+    layers = hf.get("num_hidden_layers")
+    return layers if isinstance(layers, int) else None
 
 
 def _data(t: Translation, trainer: Any) -> None:

@@ -143,3 +143,13 @@ def test_from_xtuner_writes_a_config_that_validates_with_the_report_on_stderr(tm
     names: dict = {}
     exec(out.read_text(), names)
     assert names["model"]["type"] == "deepseek_v3" and names["model"]["hf_path"] == str(path)
+
+
+def test_xtuners_activation_offload_counts_the_folders_blocks(tmp_path, monkeypatch):
+    """`XTUNER_ACTIVATION_OFFLOAD=1` over config.json's `num_hidden_layers` (the section names no `num_layers`)."""
+    monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "1")
+    path = folder(tmp_path, "deepseek_v3")
+    for trainer in (f", load_from={str(path)!r}", ", tokenizer_path='/tok'"):
+        t = translate(tmp_path, f"get_model_config_from_hf({str(path)!r})", trainer)
+        assert not t.fatal and t.config["cpu_offloading"] == {"enable": True, "num_layers": 1}, t.dropped
+        assert any(line.startswith("XTUNER_ACTIVATION_OFFLOAD=1 -> cpu_offloading.num_layers=1") for line in t.carried)

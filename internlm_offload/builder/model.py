@@ -56,6 +56,12 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
     return model
 
 
+def folder_layout(cfg: ModelConfig) -> FolderFormat | None:
+    """The family's `folder_format` of the model `cfg` builds (on meta: no weights drawn or read), adapters aside."""
+    model = build_model(cfg.model_copy(update={"lora": None}), torch.device("meta"))
+    return family_spec(cfg.type).module().folder_format(model)
+
+
 def load_folder(folder: Path, layout: FolderFormat, model: nn.Module) -> None:
     """Every parameter and persistent buffer of `model` from the folder, none missing and none left over."""
     weights = read_folder(folder, layout)

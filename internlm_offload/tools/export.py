@@ -40,7 +40,7 @@ import torch
 from pydantic import ValidationError
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from internlm_offload.builder.model import build_model
+from internlm_offload.builder.model import folder_layout
 from internlm_offload.config import ModelConfig
 from internlm_offload.engine.checkpoint import CheckpointError, read_train_state, resolve_checkpoint_path
 from internlm_offload.engine.checkpoint_reader import read_checkpoint, read_metadata
@@ -146,10 +146,11 @@ def export_family_folder(weights: dict[str, torch.Tensor], out_dir: Path, dtype:
     `folder_config`, the tensors under the names of its `folder_format` (the table `model.hf_path` is read by), the
     run's tokenizer folder beside them. A multi-token-prediction block the folder had (left out on load) is not in it:
     said in one line."""
-    model = native_model_config(run["model"]).model_copy(update={"lora": None})
-    module = family_spec(model.type).module()
-    layout = module.folder_format(build_model(model, torch.device("meta")))  # the meta build reads no weights
-    written = write_family_folder(weights, layout, module.folder_config(model), out_dir, dtype)
+    model = native_model_config(run["model"])
+    layout = folder_layout(model)
+    written = write_family_folder(
+        weights, layout, family_spec(model.type).module().folder_config(model), out_dir, dtype
+    )
     copy_tokenizer(run["data"]["tokenizer"], out_dir)
     left_out = (
         blocks_beyond(tensor_names(weight_files(Path(model.hf_path))), layout.num_layers) if model.hf_path else []

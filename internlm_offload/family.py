@@ -44,6 +44,9 @@ class Capabilities:
     # Its modules are transformers': the planner's meta trace stands in for their packed-sequence masks and grouped
     # matmuls, which read tensor values (planner/standins.py).
     transformers_modules: bool = False
+    # `tools.export --hf` writes its folder back: config.json from its module's `folder_config(cfg)`, the tensors under
+    # its `folder_format` names (the names `model.hf_path` is read by).
+    folder_export: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,8 @@ class FamilySpec:
     model returns), `lora_targets(cfg: ModelConfig) -> list[str]` (PEFT's target names on its modules),
     `folder_format(model) -> FolderFormat | None` (how `model.hf_path`'s tensors are named, which the builder reads
     them by; None: the family reads its folder otherwise) and `check_run(cfg: RunConfig) -> None` (what the run asks
-    that the schema cannot see, as a ConfigError).
+    that the schema cannot see, as a ConfigError); with `Capabilities.folder_export`, `folder_config(cfg: ModelConfig)`
+    (the transformers config its `--hf` export writes as config.json).
     """
 
     name: str

@@ -56,6 +56,12 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
     return model
 
 
+def folder_layout(cfg: ModelConfig) -> FolderFormat | None:
+    """The family's `folder_format` of the model `cfg` builds (on meta: no weights drawn or read), adapters aside."""
+    model = build_model(cfg.model_copy(update={"lora": None}), torch.device("meta"))
+    return family_spec(cfg.type).module().folder_format(model)
+
+
 def load_folder(folder: Path, layout: FolderFormat, model: nn.Module) -> None:
     """Every parameter and persistent buffer of `model` from the folder, none missing and none left over."""
     weights = read_folder(folder, layout)
@@ -111,7 +117,8 @@ def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
     """Meta build + per-shard init: FSDP2 (tensor parallel included), our own decoder (each parameter drawn whole,
     this rank's part kept), untied embeddings (materializing unties them), and fp32 params (the init happens before
     any cast; a LoRA base cast to the compute dtype on meta is drawn in fp32 and rounded, as the whole build's cast
-    rounds it; its adapters are drawn after the base, `init_adapters`)."""
+    rounds it; its adapters are drawn after the base, `init_adapters`). Not a model read from `model.hf_path`: the
+    shards would be drawn from the seed, and the folder's weights load into the whole build (`build_model`)."""
     model = cfg.model
     return (
         cfg.parallel.mode == "fsdp2"
@@ -119,6 +126,7 @@ def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
         and capabilities(model.type).init_per_param
         and not model.tie_word_embeddings
         and policy.param_dtype == torch.float32
+        and model.hf_path is None
     )
 
 
@@ -160,7 +168,8 @@ def offload_settings(section: CpuOffloadingConfig) -> dict[str, Any]:
 def hosts_base_from_meta(cfg: RunConfig) -> bool:
     """`model.lora.base_on_host` built on meta (`parallel.meta_init`): the frozen block linears go straight to host
     memory (`draw_base_on_host`). The native decoder only (its `init_weights` draws one weight at a time); QLoRA
-    quantizes a built base, and a tied embedding unties when materialized: those keep the whole build."""
+    quantizes a built base, a tied embedding unties when materialized, and a base read from `model.hf_path` would be
+    drawn from the seed instead: those keep the whole build."""
     model, lora = cfg.model, cfg.model.lora
     return (
         lora is not None
@@ -169,6 +178,7 @@ def hosts_base_from_meta(cfg: RunConfig) -> bool:
         and capabilities(model.type).init_per_param
         and not model.tie_word_embeddings
         and model.quantization_config is None
+        and model.hf_path is None
     )
 
 

@@ -61,3 +61,6 @@ class FolderFormat:
     n_heads: int
     n_kv_heads: int
     num_layers: int
+    # Foreign names ending so are written in fp32 whatever the export's dtype (a router's weight and bias, which
+    # transformers keeps in fp32: a bias moves by 1e-3 a step, which bf16 would round away).
+    keep_fp32: tuple[str, ...] = ()

@@ -13,7 +13,11 @@ model or a process group. The weights are the fp32 masters; `--dtype` casts them
 without remote code: a native `internlm2` run as `LlamaForCausalLM` (its architecture; the run's
 tokenizer folder is copied beside it), one with experts as `Qwen3MoeForCausalLM`, `Qwen2MoeForCausalLM`
 or `MixtralForCausalLM` (the native family's hf_export.family_of: the one whose fixed options it has; one
-tensor per expert, as transformers saves them), an `hf_causal_lm` run as its own architecture.
+tensor per expert, as transformers saves them), a `deepseek_v3` run (a family that reads its own folder,
+`Capabilities.folder_export`) as its folder's architecture (`DeepseekV3ForCausalLM`, `Glm4MoeForCausalLM`,
+`Glm4MoeLiteForCausalLM`; Kimi-K2's `kimi_k2` written as `deepseek_v3`, which transformers loads without Moonshot's
+remote code) under transformers' names, the router's weight and bias in fp32 whatever `--dtype`, and an
+`hf_causal_lm` run as its own architecture.
 `--internevo` writes InternEvo's layout of a native run (`model_tp{t}_pp0.pt` with InternEvo's names
 and fused wqkv, split for `--tp` tensor-parallel ranks, or `model_wp{w}_pp0.pt` for `--wp` ISP
 weight-parallel ranks), which InternEvo's `load_ckpt_info` reads; a run with experts as InternEvo's
@@ -36,10 +40,11 @@ import torch
 from pydantic import ValidationError
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from internlm_offload.builder.model import folder_layout
 from internlm_offload.config import ModelConfig
 from internlm_offload.engine.checkpoint import CheckpointError, read_train_state, resolve_checkpoint_path
 from internlm_offload.engine.checkpoint_reader import read_checkpoint, read_metadata
-from internlm_offload.family import capabilities, families_with
+from internlm_offload.family import capabilities, families_with, family_spec
 from internlm_offload.log import get_logger
 from internlm_offload.model.families.hf_causal_lm.model import text_config
 from internlm_offload.model.families.hf_causal_lm.routers import BIAS
@@ -47,7 +52,16 @@ from internlm_offload.model.families.internlm2.hf_export import export_family
 from internlm_offload.model.families.internlm2.hf_names import TABLES as HF_TABLES
 from internlm_offload.tools.export_lora import base_weights, is_lora_run, merged, write_peft_folder
 from internlm_offload.weights.convert import Heads, to_format
-from internlm_offload.weights.hf_folder import copy_tokenizer, set_dtype, write_llama_folder, write_moe_folder
+from internlm_offload.weights.hf_folder import (
+    blocks_beyond,
+    copy_tokenizer,
+    set_dtype,
+    tensor_names,
+    weight_files,
+    write_family_folder,
+    write_llama_folder,
+    write_moe_folder,
+)
 from internlm_offload.weights.internevo_files import write_internevo_files
 from internlm_offload.weights.internevo_moe import is_expert_name, write_expert_files
 from internlm_offload.weights.names import INTERNEVO, INTERNEVO_MOE
@@ -91,8 +105,11 @@ def export_safetensors(
 
 def export_hf(weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype, run: dict) -> None:
     """A folder `AutoModelForCausalLM.from_pretrained(out_dir)` loads: a native run as Llama (plus its
-    tokenizer), an hf_causal_lm run as its own architecture."""
+    tokenizer), a family that reads its own folder as that folder, an hf_causal_lm run as its own architecture."""
     model_cfg = run["model"]
+    if capabilities(model_cfg["type"]).folder_export:
+        export_family_folder(weights, out_dir, dtype, run)
+        return
     if capabilities(model_cfg["type"]).native_names:
         model = native_model_config(model_cfg)
         heads = Heads(model.num_attention_heads, model.num_kv_attention_heads)
@@ -122,6 +139,32 @@ def export_hf(weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtyp
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(str(out_dir))
     export_safetensors(hf_weights, out_dir / "model.safetensors", dtype, out_dir, keep_fp32=(BIAS,))
+
+
+def export_family_folder(weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype, run: dict) -> None:
+    """The folder of a family that reads its own (`Capabilities.folder_export`): config.json from its
+    `folder_config`, the tensors under the names of its `folder_format` (the table `model.hf_path` is read by), the
+    run's tokenizer folder beside them. A multi-token-prediction block the folder had (left out on load) is not in it:
+    said in one line."""
+    model = native_model_config(run["model"])
+    layout = folder_layout(model)
+    written = write_family_folder(
+        weights, layout, family_spec(model.type).module().folder_config(model), out_dir, dtype
+    )
+    copy_tokenizer(run["data"]["tokenizer"], out_dir)
+    left_out = (
+        blocks_beyond(tensor_names(weight_files(Path(model.hf_path))), layout.num_layers) if model.hf_path else []
+    )
+    if left_out:
+        logger.warning(
+            "The export holds %d tensors (%s); %s's %d multi-token-prediction tensors (blocks from %d on, left out "
+            "on load, not trained) are not in it",
+            written,
+            layout.table.format,
+            model.hf_path,
+            len(left_out),
+            layout.num_layers,
+        )
 
 
 def export_internevo(

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from internlm_offload.builder.model import build_model
-from internlm_offload.config import RunConfig
+from internlm_offload.builder.model import build_model, folder_layout
+from internlm_offload.config import ModelConfig, RunConfig
 from internlm_offload.config.lora import DEFAULT_TARGETS
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.runtime import set_determinism
@@ -79,13 +79,10 @@ def merged(base: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], run:
 
 def peft_tensors(weights: dict[str, torch.Tensor], run: dict) -> dict[str, torch.Tensor]:
     """The adapters under PEFT's saved names: `base_model.model.<HF module>.lora_A.weight` (adapter name dropped)."""
-    model = run["model"]
-    native = capabilities(model["type"]).native_names
-    heads = Heads(model["num_attention_heads"], model["num_kv_attention_heads"]) if native else None
-    table = hf_names(run) if native else None
+    table, heads = hf_table(run)
     out = {}
     for module, pair in adapters_of(weights).items():
-        if native:
+        if table is not None:
             # the base weight's Hugging Face name; B's rows follow the base's rows (to_format reorders both alike)
             b = to_format({f"{module}.weight": pair["lora_B"]}, table, heads)
             ((hf_weight, lora_b),) = b.items()
@@ -97,6 +94,18 @@ def peft_tensors(weights: dict[str, torch.Tensor], run: dict) -> dict[str, torch
     return out
 
 
+def hf_table(run: dict) -> tuple[NameTable | None, Heads | None]:
+    """The names (and heads) the run's `--hf` export writes: the native family's, or a family's that writes its
+    folder back (`Capabilities.folder_export`: its `folder_format`); None for hf_causal_lm (transformers' own)."""
+    model = run["model"]
+    if capabilities(model["type"]).native_names:
+        return hf_names(run), Heads(model["num_attention_heads"], model["num_kv_attention_heads"])
+    if capabilities(model["type"]).folder_export:
+        layout = folder_layout(ModelConfig.model_validate(model, strict=False))
+        return layout.table, Heads(layout.n_heads, layout.n_kv_heads)
+    return None, None
+
+
 def hf_names(run: dict) -> NameTable:
     """The names a native run's `--hf` export writes: Llama's, or its mixture-of-experts family's (Qwen2-MoE's
     shared expert and Qwen3-MoE's dense blocks are where the MLP adapters sit)."""
@@ -104,13 +113,16 @@ def hf_names(run: dict) -> NameTable:
     return HF_TABLES[export_family(model)]
 
 
-def adapter_config(run: dict) -> dict:
-    """PEFT's adapter_config.json of the run's `model.lora` (HF target names; the base named where it is a path)."""
+def adapter_config(run: dict, modules: list[str] | None = None) -> dict:
+    """PEFT's adapter_config.json of the run's `model.lora` (HF target names; the base named where it is a path).
+    `modules`: the Hugging Face names of the modules the adapters sit on (a family that writes its folder back)."""
     model, lora = run["model"], run["model"]["lora"]
     targets = list(lora["target_modules"] or DEFAULT_TARGETS)
     if capabilities(model["type"]).native_names:
         to_hf = {native: hf for hf, native in family_spec(model["type"]).module_names.items()}
         targets = [to_hf.get(name, name) for name in targets]
+    elif modules is not None:  # its folder's names: the modules the adapters sit on there
+        targets = [module.rsplit(".", 1)[-1] for module in modules]
     alpha = lora["lora_alpha"]
     return {
         "peft_type": "LORA",
@@ -135,6 +147,9 @@ def write_peft_folder(weights: dict[str, torch.Tensor], out: Path, dtype: torch.
     from safetensors.torch import save_file
 
     tensors = {name: t.to(dtype).contiguous() for name, t in peft_tensors(weights, run).items()}
+    modules = None
+    if capabilities(run["model"]["type"]).folder_export:
+        modules = [n.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") for n in tensors if "lora_A" in n]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "adapter_config.json").write_text(json.dumps(adapter_config(run), indent=2) + "\n")
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config(run, modules), indent=2) + "\n")
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -9,6 +9,7 @@ Any family's folder is read by its `FolderFormat` (`read_folder`: the builder's,
 
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from internlm_offload.log import get_logger
 from internlm_offload.model.families.internlm2 import hf_config
 from internlm_offload.model.families.internlm2.hf_export import llama_config, moe_config
 from internlm_offload.model.name_table import FolderFormat, NameTable
-from internlm_offload.weights.convert import Heads, to_native
+from internlm_offload.weights.convert import Heads, to_format, to_native
 from internlm_offload.weights.files import load_model_file, read_json_object
 
 logger = get_logger(__name__)
@@ -92,7 +93,7 @@ def read_folder(folder: Path, layout: FolderFormat) -> dict[str, torch.Tensor]:
     """`folder`'s tensors under a family's own names (`layout`); those of blocks at or past its `num_layers` (a
     multi-token-prediction block it does not build) are left out, said in one line."""
     tensors = read_weights(weight_files(folder))
-    beyond = [n for n in tensors if (m := _BLOCK_INDEX.match(n)) and int(m.group(1)) >= layout.num_layers]
+    beyond = blocks_beyond(tensors, layout.num_layers)
     if beyond:
         logger.warning(
             "%s: %d tensors of blocks past the model's %d (multi-token prediction) are not built here: left out",
@@ -103,6 +104,25 @@ def read_folder(folder: Path, layout: FolderFormat) -> dict[str, torch.Tensor]:
         for name in beyond:
             del tensors[name]
     return to_native(tensors, layout.table, Heads(layout.n_heads, layout.n_kv_heads), str(folder))
+
+
+def blocks_beyond(names: Iterable[str], num_layers: int) -> list[str]:
+    """The names of tensors of blocks at or past `num_layers` (`model.layers.{i}.`): a multi-token-prediction block."""
+    return [n for n in names if (m := _BLOCK_INDEX.match(n)) and int(m.group(1)) >= num_layers]
+
+
+def tensor_names(files: list[Path]) -> list[str]:
+    """The tensor names of a folder's weight files, without reading the tensors of safetensors files."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in files:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                names.extend(f.keys())
+        else:
+            names.extend(load_model_file(path))
+    return names
 
 
 def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
@@ -162,6 +182,28 @@ def _write_folder(
         str(out / "model.safetensors"),
         metadata={"format": "pt"},
     )
+
+
+def write_family_folder(
+    native: dict[str, torch.Tensor], layout: FolderFormat, config: Any, out: Path, dtype: torch.dtype
+) -> int:
+    """A family's own folder (`layout`, the names its `model.hf_path` is read by): `config` as config.json and
+    `native` under the folder's names in `dtype` (those ending in `layout.keep_fp32` in fp32);
+    a tied head left out (transformers restores it from the embeddings). The number of tensors written."""
+    from safetensors.torch import save_file
+
+    tensors = to_format(native, layout.table, Heads(layout.n_heads, layout.n_kv_heads))
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    set_dtype(config, dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    save_file(
+        {n: t.to(torch.float32 if n.endswith(layout.keep_fp32) else dtype).contiguous() for n, t in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    return len(tensors)
 
 
 def set_dtype(config: Any, dtype: torch.dtype) -> None:

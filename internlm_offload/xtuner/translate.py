@@ -7,7 +7,9 @@ problem makes the translation fail. XTuner's defaults (`xtuner/v1/config/*.py`) 
 The model comes from `load_from`'s Hugging Face folder: InternLM2, InternLM and Llama folders load into the
 native model, others train as `hf_causal_lm` (experts balanced by a router bias with the bias moved as XTuner moves
 it, `model.router_bias_update_speed`), except families XTuner trains in a way not built here (vision-language models,
-multi-token prediction): those are fatal, named. Without `load_from`, XTuner's Qwen3 / Qwen3-MoE model classes and
+multi-token prediction): those are fatal, named. XTuner's DeepSeek-V3 lineage (`DeepSeekV3Config` with `load_from`,
+or `get_model_config_from_hf` of a DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash folder) maps onto the native
+`deepseek_v3` family (`deepseek.py`). Without `load_from`, XTuner's Qwen3 / Qwen3-MoE model classes and
 `get_model_config_from_hf` map onto the native model, initialised at random (`models.py`).
 """
 
@@ -22,6 +24,7 @@ from internlm_offload.errors import CheckpointError, DataError
 from internlm_offload.model.families.internlm2.hf_config import native_model_values
 from internlm_offload.model.families.internlm2.hf_names import DENSE_TABLES
 from internlm_offload.weights.hf_folder import read_config
+from internlm_offload.xtuner.deepseek import bias_speed, family_model, names_the_family
 from internlm_offload.xtuner.models import ModelClassError, model_from_xtuner
 from internlm_offload.xtuner.standins import Recorded, field, kind
 
@@ -30,7 +33,6 @@ ADAMW_DEFAULTS = {"lr": 1e-5, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay":
 LR_DEFAULTS = {"lr_type": "constant", "warmup_ratio": 0.03, "lr_min": 1e-6}
 FSDP_DEFAULTS = {"recompute_ratio": 1.0, "cpu_offload": False, "tp_size": 1, "ep_size": 1}
 PACK_MAX_LENGTH = 32768
-ROUTER_BIAS_UPDATE_SPEED = 0.001  # NoAuxRouterConfig's router_bias_update_speed
 _UNSET = object()
 ACTIVATION_OFFLOAD_ENV = "XTUNER_ACTIVATION_OFFLOAD"
 
@@ -91,12 +93,14 @@ def translate_trainer(trainer: Any, source: Path) -> Translation:
 
 
 def _model(t: Translation, trainer: Any) -> None:
-    load_from = field(trainer, "load_from")
+    load_from, model_cfg = field(trainer, "load_from"), field(trainer, "model_cfg")
+    if names_the_family(model_cfg, load_from):
+        _family_model(t, trainer, model_cfg, load_from)
+        return
     if load_from is None:
         _model_class(t, trainer)
         return
-    model_cfg = field(trainer, "model_cfg")
-    hf = model_from_folder(t, str(load_from), "load_from", field(model_cfg, "mtp_config"), _bias_speed(model_cfg))
+    hf = model_from_folder(t, str(load_from), "load_from", field(model_cfg, "mtp_config"), bias_speed(model_cfg))
     if hf is None:
         return
     if _router_bias(hf):
@@ -105,6 +109,23 @@ def _model(t: Translation, trainer: Any) -> None:
         t.carried.append("model_cfg -> read from load_from's config.json (its class is XTuner's)")
     tokenizer = field(trainer, "tokenizer_path") or load_from
     t.set("data", "tokenizer", str(tokenizer))
+
+
+def _family_model(t: Translation, trainer: Any, model_cfg: Any, load_from: Any) -> None:
+    """XTuner's DeepSeek-V3 lineage as the native family (`deepseek.py`); the tokenizer as for any model."""
+    try:
+        mapped = family_model(model_cfg, load_from)
+    except (ModelClassError, CheckpointError) as exc:
+        t.fatal.append(f"model_cfg={short(model_cfg)}: {exc}")
+        return
+    t.config["model"] = {**mapped.model, **t.config.get("model", {})}
+    t.carried.extend(mapped.carried)
+    t.dropped.extend(mapped.dropped)
+    tokenizer = field(trainer, "tokenizer_path") or load_from
+    if tokenizer is None:
+        t.fatal.append("tokenizer_path: needed without load_from (a local Hugging Face tokenizer folder)")
+    else:
+        t.set("data", "tokenizer", str(tokenizer))
 
 
 def model_from_folder(
@@ -191,17 +212,6 @@ def _router_bias(hf: dict[str, Any]) -> bool:
     return bool(hf.get("n_routed_experts")) and hf.get("topk_method", "noaux_tc") == "noaux_tc"
 
 
-def _bias_speed(model_cfg: Any) -> tuple[float, str]:
-    """XTuner v1's bias update speed (`NoAuxRouterConfig.router_bias_update_speed`, 0.001 unless set; 0 with
-    `freeze_routers`) and the field it came from."""
-    if field(model_cfg, "freeze_routers", False):
-        return 0.0, "model_cfg.freeze_routers=True"
-    speed = field(field(model_cfg, "router"), "router_bias_update_speed")
-    if speed is None:
-        return ROUTER_BIAS_UPDATE_SPEED, "model_cfg.router.router_bias_update_speed (XTuner's default)"
-    return float(speed), "model_cfg.router.router_bias_update_speed"
-
-
 def _balancing_loss(t: Translation, model_cfg: Any, hf: dict[str, Any]) -> None:
     """XTuner adds its balancing loss to DeepSeekV3Config's routers by default; transformers' model has none."""
     balancing = field(model_cfg, "balancing_loss_cfg", _UNSET)
@@ -274,13 +284,28 @@ def _fsdp(t: Translation, trainer: Any) -> None:
     if field(fsdp, "reshard_after_forward") is False:
         t.set("parallel", "reshard_after_forward", False)
     offload = os.environ.get(ACTIVATION_OFFLOAD_ENV, "0").lower() in ("1", "true", "yes")
-    layers = t.config.get("model", {}).get("num_layers")
+    layers = _num_layers(t.config.get("model", {}))
     if offload and layers:
         t.config["cpu_offloading"] = {"enable": True, "num_layers": layers - 1}
         t.carried.append(
             f"{ACTIVATION_OFFLOAD_ENV}=1 -> cpu_offloading.num_layers={layers - 1}: here the first blocks offload all "
             "their saved activations (dense models too) instead of recomputing from an offloaded input"
         )
+    elif offload and "model" in t.config:
+        t.dropped.append(f"{ACTIVATION_OFFLOAD_ENV}=1: the model's block count is not known here; set cpu_offloading")
+
+
+def _num_layers(model: dict[str, Any]) -> int | None:
+    """The model's blocks: `num_layers`, or config.json's `num_hidden_layers` (`model.hf_config`'s or
+    `model.hf_path`'s)."""
+    if model.get("num_layers"):
+        return model["num_layers"]
+    try:
+        hf = model.get("hf_config") or (read_config(Path(model["hf_path"])) if model.get("hf_path") else {})
+    except CheckpointError:
+        return None
+    layers = hf.get("num_hidden_layers")
+    return layers if isinstance(layers, int) else None
 
 
 def _data(t: Translation, trainer: Any) -> None:

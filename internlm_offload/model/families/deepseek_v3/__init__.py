@@ -3,8 +3,9 @@ multi-head latent attention, and GLM-4.5 / 4.6 / 4.7 (`glm4_moe`, grouped-query 
 with dense-first blocks and the sigmoid router balanced by a bias (noaux_tc), its un-gated shared expert.
 
 Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.hf_config`, config.json's keys);
-docs/deepseek.md. Its tensor plan, pipeline split and multi-token prediction are not built yet: those features
-refuse it in one line.
+docs/deepseek.md. `tools.export --hf` writes its folder back (transformers' names and config.json; Kimi-K2's as
+`deepseek_v3`). Its tensor plan, pipeline split and multi-token prediction are not built yet: those features refuse
+it in one line.
 """
 
 from typing import Any
@@ -34,7 +35,7 @@ FAMILY = register_family(
         name="deepseek_v3",
         entry="internlm_offload.model.families.deepseek_v3.build",
         summary="DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash from a Hugging Face folder or config",
-        capabilities=Capabilities(init_per_param=True),
+        capabilities=Capabilities(init_per_param=True, folder_export=True),
         check_section=check_section,
     )
 )

@@ -7,20 +7,30 @@ import torch
 
 from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.config.lora import resolved_targets
+from internlm_offload.log import get_logger
 from internlm_offload.model.families.deepseek_v3.args import args_from_config
-from internlm_offload.model.families.deepseek_v3.hf_names import HF_GQA_MOE, HF_MLA_MOE
+from internlm_offload.model.families.deepseek_v3.hf_names import CAUSAL_LM, HF_GQA_MOE, HF_MLA_MOE, KEEP_FP32
 from internlm_offload.model.families.deepseek_v3.model import DeepseekV3
 from internlm_offload.model.name_table import FolderFormat
+
+logger = get_logger(__name__)
+
+
+def raw_config(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json's keys as written (a folder's, or `model.hf_config`)."""
+    from transformers import PretrainedConfig
+
+    if cfg.hf_path:
+        return PretrainedConfig.get_config_dict(cfg.hf_path, local_files_only=True)[0]
+    return dict(cfg.hf_config)
 
 
 def transformers_config(cfg: ModelConfig) -> Any:
     """config.json (or `model.hf_config`) with transformers' defaults for the keys it leaves out. Kimi-K2's
     `kimi_k2`, which transformers does not register, is DeepSeek-V3's architecture: read as `deepseek_v3`."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import AutoConfig
 
-    raw = (
-        PretrainedConfig.get_config_dict(cfg.hf_path, local_files_only=True)[0] if cfg.hf_path else dict(cfg.hf_config)
-    )
+    raw = raw_config(cfg)
     if raw.get("model_type") == "kimi_k2":
         raw["model_type"] = "deepseek_v3"
     return AutoConfig.for_model(**raw)
@@ -38,10 +48,33 @@ def build_model(cfg: ModelConfig, device: torch.device) -> DeepseekV3:
 
 
 def folder_format(model: DeepseekV3) -> FolderFormat:
-    """How `model.hf_path`'s tensors are named: transformers' names of MLA or of GLM-4.5's attention."""
+    """How `model.hf_path`'s tensors are named: transformers' names of MLA or of GLM-4.5's attention (the router's
+    weight and bias kept in fp32 on the way out, as transformers keeps them)."""
     args = model.args
     table = HF_MLA_MOE if args.mla else HF_GQA_MOE
-    return FolderFormat(table, args.num_attention_heads, args.num_key_value_heads, args.num_layers)
+    return FolderFormat(table, args.num_attention_heads, args.num_key_value_heads, args.num_layers, keep_fp32=KEEP_FP32)
+
+
+def folder_config(cfg: ModelConfig) -> Any:
+    """The config.json of its `--hf` export: the one the model was built by, its causal LM class named.
+
+    Kimi-K2's is written as `deepseek_v3`, the architecture it is read as: transformers registers no `kimi_k2`, so
+    an export that kept it would load only with Moonshot's remote code, which is not copied (nor is any `auto_map`
+    kept, whose files the export lacks); the tensors' names are the same either way.
+    """
+    config = transformers_config(cfg)
+    written = raw_config(cfg).get("model_type")
+    if written != config.model_type:
+        logger.warning(
+            "config.json: model_type %r is written as %r (its architecture; transformers loads that without "
+            "remote code)",
+            written,
+            config.model_type,
+        )
+    if hasattr(config, "auto_map"):
+        delattr(config, "auto_map")
+    config.architectures = [CAUSAL_LM[config.model_type]]
+    return config
 
 
 def check_run(cfg: RunConfig) -> None:

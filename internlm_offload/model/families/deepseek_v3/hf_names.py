@@ -47,3 +47,12 @@ _FEED_FORWARD = (
 HF_MLA_MOE = NameTable("hf (deepseek_v3)", (*_DECODER, *_MLA_ATTENTION, *_FEED_FORWARD))
 # GLM-4.5 / 4.6 / 4.7: grouped-query attention.
 HF_GQA_MOE = NameTable("hf (glm4_moe)", (*_DECODER, *_GQA_ATTENTION, *_FEED_FORWARD))
+
+# What transformers keeps in fp32 in these models (`_keep_in_fp32_modules_strict`): the router's weight and its bias.
+KEEP_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+# The causal LM class of each model_type (config.json's `architectures`, which vLLM reads).
+CAUSAL_LM = {
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+}

@@ -1,0 +1,133 @@
+"""XTuner v1's DeepSeek-V3 lineage as the native family, `model.type='deepseek_v3'` (model/families/deepseek_v3).
+
+Mapped: `DeepSeekV3Config(...)` with `load_from` a folder of the lineage, and `get_model_config_from_hf(folder)` of
+a DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash folder (config.json's model_type one of the family's). With
+`load_from` the model is that folder (`model.hf_path`: its architecture and weights; XTuner's class values give way
+to config.json, as for every folder here); without it, config.json's architecture initialised at random
+(`model.hf_config`), as XTuner initialises a model config without weights. XTuner's router bias update carries
+(`model.router_bias_update_speed`); what XTuner adds that the family does not compute is reported, one line each:
+its balancing loss (on by default in `DeepSeekV3Config`, whose `from_hf` sets it too), a z-loss, multi-token
+prediction (`mtp_config`: not built yet).
+"""
+
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+from pathlib import Path
+from typing import Any
+
+from internlm_offload.errors import CheckpointError
+from internlm_offload.model.families.deepseek_v3 import MODEL_TYPES
+from internlm_offload.weights.hf_folder import read_config
+from internlm_offload.xtuner.models import FROM_HF, ModelClassError
+from internlm_offload.xtuner.standins import field, kind
+
+CLASS = "DeepSeekV3Config"
+ROUTER_BIAS_UPDATE_SPEED = 0.001  # NoAuxRouterConfig's router_bias_update_speed
+# config.json's model_types whose `get_model_config_from_hf` is XTuner's DeepSeekV3Config.from_hf, which sets
+# BalancingLossConfig() (Kimi-K2's architecture is DeepSeek-V3's; XTuner trains it with that class).
+BALANCED_BY_DEFAULT = ("deepseek_v3", "kimi_k2")
+_UNSET = object()
+
+
+@dataclass
+class FamilyModel:
+    """The `model` section, and the report's lines."""
+
+    model: dict[str, Any]
+    carried: list[str] = dataclass_field(default_factory=list)
+    dropped: list[str] = dataclass_field(default_factory=list)
+
+
+def names_the_family(model_cfg: Any, load_from: Any) -> bool:
+    """Whether XTuner's model config is the lineage's: `DeepSeekV3Config` with `load_from`, or
+    `get_model_config_from_hf` of a folder of the family's model_types (a folder not readable is not)."""
+    if kind(model_cfg) == CLASS:
+        return load_from is not None
+    return kind(model_cfg) == FROM_HF and _folder_type(model_cfg) in MODEL_TYPES
+
+
+def family_model(model_cfg: Any, load_from: Any) -> FamilyModel:
+    """The `model` section of an XTuner config that `names_the_family`; ModelClassError (or CheckpointError for an
+    unreadable folder): the one report line."""
+    name = kind(model_cfg)
+    if load_from is not None:
+        hf = read_config(Path(str(load_from)))
+        if hf.get("model_type") not in MODEL_TYPES:
+            raise ModelClassError(
+                f"load_from={str(load_from)!r}: model_type={hf.get('model_type')!r}; model_cfg={name} maps onto "
+                f"model.type='deepseek_v3', which builds {', '.join(MODEL_TYPES)}"
+            )
+        out = FamilyModel({"type": "deepseek_v3", "hf_path": str(load_from)})
+        out.carried.append(
+            f"model_cfg={name}, load_from -> model.type='deepseek_v3', model.hf_path (model_type="
+            f"{hf['model_type']!r}: the folder's architecture and weights)"
+        )
+    else:
+        folder = _folder(model_cfg)
+        hf = read_config(folder)
+        out = FamilyModel({"type": "deepseek_v3", "hf_config": hf})
+        out.carried.append(
+            f"model_cfg={FROM_HF}({str(folder)!r}) -> model.type='deepseek_v3', model.hf_config (model_type="
+            f"{hf['model_type']!r}), initialised at random"
+        )
+    speed, source = bias_speed(model_cfg)
+    out.model["router_bias_update_speed"] = speed
+    out.carried.append(f"{source} -> model.router_bias_update_speed={speed:g} (the router bias, once a step)")
+    out.dropped.extend(_not_computed(model_cfg, hf))
+    return out
+
+
+def bias_speed(model_cfg: Any) -> tuple[float, str]:
+    """XTuner v1's bias update speed (`NoAuxRouterConfig.router_bias_update_speed`, 0.001 unless set; 0 with
+    `freeze_routers`) and the field it came from."""
+    if field(model_cfg, "freeze_routers", False):
+        return 0.0, "model_cfg.freeze_routers=True"
+    speed = field(field(model_cfg, "router"), "router_bias_update_speed")
+    if speed is None:
+        return ROUTER_BIAS_UPDATE_SPEED, "model_cfg.router.router_bias_update_speed (XTuner's default)"
+    return float(speed), "model_cfg.router.router_bias_update_speed"
+
+
+def balancing_loss_on(model_cfg: Any, model_type: str | None) -> bool:
+    """Whether XTuner adds its balancing loss: the file's `balancing_loss_cfg`, else its class's default (on in
+    DeepSeekV3Config, which `get_model_config_from_hf` of a DeepSeek-V3 folder returns)."""
+    balancing = field(model_cfg, "balancing_loss_cfg", _UNSET)
+    if balancing is not _UNSET:
+        return balancing is not None
+    return kind(model_cfg) == CLASS or (kind(model_cfg) == FROM_HF and model_type in BALANCED_BY_DEFAULT)
+
+
+def _not_computed(model_cfg: Any, hf: dict[str, Any]) -> list[str]:
+    """What XTuner's model config adds to the training that the native family does not compute, one line each."""
+    lines = []
+    if balancing_loss_on(model_cfg, hf.get("model_type")):
+        lines.append(
+            "model_cfg.balancing_loss_cfg: XTuner's balancing loss (on by default for DeepSeek-V3) is not computed by "
+            "model.type='deepseek_v3'; the router bias alone balances the experts"
+        )
+    if field(model_cfg, "z_loss_cfg") is not None:
+        lines.append("model_cfg.z_loss_cfg: XTuner's router z-loss is not computed by model.type='deepseek_v3'")
+    mtp = field(model_cfg, "mtp_config")
+    if mtp is not None:
+        lines.append(
+            f"model_cfg.mtp_config={_short(mtp)}: multi-token prediction is not built yet for model.type="
+            "'deepseek_v3': its loss is not added (a folder's MTP block is left out on load and from exports)"
+        )
+    return lines
+
+
+def _folder(model_cfg: Any) -> Path:
+    """get_model_config_from_hf's folder (its first argument, or `model_path=`)."""
+    return Path(str(model_cfg.args[0] if model_cfg.args else field(model_cfg, "model_path")))
+
+
+def _folder_type(model_cfg: Any) -> str | None:
+    try:
+        return read_config(_folder(model_cfg)).get("model_type")
+    except (CheckpointError, AttributeError, TypeError):  # no folder, no config.json, not a recorded call
+        return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -156,8 +156,9 @@ class ModelConfig(Section):
         "clipping, each router's bias goes down by this much for the experts chosen more often than the router's mean "
         "over the step's training tokens (all micro-batches, all ranks) and up for those "
         "chosen less (XTuner's `router_bias_update_speed`; the bias is an fp32 buffer, saved in checkpoints). 0: the "
-        "bias stays as loaded. `moe_maxvio` in metrics.jsonl: XTuner's max violation of those counts. No effect on "
-        "other models.",
+        "bias stays as loaded; so it does under `model.lora` (the bias is part of the frozen base, and a LoRA "
+        "checkpoint holds the adapters alone). `moe_maxvio` in metrics.jsonl: XTuner's max violation of those counts. "
+        "No effect on other models.",
     )
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
     parallel_output: bool = Field(

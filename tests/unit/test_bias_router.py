@@ -385,3 +385,16 @@ def test_a_transformers_model_counts_training_forwards_only() -> None:
         model.train()
         model(ids)
     assert model.routers.choices.take().sum() == 8 * 2
+
+
+def test_lora_keeps_the_bias_as_loaded() -> None:
+    """The bias is part of LoRA's frozen base, which a LoRA checkpoint does not hold: the update leaves it alone (a
+    moved bias would be lost on resume and in every export), and says so."""
+    from internlm_offload.builder.model import build_model, router_bias_update
+
+    cfg = resolve_config(run_config(lora={"r": 4, "target_modules": ["wq", "wv"]}))
+    update = router_bias_update(cfg, CTX, build_model(cfg.model, torch.device("cpu")))
+    plain = resolve_config(run_config())
+    assert cfg.model.router_bias_update_speed == plain.model.router_bias_update_speed > 0
+    assert update is not None and update.speed == 0.0
+    assert router_bias_update(plain, CTX, build_model(plain.model, torch.device("cpu"))).speed > 0

@@ -3,8 +3,8 @@ blocks of the bias router with groups and a shared expert), bitwise against the 
 bf16 with fp32 masters: loss, grad norm, the expert loads and `moe_maxvio` at every step, and the router biases the
 last step leaves (saved in its checkpoint) equal with `torch.equal`.
 
-The biases pick the experts, so one bit of an activation brought back wrong, a recompute routing differently or a
-count taken twice moves a choice, then a bias, then every later step. Runs are few: one baseline per dtype and
+The biases pick the experts, so one bit of an activation brought back wrong or a recompute routing differently moves
+a choice, then a bias, then every later step. Runs are few: one baseline per dtype and
 wrapper (shared through conftest's `reference_run`: test_deepseek_parallel_e2e.py compares the fp32 ones with other
 layouts) and one run per group of tiers that compose.
 """
@@ -14,19 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import REPO, metrics, train
-
-from internlm_offload.tools.export import load_weights
+from deepseek_runs import DEEPSEEK, DTYPES, STEPS, assert_same_biases, biases, family_baseline
+from runner import metrics, train
 
 pytestmark = pytest.mark.e2e
 
-DEEPSEEK = REPO / "configs" / "deepseek_v3_tiny.py"
-# 6 steps of a global batch of 8 (4 micro-batches of 2 on one process), checkpoints at 2, 4, 6 (saving moves no bit);
-# lr 1e-3 as test_deepseek_parallel_e2e.py's layouts follow the same runs within a tolerance
-STEPS = ["data.total_steps=6", "data.global_bsz=8", "adam.lr=1e-3", "ckpt.checkpoint_every=2", "ckpt.keep_last=0"]
-LAST = "step_00000006"
 KEYS = ("loss", "grad_norm", "moe_maxvio", "moe_tokens_per_expert", "moe_max_load")
-BIAS = "router.e_score_correction_bias"
 # activation offload of block 0 (the dense one), selective checkpointing with its kept outputs offloaded of blocks
 # 1-2, block 3 plain; every saved tensor offloaded, the routing indices and counts too, however small
 SELECTIVE = [
@@ -42,18 +35,6 @@ FULL = ["cpu_offloading.enable=True", "cpu_offloading.num_layers=2", "cpu_offloa
 FULL += ["model.checkpoint=0.75"]
 SWAP = ["swap_optimizer=True", "grad_offload=True", "grad_offload_bucket_mb=0.25", "nvme_offload.enable=True"]
 HYBRID = ["hybrid_optimizer.enable=True", "hybrid_optimizer.offload_fraction=0.5"]
-DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}  # bf16: fp32 masters (model/precision defaults)
-
-
-def family_baseline(reference_run, dtype: str, mode: str = "none") -> Path:
-    """The plain run of STEPS under `mode` (one process, or two for FSDP2), trained once per pytest run."""
-    options = [*STEPS, f"model.dtype={DTYPES[dtype]}", f"parallel.mode={mode}"]
-    return reference_run(*options, nproc=1 if mode == "none" else 2, config=DEEPSEEK)
-
-
-def biases(run: Path, step: str = LAST) -> dict[str, torch.Tensor]:
-    """The router biases saved at `step`: one (E,) fp32 tensor per sparse block."""
-    return {key: value for key, value in load_weights(run / "checkpoints" / step).items() if key.endswith(BIAS)}
 
 
 def assert_bitwise(base: Path, run: Path, keys: tuple[str, ...] = KEYS) -> None:
@@ -64,9 +45,7 @@ def assert_bitwise(base: Path, run: Path, keys: tuple[str, ...] = KEYS) -> None:
         want = torch.tensor([r[key] for r in expected], dtype=torch.float64)
         have = torch.tensor([r[key] for r in got], dtype=torch.float64)
         assert torch.equal(have, want), (key, want.tolist(), have.tolist())
-    want, have = biases(base), biases(run)
-    assert len(want) == 3 and all(t.dtype == torch.float32 and t.abs().sum() > 0 for t in want.values())  # moved
-    assert have.keys() == want.keys() and all(torch.equal(have[key], want[key]) for key in want), "router biases"
+    assert_same_biases(base, run)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -125,5 +104,4 @@ def test_resume_from_step_2_is_the_straight_run(tmp_path, reference_run, dtype):
     expected = [r for r in metrics(base) if r["step"] > 2]
     for key in KEYS:
         assert [r[key] for r in metrics(run)] == [r[key] for r in expected], key
-    want, have = biases(base), biases(run)
-    assert have.keys() == want.keys() and all(torch.equal(have[key], want[key]) for key in want)
+    assert_same_biases(base, run)

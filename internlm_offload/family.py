@@ -70,6 +70,10 @@ class FamilySpec:
     check_section: Callable[[Any], None] | None = None
     # Hugging Face's names of its LoRA-targetable modules -> its own (`model.lora.target_modules` takes either).
     module_names: Mapping[str, str] = field(default_factory=dict)
+    # The routed experts per sparse block of its `model` section (a ModelConfig), torch-free, where the section's
+    # `model.num_experts` does not hold them (read off `model.hf_config` or the folder's config.json): what the
+    # expert-parallel and tensor-parallel checks count. None: `model.num_experts`.
+    routed_experts: Callable[[Any], int] | None = None
 
     def module(self) -> ModuleType:
         """The family's builder module, imported on first use (it imports torch)."""
@@ -100,6 +104,25 @@ def check_model_section(model: Any) -> None:
         return
     if spec.check_section is not None:
         spec.check_section(model)
+
+
+def routed_experts(model: Any) -> int:
+    """The routed experts per sparse block of the `model` section's model (0: dense): its family's `routed_experts`,
+    else `model.num_experts`; an unknown `model.type` has none (its check reports it)."""
+    try:
+        spec = family_spec(model.type)
+    except KeyError:
+        return model.num_experts
+    return model.num_experts if spec.routed_experts is None else spec.routed_experts(model)
+
+
+def experts_key(model: Any) -> str:
+    """Where `routed_experts(model)` comes from, as a message names it."""
+    try:
+        spec = family_spec(model.type)
+    except KeyError:
+        return "model.num_experts"
+    return "model.num_experts" if spec.routed_experts is None else "the config's n_routed_experts"
 
 
 def capabilities(name: str) -> Capabilities:

@@ -115,10 +115,10 @@ def uses_loss_parallel(cfg: RunConfig) -> bool:
 
 def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
     """Meta build + per-shard init: FSDP2 (tensor parallel included), our own decoder (each parameter drawn whole,
-    this rank's part kept), untied embeddings (materializing unties them), and fp32 params (the init happens before
+    this rank's part kept), untied embeddings (materializing unties them), fp32 params (the init happens before
     any cast; a LoRA base cast to the compute dtype on meta is drawn in fp32 and rounded, as the whole build's cast
-    rounds it; its adapters are drawn after the base, `init_adapters`). Not a model read from `model.hf_path`: the
-    shards would be drawn from the seed, and the folder's weights load into the whole build (`build_model`)."""
+    rounds it; its adapters are drawn after the base, `init_adapters`), and weights drawn, not read from
+    `model.hf_path` (`draws_weights`)."""
     model = cfg.model
     return (
         cfg.parallel.mode == "fsdp2"
@@ -126,8 +126,14 @@ def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
         and capabilities(model.type).init_per_param
         and not model.tie_word_embeddings
         and policy.param_dtype == torch.float32
-        and model.hf_path is None
+        and draws_weights(model)
     )
+
+
+def draws_weights(model: ModelConfig) -> bool:
+    """Whether the build draws every weight from the seed: not where `build_model` reads a folder's over them, which a
+    meta build has nowhere to read into (the whole model is built, read, then sharded)."""
+    return model.hf_path is None
 
 
 def log_build_memory(ctx: RunContext) -> None:
@@ -178,7 +184,7 @@ def hosts_base_from_meta(cfg: RunConfig) -> bool:
         and capabilities(model.type).init_per_param
         and not model.tie_word_embeddings
         and model.quantization_config is None
-        and model.hf_path is None
+        and draws_weights(model)
     )
 
 

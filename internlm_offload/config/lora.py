@@ -5,7 +5,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
-from internlm_offload.family import capabilities, family_spec
+from internlm_offload.family import capabilities, family_spec, routed_experts
 
 # PEFT's default for llama-like models (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`).
 DEFAULT_TARGETS = ("q_proj", "v_proj")
@@ -106,7 +106,7 @@ def base_on_host_layout_problem(cfg: Any) -> str | None:
     where = "model.lora.base_on_host=True"
     if cfg.parallel.pipeline.size > 1:
         return f"{where} with parallel.pipeline.size={cfg.parallel.pipeline.size}: not built for pipeline stages; use 1"
-    if cfg.parallel.expert.size != 1 and cfg.model.num_experts:
+    if cfg.parallel.expert.size != 1 and routed_experts(cfg.model):
         return (
             f"{where} with parallel.expert.size={cfg.parallel.expert.size}: the experts are hosted on one rank's "
             "blocks only, not dispatched over ranks yet; set parallel.expert.size=1"

@@ -14,6 +14,7 @@ from internlm_offload.config.internevo import translate
 from internlm_offload.config.pipeline import PIPELINE_KNOBS, data_parallel_problem, micro_batch_problem
 from internlm_offload.config.schema import RunConfig
 from internlm_offload.config.sections import AUTO, AUTO_KNOBS, TENSOR_MODES
+from internlm_offload.family import experts_key, routed_experts
 
 
 def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
@@ -80,7 +81,7 @@ def experts_over_tensor(cfg: RunConfig) -> bool:
     """Whether each tensor rank routes a sequence chunk of its own: isp, or mtp/msp/fsp on a model with experts
     (whole under `parallel.expert.no_tp`, which the schema requires there)."""
     tensor = cfg.parallel.tensor
-    return tensor.mode == "isp" or (tensor.size > 1 and cfg.model.num_experts > 0)
+    return tensor.mode == "isp" or (tensor.size > 1 and routed_experts(cfg.model) > 0)
 
 
 def chunked_loss(cfg: RunConfig) -> bool:
@@ -93,10 +94,10 @@ def _resolve_expert_parallel(cfg: RunConfig, ranks: int) -> None:
     """`parallel.expert.size` <= 0 as InternEvo's -1: min(`ranks`, experts) (said in the log); then what the expert
     mesh over those ranks (`expert_ranks`) needs (one line each, exit 2). mtp/msp/fsp with experts split over the
     tensor group (`no_tp=False`), which it is not built with, the schema refuses."""
-    expert, weight, experts = cfg.parallel.expert, cfg.parallel.expert_weight, cfg.model.num_experts
+    expert, weight, experts = cfg.parallel.expert, cfg.parallel.expert_weight, routed_experts(cfg.model)
     if expert.size <= 0:
         resolved = min(ranks, experts) if experts else 1
-        rule = f"min({_ranks_name(cfg)} ranks {ranks}, model.num_experts {experts}), InternEvo's rule for -1"
+        rule = f"min({_ranks_name(cfg)} ranks {ranks}, {experts_key(cfg.model)} {experts}), InternEvo's rule for -1"
         cfg._derived.append(f"parallel.expert.size={expert.size} -> {resolved}: {rule}")
         expert.size = resolved
     ep = expert.size
@@ -109,7 +110,7 @@ def _resolve_expert_parallel(cfg: RunConfig, ranks: int) -> None:
         return
     if not experts:
         raise ConfigError(f"parallel.expert.size={ep} needs a mixture-of-experts model (model.num_experts > 0)")
-    for name, value in (("model.num_experts", experts), (f"the {_ranks_name(cfg)} size", ranks)):
+    for name, value in ((experts_key(cfg.model), experts), (f"the {_ranks_name(cfg)} size", ranks)):
         if value % ep:
             raise ConfigError(
                 f"parallel.expert.size={ep} must divide {name} ({value}): each of the {ep} ranks holds "

@@ -39,7 +39,7 @@ from internlm_offload.config.sections import (
     Section,
     intermediate_size,
 )
-from internlm_offload.family import capabilities, families_with
+from internlm_offload.family import capabilities, experts_key, families_with, routed_experts
 
 
 class RunConfig(Section):
@@ -241,12 +241,13 @@ class RunConfig(Section):
                 f"got mode={tensor.mode!r}; set weight.size=1"
             )
         T, mode = tensor.size, tensor.mode
+        experts = routed_experts(model)
         # isp keeps the experts whole (its ranks route their own sequence chunks, as InternEvo's do); mtp/msp/fsp
         # keep them whole with InternEvo's no_tp=True (engine/moe_tensor_parallel.py), its no_tp=False splits them
-        if model.num_experts and T > 1 and mode != "isp" and not self.parallel.expert.no_tp:
+        if experts and T > 1 and mode != "isp" and not self.parallel.expert.no_tp:
             raise ValueError(
                 f"parallel.expert.no_tp=False with parallel.tensor (size {T}, mode {mode!r}) and "
-                f"model.num_experts={model.num_experts}: experts split over the tensor group are not built; set "
+                f"{experts_key(model)}={experts}: experts split over the tensor group are not built; set "
                 "parallel.expert.no_tp=True (experts whole, each tensor rank routing its own sequence chunk) or "
                 "parallel.tensor.mode='isp'"
             )
@@ -255,9 +256,14 @@ class RunConfig(Section):
                 f"parallel.tensor (size {T}, mode {mode!r}) splits model.type="
                 f"{families_with('tensor_parallel')}, not {model.type!r}"
             )
-        divisible = {"model.num_attention_heads": model.num_attention_heads}
+        divisible = {}
+        # a model read from a Hugging Face folder or config has its dimensions there, not in this section: its tensor
+        # plan's heads are checked when the model is split (engine/tensor_parallel.py)
+        own_dims = model.hf_path is None and model.hf_config is None
+        if own_dims:
+            divisible["model.num_attention_heads"] = model.num_attention_heads
         kv_heads = model.num_kv_attention_heads or model.num_attention_heads
-        if kv_heads % T and T % kv_heads:  # kv heads are repeated up to T (Ulysses' exchange, KVHeadReplicas)
+        if own_dims and kv_heads % T and T % kv_heads:  # kv heads repeated up to T (Ulysses, KVHeadReplicas)
             raise ValueError(
                 f"parallel.tensor.size={T} (mode {mode!r}) and model.num_kv_attention_heads={kv_heads}: one must "
                 "divide the other (each rank attends with whole kv heads, repeated where T exceeds them)"
@@ -266,10 +272,11 @@ class RunConfig(Section):
             self._check_isp_wrapper()
         else:
             self._check_column_row_parallel()
-            width = intermediate_size(model.hidden_size, model.mlp_ratio, model.multiple_of)
-            divisible["the SwiGLU width (model.hidden_size * mlp_ratio rounded up to multiple_of)"] = width
+            if own_dims:
+                width = intermediate_size(model.hidden_size, model.mlp_ratio, model.multiple_of)
+                divisible["the SwiGLU width (model.hidden_size * mlp_ratio rounded up to multiple_of)"] = width
         # the modes that split the sequence; mtp too where the sparse blocks route a chunk each
-        if mode in ("msp", "fsp", "isp") or model.num_experts:
+        if mode in ("msp", "fsp", "isp") or experts:
             divisible["data.seq_len"] = self.data.seq_len
         for name, value in divisible.items():
             if value % T:

@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from internlm_offload.config import ConfigError
 from internlm_offload.engine.model_plan import (
     check_model_names,
     check_names,
@@ -79,6 +80,7 @@ def apply_tensor_parallel(
     check_model_names(model, plan, feature)  # every name first: parallelize_module skips one it does not find
     for index, block, block_plan in blocks:
         check_names(block, index, _block_names(block_plan), feature)
+        check_heads(index, block_plan, tp_mesh.size(), feature)
     sequence = mode in SEQUENCE_SHARDED
     between = Shard(1) if sequence else Replicate()  # the residual stream's layout between the blocks
     head_output = Shard(-1) if parallel_output else Replicate()
@@ -97,7 +99,8 @@ def apply_tensor_parallel(
             block_mode = "msp"
         parallelize_module(block, tp_mesh, _block_styles(block_mode, block_plan, tp_mesh.size()))
         if block_mode == "fsp":
-            gather_in_backward_again(planned_module(block, index, block_plan.attention.module, feature))
+            attention = planned_module(block, index, block_plan.attention.module, feature)
+            gather_in_backward_again(attention, local=bool(block_plan.attention.replicated))
             if not block_plan.sparse:  # a sparse block routes its own chunk: nothing to gather
                 gather_in_backward_again(planned_module(block, index, block_plan.feed_forward.module, feature))
     logger.info(
@@ -112,7 +115,18 @@ def _block_names(plan: BlockPlan) -> list[str]:
     """Every module a block's plan names."""
     attention, feed_forward = plan.attention, plan.feed_forward
     regions = [attention.module, *attention.column, *attention.row, feed_forward.module, *feed_forward.column]
-    return [*regions, *feed_forward.row, *plan.kv, *plan.norms]
+    return [*regions, *feed_forward.row, *plan.kv, *plan.norms, *(r.module for r in attention.replicated)]
+
+
+def check_heads(index: int, plan: BlockPlan, tensor_size: int, feature: str) -> None:
+    """A block whose plan states its heads (a model whose config section does not hold them): the tensor size divides
+    its query heads, and its kv heads or is divided by them (each rank attends with whole heads)."""
+    heads, kv_heads = plan.heads, plan.kv_heads
+    if heads and (heads % tensor_size or (kv_heads % tensor_size and tensor_size % kv_heads)):
+        raise ConfigError(
+            f"{feature} over {tensor_size} ranks: block {index} has {heads} query heads and {kv_heads} kv heads; the "
+            "tensor size must divide the query heads and divide or be a multiple of the kv heads"
+        )
 
 
 def _block_styles(mode: str, plan: BlockPlan, tensor_size: int) -> dict[str, ParallelStyle]:
@@ -123,6 +137,7 @@ def _block_styles(mode: str, plan: BlockPlan, tensor_size: int) -> dict[str, Par
     attention, feed_forward = plan.attention, plan.feed_forward
     styles: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in attention.column}
     styles |= {name: kv for name in plan.kv}
+    styles |= {r.module: ReadWholeTail(r.read_whole) for r in attention.replicated if r.read_whole}
     styles |= {name: _row(sequence) for name in attention.row}
     if plan.sparse:
         styles[feed_forward.module] = WholeMoE(sequence_sharded=sequence)
@@ -134,7 +149,8 @@ def _block_styles(mode: str, plan: BlockPlan, tensor_size: int) -> dict[str, Par
     if mode != "fsp":  # fsp gathers inside its checkpointed region instead
         # only the residual stream is laid out (attention's rope and documents are left alone)
         layout = Shard(1) if sequence else Replicate()
-        styles[attention.module] = _shared_input(layout, extra_args=attention.extra_args)
+        prepare = _whole_input if attention.replicated else _shared_input
+        styles[attention.module] = prepare(layout, extra_args=attention.extra_args)
         if not plan.sparse:
             styles[feed_forward.module] = _shared_input(layout, extra_args=feed_forward.extra_args)
     return styles
@@ -154,6 +170,43 @@ def _shared_input(layout: Shard | Replicate, extra_args: int) -> PrepareModuleIn
     return PrepareModuleInput(
         input_layouts=(layout, *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=False
     )
+
+
+def _whole_input(layout: Shard | Replicate, extra_args: int) -> PrepareModuleInput:
+    """A module's first argument (in `layout`) as a plain whole tensor, for a region whose first projections are
+    replicated (`Region.replicated`): they take plain tensors, and the column projections after them each sum their
+    input gradient over the tensor group, so the gradient arriving here is whole (under msp / fsp this rank keeps its
+    chunk of it)."""
+    rest = (None,) * extra_args
+    return PrepareModuleInput(
+        input_layouts=(layout, *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True
+    )
+
+
+class ReadWholeTail(ParallelStyle):
+    """A replicated projection whose last `width` outputs every rank's heads read as they are, past the column
+    projections (MLA's kv_a_proj_with_mqa and its rope key, as transformers' `mla_kv_a_proj`): their gradient, each
+    rank's heads' part, is summed over the tensor group in backward. The rest of its output reaches the heads through
+    column projections, whose input gradients are summed already; its weight stays a plain tensor, whole on every
+    rank, and gets the whole gradient."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(functools.partial(self._sum_tail_gradient, device_mesh=device_mesh))
+        return module
+
+    def _sum_tail_gradient(
+        self, module: nn.Module, inputs: tuple, output: torch.Tensor, device_mesh: DeviceMesh
+    ) -> torch.Tensor:
+        head, tail = output.split([output.shape[-1] - self.width, self.width], dim=-1)
+        # no communication forward; backward, the Partial gradient is all-reduced back to the replicated layout
+        tail = DTensor.from_local(tail, device_mesh, [Replicate()], run_check=False).to_local(
+            grad_placements=[Partial()]
+        )
+        return torch.cat((head, tail), dim=-1)
 
 
 class KVHeadReplicas(ParallelStyle):
@@ -200,15 +253,17 @@ def _fsp_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_IN_FSP else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def gather_in_backward_again(module: nn.Module) -> None:
+def gather_in_backward_again(module: nn.Module, *, local: bool = False) -> None:
     """fsp: `module` takes its input sequence-sharded, all-gathers it itself and runs under selective
     checkpointing that saves only the matmul and attention outputs: backward keeps the sharded input (1/T
-    of msp's gathered one) and gathers it again, as InternEvo's fsp does."""
+    of msp's gathered one) and gathers it again, as InternEvo's fsp does. `local`: the gathered input handed on as
+    a plain tensor (a region with replicated projections: `_whole_input`), else as the DTensor they share."""
     forward = module.forward
     contexts = functools.partial(create_selective_checkpoint_contexts, _fsp_policy)
 
     def gathered(x: DTensor, *args, **kwargs):  # a DTensor the projections share (see `_shared_input`)
-        return forward(x.redistribute(placements=[Replicate()]), *args, **kwargs)
+        whole = x.redistribute(placements=[Replicate()])
+        return forward(whole.to_local() if local else whole, *args, **kwargs)
 
     @functools.wraps(forward)
     def sharded_input_forward(x: DTensor, *args, **kwargs):

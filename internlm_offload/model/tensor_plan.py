@@ -12,15 +12,29 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Replicated:
+    """A projection or norm of a region kept whole on every tensor rank, ahead of its column projections (MLA's
+    q_a_proj, kv_a_proj_with_mqa and their latent norms). `read_whole`: its last outputs that every rank's heads
+    read as they are, past the column projections (MLA's rope key, shared by all heads): their gradient, each rank's
+    heads' part, is summed over the tensor group."""
+
+    module: str
+    read_whole: int = 0
+
+
+@dataclass(frozen=True)
 class Region:
     """A sub-module of a block that takes the residual stream as its first argument: column-parallel projections in
-    (output dim sharded), row-parallel ones out (input dim sharded, outputs reduced)."""
+    (output dim sharded), row-parallel ones out (input dim sharded, outputs reduced). An attention with `replicated`
+    modules ahead of its column ones takes its input whole as a plain tensor (gathered from the sequence under msp /
+    fsp), and each column projection sums its own input gradient over the tensor group."""
 
     module: str
     column: tuple[str, ...] = ()
     row: tuple[str, ...] = ()
     # positional arguments after the residual stream, passed on as they are (attention's rope and documents)
     extra_args: int = 0
+    replicated: tuple[Replicated, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -29,7 +43,9 @@ class BlockPlan:
 
     `attention`: the token mixer (isp exchanges heads for sequence in it, fsp gathers its input again in backward);
     `kv`: its key and value projections over `kv_heads` heads (column parallel where the tensor size divides them,
-    else whole on every rank, each keeping its query heads' kv head); `feed_forward`: the MLP after it, or with
+    else whole on every rank, each keeping its query heads' kv head); `heads`: its query heads, which the tensor size
+    must divide where the model's config section does not say them (0: the config checks); `feed_forward`: the MLP
+    after it, or with
     `sparse` a sparse block (a model/hooks.py `DispatchesExperts`: whole on every tensor rank, its experts what
     expert parallel shards), whose column and row are then empty; `norms`: replicated, sequence parallel under
     msp / fsp.
@@ -41,6 +57,7 @@ class BlockPlan:
     feed_forward: Region
     sparse: bool = False
     norms: tuple[str, ...] = ()
+    heads: int = 0
 
     def __post_init__(self) -> None:
         if self.sparse and (self.feed_forward.column or self.feed_forward.row):

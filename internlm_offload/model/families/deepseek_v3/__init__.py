@@ -4,10 +4,15 @@ with dense-first blocks and the sigmoid router balanced by a bias (noaux_tc), it
 
 Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.hf_config`, config.json's keys);
 docs/deepseek.md. `tools.export --hf` writes its folder back (transformers' names and config.json; Kimi-K2's as
-`deepseek_v3`). Its tensor plan, pipeline split and multi-token prediction are not built yet: those features refuse
-it in one line.
+`deepseek_v3`). Its tensor plan (model.py) takes it through tensor parallel (mtp / msp / fsp / isp) and expert
+parallel; the config checks count its experts off its config (`routed_experts`). Not built: a pipeline split (the
+stages' forward does not count the routers' choices, the whole model's does, so the bias would not move; and the
+pipeline checks partition by `model.num_layers`, not the config's `num_hidden_layers`) and multi-token prediction:
+those refuse it in one line.
 """
 
+import json
+from pathlib import Path
 from typing import Any
 
 from internlm_offload.family import Capabilities, FamilySpec, register_family
@@ -15,6 +20,8 @@ from internlm_offload.family import Capabilities, FamilySpec, register_family
 # config.json's model_type values this family reads (Kimi-K2's `kimi_k2`, which transformers does not register, is
 # read as `deepseek_v3`: the same architecture).
 MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite")
+# transformers' n_routed_experts where a config leaves it out
+DEFAULT_EXPERTS = {"deepseek_v3": 256, "kimi_k2": 256, "glm4_moe": 128, "glm4_moe_lite": 64}
 
 
 def check_section(model: Any) -> None:
@@ -30,12 +37,25 @@ def check_section(model: Any) -> None:
         raise ValueError("model.attn_impl='eager' is for model.type='hf_causal_lm'; deepseek_v3 has sdpa and flash")
 
 
+def routed_experts(model: Any) -> int:
+    """The routed experts per sparse block, off `model.hf_config` or the folder's config.json (0 where it cannot be
+    read: the build reports the folder)."""
+    config = model.hf_config
+    if config is None:
+        try:
+            config = json.loads((Path(model.hf_path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return 0
+    return int(config.get("n_routed_experts", DEFAULT_EXPERTS.get(config.get("model_type"), 0)))
+
+
 FAMILY = register_family(
     FamilySpec(
         name="deepseek_v3",
         entry="internlm_offload.model.families.deepseek_v3.build",
         summary="DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash from a Hugging Face folder or config",
-        capabilities=Capabilities(init_per_param=True, folder_export=True),
+        capabilities=Capabilities(tensor_parallel=True, init_per_param=True, folder_export=True),
         check_section=check_section,
+        routed_experts=routed_experts,
     )
 )

@@ -15,6 +15,7 @@ from internlm_offload.model.mla import MultiLatentAttention
 from internlm_offload.model.mlp import FeedForward
 from internlm_offload.model.moe import MoE
 from internlm_offload.model.rope import rope_from_parameters, softmax_mscale
+from internlm_offload.model.tensor_plan import BlockPlan, Region, Replicated, TensorPlan
 
 
 def build_attention(args: DeepseekV3Args, attn_impl: str) -> nn.Module:
@@ -68,6 +69,48 @@ def build_feed_forward(args: DeepseekV3Args, i: int) -> nn.Module:
     )
 
 
+def attention_region(args: DeepseekV3Args) -> Region:
+    """The attention's roles: MLA's query and kv up-projections column parallel by whole heads (their rows are
+    head-major blocks, so an even split of the rows is one of heads), o_proj row parallel, the down-projections and
+    their latent norms whole on every rank, the rope key's gradient summed over them (every head reads it); GLM-4.5's
+    wq column parallel and wo row parallel (wk, wv: the block's kv)."""
+    if not args.mla:
+        return Region("attention", column=("attention.wq",), row=("attention.wo",), extra_args=2)  # rope, documents
+    if args.q_lora_rank is None:
+        column, replicated = ("attention.q_proj",), ()
+    else:
+        column = ("attention.q_b_proj",)
+        replicated = (Replicated("attention.q_a_proj"), Replicated("attention.q_a_layernorm"))
+    replicated += (
+        Replicated("attention.kv_a_proj_with_mqa", read_whole=args.qk_rope_head_dim),
+        Replicated("attention.kv_a_layernorm"),
+    )
+    return Region("attention", column=column, row=("attention.o_proj",), extra_args=2, replicated=replicated)
+
+
+def block_plan(args: DeepseekV3Args, i: int) -> BlockPlan:
+    """Block i's roles (model/tensor_plan.py): a dense-first block's SwiGLU column / row parallel, a sparse block
+    whole (its experts what expert parallel shards)."""
+    sparse = i not in args.dense_layers
+    if sparse:
+        feed_forward = Region("feed_forward")
+    else:
+        feed_forward = Region("feed_forward", column=("feed_forward.w1", "feed_forward.w3"), row=("feed_forward.w2",))
+    if args.mla:  # kv_b_proj expands every head's key and value from the latent
+        kv, kv_heads = ("attention.kv_b_proj",), args.num_attention_heads
+    else:
+        kv, kv_heads = ("attention.wk", "attention.wv"), args.num_key_value_heads
+    return BlockPlan(
+        attention=attention_region(args),
+        kv=kv,
+        kv_heads=kv_heads,
+        feed_forward=feed_forward,
+        sparse=sparse,
+        norms=("attention_norm", "ffn_norm"),
+        heads=args.num_attention_heads,
+    )
+
+
 class DeepseekV3(Decoder):
     """A model of the lineage from `DeepseekV3Args`."""
 
@@ -90,6 +133,11 @@ class DeepseekV3(Decoder):
         )
         self.args = args
         self.num_experts = args.n_routed_experts
+
+    def tensor_plan(self) -> TensorPlan:
+        """Where tensor parallel and expert parallel find this model's modules (model/tensor_plan.py)."""
+        blocks = tuple(block_plan(self.args, i) for i in range(self.args.num_layers))
+        return TensorPlan(embedding="tok_embeddings", final_norm="norm", head="output", blocks=blocks)
 
     def aux_losses(self, stats: list) -> dict[str, torch.Tensor]:
         return {}

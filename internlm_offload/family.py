@@ -74,6 +74,8 @@ class FamilySpec:
     # `model.num_experts` does not hold them (read off `model.hf_config` or the folder's config.json): what the
     # expert-parallel and tensor-parallel checks count. None: `model.num_experts`.
     routed_experts: Callable[[Any], int] | None = None
+    # Its decoder blocks, counted off its config (a family whose architecture is config.json's); None: `model.num_layers`.
+    blocks: Callable[[Any], int] | None = None
 
     def module(self) -> ModuleType:
         """The family's builder module, imported on first use (it imports torch)."""
@@ -114,6 +116,24 @@ def routed_experts(model: Any) -> int:
     except KeyError:
         return model.num_experts
     return model.num_experts if spec.routed_experts is None else spec.routed_experts(model)
+
+
+def block_count(model: Any) -> int:
+    """The decoder blocks of the `model` section's model: its family's `blocks`, else `model.num_layers`."""
+    try:
+        spec = family_spec(model.type)
+    except KeyError:
+        return model.num_layers
+    return model.num_layers if spec.blocks is None else spec.blocks(model)
+
+
+def blocks_key(model: Any) -> str:
+    """Where `block_count(model)` comes from, as a message names it."""
+    try:
+        spec = family_spec(model.type)
+    except KeyError:
+        return "model.num_layers"
+    return "model.num_layers" if spec.blocks is None else "the config's num_hidden_layers"
 
 
 def experts_key(model: Any) -> str:

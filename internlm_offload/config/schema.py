@@ -39,7 +39,7 @@ from internlm_offload.config.sections import (
     Section,
     intermediate_size,
 )
-from internlm_offload.family import capabilities, experts_key, families_with, routed_experts
+from internlm_offload.family import block_count, blocks_key, capabilities, experts_key, families_with, routed_experts
 
 
 class RunConfig(Section):
@@ -153,9 +153,10 @@ class RunConfig(Section):
         if not offload.enable and offload.most_layers != 0:
             raise ValueError(f"cpu_offloading.num_layers={offload.num_layers} needs cpu_offloading.enable=True")
         self._check_offload_per_rank()
-        if offload.most_layers >= self.model.num_layers:
+        blocks = block_count(self.model)
+        if offload.most_layers >= blocks:
             raise ValueError(
-                f"cpu_offloading.num_layers={offload.num_layers} must be < model.num_layers={self.model.num_layers} "
+                f"cpu_offloading.num_layers={offload.num_layers} must be < {blocks_key(self.model)}={blocks} "
                 "(the last block is never offloaded)"
             )
         if self.selective_checkpoint_offload and not self.selective_checkpoint:
@@ -332,7 +333,7 @@ class RunConfig(Section):
 
     def checkpointed_layers(self) -> int:
         """`int(num_layers * model.checkpoint)`: InternEvo's count of blocks under activation checkpointing."""
-        return int(self.model.num_layers * self.model.checkpoint)
+        return int(block_count(self.model) * self.model.checkpoint)
 
     def fingerprint(self) -> str:
         """A short hash of the resolved config, recorded in metrics and checkpoints."""

@@ -22,6 +22,8 @@ from internlm_offload.family import Capabilities, FamilySpec, register_family
 MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite")
 # transformers' n_routed_experts where a config leaves it out
 DEFAULT_EXPERTS = {"deepseek_v3": 256, "kimi_k2": 256, "glm4_moe": 128, "glm4_moe_lite": 64}
+# transformers' num_hidden_layers where a config leaves it out
+DEFAULT_BLOCKS = {"deepseek_v3": 61, "kimi_k2": 61, "glm4_moe": 46, "glm4_moe_lite": 47}
 
 
 def check_section(model: Any) -> None:
@@ -37,15 +39,26 @@ def check_section(model: Any) -> None:
         raise ValueError("model.attn_impl='eager' is for model.type='hf_causal_lm'; deepseek_v3 has sdpa and flash")
 
 
+def folder_config(model: Any) -> dict[str, Any]:
+    """`model.hf_config`, or the folder's config.json ({} where it cannot be read: the build reports the folder)."""
+    if model.hf_config is not None:
+        return model.hf_config
+    try:
+        return json.loads((Path(model.hf_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def blocks(model: Any) -> int:
+    """The decoder blocks: config.json's `num_hidden_layers` (the multi-token-prediction block not counted)."""
+    config = folder_config(model)
+    return int(config.get("num_hidden_layers", DEFAULT_BLOCKS.get(config.get("model_type"), model.num_layers)))
+
+
 def routed_experts(model: Any) -> int:
     """The routed experts per sparse block, off `model.hf_config` or the folder's config.json (0 where it cannot be
     read: the build reports the folder)."""
-    config = model.hf_config
-    if config is None:
-        try:
-            config = json.loads((Path(model.hf_path) / "config.json").read_text())
-        except (OSError, ValueError):
-            return 0
+    config = folder_config(model)
     return int(config.get("n_routed_experts", DEFAULT_EXPERTS.get(config.get("model_type"), 0)))
 
 
@@ -57,5 +70,6 @@ FAMILY = register_family(
         capabilities=Capabilities(tensor_parallel=True, init_per_param=True, folder_export=True),
         check_section=check_section,
         routed_experts=routed_experts,
+        blocks=blocks,
     )
 )

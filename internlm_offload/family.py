@@ -97,52 +97,45 @@ def family_spec(name: str, key: str = "model.type") -> FamilySpec:
     return lookup(MODELS, name, key)
 
 
+def known_family(model: Any) -> FamilySpec | None:
+    """The family of the `model` section's `model.type`; None for an unknown one (its own check reports it)."""
+    try:
+        return family_spec(model.type)
+    except KeyError:
+        return None
+
+
 def check_model_section(model: Any) -> None:
     """The family's own checks of its `model` section (`FamilySpec.check_section`); an unknown `model.type` is
     reported where the model is built."""
-    try:
-        spec = family_spec(model.type)
-    except KeyError:
-        return
-    if spec.check_section is not None:
+    spec = known_family(model)
+    if spec is not None and spec.check_section is not None:
         spec.check_section(model)
 
 
 def routed_experts(model: Any) -> int:
     """The routed experts per sparse block of the `model` section's model (0: dense): its family's `routed_experts`,
-    else `model.num_experts`; an unknown `model.type` has none (its check reports it)."""
-    try:
-        spec = family_spec(model.type)
-    except KeyError:
-        return model.num_experts
-    return model.num_experts if spec.routed_experts is None else spec.routed_experts(model)
+    else `model.num_experts`."""
+    spec = known_family(model)
+    return model.num_experts if spec is None or spec.routed_experts is None else spec.routed_experts(model)
 
 
 def block_count(model: Any) -> int:
     """The decoder blocks of the `model` section's model: its family's `blocks`, else `model.num_layers`."""
-    try:
-        spec = family_spec(model.type)
-    except KeyError:
-        return model.num_layers
-    return model.num_layers if spec.blocks is None else spec.blocks(model)
+    spec = known_family(model)
+    return model.num_layers if spec is None or spec.blocks is None else spec.blocks(model)
 
 
 def blocks_key(model: Any) -> str:
     """Where `block_count(model)` comes from, as a message names it."""
-    try:
-        spec = family_spec(model.type)
-    except KeyError:
-        return "model.num_layers"
-    return "model.num_layers" if spec.blocks is None else "the config's num_hidden_layers"
+    spec = known_family(model)
+    return "model.num_layers" if spec is None or spec.blocks is None else "the config's num_hidden_layers"
 
 
 def experts_key(model: Any) -> str:
     """Where `routed_experts(model)` comes from, as a message names it."""
-    try:
-        spec = family_spec(model.type)
-    except KeyError:
-        return "model.num_experts"
-    return "model.num_experts" if spec.routed_experts is None else "the config's n_routed_experts"
+    spec = known_family(model)
+    return "model.num_experts" if spec is None or spec.routed_experts is None else "the config's n_routed_experts"
 
 
 def capabilities(name: str) -> Capabilities:

@@ -219,15 +219,19 @@ def build_bare_model(
     return model
 
 
-def router_bias_update(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> RouterBiasUpdate | None:
+def router_bias_update(
+    cfg: RunConfig, ctx: RunContext, model: nn.Module, held: nn.Module | None = None
+) -> RouterBiasUpdate | None:
     """The once-a-step bias update of a model whose routers pick experts with an `e_score_correction_bias`: a
-    transformers model's (its router taps) or a native model's (its sparse blocks with a bias router)."""
+    transformers model's (its router taps) or a native model's (its sparse blocks with a bias router). `held`: a
+    pipeline rank's stages, whose routers it moves (counted in a table of all the model's: moe.BiasBlocks)."""
     taps = getattr(model, "routers", None)
+    rows = None
     if isinstance(taps, RouterTaps):
         biases, choices, routers = taps.biases, taps.choices, len(taps.bias_routers)
     else:
-        blocks = BiasBlocks(model)
-        biases, choices, routers = blocks.biases, blocks, len(blocks.blocks)
+        blocks = BiasBlocks(model, held)
+        biases, choices, routers, rows = blocks.biases, blocks, blocks.num_rows, blocks.rows
     if not routers:
         return None
     speed = cfg.model.router_bias_update_speed
@@ -245,8 +249,9 @@ def router_bias_update(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> Rou
     # Pooled over every rank (group None): each holds every router whole (expert parallel shards the experts, tensor
     # parallel keeps a sparse block whole) and routes tokens of its own (the data and expert-data ranks; the tensor
     # ranks' chunks of the sequence under isp and under mtp/msp/fsp with experts), so the sums count each token
-    # once and leave every replica of a bias equal with no broadcast.
-    return RouterBiasUpdate(biases, choices, speed, distributed=ctx.distributed)
+    # once and leave every replica of a bias equal with no broadcast. Under a pipeline a router's row is counted by
+    # its stage's data-parallel ranks alone (zeros elsewhere): again each token once.
+    return RouterBiasUpdate(biases, choices, speed, distributed=ctx.distributed, rows=rows)
 
 
 def build_probe_model(cfg: ModelConfig) -> nn.Module:

@@ -1,5 +1,7 @@
 """Pipeline parallel from the config: this rank's stages of the seed-built model, their DDP and schedule."""
 
+from collections.abc import Mapping
+
 import torch.distributed as dist
 from torch import nn
 
@@ -16,13 +18,16 @@ from internlm_offload.log import get_logger
 logger = get_logger(__name__)
 
 
-def split_for_pipeline(cfg: RunConfig, ctx: RunContext, model: nn.Module) -> dict[int, PipelineChunk]:
-    """This rank's stages (InternEvo's partition; ZBV's in a V), by stage index. Under msp, fsp and isp the
-    hidden states between stages are this tensor rank's part of the sequence (`PipelineChunk.sequence_parts`)."""
+def split_for_pipeline(
+    cfg: RunConfig, ctx: RunContext, model: nn.Module, aux_coefficients: Mapping[str, float]
+) -> dict[int, PipelineChunk]:
+    """This rank's stages (InternEvo's partition; ZBV's in a V), by stage index, each carrying its sparse blocks'
+    auxiliary losses (weighted by `aux_coefficients`). Under msp, fsp and isp the hidden states between stages are
+    this tensor rank's part of the sequence (`PipelineChunk.sequence_parts`)."""
     pipe = cfg.parallel.pipeline
     chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
     rank = ctx.pipeline_mesh.get_local_rank("pp")
-    stages = split_model(model, pipe.size, chunks, rank, v_shape=pipe.mode == "ZBV")
+    stages = split_model(model, pipe.size, chunks, rank, v_shape=pipe.mode == "ZBV", aux_coefficients=aux_coefficients)
     for stage in stages.values():
         stage.sequence_parts = stage_sequence_parts(cfg)
     return stages

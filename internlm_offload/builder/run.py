@@ -99,12 +99,12 @@ def build_components(
     on_meta = builds_on_meta(cfg, policy) and ctx.pipeline_size == 1  # a pipeline cuts the whole seed-built model
     model = build_bare_model(cfg, ctx, on_meta=on_meta, check_model=check_model)
     aux_coefficients = aux_loss_coefficients(cfg, model)
-    router_bias = router_bias_update(cfg, ctx, model)
     shard = sequence_shard(cfg, ctx)
     if shard is None and ctx.tensor_size > 1:  # before the masters exist: they copy the DTensor shards
         apply_tensor_parallel_plan(cfg, ctx, model)
-    chunks = split_for_pipeline(cfg, ctx, model) if ctx.pipeline_size > 1 else None
+    chunks = split_for_pipeline(cfg, ctx, model, aux_coefficients) if ctx.pipeline_size > 1 else None
     stepped: nn.Module = model if chunks is None else PipelineStages(chunks)  # a pipeline rank steps its stages
+    router_bias = router_bias_update(cfg, ctx, model, held=None if chunks is None else stepped)
     cpu_mask = hybrid_cpu_mask(cfg, stepped)
     kept_masters = apply_precision(cfg, ctx, stepped, policy, cpu_mask)
     if shard is not None:  # isp changes no parameter: after the masters' copy, which holds parameters only

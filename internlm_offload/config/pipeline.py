@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
 from internlm_offload.config.pipeline_partition import rank_blocks
-from internlm_offload.family import capabilities, families_with
+from internlm_offload.family import block_count, blocks_key, capabilities, families_with, routed_experts
 
 PIPELINE_MODES = ("1F1B", "ZBH1", "ZBV")
 PIPELINE_KNOBS = ("parallel.pipeline.size", "parallel.pipeline.mode", "model.num_chunks")  # "auto" picks a layout
@@ -57,7 +57,6 @@ def virtual_chunks(mode: str, num_chunks: int) -> int:
 # Features not built under a pipeline yet: the key, its value when off, what a config sets.
 _NOT_UNDER_PIPELINE: tuple[tuple[str, Any, str], ...] = (
     ("parallel.expert.size", 1, "pipeline with expert parallel is not built yet; set parallel.expert.size=1"),
-    ("model.num_experts", 0, "a pipeline carries no MoE aux loss between stages yet; use a dense model"),
     ("model.tie_word_embeddings", False, "the embedding and the head sit on different stages; set False"),
     ("data.valid_folder", None, "validation runs the whole model on one rank; not built under a pipeline yet"),
 )
@@ -86,10 +85,44 @@ def pipeline_problem(cfg: Any) -> str | None:
         if value != off:
             return f"{where} with {key}={value!r}: {why}"
     return (
-        checkpoint_problem(pipe.mode, model.checkpoint)
-        or _chunk_problem(pipe.size, pipe.mode, model.num_chunks, model.num_layers)
+        _experts_problem(cfg)
+        or _mtp_problem(model)
+        or checkpoint_problem(pipe.mode, model.checkpoint)
+        or _chunk_problem(pipe.size, pipe.mode, model.num_chunks, block_count(model), blocks_key(model))
         or _offload_problem(cfg)
     )
+
+
+def _experts_problem(cfg: Any) -> str | None:
+    """A mixture of experts splits over stages (each stage backpropagates its sparse blocks' auxiliary losses and
+    counts their routers' choices: engine/stage_aux_loss.py, model/moe.py `BiasBlocks`), except the global
+    load-balancing loss, whose statistics pool over all blocks before its product, and a stage's tensor group, whose
+    ranks each hold their chunk's auxiliary loss (the step's reduction over a stage's tensor ranks keeps one)."""
+    model, where = cfg.model, f"parallel.pipeline.size={cfg.parallel.pipeline.size}"
+    if not routed_experts(model):
+        return None
+    if model.num_experts and not model.moe_layer_kwargs.aux_loss_by_layer:
+        return (
+            f"{where} with model.moe_layer_kwargs.aux_loss_by_layer=False: the global load-balancing loss pools the "
+            "router statistics of all blocks, which sit on different stages; set True (InternEvo's per-layer loss)"
+        )
+    tensor = cfg.parallel.tensor
+    if tensor.size > 1:
+        return (
+            f"{where} with parallel.tensor.size={tensor.size} on a mixture of experts: a stage's tensor group under "
+            "experts is not checked yet; set parallel.tensor.size=1"
+        )
+    return None
+
+
+def _mtp_problem(model: Any) -> str | None:
+    """Multi-token prediction (`model.mtp_config`, where the model section has it) is not split yet. Its block
+    belongs on the last stage with the head (engine/pipeline_split.py `PipelineChunk.forward`): the main stack's
+    pre-norm output and the shifted tokens' embeddings (the first stage's table) go in, its loss through the shared
+    head; its sparse block's auxiliary losses and router counts as any stage's."""
+    if getattr(model, "mtp_config", None) is None:
+        return None
+    return "multi-token prediction (model.mtp_config) under a pipeline is not built yet; set parallel.pipeline.size=1"
 
 
 def stage_sequence_parts(cfg: Any) -> int:
@@ -104,7 +137,7 @@ def pipeline_rank_blocks(cfg: Any, rank: int) -> list[int]:
     (a RunConfig) with a valid partition."""
     pipe = cfg.parallel.pipeline
     chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
-    return rank_blocks(cfg.model.num_layers, pipe.size, chunks, rank, v_shape=pipe.mode == "ZBV")
+    return rank_blocks(block_count(cfg.model), pipe.size, chunks, rank, v_shape=pipe.mode == "ZBV")
 
 
 def _offload_problem(cfg: Any) -> str | None:
@@ -133,17 +166,18 @@ def checkpoint_problem(mode: str, checkpoint: Any) -> str | None:
     return None
 
 
-def _chunk_problem(size: int, mode: str, num_chunks: int, num_layers: int) -> str | None:
+def _chunk_problem(size: int, mode: str, num_chunks: int, num_layers: int, key: str) -> str | None:
+    """The partition's rules on the model's `num_layers` blocks (the family's count, named by `key`)."""
     if mode == "ZBH1" and num_chunks != 1:
         return f"parallel.pipeline.mode='ZBH1' with model.num_chunks={num_chunks}: ZBH1 runs one chunk per rank; set 1"
     if mode == "ZBV" and num_chunks not in (1, 2):
         return f"parallel.pipeline.mode='ZBV' with model.num_chunks={num_chunks}: ZBV runs two chunks per rank; set 2"
     chunks = virtual_chunks(mode, num_chunks)
     if num_layers % chunks:
-        return f"model.num_layers={num_layers} must be divisible by the {chunks} pipeline chunks per rank"
+        return f"{key}={num_layers} must be divisible by the {chunks} pipeline chunks per rank"
     if num_layers // chunks < size:
         return (
-            f"model.num_layers={num_layers} over {size} pipeline ranks x {chunks} chunks leaves a stage without a "
+            f"{key}={num_layers} over {size} pipeline ranks x {chunks} chunks leaves a stage without a "
             "block; lower parallel.pipeline.size or model.num_chunks"
         )
     return None

@@ -49,11 +49,21 @@ class _Stage(PipelineStage):
     """torch's stage, calling `after_backward` once each backward of a micro-batch has run (the whole backward,
     or the zero-bubble schedules' input pass and weight pass each): the masters' per-micro-batch gradient
     accumulation (fp32 masters add the low-precision gradients, gradient offload sends its last bucket and takes
-    the weight pass's gradients, which torch assigns to `.grad` past the post-accumulate-grad hooks)."""
+    the weight pass's gradients, which torch assigns to `.grad` past the post-accumulate-grad hooks). Its chunk
+    records its routing in the forwards of micro-batches alone, not in torch's shape inference
+    (engine/pipeline_split.py)."""
 
     def __init__(self, *args: Any, after_backward: Callable[[], None], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._after_backward = after_backward
+        self.chunk = stage_chunk(self.submod)
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        self.chunk.record_routing = True
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            self.chunk.record_routing = False
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> None:
         super().backward_one_chunk(*args, **kwargs)
@@ -62,6 +72,11 @@ class _Stage(PipelineStage):
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> None:
         super().backward_weight_one_chunk(*args, **kwargs)
         self._after_backward()
+
+
+def stage_chunk(module: nn.Module) -> PipelineChunk:
+    """The `PipelineChunk` a stage's module is (FSDP2) or wraps (DDP)."""
+    return next(m for m in module.modules() if isinstance(m, PipelineChunk))
 
 
 class PipelineRunner:
@@ -98,6 +113,9 @@ class PipelineRunner:
         self.loss_parallel = loss_parallel
         self._sequence_shard = sequence_shard
         self._sums: list[torch.Tensor] = []  # this step's per-micro-batch loss sums, in micro-batch order
+        self.chunks = [stage_chunk(m) for m in modules.values()]  # this rank's, in stage order
+        # the auxiliary losses every stage logs (0 where it holds no sparse block), in the trainer's order
+        self.aux_names = list(self.chunks[0].aux_losses.coefficients)
         # torch infers the shapes the stages exchange on the first step (one micro-batch's forward and its input
         # gradients, no parameter gradient)
         self._after_backward: Callable[[], None] | None = None  # this step's, from `forward_backward`
@@ -126,17 +144,21 @@ class PipelineRunner:
         self,
         micro_batches: list[MicroBatch],
         token_weight: float,
+        aux_weight: float = 1.0,
         after_backward: Callable[[], None] | None = None,
-    ) -> torch.Tensor:
-        """Forward and backward of every micro-batch through the pipeline; the sum of their token-loss sums on
-        the rank holding the last stage, 0 elsewhere (`reduce_losses` brings it to every rank). `after_backward`
-        runs after each backward pass of a micro-batch on this rank's stages (the masters' `accumulate_grads`)."""
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward and backward of every micro-batch through the pipeline: the sum of their token-loss sums on
+        the rank holding the last stage, 0 elsewhere, and each auxiliary loss (coefficient-weighted) summed over
+        the micro-batches and this rank's stages (`reduce_losses` brings both to every rank, the auxiliary losses
+        summed over the stages). Each stage backpropagates its own auxiliary losses times `aux_weight`
+        (engine/stage_aux_loss.py). `after_backward` runs after each backward pass of a micro-batch on this rank's
+        stages (the masters' `accumulate_grads`)."""
         device = self.ctx.device
         input_ids, labels, *positions = (
             torch.cat([mb[i] for mb in micro_batches]).to(device) for i in range(len(micro_batches[0]))
         )
         kwargs = {"position_ids": positions[0]} if positions else {}  # every stage applies RoPE
-        self.start_step(after_backward)
+        self.start_step(after_backward, aux_weight)
         with loss_context(self.loss_parallel):  # the loss and its backward run inside the step
             self.schedule.step(
                 *((input_ids,) if self.holds_first else ()),
@@ -146,12 +168,24 @@ class PipelineRunner:
                 loss_kwargs={"weight": token_weight},
                 **kwargs,
             )
-        return self.step_loss_sum(len(micro_batches))
+        return self.step_loss_sum(len(micro_batches)), self.step_aux_sums()
 
-    def start_step(self, after_backward: Callable[[], None] | None) -> None:
-        """Forget the last step's loss sums; `after_backward` runs after each backward pass of this step."""
+    def start_step(self, after_backward: Callable[[], None] | None, aux_weight: float = 1.0) -> None:
+        """Forget the last step's loss sums; `after_backward` runs after each backward pass of this step, the
+        stages weigh their auxiliary losses by `aux_weight`."""
         self._sums = []
         self._after_backward = after_backward
+        for chunk in self.chunks:
+            chunk.aux_losses.take()
+            chunk.aux_losses.weight = aux_weight
+
+    def step_aux_sums(self) -> dict[str, torch.Tensor]:
+        """Each auxiliary loss of this step summed over its micro-batches and this rank's stages (0 where none)."""
+        sums = {name: torch.zeros((), device=self.ctx.device, dtype=torch.float32) for name in self.aux_names}
+        for chunk in self.chunks:  # in stage order; each stage's sum in micro-batch order
+            for name, value in chunk.aux_losses.take().items():
+                sums[name] += value
+        return sums
 
     def step_loss_sum(self, micro_num: int) -> torch.Tensor:
         """The sum of this step's `micro_num` token-loss sums (0 off the last stage)."""
@@ -163,9 +197,10 @@ class PipelineRunner:
         return loss_sum
 
     def reduce_losses(self, values: torch.Tensor) -> None:
-        """In place: `values` (a stop flag, then the losses: 0 off the last stage) averaged over this stage's
-        data-parallel ranks (under isp its tensor ranks too; under mtp/msp/fsp their largest), then summed over the
-        pipeline, so that every rank holds the last stage's average and every stop request."""
+        """In place: `values` (a stop flag, the loss: 0 off the last stage, then the auxiliary losses: each stage's
+        share) averaged over this stage's data-parallel ranks (under isp its tensor ranks too; under mtp/msp/fsp
+        their largest), then summed over the pipeline, so that every rank holds the last stage's average loss, the
+        stages' summed auxiliary losses and every stop request."""
         for group, op in ((self._dp_group, dist.ReduceOp.AVG), (self._tp_group, self._tp_op)):
             if group is not None and group.size() > 1:
                 dist.all_reduce(values, op=op, group=group)

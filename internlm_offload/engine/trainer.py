@@ -289,8 +289,10 @@ class Trainer:
         token_weight = loss_scale * self._chunks / tokens_per_rank
         aux_weight = loss_scale / len(micro_batches) / self.settings.aux_chunks
         if self.pipeline is not None:  # the schedule runs every micro-batch through this rank's stages
-            loss_sum = self.pipeline.forward_backward(micro_batches, token_weight, self.masters.accumulate_grads)
-            aux_sums: dict[str, torch.Tensor] = {}  # a pipeline trains dense models only (config/pipeline.py)
+            # each stage backpropagates its own blocks' aux losses; `aux_sums`: this rank's stages' share
+            loss_sum, aux_sums = self.pipeline.forward_backward(
+                micro_batches, token_weight, aux_weight, self.masters.accumulate_grads
+            )
         else:
             loss_sum, aux_sums = self._micro_batches(micro_batches, token_weight, aux_weight)
         self.masters.reduce_grads(self.ctx.distributed)

@@ -4,12 +4,13 @@ the weights as data (`param_inits`: every parameter with its init, drawn in one 
 FSDP2 start bit-identical).
 
 A family subclasses `Decoder`, hands it a factory of its blocks, and says which auxiliary losses its router
-statistics make (`aux_losses`); its blocks are `DecoderLayer`s of its own attention and feed-forward modules.
+statistics make (`aux_losses`, and `stage_aux_losses` for a pipeline stage's share of them); its blocks are
+`DecoderLayer`s of its own attention and feed-forward modules.
 """
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -25,6 +26,37 @@ from internlm_offload.model.router import RouterStats
 # What `Decoder.init_weights` does with each (parameter, init): by default `init(parameter)`.
 ApplyInit = Callable[[nn.Parameter, ParamInit], None]
 Rope = tuple[torch.Tensor, torch.Tensor]
+# The auxiliary losses by name (unweighted) of some blocks' router statistics, in depth order.
+AuxLossFn = Callable[[list[RouterStats]], dict[str, torch.Tensor]]
+
+
+def no_aux_losses(stats: list[RouterStats]) -> dict[str, torch.Tensor]:
+    """A model without auxiliary losses: none, whatever its router statistics."""
+    return {}
+
+
+def sparse_blocks(layers: Iterable[nn.Module]) -> list[RecordsRouterStats]:
+    """The sparse blocks' feed-forwards among `layers` (decoder blocks), in their order."""
+    return [layer.feed_forward for layer in layers if isinstance(layer.feed_forward, RecordsRouterStats)]
+
+
+@contextlib.contextmanager
+def router_stats(moes: list[RecordsRouterStats]) -> Iterator[list[RouterStats]]:
+    """The router statistics of the forward run inside, in `moes`' order; each sparse block's tokens per expert
+    recorded after (`record_load`).
+
+    Only that forward fills the list: a block recomputed in backward finds no sink and keeps no graph alive.
+    """
+    stats: list[RouterStats] = []
+    for moe in moes:
+        moe.stats_sink = stats
+    try:
+        yield stats
+    finally:
+        for moe in moes:
+            moe.stats_sink = None
+    for moe in moes:
+        moe.record_load()
 
 
 class DecoderLayer(nn.Module):
@@ -149,7 +181,7 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
             input_ids, position_ids = shard.local(input_ids), shard.local(position_ids)
         h = self.tok_embeddings(input_ids)  # (B, T, C)
         rope = self.rope_cos_sin(input_ids.shape[1], h.dtype, position_ids)
-        with self._router_stats() as stats:
+        with router_stats(self.moe_layers()) as stats:
             for layer in self.layers:
                 h = layer(h, rope, documents)
         logits = self.output(self.norm(h))  # (B, T, V)
@@ -159,27 +191,16 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
         """The auxiliary losses by name (model/output.py) of this forward's router statistics; none by default."""
         return {}
 
+    def stage_aux_losses(self) -> AuxLossFn:
+        """What a pipeline stage computes its blocks' auxiliary losses with (engine/pipeline_split.py): a function of
+        their router statistics that holds none of the model's modules (a stage keeps it, not the whole model). The
+        stages' losses add up to `aux_losses` of the whole forward: a family whose loss is no sum over blocks refuses
+        a pipeline. By default none (`no_aux_losses`): a family that returns losses says how they split."""
+        return no_aux_losses
+
     def moe_layers(self) -> list[RecordsRouterStats]:
         """The sparse blocks' feed-forwards, in depth order."""
-        return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, RecordsRouterStats)]
-
-    @contextlib.contextmanager
-    def _router_stats(self) -> Iterator[list[RouterStats]]:
-        """This forward's router statistics in depth order, the sparse blocks' tokens per expert recorded after.
-
-        Only this forward fills the list: a block recomputed in backward finds no sink and keeps no graph alive.
-        """
-        stats: list[RouterStats] = []
-        moes = self.moe_layers()
-        for moe in moes:
-            moe.stats_sink = stats
-        try:
-            yield stats
-        finally:
-            for moe in moes:
-                moe.stats_sink = None
-        for moe in moes:
-            moe.record_load()
+        return sparse_blocks(self.layers)
 
     def tokens_per_expert(self) -> torch.Tensor:
         """(sparse blocks, E) fp32: tokens each expert computed in the last forward, after capacity (detached)."""

@@ -12,7 +12,7 @@
   sent through the dispatch. Set by engine/expert_parallel.py; tensor parallel keeps the block whole, FSDP2 and DDP
   reduce its experts' gradients apart (engine/parallel.py).
 - `RecordsRouterStats` (a sparse block: `MoE`): the router statistics of the model's own forward, for the
-  load-balancing loss. Set by the model itself (`InternLM2._router_stats`).
+  load-balancing loss. Set by the model itself, a pipeline stage by its own forward (model/decoder.py `router_stats`).
 - `KeepsFp32Buffers` (a sparse block with a bias router: `MoE`; the transformers wrapper: `HFCausalLM`): buffers
   that stay fp32 whatever the compute dtype (a router bias). Read by engine/precision.py's casts.
 - `Hostable` (offload/hosted_base.py, a floor below; frozen modules that say how to be held on the host:

@@ -219,15 +219,37 @@ class MoE(nn.Module, DispatchesExperts, RecordsRouterStats, KeepsFp32Buffers):
 
 class BiasBlocks:
     """A model's sparse blocks with a bias router, in depth order, as the once-a-step bias update reads them
-    (engine/router_bias.py): their biases, and the choices their training forwards counted (`StepChoices`)."""
+    (engine/router_bias.py): their biases, and the choices their training forwards counted (`StepChoices`).
 
-    def __init__(self, model: nn.Module) -> None:
-        self.blocks = [m for m in model.modules() if isinstance(m, MoE) and m.has_bias_router]
+    With `held` (a pipeline rank's stages: the part of `model` it keeps) the blocks are those it holds, and the
+    choices a table of all `model`'s bias blocks (`rows` of them) with zeros in the rows of the blocks it does not
+    hold: summed over every rank, each row then counts the tokens of the ranks that hold its block, and every rank
+    joins the sum, whatever it holds. Only the held blocks are kept (the others are freed with the whole model).
+    """
+
+    def __init__(self, model: nn.Module, held: nn.Module | None = None) -> None:
+        every = [m for m in model.modules() if isinstance(m, MoE) and m.has_bias_router]
+        kept = None if held is None else {id(m) for m in held.modules()}
+        self.blocks = [m for m in every if kept is None or id(m) in kept]
+        # the table rows of `blocks` among every bias block of the model (None: the table is `blocks`' own)
+        self.rows: list[int] | None = None if held is None else [i for i, m in enumerate(every) if id(m) in kept]
+        self.num_rows = len(every)
+        first = getattr(every[0].router, BIAS) if every else None
+        self._table = None if first is None else (every[0].num_experts, first.device)
 
     def biases(self) -> list[torch.Tensor]:
         """Each block's `e_score_correction_bias` (read each time: a load may have replaced the tensors)."""
         return [getattr(block.router, BIAS) for block in self.blocks]
 
     def take(self) -> torch.Tensor | None:
-        """(blocks, E) fp32 choices since the last call, and reset; None when no training forward counted."""
-        return stack_counts([block.take_choices() for block in self.blocks])
+        """(blocks, E) fp32 choices since the last call, and reset; None when no training forward counted. With
+        `held`: the (all bias blocks, E) table, never None."""
+        counts = [block.take_choices() for block in self.blocks]
+        if self.rows is None:
+            return stack_counts(counts)
+        num_experts, device = self._table
+        table = torch.zeros(self.num_rows, num_experts, device=device)
+        for row, count in zip(self.rows, counts, strict=True):
+            if count is not None:
+                table[row] = count
+        return table

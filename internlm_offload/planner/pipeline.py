@@ -224,18 +224,23 @@ class LocalSchedule:
         return self.runner.global_norm(stage_norm)
 
     def forward_backward(
-        self, micro_batches: list[MicroBatch], token_weight: float, after_backward: Callable[[], None] | None = None
-    ) -> torch.Tensor:
-        """The rank's actions over `micro_batches`, as the runner's `forward_backward` (the engine's docstring)."""
+        self,
+        micro_batches: list[MicroBatch],
+        token_weight: float,
+        aux_weight: float = 1.0,
+        after_backward: Callable[[], None] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The rank's actions over `micro_batches`, as the runner's `forward_backward` (the engine's docstring); the
+        stages run as in torch's shape inference, their routing not recorded (no auxiliary loss: a few scalars)."""
         device = self.runner.ctx.device
         ids, labels, *positions = (
             torch.cat([mb[i] for mb in micro_batches]).to(device).chunk(len(micro_batches))
             for i in range(len(micro_batches[0]))
         )
-        self.runner.start_step(after_backward)
+        self.runner.start_step(after_backward, aux_weight)
         with loss_context(self.runner.loss_parallel):  # vocab-sharded logits: the loss and its backward inside
             self._run_actions(ids, labels, positions, token_weight, after_backward)
-        return self.runner.step_loss_sum(len(micro_batches))
+        return self.runner.step_loss_sum(len(micro_batches)), self.runner.step_aux_sums()
 
     def _run_actions(
         self,

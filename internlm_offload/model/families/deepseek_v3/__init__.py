@@ -5,10 +5,9 @@ with dense-first blocks and the sigmoid router balanced by a bias (noaux_tc), it
 Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.hf_config`, config.json's keys);
 docs/deepseek.md. `tools.export --hf` writes its folder back (transformers' names and config.json; Kimi-K2's as
 `deepseek_v3`). Its tensor plan (model.py) takes it through tensor parallel (mtp / msp / fsp / isp) and expert
-parallel; the config checks count its experts off its config (`routed_experts`). Not built: a pipeline split (the
-stages' forward does not count the routers' choices, the whole model's does, so the bias would not move; and the
-pipeline checks partition by `model.num_layers`, not the config's `num_hidden_layers`) and multi-token prediction:
-those refuse it in one line.
+parallel, and it splits into pipeline stages (each stage counts its own routers' choices; the partition counts the
+config's `num_hidden_layers`, dense-first blocks as one each); the config checks count its experts and blocks off its
+config (`routed_experts`, `blocks`). Not built: multi-token prediction, refused in one line.
 """
 
 import json
@@ -67,7 +66,7 @@ FAMILY = register_family(
         name="deepseek_v3",
         entry="internlm_offload.model.families.deepseek_v3.build",
         summary="DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash from a Hugging Face folder or config",
-        capabilities=Capabilities(tensor_parallel=True, init_per_param=True, folder_export=True),
+        capabilities=Capabilities(tensor_parallel=True, pipeline=True, init_per_param=True, folder_export=True),
         check_section=check_section,
         routed_experts=routed_experts,
         blocks=blocks,

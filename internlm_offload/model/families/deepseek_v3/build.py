@@ -78,7 +78,14 @@ def folder_config(cfg: ModelConfig) -> Any:
 
 
 def check_run(cfg: RunConfig) -> None:
-    """Nothing beyond the schema's and the capabilities' checks."""
+    """A pipeline puts the embedding on the first stage and the head on the last: a config that ties them (the
+    section's `model.tie_word_embeddings`, which config/pipeline.py checks, does not apply here) is refused."""
+    pipe = cfg.parallel.pipeline.size
+    if pipe > 1 and transformers_config(cfg.model).tie_word_embeddings:
+        raise ConfigError(
+            f"parallel.pipeline.size={pipe} with the config's tie_word_embeddings=True: the embedding and the head "
+            "sit on different stages; not built"
+        )
 
 
 def aux_loss_coefficients(cfg: RunConfig, model: DeepseekV3) -> dict[str, float]:

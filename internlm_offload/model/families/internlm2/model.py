@@ -6,13 +6,14 @@ Qwen3's attention (an explicit `head_dim`, RMSNorm of q and k per head) and mixt
 (model/output.py): an MoE model's load-balancing loss is in it as `moe_aux`, unweighted.
 """
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
 from internlm_offload.model.attention import Attention
-from internlm_offload.model.decoder import Decoder, DecoderLayer
+from internlm_offload.model.decoder import AuxLossFn, Decoder, DecoderLayer
 from internlm_offload.model.families.internlm2.args import InternLM2Args
 from internlm_offload.model.mlp import FeedForward
 from internlm_offload.model.moe import MoE
@@ -102,13 +103,32 @@ class InternLM2(Decoder):
         return {MOE_AUX: self.aux_loss(stats)} if self.num_experts else {}
 
     def aux_loss(self, stats: list[RouterStats]) -> torch.Tensor:
-        """InternEvo's per layer, summed over layers (1 per layer for a uniform router), or transformers' global one
-        when `aux_loss_by_layer=False` (about top_k)."""
-        if not stats:  # every block dense (mlp_only_layers)
+        """`moe_aux_loss` of the blocks' statistics; 0 when every block is dense (mlp_only_layers)."""
+        if not stats:
             return torch.zeros((), device=self.output.weight.device)
-        args = self.args
-        if not args.aux_loss_by_layer:
-            return global_aux_loss(stats, args.num_experts)
-        if args.moe_type == "GShard":
-            return torch.stack([gshard_aux_loss(s, args.num_experts) for s in stats]).sum()
-        return torch.stack([dropless_aux_loss(s, args.num_experts, args.top_k) for s in stats]).sum()
+        return moe_aux_loss(self.args, stats)
+
+    def stage_aux_losses(self) -> AuxLossFn:
+        """A pipeline stage's share: the per-layer loss of its own sparse blocks (the stages' add up to the whole
+        model's); the global loss pools statistics over all blocks before its product and splits over no stages
+        (config/pipeline.py refuses it)."""
+        if not self.num_experts:
+            return super().stage_aux_losses()
+        if not self.args.aux_loss_by_layer:
+            raise ValueError("aux_loss_by_layer=False: the global load-balancing loss does not split over stages")
+        return functools.partial(stage_moe_aux_losses, self.args)
+
+
+def moe_aux_loss(args: InternLM2Args, stats: list[RouterStats]) -> torch.Tensor:
+    """InternEvo's per layer, summed over layers (1 per layer for a uniform router), or transformers' global one
+    when `aux_loss_by_layer=False` (about top_k), of some sparse blocks' statistics (at least one)."""
+    if not args.aux_loss_by_layer:
+        return global_aux_loss(stats, args.num_experts)
+    if args.moe_type == "GShard":
+        return torch.stack([gshard_aux_loss(s, args.num_experts) for s in stats]).sum()
+    return torch.stack([dropless_aux_loss(s, args.num_experts, args.top_k) for s in stats]).sum()
+
+
+def stage_moe_aux_losses(args: InternLM2Args, stats: list[RouterStats]) -> dict[str, torch.Tensor]:
+    """`moe_aux` of a pipeline stage's sparse blocks (`InternLM2.stage_aux_losses`); none for a stage without one."""
+    return {MOE_AUX: moe_aux_loss(args, stats)} if stats else {}

@@ -5,11 +5,11 @@ Without a pipeline the trainer adds each micro-batch's weighted auxiliary losses
 the objective (the token loss) exists on the last stage only, and each stage's sparse blocks live on their own
 stage. So each stage weighs its own blocks' losses as the trainer would (coefficient, then the step's aux weight)
 and hangs them on its hidden state after its last block (`AuxLossThroughStage`, Megatron's MoEAuxLossAutoScaler's
-idea): forward returns the hidden state unchanged (a copy); backward passes the hidden state's gradient through unchanged
-and seeds the weighted loss with gradient 1, as the objective's sum seeds each of its terms. Each router parameter
-then takes the gradient it takes in one process, in the same accumulation order (the loss's graph is built after
-the stage's blocks in both, and the autograd engine runs later-built nodes first), so the stages' gradients are one
-process's bit for bit (tests/unit/test_pipeline_moe.py).
+idea): forward returns the hidden state unchanged (a copy); backward passes the hidden state's gradient through
+unchanged and seeds the weighted loss with gradient 1, as the objective's sum seeds each of its terms. Each router
+parameter then takes the gradient it takes in one process, in the same accumulation order (the loss's graph is built
+after the stage's blocks in both, and the autograd engine runs later-built nodes first), so the stages' gradients are
+one process's bit for bit (tests/unit/test_pipeline_moe.py).
 
 The logged value of each loss is the sum over micro-batches and then over stages (the trainer's reduction over the
 pipeline group): one process sums the blocks' losses first, so the two agree within float rounding (a few ulps).

@@ -285,7 +285,9 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(records: list[dict[str, Any]], profiles: dict[str, dict[str, Any]], path: Path) -> None:
-    """Left: median CPU and wall time per block; right: self CPU time by op of the first kind's two blocks."""
+    """Left: median process CPU time per block, its timed steps' range as a bar; right: the profiler's self time by
+    op of the first kind's two blocks (the profiler times an op on its thread's clock: it swings with the load, so
+    read the proportions)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,31 +295,27 @@ def plot(records: list[dict[str, Any]], profiles: dict[str, dict[str, Any]], pat
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     names = [r["name"] for r in records]
-    pos = range(len(names))
-    left.bar([p - 0.2 for p in pos], [r["cpu_s_median"] * 1e3 for r in records], width=0.4, label="process CPU")
-    left.bar([p + 0.2 for p in pos], [r["wall_s_median"] * 1e3 for r in records], width=0.4, label="wall")
+    pos = list(range(len(names)))
+    medians = [r["cpu_s_median"] * 1e3 for r in records]
+    spread = [[m - min(r["cpu_s"]) * 1e3 for m, r in zip(medians, records, strict=True)],
+              [max(r["cpu_s"]) * 1e3 - m for m, r in zip(medians, records, strict=True)]]  # fmt: skip
+    colors = ["tab:blue" if n.startswith("transformers") else "tab:orange" for n in names]
+    left.bar(pos, medians, yerr=spread, capsize=4, color=colors)
     for p, r in zip(pos, records, strict=True):
-        left.annotate(f"{r['ratio_cpu']:.2f}x", (p - 0.2, r["cpu_s_median"] * 1e3), ha="center", va="bottom")
-    left.set_xticks(list(pos), [n.replace("_", "\n") for n in names])
-    left.set(ylabel="median forward + backward (ms)", title="DeepSeek-V3 block (ratio: CPU vs transformers)")
-    left.legend()
+        left.annotate(f"{r['ratio_cpu']:.2f}x", (p, r["cpu_s_median"] * 1e3), ha="center", va="bottom",
+                      xytext=(12, 2), textcoords="offset points")  # fmt: skip
+    left.set_xticks(pos, [n.replace("_", "\n") for n in names])
+    left.set(ylabel="process CPU ms, forward + backward", title="DeepSeek-V3 block: median (range), x transformers'")
     hf_name, native_name = names[0], names[1]
-    ops = list(
-        dict.fromkeys(
-            [*profiles[hf_name]["top_ops_self_s_per_step"], *profiles[native_name]["top_ops_self_s_per_step"]]
-        )
-    )
-    ops = sorted(
-        ops, key=lambda op: -max(profiles[n]["top_ops_self_s_per_step"].get(op, 0) for n in (hf_name, native_name))
-    )[:10]
+    tops = [profiles[n]["top_ops_self_s_per_step"] for n in (hf_name, native_name)]
+    ops = sorted(dict.fromkeys([*tops[0], *tops[1]]), key=lambda op: -max(t.get(op, 0) for t in tops))[:10]
     ys = range(len(ops))
-    for offset, n in ((-0.2, hf_name), (0.2, native_name)):
-        values = [profiles[n]["top_ops_self_s_per_step"].get(op, 0) * 1e3 for op in ops]
-        right.barh([y + offset for y in ys], values, height=0.4, label=n)
+    for offset, name, top in ((-0.2, hf_name, tops[0]), (0.2, native_name, tops[1])):
+        right.barh([y + offset for y in ys], [top.get(op, 0) * 1e3 for op in ops], height=0.4, label=name)
     right.set_yticks(list(ys), ops)
     right.invert_yaxis()
     right.set_xscale("log")
-    right.set(xlabel="self CPU ms per step (log)", title=f"{hf_name.split('_')[-1]} block by op (profiled steps)")
+    right.set(xlabel="profiler self time per step, ms (log)", title=f"{hf_name.split('_')[-1]} block by op")
     right.tick_params(axis="y", labelsize=7)
     right.legend(fontsize=7)
     fig.tight_layout()

@@ -47,6 +47,8 @@ class Capabilities:
     # `tools.export --hf` writes its folder back: config.json from its module's `folder_config(cfg)`, the tensors under
     # its `folder_format` names (the names `model.hf_path` is read by).
     folder_export: bool = False
+    # `model.balancing_loss`: its model returns the bias router's balancing loss (model/balancing.py) as `moe_aux`.
+    balancing_loss: bool = False
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from internlm_offload.engine.expert_parallel import apply_expert_parallel, exper
 from internlm_offload.engine.parallel import init_from_whole, materialize_shards
 from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
 from internlm_offload.engine.router_bias import RouterBiasUpdate
+from internlm_offload.engine.router_pool import RouterStatsPool
 from internlm_offload.engine.runtime import RunContext, data_parallel_group, stage_data_mesh
 from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
@@ -27,6 +28,7 @@ from internlm_offload.errors import CheckpointError
 from internlm_offload.family import capabilities, family_spec
 from internlm_offload.log import get_logger
 from internlm_offload.model.families.hf_causal_lm.routers import RouterTaps
+from internlm_offload.model.hooks import PoolsRouterStats
 from internlm_offload.model.lora import adapter_parameters, apply_lora, draw_adapters
 from internlm_offload.model.moe import BiasBlocks
 from internlm_offload.model.name_table import FolderFormat
@@ -252,6 +254,13 @@ def router_bias_update(
     # once and leave every replica of a bias equal with no broadcast. Under a pipeline a router's row is counted by
     # its stage's data-parallel ranks alone (zeros elsewhere): again each token once.
     return RouterBiasUpdate(biases, choices, speed, distributed=ctx.distributed, rows=rows)
+
+
+def pool_router_stats(ctx: RunContext, model: nn.Module) -> None:
+    """Lend a model with a global-batch balancing loss the pool of its router statistics on a distributed run: every
+    rank, as the bias update pools its counts (each rank routes tokens of its own; see `router_bias_update`)."""
+    if ctx.distributed and isinstance(model, PoolsRouterStats):
+        model.stats_pool = RouterStatsPool(group=None)
 
 
 def build_probe_model(cfg: ModelConfig) -> nn.Module:

@@ -17,6 +17,7 @@ from internlm_offload.builder.model import (
     build_bare_model,
     builds_on_meta,
     host_the_base,
+    pool_router_stats,
     router_bias_update,
     sequence_shard,
     uses_loss_parallel,
@@ -44,7 +45,7 @@ from internlm_offload.engine.sequence_parallel import SequenceShard, apply_seque
 from internlm_offload.engine.start_plan import checkpoint_folder
 from internlm_offload.engine.tensor_parallel import align_grads_in_backward
 from internlm_offload.engine.trainer import Trainer, TrainerSettings
-from internlm_offload.family import capabilities
+from internlm_offload.family import capabilities, routed_experts
 from internlm_offload.features import MemoryFeature
 from internlm_offload.offload import ActivationOffloader
 from internlm_offload.offload.hosted_base import HostedBase
@@ -99,6 +100,7 @@ def build_components(
     on_meta = builds_on_meta(cfg, policy) and ctx.pipeline_size == 1  # a pipeline cuts the whole seed-built model
     model = build_bare_model(cfg, ctx, on_meta=on_meta, check_model=check_model)
     aux_coefficients = aux_loss_coefficients(cfg, model)
+    pool_router_stats(ctx, model)
     shard = sequence_shard(cfg, ctx)
     if shard is None and ctx.tensor_size > 1:  # before the masters exist: they copy the DTensor shards
         apply_tensor_parallel_plan(cfg, ctx, model)
@@ -175,7 +177,7 @@ def aux_chunks(cfg: RunConfig) -> int:
     """The tensor ranks that each add their own chunk's aux loss to one objective: mtp/msp/fsp's with experts
     (engine/moe_tensor_parallel.py); isp's chunks are weighted by the wrapper's mean over every rank instead."""
     tensor = cfg.parallel.tensor
-    return tensor.size if cfg.model.num_experts and tensor.mode != "isp" else 1
+    return tensor.size if routed_experts(cfg.model) and tensor.mode != "isp" else 1
 
 
 def build_trainer(

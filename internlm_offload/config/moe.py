@@ -148,3 +148,27 @@ def moe_kwargs(model: Any) -> dict[str, Any]:
     """The model section's `moe_layer_kwargs` for model/moe.py: the keys of its `moe_type` only."""
     foreign = GSHARD_ONLY if model.moe_type == "Dropless" else DROPLESS_ONLY
     return {k: v for k, v in model.moe_layer_kwargs.model_dump().items() if k not in foreign}
+
+
+def balancing_problem(cfg: Any) -> str | None:
+    """What is wrong with the run's `model.balancing_loss` (a RunConfig); None if nothing."""
+    kind = cfg.model.balancing_loss
+    if kind is None:
+        return None
+    key = f"model.balancing_loss={kind!r}"
+    if not capabilities(cfg.model.type).balancing_loss:
+        return (
+            f"{key} is the bias router's loss of model.type={families_with('balancing_loss')}; not {cfg.model.type!r}"
+        )
+    if "moe_loss_coeff" not in cfg.loss.model_fields_set:
+        # its default, 1.0, is InternEvo's per-layer loss's weight: 1000 times XTuner's alpha here
+        return (
+            f"{key} is weighted by loss.moe_loss_coeff, which is not set: set it (XTuner's BalancingLossConfig alpha "
+            "0.001; the DeepSeek-V3 report's sequence-wise alpha 0.0001)"
+        )
+    if kind == "sequence" and cfg.parallel.tensor.size > 1:
+        return (
+            f"{key} balances each whole sequence, and parallel.tensor.size={cfg.parallel.tensor.size} routes chunks "
+            "of it on each rank; use 'global_batch' or 'micro_batch'"
+        )
+    return None

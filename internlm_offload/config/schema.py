@@ -16,6 +16,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from internlm_offload.config.internevo import Translation
 from internlm_offload.config.lora import base_on_host_problem
+from internlm_offload.config.moe import balancing_problem
 from internlm_offload.config.optimizer import OptimizerConfig, shared_lr_problem
 from internlm_offload.config.parallel import ParallelConfig
 from internlm_offload.config.pipeline import pipeline_problem
@@ -193,6 +194,8 @@ class RunConfig(Section):
                 f"model.hidden_size={self.model.hidden_size} must be divisible by model.num_attention_heads={heads}, "
                 f"and that by model.num_kv_attention_heads={kv_heads}"
             )
+        if problem := balancing_problem(self):
+            raise ValueError(problem)
         if self.parallel.pipeline.size > 1 and (problem := pipeline_problem(self)):
             raise ValueError(problem)
         if self.parallel.tensor.size > 1 or self.parallel.weight.size > 1:

@@ -160,6 +160,19 @@ class ModelConfig(Section):
         "checkpoint holds the adapters alone). `moe_maxvio` in metrics.jsonl: XTuner's max violation of those counts. "
         "No effect on other models.",
     )
+    balancing_loss: Literal["global_batch", "micro_batch", "sequence"] | None = Field(
+        None,
+        description="A load-balancing loss beside the router bias (model.type='deepseek_v3'; others refuse it), "
+        "weighted by `loss.moe_loss_coeff`, which must then be set, and logged as `moe_aux_loss`. None: no loss, as "
+        "transformers trains these folders (the bias alone balances). `global_batch`: XTuner's "
+        "`BalancingLossConfig(balancing_loss_global_average=True)`, the default of its `DeepSeekV3Config` with "
+        "alpha 0.001: per sparse block, E / (T k) * sum_e (choices of e) * (mean over tokens of the router weights "
+        "of e), the counts and means over every rank's micro-batch (all-reduced inside the loss, the weights' sum "
+        "with its gradient), summed over the blocks. `micro_batch`: the same over this rank's micro-batch "
+        "(XTuner's `balancing_loss_global_average=False`). `sequence`: DeepSeek-V3's sequence-wise balance loss "
+        "(alpha 0.0001 in its report), the same product per row of the micro-batch with the unbiased scores "
+        "normalised over the experts, averaged over the rows; it needs whole rows on a rank (no tensor parallel).",
+    )
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
     parallel_output: bool = Field(
         True,
@@ -548,7 +561,8 @@ class LossConfig(Section):
         1.0,
         ge=0,
         description="Mixture of experts: the load-balancing loss is multiplied by this and added to the training "
-        "loss (InternEvo's; its configs use 0.1 to 0.001); logged apart as `moe_aux_loss`, already multiplied.",
+        "loss (InternEvo's; its configs use 0.1 to 0.001; `deepseek_v3`: the loss `model.balancing_loss` names, "
+        "which needs this set); logged apart as `moe_aux_loss`, already multiplied.",
     )
 
 

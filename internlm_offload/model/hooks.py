@@ -13,6 +13,8 @@
   reduce its experts' gradients apart (engine/parallel.py).
 - `RecordsRouterStats` (a sparse block: `MoE`): the router statistics of the model's own forward, for the
   load-balancing loss. Set by the model itself, a pipeline stage by its own forward (model/decoder.py `router_stats`).
+- `PoolsRouterStats` (the model: `DeepseekV3`): its global-batch balancing loss sums its router statistics over the
+  ranks. Set by the builder (builder/model.py, engine/router_pool.py `RouterStatsPool`) on a distributed run.
 - `KeepsFp32Buffers` (a sparse block with a bias router: `MoE`; the transformers wrapper: `HFCausalLM`): buffers
   that stay fp32 whatever the compute dtype (a router bias). Read by engine/precision.py's casts.
 - `Hostable` (offload/hosted_base.py, a floor below; frozen modules that say how to be held on the host:
@@ -49,7 +51,9 @@ __all__ = [
     "HasTensorPlan",
     "Hostable",
     "KeepsFp32Buffers",
+    "PoolsRouterStats",
     "RecordsRouterStats",
+    "RouterStatsPoolFn",
     "SequenceChunk",
     "SequenceExchange",
     "ShardsSequence",
@@ -79,6 +83,15 @@ class ExpertDispatchFn(Protocol):
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """The experts' outputs for `rows` sorted by global expert, `counts[e]` rows each, computed where they live."""
+        ...
+
+
+class RouterStatsPoolFn(Protocol):
+    """The global batch's router statistics (engine/router_pool.py `RouterStatsPool`)."""
+
+    def __call__(self, counts: torch.Tensor, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counts, sums) summed over the ranks: the counts without gradient, the sums with (the backward sums the
+        gradients over the same ranks)."""
         ...
 
 
@@ -123,6 +136,13 @@ class RecordsRouterStats:
     """
 
     stats_sink: list[RouterStats] | None = None
+
+
+class PoolsRouterStats:
+    """A model whose global-batch balancing loss sums its (layers, E) router counts and weight sums over the ranks
+    with the pool it is lent; None: this process's micro-batch is the whole batch."""
+
+    stats_pool: RouterStatsPoolFn | None = None
 
 
 class KeepsFp32Buffers:

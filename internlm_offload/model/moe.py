@@ -142,7 +142,7 @@ class MoE(nn.Module, DispatchesExperts, RecordsRouterStats, KeepsFp32Buffers):
         routing = self.router(x)
         # computed in a recompute too, then dropped: activation checkpointing wants the tensors the recompute saves
         # to be the forward's (a sigmoid router's stats save a softmax of their own)
-        stats = self.router.stats(routing)
+        stats = self.router.stats(routing, rows=shape[0] if len(shape) == 3 else 1)
         if self.stats_sink is not None:
             self.stats_sink.append(stats)
         expert_ids = routing.indices

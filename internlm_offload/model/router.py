@@ -4,8 +4,9 @@ Notation: T tokens, E experts, k choices per token. Formulas follow InternEvo (d
 5.24; docs in /work/shared/reference/moe.md §3, §4, §7.
 """
 
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +41,12 @@ class RouterStats:
     topk_counts: torch.Tensor  # (E,) fp32: choices of e among all T*k (before any capacity drop)
     score_sum: torch.Tensor  # (E,) fp32, differentiable: sum over tokens of the router's scores
     prob_sum: torch.Tensor  # (E,) fp32, differentiable: sum over tokens of softmax(logits)
+    # The bias router's forward, read by DeepSeek-V3's balancing losses after the model's forward (model/balancing.py;
+    # nothing is computed for them unless asked); None for the other routers
+    routing: Routing | None = None
+    rows: int = 1  # the T tokens are `rows` sequences of T / rows (the micro-batch's rows)
+    # (T, E) fp32, differentiable, computed when called: XTuner's router weights (`BiasRouter.choice_shares`)
+    choice_shares: Callable[[], torch.Tensor] | None = None
 
 
 def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -95,8 +102,9 @@ class Router(nn.Module):
             weights = weights * self.scaling_factor
         return Routing(logits, scores, indices, weights)
 
-    def stats(self, routing: Routing) -> RouterStats:
-        """The counts and score sums the load-balancing losses need (counts before any capacity drop)."""
+    def stats(self, routing: Routing, rows: int = 1) -> RouterStats:
+        """The counts and score sums the load-balancing losses need (counts before any capacity drop); the T tokens
+        are `rows` sequences of T / rows (the bias router's per-sequence sums read them)."""
         E = self.num_experts
         probs = routing.scores if self.scoring_func == "softmax" else routing.logits.softmax(-1)
         return RouterStats(
@@ -154,6 +162,24 @@ class BiasRouter(Router):
         if self.normalize_weights:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)  # transformers' epsilon
         return Routing(logits, scores, indices, weights * self.scaling_factor)
+
+    def stats(self, routing: Routing, rows: int = 1) -> RouterStats:
+        """The sigmoid router's statistics, with the routing itself for DeepSeek-V3's balancing losses (which compute
+        what they read only when a loss asks: nothing is held beyond what backward keeps anyway)."""
+        stats = super().stats(routing, rows)
+        stats.routing, stats.rows = routing, rows
+        stats.choice_shares = functools.partial(self.choice_shares, routing.scores)
+        return stats
+
+    def choice_shares(self, scores: torch.Tensor) -> torch.Tensor:
+        """(T, E) XTuner's router weights of sigmoid scores (T, E): the biased scores the top-k is taken over, 0
+        outside the kept groups (XTuner masks with 0), normalised to sum 1 per token; the gradient reaches the scores
+        (the bias is a constant)."""
+        biased = scores + self.e_score_correction_bias
+        if self.topk_group < self.n_group:
+            dropped = torch.isneginf(group_limited(biased.detach(), self.n_group, self.topk_group))
+            biased = biased.masked_fill(dropped, 0.0)
+        return biased / biased.sum(-1, keepdim=True)
 
 
 def group_limited(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:

@@ -5,9 +5,11 @@ a DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash folder (config.json's model_ty
 `load_from` the model is that folder (`model.hf_path`: its architecture and weights; XTuner's class values give way
 to config.json, as for every folder here); without it, config.json's architecture initialised at random
 (`model.hf_config`), as XTuner initialises a model config without weights. XTuner's router bias update carries
-(`model.router_bias_update_speed`); what XTuner adds that the family does not compute is reported, one line each:
-its balancing loss (on by default in `DeepSeekV3Config`, whose `from_hf` sets it too), a z-loss, multi-token
-prediction (`mtp_config`: not built yet).
+(`model.router_bias_update_speed`), and so does its balancing loss (`BalancingLossConfig`, on by default in
+`DeepSeekV3Config`, whose `from_hf` sets it too; off in GLM's): `balancing_loss_global_average` True / False ->
+`model.balancing_loss` 'global_batch' / 'micro_batch', `balancing_loss_alpha` -> `loss.moe_loss_coeff`. What XTuner
+adds that the family does not compute is reported, one line each: a z-loss, multi-token prediction (`mtp_config`: not
+built yet).
 """
 
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from internlm_offload.xtuner.standins import field, kind
 
 CLASS = "DeepSeekV3Config"
 ROUTER_BIAS_UPDATE_SPEED = 0.001  # NoAuxRouterConfig's router_bias_update_speed
+BALANCING_ALPHA = 0.001  # BalancingLossConfig's balancing_loss_alpha
 # config.json's model_types whose `get_model_config_from_hf` is XTuner's DeepSeekV3Config.from_hf, which sets
 # BalancingLossConfig() (Kimi-K2's architecture is DeepSeek-V3's; XTuner trains it with that class).
 BALANCED_BY_DEFAULT = ("deepseek_v3", "kimi_k2")
@@ -34,6 +37,7 @@ class FamilyModel:
     """The `model` section, and the report's lines."""
 
     model: dict[str, Any]
+    loss: dict[str, Any] = dataclass_field(default_factory=dict)  # the `loss` section's keys it sets
     carried: list[str] = dataclass_field(default_factory=list)
     dropped: list[str] = dataclass_field(default_factory=list)
 
@@ -73,7 +77,8 @@ def family_model(model_cfg: Any, load_from: Any) -> FamilyModel:
     speed, source = bias_speed(model_cfg)
     out.model["router_bias_update_speed"] = speed
     out.carried.append(f"{source} -> model.router_bias_update_speed={speed:g} (the router bias, once a step)")
-    out.dropped.extend(_not_computed(model_cfg, hf))
+    _carry_balancing(out, model_cfg, hf.get("model_type"))
+    out.dropped.extend(_not_computed(model_cfg))
     return out
 
 
@@ -88,23 +93,43 @@ def bias_speed(model_cfg: Any) -> tuple[float, str]:
     return float(speed), "model_cfg.router.router_bias_update_speed"
 
 
-def balancing_loss_on(model_cfg: Any, model_type: str | None) -> bool:
-    """Whether XTuner adds its balancing loss: the file's `balancing_loss_cfg`, else its class's default (on in
-    DeepSeekV3Config, which `get_model_config_from_hf` of a DeepSeek-V3 folder returns)."""
+def balancing_cfg(model_cfg: Any, model_type: str | None) -> tuple[Any, str] | None:
+    """XTuner's `BalancingLossConfig` of the model (the file's `balancing_loss_cfg`, else its class's default: on in
+    DeepSeekV3Config, which `get_model_config_from_hf` of a DeepSeek-V3 folder returns) and where it comes from;
+    None when XTuner adds no balancing loss. The class's default is returned as {} (every field XTuner's default)."""
     balancing = field(model_cfg, "balancing_loss_cfg", _UNSET)
     if balancing is not _UNSET:
-        return balancing is not None
-    return kind(model_cfg) == CLASS or (kind(model_cfg) == FROM_HF and model_type in BALANCED_BY_DEFAULT)
+        return None if balancing is None else (balancing, "model_cfg.balancing_loss_cfg")
+    if kind(model_cfg) == CLASS or (kind(model_cfg) == FROM_HF and model_type in BALANCED_BY_DEFAULT):
+        return {}, f"model_cfg.balancing_loss_cfg (unset: {kind(model_cfg)}'s default)"
+    return None
 
 
-def _not_computed(model_cfg: Any, hf: dict[str, Any]) -> list[str]:
+def _carry_balancing(out: FamilyModel, model_cfg: Any, model_type: str | None) -> None:
+    """XTuner's balancing loss onto `model.balancing_loss` and `loss.moe_loss_coeff` (alpha 0: no loss, as XTuner
+    returns 0)."""
+    found = balancing_cfg(model_cfg, model_type)
+    if found is None:
+        return
+    balancing, source = found
+    alpha = field(balancing, "balancing_loss_alpha")
+    alpha = BALANCING_ALPHA if alpha is None else float(alpha)
+    global_average = field(balancing, "balancing_loss_global_average")
+    kind_name = "micro_batch" if global_average is False else "global_batch"
+    if alpha == 0:
+        out.carried.append(f"{source}: balancing_loss_alpha=0 -> no model.balancing_loss (XTuner adds 0)")
+        return
+    out.model["balancing_loss"] = kind_name
+    out.loss["moe_loss_coeff"] = alpha
+    out.carried.append(
+        f"{source} (balancing_loss_alpha={alpha:g}, balancing_loss_global_average={global_average is not False}) -> "
+        f"model.balancing_loss={kind_name!r}, loss.moe_loss_coeff={alpha:g}"
+    )
+
+
+def _not_computed(model_cfg: Any) -> list[str]:
     """What XTuner's model config adds to the training that the native family does not compute, one line each."""
     lines = []
-    if balancing_loss_on(model_cfg, hf.get("model_type")):
-        lines.append(
-            "model_cfg.balancing_loss_cfg: XTuner's balancing loss (on by default for DeepSeek-V3) is not computed by "
-            "model.type='deepseek_v3'; the router bias alone balances the experts"
-        )
     if field(model_cfg, "z_loss_cfg") is not None:
         lines.append("model_cfg.z_loss_cfg: XTuner's router z-loss is not computed by model.type='deepseek_v3'")
     mtp = field(model_cfg, "mtp_config")

@@ -119,6 +119,8 @@ def _family_model(t: Translation, trainer: Any, model_cfg: Any, load_from: Any) 
         t.fatal.append(f"model_cfg={short(model_cfg)}: {exc}")
         return
     t.config["model"] = {**mapped.model, **t.config.get("model", {})}
+    if mapped.loss:
+        t.config["loss"] = {**t.config.get("loss", {}), **mapped.loss}
     t.carried.extend(mapped.carried)
     t.dropped.extend(mapped.dropped)
     tokenizer = field(trainer, "tokenizer_path") or load_from

@@ -1,5 +1,6 @@
 """An XTuner v1 config of a DeepSeek-V3 folder (`get_model_config_from_hf` + `load_from`) translates onto the native
-`deepseek_v3` family and trains under the FSDP2 it asks for, the folder's weights loaded: a family read from
+`deepseek_v3` family and trains under the FSDP2 it asks for, with the balancing loss XTuner adds, the folder's weights
+loaded: a family read from
 `model.hf_path` is built whole under `parallel.mode='fsdp2'` (a meta build would draw its shards from the seed)."""
 
 import json
@@ -7,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from runner import TINY, losses, run_python, train
+from runner import TINY, losses, metrics, run_python, train
 from test_deepseek_family_e2e import transformers_folder
 
 pytest.importorskip("transformers")
@@ -45,10 +46,13 @@ def test_an_xtuner_config_of_the_folder_translates_and_trains_it_under_fsdp2(tmp
     proc: subprocess.CompletedProcess = run_python(cmd)
     assert proc.returncode == 0, proc.stderr
     assert "'type': 'deepseek_v3'" in out.read_text() and "'mode': 'fsdp2'" in out.read_text()
-    assert sum(line.startswith("dropped: model_cfg.balancing_loss_cfg") for line in proc.stderr.splitlines()) == 1
+    # DeepSeekV3Config.from_hf's balancing loss: XTuner's global-batch one at alpha 0.001
+    carried = "-> model.balancing_loss='global_batch', loss.moe_loss_coeff=0.001"
+    assert sum(line.startswith("carried: ") and carried in line for line in proc.stderr.splitlines()) == 1
     run = train(tmp_path / "run", config=out, fast=False)
     assert f"Loaded 49 tensors from {folder}" in run.stderr
     assert sorted(losses(tmp_path / "run")) == [1, 2]
+    assert all(0 < record["moe_aux_loss"] < 0.01 for record in metrics(tmp_path / "run"))  # about 0.001 per block
 
 
 def test_under_fsdp2_the_folders_weights_are_loaded_not_drawn(tmp_path):

@@ -238,3 +238,11 @@ def test_a_mixture_of_experts_splits_and_multi_token_prediction_is_refused():
     cfg = deepseek(2, {"parallel.pipeline.size": 2, "data.micro_num": 4}, tie_word_embeddings=True)
     with pytest.raises(ConfigError, match="the config's tie_word_embeddings=True: the embedding and the head sit on"):
         check_run(cfg)
+
+
+def test_a_balancing_loss_is_refused_under_a_pipeline():
+    """The bias router's balancing loss (`model.balancing_loss`) has no stage share yet: one line naming the key."""
+    options = {"parallel.pipeline.size": 2, "data.micro_num": 4, "model.balancing_loss": "micro_batch"}
+    options["loss.moe_loss_coeff"] = 0.001
+    with pytest.raises(ConfigError, match="model.balancing_loss='micro_batch': the bias router's balancing loss is"):
+        deepseek(2, options)

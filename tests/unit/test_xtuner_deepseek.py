@@ -1,7 +1,7 @@
 """XTuner v1's DeepSeek-V3 lineage onto the native `deepseek_v3` family (xtuner/deepseek.py): `DeepSeekV3Config` with
 `load_from`, and `get_model_config_from_hf` of a DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash folder, with the
-router's bias speed carried and what the family does not compute (XTuner's balancing loss, z-loss, multi-token
-prediction) reported one line each (no XTuner installed: the stand-ins record the file's calls)."""
+router's bias speed and its balancing loss carried, what the family does not compute (z-loss, multi-token prediction)
+reported one line each (no XTuner installed: the stand-ins record the file's calls)."""
 
 import json
 from pathlib import Path
@@ -36,7 +36,7 @@ from xtuner.v1.module.router.noaux_router import NoAuxRouterConfig
 from xtuner.v1.train import TrainerConfig
 """
 DATA = "[{'dataset': DatasetConfig(anno_path='/d.jsonl'), 'tokenize_fn': PretrainTokenizeFunctionConfig()}]"
-BALANCING = "model_cfg.balancing_loss_cfg: XTuner's balancing loss"
+XTUNER_DEFAULT_BALANCING = "model.balancing_loss='global_batch', loss.moe_loss_coeff=0.001"
 MTP = "multi-token prediction is not built yet for model.type='deepseek_v3'"
 
 
@@ -60,18 +60,21 @@ def translate(tmp_path: Path, model_cfg: str, trainer: str = "") -> object:
 @pytest.mark.parametrize("model_type", CONFIGS)
 def test_get_model_config_from_hf_with_load_from_maps_onto_the_family(model_type, tmp_path):
     """The folder is the model (its architecture and weights), the bias moves at XTuner's default speed; XTuner's
-    DeepSeekV3Config.from_hf adds its balancing loss (reported), GLM's folders add none here."""
+    DeepSeekV3Config.from_hf adds its global-batch balancing loss (alpha 0.001, carried), GLM's folders add none."""
     path = folder(tmp_path, model_type)
     t = translate(tmp_path, f"get_model_config_from_hf({str(path)!r})", f", load_from={str(path)!r}")
     assert not t.fatal, t.fatal
+    balanced = model_type in ("deepseek_v3", "kimi_k2")
     assert t.config["model"] == {"type": "deepseek_v3", "hf_path": str(path), "router_bias_update_speed": 0.001,
-                                 "checkpoint": 1.0, "dtype": "torch.bfloat16"}  # fmt: skip
+                                 "checkpoint": 1.0, "dtype": "torch.bfloat16",
+                                 **({"balancing_loss": "global_batch"} if balanced else {})}  # fmt: skip
+    assert t.config.get("loss", {}).get("moe_loss_coeff") == (0.001 if balanced else None)
     assert t.config["data"]["tokenizer"] == str(path)
     assert any(f"-> model.type='deepseek_v3', model.hf_path (model_type={model_type!r}" in c for c in t.carried)
     assert any("-> model.router_bias_update_speed=0.001" in line for line in t.carried)
-    balanced = [line for line in t.dropped if line.startswith(BALANCING)]
-    assert len(balanced) == int(model_type in ("deepseek_v3", "kimi_k2")), t.dropped
-    assert not any(MTP in line for line in t.dropped)
+    carried = [line for line in t.carried if line.endswith(XTUNER_DEFAULT_BALANCING)]
+    assert len(carried) == int(balanced), t.carried
+    assert not t.dropped, t.dropped
     ModelConfig(**t.config["model"])  # validates as train.py would
 
 
@@ -83,20 +86,28 @@ def test_deepseek_v3_config_carries_the_router_and_reports_what_is_not_computed(
     assert not t.fatal and t.config["model"]["router_bias_update_speed"] == 0.0005
     assert t.config["model"]["hf_path"] == str(path) and t.config["data"]["tokenizer"] == "/tok"
     assert [line.split(":")[0] for line in t.dropped] == [
-        "model_cfg.balancing_loss_cfg",  # DeepSeekV3Config's default
         "model_cfg.z_loss_cfg",
         "model_cfg.mtp_config=MTPConfig(num_layers=1)",
     ]
-    assert MTP in t.dropped[2]
-    # balancing off in the file, routers frozen: nothing dropped, the bias stays as loaded
+    assert MTP in t.dropped[1]
+    # DeepSeekV3Config's default balancing loss carried: XTuner's global-batch one, alpha 0.001
+    assert t.config["model"]["balancing_loss"] == "global_batch" and t.config["loss"] == {"moe_loss_coeff": 0.001}
+    assert any("(unset: DeepSeekV3Config's default)" in c and c.endswith(XTUNER_DEFAULT_BALANCING) for c in t.carried)
+    # balancing off in the file, routers frozen: nothing dropped, no loss, the bias stays as loaded
     t = translate(tmp_path, "DeepSeekV3Config(balancing_loss_cfg=None, freeze_routers=True)", load)
     assert not t.fatal and not t.dropped and t.config["model"]["router_bias_update_speed"] == 0.0
+    assert "balancing_loss" not in t.config["model"] and "loss" not in t.config
     assert any("model_cfg.freeze_routers=True -> model.router_bias_update_speed=0" in c for c in t.carried)
-    # a balancing loss set on a GLM folder's config is reported too
+    # a balancing loss set on a GLM folder's config: carried too, its alpha and its average
     glm = folder(tmp_path, "glm4_moe")
-    t = translate(tmp_path, f"get_model_config_from_hf({str(glm)!r}, balancing_loss_cfg=BalancingLossConfig())",
+    balancing = "BalancingLossConfig(balancing_loss_alpha=0.01, balancing_loss_global_average=False)"
+    t = translate(tmp_path, f"get_model_config_from_hf({str(glm)!r}, balancing_loss_cfg={balancing})",
                   f", load_from={str(glm)!r}")  # fmt: skip
-    assert [line.split(":")[0] for line in t.dropped] == ["model_cfg.balancing_loss_cfg"]
+    assert not t.dropped and t.config["model"]["balancing_loss"] == "micro_batch"
+    assert t.config["loss"] == {"moe_loss_coeff": 0.01}
+    # alpha 0: XTuner adds a zero loss, here none
+    t = translate(tmp_path, "DeepSeekV3Config(balancing_loss_cfg=BalancingLossConfig(balancing_loss_alpha=0.0))", load)
+    assert "balancing_loss" not in t.config["model"] and "loss" not in t.config
 
 
 def test_without_load_from_the_folders_config_is_built_at_random(tmp_path):
@@ -138,11 +149,12 @@ def test_from_xtuner_writes_a_config_that_validates_with_the_report_on_stderr(tm
     out = tmp_path / "out.py"
     assert from_xtuner.main([str(config), "--out", str(out)]) == 0
     err = capsys.readouterr().err.splitlines()
-    assert len([line for line in err if line.startswith(f"dropped: {BALANCING}")]) == 1
+    assert len([line for line in err if line.startswith("carried: ") and XTUNER_DEFAULT_BALANCING in line]) == 1
     assert len([line for line in err if line.startswith("dropped: model_cfg.mtp_config") and MTP in line]) == 1
     names: dict = {}
     exec(out.read_text(), names)
     assert names["model"]["type"] == "deepseek_v3" and names["model"]["hf_path"] == str(path)
+    assert names["model"]["balancing_loss"] == "global_batch" and names["loss"]["moe_loss_coeff"] == 0.001
 
 
 def test_xtuners_activation_offload_counts_the_folders_blocks(tmp_path, monkeypatch):

@@ -66,7 +66,9 @@ FAMILY = register_family(
         name="deepseek_v3",
         entry="internlm_offload.model.families.deepseek_v3.build",
         summary="DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash from a Hugging Face folder or config",
-        capabilities=Capabilities(tensor_parallel=True, pipeline=True, init_per_param=True, folder_export=True),
+        capabilities=Capabilities(
+            tensor_parallel=True, pipeline=True, init_per_param=True, folder_export=True, balancing_loss=True
+        ),
         check_section=check_section,
         routed_experts=routed_experts,
         blocks=blocks,

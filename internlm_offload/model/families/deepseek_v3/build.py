@@ -1,5 +1,6 @@
 """The DeepSeek-V3 lineage from the `model` section: its config.json (a folder's, or `model.hf_config`), the
-model, the folder's weights under the native names; no auxiliary loss (the router bias balances it)."""
+model, the folder's weights under the native names; the router bias balances it, a balancing loss beside it is an
+option (`model.balancing_loss`, weighted by `loss.moe_loss_coeff`)."""
 
 from typing import Any
 
@@ -12,6 +13,7 @@ from internlm_offload.model.families.deepseek_v3.args import args_from_config
 from internlm_offload.model.families.deepseek_v3.hf_names import CAUSAL_LM, HF_GQA_MOE, HF_MLA_MOE, KEEP_FP32
 from internlm_offload.model.families.deepseek_v3.model import DeepseekV3
 from internlm_offload.model.name_table import FolderFormat
+from internlm_offload.model.output import MOE_AUX
 
 logger = get_logger(__name__)
 
@@ -42,7 +44,7 @@ def build_model(cfg: ModelConfig, device: torch.device) -> DeepseekV3:
     try:
         args = args_from_config(transformers_config(cfg))
         with torch.device(device):
-            return DeepseekV3(args, attn_impl=cfg.attn_impl)
+            return DeepseekV3(args, attn_impl=cfg.attn_impl, balancing_loss=cfg.balancing_loss)
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model.type='deepseek_v3': {' '.join(str(exc).split())}") from None
 
@@ -89,7 +91,8 @@ def check_run(cfg: RunConfig) -> None:
 
 
 def aux_loss_coefficients(cfg: RunConfig, model: DeepseekV3) -> dict[str, float]:
-    return {}
+    """`moe_aux` (`model.balancing_loss`) weighs `loss.moe_loss_coeff` (InternEvo's key); none without one."""
+    return {} if cfg.model.balancing_loss is None else {MOE_AUX: cfg.loss.moe_loss_coeff}
 
 
 def lora_targets(cfg: ModelConfig) -> list[str]:

@@ -1,19 +1,23 @@
 """The DeepSeek-V3 lineage on the shared decoder: MLA (or GLM-4.5's grouped-query attention with partial RoPE),
 dense-first SwiGLU blocks, and sparse blocks of the bias-balanced sigmoid router with an un-gated shared expert.
 
-Its balancing is the router bias (moved once a step by engine/router_bias.py, `model.router_bias_update_speed`), not a
-loss: the forward returns no auxiliary loss, as transformers' does not.
+Its balancing is the router bias (moved once a step by engine/router_bias.py, `model.router_bias_update_speed`); a
+balancing loss beside it is an option (`model.balancing_loss`, model/balancing.py: XTuner's over the global batch or
+the micro-batch, DeepSeek-V3's sequence-wise), off by default as transformers' forward returns none.
 """
 
 import torch
 from torch import nn
 
 from internlm_offload.model.attention import Attention
+from internlm_offload.model.balancing import balancing_loss
 from internlm_offload.model.decoder import Decoder, DecoderLayer
 from internlm_offload.model.families.deepseek_v3.args import DeepseekV3Args
+from internlm_offload.model.hooks import PoolsRouterStats
 from internlm_offload.model.mla import MultiLatentAttention
 from internlm_offload.model.mlp import FeedForward
 from internlm_offload.model.moe import MoE
+from internlm_offload.model.output import MOE_AUX
 from internlm_offload.model.rope import rope_from_parameters, softmax_mscale
 from internlm_offload.model.tensor_plan import BlockPlan, Region, Replicated, TensorPlan
 
@@ -111,10 +115,11 @@ def block_plan(args: DeepseekV3Args, i: int) -> BlockPlan:
     )
 
 
-class DeepseekV3(Decoder):
-    """A model of the lineage from `DeepseekV3Args`."""
+class DeepseekV3(Decoder, PoolsRouterStats):
+    """A model of the lineage from `DeepseekV3Args`; `balancing_loss` names its balancing loss (model/balancing.py
+    BALANCING_LOSSES; None: none)."""
 
-    def __init__(self, args: DeepseekV3Args, attn_impl: str = "auto") -> None:
+    def __init__(self, args: DeepseekV3Args, attn_impl: str = "auto", balancing_loss: str | None = None) -> None:
         inv_freq_fn, attention_factor = rope_from_parameters(args.rope_parameters, args.max_position_embeddings)
         super().__init__(
             vocab_size=args.vocab_size,
@@ -133,6 +138,7 @@ class DeepseekV3(Decoder):
         )
         self.args = args
         self.num_experts = args.n_routed_experts
+        self.balancing_loss = balancing_loss
 
     def tensor_plan(self) -> TensorPlan:
         """Where tensor parallel and expert parallel find this model's modules (model/tensor_plan.py)."""
@@ -140,4 +146,12 @@ class DeepseekV3(Decoder):
         return TensorPlan(embedding="tok_embeddings", final_norm="norm", head="output", blocks=blocks)
 
     def aux_losses(self, stats: list) -> dict[str, torch.Tensor]:
-        return {}
+        """`moe_aux`: the balancing loss of a training forward's routers, unweighted; none without one (a validation
+        forward's losses are not training's)."""
+        if self.balancing_loss is None or not self.training or not stats:
+            return {}
+        args = self.args
+        loss = balancing_loss(
+            self.balancing_loss, stats, args.n_routed_experts, args.num_experts_per_tok, self.stats_pool
+        )
+        return {MOE_AUX: loss}

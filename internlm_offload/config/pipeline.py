@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
+from internlm_offload.config.mtp import mtp_depth
 from internlm_offload.config.pipeline_partition import rank_blocks
 from internlm_offload.family import capabilities, families_with
 
@@ -80,6 +81,12 @@ def pipeline_problem(cfg: Any) -> str | None:
     if cfg.parallel.fsdp_cpu_offload:
         return (
             f"{where} with parallel.fsdp_cpu_offload=True: FSDP2's CPU offload per stage is not checked yet; set False"
+        )
+    if mtp_depth(model):
+        return (
+            f"{where} with model.mtp_config.num_layers={mtp_depth(model)}: multi-token prediction is not built under a "
+            "pipeline (its blocks read the first stage's embedding and the last stage's hidden state); set "
+            "model.mtp_config=dict(num_layers=0)"
         )
     for key, off, why in _NOT_UNDER_PIPELINE:
         value = _value(cfg, key)

@@ -5,10 +5,11 @@ with dense-first blocks and the sigmoid router balanced by a bias (noaux_tc), it
 Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.hf_config`, config.json's keys);
 docs/deepseek.md. `tools.export --hf` writes its folder back (transformers' names and config.json; Kimi-K2's as
 `deepseek_v3`). Its tensor plan (model.py) takes it through tensor parallel (mtp / msp / fsp / isp) and expert
-parallel; the config checks count its experts off its config (`routed_experts`). Not built: a pipeline split (the
-stages' forward does not count the routers' choices, the whole model's does, so the bias would not move; and the
-pipeline checks partition by `model.num_layers`, not the config's `num_hidden_layers`) and multi-token prediction:
-those refuse it in one line.
+parallel; the config checks count its experts off its config (`routed_experts`). Multi-token prediction
+(`model.mtp_config`, model/mtp.py) follows config.json's `num_nextn_predict_layers` where the section is unset
+(`mtp_layers`); the folder's MTP blocks (`model.layers.{L+k}.*`) are read and exported. Not built: a pipeline split
+(the stages' forward does not count the routers' choices, the whole model's does, so the bias would not move; and
+the pipeline checks partition by `model.num_layers`, not the config's `num_hidden_layers`): refused in one line.
 """
 
 import json
@@ -24,6 +25,9 @@ MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite")
 DEFAULT_EXPERTS = {"deepseek_v3": 256, "kimi_k2": 256, "glm4_moe": 128, "glm4_moe_lite": 64}
 # transformers' num_hidden_layers where a config leaves it out
 DEFAULT_BLOCKS = {"deepseek_v3": 61, "kimi_k2": 61, "glm4_moe": 46, "glm4_moe_lite": 47}
+# transformers' num_nextn_predict_layers where a config leaves it out (Glm4MoeLiteConfig has no such key; GLM-4.7-Flash's
+# config.json states 1)
+DEFAULT_MTP_LAYERS = {"deepseek_v3": 1, "kimi_k2": 1, "glm4_moe": 1, "glm4_moe_lite": 0}
 
 
 def check_section(model: Any) -> None:
@@ -55,6 +59,12 @@ def blocks(model: Any) -> int:
     return int(config.get("num_hidden_layers", DEFAULT_BLOCKS.get(config.get("model_type"), model.num_layers)))
 
 
+def mtp_layers(model: Any) -> int:
+    """The multi-token-prediction depth config.json asks for: `num_nextn_predict_layers` (0 where it cannot be read)."""
+    config = folder_config(model)
+    return int(config.get("num_nextn_predict_layers", DEFAULT_MTP_LAYERS.get(config.get("model_type"), 0)))
+
+
 def routed_experts(model: Any) -> int:
     """The routed experts per sparse block, off `model.hf_config` or the folder's config.json (0 where it cannot be
     read: the build reports the folder)."""
@@ -67,9 +77,12 @@ FAMILY = register_family(
         name="deepseek_v3",
         entry="internlm_offload.model.families.deepseek_v3.build",
         summary="DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash from a Hugging Face folder or config",
-        capabilities=Capabilities(tensor_parallel=True, init_per_param=True, folder_export=True),
+        capabilities=Capabilities(
+            tensor_parallel=True, init_per_param=True, folder_export=True, multi_token_prediction=True
+        ),
         check_section=check_section,
         routed_experts=routed_experts,
         blocks=blocks,
+        mtp_layers=mtp_layers,
     )
 )

@@ -1,5 +1,6 @@
 """The DeepSeek-V3 lineage from the `model` section: its config.json (a folder's, or `model.hf_config`), the
-model, the folder's weights under the native names; no auxiliary loss (the router bias balances it)."""
+model (with multi-token prediction as `model.mtp_config` resolved it), the folder's weights under the native names
+(its MTP blocks included); no auxiliary loss (the router bias balances it)."""
 
 from typing import Any
 
@@ -7,10 +8,19 @@ import torch
 
 from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.config.lora import resolved_targets
+from internlm_offload.config.mtp import mtp_depth
 from internlm_offload.log import get_logger
 from internlm_offload.model.families.deepseek_v3.args import args_from_config
-from internlm_offload.model.families.deepseek_v3.hf_names import CAUSAL_LM, HF_GQA_MOE, HF_MLA_MOE, KEEP_FP32
+from internlm_offload.model.families.deepseek_v3.hf_names import (
+    CAUSAL_LM,
+    HF_GQA_MOE,
+    HF_MLA_MOE,
+    KEEP_FP32,
+    MTP_COPIES,
+    mtp_table,
+)
 from internlm_offload.model.families.deepseek_v3.model import DeepseekV3
+from internlm_offload.model.mtp import MtpSettings
 from internlm_offload.model.name_table import FolderFormat
 
 logger = get_logger(__name__)
@@ -36,23 +46,46 @@ def transformers_config(cfg: ModelConfig) -> Any:
     return AutoConfig.for_model(**raw)
 
 
+def mtp_settings(cfg: ModelConfig) -> MtpSettings | None:
+    """Multi-token prediction as the resolved `model.mtp_config` asks (None: off)."""
+    if not mtp_depth(cfg):
+        return None
+    section = cfg.mtp_config
+    return MtpSettings(
+        depth=section.num_layers,
+        share_weights=section.share_weights,
+        detach_inputs=section.detach_mtp_inputs,
+        detach_head_weight=section.detach_mtp_lm_head_weight,
+    )
+
+
 def build_model(cfg: ModelConfig, device: torch.device) -> DeepseekV3:
     """The model in fp32 on `device`, every weight drawn from the seed; a folder's weights are read over them by the
     builder (`folder_format`)."""
     try:
         args = args_from_config(transformers_config(cfg))
         with torch.device(device):
-            return DeepseekV3(args, attn_impl=cfg.attn_impl)
+            return DeepseekV3(args, attn_impl=cfg.attn_impl, mtp=mtp_settings(cfg))
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model.type='deepseek_v3': {' '.join(str(exc).split())}") from None
 
 
 def folder_format(model: DeepseekV3) -> FolderFormat:
     """How `model.hf_path`'s tensors are named: transformers' names of MLA or of GLM-4.5's attention (the router's
-    weight and bias kept in fp32 on the way out, as transformers keeps them)."""
+    weight and bias kept in fp32 on the way out, as transformers keeps them); the multi-token-prediction layers the
+    model builds at blocks L + k, as DeepSeek-V3's files and XTuner's exports hold them."""
     args = model.args
     table = HF_MLA_MOE if args.mla else HF_GQA_MOE
-    return FolderFormat(table, args.num_attention_heads, args.num_key_value_heads, args.num_layers, keep_fp32=KEEP_FP32)
+    return FolderFormat(
+        table,
+        args.num_attention_heads,
+        args.num_key_value_heads,
+        args.num_layers,
+        keep_fp32=KEEP_FP32,
+        mtp_layers=model.mtp.settings.physical if model.mtp is not None else 0,
+        mtp_table=mtp_table(table),
+        mtp_copies=MTP_COPIES,
+    )
 
 
 def folder_config(cfg: ModelConfig) -> Any:
@@ -74,11 +107,29 @@ def folder_config(cfg: ModelConfig) -> Any:
     if hasattr(config, "auto_map"):
         delattr(config, "auto_map")
     config.architectures = [CAUSAL_LM[config.model_type]]
+    settings = mtp_settings(cfg)
+    physical = settings.physical if settings is not None else 0
+    if getattr(config, "num_nextn_predict_layers", 0) != physical:  # the MTP blocks the folder holds
+        config.num_nextn_predict_layers = physical
     return config
 
 
 def check_run(cfg: RunConfig) -> None:
-    """Nothing beyond the schema's and the capabilities' checks."""
+    """`model.mtp_config.detach_mtp_lm_head_weight` needs the head whole on this rank: not under mtp / msp / fsp
+    (which split it by the vocabulary)."""
+    tensor = cfg.parallel.tensor
+    mtp = cfg.model.mtp_config
+    if (
+        mtp is not None
+        and mtp.num_layers
+        and mtp.detach_mtp_lm_head_weight
+        and tensor.size > 1
+        and tensor.mode != "isp"
+    ):
+        raise ConfigError(
+            f"model.mtp_config.detach_mtp_lm_head_weight=True with parallel.tensor.mode={tensor.mode!r}: the head is "
+            "split over the tensor ranks there; use isp, or detach_mtp_lm_head_weight=False"
+        )
 
 
 def aux_loss_coefficients(cfg: RunConfig, model: DeepseekV3) -> dict[str, float]:

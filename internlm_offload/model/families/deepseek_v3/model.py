@@ -2,7 +2,9 @@
 dense-first SwiGLU blocks, and sparse blocks of the bias-balanced sigmoid router with an un-gated shared expert.
 
 Its balancing is the router bias (moved once a step by engine/router_bias.py, `model.router_bias_update_speed`), not a
-loss: the forward returns no auxiliary loss, as transformers' does not.
+loss: the forward returns no auxiliary loss, as transformers' does not. Multi-token prediction (model/mtp.py) adds
+layers after the stack, each around one more sparse block (`build_feed_forward(args, L + k)`: a block past the stack is
+never dense-first) with its own router.
 """
 
 import torch
@@ -14,8 +16,9 @@ from internlm_offload.model.families.deepseek_v3.args import DeepseekV3Args
 from internlm_offload.model.mla import MultiLatentAttention
 from internlm_offload.model.mlp import FeedForward
 from internlm_offload.model.moe import MoE
+from internlm_offload.model.mtp import MTP_PREFIX, MtpSettings
 from internlm_offload.model.rope import rope_from_parameters, softmax_mscale
-from internlm_offload.model.tensor_plan import BlockPlan, Region, Replicated, TensorPlan
+from internlm_offload.model.tensor_plan import BlockPlan, Region, Replicated, SideBlock, TensorPlan
 
 
 def build_attention(args: DeepseekV3Args, attn_impl: str) -> nn.Module:
@@ -90,7 +93,7 @@ def attention_region(args: DeepseekV3Args) -> Region:
 
 def block_plan(args: DeepseekV3Args, i: int) -> BlockPlan:
     """Block i's roles (model/tensor_plan.py): a dense-first block's SwiGLU column / row parallel, a sparse block
-    whole (its experts what expert parallel shards)."""
+    whole (its experts what expert parallel shards); i >= num_layers: a multi-token-prediction block (sparse)."""
     sparse = i not in args.dense_layers
     if sparse:
         feed_forward = Region("feed_forward")
@@ -111,10 +114,21 @@ def block_plan(args: DeepseekV3Args, i: int) -> BlockPlan:
     )
 
 
-class DeepseekV3(Decoder):
-    """A model of the lineage from `DeepseekV3Args`."""
+def mtp_side_blocks(args: DeepseekV3Args, physical: int) -> tuple[SideBlock, ...]:
+    """Multi-token prediction's layers in the plan: each one's block as block L + k, its norms and eh_proj around it."""
+    sides = []
+    for k in range(physical):
+        layer = f"{MTP_PREFIX}layers.{k}"
+        norms = tuple(f"{layer}.{n}" for n in ("enorm", "hnorm", "head_norm"))
+        plan = block_plan(args, args.num_layers + k)
+        sides.append(SideBlock(f"{layer}.block", plan, norms=norms, projections=(f"{layer}.eh_proj",)))
+    return tuple(sides)
 
-    def __init__(self, args: DeepseekV3Args, attn_impl: str = "auto") -> None:
+
+class DeepseekV3(Decoder):
+    """A model of the lineage from `DeepseekV3Args`; with `mtp`, multi-token prediction after its stack."""
+
+    def __init__(self, args: DeepseekV3Args, attn_impl: str = "auto", mtp: MtpSettings | None = None) -> None:
         inv_freq_fn, attention_factor = rope_from_parameters(args.rope_parameters, args.max_position_embeddings)
         super().__init__(
             vocab_size=args.vocab_size,
@@ -130,6 +144,7 @@ class DeepseekV3(Decoder):
             ),
             inv_freq_fn=inv_freq_fn,
             rope_attention_factor=attention_factor,
+            mtp=mtp,
         )
         self.args = args
         self.num_experts = args.n_routed_experts
@@ -137,7 +152,10 @@ class DeepseekV3(Decoder):
     def tensor_plan(self) -> TensorPlan:
         """Where tensor parallel and expert parallel find this model's modules (model/tensor_plan.py)."""
         blocks = tuple(block_plan(self.args, i) for i in range(self.args.num_layers))
-        return TensorPlan(embedding="tok_embeddings", final_norm="norm", head="output", blocks=blocks)
+        sides = mtp_side_blocks(self.args, self.mtp.settings.physical) if self.mtp is not None else ()
+        return TensorPlan(
+            embedding="tok_embeddings", final_norm="norm", head="output", blocks=blocks, side_blocks=sides
+        )
 
     def aux_losses(self, stats: list) -> dict[str, torch.Tensor]:
         return {}

@@ -75,7 +75,8 @@ def load_folder(folder: Path, layout: FolderFormat, model: nn.Module) -> None:
             left = model.load_state_dict(weights, strict=False)
             missing = [n for n in left.missing_keys if not n.startswith(drawn)]
             if missing or left.unexpected_keys:
-                raise RuntimeError(f"Missing key(s): {missing}. Unexpected key(s): {left.unexpected_keys}")
+                quoted = ", ".join(f'"{name}"' for name in missing) or "none"
+                raise RuntimeError(f"Missing key(s) in state_dict: {quoted}. Unexpected key(s): {left.unexpected_keys}")
         else:
             model.load_state_dict(weights)
     except RuntimeError as exc:

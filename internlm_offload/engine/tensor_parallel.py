@@ -14,6 +14,10 @@ data (its `TensorPlan`, model/tensor_plan.py); the styles of each role are this 
 - `fsp` (flash-attn SP): msp's numerics; the projections' all-gathered inputs are not kept for backward
   but gathered again there (`gather_in_backward_again`): InternEvo's fsp memory.
 
+A plan's side blocks (multi-token prediction's layers, `TensorPlan.side_blocks`) take the blocks' styles after them;
+their norms are sequence parallel under msp / fsp, their input projection column parallel with its output gathered
+back to the residual stream's layout (whole width in and out).
+
 With `parallel_output` (InternEvo's default) the head's logits stay vocab-sharded and the loss runs under
 `loss_parallel`; otherwise they are all-gathered. Each rank holds whole query heads and whole kv groups:
 the model views its projections with -1 heads. Where the tensor size exceeds the kv heads, wk and wv stay

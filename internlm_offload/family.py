@@ -49,6 +49,9 @@ class Capabilities:
     folder_export: bool = False
     # `model.balancing_loss`: its model returns the bias router's balancing loss (model/balancing.py) as `moe_aux`.
     balancing_loss: bool = False
+    # `model.mtp_config`: multi-token prediction blocks after its stack (model/mtp.py), their loss added by the engine;
+    # the depth its own config asks for is `FamilySpec.mtp_layers`.
+    multi_token_prediction: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ class FamilySpec:
     routed_experts: Callable[[Any], int] | None = None
     # Its decoder blocks, counted off its config (a family whose architecture is config.json's); None: `model.num_layers`.
     blocks: Callable[[Any], int] | None = None
+    # The multi-token-prediction depth its config asks for (config.json's `num_nextn_predict_layers`), torch-free: what
+    # an unset `model.mtp_config` follows (config/mtp.py). None: 0.
+    mtp_layers: Callable[[Any], int] | None = None
 
     def module(self) -> ModuleType:
         """The family's builder module, imported on first use (it imports torch)."""
@@ -138,6 +144,12 @@ def experts_key(model: Any) -> str:
     """Where `routed_experts(model)` comes from, as a message names it."""
     spec = known_family(model)
     return "model.num_experts" if spec is None or spec.routed_experts is None else "the config's n_routed_experts"
+
+
+def config_mtp_layers(model: Any) -> int:
+    """The multi-token-prediction depth the `model` section's own config asks for (0: none, or a family without)."""
+    spec = known_family(model)
+    return 0 if spec is None or spec.mtp_layers is None else spec.mtp_layers(model)
 
 
 def capabilities(name: str) -> Capabilities:

@@ -31,6 +31,7 @@ from internlm_offload.model.families.hf_causal_lm.routers import RouterTaps
 from internlm_offload.model.hooks import PoolsRouterStats
 from internlm_offload.model.lora import adapter_parameters, apply_lora, draw_adapters
 from internlm_offload.model.moe import BiasBlocks
+from internlm_offload.model.mtp import MTP_PREFIX
 from internlm_offload.model.name_table import FolderFormat
 from internlm_offload.model.quantized import quantize_base
 from internlm_offload.offload import ActivationOffloader, LayerPlan, apply_layer_plan, make_layer_plan
@@ -38,7 +39,7 @@ from internlm_offload.offload.hosted_base import HostedBase, frozen_linears, hos
 from internlm_offload.offload.plan import LayerMode
 from internlm_offload.offload.selective_offload import SelectiveOffloader
 from internlm_offload.registry import MODELS, PARALLEL, build
-from internlm_offload.weights.hf_folder import read_folder
+from internlm_offload.weights.hf_folder import absent_mtp_layers, read_folder
 
 logger = get_logger(__name__)
 
@@ -65,13 +66,32 @@ def folder_layout(cfg: ModelConfig) -> FolderFormat | None:
 
 
 def load_folder(folder: Path, layout: FolderFormat, model: nn.Module) -> None:
-    """Every parameter and persistent buffer of `model` from the folder, none missing and none left over."""
+    """Every parameter and persistent buffer of `model` from the folder, none missing and none left over; a
+    multi-token-prediction layer the folder lacks altogether (transformers' save_pretrained drops them) keeps the
+    seed's draw, said in one line."""
     weights = read_folder(folder, layout)
+    absent = absent_mtp_layers(weights, layout)
+    drawn = tuple(f"{MTP_PREFIX}layers.{k}." for k in absent)
     try:
-        model.load_state_dict(weights)
+        if drawn:
+            left = model.load_state_dict(weights, strict=False)
+            missing = [n for n in left.missing_keys if not n.startswith(drawn)]
+            if missing or left.unexpected_keys:
+                quoted = ", ".join(f'"{name}"' for name in missing) or "none"
+                raise RuntimeError(f"Missing key(s) in state_dict: {quoted}. Unexpected key(s): {left.unexpected_keys}")
+        else:
+            model.load_state_dict(weights)
     except RuntimeError as exc:
         raise CheckpointError(f"{folder}: {' '.join(str(exc).split())[:400]}") from None
     logger.info("Loaded %d tensors from %s (%s)", len(weights), folder, layout.table.format)
+    if drawn:
+        logger.warning(
+            "%s holds no weights of multi-token-prediction layer(s) %s (model.layers.%d on; a folder transformers "
+            "saved never has them): drawn from the seed",
+            folder,
+            ", ".join(map(str, absent)),
+            layout.num_layers + absent[0],
+        )
 
 
 def aux_loss_coefficients(cfg: RunConfig, model: nn.Module) -> dict[str, float]:
@@ -453,6 +473,13 @@ def apply_memory_plan(
     return apply_layer_plan(layers, plan, **settings, accelerator=accelerator, segments=segments)
 
 
+def fsdp_blocks(model: nn.Module, layers: nn.ModuleList) -> list[nn.Module]:
+    """FSDP2's units below the root: the blocks, then multi-token prediction's layers (each a block and its norms and
+    projection: sharded as a block is, not held whole by the root for the step)."""
+    mtp = getattr(model, "mtp", None)
+    return [*layers, *(mtp.layers if mtp is not None else ())]
+
+
 def apply_data_parallel(
     cfg: RunConfig,
     ctx: RunContext,
@@ -469,7 +496,7 @@ def apply_data_parallel(
         "none": {},
         "ddp": {"bucket_cap_mb": par.bucket_cap_mb, "frozen_apart": frozen_base_names(cfg, ctx, model)},
         "fsdp2": {
-            "layers": layers,
+            "layers": fsdp_blocks(model, layers),
             "mesh": fsdp_mesh(cfg, ctx),
             "reshard_after_forward": par.reshard_after_forward,
             "cpu_offload": par.fsdp_cpu_offload,

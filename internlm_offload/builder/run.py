@@ -30,6 +30,7 @@ from internlm_offload.builder.pipeline import (
     trainer_reduction,
 )
 from internlm_offload.config import RunConfig
+from internlm_offload.config.mtp import mtp_depth
 from internlm_offload.data import StepLoader, build_tokenizer
 from internlm_offload.engine.checkpoint import CheckpointManager
 from internlm_offload.engine.evaluation import Evaluator
@@ -170,6 +171,8 @@ def trainer_settings(
         aux_chunks=aux_chunks(cfg),
         profile_step=cfg.monitor.profile_step,
         profile_dir=None if work_dir is None else work_dir / "profile",
+        mtp_depth=mtp_depth(cfg.model),
+        mtp_loss_scaling=cfg.model.mtp_config.loss_scaling_factor if mtp_depth(cfg.model) else 0.0,
     )
 
 

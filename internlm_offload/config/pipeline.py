@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
+from internlm_offload.config.mtp import mtp_depth
 from internlm_offload.config.pipeline_partition import rank_blocks
 from internlm_offload.family import block_count, blocks_key, capabilities, families_with, routed_experts
 
@@ -81,13 +82,18 @@ def pipeline_problem(cfg: Any) -> str | None:
         return (
             f"{where} with parallel.fsdp_cpu_offload=True: FSDP2's CPU offload per stage is not checked yet; set False"
         )
+    if mtp_depth(model):
+        return (
+            f"{where} with model.mtp_config.num_layers={mtp_depth(model)}: multi-token prediction is not built under a "
+            "pipeline (its blocks read the first stage's embedding and the last stage's hidden state); set "
+            "model.mtp_config=dict(num_layers=0)"
+        )
     for key, off, why in _NOT_UNDER_PIPELINE:
         value = _value(cfg, key)
         if value != off:
             return f"{where} with {key}={value!r}: {why}"
     return (
         _experts_problem(cfg)
-        or _mtp_problem(model)
         or checkpoint_problem(pipe.mode, model.checkpoint)
         or _chunk_problem(pipe.size, pipe.mode, model.num_chunks, block_count(model), blocks_key(model))
         or _offload_problem(cfg)
@@ -114,16 +120,6 @@ def _experts_problem(cfg: Any) -> str | None:
             "experts is not checked yet; set parallel.tensor.size=1"
         )
     return None
-
-
-def _mtp_problem(model: Any) -> str | None:
-    """Multi-token prediction (`model.mtp_config`, where the model section has it) is not split yet. Its block
-    belongs on the last stage with the head (engine/pipeline_split.py `PipelineChunk.forward`): the main stack's
-    pre-norm output and the shifted tokens' embeddings (the first stage's table) go in, its loss through the shared
-    head; its sparse block's auxiliary losses and router counts as any stage's."""
-    if getattr(model, "mtp_config", None) is None:
-        return None
-    return "multi-token prediction (model.mtp_config) under a pipeline is not built yet; set parallel.pipeline.size=1"
 
 
 def stage_sequence_parts(cfg: Any) -> int:

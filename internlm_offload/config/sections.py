@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from internlm_offload.config.base import Section
 from internlm_offload.config.lora import LoraConfig, check_lora
 from internlm_offload.config.moe import MoeLayerKwargsConfig, check_moe
+from internlm_offload.config.mtp import MtpConfig, resolve_mtp
 from internlm_offload.config.quantization import QuantizationConfig, check_quantization
 from internlm_offload.config.sizes import parse_size
 from internlm_offload.family import check_model_section
@@ -194,6 +195,14 @@ class ModelConfig(Section):
     hf_config: Optional[dict] = Field(
         None, description="`hf_causal_lm` only: a Hugging Face config dict (with `model_type`) to build from scratch."
     )
+    mtp_config: MtpConfig | None = Field(
+        None,
+        description="Multi-token prediction (docs/deepseek.md; `model.type='deepseek_v3'`): `dict(num_layers, "
+        "share_weights=False, loss_scaling_factor=0.1, detach_mtp_inputs=False, detach_mtp_lm_head_weight=False)`, "
+        "XTuner's `MTPConfig` names. None (unset): the model's config.json `num_nextn_predict_layers` depths sharing one "
+        "block, λ 0.1, as XTuner's GLM-5.2 `from_hf`; off under `model.lora`. Resolved at start-up (the checkpoint's "
+        "config holds the values). Other families: only None or `num_layers=0`.",
+    )
     lora: Optional[LoraConfig] = Field(
         None,
         description="LoRA fine-tuning (docs/lora.md): `dict(r=8, lora_alpha=8, lora_dropout=0.0, target_modules=None, "
@@ -226,6 +235,7 @@ class ModelConfig(Section):
         check_lora(self)
         check_quantization(self)
         check_model_section(self)
+        self.mtp_config = resolve_mtp(self)
         return self
 
 

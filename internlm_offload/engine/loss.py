@@ -1,4 +1,5 @@
-"""The language-model loss: summed token cross-entropy, computed in row chunks; a model's auxiliary losses weighted.
+"""The language-model loss: summed token cross-entropy, computed in row chunks; a model's auxiliary losses weighted;
+multi-token prediction's labels (`mtp_labels`).
 
 `F.cross_entropy(logits.float(), ...)` over a whole micro-batch holds its fp32 temporaries for every
 token at once: the upcast logits, the log-softmax autograd saves for backward, and in backward the fp32
@@ -18,9 +19,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from internlm_offload.model.mtp import roll_in_documents
 from internlm_offload.optim.dtensor import is_dtensor
 
 CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk
+IGNORE = -100  # a label that carries no loss
 
 
 def token_loss_sum(
@@ -76,3 +79,20 @@ def weighted_aux_losses(
         )
     # the coefficient's product before the fp32 cast: the order in which the models weighed their losses themselves
     return {name: (coefficients[name] * loss).float() for name, loss in aux_losses.items()}
+
+
+def mtp_labels(labels: torch.Tensor, position_ids: torch.Tensor | None, depth: int) -> list[torch.Tensor]:
+    """Multi-token prediction's labels of depths 1..`depth`: depth k's are `labels` (B, T; already the next token's)
+    moved left by k inside each packed document, -100 past its end: at position t, the token t + k + 1."""
+    return [roll_in_documents(labels, k, position_ids, IGNORE) for k in range(1, depth + 1)]
+
+
+def mtp_token_counts(micro_batches: list, depth: int) -> list[int]:
+    """Each depth's labelled tokens over a rank's micro-batches ((input_ids, labels[, position_ids]) each), at least 1:
+    what depth k's loss sums are divided by, as the language model's by its own count."""
+    counts = [0] * depth
+    for micro_batch in micro_batches:
+        positions = micro_batch[2] if len(micro_batch) > 2 else None
+        for k, rolled in enumerate(mtp_labels(micro_batch[1], positions, depth)):
+            counts[k] += int((rolled != IGNORE).sum())
+    return [max(1, count) for count in counts]

@@ -32,10 +32,15 @@ def tensor_plan(model: nn.Module, feature: str) -> TensorPlan:
     return plan
 
 
-def planned_blocks(model: nn.Module, plan: TensorPlan) -> Iterator[tuple[int, nn.Module, BlockPlan]]:
-    """(index, block, its plan) for every block of `model`, in depth order."""
+def planned_blocks(
+    model: nn.Module, plan: TensorPlan, feature: str = "the tensor plan"
+) -> Iterator[tuple[int, nn.Module, BlockPlan]]:
+    """(index, block, its plan) for every block of `model`, in depth order: `model.layers`, then the side blocks
+    (multi-token prediction's) numbered on from them."""
     for index, (block, block_plan) in enumerate(zip(model.layers, plan.blocks, strict=True)):
         yield index, block, block_plan
+    for index, side in enumerate(plan.side_blocks, start=len(plan.blocks)):
+        yield index, _model_module(model, side.block, feature), side.plan
 
 
 def planned_module(block: nn.Module, index: int, name: str, feature: str) -> nn.Module:
@@ -56,15 +61,21 @@ def check_names(block: nn.Module, index: int, names: list[str], feature: str) ->
 
 
 def check_model_names(model: nn.Module, plan: TensorPlan, feature: str) -> None:
-    """The model-level modules the plan names exist."""
-    for name in (plan.embedding, plan.final_norm, plan.head):
-        try:
-            model.get_submodule(name)
-        except AttributeError:
-            raise ConfigError(
-                f"{feature}: the model {type(model).__name__} has no module {name!r}, which its tensor plan names "
-                "(model/tensor_plan.py)"
-            ) from None
+    """The model-level modules the plan names exist (the side blocks' included)."""
+    sides = [name for side in plan.side_blocks for name in (side.block, *side.norms, *side.projections)]
+    for name in (plan.embedding, plan.final_norm, plan.head, *sides):
+        _model_module(model, name, feature)
+
+
+def _model_module(model: nn.Module, name: str, feature: str) -> nn.Module:
+    """The model-level module the plan names `name`; refused where the model has none."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise ConfigError(
+            f"{feature}: the model {type(model).__name__} has no module {name!r}, which its tensor plan names "
+            "(model/tensor_plan.py)"
+        ) from None
 
 
 def sequence_exchangers(model: nn.Module, feature: str) -> list[ExchangesSequence]:
@@ -74,7 +85,7 @@ def sequence_exchangers(model: nn.Module, feature: str) -> list[ExchangesSequenc
             f"{feature}: the model {type(model).__name__} does not take a sequence shard (model/hooks.py ShardsSequence)"
         )
     attentions = []
-    for index, block, block_plan in planned_blocks(model, tensor_plan(model, feature)):
+    for index, block, block_plan in planned_blocks(model, tensor_plan(model, feature), feature):
         attention = planned_module(block, index, block_plan.attention.module, feature)
         if not isinstance(attention, ExchangesSequence):
             raise ConfigError(
@@ -91,7 +102,7 @@ def sparse_blocks(model: nn.Module, feature: str) -> list[DispatchesExperts]:
     if isinstance(model, DispatchesExperts):
         return [model]
     found = []
-    for index, block, block_plan in planned_blocks(model, tensor_plan(model, feature)):
+    for index, block, block_plan in planned_blocks(model, tensor_plan(model, feature), feature):
         if not block_plan.sparse:
             continue
         sparse = planned_module(block, index, block_plan.feed_forward.module, feature)

@@ -57,7 +57,7 @@ def apply_fsdp2(
     model: nn.Module,
     *,
     ctx: RunContext,
-    layers: nn.ModuleList,
+    layers: Sequence[nn.Module],
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,

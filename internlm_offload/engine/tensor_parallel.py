@@ -14,6 +14,10 @@ data (its `TensorPlan`, model/tensor_plan.py); the styles of each role are this 
 - `fsp` (flash-attn SP): msp's numerics; the projections' all-gathered inputs are not kept for backward
   but gathered again there (`gather_in_backward_again`): InternEvo's fsp memory.
 
+A plan's side blocks (multi-token prediction's layers, `TensorPlan.side_blocks`) take the blocks' styles after them;
+their norms are sequence parallel under msp / fsp, their input projection column parallel with its output gathered
+back to the residual stream's layout (whole width in and out).
+
 With `parallel_output` (InternEvo's default) the head's logits stay vocab-sharded and the loss runs under
 `loss_parallel`; otherwise they are all-gathered. Each rank holds whole query heads and whole kv groups:
 the model views its projections with -1 heads. Where the tensor size exceeds the kv heads, wk and wv stay
@@ -76,7 +80,7 @@ def apply_tensor_parallel(
         raise ValueError(f"parallel.tensor.mode={mode!r} has no column/row plan; expected mtp, msp or fsp")
     feature = f"parallel.tensor.mode={mode!r}"
     plan = tensor_plan(model, feature)
-    blocks = list(planned_blocks(model, plan))
+    blocks = list(planned_blocks(model, plan, feature))
     check_model_names(model, plan, feature)  # every name first: parallelize_module skips one it does not find
     for index, block, block_plan in blocks:
         check_names(block, index, _block_names(block_plan), feature)
@@ -92,6 +96,10 @@ def apply_tensor_parallel(
     }
     if sequence:
         top_plan[plan.final_norm] = SequenceParallel()
+    for side in plan.side_blocks:  # multi-token prediction's norms and input projection around its block
+        top_plan |= {name: SequenceParallel() for name in side.norms if sequence}
+        # whole width in and out: the input gathered, the output's feature shards gathered back to the residual layout
+        top_plan |= {name: ColwiseParallel(input_layouts=between, output_layouts=between) for name in side.projections}
     parallelize_module(model, tp_mesh, top_plan)
     for index, block, block_plan in blocks:
         block_mode = mode

@@ -27,7 +27,7 @@ from internlm_offload.data.tokenized import IGNORE_INDEX
 from internlm_offload.engine.checkpoint import CheckpointManager
 from internlm_offload.engine.evaluation import Evaluator
 from internlm_offload.engine.interrupts import GracefulStop
-from internlm_offload.engine.loss import token_loss_sum, weighted_aux_losses
+from internlm_offload.engine.loss import mtp_labels, mtp_token_counts, token_loss_sum, weighted_aux_losses
 from internlm_offload.engine.loss_scaler import DynamicLossScaler
 from internlm_offload.engine.metrics import MetricsLog, Progress, memory_record
 from internlm_offload.engine.pipeline import PipelineRunner
@@ -38,6 +38,7 @@ from internlm_offload.engine.tensor_parallel import local_loss, loss_context
 from internlm_offload.errors import TrainingDiverged
 from internlm_offload.features import MemoryFeature
 from internlm_offload.log import get_logger
+from internlm_offload.model.output import MTP
 from internlm_offload.optim.dtensor import is_dtensor, local_shard
 from internlm_offload.optim.interface import OffloadOptimizer
 from internlm_offload.optim.lr_scheduler import load_scheduler_state
@@ -75,6 +76,8 @@ class TrainerSettings:
     aux_chunks: int = 1
     profile_step: int = 0  # run this step under torch.profiler; 0: never
     profile_dir: Path | None = None  # where its traces go
+    mtp_depth: int = 0  # the model's multi-token-prediction depths (model.mtp_config.num_layers); 0: none
+    mtp_loss_scaling: float = 0.0  # λ: the objective adds λ x the mean over depths of their token-mean losses
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,8 @@ class StepResult:
     loss: float  # global token-mean loss
     grad_norm: float  # before clipping, after loss-scale removal
     skipped: bool  # non-finite loss or grad norm: the update was not applied
-    # each auxiliary loss (MoE router load balancing: `moe_aux`) by name, weighted, mean over micro-batches
+    # each auxiliary loss (MoE router load balancing: `moe_aux`) by name, weighted, mean over micro-batches; and
+    # multi-token prediction's (`mtp`): λ x the mean over depths of their token-mean losses
     aux_losses: dict[str, float] = field(default_factory=dict)
     stop: bool = False  # some rank received SIGTERM/SIGINT: checkpoint after this step and return
     loss_scale: float | None = None  # fp16: the loss scale this step used
@@ -248,22 +252,43 @@ class Trainer:
         token_weight: float,
         aux_weight: float,
         on_backward_start: Callable[[], None] | None = None,
+        *,
+        mtp_weights: Sequence[float] = (),
+        loss_scale: float = 1.0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss sum and weighted auxiliary losses (by name) of one micro-batch; backpropagates their weighted sum.
 
         A micro-batch is (input_ids, labels) or, with packed documents kept apart, (input_ids, labels,
         position_ids). The model returns a `ModelOutput`: logits (B, T, V) and its auxiliary losses unweighted,
         each weighed here by its coefficient. Labels of -100 carry no loss. `on_backward_start` runs once backward
-        begins.
+        begins. Multi-token prediction's depth k (`ModelOutput.mtp_logits`) is scored against the labels rolled by k
+        inside each document and weighed by `mtp_weights[k - 1]` (times `loss_scale` in the objective); their
+        weighted sum comes back as the auxiliary loss `mtp`.
         """
         input_ids, labels, *positions = (t.to(self.ctx.device, non_blocking=True) for t in micro_batch)
         with loss_context(self.settings.loss_parallel):
             out = self.model(input_ids, *positions)
+            if len(out.mtp_logits) != len(mtp_weights):
+                raise ValueError(
+                    f"the model returned {len(out.mtp_logits)} multi-token-prediction depths, weights were given for "
+                    f"{len(mtp_weights)} (TrainerSettings.mtp_depth)"
+                )
+            # rolled on the whole sequence, before the split (isp), as the model rolls the tokens
+            depth_labels = mtp_labels(labels, positions[0] if positions else None, len(out.mtp_logits))
             if self.sequence_shard is not None:
                 labels = self.sequence_shard.local(labels)  # shifted before the split, as the tokens were
+                depth_labels = [self.sequence_shard.local(rolled) for rolled in depth_labels]
             loss_sum = token_loss_sum(out.logits, labels, label_smoothing=self.settings.label_smoothing)
             aux_losses = weighted_aux_losses(out.aux_losses, self.aux_loss_coefficients)
             objective = loss_sum * token_weight
+            logged = {name: loss.detach() for name, loss in aux_losses.items()}
+            if out.mtp_logits:
+                mtp = sum(
+                    token_loss_sum(logits, rolled, label_smoothing=self.settings.label_smoothing) * weight
+                    for logits, rolled, weight in zip(out.mtp_logits, depth_labels, mtp_weights, strict=True)
+                )
+                objective = objective + mtp * loss_scale
+                logged[MTP] = local_loss(mtp).detach()
             apart = []  # a rank's own aux loss beside a replicated DTensor loss (mtp/msp/fsp): two roots, no mix
             for aux_loss in aux_losses.values():
                 if is_dtensor(objective):
@@ -273,13 +298,14 @@ class Trainer:
             if on_backward_start is not None:
                 objective.register_hook(lambda _: on_backward_start())  # the first grad backward computes
             torch.autograd.backward([objective, *apart])
-        return local_loss(loss_sum).detach(), {name: loss.detach() for name, loss in aux_losses.items()}
+        return local_loss(loss_sum).detach(), logged
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
         """One optimizer step over this rank's micro-batches; skipped when the loss or grad norm is not finite."""
         # Labels are still on the host: counting them costs no device sync.
         tokens_per_rank = max(1, sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches))
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0
+        mtp_weights = self.mtp_weights(micro_batches)
         # Each rank weighs by its own count of labelled tokens; the gradient reduction then averages over
         # ranks: a global token mean when ranks hold equally many labelled tokens (always, without -100
         # labels). The aux losses (per-micro-batch means) are averaged over micro-batches. fp16 multiplies
@@ -294,11 +320,14 @@ class Trainer:
                 micro_batches, token_weight, aux_weight, self.masters.accumulate_grads
             )
         else:
-            loss_sum, aux_sums = self._micro_batches(micro_batches, token_weight, aux_weight)
+            loss_sum, aux_sums = self._micro_batches(micro_batches, token_weight, aux_weight, mtp_weights, loss_scale)
         self.masters.reduce_grads(self.ctx.distributed)
         for feature in self.features:  # per-step work before clipping (the router bias update)
             feature.after_backward()
-        losses = [loss_sum * self._chunks / tokens_per_rank, *(aux / len(micro_batches) for aux in aux_sums.values())]
+        # the aux losses' mean over micro-batches; multi-token prediction's sum, each micro-batch's already over the
+        # step's tokens (`mtp_weights`)
+        aux_means = (aux if name == MTP else aux / len(micro_batches) for name, aux in aux_sums.items())
+        losses = [loss_sum * self._chunks / tokens_per_rank, *aux_means]
         # Stop requests ride on the loss all-reduce: every rank sees the same (averaged) flag, so all stop
         # after the same step. The flag goes first so that the loss stays at index 1.
         stop_flag = torch.tensor(float(self._stop.requested), device=self.ctx.device)
@@ -323,8 +352,23 @@ class Trainer:
         used_scale = loss_scale if self.scaler is not None else None
         return StepResult(loss_value, norm_value, skipped, aux_values, stop, used_scale)
 
+    def mtp_weights(self, micro_batches: list[MicroBatch]) -> tuple[float, ...]:
+        """Each multi-token-prediction depth's weight on its loss sum: λ / D x the chunk count / this rank's labelled
+        tokens of that depth (as the language model's: the wrapper's average over ranks then gives the global mean,
+        λ x the mean over depths of their token means). Counted on the host, as the language model's."""
+        depth = self.settings.mtp_depth
+        if not depth:
+            return ()
+        scale = self.settings.mtp_loss_scaling / depth * self._chunks
+        return tuple(scale / count for count in mtp_token_counts(micro_batches, depth))
+
     def _micro_batches(
-        self, micro_batches: list[MicroBatch], token_weight: float, aux_weight: float
+        self,
+        micro_batches: list[MicroBatch],
+        token_weight: float,
+        aux_weight: float,
+        mtp_weights: tuple[float, ...] = (),
+        loss_scale: float = 1.0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward and backward of each micro-batch in turn; the sum of their loss sums and of each aux loss."""
         sync_in_backward = self.masters.reduce_in_backward
@@ -335,7 +379,9 @@ class Trainer:
             # SwapAdamW copies its first chunk of states in while the last backward runs (a no-op for the others).
             prefetch = self.optimizer.prefetch if last else None
             with gradient_sync(self.model, enabled=sync_in_backward and last):
-                micro_loss, micro_aux = self.forward_backward(micro_batch, token_weight, aux_weight, prefetch)
+                micro_loss, micro_aux = self.forward_backward(
+                    micro_batch, token_weight, aux_weight, prefetch, mtp_weights=mtp_weights, loss_scale=loss_scale
+                )
             loss_sum += micro_loss
             for name, aux in micro_aux.items():
                 aux_sums[name] = aux_sums[name] + aux if name in aux_sums else aux

@@ -5,7 +5,9 @@ FSDP2 start bit-identical).
 
 A family subclasses `Decoder`, hands it a factory of its blocks, and says which auxiliary losses its router
 statistics make (`aux_losses`, and `stage_aux_losses` for a pipeline stage's share of them); its blocks are
-`DecoderLayer`s of its own attention and feed-forward modules.
+`DecoderLayer`s of its own attention and feed-forward modules. With `mtp` settings it runs multi-token prediction
+after the stack (model/mtp.py: its layers' blocks from the same factory, at indices `num_layers + k`), their logits
+in `ModelOutput.mtp_logits`.
 """
 
 import contextlib
@@ -13,11 +15,13 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from internlm_offload.model.attention import Documents
 from internlm_offload.model.hooks import HasTensorPlan, RecordsRouterStats, ShardsSequence
 from internlm_offload.model.mlp import ParamInit, normal_init
+from internlm_offload.model.mtp import MtpSettings, MultiTokenPrediction
 from internlm_offload.model.norm import RMSNorm
 from internlm_offload.model.output import ModelOutput
 from internlm_offload.model.rope import InvFreqFn, float32_inv_freq, rope_cos_sin, rope_inv_freq
@@ -41,19 +45,21 @@ def sparse_blocks(layers: Iterable[nn.Module]) -> list[RecordsRouterStats]:
 
 
 @contextlib.contextmanager
-def router_stats(moes: list[RecordsRouterStats]) -> Iterator[list[RouterStats]]:
-    """The router statistics of the forward run inside, in `moes`' order; each sparse block's tokens per expert
-    recorded after (`record_load`).
+def router_stats(moes: list[RecordsRouterStats], also: list[RecordsRouterStats] = ()) -> Iterator[list[RouterStats]]:
+    """The router statistics of the forward run inside, in `moes`' order, then `also`'s (multi-token prediction's
+    sparse blocks, which record their choices per call); each of `moes`' tokens per expert recorded after
+    (`record_load`).
 
     Only that forward fills the list: a block recomputed in backward finds no sink and keeps no graph alive.
     """
     stats: list[RouterStats] = []
-    for moe in moes:
+    lent = [*moes, *also]
+    for moe in lent:
         moe.stats_sink = stats
     try:
         yield stats
     finally:
-        for moe in moes:
+        for moe in lent:
             moe.stats_sink = None
     for moe in moes:
         moe.record_load()
@@ -107,10 +113,12 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
         block: Callable[[int], nn.Module],
         inv_freq_fn: InvFreqFn = rope_inv_freq,
         rope_attention_factor: float = 1.0,
+        mtp: MtpSettings | None = None,
     ) -> None:
         """`block(i)` builds block i (on meta); RoPE rotates `rope_dim` dims of each head at base `rope_base`, at
         the frequencies `inv_freq_fn(rope_dim, rope_base, device)` makes, its cos and sin times
-        `rope_attention_factor` (a family's scaled rope, e.g. YaRN: model/rope.py `rope_from_parameters`)."""
+        `rope_attention_factor` (a family's scaled rope, e.g. YaRN: model/rope.py `rope_from_parameters`). `mtp`:
+        multi-token prediction's layers after the head, their blocks `block(num_layers + k)`."""
         super().__init__()
         self.num_layers = num_layers
         self.vocab_size = vocab_size
@@ -126,6 +134,11 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
             self.layers = nn.ModuleList(block(i) for i in range(num_layers))
             self.norm = RMSNorm(hidden_size, norm_eps)
             self.output = nn.Linear(hidden_size, vocab_size, bias=False)
+            self.mtp = (
+                None
+                if mtp is None
+                else MultiTokenPrediction(mtp, hidden_size, norm_eps, lambda k: block(num_layers + k))
+            )
             # Non-persistent: derived from config, so checkpoints hold only parameters.
             self.register_buffer("inv_freq", inv_freq_fn(rope_dim, rope_base, None), persistent=False)
         if tie_word_embeddings:
@@ -158,6 +171,8 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
         yield from self.norm.param_inits()
         if not self.tie_word_embeddings:
             yield self.output.weight, normal_init(self.init_std)
+        if self.mtp is not None:  # last: the main model's draws are the same with multi-token prediction on or off
+            yield from self.mtp.param_inits(self.init_std, out_std)
 
     def rope_cos_sin(self, seq_len: int, dtype: torch.dtype, position_ids: torch.Tensor | None = None) -> Rope:
         """(cos, sin) for positions 0..T-1, each (T, rope_dim), or for `position_ids` (B, T), each (B, T,
@@ -167,13 +182,15 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> ModelOutput:
         """Logits (B, T, V) for input_ids (B, T), in the model's dtype, and the auxiliary losses of its sparse blocks
-        (`aux_losses`: fp32 scalars without their coefficients).
+        (`aux_losses`: fp32 scalars without their coefficients); in training, each multi-token-prediction depth's
+        logits (`mtp_logits`, model/mtp.py).
 
         `position_ids` (B, T) packs several documents per row: positions restart at 0 where a document
         begins, and attention never crosses into another document. With a `sequence_shard` (isp) the
         logits are this rank's chunk of the sequence, (B, T / shard.size, V).
         """
         documents = None if position_ids is None else Documents(position_ids)  # the whole sequence's
+        whole_ids, whole_positions = input_ids, position_ids  # multi-token prediction rolls them before the split
         shard = self.sequence_shard
         if shard is not None:  # isp: this rank's chunk of the tokens, at their own positions
             if position_ids is None:
@@ -181,11 +198,30 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
             input_ids, position_ids = shard.local(input_ids), shard.local(position_ids)
         h = self.tok_embeddings(input_ids)  # (B, T, C)
         rope = self.rope_cos_sin(input_ids.shape[1], h.dtype, position_ids)
-        with router_stats(self.moe_layers()) as stats:
+        with router_stats(self.moe_layers(), also=self._mtp_sparse_blocks()) as stats:
             for layer in self.layers:
                 h = layer(h, rope, documents)
-        logits = self.output(self.norm(h))  # (B, T, V)
-        return ModelOutput(logits, self.aux_losses(stats))
+            logits = self.output(self.norm(h))  # (B, T, V)
+            mtp_logits = ()
+            if self.mtp is not None and self.training:  # validation's loss is the language model's alone
+                local = shard.local if shard is not None else _whole
+                depths = self.mtp(
+                    h,
+                    whole_ids,
+                    whole_positions,
+                    embed=self.tok_embeddings,
+                    local=local,
+                    rope=rope,
+                    documents=documents,
+                )
+                mtp_logits = tuple(self._mtp_head(d) for d in depths)
+        return ModelOutput(logits, self.aux_losses(stats), mtp_logits)
+
+    def _mtp_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The shared head on a multi-token-prediction depth's output (through a detached weight if asked)."""
+        if self.mtp.settings.detach_head_weight:
+            return F.linear(hidden, self.output.weight.detach())
+        return self.output(hidden)
 
     def aux_losses(self, stats: list[RouterStats]) -> dict[str, torch.Tensor]:
         """The auxiliary losses by name (model/output.py) of this forward's router statistics; none by default."""
@@ -202,6 +238,10 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
         """The sparse blocks' feed-forwards, in depth order."""
         return sparse_blocks(self.layers)
 
+    def _mtp_sparse_blocks(self) -> list[RecordsRouterStats]:
+        """Multi-token prediction's sparse blocks (none without it)."""
+        return self.mtp.sparse_blocks() if self.mtp is not None else []
+
     def tokens_per_expert(self) -> torch.Tensor:
         """(sparse blocks, E) fp32: tokens each expert computed in the last forward, after capacity (detached)."""
         return torch.stack([moe.tokens_per_expert for moe in self.moe_layers()])
@@ -212,3 +252,8 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
         if exclude_embeddings:
             n -= self.tok_embeddings.weight.numel()
         return n
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """No sequence shard: every token is this rank's."""
+    return tensor

@@ -55,7 +55,7 @@ def _translate(name: str, pairs: Iterable[tuple[re.Pattern, str]]) -> str | None
 @dataclass(frozen=True)
 class FolderFormat:
     """A family's folder: its names, its query and kv heads (the fused and Meta layouts need them), and its blocks
-    (tensors of a block at or past `num_layers`, a multi-token-prediction block not built, are left out)."""
+    (tensors of a block at or past `num_layers + mtp_layers`, multi-token prediction not built, are left out)."""
 
     table: NameTable
     n_heads: int
@@ -64,3 +64,10 @@ class FolderFormat:
     # Foreign names ending so are written in fp32 whatever the export's dtype (a router's weight and bias, which
     # transformers keeps in fp32: a bias moves by 1e-3 a step, which bf16 would round away).
     keep_fp32: tuple[str, ...] = ()
+    # Multi-token prediction's layers (model/mtp.py), which the folder holds as blocks `num_layers + k`: how many the
+    # model builds, and their names with k for `{i}` (weights/hf_folder.py moves the index).
+    mtp_layers: int = 0
+    mtp_table: NameTable | None = None
+    # (name inside such a block, the native tensor it copies): the shared embedding's and head's copies some folders
+    # hold in each (DeepSeek-V3's); never read, written back where the folder read had them.
+    mtp_copies: tuple[tuple[str, str], ...] = ()

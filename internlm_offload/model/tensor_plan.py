@@ -65,17 +65,32 @@ class BlockPlan:
 
 
 @dataclass(frozen=True)
+class SideBlock:
+    """A decoder block outside `model.layers` that the model runs on the residual stream after them (multi-token
+    prediction's, model/mtp.py), with the modules around it: `block` (its path in the model) planned as the others,
+    after them in depth order; `norms` (model-level paths) replicated, sequence parallel under msp / fsp;
+    `projections` (model-level linears of whole width in and out) column parallel, their outputs gathered back to the
+    residual stream's layout."""
+
+    block: str
+    plan: BlockPlan
+    norms: tuple[str, ...] = ()
+    projections: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class TensorPlan:
     """A decoder's tensor plan: the model-level modules and one `BlockPlan` per entry of `model.layers`.
 
     `embedding`: vocab-parallel; `head`: column parallel over the vocabulary; `final_norm`: sequence parallel under
-    msp / fsp.
+    msp / fsp; `side_blocks`: the blocks after `model.layers` (`SideBlock`), numbered on from them.
     """
 
     embedding: str
     final_norm: str
     head: str
     blocks: tuple[BlockPlan, ...]
+    side_blocks: tuple[SideBlock, ...] = ()
 
     def sparse_blocks(self) -> list[int]:
         """The indices of the blocks whose feed-forward is a sparse block."""

@@ -143,18 +143,29 @@ def export_hf(weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtyp
 
 def export_family_folder(weights: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype, run: dict) -> None:
     """The folder of a family that reads its own (`Capabilities.folder_export`): config.json from its
-    `folder_config`, the tensors under the names of its `folder_format` (the table `model.hf_path` is read by), the
-    run's tokenizer folder beside them. A multi-token-prediction block the folder had (left out on load) is not in it:
-    said in one line."""
+    `folder_config`, the tensors under the names of its `folder_format` (the table `model.hf_path` is read by; the
+    multi-token-prediction layers the run trained at blocks L + k, with the copies of the shared embedding and head
+    where the run's folder held them), the run's tokenizer folder beside them. A multi-token-prediction block the
+    folder had and the run did not build (left out on load) is not in it: said in one line."""
     model = native_model_config(run["model"])
     layout = folder_layout(model)
+    source = tensor_names(weight_files(Path(model.hf_path))) if model.hf_path else []
+    built = layout.num_layers + layout.mtp_layers
+    copies = {
+        f"model.layers.{layout.num_layers + k}.{rest}"
+        for k in range(layout.mtp_layers)
+        for rest, _ in layout.mtp_copies
+    }
     written = write_family_folder(
-        weights, layout, family_spec(model.type).module().folder_config(model), out_dir, dtype
+        weights,
+        layout,
+        family_spec(model.type).module().folder_config(model),
+        out_dir,
+        dtype,
+        mtp_copies=bool(copies) and copies <= set(source),
     )
     copy_tokenizer(run["data"]["tokenizer"], out_dir)
-    left_out = (
-        blocks_beyond(tensor_names(weight_files(Path(model.hf_path))), layout.num_layers) if model.hf_path else []
-    )
+    left_out = blocks_beyond(source, built)
     if left_out:
         logger.warning(
             "The export holds %d tensors (%s); %s's %d multi-token-prediction tensors (blocks from %d on, left out "
@@ -163,7 +174,7 @@ def export_family_folder(weights: dict[str, torch.Tensor], out_dir: Path, dtype:
             layout.table.format,
             model.hf_path,
             len(left_out),
-            layout.num_layers,
+            built,
         )
 
 

@@ -4,7 +4,8 @@ Qwen2-MoE, Mixtral): config.json read and checked, the weights in (safetensors o
 
 What a config.json means and what it refuses, its names and the config.json of an export are the native family's
 Hugging Face side (model/families/internlm2/hf_config.py, hf_names.py, hf_export.py); here, the files.
-Any family's folder is read by its `FolderFormat` (`read_folder`: the builder's, for `model.hf_path`).
+Any family's folder is read by its `FolderFormat` (`read_folder`: the builder's, for `model.hf_path`), its
+multi-token-prediction layers from the blocks after the stack (`model.layers.{L+k}.*`, as DeepSeek-V3 ships them).
 """
 
 import re
@@ -20,6 +21,7 @@ from internlm_offload.errors import CheckpointError
 from internlm_offload.log import get_logger
 from internlm_offload.model.families.internlm2 import hf_config
 from internlm_offload.model.families.internlm2.hf_export import llama_config, moe_config
+from internlm_offload.model.mtp import MTP_PREFIX
 from internlm_offload.model.name_table import FolderFormat, NameTable
 from internlm_offload.weights.convert import Heads, to_format, to_native
 from internlm_offload.weights.files import load_model_file, read_json_object
@@ -90,25 +92,61 @@ def _indexed_files(folder: Path, index: Path) -> list[Path]:
 
 
 def read_folder(folder: Path, layout: FolderFormat) -> dict[str, torch.Tensor]:
-    """`folder`'s tensors under a family's own names (`layout`); those of blocks at or past its `num_layers` (a
-    multi-token-prediction block it does not build) are left out, said in one line."""
+    """`folder`'s tensors under a family's own names (`layout`), its multi-token-prediction layers' among them (blocks
+    `num_layers + k`, k < `mtp_layers`; their copies of the shared embedding and head not read); those of blocks past
+    them (multi-token prediction the model does not build) are left out, said in one line."""
     tensors = read_weights(weight_files(folder))
-    beyond = blocks_beyond(tensors, layout.num_layers)
+    built = layout.num_layers + layout.mtp_layers
+    beyond = blocks_beyond(tensors, built)
     if beyond:
         logger.warning(
-            "%s: %d tensors of blocks past the model's %d (multi-token prediction) are not built here: left out",
+            "%s: %d tensors of blocks from %d on (multi-token prediction the model does not build: model.mtp_config "
+            "builds %d layers) are left out",
             folder,
             len(beyond),
-            layout.num_layers,
+            built,
+            layout.mtp_layers,
         )
-        for name in beyond:
-            del tensors[name]
-    return to_native(tensors, layout.table, Heads(layout.n_heads, layout.n_kv_heads), str(folder))
+    heads = Heads(layout.n_heads, layout.n_kv_heads)
+    main = {n: t for n, t in tensors.items() if not _block_at_least(n, layout.num_layers)}
+    native = to_native(main, layout.table, heads, str(folder))
+    mtp = mtp_tensors(tensors, layout)
+    if mtp:
+        native.update(to_native(mtp, layout.mtp_table, heads, str(folder)))
+    return native
+
+
+def mtp_tensors(tensors: dict[str, torch.Tensor], layout: FolderFormat) -> dict[str, torch.Tensor]:
+    """The multi-token-prediction layers' tensors of a folder, block `num_layers + k` renamed block k (what
+    `layout.mtp_table` names), the shared tensors' copies left out."""
+    copies = tuple(name for name, _ in layout.mtp_copies)
+    out = {}
+    for name, tensor in tensors.items():
+        m = _BLOCK_INDEX.match(name)
+        if m is None or not 0 <= (k := int(m.group(1)) - layout.num_layers) < layout.mtp_layers:
+            continue
+        rest = name[m.end() :]
+        if rest not in copies:
+            out[f"model.layers.{k}.{rest}"] = tensor
+    return out
+
+
+def absent_mtp_layers(native: Iterable[str], layout: FolderFormat) -> list[int]:
+    """The multi-token-prediction layers (0-based) of which `native` (a folder read by `read_folder`) holds no tensor:
+    a folder transformers saved (its causal LMs never build MTP) holds none."""
+    names = list(native)
+    prefixes = [f"{MTP_PREFIX}layers.{k}." for k in range(layout.mtp_layers)]
+    return [k for k, prefix in enumerate(prefixes) if not any(n.startswith(prefix) for n in names)]
 
 
 def blocks_beyond(names: Iterable[str], num_layers: int) -> list[str]:
-    """The names of tensors of blocks at or past `num_layers` (`model.layers.{i}.`): a multi-token-prediction block."""
-    return [n for n in names if (m := _BLOCK_INDEX.match(n)) and int(m.group(1)) >= num_layers]
+    """The names of tensors of blocks at or past `num_layers` (`model.layers.{i}.`): multi-token prediction's."""
+    return [n for n in names if _block_at_least(n, num_layers)]
+
+
+def _block_at_least(name: str, index: int) -> bool:
+    m = _BLOCK_INDEX.match(name)
+    return m is not None and int(m.group(1)) >= index
 
 
 def tensor_names(files: list[Path]) -> list[str]:
@@ -185,14 +223,32 @@ def _write_folder(
 
 
 def write_family_folder(
-    native: dict[str, torch.Tensor], layout: FolderFormat, config: Any, out: Path, dtype: torch.dtype
+    native: dict[str, torch.Tensor],
+    layout: FolderFormat,
+    config: Any,
+    out: Path,
+    dtype: torch.dtype,
+    *,
+    mtp_copies: bool = False,
 ) -> int:
     """A family's own folder (`layout`, the names its `model.hf_path` is read by): `config` as config.json and
-    `native` under the folder's names in `dtype` (those ending in `layout.keep_fp32` in fp32);
-    a tied head left out (transformers restores it from the embeddings). The number of tensors written."""
+    `native` under the folder's names in `dtype` (those ending in `layout.keep_fp32` in fp32), multi-token prediction's
+    layers as blocks `num_layers + k` (with `mtp_copies`, each with its copies of the shared embedding and head, as
+    DeepSeek-V3's files hold them); a tied head left out (transformers restores it from the embeddings). The number of
+    tensors written."""
     from safetensors.torch import save_file
 
-    tensors = to_format(native, layout.table, Heads(layout.n_heads, layout.n_kv_heads))
+    heads = Heads(layout.n_heads, layout.n_kv_heads)
+    main = {n: t for n, t in native.items() if not n.startswith(MTP_PREFIX)}
+    tensors = to_format(main, layout.table, heads)
+    mtp = {n: t for n, t in native.items() if n.startswith(MTP_PREFIX)}
+    if mtp:
+        for name, tensor in to_format(mtp, layout.mtp_table, heads).items():
+            m = _BLOCK_INDEX.match(name)
+            tensors[f"model.layers.{layout.num_layers + int(m.group(1))}.{name[m.end() :]}"] = tensor
+        for k in range(layout.mtp_layers if mtp_copies else 0):
+            for rest, shared in layout.mtp_copies:
+                tensors[f"model.layers.{layout.num_layers + k}.{rest}"] = native[shared].clone()  # saved apart
     if getattr(config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
     set_dtype(config, dtype)

@@ -7,9 +7,11 @@ to config.json, as for every folder here); without it, config.json's architectur
 (`model.hf_config`), as XTuner initialises a model config without weights. XTuner's router bias update carries
 (`model.router_bias_update_speed`), and so does its balancing loss (`BalancingLossConfig`, on by default in
 `DeepSeekV3Config`, whose `from_hf` sets it too; off in GLM's): `balancing_loss_global_average` True / False ->
-`model.balancing_loss` 'global_batch' / 'micro_batch', `balancing_loss_alpha` -> `loss.moe_loss_coeff`. What XTuner
-adds that the family does not compute is reported, one line each: a z-loss, multi-token prediction (`mtp_config`: not
-built yet).
+`model.balancing_loss` 'global_batch' / 'micro_batch', `balancing_loss_alpha` -> `loss.moe_loss_coeff`; and its
+multi-token prediction: `model_cfg.mtp_config = MTPConfig(...)` onto `model.mtp_config` with the same names, and none
+set onto `num_layers=0` (XTuner's `DeepSeekV3Config` and its `from_hf` build no MTP, whatever the folder's
+`num_nextn_predict_layers`). What XTuner adds that the family does not compute is reported, one line each: a z-loss,
+an MTP option other than those names.
 """
 
 from dataclasses import dataclass
@@ -26,6 +28,10 @@ from internlm_offload.xtuner.standins import field, kind
 CLASS = "DeepSeekV3Config"
 ROUTER_BIAS_UPDATE_SPEED = 0.001  # NoAuxRouterConfig's router_bias_update_speed
 BALANCING_ALPHA = 0.001  # BalancingLossConfig's balancing_loss_alpha
+# XTuner's MTPConfig fields, the same names under model.mtp_config (config/mtp.py)
+MTP_FIELDS = ("num_layers", "share_weights", "loss_scaling_factor", "detach_mtp_inputs", "detach_mtp_lm_head_weight")
+# MTPConfig fields that change nothing about the training here at these values (`name`: XTuner's label of the config)
+MTP_NEUTRAL = {"mask_type": None, "loss_type": "ce"}
 # config.json's model_types whose `get_model_config_from_hf` is XTuner's DeepSeekV3Config.from_hf, which sets
 # BalancingLossConfig() (Kimi-K2's architecture is DeepSeek-V3's; XTuner trains it with that class).
 BALANCED_BY_DEFAULT = ("deepseek_v3", "kimi_k2")
@@ -78,8 +84,37 @@ def family_model(model_cfg: Any, load_from: Any) -> FamilyModel:
     out.model["router_bias_update_speed"] = speed
     out.carried.append(f"{source} -> model.router_bias_update_speed={speed:g} (the router bias, once a step)")
     _carry_balancing(out, model_cfg, hf.get("model_type"))
+    out.model["mtp_config"], carried, dropped = mtp_section(field(model_cfg, "mtp_config"))
+    out.carried.append(carried)
+    out.dropped.extend(dropped)
     out.dropped.extend(_not_computed(model_cfg))
     return out
+
+
+def mtp_section(mtp: Any) -> tuple[dict[str, Any], str, list[str]]:
+    """`model.mtp_config` of XTuner's `mtp_config` (None: unset, no MTP), the carried line, and a dropped line for each
+    MTPConfig option not built here; ModelClassError for one without `num_layers` (XTuner requires it)."""
+    if mtp is None:
+        unset = (
+            "model_cfg.mtp_config unset -> model.mtp_config=dict(num_layers=0) (XTuner trains no multi-token "
+            "prediction without one, whatever the folder's num_nextn_predict_layers)"
+        )
+        return {"num_layers": 0}, unset, []
+    section = {name: field(mtp, name) for name in MTP_FIELDS if field(mtp, name) is not None}
+    if "num_layers" not in section:
+        raise ModelClassError(f"model_cfg.mtp_config={_short(mtp)}: no num_layers (XTuner's MTPConfig requires it)")
+    dropped = [
+        f"model_cfg.mtp_config.{name}={value!r}: not built here (each depth's cross-entropy, as MTPConfig's defaults)"
+        for name in _set_fields(mtp)
+        if name not in (*MTP_FIELDS, "name") and (value := field(mtp, name)) != MTP_NEUTRAL.get(name, _UNSET)
+    ]
+    return section, f"model_cfg.mtp_config={_short(mtp)} -> model.mtp_config={section}", dropped
+
+
+def _set_fields(obj: Any) -> list[str]:
+    """The fields a config object was given: a recorded call's keywords, a real XTuner object's `model_fields_set`."""
+    kwargs = getattr(obj, "kwargs", None)
+    return list(kwargs) if isinstance(kwargs, dict) else sorted(getattr(obj, "model_fields_set", ()))
 
 
 def bias_speed(model_cfg: Any) -> tuple[float, str]:
@@ -132,12 +167,6 @@ def _not_computed(model_cfg: Any) -> list[str]:
     lines = []
     if field(model_cfg, "z_loss_cfg") is not None:
         lines.append("model_cfg.z_loss_cfg: XTuner's router z-loss is not computed by model.type='deepseek_v3'")
-    mtp = field(model_cfg, "mtp_config")
-    if mtp is not None:
-        lines.append(
-            f"model_cfg.mtp_config={_short(mtp)}: multi-token prediction is not built yet for model.type="
-            "'deepseek_v3': its loss is not added (a folder's MTP block is left out on load and from exports)"
-        )
     return lines
 
 

@@ -7,7 +7,7 @@ problem makes the translation fail. XTuner's defaults (`xtuner/v1/config/*.py`) 
 The model comes from `load_from`'s Hugging Face folder: InternLM2, InternLM and Llama folders load into the
 native model, others train as `hf_causal_lm` (experts balanced by a router bias with the bias moved as XTuner moves
 it, `model.router_bias_update_speed`), except families XTuner trains in a way not built here (vision-language models,
-multi-token prediction): those are fatal, named. XTuner's DeepSeek-V3 lineage (`DeepSeekV3Config` with `load_from`,
+multi-token prediction outside the `deepseek_v3` family): those are fatal, named. XTuner's DeepSeek-V3 lineage (`DeepSeekV3Config` with `load_from`,
 or `get_model_config_from_hf` of a DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash folder) maps onto the native
 `deepseek_v3` family (`deepseek.py`). Without `load_from`, XTuner's Qwen3 / Qwen3-MoE model classes and
 `get_model_config_from_hf` map onto the native model, initialised at random (`models.py`).
@@ -197,7 +197,10 @@ def _not_built_here(hf: dict[str, Any], mtp: Any) -> str | None:
     if "vision_config" in hf:
         reasons.append("it is a vision-language model (only text models are built here)")
     if mtp is not None:
-        reasons.append("model_cfg.mtp_config trains multi-token prediction, an extra loss not built here")
+        reasons.append(
+            "model_cfg.mtp_config trains multi-token prediction, built here for model.type='deepseek_v3' alone "
+            "(DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash folders), not for this one"
+        )
     if not reasons:
         return None
     family = f"model_type={hf.get('model_type')!r}" + "".join(f" ({a})" for a in (hf.get("architectures") or [])[:1])

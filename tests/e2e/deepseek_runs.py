@@ -24,13 +24,19 @@ def family_baseline(reference_run, dtype: str = "fp32", mode: str = "none") -> P
 
 
 def biases(run: Path, step: str = LAST) -> dict[str, torch.Tensor]:
-    """The router biases saved at `step`: one (E,) fp32 tensor per sparse block."""
+    """The router biases saved at `step`: one (E,) fp32 tensor per sparse block, the multi-token-prediction block's
+    last."""
     return {key: value for key, value in load_weights(run / "checkpoints" / step).items() if key.endswith(BIAS)}
 
 
-def assert_same_biases(base: Path, run: Path, step: str = LAST) -> None:
-    """`run`'s biases at `step` are `base`'s, bit for bit, and they moved (none is the init's zeros)."""
+def assert_same_biases(base: Path, run: Path, step: str = LAST, *, mtp: bool = True) -> None:
+    """`run`'s biases at `step` are `base`'s, bit for bit, and they moved (none is the init's zeros): the 3 sparse
+    blocks' and, with `mtp`, the multi-token-prediction block's (its router counts its own choices)."""
     want, have = biases(base, step), biases(run, step)
-    assert len(want) == 3 and all(t.dtype == torch.float32 and t.abs().sum() > 0 for t in want.values())
+    assert (
+        len(want) == 3 + mtp
+        and any(key.startswith("mtp.") for key in want) == mtp
+        and all(t.dtype == torch.float32 and t.abs().sum() > 0 for t in want.values())
+    )
     assert have.keys() == want.keys(), (sorted(have), sorted(want))
     assert all(torch.equal(have[key], want[key]) for key in want), "router biases differ"

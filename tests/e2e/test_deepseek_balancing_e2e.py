@@ -23,5 +23,5 @@ def test_two_ranks_follow_one_process_of_their_pooled_rows(tmp_path):
     train(two, *STEPS, *GLOBAL, "data.micro_bsz=2", "data.micro_num=2", "parallel.mode=ddp", config=DEEPSEEK, nproc=2)
     assert_curves(one, two, NEAR)
     want, got = ([r["moe_aux_loss"] for r in metrics(run)] for run in (one, two))
-    assert got == pytest.approx(want, rel=1e-5) and all(0.02 < value < 0.05 for value in want), want  # 3 blocks
+    assert got == pytest.approx(want, rel=1e-5) and all(0.03 < value < 0.07 for value in want), want  # 3 blocks + MTP's
     assert_same_biases(one, two)

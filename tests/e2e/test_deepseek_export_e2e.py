@@ -2,7 +2,9 @@
 DeepSeek-V3, GLM-4.5, GLM-4.7-Flash and Kimi-K2 (DeepSeek-V3's, config.json's model_type edited to `kimi_k2`, which
 transformers does not register) load, train from a config file and export to a folder transformers loads with no
 remote code, giving the native model's logits; loaded and exported with no step trained, the folder's own tensors
-come back bit for bit, a multi-token-prediction block it had left out and said so."""
+come back bit for bit, its multi-token-prediction block (at block L, with the copies of the embedding and head
+DeepSeek-V3's files carry) included; where a folder transformers saved has none and its config asks for one (1, its
+default, except GLM-4.7-Flash's class), the run trains the seed's and the export adds it at block L."""
 
 import json
 import subprocess
@@ -32,11 +34,20 @@ CASES = {
     "kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"  # a sparse block's router bias (block 0 is dense)
+# transformers' config classes default num_nextn_predict_layers to 1, except GLM-4.7-Flash's, which has no such key
+MTP_BY_DEFAULT = ("deepseek_v3", "glm4_moe", "kimi_k2")
+
+
+def mtp_names(case: str, names) -> set[str]:
+    """The names of block L's tensors: the multi-token-prediction block."""
+    layers = FAMILIES[CASES[case][0]][1]["num_hidden_layers"]
+    return {name for name in names if name.startswith(f"model.layers.{layers}.")}
 
 
 def make_folder(case: str, folder: Path, *, mtp: bool = False) -> Path:
     """The case's tiny random folder; Kimi-K2's as Moonshot ships it (model_type `kimi_k2`, an `auto_map` naming
-    remote code); with `mtp`, a multi-token-prediction block's tensors at block L (as DeepSeek-V3's files hold one)."""
+    remote code); with `mtp`, a multi-token-prediction block at block L, as DeepSeek-V3's files hold one: its own
+    norms and projection, a sparse block's tensors (block L - 1's, copied), the copies of the embedding and head."""
     transformers_folder(CASES[case][0], folder)
     if case == "kimi_k2":
         config = json.loads((folder / "config.json").read_text())
@@ -48,8 +59,15 @@ def make_folder(case: str, folder: Path, *, mtp: bool = False) -> Path:
         tensors = load_file(folder / "model.safetensors")
         hidden = FAMILIES[CASES[case][0]][1]["hidden_size"]
         layer = FAMILIES[CASES[case][0]][1]["num_hidden_layers"]
-        tensors[f"model.layers.{layer}.eh_proj.weight"] = torch.randn(hidden, 2 * hidden)
-        tensors[f"model.layers.{layer}.enorm.weight"] = torch.ones(hidden)
+        sparse = f"model.layers.{layer - 1}."
+        block = {name.replace(sparse, f"model.layers.{layer}.", 1): t.clone() for name, t in tensors.items() if name.startswith(sparse)}  # fmt: skip
+        tensors.update(block)
+        generator = torch.Generator().manual_seed(5)
+        own = {f"{n}.weight": torch.rand(hidden, generator=generator) + 0.5 for n in ("enorm", "hnorm", "shared_head.norm")}  # fmt: skip
+        own["eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * 0.02
+        own["embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        own["shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        tensors.update({f"model.layers.{layer}.{name}": t for name, t in own.items()})
         save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
 
@@ -99,7 +117,9 @@ def test_a_trained_run_exports_a_folder_transformers_loads_with_the_native_logit
     from safetensors.torch import load_file
 
     exported, original = load_file(out / "model.safetensors"), load_file(folder / "model.safetensors")
-    assert exported.keys() == original.keys()
+    added = mtp_names(case, exported)  # the MTP block the run drew and trained: transformers' folder has none
+    assert bool(added) == (case in MTP_BY_DEFAULT) and not added & original.keys()
+    assert exported.keys() == original.keys() | added
     assert not torch.equal(exported[BIAS], original[BIAS])  # the bias the run moved, not the folder's
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == ("deepseek_v3" if case == "kimi_k2" else case) and "auto_map" not in config
@@ -111,13 +131,13 @@ def test_a_bfloat16_export_keeps_the_router_in_fp32(trained, tmp_path):
     """As transformers keeps them (`_keep_in_fp32_modules_strict`): the router's weight and its bias stay fp32."""
     from safetensors.torch import load_file
 
-    _, _, run = trained
+    case, _, run = trained
     out = tmp_path / "hf"
     assert export(run / "checkpoints", out, "--hf", "--dtype", "bfloat16").returncode == 0
     weights = load_weights(latest_checkpoint(run / "checkpoints"))
     tensors = load_file(out / "model.safetensors")
     router = {name for name in tensors if name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))}
-    assert BIAS in router and len(router) == 4  # 2 sparse blocks
+    assert BIAS in router and len(router) == 2 * (2 + (case in MTP_BY_DEFAULT))  # 2 sparse blocks (+ the MTP block)
     assert all(tensors[name].dtype == torch.float32 for name in router)
     assert all(t.dtype == torch.bfloat16 for name, t in tensors.items() if name not in router)
     assert torch.equal(tensors[BIAS], weights[BIAS.removeprefix("model.").replace("mlp.gate", "feed_forward.router")])
@@ -149,17 +169,16 @@ def test_loaded_and_exported_with_no_step_the_folders_tensors_come_back_bit_for_
     proc = export(step_0_checkpoint(tmp_path / "ckpt", hf_path=str(folder))[0], out, "--hf")
     assert proc.returncode == 0, proc.stderr
     original, exported = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
+    block = mtp_names(case, original)
     layers = FAMILIES[CASES[case][0]][1]["num_hidden_layers"]
-    mtp_names = {name for name in original if name.startswith(f"model.layers.{layers}.")}
-    assert len(mtp_names) == 2 * mtp
-    assert exported.keys() == original.keys() - mtp_names and BIAS in exported
-    assert all(bits(exported[name]) == bits(original[name]) for name in exported)
-    assert all(exported[name].dtype == original[name].dtype for name in exported)
-    said = [line for line in proc.stderr.splitlines() if "multi-token-prediction" in line]
-    assert len(said) == int(mtp), proc.stderr
-    if mtp:
-        assert f"{folder}'s 2 multi-token-prediction tensors (blocks from {layers} on" in said[0]
-        assert "are not in it" in said[0]
+    sparse = {name for name in original if name.startswith(f"model.layers.{layers - 1}.")}
+    assert len(block) == (len(sparse) + 6) * mtp  # a sparse block's, its 4 own, the 2 copies of the embedding and head
+    added = mtp_names(case, exported) - block  # glm4_moe: its config asks for one, transformers' folder has none
+    assert bool(added) == (case == "glm4_moe")
+    assert exported.keys() == original.keys() | added and BIAS in exported
+    assert all(bits(exported[name]) == bits(original[name]) for name in original)
+    assert all(exported[name].dtype == original[name].dtype for name in original)
+    assert not [line for line in proc.stderr.splitlines() if "left out" in line or "not in it" in line], proc.stderr
     want = native_logits(folder, None, IDS)
     torch.testing.assert_close(transformers_logits(out, IDS, CASES[case][1]), want, rtol=0, atol=1e-5)
 

@@ -1,7 +1,10 @@
 """The DeepSeek-V3 lineage as a native family (model/families/deepseek_v3): tiny random DeepSeek-V3 (MLA, group-
 limited routing), GLM-4.7-Flash (MLA, `mlp_layer_types`) and GLM-4.5 (grouped-query attention with partial RoPE,
 q/k norms and biases) folders made by transformers give transformers' step-1 loss and grad norm from the folder
-alone, and a config naming the folder trains, its router biases moved once a step by the rule."""
+alone, and a config naming the folder trains, its router biases moved once a step by the rule. Their config.json asks
+for a multi-token-prediction layer (transformers' default num_nextn_predict_layers=1, not GLM-4.7-Flash's class),
+which transformers' folder lacks: the model builds it from the seed, and the parity below scores the logits alone
+(transformers' loss has no MTP term), so the MTP layer gets no gradient and the norm is the main model's."""
 
 from pathlib import Path
 

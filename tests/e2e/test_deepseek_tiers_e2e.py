@@ -1,7 +1,10 @@
 """Every memory tier on the DeepSeek-V3 family (configs/deepseek_v3_tiny.py: MLA, a dense first block, three sparse
-blocks of the bias router with groups and a shared expert), bitwise against the family's own baseline, in fp32 and in
-bf16 with fp32 masters: loss, grad norm, the expert loads and `moe_maxvio` at every step, and the router biases the
-last step leaves (saved in its checkpoint) equal with `torch.equal`.
+blocks of the bias router with groups and a shared expert, and a multi-token-prediction depth: one more sparse block with
+its own router), bitwise against the family's own baseline, in fp32 and in bf16 with fp32 masters: loss, `mtp_loss`,
+grad norm, the expert loads and `moe_maxvio` at every step, and the router biases the last step leaves (saved in its
+checkpoint; the MTP router's among them) equal with `torch.equal`. The MTP block itself is never offloaded or
+checkpointed (the layer plan acts on the main blocks); what the tiers change around it (the optimizer's states, the
+gradients on the host, the main blocks' activations) must leave its numbers alone too.
 
 The biases pick the experts, so one bit of an activation brought back wrong or a recompute routing differently moves
 a choice, then a bias, then every later step. Runs are few: one baseline per dtype and
@@ -19,7 +22,7 @@ from runner import metrics, train
 
 pytestmark = pytest.mark.e2e
 
-KEYS = ("loss", "grad_norm", "moe_maxvio", "moe_tokens_per_expert", "moe_max_load")
+KEYS = ("loss", "mtp_loss", "grad_norm", "moe_maxvio", "moe_tokens_per_expert", "moe_max_load")
 # activation offload of block 0 (the dense one), selective checkpointing with its kept outputs offloaded of blocks
 # 1-2, block 3 plain; every saved tensor offloaded, the routing indices and counts too, however small
 SELECTIVE = [

@@ -11,6 +11,7 @@ import torch
 
 from internlm_offload.builder.model import build_model
 from internlm_offload.config import ConfigError, ModelConfig, load_config_file, resolve_config
+from internlm_offload.engine.model_plan import planned_blocks
 from internlm_offload.engine.tensor_parallel import check_heads
 from internlm_offload.family import routed_experts
 from internlm_offload.model.tensor_plan import BlockPlan, Region
@@ -50,6 +51,24 @@ def test_the_plan_names_modules_the_model_has(config):
         ]
     else:
         assert not attention.replicated and plan.blocks[0].kv == ("attention.wk", "attention.wv")
+
+
+def test_the_mtp_layers_are_side_blocks_after_the_stack():
+    """Each MTP layer's block is planned as a sparse block after the main ones (numbered on from them: tensor, expert
+    and sequence parallel find it as block L + k), its norms and eh_proj named at the model level."""
+    mtp = {"num_layers": 2, "share_weights": False}
+    model = build_model(ModelConfig(type="deepseek_v3", hf_config=TINY, mtp_config=mtp), torch.device("meta"))
+    plan = model.tensor_plan()
+    assert [side.block for side in plan.side_blocks] == ["mtp.layers.0.block", "mtp.layers.1.block"]
+    for side in plan.side_blocks:
+        assert side.plan.sparse and side.projections == (side.block.replace("block", "eh_proj"),)
+        for name in (side.block, *side.norms, *side.projections):
+            model.get_submodule(name)
+        for name in names(side.plan):
+            model.get_submodule(side.block).get_submodule(name)
+    indexed = [(index, block) for index, block, _ in planned_blocks(model, plan)]
+    assert [index for index, _ in indexed] == list(range(len(model.layers) + 2))
+    assert [block for _, block in indexed[-2:]] == [layer.block for layer in model.mtp.layers]
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "size"), [(4, 4, 8), (6, 6, 4), (4, 3, 2)])
@@ -98,8 +117,9 @@ def test_the_config_checks_count_the_family_s_experts_not_the_native_keys():
 def test_a_pipeline_takes_the_family_and_refuses_its_stage_tensor_groups_in_one_line():
     """Its stages count their own routers' choices (tests/unit/test_pipeline_moe.py): `pipeline` is in its
     capabilities; a stage's tensor group under experts is not checked yet, refused naming the key."""
-    assert resolve(2, {"parallel.pipeline.size": 2}).parallel.pipeline.size == 2
+    no_mtp = {"model.mtp_config": {"num_layers": 0}}  # refused under a pipeline (tests/unit/test_pipeline_moe.py)
+    assert resolve(2, {"parallel.pipeline.size": 2, **no_mtp}).parallel.pipeline.size == 2
     with pytest.raises(ConfigError) as error:
-        resolve(4, {"parallel.pipeline.size": 2, "parallel.tensor.size": 2, "parallel.mode": "fsdp2"})
+        resolve(4, {"parallel.pipeline.size": 2, "parallel.tensor.size": 2, "parallel.mode": "fsdp2", **no_mtp})
     message = str(error.value)
     assert "parallel.pipeline.size=2 with parallel.tensor.size=2 on a mixture of experts" in message, message

@@ -14,7 +14,7 @@ from pipeline_configs import resolve
 
 from internlm_offload.builder.model import build_model
 from internlm_offload.config import ConfigError, ModelConfig, load_config_file, resolve_config
-from internlm_offload.config.pipeline import _mtp_problem, pipeline_rank_blocks
+from internlm_offload.config.pipeline import pipeline_rank_blocks
 from internlm_offload.config.pipeline_partition import local_stages
 from internlm_offload.engine.loss import token_loss_sum, weighted_aux_losses
 from internlm_offload.engine.pipeline import PipelineStages
@@ -31,6 +31,7 @@ TINY = load_config_file(DEEPSEEK)["model"]["hf_config"]
 COEFFICIENTS = {MOE_AUX: 0.01}
 TOKEN_WEIGHT, AUX_WEIGHT = 1 / 32, 0.25  # the trainer's weights of one step (any values: the same on both sides)
 SPEED = 0.001  # model.router_bias_update_speed
+NO_MTP = {"num_layers": 0}  # multi-token prediction is refused under a pipeline (its block not on a stage yet)
 LAYOUTS = [(2, 1, False), (4, 1, False), (2, 2, True)]  # (P, chunks, V): 1F1B at P=2 and P=4, ZBV's V at P=2
 
 
@@ -122,7 +123,7 @@ def test_the_stages_aux_losses_give_one_process_gradients_bitwise(moe_type, size
 
 def deepseek_model() -> Any:
     torch.manual_seed(0)
-    return build_model(ModelConfig(type="deepseek_v3", hf_config=TINY), torch.device("cpu"))
+    return build_model(ModelConfig(type="deepseek_v3", hf_config=TINY, mtp_config=NO_MTP), torch.device("cpu"))
 
 
 @pytest.mark.parametrize(("size", "chunks", "v_shape"), LAYOUTS)
@@ -183,7 +184,7 @@ def test_a_forward_outside_the_schedules_micro_batches_records_no_routing():
 
 def deepseek(world_size: int, options: dict[str, Any], **hf_config: Any):
     """configs/deepseek_v3_tiny.py under `options` (dotted), its hf_config updated by `hf_config`."""
-    config = load_config_file(DEEPSEEK, options)
+    config = load_config_file(DEEPSEEK, {"model.mtp_config": NO_MTP, **options})
     config["model"]["hf_config"].update(hf_config)
     return resolve_config(config, world_size=world_size)
 
@@ -227,14 +228,11 @@ def test_what_a_pipeline_of_experts_cannot_take_is_one_line(world_size, options,
 
 def test_a_mixture_of_experts_splits_and_multi_token_prediction_is_refused():
     """InternEvo's MoE keys resolve under a pipeline (configs/internlm2_tiny_pp2.py with experts); a model section
-    with multi-token prediction (`model.mtp_config`, built on another branch) is refused in one line until its block
-    sits on the last stage; a DeepSeek config that ties the embedding and the head is refused by its family."""
+    with multi-token prediction (`model.mtp_config`) is refused in one line until its block sits on the last stage; a
+    DeepSeek config that ties the embedding and the head is refused by its family."""
     assert resolve(2, {"model.num_experts": 4, "model.top_k": 2}).model.num_experts == 4
-    assert _mtp_problem(SimpleNamespace(mtp_config=None)) is None
-    message = _mtp_problem(SimpleNamespace(mtp_config={"num_layers": 1}))
-    assert message == (
-        "multi-token prediction (model.mtp_config) under a pipeline is not built yet; set parallel.pipeline.size=1"
-    )
+    with pytest.raises(ConfigError, match=r"model.mtp_config.num_layers=1: multi-token prediction is not built under"):
+        deepseek(2, {"parallel.pipeline.size": 2, "data.micro_num": 4, "model.mtp_config": {"num_layers": 1}})
     cfg = deepseek(2, {"parallel.pipeline.size": 2, "data.micro_num": 4}, tie_word_embeddings=True)
     with pytest.raises(ConfigError, match="the config's tie_word_embeddings=True: the embedding and the head sit on"):
         check_run(cfg)

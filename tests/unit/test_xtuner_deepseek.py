@@ -1,6 +1,7 @@
 """XTuner v1's DeepSeek-V3 lineage onto the native `deepseek_v3` family (xtuner/deepseek.py): `DeepSeekV3Config` with
 `load_from`, and `get_model_config_from_hf` of a DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash folder, with the
-router's bias speed and its balancing loss carried, what the family does not compute (z-loss, multi-token prediction)
+router's bias speed, its balancing loss and its multi-token prediction (`MTPConfig`, the same names; none set: off,
+as XTuner trains none) carried, and what the family does not compute (z-loss, an MTP option not built here)
 reported one line each (no XTuner installed: the stand-ins record the file's calls)."""
 
 import json
@@ -37,7 +38,7 @@ from xtuner.v1.train import TrainerConfig
 """
 DATA = "[{'dataset': DatasetConfig(anno_path='/d.jsonl'), 'tokenize_fn': PretrainTokenizeFunctionConfig()}]"
 XTUNER_DEFAULT_BALANCING = "model.balancing_loss='global_batch', loss.moe_loss_coeff=0.001"
-MTP = "multi-token prediction is not built yet for model.type='deepseek_v3'"
+UNSET_MTP = "model_cfg.mtp_config unset -> model.mtp_config=dict(num_layers=0) (XTuner trains no multi-token prediction"
 
 
 def folder(tmp_path: Path, model_type: str) -> Path:
@@ -66,7 +67,7 @@ def test_get_model_config_from_hf_with_load_from_maps_onto_the_family(model_type
     assert not t.fatal, t.fatal
     balanced = model_type in ("deepseek_v3", "kimi_k2")
     assert t.config["model"] == {"type": "deepseek_v3", "hf_path": str(path), "router_bias_update_speed": 0.001,
-                                 "checkpoint": 1.0, "dtype": "torch.bfloat16",
+                                 "mtp_config": {"num_layers": 0}, "checkpoint": 1.0, "dtype": "torch.bfloat16",
                                  **({"balancing_loss": "global_batch"} if balanced else {})}  # fmt: skip
     assert t.config.get("loss", {}).get("moe_loss_coeff") == (0.001 if balanced else None)
     assert t.config["data"]["tokenizer"] == str(path)
@@ -75,7 +76,8 @@ def test_get_model_config_from_hf_with_load_from_maps_onto_the_family(model_type
     carried = [line for line in t.carried if line.endswith(XTUNER_DEFAULT_BALANCING)]
     assert len(carried) == int(balanced), t.carried
     assert not t.dropped, t.dropped
-    ModelConfig(**t.config["model"])  # validates as train.py would
+    assert sum(line.startswith(UNSET_MTP) for line in t.carried) == 1  # not the folder's num_nextn_predict_layers
+    assert ModelConfig(**t.config["model"]).mtp_config.num_layers == 0  # validates as train.py would
 
 
 def test_deepseek_v3_config_carries_the_router_and_reports_what_is_not_computed(tmp_path):
@@ -85,11 +87,11 @@ def test_deepseek_v3_config_carries_the_router_and_reports_what_is_not_computed(
                   "z_loss_cfg=ZLossConfig(), mtp_config=MTPConfig(num_layers=1))", load)  # fmt: skip
     assert not t.fatal and t.config["model"]["router_bias_update_speed"] == 0.0005
     assert t.config["model"]["hf_path"] == str(path) and t.config["data"]["tokenizer"] == "/tok"
+    assert t.config["model"]["mtp_config"] == {"num_layers": 1}
+    assert "model_cfg.mtp_config=MTPConfig(num_layers=1) -> model.mtp_config={'num_layers': 1}" in t.carried
     assert [line.split(":")[0] for line in t.dropped] == [
         "model_cfg.z_loss_cfg",
-        "model_cfg.mtp_config=MTPConfig(num_layers=1)",
     ]
-    assert MTP in t.dropped[1]
     # DeepSeekV3Config's default balancing loss carried: XTuner's global-batch one, alpha 0.001
     assert t.config["model"]["balancing_loss"] == "global_batch" and t.config["loss"] == {"moe_loss_coeff": 0.001}
     assert any("(unset: DeepSeekV3Config's default)" in c and c.endswith(XTUNER_DEFAULT_BALANCING) for c in t.carried)
@@ -108,6 +110,30 @@ def test_deepseek_v3_config_carries_the_router_and_reports_what_is_not_computed(
     # alpha 0: XTuner adds a zero loss, here none
     t = translate(tmp_path, "DeepSeekV3Config(balancing_loss_cfg=BalancingLossConfig(balancing_loss_alpha=0.0))", load)
     assert "balancing_loss" not in t.config["model"] and "loss" not in t.config
+
+
+def test_mtp_config_carries_with_xtuners_names(tmp_path):
+    """GLM-5.2's recipe shape (one shared layer for 7 depths) with every MTPConfig field set: the same names and values
+    under model.mtp_config, which validates; an option not built here is one dropped line, its defaults none; an
+    MTPConfig without num_layers (XTuner requires it) is one fatal line."""
+    path = folder(tmp_path, "deepseek_v3")
+    load = f", load_from={str(path)!r}"
+    fields = dict(num_layers=7, share_weights=True, loss_scaling_factor=0.2, detach_mtp_inputs=True,
+                  detach_mtp_lm_head_weight=True)  # fmt: skip
+    given = ", ".join(f"{key}={value!r}" for key, value in fields.items())
+    mtp = f"MTPConfig(name='mtp', {given}, mask_type=None, loss_type='ce')"
+    t = translate(tmp_path, f"DeepSeekV3Config(balancing_loss_cfg=None, mtp_config={mtp})", load)
+    assert not t.fatal and not t.dropped and t.config["model"]["mtp_config"] == fields
+    assert ModelConfig(**t.config["model"]).mtp_config.model_dump() == fields
+    t = translate(tmp_path, f"DeepSeekV3Config(balancing_loss_cfg=None, mtp_config=MTPConfig(num_layers=2, "
+                  "mask_type='document', loss_type='e2e_tv'))", load)  # fmt: skip
+    assert t.config["model"]["mtp_config"] == {"num_layers": 2}
+    assert [line.split(":")[0] for line in t.dropped] == [
+        "model_cfg.mtp_config.mask_type='document'",
+        "model_cfg.mtp_config.loss_type='e2e_tv'",
+    ]
+    t = translate(tmp_path, "DeepSeekV3Config(mtp_config=MTPConfig(share_weights=True))", load)
+    assert len(t.fatal) == 1 and "no num_layers (XTuner's MTPConfig requires it)" in t.fatal[0]
 
 
 def test_without_load_from_the_folders_config_is_built_at_random(tmp_path):
@@ -150,11 +176,12 @@ def test_from_xtuner_writes_a_config_that_validates_with_the_report_on_stderr(tm
     assert from_xtuner.main([str(config), "--out", str(out)]) == 0
     err = capsys.readouterr().err.splitlines()
     assert len([line for line in err if line.startswith("carried: ") and XTUNER_DEFAULT_BALANCING in line]) == 1
-    assert len([line for line in err if line.startswith("dropped: model_cfg.mtp_config") and MTP in line]) == 1
+    assert "carried: model_cfg.mtp_config=MTPConfig(num_layers=1) -> model.mtp_config={'num_layers': 1}" in err
     names: dict = {}
     exec(out.read_text(), names)
     assert names["model"]["type"] == "deepseek_v3" and names["model"]["hf_path"] == str(path)
     assert names["model"]["balancing_loss"] == "global_batch" and names["loss"]["moe_loss_coeff"] == 0.001
+    assert names["model"]["mtp_config"] == {"num_layers": 1}
 
 
 def test_xtuners_activation_offload_counts_the_folders_blocks(tmp_path, monkeypatch):

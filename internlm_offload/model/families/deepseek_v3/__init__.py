@@ -7,7 +7,9 @@ docs/deepseek.md. `tools.export --hf` writes its folder back (transformers' name
 `deepseek_v3`). Its tensor plan (model.py) takes it through tensor parallel (mtp / msp / fsp / isp) and expert
 parallel, and it splits into pipeline stages (each stage counts its own routers' choices; the partition counts the
 config's `num_hidden_layers`, dense-first blocks as one each); the config checks count its experts and blocks off its
-config (`routed_experts`, `blocks`). Not built: multi-token prediction, refused in one line.
+config (`routed_experts`, `blocks`). Multi-token prediction (`model.mtp_config`, model/mtp.py) follows config.json's
+`num_nextn_predict_layers` where the section is unset (`mtp_layers`); the folder's MTP blocks (`model.layers.{L+k}.*`)
+are read and exported; it is refused under a pipeline (its block would sit on the last stage) in one line.
 """
 
 import json
@@ -23,6 +25,9 @@ MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite")
 DEFAULT_EXPERTS = {"deepseek_v3": 256, "kimi_k2": 256, "glm4_moe": 128, "glm4_moe_lite": 64}
 # transformers' num_hidden_layers where a config leaves it out
 DEFAULT_BLOCKS = {"deepseek_v3": 61, "kimi_k2": 61, "glm4_moe": 46, "glm4_moe_lite": 47}
+# transformers' num_nextn_predict_layers where a config leaves it out (Glm4MoeLiteConfig has no such key; GLM-4.7-Flash's
+# config.json states 1)
+DEFAULT_MTP_LAYERS = {"deepseek_v3": 1, "kimi_k2": 1, "glm4_moe": 1, "glm4_moe_lite": 0}
 
 
 def check_section(model: Any) -> None:
@@ -54,6 +59,12 @@ def blocks(model: Any) -> int:
     return int(config.get("num_hidden_layers", DEFAULT_BLOCKS.get(config.get("model_type"), model.num_layers)))
 
 
+def mtp_layers(model: Any) -> int:
+    """The multi-token-prediction depth config.json asks for: `num_nextn_predict_layers` (0 where it cannot be read)."""
+    config = folder_config(model)
+    return int(config.get("num_nextn_predict_layers", DEFAULT_MTP_LAYERS.get(config.get("model_type"), 0)))
+
+
 def routed_experts(model: Any) -> int:
     """The routed experts per sparse block, off `model.hf_config` or the folder's config.json (0 where it cannot be
     read: the build reports the folder)."""
@@ -67,10 +78,16 @@ FAMILY = register_family(
         entry="internlm_offload.model.families.deepseek_v3.build",
         summary="DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash from a Hugging Face folder or config",
         capabilities=Capabilities(
-            tensor_parallel=True, pipeline=True, init_per_param=True, folder_export=True, balancing_loss=True
+            tensor_parallel=True,
+            pipeline=True,
+            init_per_param=True,
+            folder_export=True,
+            balancing_loss=True,
+            multi_token_prediction=True,
         ),
         check_section=check_section,
         routed_experts=routed_experts,
         blocks=blocks,
+        mtp_layers=mtp_layers,
     )
 )

@@ -1,6 +1,7 @@
 """The DeepSeek-V3 lineage from the `model` section: its config.json (a folder's, or `model.hf_config`), the
-model, the folder's weights under the native names; the router bias balances it, a balancing loss beside it is an
-option (`model.balancing_loss`, weighted by `loss.moe_loss_coeff`)."""
+model (with multi-token prediction as `model.mtp_config` resolved it), the folder's weights under the native names
+(its MTP blocks included); the router bias balances it, a balancing loss beside it is an option
+(`model.balancing_loss`, weighted by `loss.moe_loss_coeff`)."""
 
 from typing import Any
 
@@ -8,10 +9,19 @@ import torch
 
 from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.config.lora import resolved_targets
+from internlm_offload.config.mtp import mtp_depth
 from internlm_offload.log import get_logger
 from internlm_offload.model.families.deepseek_v3.args import args_from_config
-from internlm_offload.model.families.deepseek_v3.hf_names import CAUSAL_LM, HF_GQA_MOE, HF_MLA_MOE, KEEP_FP32
+from internlm_offload.model.families.deepseek_v3.hf_names import (
+    CAUSAL_LM,
+    HF_GQA_MOE,
+    HF_MLA_MOE,
+    KEEP_FP32,
+    MTP_COPIES,
+    mtp_table,
+)
 from internlm_offload.model.families.deepseek_v3.model import DeepseekV3
+from internlm_offload.model.mtp import MtpSettings
 from internlm_offload.model.name_table import FolderFormat
 from internlm_offload.model.output import MOE_AUX
 
@@ -38,23 +48,46 @@ def transformers_config(cfg: ModelConfig) -> Any:
     return AutoConfig.for_model(**raw)
 
 
+def mtp_settings(cfg: ModelConfig) -> MtpSettings | None:
+    """Multi-token prediction as the resolved `model.mtp_config` asks (None: off)."""
+    if not mtp_depth(cfg):
+        return None
+    section = cfg.mtp_config
+    return MtpSettings(
+        depth=section.num_layers,
+        share_weights=section.share_weights,
+        detach_inputs=section.detach_mtp_inputs,
+        detach_head_weight=section.detach_mtp_lm_head_weight,
+    )
+
+
 def build_model(cfg: ModelConfig, device: torch.device) -> DeepseekV3:
     """The model in fp32 on `device`, every weight drawn from the seed; a folder's weights are read over them by the
     builder (`folder_format`)."""
     try:
         args = args_from_config(transformers_config(cfg))
         with torch.device(device):
-            return DeepseekV3(args, attn_impl=cfg.attn_impl, balancing_loss=cfg.balancing_loss)
+            return DeepseekV3(args, attn_impl=cfg.attn_impl, mtp=mtp_settings(cfg), balancing_loss=cfg.balancing_loss)
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model.type='deepseek_v3': {' '.join(str(exc).split())}") from None
 
 
 def folder_format(model: DeepseekV3) -> FolderFormat:
     """How `model.hf_path`'s tensors are named: transformers' names of MLA or of GLM-4.5's attention (the router's
-    weight and bias kept in fp32 on the way out, as transformers keeps them)."""
+    weight and bias kept in fp32 on the way out, as transformers keeps them); the multi-token-prediction layers the
+    model builds at blocks L + k, as DeepSeek-V3's files and XTuner's exports hold them."""
     args = model.args
     table = HF_MLA_MOE if args.mla else HF_GQA_MOE
-    return FolderFormat(table, args.num_attention_heads, args.num_key_value_heads, args.num_layers, keep_fp32=KEEP_FP32)
+    return FolderFormat(
+        table,
+        args.num_attention_heads,
+        args.num_key_value_heads,
+        args.num_layers,
+        keep_fp32=KEEP_FP32,
+        mtp_layers=model.mtp.settings.physical if model.mtp is not None else 0,
+        mtp_table=mtp_table(table),
+        mtp_copies=MTP_COPIES,
+    )
 
 
 def folder_config(cfg: ModelConfig) -> Any:
@@ -76,17 +109,36 @@ def folder_config(cfg: ModelConfig) -> Any:
     if hasattr(config, "auto_map"):
         delattr(config, "auto_map")
     config.architectures = [CAUSAL_LM[config.model_type]]
+    settings = mtp_settings(cfg)
+    physical = settings.physical if settings is not None else 0
+    if getattr(config, "num_nextn_predict_layers", 0) != physical:  # the MTP blocks the folder holds
+        config.num_nextn_predict_layers = physical
     return config
 
 
 def check_run(cfg: RunConfig) -> None:
     """A pipeline puts the embedding on the first stage and the head on the last: a config that ties them (the
-    section's `model.tie_word_embeddings`, which config/pipeline.py checks, does not apply here) is refused."""
+    section's `model.tie_word_embeddings`, which config/pipeline.py checks, does not apply here) is refused.
+    `model.mtp_config.detach_mtp_lm_head_weight` needs the head whole on this rank: not under mtp / msp / fsp
+    (which split it by the vocabulary)."""
     pipe = cfg.parallel.pipeline.size
     if pipe > 1 and transformers_config(cfg.model).tie_word_embeddings:
         raise ConfigError(
             f"parallel.pipeline.size={pipe} with the config's tie_word_embeddings=True: the embedding and the head "
             "sit on different stages; not built"
+        )
+    tensor = cfg.parallel.tensor
+    mtp = cfg.model.mtp_config
+    if (
+        mtp is not None
+        and mtp.num_layers
+        and mtp.detach_mtp_lm_head_weight
+        and tensor.size > 1
+        and tensor.mode != "isp"
+    ):
+        raise ConfigError(
+            f"model.mtp_config.detach_mtp_lm_head_weight=True with parallel.tensor.mode={tensor.mode!r}: the head is "
+            "split over the tensor ranks there; use isp, or detach_mtp_lm_head_weight=False"
         )
 
 

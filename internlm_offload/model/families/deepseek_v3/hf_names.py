@@ -2,6 +2,7 @@
 MLA's projections (kept under their own names), GLM-4.5's grouped-query attention, the dense-first SwiGLU, the
 bias-balanced router and its experts one tensor each on disk (stacked here), the un-gated shared experts."""
 
+from internlm_offload.model.mtp import MTP_PREFIX
 from internlm_offload.model.name_table import NameTable
 
 _SWIGLU = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
@@ -47,6 +48,28 @@ _FEED_FORWARD = (
 HF_MLA_MOE = NameTable("hf (deepseek_v3)", (*_DECODER, *_MLA_ATTENTION, *_FEED_FORWARD))
 # GLM-4.5 / 4.6 / 4.7: grouped-query attention.
 HF_GQA_MOE = NameTable("hf (glm4_moe)", (*_DECODER, *_GQA_ATTENTION, *_FEED_FORWARD))
+
+# Multi-token prediction's layer k (model/mtp.py), held in the folder as block L + k (weights/hf_folder.py moves the
+# index): its own norms and projection, `shared_head.norm` its head norm.
+_MTP_LAYER = f"{MTP_PREFIX}layers.{{i}}"
+_MTP_OWN = (
+    *((f"{_LAYER}.{n}.weight", f"{_MTP_LAYER}.{n}.weight") for n in ("enorm", "hnorm", "eh_proj")),
+    (f"{_LAYER}.shared_head.norm.weight", f"{_MTP_LAYER}.head_norm.weight"),
+)
+# The shared embedding's and head's copies DeepSeek-V3's files hold in each MTP block (vLLM's MTP draft reads them).
+MTP_COPIES = (("embed_tokens.weight", "tok_embeddings.weight"), ("shared_head.head.weight", "output.weight"))
+
+
+def mtp_table(table: NameTable) -> NameTable:
+    """The names of the multi-token-prediction layers of a model named by `table`: their own, and their decoder
+    block's as `table` names block i's (`layers.{i}.X` -> `mtp.layers.{i}.block.X`)."""
+    block = tuple(
+        (foreign, f"{_MTP_LAYER}.block.{native.removeprefix('layers.{i}.')}")
+        for foreign, native in table.rules
+        if foreign.startswith(f"{_LAYER}.") and native.startswith("layers.{i}.")
+    )
+    return NameTable(f"{table.format}, multi-token prediction", (*_MTP_OWN, *block))
+
 
 # What transformers keeps in fp32 in these models (`_keep_in_fp32_modules_strict`): the router's weight and its bias.
 KEEP_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")

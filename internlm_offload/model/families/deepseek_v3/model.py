@@ -3,7 +3,9 @@ dense-first SwiGLU blocks, and sparse blocks of the bias-balanced sigmoid router
 
 Its balancing is the router bias (moved once a step by engine/router_bias.py, `model.router_bias_update_speed`); a
 balancing loss beside it is an option (`model.balancing_loss`, model/balancing.py: XTuner's over the global batch or
-the micro-batch, DeepSeek-V3's sequence-wise), off by default as transformers' forward returns none.
+the micro-batch, DeepSeek-V3's sequence-wise), off by default as transformers' forward returns none. Multi-token
+prediction (model/mtp.py) adds layers after the stack, each around one more sparse block (`build_feed_forward(args,
+L + k)`: a block past the stack is never dense-first) with its own router.
 """
 
 import torch
@@ -17,9 +19,10 @@ from internlm_offload.model.hooks import PoolsRouterStats
 from internlm_offload.model.mla import MultiLatentAttention
 from internlm_offload.model.mlp import FeedForward
 from internlm_offload.model.moe import MoE
+from internlm_offload.model.mtp import MTP_PREFIX, MtpSettings
 from internlm_offload.model.output import MOE_AUX
 from internlm_offload.model.rope import rope_from_parameters, softmax_mscale
-from internlm_offload.model.tensor_plan import BlockPlan, Region, Replicated, TensorPlan
+from internlm_offload.model.tensor_plan import BlockPlan, Region, Replicated, SideBlock, TensorPlan
 
 
 def build_attention(args: DeepseekV3Args, attn_impl: str) -> nn.Module:
@@ -94,7 +97,7 @@ def attention_region(args: DeepseekV3Args) -> Region:
 
 def block_plan(args: DeepseekV3Args, i: int) -> BlockPlan:
     """Block i's roles (model/tensor_plan.py): a dense-first block's SwiGLU column / row parallel, a sparse block
-    whole (its experts what expert parallel shards)."""
+    whole (its experts what expert parallel shards); i >= num_layers: a multi-token-prediction block (sparse)."""
     sparse = i not in args.dense_layers
     if sparse:
         feed_forward = Region("feed_forward")
@@ -115,11 +118,28 @@ def block_plan(args: DeepseekV3Args, i: int) -> BlockPlan:
     )
 
 
-class DeepseekV3(Decoder, PoolsRouterStats):
-    """A model of the lineage from `DeepseekV3Args`; `balancing_loss` names its balancing loss (model/balancing.py
-    BALANCING_LOSSES; None: none)."""
+def mtp_side_blocks(args: DeepseekV3Args, physical: int) -> tuple[SideBlock, ...]:
+    """Multi-token prediction's layers in the plan: each one's block as block L + k, its norms and eh_proj around it."""
+    sides = []
+    for k in range(physical):
+        layer = f"{MTP_PREFIX}layers.{k}"
+        norms = tuple(f"{layer}.{n}" for n in ("enorm", "hnorm", "head_norm"))
+        plan = block_plan(args, args.num_layers + k)
+        sides.append(SideBlock(f"{layer}.block", plan, norms=norms, projections=(f"{layer}.eh_proj",)))
+    return tuple(sides)
 
-    def __init__(self, args: DeepseekV3Args, attn_impl: str = "auto", balancing_loss: str | None = None) -> None:
+
+class DeepseekV3(Decoder, PoolsRouterStats):
+    """A model of the lineage from `DeepseekV3Args`; with `mtp`, multi-token prediction after its stack;
+    `balancing_loss` names its balancing loss (model/balancing.py BALANCING_LOSSES; None: none)."""
+
+    def __init__(
+        self,
+        args: DeepseekV3Args,
+        attn_impl: str = "auto",
+        mtp: MtpSettings | None = None,
+        balancing_loss: str | None = None,
+    ) -> None:
         inv_freq_fn, attention_factor = rope_from_parameters(args.rope_parameters, args.max_position_embeddings)
         super().__init__(
             vocab_size=args.vocab_size,
@@ -135,6 +155,7 @@ class DeepseekV3(Decoder, PoolsRouterStats):
             ),
             inv_freq_fn=inv_freq_fn,
             rope_attention_factor=attention_factor,
+            mtp=mtp,
         )
         self.args = args
         self.num_experts = args.n_routed_experts
@@ -143,7 +164,10 @@ class DeepseekV3(Decoder, PoolsRouterStats):
     def tensor_plan(self) -> TensorPlan:
         """Where tensor parallel and expert parallel find this model's modules (model/tensor_plan.py)."""
         blocks = tuple(block_plan(self.args, i) for i in range(self.args.num_layers))
-        return TensorPlan(embedding="tok_embeddings", final_norm="norm", head="output", blocks=blocks)
+        sides = mtp_side_blocks(self.args, self.mtp.settings.physical) if self.mtp is not None else ()
+        return TensorPlan(
+            embedding="tok_embeddings", final_norm="norm", head="output", blocks=blocks, side_blocks=sides
+        )
 
     def aux_losses(self, stats: list) -> dict[str, torch.Tensor]:
         """`moe_aux`: the balancing loss of a training forward's routers, unweighted; none without one (a validation

@@ -17,7 +17,7 @@ from internlm_offload.config.pipeline import pipeline_rank_blocks
 from internlm_offload.config.quantization import compute_dtype_name
 from internlm_offload.device import Accelerator
 from internlm_offload.engine.expert_parallel import apply_expert_parallel, expert_grad_reduction
-from internlm_offload.engine.parallel import init_from_whole, materialize_shards
+from internlm_offload.engine.parallel import copy_part, init_from_whole, materialize_shards
 from internlm_offload.engine.precision import MasterWeights, PrecisionPolicy, cast_model
 from internlm_offload.engine.router_bias import RouterBiasUpdate
 from internlm_offload.engine.router_pool import RouterStatsPool
@@ -39,7 +39,7 @@ from internlm_offload.offload.hosted_base import HostedBase, frozen_linears, hos
 from internlm_offload.offload.plan import LayerMode
 from internlm_offload.offload.selective_offload import SelectiveOffloader
 from internlm_offload.registry import MODELS, PARALLEL, build
-from internlm_offload.weights.hf_folder import absent_mtp_layers, read_folder
+from internlm_offload.weights.hf_folder import absent_mtp_layers, folder_pieces, read_folder
 
 logger = get_logger(__name__)
 
@@ -83,8 +83,52 @@ def load_folder(folder: Path, layout: FolderFormat, model: nn.Module) -> None:
             model.load_state_dict(weights)
     except RuntimeError as exc:
         raise CheckpointError(f"{folder}: {' '.join(str(exc).split())[:400]}") from None
-    logger.info("Loaded %d tensors from %s (%s)", len(weights), folder, layout.table.format)
-    if drawn:
+    log_loaded(folder, layout, len(weights), absent)
+
+
+def load_folder_shards(folder: Path, layout: FolderFormat, model: nn.Module) -> None:
+    """`load_folder` into a model built on meta, sharded (FSDP2, over tensor or expert parallel's DTensors too) and
+    materialized with the seed's draws: the folder read a piece at a time (`folder_pieces`: one tensor, or the experts
+    of one stacked tensor) and this rank's part of each copied into its shard, so the host holds this rank's shards
+    and one piece, never the whole model. A multi-token-prediction layer the folder lacks keeps the seed's draw."""
+    own = state_tensors(model)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for piece in folder_pieces(folder, layout):
+        for name, whole in piece.items():
+            target = own.get(name)
+            if target is None:
+                unexpected.append(name)
+                continue
+            if whole.shape != target.shape:
+                raise CheckpointError(
+                    f"{folder}: size mismatch for {name}: shape {list(whole.shape)} in the folder, "
+                    f"{list(target.shape)} in the model"
+                )
+            copy_part(target, whole)
+            loaded.add(name)
+    absent = absent_mtp_layers(loaded, layout)
+    drawn = tuple(f"{MTP_PREFIX}layers.{k}." for k in absent)
+    missing = [name for name in own if name not in loaded and not name.startswith(drawn)]
+    if missing or unexpected:
+        quoted = ", ".join(f'"{name}"' for name in missing) or "none"
+        raise CheckpointError(f"{folder}: Missing key(s): {quoted}. Unexpected key(s): {unexpected}"[:400])
+    log_loaded(folder, layout, len(loaded), absent)
+
+
+def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers by their state-dict names (a DTensor where sharded)."""
+    own: dict[str, torch.Tensor] = dict(model.named_parameters())
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                own[f"{prefix}.{name}" if prefix else name] = buffer
+    return own
+
+
+def log_loaded(folder: Path, layout: FolderFormat, count: int, absent: list[int]) -> None:
+    logger.info("Loaded %d tensors from %s (%s)", count, folder, layout.table.format)
+    if absent:
         logger.warning(
             "%s holds no weights of multi-token-prediction layer(s) %s (model.layers.%d on; a folder transformers "
             "saved never has them): drawn from the seed",
@@ -139,8 +183,9 @@ def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
     """Meta build + per-shard init: FSDP2 (tensor parallel included), our own decoder (each parameter drawn whole,
     this rank's part kept), untied embeddings (materializing unties them), fp32 params (the init happens before
     any cast; a LoRA base cast to the compute dtype on meta is drawn in fp32 and rounded, as the whole build's cast
-    rounds it; its adapters are drawn after the base, `init_adapters`), and weights drawn, not read from
-    `model.hf_path` (`draws_weights`)."""
+    rounds it; its adapters are drawn after the base, `init_adapters`), and weights drawn from the seed
+    (`draws_weights`) or read from `model.hf_path` a tensor at a time into the shards (`load_folder_shards`)
+    without adapters (PEFT renames the base's weights the folder is read into)."""
     model = cfg.model
     return (
         cfg.parallel.mode == "fsdp2"
@@ -148,14 +193,22 @@ def builds_on_meta(cfg: RunConfig, policy: PrecisionPolicy) -> bool:
         and capabilities(model.type).init_per_param
         and not model.tie_word_embeddings
         and policy.param_dtype == torch.float32
-        and draws_weights(model)
+        and (draws_weights(model) or model.lora is None)
     )
 
 
 def draws_weights(model: ModelConfig) -> bool:
-    """Whether the build draws every weight from the seed: not where `build_model` reads a folder's over them, which a
-    meta build has nowhere to read into (the whole model is built, read, then sharded)."""
+    """Whether the build draws every weight from the seed: not where `build_model` reads a folder's over them (a meta
+    build reads it into the shards after materializing them: `read_folder_into_shards`)."""
     return model.hf_path is None
+
+
+def read_folder_into_shards(cfg: ModelConfig, model: nn.Module) -> None:
+    """`model.hf_path`'s weights into a meta-built model's materialized shards (over the seed's draws, so a layer the
+    folder lacks is what the whole build draws); nothing for a model whose weights are all drawn."""
+    layout = family_spec(cfg.type).module().folder_format(model)
+    if layout is not None and cfg.hf_path is not None:
+        load_folder_shards(Path(cfg.hf_path), layout, model)
 
 
 def log_build_memory(ctx: RunContext) -> None:
@@ -511,6 +564,8 @@ def apply_data_parallel(
     model = build(PARALLEL, wrapper, "parallel.mode", model, ctx=ctx, **mode_args[wrapper])
     if materialize:
         materialize_shards(model, ctx, on_host=par.fsdp_cpu_offload)
+        if ctx.device.type != "meta":  # the planner's trace reads no weights
+            read_folder_into_shards(cfg.model, model)
         if cfg.model.lora is not None and ctx.device.type != "meta":
             init_adapters(cfg.model, ctx, model)
     log_build_memory(ctx)

@@ -97,7 +97,9 @@ class ParallelConfig(Section):
         "parameter drawn whole, one at a time: one parameter's memory above the shards), so a model larger than "
         "one rank's memory starts from the same model as one process. With `model.lora.base_on_host` (none or "
         "ddp) the same meta build puts the frozen block weights straight into host memory at the compute dtype. "
-        "Other cases build the whole model first.",
+        "`deepseek_v3` the same, and its `model.hf_path` (without `model.lora`) then read a tensor at a time into "
+        "the shards (a rank's host peak: its shards and one tensor of the folder). Other cases build the whole model "
+        "first.",
     )
 
 

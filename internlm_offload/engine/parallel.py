@@ -138,8 +138,15 @@ def init_from_whole(param: torch.Tensor, init: Callable[[torch.Tensor], Any], *,
     draws: a LoRA base cast to the compute dtype before sharding gets the draw rounded, as the cast rounds it."""
     whole = torch.empty(param.shape, dtype=torch.float32, device=device)
     init(whole)
+    copy_part(param, whole)
+
+
+@torch.no_grad()
+def copy_part(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """Keep this rank's part of `whole` (of `param`'s global shape, any dtype: cast by the copy, as a whole copy
+    casts it) in `param`: a DTensor's local shard, whatever its mesh and placements; a plain tensor whole."""
     if is_dtensor(param):
-        # src_data_rank=None: every rank drew the same whole tensor, so each cuts its own part, no communication
+        # src_data_rank=None: every rank holds the same whole tensor, so each cuts its own part, no communication
         part = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
         param.to_local().copy_(part)
     else:

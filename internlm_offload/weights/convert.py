@@ -101,6 +101,12 @@ def stack_experts(tensors: dict[str, torch.Tensor], where: str) -> dict[str, tor
     return out
 
 
+def stacked_name(name: str) -> str:
+    """The name `stack_experts` files a foreign tensor under: `*` in place of an expert's index, else the name."""
+    match = _EXPERT.match(name)
+    return name if match is None else f"{match.group(1)}*{match.group(3)}"
+
+
 def split_experts(foreign: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """A stacked tensor under a `*` name as one tensor per expert (`*` -> 0, 1, ...); else {foreign: tensor}.
     Each expert's tensor is a copy: writers would otherwise save (or refuse) the whole shared storage per expert."""

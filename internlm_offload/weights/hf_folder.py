@@ -10,7 +10,8 @@ multi-token-prediction layers from the blocks after the stack (`model.layers.{L+
 
 import re
 import shutil
-from collections.abc import Iterable
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,9 @@ from internlm_offload.model.families.internlm2 import hf_config
 from internlm_offload.model.families.internlm2.hf_export import llama_config, moe_config
 from internlm_offload.model.mtp import MTP_PREFIX
 from internlm_offload.model.name_table import FolderFormat, NameTable
-from internlm_offload.weights.convert import Heads, to_format, to_native
+from internlm_offload.weights.convert import Heads, stacked_name, to_format, to_native
 from internlm_offload.weights.files import load_model_file, read_json_object
+from internlm_offload.weights.tensor_files import TensorFiles
 
 logger = get_logger(__name__)
 _BLOCK_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
@@ -114,6 +116,50 @@ def read_folder(folder: Path, layout: FolderFormat) -> dict[str, torch.Tensor]:
     if mtp:
         native.update(to_native(mtp, layout.mtp_table, heads, str(folder)))
     return native
+
+
+def folder_pieces(folder: Path, layout: FolderFormat) -> Iterator[dict[str, torch.Tensor]]:
+    """`read_folder`'s tensors a piece at a time, for a model whose ranks keep a shard of each: a piece is one of the
+    folder's tensors under the family's names (the experts of one stacked tensor together: `to_native` stacks them),
+    read alone from its file (`TensorFiles`: a file mapped from its first tensor read to its last), so the host holds
+    one piece above what the caller keeps. The same renames and re-layouts as `read_folder`: the same values bit for
+    bit."""
+    heads = Heads(layout.n_heads, layout.n_kv_heads)
+    built = layout.num_layers + layout.mtp_layers
+    files = TensorFiles(weight_files(folder))
+    beyond = blocks_beyond(files.where, built)
+    if beyond:
+        logger.warning(
+            "%s: %d tensors of blocks from %d on (multi-token prediction the model does not build: "
+            "model.mtp_config builds %d layers) are left out",
+            folder,
+            len(beyond),
+            built,
+            layout.mtp_layers,
+        )
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name in files.where:
+        if not _block_at_least(name, built) and not _mtp_copy(name, layout):
+            groups[stacked_name(name)].append(name)
+    files.expect(name for names in groups.values() for name in names)
+    try:
+        for names in groups.values():
+            tensors = {name: files.read(name) for name in names}
+            main = {n: t for n, t in tensors.items() if not _block_at_least(n, layout.num_layers)}
+            native = to_native(main, layout.table, heads, str(folder)) if main else {}
+            mtp = mtp_tensors(tensors, layout)
+            if mtp:
+                native.update(to_native(mtp, layout.mtp_table, heads, str(folder)))
+            yield native
+    finally:
+        files.close()
+
+
+def _mtp_copy(name: str, layout: FolderFormat) -> bool:
+    """A multi-token-prediction block's copy of the shared embedding or head (never read: `mtp_tensors`)."""
+    m = _BLOCK_INDEX.match(name)
+    copies = {rest for rest, _ in layout.mtp_copies}
+    return m is not None and 0 <= int(m.group(1)) - layout.num_layers < layout.mtp_layers and name[m.end() :] in copies
 
 
 def mtp_tensors(tensors: dict[str, torch.Tensor], layout: FolderFormat) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """An XTuner v1 config of a DeepSeek-V3 folder (`get_model_config_from_hf` + `load_from`) translates onto the native
 `deepseek_v3` family and trains under the FSDP2 it asks for, with the balancing loss XTuner adds, the folder's weights
 loaded: a family read from
-`model.hf_path` is built whole under `parallel.mode='fsdp2'` (a meta build would draw its shards from the seed)."""
+`model.hf_path` is built on meta under `parallel.mode='fsdp2'` and the folder read into its shards."""
 
 import json
 import subprocess

@@ -205,3 +205,16 @@ def metrics(work_dir: Path) -> list[dict]:
 
 def losses(work_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(work_dir)}
+
+
+def assert_same_metrics(base: Path, run: Path, keys: tuple[str, ...]) -> None:
+    """`run` logged the steps `base` did, and every step's values of `keys` equal (as logged, compared as float64
+    tensors with torch.equal: a list such as moe_tokens_per_expert is one row per step)."""
+    import torch
+
+    expected, got = metrics(base), metrics(run)
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for key in keys:
+        want = torch.tensor([r[key] for r in expected], dtype=torch.float64)
+        have = torch.tensor([r[key] for r in got], dtype=torch.float64)
+        assert torch.equal(have, want), (key, want.tolist(), have.tolist())

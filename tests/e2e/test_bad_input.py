@@ -179,6 +179,9 @@ def test_print_config_resolves_derived_values(tmp_path):
     [
         ('model = dict(_delete_=True, type="hf_causal_lm", hf_path="/no/such/model")',
          ["model.hf_path='/no/such/model' is not a local directory"]),
+        # the DeepSeek-V3 family's damaged folders: tests/unit/test_deepseek_folder.py
+        ('model = dict(_delete_=True, type="deepseek_v3", hf_path="/no/such/model")',
+         ["model.type='deepseek_v3': model.hf_path='/no/such/model' is not a local directory"]),
         ('model = dict(_delete_=True, type="hf_causal_lm", hf_config=dict(model_type="nosuchmodel"))',
          ["model.hf_config.model_type='nosuchmodel' is not a model type transformers"]),
         ('model = dict(_delete_=True, type="hf_causal_lm", hf_config=dict(model_type="phi3", vocab_size=259, '

@@ -16,9 +16,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from deepseek_runs import DEEPSEEK, DTYPES, STEPS, assert_same_biases, biases, family_baseline
-from runner import metrics, train
+from runner import assert_same_metrics, metrics, train
 
 pytestmark = pytest.mark.e2e
 
@@ -41,13 +40,8 @@ HYBRID = ["hybrid_optimizer.enable=True", "hybrid_optimizer.offload_fraction=0.5
 
 
 def assert_bitwise(base: Path, run: Path, keys: tuple[str, ...] = KEYS) -> None:
-    """Every step's `keys` equal (as logged, compared as float64 tensors), and the last step's biases equal."""
-    expected, got = metrics(base), metrics(run)
-    assert [r["step"] for r in got] == [r["step"] for r in expected]
-    for key in keys:
-        want = torch.tensor([r[key] for r in expected], dtype=torch.float64)
-        have = torch.tensor([r[key] for r in got], dtype=torch.float64)
-        assert torch.equal(have, want), (key, want.tolist(), have.tolist())
+    """Every step's `keys` equal (runner.assert_same_metrics), and the last step's biases equal."""
+    assert_same_metrics(base, run, keys)
     assert_same_biases(base, run)
 
 

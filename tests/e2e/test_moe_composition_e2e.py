@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from runner import REPO, TINY, ForkedRun, metrics, spawn_python, train, train_argv
+from runner import REPO, TINY, ForkedRun, assert_same_metrics, metrics, spawn_python, train, train_argv
 
 pytestmark = pytest.mark.e2e
 
@@ -59,14 +58,9 @@ def baseline_of(reference_run, dtype: str, moe_type: str, mode: str = "none") ->
 
 
 def assert_bitwise(base: Path, run: Path, keys: tuple[str, ...] = KEYS) -> None:
-    """Every step's values of `keys` equal, compared as tensors with torch.equal (floats as logged)."""
-    expected, got = metrics(base), metrics(run)
-    assert [r["step"] for r in got] == [r["step"] for r in expected]
-    for key in keys:
-        want = torch.tensor([r[key] for r in expected], dtype=torch.float64)
-        have = torch.tensor([r[key] for r in got], dtype=torch.float64)
-        assert torch.equal(have, want), (key, want.tolist(), have.tolist())
-    assert all(math.isfinite(r["moe_aux_loss"]) and r["moe_aux_loss"] > 0 for r in got)
+    """Every step's values of `keys` equal (runner.assert_same_metrics), the load-balancing loss finite and positive."""
+    assert_same_metrics(base, run, keys)
+    assert all(math.isfinite(r["moe_aux_loss"]) and r["moe_aux_loss"] > 0 for r in metrics(run))
 
 
 def test_fp32_gshard_with_activation_offload_selective_checkpoint_swap_gradient_offload_and_nvme(

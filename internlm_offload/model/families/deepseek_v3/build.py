@@ -3,6 +3,7 @@ model (with multi-token prediction as `model.mtp_config` resolved it), the folde
 (its MTP blocks included); the router bias balances it, a balancing loss beside it is an option
 (`model.balancing_loss`, weighted by `loss.moe_loss_coeff`)."""
 
+import os
 from typing import Any
 
 import torch
@@ -29,12 +30,20 @@ logger = get_logger(__name__)
 
 
 def raw_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json's keys as written (a folder's, or `model.hf_config`)."""
+    """config.json's keys as written (a folder's, or `model.hf_config`); ValueError in one line naming a folder that
+    is missing or whose config.json cannot be read."""
     from transformers import PretrainedConfig
 
-    if cfg.hf_path:
+    if not cfg.hf_path:
+        return dict(cfg.hf_config)
+    if not os.path.isdir(cfg.hf_path):  # transformers would take it for a Hub repo id and raise its own error
+        raise ValueError(f"model.hf_path={cfg.hf_path!r} is not a local directory (nothing is downloaded)")
+    if not os.path.isfile(os.path.join(cfg.hf_path, "config.json")):  # transformers reads a missing one as {}
+        raise ValueError(f"model.hf_path={cfg.hf_path!r}: the folder has no config.json (a Hugging Face model folder)")
+    try:
         return PretrainedConfig.get_config_dict(cfg.hf_path, local_files_only=True)[0]
-    return dict(cfg.hf_config)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model.hf_path={cfg.hf_path!r}: no readable config.json in the folder ({exc})") from None
 
 
 def transformers_config(cfg: ModelConfig) -> Any:

@@ -227,7 +227,7 @@ ERRORS = {
         1,
         [
             "unknown config key 'model.zzzz'",
-            "allowed keys: attention_bias, attn_impl, checkpoint, decoder_sparse_step, dense_intermediate_size, dtype,",
+            "allowed keys: attention_bias, attn_impl, balancing_loss, checkpoint, decoder_sparse_step,",
         ],
     ),
     "wrong type, int": ({"model": dict(num_layers="4")}, 1, ["model.num_layers='4'", "valid integer"]),

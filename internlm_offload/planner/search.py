@@ -127,6 +127,13 @@ class PricedMode:
         # estimate could only send it to that same trace, over the budget again.
         own_trace = exact and candidate.optimizer is self.base_optimizer
         if problems and candidate.activation is not self.base_activation and not own_trace:
+            # no estimate goes below what the optimizer setting holds at rest: no trace is spent refining it then
+            state = model_state(self.by_optimizer[candidate.optimizer.name])
+            if over_budget(*state, *widened):
+                held = over_budget(*state, budgets.device, budgets.host)[0][1]
+                margin = "" if slack == 1 else " by more than its margin"
+                candidate.verdict = f"estimated {held}{margin}: its parameters, masters and states alone"
+                return False
             self.lean.refine(candidate)
             problems = over_budget(candidate.estimated_device, candidate.estimated_host, *widened)
         if problems:
@@ -249,6 +256,15 @@ def search(
             progress.found(candidate.name, candidate.step_s)
             return candidate, mode.candidates
     return None, mode.candidates
+
+
+def model_state(memory: StepMemory) -> tuple[int, int]:
+    """Device and host bytes of the parameters, masters and optimizer states of a step (every component the
+    optimizer setting places, none the activation setting does): live from one step into the next, so no activation
+    setting with this optimizer setting peaks below them on either tier."""
+    c = memory.components
+    device = sum(c.get(name, 0) for name in ("model_params", "master_weights", "optimizer_states"))
+    return device, sum(c.get(name, 0) for name in ("host_params", "host_master_weights", "host_optimizer_states"))
 
 
 def _problems(memory: StepMemory, budgets: Budgets, slack: float = 1.0) -> list[tuple[str, str]]:
@@ -471,15 +487,24 @@ def _candidate(
 
 
 def smallest_peak(
-    candidates: list[Candidate], config_for: ConfigFor, world_size: int = 1, tracer: Tracer | None = None
+    candidates: list[Candidate],
+    config_for: ConfigFor,
+    world_size: int = 1,
+    tracer: Tracer | None = None,
+    budgets: Budgets | None = None,
 ) -> str:
-    """The candidate with the smallest estimated device peak, traced, and what dominates it: the
-    'nothing fits' line."""
+    """The candidate with the smallest estimated device peak, traced, and what dominates it: the 'nothing fits'
+    line; with `budgets`, where that candidate's device peak fits, the peak that does not and what dominates it."""
     if not candidates:  # every tensor mode refused (`search_tensor_modes` names why)
         return "no candidate: the config takes none of the tensor modes"
     best = min(candidates, key=lambda c: c.estimated_device)
     memory = best.memory or (tracer or Tracer(world_size)).step(config_for(best.options), count_work=False)
-    return (
+    line = (
         f"smallest device peak {human_bytes(memory.device_peak_bytes)} ({best.name}), "
         f"largest: {largest_component(memory.components, 'device')}"
     )
+    problems = [] if budgets is None else _problems(memory, budgets)
+    if problems and problems[0][0] != "device":  # it fits the device: say what it does not fit
+        tier, text = problems[0]
+        line += f"; its {text} (largest: {largest_component(memory.components, tier)})"
+    return line

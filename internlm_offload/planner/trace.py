@@ -40,7 +40,7 @@ from internlm_offload.builder import build_components, make_trainer
 from internlm_offload.config import RunConfig, chunked_loss, expert_ranks
 from internlm_offload.config.pipeline import splits_backward, stage_sequence_parts
 from internlm_offload.data.loader import MicroBatch
-from internlm_offload.device import storage_key
+from internlm_offload.device import get_accelerator, storage_key
 from internlm_offload.engine.expert_parallel import expert_params, moe_blocks
 from internlm_offload.engine.pipeline import PipelineRunner
 from internlm_offload.engine.runtime import RunContext, expert_mesh, parallel_meshes
@@ -235,6 +235,13 @@ class _Probe:
         return hook
 
 
+def planned_device(cfg: RunConfig) -> str:
+    """The accelerator whose kernels the trace takes: the config's `device`, or for "auto" this machine's (the
+    preflight's is the run's own; a plan made away from the cluster takes cpu's unless the config names its device:
+    MLA's attention keeps T x T weights on cpu, not on a device: `standins.flash_attention_on_meta`)."""
+    return cfg.device if cfg.device != "auto" else get_accelerator().name
+
+
 def micro_batches(cfg: RunConfig, every: bool = False) -> list[MicroBatch]:
     """Host micro-batches of the configured shape: (micro_bsz, seq_len) rows, or one packed row with
     `position_ids` when InternEvo data keeps documents apart (as the loader makes them); at most
@@ -375,7 +382,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_
         if measure
         else (
             fused_optimizers_on_meta(),
-            flash_attention_on_meta(),
+            flash_attention_on_meta(device_kernels=planned_device(cfg) != "cpu"),
             packed_sequences_on_meta() if transformers_modules else contextlib.nullcontext(),
             grouped_mm_on_meta() if transformers_modules else contextlib.nullcontext(),
             fsdp2_on_meta(),

@@ -1,7 +1,9 @@
 """Trace a step once per distinct run of blocks and compose the whole model's memory and work from it.
 
 A decoder's blocks come in at most three runs with one plan each (`offload/plan.py`: offloaded, then
-recomputed, then plain), every block of a run the same module with the same sharding. `trace_composed(cfg)`
+recomputed, then plain), every block of a run the same module with the same sharding; a family whose blocks are of
+several kinds (DeepSeek-V3's dense-first and sparse blocks: `family.block_kinds`) has runs of one plan and one kind,
+and its reduced models are built with those kinds in order (`family.with_blocks`). `trace_composed(cfg)`
 traces a reduced model in which each run keeps `BASE_RUN` blocks (a run of at most `BASE_RUN + 1` keeps
 all of its blocks) and, for each run that is longer, the same model with one block more in that run: the
 difference is what one more block of the run adds to every figure (its parameters, masters, states and
@@ -185,6 +187,15 @@ def composable(cfg: RunConfig, world_size: int = 1) -> bool:
         and not cfg.grad_offload
         and not (hybrid.enable and 0.0 < hybrid.offload_fraction < 1.0)
     )
+
+
+def state_composes(cfg: RunConfig) -> bool:
+    """Whether the parameters, masters and optimizer states of `cfg`'s step compose exactly from its blocks' traces
+    even where its peaks do not (`composable`): each block's are its own under the swap optimizer, gradient offload
+    and FSDP2 over several ranks (within 512 bytes on the validation model), not under the hybrid at a fraction
+    between 0 and 1, whose CPU share is a prefix of all parameters (15 % off at 0.5)."""
+    hybrid = cfg.hybrid_optimizer
+    return not traced_whole(cfg) and not (hybrid.enable and 0.0 < hybrid.offload_fraction < 1.0)
 
 
 @dataclass(frozen=True)

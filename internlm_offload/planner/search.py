@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from internlm_offload.config import ConfigError, RunConfig, merge_overrides, resolve_config
-from internlm_offload.planner.compose import APPROXIMATE_MARGIN, Tracer
+from internlm_offload.planner.compose import APPROXIMATE_MARGIN, Tracer, state_composes
 from internlm_offload.planner.cost import Hardware, StepWork, step_time
 from internlm_offload.planner.knobs import Setting, Space, activations_for, search_axes
 from internlm_offload.planner.pipeline import StageMemory, planned_step_time
 from internlm_offload.planner.progress import SearchProgress
 from internlm_offload.planner.stage_offload import fewest_per_rank, offload_count, offload_ladder, per_rank_setting
-from internlm_offload.planner.trace import StepMemory, UnsupportedLayout
+from internlm_offload.planner.trace import StepMemory, UnsupportedLayout, shared_sharding_decisions
 from internlm_offload.planner.tracker import largest_component
 from internlm_offload.config.sizes import human_bytes
 
@@ -127,11 +127,13 @@ class PricedMode:
         # estimate could only send it to that same trace, over the budget again.
         own_trace = exact and candidate.optimizer is self.base_optimizer
         if problems and candidate.activation is not self.base_activation and not own_trace:
-            # no estimate goes below what the optimizer setting holds at rest: no trace is spent refining it then
+            # no estimate goes below what the optimizer setting holds at rest: no trace is spent refining it then (its
+            # composition is exact where the peaks' may not be: `state_composes`)
             state = model_state(self.by_optimizer[candidate.optimizer.name])
-            if over_budget(*state, *widened):
-                held = over_budget(*state, budgets.device, budgets.host)[0][1]
-                margin = "" if slack == 1 else " by more than its margin"
+            exact_state = exact or state_composes(config)
+            if over_budget(*state, *(widened if not exact_state else (budgets.device, budgets.host))):
+                held = over_budget(*state, budgets.device, budgets.host)[0][1].replace(" peak ", " peak at least ", 1)
+                margin = "" if exact_state else " by more than its margin"
                 candidate.verdict = f"estimated {held}{margin}: its parameters, masters and states alone"
                 return False
             self.lean.refine(candidate)
@@ -389,20 +391,21 @@ def search_space(
     """`search_tensor_modes` over `space`'s three axes (`knobs.search_axes`), each layout with its own activation
     settings (`knobs.activations_for`): what `tools.plan` and a config's "auto" knobs both search."""
     modes, activations, optimizers = search_axes(space)
-    return search_tensor_modes(
-        config_for,
-        modes,
-        activations,
-        optimizers,
-        hardware,
-        device_budget,
-        host_budget,
-        space.world_size,
-        disk_budget,
-        tracer=tracer,
-        progress=progress,
-        activations_for=activations_for(space),
-    )
+    with shared_sharding_decisions():
+        return search_tensor_modes(
+            config_for,
+            modes,
+            activations,
+            optimizers,
+            hardware,
+            device_budget,
+            host_budget,
+            space.world_size,
+            disk_budget,
+            tracer=tracer,
+            progress=progress,
+            activations_for=activations_for(space),
+        )
 
 
 def _in_mode(config_for: ConfigFor, mode: dict[str, Any], overrides: dict[str, Any]) -> RunConfig:

@@ -190,6 +190,16 @@ def step_line(micro_num: int, timing: Any, hardware: Hardware) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The plan (and with budgets the search) of `args`; its traces share DTensor's sharding decisions (nothing runs
+    after them in this process)."""
+    from internlm_offload.planner.trace import shared_sharding_decisions
+
+    with shared_sharding_decisions():
+        return plan_and_search(args)
+
+
+def plan_and_search(args: argparse.Namespace) -> int:
+    """See `run`."""
     from internlm_offload.planner.compose import APPROXIMATE_MARGIN, Tracer
     from internlm_offload.planner.knobs import WRAPPER
     from internlm_offload.planner.pipeline import planned_step_time

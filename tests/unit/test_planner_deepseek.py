@@ -207,3 +207,25 @@ def test_a_lora_base_under_expert_parallel_keeps_its_experts_in_the_compute_dtyp
     memory = trace_step(config(options, world_size=2), 2, count_work=False)
     experts = 7 * 8 * 3 * 64 * 32  # sparse blocks x experts x (gate, up, down) x hidden x expert width
     assert memory.components["expert_params"] == 2 * experts // 2
+
+
+def test_traces_sharing_sharding_decisions_read_the_same_and_leave_none_behind():
+    """A search's traces share DTensor's cached sharding decisions (FSDP2 and expert parallel over one fake mesh
+    shape): a trace inside makes no decision anew that the one before made, reads what it reads alone, and the
+    context leaves the cache empty for the run after it (clearing it resets its counts)."""
+    from torch.distributed.tensor.debug import _get_fast_path_sharding_prop_cache_stats as hits_and_misses
+
+    from internlm_offload.planner import trace
+
+    options = {"parallel.mode": "fsdp2", "parallel.expert.size": 2, "model.checkpoint": 0.5}
+    cfg = config(options, world_size=2)
+    alone = trace.trace_step(cfg, 2, count_work=False).as_dict()
+    assert hits_and_misses() == (0, 0)  # a trace alone clears the cache as it ends
+    with trace.shared_sharding_decisions():
+        trace.trace_step(cfg, 2, count_work=False)
+        first = hits_and_misses()
+        shared = trace.trace_step(cfg, 2, count_work=False).as_dict()
+        second = hits_and_misses()
+    assert first[1] > 0 and second[1] == first[1] and second[0] > first[0]  # decided once, then read
+    assert hits_and_misses() == (0, 0)
+    assert shared == alone

@@ -10,7 +10,7 @@ a family's name: a new family states what it can do in its spec and touches no e
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import ModuleType
 from typing import Any
@@ -79,11 +79,20 @@ class FamilySpec:
     # `model.num_experts` does not hold them (read off `model.hf_config` or the folder's config.json): what the
     # expert-parallel and tensor-parallel checks count. None: `model.num_experts`.
     routed_experts: Callable[[Any], int] | None = None
+    # The experts each token is routed to, likewise (None: `model.top_k`); with `routed_experts`, what the planner's
+    # routing line states.
+    experts_per_token: Callable[[Any], int] | None = None
     # Its decoder blocks, counted off its config (a family whose architecture is config.json's); None: `model.num_layers`.
     blocks: Callable[[Any], int] | None = None
     # The multi-token-prediction depth its config asks for (config.json's `num_nextn_predict_layers`), torch-free: what
     # an unset `model.mtp_config` follows (config/mtp.py). None: 0.
     mtp_layers: Callable[[Any], int] | None = None
+    # A family whose blocks are of several kinds (dense-first blocks before sparse ones), torch-free: the kind of each
+    # block of its `model` section (`block_kinds`), and its section with exactly the given kinds of blocks in order
+    # (`with_blocks`; None where it cannot build that order). The planner composes a step from such reduced models
+    # (planner/compose.py) and the kernel probe runs one block of each kind (engine/runtime_memory.py).
+    block_kinds: Callable[[Any], tuple[str, ...]] | None = None
+    with_blocks: Callable[[Any, Sequence[str]], Any] | None = None
 
     def module(self) -> ModuleType:
         """The family's builder module, imported on first use (it imports torch)."""
@@ -128,10 +137,31 @@ def routed_experts(model: Any) -> int:
     return model.num_experts if spec is None or spec.routed_experts is None else spec.routed_experts(model)
 
 
+def experts_per_token(model: Any) -> int:
+    """The experts each token is routed to in the `model` section's model: its family's `experts_per_token`, else
+    `model.top_k`."""
+    spec = known_family(model)
+    return model.top_k if spec is None or spec.experts_per_token is None else spec.experts_per_token(model)
+
+
 def block_count(model: Any) -> int:
     """The decoder blocks of the `model` section's model: its family's `blocks`, else `model.num_layers`."""
     spec = known_family(model)
     return model.num_layers if spec is None or spec.blocks is None else spec.blocks(model)
+
+
+def block_kinds(model: Any) -> tuple[str, ...] | None:
+    """The kind of each decoder block of the `model` section's model, where its family names them (`block_kinds`);
+    None for a family that does not (its blocks are one module, `one_block_copy`, or unknown)."""
+    spec = known_family(model)
+    return None if spec is None or spec.block_kinds is None else spec.block_kinds(model)
+
+
+def with_blocks(model: Any, kinds: Sequence[str]) -> Any | None:
+    """The `model` section of the same model with exactly these kinds of blocks, in order (`FamilySpec.with_blocks`);
+    None where the family cannot build them."""
+    spec = known_family(model)
+    return None if spec is None or spec.with_blocks is None else spec.with_blocks(model, kinds)
 
 
 def blocks_key(model: Any) -> str:

@@ -53,6 +53,36 @@ LORA = {
     "data.seq_len": 64,
     "data.micro_bsz": 2,
 }
+# The DeepSeek-V3 lineage (model.type="deepseek_v3", docs/deepseek.md) built from config.json's keys: multi-head latent
+# attention with v's head dim apart from q/k's (cpu runs its math path), 2 dense-first blocks before 4 sparse ones (8
+# experts, top-2 of the sigmoid router in 1 of 2 groups, its fp32 scores and bias; a shared expert); half the blocks
+# recomputed, across both kinds.
+DEEPSEEK_CONFIG = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "first_k_dense_replace": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "vocab_size": 259,
+}
+DEEPSEEK = {
+    "model.type": "deepseek_v3",
+    **{f"model.hf_config.{key}": value for key, value in DEEPSEEK_CONFIG.items()},
+    "model.checkpoint": 0.5,
+}
 SETTINGS: dict[str, dict[str, Any]] = {
     "baseline": {},
     "offload 3": {**OFFLOAD, "cpu_offloading.num_layers": 3},
@@ -83,6 +113,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "use_pinned_optimizer_offload": True,
     },
     "lora r=8 bf16": LORA,
+    "deepseek mla 2 dense + 4 sparse + ckpt 0.5": DEEPSEEK,
     "fsdp2 x2": {"parallel.mode": "fsdp2"},
     "fsdp2 x4 + swap + ckpt 0.5": {"parallel.mode": "fsdp2", "swap_optimizer": True, "model.checkpoint": 0.5},
     "mtp 2": {"parallel.tensor.size": 2, "parallel.tensor.mode": "mtp"},

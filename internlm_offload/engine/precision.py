@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from internlm_offload.log import get_logger
 from internlm_offload.model.hooks import KeepsFp32Buffers
@@ -382,7 +383,14 @@ def fp32_buffers_kept(model: nn.Module) -> Iterator[list[torch.Tensor]]:
 
 @torch.no_grad()
 def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
-    """Cast the parameters that train not (a LoRA base) to `dtype` in place, keeping their Parameter objects."""
-    for param in model.parameters():
-        if not param.requires_grad:
-            param.data = param.data.to(dtype)
+    """Cast the parameters that train not (a LoRA base) to `dtype` in place, keeping their Parameter objects; a
+    DTensor parameter (expert parallel's experts) gets a new one: `.data =` on it changes the DTensor's dtype, not its
+    local shard's (the frozen experts of a LoRA run under FSDP2 and expert parallel stayed fp32, 4 bytes each)."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.requires_grad:
+                continue
+            if isinstance(param, DTensor):
+                setattr(module, name, nn.Parameter(param.detach().to(dtype), requires_grad=False))
+            else:
+                param.data = param.data.to(dtype)

@@ -12,6 +12,7 @@ the spot).
 from __future__ import annotations
 
 from internlm_offload.config import RunConfig
+from internlm_offload.family import block_count
 from internlm_offload.log import get_logger
 from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate, shared_by
 from internlm_offload.planner.preflight import PreflightError
@@ -41,7 +42,8 @@ def choose_auto_knobs(
     budget = cfg.memory_budget
     device_budget = budget.device - runtime_bytes
     runtime_note = f" less {human_bytes(runtime_bytes)} in use before the run" if runtime_bytes else ""
-    space = Space(cfg, frozenset(cfg.auto_knobs), num_layers=cfg.model.num_layers, world_size=world_size)
+    # the model's blocks: a deepseek_v3 folder's num_hidden_layers, not the section's `model.num_layers`
+    space = Space(cfg, frozenset(cfg.auto_knobs), num_layers=block_count(cfg.model), world_size=world_size)
     chosen, candidates, refused = search_space(
         config_for, space, hardware_for(accelerator_name), device_budget, budget.host
     )

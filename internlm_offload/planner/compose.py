@@ -1,7 +1,9 @@
 """Trace a step once per distinct run of blocks and compose the whole model's memory and work from it.
 
 A decoder's blocks come in at most three runs with one plan each (`offload/plan.py`: offloaded, then
-recomputed, then plain), every block of a run the same module with the same sharding. `trace_composed(cfg)`
+recomputed, then plain), every block of a run the same module with the same sharding; a family whose blocks are of
+several kinds (DeepSeek-V3's dense-first and sparse blocks: `family.block_kinds`) has runs of one plan and one kind,
+and its reduced models are built with those kinds in order (`family.with_blocks`). `trace_composed(cfg)`
 traces a reduced model in which each run keeps `BASE_RUN` blocks (a run of at most `BASE_RUN + 1` keeps
 all of its blocks) and, for each run that is longer, the same model with one block more in that run: the
 difference is what one more block of the run adds to every figure (its parameters, masters, states and
@@ -21,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from internlm_offload.builder.model import build_layer_plan
 from internlm_offload.config import RunConfig
-from internlm_offload.family import capabilities
+from internlm_offload.family import block_kinds, capabilities, with_blocks
 from internlm_offload.log import get_logger
 from internlm_offload.offload.plan import LayerMode
 from internlm_offload.planner.cost import StepWork
@@ -47,33 +49,59 @@ class CompositionError(ValueError):
     """The reduced traces do not line up (their segments differ): the config is traced whole instead."""
 
 
-def block_runs(cfg: RunConfig) -> list[tuple[LayerMode, int]]:
-    """(plan, length) of each run of consecutive blocks with the same plan, first block first."""
-    runs: list[tuple[LayerMode, int]] = []
-    for mode in build_layer_plan(cfg, cfg.model.num_layers).modes:
-        if runs and runs[-1][0] == mode:
-            runs[-1] = (mode, runs[-1][1] + 1)
+# A run of consecutive blocks: (their plan, their kind), and how many
+Run = tuple[tuple[LayerMode, str], int]
+
+
+def kinds_of_blocks(cfg: RunConfig) -> tuple[str, ...] | None:
+    """The kind of each block where a reduced model can hold any number of each: the family's kinds (DeepSeek-V3's
+    dense-first and sparse blocks: `family.block_kinds`), or one kind for a decoder whose blocks are all one module
+    (`same_blocks`); None where neither (traced whole)."""
+    kinds = block_kinds(cfg.model)
+    if kinds is not None:
+        return kinds
+    return ("block",) * cfg.model.num_layers if same_blocks(cfg) else None
+
+
+def block_runs(cfg: RunConfig) -> list[Run]:
+    """((plan, kind), length) of each run of consecutive blocks with the same plan and kind, first block first: a
+    dense-first model offloading 30 of its 61 blocks has three (the 3 dense blocks, 27 and 31 sparse ones)."""
+    kinds = kinds_of_blocks(cfg)
+    if kinds is None:
+        raise CompositionError(f"model.type={cfg.model.type!r}: the blocks' kinds are not known")
+    runs: list[Run] = []
+    for mode, kind in zip(build_layer_plan(cfg, len(kinds)).modes, kinds):
+        if runs and runs[-1][0] == (mode, kind):
+            runs[-1] = ((mode, kind), runs[-1][1] + 1)
         else:
-            runs.append((mode, 1))
+            runs.append(((mode, kind), 1))
     return runs
 
 
-def reduced_config(cfg: RunConfig, runs: list[tuple[LayerMode, int]], lengths: list[int]) -> RunConfig:
-    """`cfg` with `lengths[i]` blocks in its i-th run: the offloaded run through `cpu_offloading.num_layers`,
-    the recomputed one through `model.checkpoint` (a ratio whose `int(blocks * ratio)` ends it)."""
+def reduced_config(cfg: RunConfig, runs: list[Run], lengths: list[int]) -> RunConfig:
+    """`cfg` with `lengths[i]` blocks in its i-th run: their kinds through the family's `with_blocks` (else
+    `model.num_layers`), the offloaded run through `cpu_offloading.num_layers`, the recomputed one through
+    `model.checkpoint` (a ratio whose `int(blocks * ratio)` ends it)."""
     blocks = sum(lengths)
-    offloaded = sum(n for (mode, _), n in zip(runs, lengths) if mode == LayerMode.OFFLOAD)
-    recompute_end = sum(n for (mode, _), n in zip(runs, lengths) if mode != LayerMode.PLAIN)
+    offloaded = sum(n for ((mode, _), _), n in zip(runs, lengths) if mode == LayerMode.OFFLOAD)
+    recompute_end = sum(n for ((mode, _), _), n in zip(runs, lengths) if mode != LayerMode.PLAIN)
     ratio = cfg.model.checkpoint
     if recompute_end > offloaded:  # the recomputed run: [offloaded, recompute_end)
         ratio = 1.0 if recompute_end == blocks else (recompute_end + 0.5) / blocks
     elif int(blocks * ratio) > offloaded:  # no recomputed run (any ratio ending it within the offloaded run)
         ratio = offloaded / blocks
-    model = cfg.model.model_copy(update={"num_layers": blocks, "checkpoint": ratio})
+    if block_kinds(cfg.model) is None:
+        section = cfg.model.model_copy(update={"num_layers": blocks})
+    else:
+        section = with_blocks(cfg.model, [kind for ((_, kind), _), n in zip(runs, lengths) for _ in range(n)])
+        if section is None:
+            raise CompositionError(f"model.type={cfg.model.type!r}: its family cannot build a reduced model")
+    model = section.model_copy(update={"checkpoint": ratio})
     offload = cfg.cpu_offloading.model_copy(update={"num_layers": offloaded})
     reduced = cfg.model_copy(update={"model": model, "cpu_offloading": offload})
-    if [n for _, n in block_runs(reduced)] != lengths:
-        raise CompositionError(f"the reduced model's runs {block_runs(reduced)} are not {lengths}")
+    wanted = [(key, n) for (key, _), n in zip(runs, lengths) if n]
+    if block_runs(reduced) != wanted:
+        raise CompositionError(f"the reduced model's runs {block_runs(reduced)} are not {wanted}")
     return reduced
 
 
@@ -90,9 +118,7 @@ def trace_composed(
     short, whose reduced traces do not line up or that is not `composable` is traced whole; `approximate`:
     one that is not composable is composed all the same (the search's estimates, `APPROXIMATE_MARGIN`)."""
     trace = trace or (lambda c, work: trace_step(c, world_size, count_work=work))
-    # a pipeline's stages cut the blocks: a reduced model's stages would hold other blocks than the whole one's
-    whole = not same_blocks(cfg) or cfg.parallel.pipeline.size > 1
-    if whole or not (approximate or composable(cfg, world_size)):
+    if traced_whole(cfg) or not (approximate or composable(cfg, world_size)):
         return trace(cfg, count_work)
     runs = block_runs(cfg)
     target = [n for _, n in runs]
@@ -101,16 +127,33 @@ def trace_composed(
     if base == target:
         return trace(cfg, count_work)
     try:
-        reduced = trace(reduced_config(cfg, runs, base), count_work)
+        reduced = _blocks_traced(trace(reduced_config(cfg, runs, base), count_work), base)
         shares = []
         for i, (n, kept) in enumerate(zip(target, base)):
             if n > kept:
                 longer = [*base[:i], kept + 1, *base[i + 1 :]]
-                shares.append(Share(i, n - kept, trace(reduced_config(cfg, runs, longer), count_work)))
+                shares.append(
+                    Share(i, n - kept, _blocks_traced(trace(reduced_config(cfg, runs, longer), count_work), longer))
+                )
         return compose(reduced, shares, base, target)
     except CompositionError as exc:
         logger.debug("tracing the whole model: %s", exc)
         return trace(cfg, count_work)
+
+
+def _blocks_traced(memory: StepMemory, lengths: list[int]) -> StepMemory:
+    """`memory`, whose hooked blocks must be the reduced model's `lengths` (a block outside the decoder's `layers`,
+    such as a multi-token-prediction block, is part of every reduced model alike and so composes as a constant; one
+    among them would not line up)."""
+    if len(memory.block_activation_bytes) != sum(lengths):
+        raise CompositionError(f"{len(memory.block_activation_bytes)} blocks traced where the runs hold {sum(lengths)}")
+    return memory
+
+
+def traced_whole(cfg: RunConfig) -> bool:
+    """Whether `trace_composed` traces `cfg` whole whatever its optimizer: blocks of no known kinds, or a pipeline (its
+    stages cut the blocks: a reduced model's stages would hold other blocks than the whole one's)."""
+    return kinds_of_blocks(cfg) is None or cfg.parallel.pipeline.size > 1
 
 
 def base_run(cfg: RunConfig) -> int:
@@ -122,7 +165,8 @@ def base_run(cfg: RunConfig) -> int:
 def same_blocks(cfg: RunConfig) -> bool:
     """Whether every block is the same module: the native decoder, all dense or all sparse (a mixture of experts
     with dense blocks among its sparse ones, Qwen's `mlp_only_layers` or `decoder_sparse_step`, is traced whole;
-    a reduced model would keep other blocks than the whole one's)."""
+    a reduced model would keep other blocks than the whole one's; a family naming its blocks' kinds is composed by
+    kind: `kinds_of_blocks`)."""
     model = cfg.model
     mixed = model.num_experts > 0 and (bool(model.mlp_only_layers) or model.decoder_sparse_step > 1)
     return capabilities(model.type).one_block_copy and not mixed
@@ -132,17 +176,26 @@ def composable(cfg: RunConfig, world_size: int = 1) -> bool:
     """Whether every block's memory events are its own: not where the optimizer cuts all parameters into
     shares (the swap optimizer's chunks, the hybrid's CPU prefix, gradient offload's buckets), nor under
     FSDP2 over several data-parallel ranks (a block's backward frees more the later it comes: 1.7 % off on
-    the tiny model over 4 ranks), nor for a decoder whose blocks differ (`same_blocks`; Hugging Face's depth is
-    not `model.num_layers`)."""
+    the tiny model over 4 ranks), nor for a decoder whose blocks are of no known kinds (`kinds_of_blocks`; Hugging
+    Face's depth is not `model.num_layers`)."""
     hybrid = cfg.hybrid_optimizer
     sharded = cfg.parallel.mode == "fsdp2" and world_size > cfg.parallel.tensor.size
     return (
-        same_blocks(cfg)
+        kinds_of_blocks(cfg) is not None
         and not sharded
         and not cfg.swap_optimizer
         and not cfg.grad_offload
         and not (hybrid.enable and 0.0 < hybrid.offload_fraction < 1.0)
     )
+
+
+def state_composes(cfg: RunConfig) -> bool:
+    """Whether the parameters, masters and optimizer states of `cfg`'s step compose exactly from its blocks' traces
+    even where its peaks do not (`composable`): each block's are its own under the swap optimizer, gradient offload
+    and FSDP2 over several ranks (within 512 bytes on the validation model), not under the hybrid at a fraction
+    between 0 and 1, whose CPU share is a prefix of all parameters (15 % off at 0.5)."""
+    hybrid = cfg.hybrid_optimizer
+    return not traced_whole(cfg) and not (hybrid.enable and 0.0 < hybrid.offload_fraction < 1.0)
 
 
 @dataclass(frozen=True)
@@ -283,8 +336,7 @@ class Tracer:
     def exact(self, cfg: RunConfig) -> bool:
         """Whether `step(cfg, approximate=True)` is the whole trace's figures (within 0.5 %); else within
         `APPROXIMATE_MARGIN` as measured."""
-        whole = not same_blocks(cfg) or cfg.parallel.pipeline.size > 1  # `trace_composed` traces these whole
-        return not self.compose or composable(cfg, self.world_size) or whole
+        return not self.compose or composable(cfg, self.world_size) or traced_whole(cfg)
 
     def whole(self, cfg: RunConfig, count_work: bool = False) -> StepMemory:
         """`cfg`'s step traced whole, once per search (a trace with the work counted serves both)."""

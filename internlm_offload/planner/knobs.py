@@ -30,6 +30,7 @@ from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, RunConfig, data_pa
 from internlm_offload.config.lora import base_on_host_layout_problem
 from internlm_offload.config.pipeline import PIPELINE_KNOBS, PIPELINE_MODES, virtual_chunks
 from internlm_offload.config.pipeline_partition import rank_blocks
+from internlm_offload.family import block_count, routed_experts
 
 MICRO_BATCH, OPTIMIZER, LAYOUT = "micro_batch", "optimizer", "layout"
 
@@ -236,12 +237,13 @@ def expert_size_settings(cfg: RunConfig, world_size: int) -> list[Setting]:
     leaves `parallel.expert.size` "auto" (a size moves the experts' bytes and the all-to-all's: each is a search of
     its own); else one setting that changes nothing. Only the config's own "auto" searches it: a tool searching every
     knob would search each size's layout in full."""
-    if EXPERT_SIZE not in cfg.auto_knobs or not cfg.model.num_experts:
+    experts = routed_experts(cfg.model)  # a deepseek_v3 model's off its config.json
+    if EXPERT_SIZE not in cfg.auto_knobs or not experts:
         return [Setting("", {})]
     data_parallel, weight = expert_ranks(cfg, world_size), cfg.parallel.expert_weight.size
 
     def takes(size: int) -> bool:
-        if data_parallel % size or cfg.model.num_experts % size:
+        if data_parallel % size or experts % size:
             return False
         # expert weight groups need expert parallel and must divide the expert-data ranks it leaves (config/resolve.py)
         return weight == 1 or (size > 1 and data_parallel // size % weight == 0)
@@ -285,7 +287,7 @@ def fewest_blocks(cfg: RunConfig) -> int:
     the rank's own); the model's without one."""
     pipe = cfg.parallel.pipeline
     if pipe.size == 1:
-        return cfg.model.num_layers
+        return block_count(cfg.model)
     return rank_blocks_fewest(cfg.model.num_layers, pipe.size, pipe.mode, cfg.model.num_chunks)
 
 

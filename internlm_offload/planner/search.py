@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from internlm_offload.config import ConfigError, RunConfig, merge_overrides, resolve_config
-from internlm_offload.planner.compose import APPROXIMATE_MARGIN, Tracer
+from internlm_offload.planner.compose import APPROXIMATE_MARGIN, Tracer, state_composes
 from internlm_offload.planner.cost import Hardware, StepWork, step_time
 from internlm_offload.planner.knobs import Setting, Space, activations_for, search_axes
 from internlm_offload.planner.pipeline import StageMemory, planned_step_time
 from internlm_offload.planner.progress import SearchProgress
 from internlm_offload.planner.stage_offload import fewest_per_rank, offload_count, offload_ladder, per_rank_setting
-from internlm_offload.planner.trace import StepMemory, UnsupportedLayout
+from internlm_offload.planner.trace import StepMemory, UnsupportedLayout, shared_sharding_decisions
 from internlm_offload.planner.tracker import largest_component
 from internlm_offload.config.sizes import human_bytes
 
@@ -127,6 +127,15 @@ class PricedMode:
         # estimate could only send it to that same trace, over the budget again.
         own_trace = exact and candidate.optimizer is self.base_optimizer
         if problems and candidate.activation is not self.base_activation and not own_trace:
+            # no estimate goes below what the optimizer setting holds at rest: no trace is spent refining it then (its
+            # composition is exact where the peaks' may not be: `state_composes`)
+            state = model_state(self.by_optimizer[candidate.optimizer.name])
+            exact_state = exact or state_composes(config)
+            if over_budget(*state, *(widened if not exact_state else (budgets.device, budgets.host))):
+                held = over_budget(*state, budgets.device, budgets.host)[0][1].replace(" peak ", " peak at least ", 1)
+                margin = "" if exact_state else " by more than its margin"
+                candidate.verdict = f"estimated {held}{margin}: its parameters, masters and states alone"
+                return False
             self.lean.refine(candidate)
             problems = over_budget(candidate.estimated_device, candidate.estimated_host, *widened)
         if problems:
@@ -251,6 +260,15 @@ def search(
     return None, mode.candidates
 
 
+def model_state(memory: StepMemory) -> tuple[int, int]:
+    """Device and host bytes of the parameters, masters and optimizer states of a step (every component the
+    optimizer setting places, none the activation setting does): live from one step into the next, so no activation
+    setting with this optimizer setting peaks below them on either tier."""
+    c = memory.components
+    device = sum(c.get(name, 0) for name in ("model_params", "master_weights", "optimizer_states"))
+    return device, sum(c.get(name, 0) for name in ("host_params", "host_master_weights", "host_optimizer_states"))
+
+
 def _problems(memory: StepMemory, budgets: Budgets, slack: float = 1.0) -> list[tuple[str, str]]:
     """`over_budget` of the traced peaks, each budget widened by `slack` (an approximate trace's margin)."""
     widened = [None if b is None else int(b * slack) for b in (budgets.device, budgets.host, budgets.disk)]
@@ -373,20 +391,21 @@ def search_space(
     """`search_tensor_modes` over `space`'s three axes (`knobs.search_axes`), each layout with its own activation
     settings (`knobs.activations_for`): what `tools.plan` and a config's "auto" knobs both search."""
     modes, activations, optimizers = search_axes(space)
-    return search_tensor_modes(
-        config_for,
-        modes,
-        activations,
-        optimizers,
-        hardware,
-        device_budget,
-        host_budget,
-        space.world_size,
-        disk_budget,
-        tracer=tracer,
-        progress=progress,
-        activations_for=activations_for(space),
-    )
+    with shared_sharding_decisions():
+        return search_tensor_modes(
+            config_for,
+            modes,
+            activations,
+            optimizers,
+            hardware,
+            device_budget,
+            host_budget,
+            space.world_size,
+            disk_budget,
+            tracer=tracer,
+            progress=progress,
+            activations_for=activations_for(space),
+        )
 
 
 def _in_mode(config_for: ConfigFor, mode: dict[str, Any], overrides: dict[str, Any]) -> RunConfig:
@@ -471,15 +490,24 @@ def _candidate(
 
 
 def smallest_peak(
-    candidates: list[Candidate], config_for: ConfigFor, world_size: int = 1, tracer: Tracer | None = None
+    candidates: list[Candidate],
+    config_for: ConfigFor,
+    world_size: int = 1,
+    tracer: Tracer | None = None,
+    budgets: Budgets | None = None,
 ) -> str:
-    """The candidate with the smallest estimated device peak, traced, and what dominates it: the
-    'nothing fits' line."""
+    """The candidate with the smallest estimated device peak, traced, and what dominates it: the 'nothing fits'
+    line; with `budgets`, where that candidate's device peak fits, the peak that does not and what dominates it."""
     if not candidates:  # every tensor mode refused (`search_tensor_modes` names why)
         return "no candidate: the config takes none of the tensor modes"
     best = min(candidates, key=lambda c: c.estimated_device)
     memory = best.memory or (tracer or Tracer(world_size)).step(config_for(best.options), count_work=False)
-    return (
+    line = (
         f"smallest device peak {human_bytes(memory.device_peak_bytes)} ({best.name}), "
         f"largest: {largest_component(memory.components, 'device')}"
     )
+    problems = [] if budgets is None else _problems(memory, budgets)
+    if problems and problems[0][0] != "device":  # it fits the device: say what it does not fit
+        tier, text = problems[0]
+        line += f"; its {text} (largest: {largest_component(memory.components, tier)})"
+    return line

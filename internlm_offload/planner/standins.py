@@ -20,7 +20,10 @@
 - `flash_attention_on_meta()`: on meta tensors `scaled_dot_product_attention` takes its math path,
   which keeps the (T x T) score matrix for backward; on a device (and on cpu) it takes a flash kernel that keeps the
   output and one log-sum-exp per row. The stand-in calls cpu's flash op, which has a meta kernel,
-  with the mask turned additive as the cpu dispatcher does, so the trace saves what the run saves.
+  with the mask turned additive as the cpu dispatcher does, so the trace saves what the run saves. Values of another
+  head dim than the queries' (MLA's: DeepSeek-V3's v 128 wide, q and k 192) take no flash kernel: cpu runs the math
+  path (its T x T weights saved), a device SDPA's memory-efficient kernel (q, k, v, the output and the log-sum-exp
+  saved; cuDNN's keeps the same); `device_kernels` says which the planned run is on.
 
 What the planner predicts with them is what `memory_allocated()` would show: live tensor bytes, not
 the allocator's reserved blocks or the runtime's own memory.
@@ -179,8 +182,10 @@ def grouped_mm_on_meta() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def flash_attention_on_meta() -> Iterator[None]:
+def flash_attention_on_meta(device_kernels: bool = False) -> Iterator[None]:
     """`F.scaled_dot_product_attention` on meta tensors takes the flash kernel; see the module docstring.
+    `device_kernels`: the planned run is on a device, where values of another head dim than the queries' (MLA's) take
+    the memory-efficient kernel; on cpu they take the math path.
 
     A patch of the function rather than a torch-function mode: activation checkpointing recomputes
     the forward inside backward, where such a mode is not active, and must see the same ops again.
@@ -188,10 +193,14 @@ def flash_attention_on_meta() -> Iterator[None]:
     sdpa = F.scaled_dot_product_attention
 
     def choose(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # cpu's flash kernel takes one head dim for q, k and v; with another v head dim (MLA's) cpu runs the math
-        # path, as the meta kernel does
-        flash = query.device.type == "meta" and value.shape[-1] == query.shape[-1]
-        return (flash_attention if flash else sdpa)(query, key, value, *args, **kwargs)
+        if query.device.type != "meta":
+            return sdpa(query, key, value, *args, **kwargs)
+        if value.shape[-1] == query.shape[-1]:
+            return flash_attention(query, key, value, *args, **kwargs)
+        # MLA: cpu's flash kernel takes one head dim for q, k and v, so cpu runs the math path, as the meta kernel
+        # does (its B x H x T x T weights saved: 4 GiB a block for DeepSeek-V3 at 4096 tokens in bf16); a device
+        # runs the memory-efficient kernel, which saves no T x T
+        return (efficient_attention if device_kernels else sdpa)(query, key, value, *args, **kwargs)
 
     F.scaled_dot_product_attention = choose
     try:
@@ -215,6 +224,27 @@ def flash_attention(
         attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     return op(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+def efficient_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """SDPA through the memory-efficient kernel, as a device runs values of another head dim than the queries' (it
+    has a meta kernel; fewer kv heads repeated, as SDPA does for it)."""
+    heads = query.shape[-3]
+    if key.shape[-3] != heads:
+        key, value = (t.repeat_interleave(heads // t.shape[-3], dim=-3) for t in (key, value))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
+    op = torch.ops.aten._scaled_dot_product_efficient_attention
+    return op(query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
 
 
 @contextlib.contextmanager

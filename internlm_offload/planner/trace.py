@@ -23,6 +23,7 @@ allocator's reserve, the CUDA context or NCCL buffers).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import sys
@@ -40,7 +41,7 @@ from internlm_offload.builder import build_components, make_trainer
 from internlm_offload.config import RunConfig, chunked_loss, expert_ranks
 from internlm_offload.config.pipeline import splits_backward, stage_sequence_parts
 from internlm_offload.data.loader import MicroBatch
-from internlm_offload.device import storage_key
+from internlm_offload.device import get_accelerator, storage_key
 from internlm_offload.engine.expert_parallel import expert_params, moe_blocks
 from internlm_offload.engine.pipeline import PipelineRunner
 from internlm_offload.engine.runtime import RunContext, expert_mesh, parallel_meshes
@@ -235,6 +236,13 @@ class _Probe:
         return hook
 
 
+def planned_device(cfg: RunConfig) -> str:
+    """The accelerator whose kernels the trace takes: the config's `device`, or for "auto" this machine's (the
+    preflight's is the run's own; a plan made away from the cluster takes cpu's unless the config names its device:
+    MLA's attention keeps T x T weights on cpu, not on a device: `standins.flash_attention_on_meta`)."""
+    return cfg.device if cfg.device != "auto" else get_accelerator().name
+
+
 def micro_batches(cfg: RunConfig, every: bool = False) -> list[MicroBatch]:
     """Host micro-batches of the configured shape: (micro_bsz, seq_len) rows, or one packed row with
     `position_ids` when InternEvo data keeps documents apart (as the loader makes them); at most
@@ -247,6 +255,26 @@ def micro_batches(cfg: RunConfig, every: bool = False) -> list[MicroBatch]:
         (ids, ids.clone(), torch.arange(length).remainder(data.seq_len)[None]) if packed_apart else (ids, ids.clone())
     )
     return [batch] * (data.micro_num if every else min(data.micro_num, TRACED_MICRO_BATCHES))
+
+
+# Inside `shared_sharding_decisions()` a trace leaves DTensor's cached sharding decisions to the next one.
+_SHARING_DECISIONS = contextvars.ContextVar("sharing_sharding_decisions", default=False)
+
+
+@contextlib.contextmanager
+def shared_sharding_decisions() -> Iterator[None]:
+    """The traces inside share DTensor's cached sharding decisions (every fake mesh of a shape decides as the others
+    do: a search's traces all run on its world size), cleared once as the context exits, before any real run could
+    read them. A search's reduced traces of DeepSeek-V3 under FSDP2 and expert parallel took a third less CPU so."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    token = _SHARING_DECISIONS.set(True)
+    try:
+        yield
+    finally:
+        _SHARING_DECISIONS.reset(token)
+        if not _SHARING_DECISIONS.get():
+            _clear_sharding_prop_cache()
 
 
 @contextlib.contextmanager
@@ -268,8 +296,10 @@ def fake_process_group(world_size: int, needed: bool = False, rank: int = 0) -> 
         sys.excepthook = excepthook
         # A device mesh compares equal to another of the same shape and ranks whatever its group: DTensor's
         # cached sharding decisions would hand this fake mesh (rank 0 on every rank) to the run's own
-        # DTensors after a preflight (a checkpoint's shards then all claim rank 0's offsets).
-        _clear_sharding_prop_cache()
+        # DTensors after a preflight (a checkpoint's shards then all claim rank 0's offsets). A search's traces
+        # share them (`shared_sharding_decisions`), which clears them once at its end.
+        if not _SHARING_DECISIONS.get():
+            _clear_sharding_prop_cache()
 
 
 @contextlib.contextmanager
@@ -375,7 +405,7 @@ def _trace(cfg: RunConfig, world_size: int, measure: bool, count_work: bool, pp_
         if measure
         else (
             fused_optimizers_on_meta(),
-            flash_attention_on_meta(),
+            flash_attention_on_meta(device_kernels=planned_device(cfg) != "cpu"),
             packed_sequences_on_meta() if transformers_modules else contextlib.nullcontext(),
             grouped_mm_on_meta() if transformers_modules else contextlib.nullcontext(),
             fsdp2_on_meta(),

@@ -216,9 +216,11 @@ SUBTOTALS = (
 
 
 def largest_component(components: dict[str, int], tier: str | None) -> str:
-    """'name size' of the largest "device" or "host" component (None: either), for one-line verdicts."""
-    names = [
-        n for n in components if n not in SUBTOTALS and (tier is None or n.startswith("host_") == (tier == "host"))
-    ]
+    """'name size' of the largest "device", "host" or "disk" component (None: either), for one-line verdicts."""
+
+    def on(name: str) -> str:
+        return "host" if name.startswith("host_") else "disk" if name.startswith("disk_") else "device"
+
+    names = [n for n in components if n not in SUBTOTALS and (tier is None or on(n) == tier)]
     name = max(names, key=lambda n: components[n])
     return f"{name} {human_bytes(components[name])}"

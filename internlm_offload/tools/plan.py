@@ -42,6 +42,7 @@ from internlm_offload.config import ConfigError, experts_over_tensor, load_confi
 from internlm_offload.config.file import add_cfg_options, merge_overrides
 from internlm_offload.device import get_accelerator
 from internlm_offload.errors import CheckpointError
+from internlm_offload.family import block_count, capabilities, experts_per_token, routed_experts
 from internlm_offload.planner.cost import HARDWARE, Hardware, calibrate, shared_by
 from internlm_offload.planner.tracker import largest_component
 from internlm_offload.config.sizes import human_bytes
@@ -189,7 +190,17 @@ def step_line(micro_num: int, timing: Any, hardware: Hardware) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from internlm_offload.planner.compose import Tracer
+    """The plan (and with budgets the search) of `args`; its traces share DTensor's sharding decisions (nothing runs
+    after them in this process)."""
+    from internlm_offload.planner.trace import shared_sharding_decisions
+
+    with shared_sharding_decisions():
+        return plan_and_search(args)
+
+
+def plan_and_search(args: argparse.Namespace) -> int:
+    """See `run`."""
+    from internlm_offload.planner.compose import APPROXIMATE_MARGIN, Tracer
     from internlm_offload.planner.knobs import WRAPPER
     from internlm_offload.planner.pipeline import planned_step_time
     from internlm_offload.planner.trace import UnsupportedLayout, trace_step  # heavy imports after parsing
@@ -216,8 +227,10 @@ def run(args: argparse.Namespace) -> int:
     searching = bool(device_budget or host_budget) and not args.check_only
     tracer = Tracer(args.world_size)
     try:
-        # the config as given: composed from its blocks when a search follows (which traces its choice whole)
-        memory = tracer.step(cfg) if searching else tracer.whole(cfg, count_work=True)
+        # the config as given: composed from its blocks when a search follows (which traces its choice whole), as the
+        # search composes it, approximately where it is not composable (FSDP2 over several ranks: within
+        # compose.APPROXIMATE_MARGIN; a whole 671B trace over 8 ranks is 32 s of CPU, a composed one 5 s)
+        memory = tracer.step(cfg, approximate=True) if searching else tracer.whole(cfg, count_work=True)
         plan = memory.as_dict()
         measured = trace_step(cfg, args.world_size, measure=True).as_dict() if args.measure else None
     except UnsupportedLayout as exc:
@@ -226,6 +239,11 @@ def run(args: argparse.Namespace) -> int:
     hardware = shared_by(row(args), ranks_per_node)
     timing = planned_step_time(cfg, memory.stages, memory.micro_batch_work, memory.optimizer_work, hardware)
     print(table(plan, measured))
+    if searching and not tracer.exact(cfg):
+        print(
+            f"(composed from its blocks' traces, within {APPROXIMATE_MARGIN:.0%} for this layout; the search's choice "
+            "is traced whole)"
+        )
     if memory.stages:
         print(stage_table(plan, measured))
     print(step_line(memory.micro_num, timing, hardware))
@@ -237,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
             f"{which}: {human_bytes(collectives)} sent per rank per micro-batch at "
             f"{hardware.collective_bytes_per_s / 1e9:.3g} GB/s [{hardware.collective_source}]"
         )
-    if cfg.model.num_experts:
+    if routed_experts(cfg.model):
         print(experts_assumption(cfg))
     if memory.disk_peak_bytes:
         print(
@@ -254,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
     parallel_mode = cfg.parallel.mode
     searched = None
     if searching:
-        searched, chosen = run_search(args, raw, memory, hardware, device_budget, host_budget, disk_budget, tracer)
+        searched, chosen = run_search(args, raw, hardware, device_budget, host_budget, disk_budget, tracer)
         fits = chosen is not None
         if chosen is not None:
             memory, options = chosen.memory, {**options, **chosen.options}
@@ -341,18 +359,21 @@ def experts_assumption(cfg: Any) -> str:
     from internlm_offload.model.router import gshard_capacity
 
     model, data = cfg.model, cfg.data
+    # the family's counts (a deepseek_v3 model's come from its config.json, its routing is dropless)
+    experts, top_k = routed_experts(model), experts_per_token(model)
+    moe_type = model.moe_type if capabilities(model.type).native_experts else "Dropless"
     # a rank's tokens: its chunk of the sequence where each tensor rank routes its own (isp; mtp/msp/fsp's no_tp)
     chunks = cfg.parallel.tensor.size if experts_over_tensor(cfg) else 1
     tokens = data.micro_bsz * data.seq_len // chunks
-    rows = tokens * model.top_k
+    rows = tokens * top_k
     kwargs = model.moe_layer_kwargs
     dropped = ""
-    if model.moe_type == "GShard" and kwargs.drop_tokens:
-        capacity = gshard_capacity(tokens, model.num_experts, model.top_k, kwargs.capacity_factor, kwargs.min_capacity)
+    if moe_type == "GShard" and kwargs.drop_tokens:
+        capacity = gshard_capacity(tokens, experts, top_k, kwargs.capacity_factor, kwargs.min_capacity)
         dropped = f"; GShard's capacity of {capacity} per expert drops choices from the output, not from the buffers"
     share = f" (this rank's 1/{chunks} of the sequence)" if chunks > 1 else ""
     head = (
-        f"mixture of experts: {model.num_experts} experts, top-{model.top_k}, {model.moe_type}: {rows} routed rows "
+        f"mixture of experts: {experts} experts, top-{top_k}, {moe_type}: {rows} routed rows "
         f"per sparse block per micro-batch{share} through one grouped GEMM{dropped}"
     )
     ep = cfg.parallel.expert.size
@@ -363,7 +384,7 @@ def experts_assumption(cfg: Any) -> str:
         )
     imbalance = min(cfg.memory_budget.expert_imbalance, ep)
     return (
-        f"{head}; expert parallel over {ep} ranks: {model.num_experts // ep} experts per rank, all {rows} rows sent "
+        f"{head}; expert parallel over {ep} ranks: {experts // ep} experts per rank, all {rows} rows sent "
         f"by all-to-all, {round(imbalance * rows)} received [assumed: memory_budget.expert_imbalance="
         f"{cfg.memory_budget.expert_imbalance}: the busiest rank receives {imbalance:g} x the mean, every row kept; "
         "its buffers, expert activations and FLOPs are traced at that size]"
@@ -373,7 +394,6 @@ def experts_assumption(cfg: Any) -> str:
 def run_search(
     args: argparse.Namespace,
     raw: dict[str, Any],
-    memory: Any,
     hardware: Any,
     device_budget: int | None,
     host_budget: int | None,
@@ -385,15 +405,14 @@ def run_search(
     `raw`: the loaded config (`--config` with `--cfg-options`); the candidates are merges of it."""
     from internlm_offload.planner.progress import SearchProgress
     from internlm_offload.planner.knobs import WRAPPER, Space
-    from internlm_offload.planner.search import candidate_configs, search_space, smallest_peak
+    from internlm_offload.planner.search import Budgets, candidate_configs, search_space, smallest_peak
 
     config_for = candidate_configs(raw, world_size=args.world_size)
     # every knob searched, smaller micro-batches too; parameter offload switches the wrapper to FSDP2 unless
     # the config names one; each tensor mode, with tensor groups of several ranks
-    num_layers = len(memory.block_activation_bytes)
     space = Space(
         config_for({}),
-        num_layers=num_layers,
+        num_layers=block_count(config_for({}).model),  # the folder's blocks (config.json), not model.num_layers
         free_wrapper=leaves_wrapper_open(raw),
         shapes=True,
         world_size=args.world_size,
@@ -434,7 +453,8 @@ def run_search(
             f"predicted step {chosen.step_s:.4g} s"
         )
     else:
-        smallest = smallest_peak(candidates, config_for, args.world_size, tracer)
+        budgets = Budgets(device_budget, host_budget, disk_budget)
+        smallest = smallest_peak(candidates, config_for, args.world_size, tracer, budgets)
         print(f"{args.config} on {args.world_size} rank(s): nothing fits: {smallest}")
     return rows, chosen
 

@@ -13,6 +13,7 @@ are read and exported; it is refused under a pipeline (its block would sit on th
 """
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,17 @@ from internlm_offload.family import Capabilities, FamilySpec, register_family
 MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite")
 # transformers' n_routed_experts where a config leaves it out
 DEFAULT_EXPERTS = {"deepseek_v3": 256, "kimi_k2": 256, "glm4_moe": 128, "glm4_moe_lite": 64}
+# transformers' num_experts_per_tok where a config leaves it out
+DEFAULT_TOP_K = {"deepseek_v3": 8, "kimi_k2": 8, "glm4_moe": 8, "glm4_moe_lite": 4}
 # transformers' num_hidden_layers where a config leaves it out
 DEFAULT_BLOCKS = {"deepseek_v3": 61, "kimi_k2": 61, "glm4_moe": 46, "glm4_moe_lite": 47}
 # transformers' num_nextn_predict_layers where a config leaves it out (Glm4MoeLiteConfig has no such key; GLM-4.7-Flash's
 # config.json states 1)
 DEFAULT_MTP_LAYERS = {"deepseek_v3": 1, "kimi_k2": 1, "glm4_moe": 1, "glm4_moe_lite": 0}
+# transformers' dense-first blocks where a config names neither first_k_dense_replace nor mlp_layer_types
+# (glm4_moe_lite has no first_k_dense_replace: its mlp_layer_types default to one dense block, then sparse ones)
+DEFAULT_DENSE_FIRST = {"deepseek_v3": 3, "kimi_k2": 3, "glm4_moe": 1, "glm4_moe_lite": 1}
+DENSE, SPARSE = "dense", "sparse"  # transformers' names of the kinds (`mlp_layer_types`)
 
 
 def check_section(model: Any) -> None:
@@ -65,11 +72,43 @@ def mtp_layers(model: Any) -> int:
     return int(config.get("num_nextn_predict_layers", DEFAULT_MTP_LAYERS.get(config.get("model_type"), 0)))
 
 
+def block_kinds(model: Any) -> tuple[str, ...]:
+    """Each block's kind, "dense" (a SwiGLU of `intermediate_size`) or "sparse" (the experts): `mlp_layer_types`
+    where the config lists them, else the first `first_k_dense_replace` dense (what args.dense_layers builds)."""
+    config = folder_config(model)
+    if "mlp_layer_types" in config:
+        return tuple(config["mlp_layer_types"])
+    count = blocks(model)
+    dense = min(count, int(config.get("first_k_dense_replace", DEFAULT_DENSE_FIRST.get(config.get("model_type"), 0))))
+    return (DENSE,) * dense + (SPARSE,) * (count - dense)
+
+
+def with_blocks(model: Any, kinds: Sequence[str]) -> Any | None:
+    """The section of the same model with exactly `kinds` as its blocks, from `model.hf_config` (a folder's
+    config.json copied there; its weights are not read): what the planner's reduced models and the kernel probe
+    build. `mlp_layer_types` names each block's kind (args.dense_layers reads it first, whatever the model_type);
+    None where the config cannot be read."""
+    config = folder_config(model)
+    if not config:
+        return None
+    leading = next((i for i, kind in enumerate(kinds) if kind != DENSE), len(kinds))
+    config = {**config, "num_hidden_layers": len(kinds), "mlp_layer_types": list(kinds)}
+    if "first_k_dense_replace" in config:  # kept consistent with the list for a reader of either
+        config["first_k_dense_replace"] = leading
+    return model.model_copy(update={"hf_config": config, "hf_path": None, "num_layers": len(kinds)})
+
+
 def routed_experts(model: Any) -> int:
     """The routed experts per sparse block, off `model.hf_config` or the folder's config.json (0 where it cannot be
     read: the build reports the folder)."""
     config = folder_config(model)
     return int(config.get("n_routed_experts", DEFAULT_EXPERTS.get(config.get("model_type"), 0)))
+
+
+def experts_per_token(model: Any) -> int:
+    """The experts each token is routed to, off the config (`num_experts_per_tok`; 0 where it cannot be read)."""
+    config = folder_config(model)
+    return int(config.get("num_experts_per_tok", DEFAULT_TOP_K.get(config.get("model_type"), 0)))
 
 
 FAMILY = register_family(
@@ -87,7 +126,10 @@ FAMILY = register_family(
         ),
         check_section=check_section,
         routed_experts=routed_experts,
+        experts_per_token=experts_per_token,
         blocks=blocks,
         mtp_layers=mtp_layers,
+        block_kinds=block_kinds,
+        with_blocks=with_blocks,
     )
 )

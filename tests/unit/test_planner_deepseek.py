@@ -203,6 +203,7 @@ def test_a_lora_base_under_expert_parallel_keeps_its_experts_in_the_compute_dtyp
         "model.lora.target_modules": ["q_a_proj", "o_proj"],
         "parallel.mode": "fsdp2",
         "parallel.expert.size": 2,
+        "model.mtp_config": {"num_layers": 0},  # multi-token prediction is refused under LoRA
     }
     memory = trace_step(config(options, world_size=2), 2, count_work=False)
     experts = 7 * 8 * 3 * 64 * 32  # sparse blocks x experts x (gate, up, down) x hidden x expert width

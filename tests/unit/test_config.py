@@ -551,8 +551,10 @@ def test_shipped_configs_exist() -> None:
 @pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=[p.name for p in SHIPPED_CONFIGS])
 def test_shipped_config_loads_and_resolves(path: Path) -> None:
     raw = load_config_file(path)
-    pipeline = raw.get("parallel", {}).get("pipeline", {})
-    cfg = resolve_config(raw, world_size=pipeline.get("size", 1))  # a pipeline's config needs its stages' ranks
+    parallel = raw.get("parallel", {})
+    # a pipeline's config needs its stages' ranks, an expert-parallel one (the planner's) its expert group's
+    world_size = parallel.get("pipeline", {}).get("size", 1) * parallel.get("expert", {}).get("size", 1)
+    cfg = resolve_config(raw, world_size=world_size)
     assert cfg.JOB_NAME
     assert cfg.lr_scheduler.total_steps is not None and cfg.data.seed is not None and cfg.data.global_bsz is not None
     plan = make_layer_plan(

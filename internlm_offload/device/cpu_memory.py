@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -201,9 +202,13 @@ class PeakSampler:
 
 
 def _sample(ref: weakref.ref[PeakSampler], stopped: threading.Event, interval_s: float) -> None:
-    while not stopped.wait(interval_s):
+    # time.sleep, not `stopped.wait(interval_s)`: an Event's timed wait makes a lock and runs a Condition's
+    # bookkeeping on every call, which at 2000 calls a second was about half of what the sampler cost (a tenth of
+    # a tiny run's CPU); `stop()` now waits up to one interval.
+    while not stopped.is_set():
+        time.sleep(interval_s)
         sampler = ref()
-        if sampler is None:
+        if sampler is None or stopped.is_set():
             return
         sampler.record(sampler.read())
         del sampler  # hold it only while sampling, so that it can be collected

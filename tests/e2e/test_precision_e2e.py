@@ -101,7 +101,7 @@ def test_bf16_offload_configs_align_bitwise_with_the_bf16_baseline(tmp_path, bas
 
 def _spawn(work_dir, *options, resume=False):
     """train.py started in the background (its stderr beside `work_dir`, as `<name>.stderr`)."""
-    argv = train_argv(work_dir, "data.seq_len=64", "data.micro_bsz=2", *options, resume=resume, fast=False)
+    argv = train_argv(work_dir, *options, resume=resume)  # FAST: no preflight trace (CI time)
     return spawn_python([sys.executable, str(REPO / "train.py"), *argv], work_dir)
 
 
@@ -252,7 +252,7 @@ def test_sigterm_or_ctrl_c_checkpoints_exits_0_and_resumes_bitwise(tmp_path, sig
 
 def _spawn_run(work_dir, options, nproc):
     """`_spawn` on `nproc` processes (torchrun's signal forwarding: a forked run signals every rank)."""
-    argv = train_argv(work_dir, "data.seq_len=64", "data.micro_bsz=2", *options, fast=False)
+    argv = train_argv(work_dir, *options)  # FAST, as `train` runs the full and resumed runs
     return spawn_python([*python(nproc), str(REPO / "train.py"), *argv], work_dir)
 
 

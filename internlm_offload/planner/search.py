@@ -122,20 +122,21 @@ class PricedMode:
         # composed where blocks share events: the budgets widened by its margin until the whole trace decides
         slack = 1.0 if exact else 1 + APPROXIMATE_MARGIN
         widened = [None if b is None else int(b * slack) for b in (budgets.device, budgets.host)]
+        # No activation setting peaks below what the optimizer setting holds at rest (its parameters, masters and
+        # states, composed exactly where the peaks may not be: `state_composes`): a candidate over the budget so gets no
+        # trace, composed or whole (GLM-4.5's LoRA base alone is 82.1 GiB a rank on an 80 GiB device)
+        state = model_state(self.by_optimizer[candidate.optimizer.name])
+        exact_state = exact or state_composes(config)
+        if over_budget(*state, *(widened if not exact_state else (budgets.device, budgets.host))):
+            held = over_budget(*state, budgets.device, budgets.host)[0][1].replace(" peak ", " peak at least ", 1)
+            margin = "" if exact_state else " by more than its margin"
+            candidate.verdict = f"estimated {held}{margin}: its parameters, masters and states alone"
+            return False
         problems = over_budget(candidate.estimated_device, candidate.estimated_host, *widened)
         # A candidate on the base optimizer's column is estimated by its own trace when that is exact: a lean
         # estimate could only send it to that same trace, over the budget again.
         own_trace = exact and candidate.optimizer is self.base_optimizer
         if problems and candidate.activation is not self.base_activation and not own_trace:
-            # no estimate goes below what the optimizer setting holds at rest: no trace is spent refining it then (its
-            # composition is exact where the peaks' may not be: `state_composes`)
-            state = model_state(self.by_optimizer[candidate.optimizer.name])
-            exact_state = exact or state_composes(config)
-            if over_budget(*state, *(widened if not exact_state else (budgets.device, budgets.host))):
-                held = over_budget(*state, budgets.device, budgets.host)[0][1].replace(" peak ", " peak at least ", 1)
-                margin = "" if exact_state else " by more than its margin"
-                candidate.verdict = f"estimated {held}{margin}: its parameters, masters and states alone"
-                return False
             self.lean.refine(candidate)
             problems = over_budget(candidate.estimated_device, candidate.estimated_host, *widened)
         if problems:

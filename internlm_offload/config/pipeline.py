@@ -82,11 +82,11 @@ def pipeline_problem(cfg: Any) -> str | None:
         return (
             f"{where} with parallel.fsdp_cpu_offload=True: FSDP2's CPU offload per stage is not checked yet; set False"
         )
-    if mtp_depth(model):
+    if mtp_depth(model) and cfg.parallel.tensor.size > 1:
         return (
-            f"{where} with model.mtp_config.num_layers={mtp_depth(model)}: multi-token prediction is not built under a "
-            "pipeline (its blocks read the first stage's embedding and the last stage's hidden state); set "
-            "model.mtp_config=dict(num_layers=0)"
+            f"{where} with model.mtp_config.num_layers={mtp_depth(model)} and parallel.tensor.size="
+            f"{cfg.parallel.tensor.size}: multi-token prediction's stage inputs under a tensor mode are not checked "
+            "yet; set parallel.tensor.size=1 or model.mtp_config=dict(num_layers=0)"
         )
     for key, off, why in _NOT_UNDER_PIPELINE:
         value = _value(cfg, key)

@@ -29,11 +29,12 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.nn.parallel import DistributedDataParallel
 
 from internlm_offload.data.loader import MicroBatch
-from internlm_offload.engine.loss import token_loss_sum
+from internlm_offload.engine.loss import mtp_labels, token_loss_sum
 from internlm_offload.engine.pipeline_split import PipelineChunk
 from internlm_offload.engine.runtime import RunContext, stage_data_mesh
 from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import local_loss, loss_context
+from internlm_offload.model.output import MTP
 
 
 def schedule_class(mode: str, num_chunks: int) -> type[_PipelineSchedule]:
@@ -113,9 +114,13 @@ class PipelineRunner:
         self.loss_parallel = loss_parallel
         self._sequence_shard = sequence_shard
         self._sums: list[torch.Tensor] = []  # this step's per-micro-batch loss sums, in micro-batch order
+        self._mtp_sums: list[torch.Tensor] = []  # and their multi-token-prediction losses (weighted)
+        self._loss_scale = 1.0  # this step's (fp16), on the multi-token-prediction loss in the objective
         self.chunks = [stage_chunk(m) for m in modules.values()]  # this rank's, in stage order
-        # the auxiliary losses every stage logs (0 where it holds no sparse block), in the trainer's order
-        self.aux_names = list(self.chunks[0].aux_losses.coefficients)
+        # the auxiliary losses every stage logs (0 where it holds no sparse block), in the trainer's order, then
+        # multi-token prediction's (0 off the last stage)
+        self.mtp_depth = self.chunks[0].mtp_depth
+        self.aux_names = list(self.chunks[0].aux_losses.coefficients) + ([MTP] if self.mtp_depth else [])
         # torch infers the shapes the stages exchange on the first step (one micro-batch's forward and its input
         # gradients, no parameter gradient)
         self._after_backward: Callable[[], None] | None = None  # this step's, from `forward_backward`
@@ -127,14 +132,34 @@ class PipelineRunner:
         single = schedule_cls is Schedule1F1B
         # scale_grads=False: the loss is already the trainer's share of the step (see the module's docstring)
         self.schedule = schedule_cls(stages[0] if single else stages, micro_num, loss_fn=self.loss, scale_grads=False)
+        self._micro_num = micro_num
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:
-        """One micro-batch's loss on the last stage: its token-loss sum (kept for `step_loss_sum`) times `weight`."""
-        if self._sequence_shard is not None:
-            labels = self._sequence_shard.local(labels)  # shifted before the split, as the tokens were
-        loss_sum = token_loss_sum(logits, labels, label_smoothing=self._label_smoothing)
+    def loss(
+        self,
+        output: torch.Tensor | tuple[torch.Tensor, ...],
+        target: torch.Tensor,
+        weight: float,
+        mtp_weights: tuple[float, ...] = (),
+    ) -> torch.Tensor:
+        """One micro-batch's loss on the last stage: its token-loss sum (kept for `step_loss_sum`) times `weight`.
+        With multi-token prediction `output` is the logits, then each depth's, and `target` (B, 1 + D, T) the labels,
+        then each depth's (`mtp_targets`), depth k's loss sum weighed by `mtp_weights[k - 1]` (kept apart: the
+        step's `mtp` auxiliary loss)."""
+        logits, *depth_logits = output if isinstance(output, tuple) else (output,)
+        targets = target.unbind(1) if depth_logits else (target,)
+        if self._sequence_shard is not None:  # shifted before the split, as the tokens were
+            targets = tuple(self._sequence_shard.local(t) for t in targets)
+        loss_sum = token_loss_sum(logits, targets[0], label_smoothing=self._label_smoothing)
         self._sums.append(local_loss(loss_sum).detach())
-        return loss_sum * weight
+        objective = loss_sum * weight
+        if depth_logits:
+            mtp = sum(
+                token_loss_sum(d, t, label_smoothing=self._label_smoothing) * w
+                for d, t, w in zip(depth_logits, targets[1:], mtp_weights, strict=True)
+            )
+            self._mtp_sums.append(local_loss(mtp).detach())
+            objective = objective + mtp * self._loss_scale
+        return objective
 
     def _micro_batch_done(self) -> None:
         if self._after_backward is not None:
@@ -146,34 +171,50 @@ class PipelineRunner:
         token_weight: float,
         aux_weight: float = 1.0,
         after_backward: Callable[[], None] | None = None,
+        *,
+        mtp_weights: tuple[float, ...] = (),
+        loss_scale: float = 1.0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward and backward of every micro-batch through the pipeline: the sum of their token-loss sums on
         the rank holding the last stage, 0 elsewhere, and each auxiliary loss (coefficient-weighted) summed over
         the micro-batches and this rank's stages (`reduce_losses` brings both to every rank, the auxiliary losses
         summed over the stages). Each stage backpropagates its own auxiliary losses times `aux_weight`
         (engine/stage_aux_loss.py). `after_backward` runs after each backward pass of a micro-batch on this rank's
-        stages (the masters' `accumulate_grads`)."""
+        stages (the masters' `accumulate_grads`). Multi-token prediction's depth k is weighed by `mtp_weights[k - 1]`
+        (times `loss_scale` in the objective), its step's sum logged as the auxiliary loss `mtp`."""
         device = self.ctx.device
         input_ids, labels, *positions = (
             torch.cat([mb[i] for mb in micro_batches]).to(device) for i in range(len(micro_batches[0]))
         )
         kwargs = {"position_ids": positions[0]} if positions else {}  # every stage applies RoPE
-        self.start_step(after_backward, aux_weight)
+        target = self.targets(labels, positions[0] if positions else None)
+        self.start_step(after_backward, aux_weight, loss_scale)
         with loss_context(self.loss_parallel):  # the loss and its backward run inside the step
             self.schedule.step(
                 *((input_ids,) if self.holds_first else ()),
-                target=labels if self.holds_last else None,
+                target=target if self.holds_last else None,
                 losses=[] if self.holds_last else None,
                 return_outputs=False,  # the last stage's logits would stay alive for every micro-batch
-                loss_kwargs={"weight": token_weight},
+                loss_kwargs={"weight": token_weight, "mtp_weights": tuple(mtp_weights)},
                 **kwargs,
             )
         return self.step_loss_sum(len(micro_batches)), self.step_aux_sums()
 
-    def start_step(self, after_backward: Callable[[], None] | None, aux_weight: float = 1.0) -> None:
+    def targets(self, labels: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """What the last stage's `loss` scores: the labels, or with multi-token prediction (B, 1 + D, T) the labels
+        and each depth's, rolled on the whole sequence inside its documents as the first stage rolls the ids."""
+        if not self.mtp_depth:
+            return labels
+        return torch.stack([labels, *mtp_labels(labels, position_ids, self.mtp_depth)], 1)
+
+    def start_step(
+        self, after_backward: Callable[[], None] | None, aux_weight: float = 1.0, loss_scale: float = 1.0
+    ) -> None:
         """Forget the last step's loss sums; `after_backward` runs after each backward pass of this step, the
-        stages weigh their auxiliary losses by `aux_weight`."""
-        self._sums = []
+        stages weigh their auxiliary losses by `aux_weight`, the multi-token-prediction loss is scaled by
+        `loss_scale` (fp16's) in the objective."""
+        self._sums, self._mtp_sums = [], []
+        self._loss_scale = loss_scale
         self._after_backward = after_backward
         for chunk in self.chunks:
             chunk.aux_losses.take()
@@ -185,6 +226,9 @@ class PipelineRunner:
         for chunk in self.chunks:  # in stage order; each stage's sum in micro-batch order
             for name, value in chunk.aux_losses.take().items():
                 sums[name] += value
+        if self.mtp_depth:
+            for micro_sum in self._mtp_sums[-self._micro_num :]:  # after shape inference's, as `step_loss_sum`
+                sums[MTP] += micro_sum
         return sums
 
     def step_loss_sum(self, micro_num: int) -> torch.Tensor:
@@ -235,6 +279,8 @@ class PipelineStages(nn.Module):
         last = next((c for c in ordered if c.last), None)
         if last is not None:
             self.norm, self.output = last.norm, last.output
+            if last.mtp is not None:
+                self.mtp = last.mtp
 
 
 def wrap_chunks(
@@ -278,6 +324,7 @@ def _shard(
     gradient reduction until the step's last backward (the gradients accumulate unsharded over micro-batches) and
     reduce-scatters once; the chunk itself keeps its parameters after forward, backward needs them at once."""
     policy = {} if mixed_precision is None else {"mp_policy": mixed_precision}
-    for block in chunk.layers.values():
+    mtp = chunk.mtp.layers if chunk.mtp is not None else ()  # as without a pipeline: builder/model.py fsdp_blocks
+    for block in [*chunk.layers.values(), *mtp]:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
     return fully_shard(chunk, mesh=mesh, reshard_after_forward=False, **policy)

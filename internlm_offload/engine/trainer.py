@@ -317,7 +317,12 @@ class Trainer:
         if self.pipeline is not None:  # the schedule runs every micro-batch through this rank's stages
             # each stage backpropagates its own blocks' aux losses; `aux_sums`: this rank's stages' share
             loss_sum, aux_sums = self.pipeline.forward_backward(
-                micro_batches, token_weight, aux_weight, self.masters.accumulate_grads
+                micro_batches,
+                token_weight,
+                aux_weight,
+                self.masters.accumulate_grads,
+                mtp_weights=mtp_weights,
+                loss_scale=loss_scale,
             )
         else:
             loss_sum, aux_sums = self._micro_batches(micro_batches, token_weight, aux_weight, mtp_weights, loss_scale)

@@ -15,7 +15,6 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from internlm_offload.model.attention import Documents
@@ -214,14 +213,8 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
                     rope=rope,
                     documents=documents,
                 )
-                mtp_logits = tuple(self._mtp_head(d) for d in depths)
+                mtp_logits = tuple(self.mtp.logits(d, self.output) for d in depths)
         return ModelOutput(logits, self.aux_losses(stats), mtp_logits)
-
-    def _mtp_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The shared head on a multi-token-prediction depth's output (through a detached weight if asked)."""
-        if self.mtp.settings.detach_head_weight:
-            return F.linear(hidden, self.output.weight.detach())
-        return self.output(hidden)
 
     def aux_losses(self, stats: list[RouterStats]) -> dict[str, torch.Tensor]:
         """The auxiliary losses by name (model/output.py) of this forward's router statistics; none by default."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from internlm_offload.model.attention import Documents
 from internlm_offload.model.hooks import RecordsRouterStats
@@ -58,6 +59,19 @@ def roll_in_documents(x: torch.Tensor, shift: int, position_ids: torch.Tensor | 
         document = (position_ids == 0).cumsum(-1)  # as model/attention.py's document mask numbers them
         inside = inside & (document.roll(-shift, dims=-1) == document)
     return torch.where(inside, rolled, torch.full_like(x, fill))
+
+
+def embedded_inputs(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    depth: int,
+    *,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    local: Callable[[torch.Tensor], torch.Tensor],
+) -> list[torch.Tensor]:
+    """Each depth k's (1..`depth`) input embedding: the whole sequence's ids rolled by k inside their documents, then
+    `local` keeps this rank's chunk (isp), then `embed` (a pipeline's first stage computes these and sends them on)."""
+    return [embed(local(roll_in_documents(input_ids, k, position_ids, 0))) for k in range(1, depth + 1)]
 
 
 class MtpLayer(nn.Module):
@@ -115,23 +129,33 @@ class MultiTokenPrediction(nn.Module):
         documents: Documents | None,
     ) -> list[torch.Tensor]:
         """Each depth's h^k (head-normed, before the head), for the main stack's `hidden` (pre-norm) and the whole
-        sequence's `input_ids` / `position_ids`: the ids are rolled on the whole sequence, then `local` keeps this
-        rank's chunk (isp), then `embed` embeds them."""
+        sequence's `input_ids` / `position_ids`: `embedded_inputs`, then `depths`."""
+        embedded = embedded_inputs(input_ids, position_ids, self.settings.depth, embed=embed, local=local)
+        return self.depths(hidden, embedded, rope, documents)
+
+    def depths(
+        self, hidden: torch.Tensor, embedded: list[torch.Tensor], rope: Rope, documents: Documents | None
+    ) -> list[torch.Tensor]:
+        """Each depth's h^k from the main stack's `hidden` (pre-norm) and each depth's input embedding."""
         settings = self.settings
         h = hidden.detach() if settings.detach_inputs else hidden
         outs = []
         for k in range(1, settings.depth + 1):
             layer = self.layers[0 if settings.share_weights else k - 1]
-            embedded = embed(local(roll_in_documents(input_ids, k, position_ids, 0)))
-            if settings.detach_inputs:
-                embedded = embedded.detach()
-            h = layer(h, embedded, rope, documents)
+            inputs = embedded[k - 1].detach() if settings.detach_inputs else embedded[k - 1]
+            h = layer(h, inputs, rope, documents)
             sparse = layer.sparse_block()
             if sparse is not None and sparse.stats_sink is not None:
                 # each call's choices, added now: a layer shared by the depths runs D times per forward
                 sparse.record_load()
             outs.append(h)
         return outs
+
+    def logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """The shared `head` on a depth's output (through a detached weight with `detach_head_weight`)."""
+        if self.settings.detach_head_weight:
+            return F.linear(hidden, head.weight.detach())
+        return head(hidden)
 
     def sparse_blocks(self) -> list[RecordsRouterStats]:
         """The layers' sparse feed-forwards (one router each; shared by the depths with `share_weights`)."""

@@ -214,8 +214,9 @@ class LocalSchedule:
         self.stages = {stage.stage_index: stage for stage in runner.stages}
         self.actions = rank_actions(runner.schedule.pipeline_order, pp_rank)
         self._hidden, self._dtype, self._sequence_parts = activation
-        self._inputs: dict[int, list[torch.Tensor]] = {}  # torch's receive buffers, per stage and micro-batch
-        self._output_grads: dict[int, list[torch.Tensor]] = {}
+        # torch's receive buffers, per stage and micro-batch
+        self._inputs: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+        self._output_grads: dict[int, list[tuple[torch.Tensor, ...]]] = {}
 
     def reduce_losses(self, values: torch.Tensor) -> None:
         self.runner.reduce_losses(values)
@@ -229,67 +230,81 @@ class LocalSchedule:
         token_weight: float,
         aux_weight: float = 1.0,
         after_backward: Callable[[], None] | None = None,
+        *,
+        mtp_weights: tuple[float, ...] = (),
+        loss_scale: float = 1.0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The rank's actions over `micro_batches`, as the runner's `forward_backward` (the engine's docstring); the
         stages run as in torch's shape inference, their routing not recorded (no auxiliary loss: a few scalars)."""
         device = self.runner.ctx.device
+        micro_num = len(micro_batches)
         ids, labels, *positions = (
-            torch.cat([mb[i] for mb in micro_batches]).to(device).chunk(len(micro_batches))
-            for i in range(len(micro_batches[0]))
+            torch.cat([mb[i] for mb in micro_batches]).to(device) for i in range(len(micro_batches[0]))
         )
-        self.runner.start_step(after_backward, aux_weight)
+        targets = self.runner.targets(labels, positions[0] if positions else None).chunk(micro_num)
+        ids, positions = ids.chunk(micro_num), [p.chunk(micro_num) for p in positions]
+        self.runner.start_step(after_backward, aux_weight, loss_scale)
         with loss_context(self.runner.loss_parallel):  # vocab-sharded logits: the loss and its backward inside
-            self._run_actions(ids, labels, positions, token_weight, after_backward)
-        return self.runner.step_loss_sum(len(micro_batches)), self.runner.step_aux_sums()
+            self._run_actions(ids, targets, positions, (token_weight, tuple(mtp_weights)), after_backward)
+        return self.runner.step_loss_sum(micro_num), self.runner.step_aux_sums()
 
     def _run_actions(
         self,
         ids: tuple[torch.Tensor, ...],
-        labels: tuple[torch.Tensor, ...],
+        targets: tuple[torch.Tensor, ...],
         positions: list[tuple[torch.Tensor, ...]],
-        token_weight: float,
+        weights: tuple[float, tuple[float, ...]],
         after_backward: Callable[[], None] | None,
     ) -> None:
-        """This rank's actions in torch's order on the micro-batches' chunks."""
+        """This rank's actions in torch's order on the micro-batches' chunks. A stage takes and returns a tuple
+        where multi-token prediction's inputs travel beside the hidden state (engine/pipeline_split.py)."""
         for buffers in self._inputs.values():  # PipelineStage.clear_runtime_states
-            for buffer in buffers:
+            for buffer in (b for micro_batch in buffers for b in micro_batch):
                 buffer.grad = None
         micro_num = len(ids)
-        in_flight: dict[tuple[int, int], torch.Tensor] = {}
+        in_flight: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         weight_passes: dict[tuple[int, int], list[dict[str, Any]]] = {}  # what an I keeps for its W
         for action in self.actions:
             stage, mb, key = self.stages[action.stage], action.micro_batch, (action.stage, action.micro_batch)
             if action.kind == FORWARD:
                 kwargs = {"position_ids": positions[0][mb]} if positions else {}
-                x = ids[mb] if stage.is_first else self._input(action.stage, ids[mb].shape, mb, micro_num)
-                out = stage.submod(x, **kwargs)
-                in_flight[key] = self.runner.loss(out, labels[mb], token_weight) if stage.is_last else out
+                x = (ids[mb],) if stage.is_first else self._input(action.stage, ids[mb].shape, mb, micro_num)
+                out = stage.submod(*x, **kwargs)
+                if stage.is_last:
+                    out = self.runner.loss(out, targets[mb], *weights)
+                in_flight[key] = out if isinstance(out, tuple) else (out,)
                 continue
             if action.kind == INPUT and not stage.is_first:  # torch's input pass: the inputs' gradients now
-                out = in_flight.pop(key)
-                grads = None if stage.is_last else [self._output_grad(action.stage, out, micro_num)[mb]]
-                inputs = [self._inputs[action.stage][mb]]
-                weight_passes[key] = stage_backward_input([out], grads, inputs, stage.submod.parameters())[1]
+                outs = in_flight.pop(key)
+                grads = None if stage.is_last else list(self._output_grad(action.stage, outs, micro_num)[mb])
+                inputs = list(self._inputs[action.stage][mb])
+                weight_passes[key] = stage_backward_input(list(outs), grads, inputs, stage.submod.parameters())[1]
             elif action.kind == WEIGHT and key in weight_passes:  # its weight pass, from what the I kept
                 stage_backward_weight(stage.submod.parameters(), weight_passes.pop(key))
             elif action.kind != INPUT:  # B, or the first stage's W: the whole backward (torch's, both)
-                out = in_flight.pop(key)
-                grad = None if stage.is_last else self._output_grad(action.stage, out, micro_num)[mb]
-                torch.autograd.backward(out, grad)
+                outs = in_flight.pop(key)
+                grads = None if stage.is_last else self._output_grad(action.stage, outs, micro_num)[mb]
+                torch.autograd.backward(outs, grads)
             if after_backward is not None:
                 after_backward()
 
-    def _input(self, stage: int, ids_shape: torch.Size, micro_batch: int, micro_num: int) -> torch.Tensor:
+    def _input(self, stage: int, ids_shape: torch.Size, micro_batch: int, micro_num: int) -> tuple[torch.Tensor, ...]:
+        """The receive buffers of `stage`'s micro-batch: the hidden state, then each multi-token-prediction depth's
+        input embedding (the same shape)."""
         if stage not in self._inputs:
             batch, seq_len = ids_shape
             shape = (batch, seq_len // self._sequence_parts, self._hidden)
             device = self.runner.ctx.device
+            received = 1 + self.runner.mtp_depth
             self._inputs[stage] = [
-                torch.empty(shape, dtype=self._dtype, device=device).requires_grad_() for _ in range(micro_num)
+                tuple(torch.empty(shape, dtype=self._dtype, device=device).requires_grad_() for _ in range(received))
+                for _ in range(micro_num)
             ]
         return self._inputs[stage][micro_batch]
 
-    def _output_grad(self, stage: int, output: torch.Tensor, micro_num: int) -> list[torch.Tensor]:
+    def _output_grad(
+        self, stage: int, outputs: tuple[torch.Tensor, ...], micro_num: int
+    ) -> list[tuple[torch.Tensor, ...]]:
         if stage not in self._output_grads:
-            self._output_grads[stage] = [torch.empty_like(output) for _ in range(micro_num)]
+            self._output_grads[stage] = [tuple(torch.empty_like(o) for o in outputs) for _ in range(micro_num)]
         return self._output_grads[stage]

@@ -1,7 +1,7 @@
 """Mixtures of experts over pipeline stages (torchrun over gloo) against one process of the same global batch: the
 native MoE with InternEvo's load-balancing loss (each stage backpropagating its own sparse blocks' share) under ZBV,
-and the DeepSeek-V3 family (its dense first block on stage 0, its router biases moved from choices counted by each
-stage's data-parallel ranks) at P = 2 x DDP 2. Loss within 1e-5, grad norm within 1e-4 relative (the stages' norms
+and the DeepSeek-V3 family (its dense first block on stage 0, multi-token prediction on the last, its router biases
+moved from choices counted by each stage's data-parallel ranks) at P = 2 x DDP 2. Loss within 1e-5, grad norm within 1e-4 relative (the stages' norms
 summed over the pipeline: reduction order alone), the aux loss within 1e-5 (summed per stage, then over the stages),
 `moe_maxvio` within 1 % and the biases bit for bit (integer counts pooled over every rank, as in
 test_deepseek_parallel_e2e.py). Measured: the loss bitwise or 1 ulp (1.2e-7), the grad norm within 2.1e-7, the aux
@@ -9,7 +9,7 @@ loss within 1 ulp (8.2e-8), `moe_maxvio` equal at every step.
 """
 
 import pytest
-from deepseek_runs import DEEPSEEK, STEPS, assert_same_biases
+from deepseek_runs import DEEPSEEK, STEPS, assert_same_biases, family_baseline
 from runner import metrics, train
 from tensor_parallel_runs import NEAR, assert_curves
 
@@ -50,17 +50,21 @@ def test_the_load_balancing_loss_of_every_stage_trains_as_in_one_process(tmp_pat
 def test_deepseek_at_p2_by_ddp2_counts_every_stages_choices_and_moves_the_biases_as_one_process(
     tmp_path, reference_run
 ):
-    """Four ranks, stages {0, 1} (the dense block 0 and sparse block 1) and {2, 3} (sparse blocks 2, 3), DDP over
-    each stage's two ranks: each rank counts its own routers' choices in a table of the model's 3, the tables summed
-    over all four, so every router's row pools the tokens of its stage's two data-parallel ranks; every rank moves
-    the biases it holds and logs `moe_maxvio` over all three. Red with the table summed over the pipeline group
-    alone (each row half its stage's tokens: the loss off from step 2, 5.0e-4 at step 6)."""
-    no_mtp = "model.mtp_config.num_layers=0"  # multi-token prediction is refused under a pipeline
-    one = reference_run(*STEPS, no_mtp, config=DEEPSEEK)
+    """Four ranks, stages {0, 1} (the dense block 0 and sparse block 1) and {2, 3} (sparse blocks 2, 3, then the
+    multi-token-prediction layer), DDP over each stage's two ranks: each rank counts its own routers' choices in a
+    table of the model's 4, the tables summed over all four, so every router's row pools the tokens of its stage's
+    two data-parallel ranks; every rank moves the biases it holds and logs `moe_maxvio` over all of them. The first
+    stage embeds the depth's rolled ids and sends them on beside the hidden state; the last stage runs the depth and
+    its loss, logged as `mtp_loss` (within 1e-5, as the loss). Red with the table summed over the pipeline group
+    alone (each row half its stage's tokens: the loss off from step 2, 5.0e-4 at step 6), and with the depth's
+    labels not rolled (the loss off from step 2)."""
+    one = family_baseline(reference_run)  # test_deepseek_parallel_e2e.py's one process, multi-token prediction on
     run = tmp_path / "p2_ddp2"
-    proc = train(run, *STEPS, "parallel.pipeline.size=2", "parallel.mode=ddp", no_mtp, config=DEEPSEEK, nproc=4)
+    proc = train(run, *STEPS, "parallel.pipeline.size=2", "parallel.mode=ddp", config=DEEPSEEK, nproc=4)
     assert "Pipeline rank 0 of 2: stages [0] of 2 (Schedule1F1B), DDP over 2 ranks each" in proc.stderr
     assert_curves(one, run, NEAR)
     got, want = ([r["moe_maxvio"] for r in metrics(path)] for path in (run, one))
     assert got == pytest.approx(want, rel=1e-2), (got, want)
-    assert_same_biases(one, run, mtp=False)
+    got, want = ([r["mtp_loss"] for r in metrics(path)] for path in (run, one))
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
+    assert_same_biases(one, run, mtp=True)

@@ -102,7 +102,7 @@ def test_stages_in_order_are_the_whole_decoder_bitwise(size, chunks, v_shape, pa
     positions = torch.tensor([list(range(10)) + list(range(6))] * 2) if packed else None
     h = ids
     for index in sorted(stages):
-        h = stages[index](h, positions)
+        h = stages[index](h, position_ids=positions)
     assert torch.equal(h, model(ids, positions).logits)
 
 

@@ -16,8 +16,8 @@ from internlm_offload.builder.model import build_model
 from internlm_offload.config import ConfigError, ModelConfig, load_config_file, resolve_config
 from internlm_offload.config.pipeline import pipeline_rank_blocks
 from internlm_offload.config.pipeline_partition import local_stages
-from internlm_offload.engine.loss import token_loss_sum, weighted_aux_losses
-from internlm_offload.engine.pipeline import PipelineStages
+from internlm_offload.engine.loss import mtp_labels, token_loss_sum, weighted_aux_losses
+from internlm_offload.engine.pipeline import PipelineRunner, PipelineStages
 from internlm_offload.engine.pipeline_split import split_model
 from internlm_offload.engine.router_bias import RouterBiasUpdate
 from internlm_offload.engine.stage_aux_loss import carry_aux_loss
@@ -31,7 +31,8 @@ TINY = load_config_file(DEEPSEEK)["model"]["hf_config"]
 COEFFICIENTS = {MOE_AUX: 0.01}
 TOKEN_WEIGHT, AUX_WEIGHT = 1 / 32, 0.25  # the trainer's weights of one step (any values: the same on both sides)
 SPEED = 0.001  # model.router_bias_update_speed
-NO_MTP = {"num_layers": 0}  # multi-token prediction is refused under a pipeline (its block not on a stage yet)
+MTP_WEIGHTS = (0.05 / 30, 0.05 / 28)  # each depth's weight on its loss sum (the trainer's: any values, the same)
+NO_MTP = {"num_layers": 0}  # the bias tests without multi-token prediction (test_multi_token_prediction_* with)
 LAYOUTS = [(2, 1, False), (4, 1, False), (2, 2, True)]  # (P, chunks, V): 1F1B at P=2 and P=4, ZBV's V at P=2
 
 
@@ -121,9 +122,9 @@ def test_the_stages_aux_losses_give_one_process_gradients_bitwise(moe_type, size
     assert got_aux.item() == pytest.approx(want_aux.item(), rel=1e-6)
 
 
-def deepseek_model() -> Any:
+def deepseek_model(mtp: dict[str, Any] = NO_MTP) -> Any:
     torch.manual_seed(0)
-    return build_model(ModelConfig(type="deepseek_v3", hf_config=TINY, mtp_config=NO_MTP), torch.device("cpu"))
+    return build_model(ModelConfig(type="deepseek_v3", hf_config=TINY, mtp_config=mtp), torch.device("cpu"))
 
 
 @pytest.mark.parametrize(("size", "chunks", "v_shape"), LAYOUTS)
@@ -163,6 +164,62 @@ def test_each_rank_counts_its_routers_in_a_table_of_all_and_moves_its_biases_as_
     moved = [(name, bias) for name, bias in whole.named_buffers() if name.endswith("e_score_correction_bias")]
     assert len(moved) == 3 and all(bias.abs().sum() > 0 for _, bias in moved)
     assert all(torch.equal(got[name], bias) for name, bias in moved)
+
+
+def run_stages_with_mtp(stages: dict[int, Any], ids: torch.Tensor, positions: torch.Tensor, target: torch.Tensor):
+    """`run_stages` with multi-token prediction: the stages exchange tuples (the hidden state, then each depth's input
+    embedding), the last stage's output (logits, then each depth's) scored by the runner's own loss function."""
+    runner = SimpleNamespace(_sequence_shard=None, _label_smoothing=0.0, _sums=[], _mtp_sums=[], _loss_scale=1.0)
+    inputs, outputs, x = {}, {}, (ids,)
+    for index in sorted(stages):
+        inputs[index] = x
+        out = stages[index](*x, position_ids=positions)
+        outputs[index] = out if isinstance(out, tuple) else (out,)
+        x = tuple(o.detach().requires_grad_() for o in outputs[index])
+    grads = None
+    for index in sorted(stages, reverse=True):
+        if grads is None:
+            PipelineRunner.loss(runner, outputs[index], target, TOKEN_WEIGHT, MTP_WEIGHTS).backward()
+        else:
+            torch.autograd.backward(outputs[index], grads)
+        grads = tuple(t.grad for t in inputs[index]) if index else None
+    return runner
+
+
+@pytest.mark.parametrize(("size", "chunks", "v_shape"), LAYOUTS)
+@pytest.mark.parametrize("share", [False, True])
+def test_multi_token_prediction_on_the_last_stage_gives_one_process_gradients_and_biases_bitwise(
+    size, chunks, v_shape, share
+):
+    """DeepSeek-V3's tiny model with two MTP depths (two layers, or one shared) over pipeline stages, two documents
+    packed in each row: the first stage embeds each depth's rolled ids and the stages pass them on beside the hidden
+    state; the last runs the depths and scores them with the runner's loss. Every parameter's gradient (the embedding
+    taking the depths' share through the stages) and the routers' counts (the MTP router's row too) are one
+    process's bit for bit, and the loss sums too. Red with the depths' embeddings passed on detached (the embedding's
+    gradient off), with the last stage's logits computed after the depths (every gradient a few ulps off: the hidden
+    state's two gradients summed in the other order) and with the MTP routers' choices not counted (their row 0)."""
+    mtp = {"num_layers": 2, "share_weights": share}
+    ids = torch.randint(0, 259, (2, 16))
+    positions = torch.cat([torch.arange(10), torch.arange(6)]).repeat(2, 1)
+    labels = torch.randint(0, 259, (2, 16))
+    depth_labels = mtp_labels(labels, positions, 2)
+    whole = deepseek_model(mtp)
+    out = whole(ids, positions)
+    want_mtp = sum(token_loss_sum(d, t) * w for d, t, w in zip(out.mtp_logits, depth_labels, MTP_WEIGHTS, strict=True))
+    want_loss = token_loss_sum(out.logits, labels)
+    (want_loss * TOKEN_WEIGHT + want_mtp).backward()
+    want_counts = BiasBlocks(whole).take()
+    assert want_counts.shape[0] == 3 + (1 if share else 2)
+    model = deepseek_model(mtp)
+    stages = stages_of(model, size, chunks, v_shape, {})
+    runner = run_stages_with_mtp(stages, ids, positions, torch.stack([labels, *depth_labels], 1))
+    assert torch.equal(runner._sums[0], want_loss) and torch.equal(runner._mtp_sums[0], want_mtp)
+    want_grads = dict(whole.named_parameters())
+    assert all(torch.equal(p.grad, want_grads[n].grad) for n, p in model.named_parameters())
+    held = [{s: stages[s] for s in local_stages(rank, size, chunks, v_shape)} for rank in range(size)]
+    tables = [BiasBlocks(model, PipelineStages(mine)).take() for mine in held]
+    assert torch.equal(torch.stack(tables).sum(0), want_counts)
+    assert any(name.startswith("mtp.") for mine in held for name, _ in PipelineStages(mine).named_parameters())
 
 
 def test_a_forward_outside_the_schedules_micro_batches_records_no_routing():
@@ -226,13 +283,13 @@ def test_what_a_pipeline_of_experts_cannot_take_is_one_line(world_size, options,
     assert len(str(info.value).splitlines()) <= 2
 
 
-def test_a_mixture_of_experts_splits_and_multi_token_prediction_is_refused():
-    """InternEvo's MoE keys resolve under a pipeline (configs/internlm2_tiny_pp2.py with experts); a model section
-    with multi-token prediction (`model.mtp_config`) is refused in one line until its block sits on the last stage; a
-    DeepSeek config that ties the embedding and the head is refused by its family."""
+def test_a_mixture_of_experts_and_multi_token_prediction_split():
+    """InternEvo's MoE keys resolve under a pipeline (configs/internlm2_tiny_pp2.py with experts), and so does a model
+    section with multi-token prediction (`model.mtp_config`: its layers on the last stage); a DeepSeek config that
+    ties the embedding and the head is refused by its family."""
     assert resolve(2, {"model.num_experts": 4, "model.top_k": 2}).model.num_experts == 4
-    with pytest.raises(ConfigError, match=r"model.mtp_config.num_layers=1: multi-token prediction is not built under"):
-        deepseek(2, {"parallel.pipeline.size": 2, "data.micro_num": 4, "model.mtp_config": {"num_layers": 1}})
+    mtp = deepseek(2, {"parallel.pipeline.size": 2, "data.micro_num": 4, "model.mtp_config": {"num_layers": 2}})
+    assert mtp.model.mtp_config.num_layers == 2
     cfg = deepseek(2, {"parallel.pipeline.size": 2, "data.micro_num": 4}, tie_word_embeddings=True)
     with pytest.raises(ConfigError, match="the config's tie_word_embeddings=True: the embedding and the head sit on"):
         check_run(cfg)

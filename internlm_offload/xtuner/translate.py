@@ -20,6 +20,7 @@ from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
+from internlm_offload.config import ConfigError, resolve_config
 from internlm_offload.errors import CheckpointError, DataError
 from internlm_offload.model.families.internlm2.hf_config import native_model_values
 from internlm_offload.model.families.internlm2.hf_names import DENSE_TABLES
@@ -49,13 +50,11 @@ NOT_CARRIED = {
     "resume_cfg": "resume with --resume or ckpt.auto_resume",
     "load_checkpoint_cfg": "resume with --resume or ckpt.auto_resume",
     "strict_load": "weights load strictly here",
-    "sp_size": "sequence parallel is not built yet: each rank holds whole sequences",
 }
 
 
 # Values of those fields that change nothing even there (XTuner's defaults that turn a feature off).
 NEUTRAL = {
-    "sp_size": 1,
     "intra_layer_micro_batch": 1,
     "profile_memory": False,
     "strict_load": True,
@@ -84,6 +83,8 @@ def translate_trainer(trainer: Any, source: Path) -> Translation:
     _fsdp(t, trainer)
     _data(t, trainer)
     _loss(t, trainer)
+    _sequence_parallel(t, trainer)
+    _check_layout(t)
     _run(t, trainer, source)
     for name, why in NOT_CARRIED.items():
         value = field(trainer, name)
@@ -278,11 +279,15 @@ def _fsdp(t: Translation, trainer: Any) -> None:
     if _get(fsdp, "cpu_offload", FSDP_DEFAULTS):
         t.set("parallel", "fsdp_cpu_offload", True)
         t.carried.append("fsdp_cfg.cpu_offload -> parallel.fsdp_cpu_offload (FSDP2's CPUOffloadPolicy)")
-    for name, why in (("tp_size", "tensor parallel is not built yet"), ("ep_size", "no expert parallel here")):
-        if _get(fsdp, name, FSDP_DEFAULTS) != 1:
-            t.dropped.append(
-                f"fsdp_cfg.{name}={_get(fsdp, name, FSDP_DEFAULTS)}: {why}; every rank holds its FSDP shard"
-            )
+    tp, ep = int(_get(fsdp, "tp_size", FSDP_DEFAULTS)), int(_get(fsdp, "ep_size", FSDP_DEFAULTS))
+    if tp > 1:
+        t.set("parallel", "tensor", {"size": tp, "mode": "mtp"})
+        t.carried.append(
+            f"fsdp_cfg.tp_size={tp} -> parallel.tensor (size {tp}, mode 'mtp': Megatron's column/row split)"
+        )
+    if ep > 1:
+        t.set("parallel", "expert", {"size": ep})
+        t.carried.append(f"fsdp_cfg.ep_size={ep} -> parallel.expert.size={ep} (each rank holds 1/{ep} of the experts)")
     for name in ("torch_compile", "float8_cfg", "hsdp_sharding_size", "fp32_lm_head"):
         if field(fsdp, name) not in (None, False):
             t.dropped.append(f"fsdp_cfg.{name}={short(field(fsdp, name))}: not used here")
@@ -363,12 +368,66 @@ def _loss(t: Translation, trainer: Any) -> None:
     loss = field(trainer, "loss_cfg")
     if loss is None:
         return
-    if field(loss, "mode") not in (None, "eager"):
-        t.dropped.append(f"loss_cfg.mode={field(loss, 'mode')!r}: the loss here is one cross-entropy over the logits")
+    mode = field(loss, "mode")
+    if mode == "chunk":
+        t.carried.append(
+            f"loss_cfg.mode='chunk' (chunk_size={field(loss, 'chunk_size', 1024)}): the loss here is chunked already "
+            "(engine/loss.py: rows of up to 256 MiB of fp32 logits at a time, each chunk's log-softmax recomputed in "
+            "backward), the chunk sized by bytes, not tokens"
+        )
+    elif mode not in (None, "eager"):
+        t.dropped.append(f"loss_cfg.mode={mode!r}: the loss here is one chunked cross-entropy over the logits")
     if field(loss, "loss_reduction") not in (None, "token"):
         t.dropped.append(
             f"loss_cfg.loss_reduction={field(loss, 'loss_reduction')!r}: the mean over labelled tokens here"
         )
+
+
+def _sequence_parallel(t: Translation, trainer: Any) -> None:
+    """XTuner's `sp_size` (Ulysses: each rank a chunk of the sequence, heads exchanged around attention) is the isp
+    tensor mode here (InternEvo's name for the same exchange)."""
+    sp = int(field(trainer, "sp_size") or 1)
+    if sp == 1:
+        return
+    tensor = t.config.get("parallel", {}).get("tensor")
+    if tensor is not None:
+        t.fatal.append(f"sp_size={sp} with fsdp_cfg.tp_size={tensor['size']}: one tensor group here; choose one")
+        return
+    t.set("parallel", "tensor", {"size": sp, "mode": "isp"})
+    t.carried.append(f"sp_size={sp} -> parallel.tensor (size {sp}, mode 'isp': Ulysses' head exchange)")
+
+
+def layout_world_size(config: dict[str, Any]) -> int:
+    """The smallest world a translated config's layout fits: its tensor group times its expert group (expert
+    parallel shards over the data-parallel ranks). torchrun chooses the real one."""
+    parallel = config.get("parallel", {})
+    return int(parallel.get("tensor", {}).get("size", 1)) * int(parallel.get("expert", {}).get("size", 1))
+
+
+def _check_layout(t: Translation) -> None:
+    """Keep a carried tensor or expert group only where this trainer builds it for the translated model: a group
+    the model cannot take (a dense model's experts, a tensor mode the model type does not split) is dropped with
+    the validation's own line, and the run trains as XTuner's would on its FSDP shards alone."""
+    parallel = t.config.get("parallel", {})
+    if t.fatal or layout_world_size(t.config) == 1:
+        return
+    try:
+        resolve_config(t.config, world_size=layout_world_size(t.config))
+        return
+    except ConfigError as exc:
+        problem = " ".join(str(exc).split())
+    for key in ("tensor", "expert"):
+        if key in parallel:
+            source = _layout_source(key, parallel.pop(key))
+            t.carried = [line for line in t.carried if not line.startswith(source)]
+            t.dropped.append(f"{source}: {problem}")
+
+
+def _layout_source(key: str, group: dict[str, Any]) -> str:
+    """The XTuner field a carried group came from."""
+    if key == "expert":
+        return f"fsdp_cfg.ep_size={group['size']}"
+    return f"sp_size={group['size']}" if group["mode"] == "isp" else f"fsdp_cfg.tp_size={group['size']}"
 
 
 def _run(t: Translation, trainer: Any, source: Path) -> None:

@@ -151,8 +151,9 @@ def test_an_sft_config_translates_reports_and_trains(model_and_data, tmp_path):
     proc = from_xtuner(config, out, env={"SWAP_OPTIMIZER": "1", "EP_SIZE": "2", "XTUNER_ACTIVATION_OFFLOAD": "1"})
     assert proc.returncode == 0, proc.stderr
     dropped = [line for line in proc.stderr.splitlines() if line.startswith("dropped: ")]
-    for field in ("chat_template='qwen3'", "fsdp_cfg.ep_size=2", "loss_cfg.mode='chunk'", "hf_interval=100"):
+    for field in ("chat_template='qwen3'", "fsdp_cfg.ep_size=2: parallel.expert.size=2 needs", "hf_interval=100"):
         assert any(field in line for line in dropped), field
+    assert "carried: loss_cfg.mode='chunk' (chunk_size=1024): the loss here is chunked already" in proc.stderr
     text = out.read_text()
     for carried in ("swap_optimizer = True", "'type': 'chat'", "'checkpoint': 0.5",
                     "'num_layers': 1", "'ckpt_type': 'hf'", "'type': 'linear'", "'global_bsz': 2"):  # fmt: skip

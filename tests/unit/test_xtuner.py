@@ -3,9 +3,11 @@ defaults and names what it cannot carry."""
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+from internlm_offload.xtuner import translate
 from internlm_offload.xtuner.standins import Recorded, field, kind, load_trainer
-from internlm_offload.xtuner.translate import translate_trainer
+from internlm_offload.xtuner.translate import Translation, translate_trainer
 
 CONFIG = """\
 import os
@@ -45,7 +47,7 @@ def test_xtuners_defaults_fill_the_mapping_and_the_problems_are_named(tmp_path: 
     }
     assert t.config["lr_scheduler"] == {"type": "constant", "eta_min": 1e-6, "warmup_ratio": 0.03}
     assert t.config["model"]["checkpoint"] == 1.0  # FSDPConfig's recompute_ratio default
-    assert any("fsdp_cfg.tp_size=2" in line for line in t.dropped)
+    assert t.config["parallel"]["tensor"] == {"size": 2, "mode": "mtp"}  # kept: the fatal problems stop it anyway
     assert any("without load_from" in line for line in t.fatal) and any("no dataset" in line for line in t.fatal)
 
 
@@ -138,3 +140,43 @@ def test_router_bias_experts_train_as_hf_causal_lm_with_xtuners_bias_speed(tmp_p
             expected["router_bias_update_speed"] = speed
         assert t.config["model"] == expected, t.config["model"]
         assert any("-> model.router_bias_update_speed" in line for line in t.carried) == (speed is not None)
+
+
+def layout(model: dict, **fsdp: int) -> Translation:
+    """A translation holding `model` and XTuner's layout `fsdp` (tp_size, ep_size; sp_size as the trainer's) mapped."""
+    sp = fsdp.pop("sp_size", 1)
+    trainer = SimpleNamespace(fsdp_cfg=SimpleNamespace(**fsdp), sp_size=sp)
+    t = Translation(config={"model": model})
+    translate._fsdp(t, trainer)
+    translate._sequence_parallel(t, trainer)
+    translate._check_layout(t)
+    return t
+
+
+DENSE = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_kv_attention_heads": 2, "vocab_size": 32}
+
+
+def test_xtuners_tensor_sequence_and_expert_groups_carry_where_the_model_takes_them():
+    """tp_size -> mtp, sp_size -> isp (Ulysses), ep_size -> parallel.expert.size on a model with experts; on a dense
+    model ep_size is dropped with the reason (each rank then holds its FSDP shard, as XTuner's would); tp and sp
+    together are one fatal line. Red with every group kept (the dense translation would not validate)."""
+    moe = layout({**DENSE, "num_experts": 4, "top_k": 2}, ep_size=2)
+    assert moe.config["parallel"]["expert"] == {"size": 2} and any("fsdp_cfg.ep_size=2 ->" in c for c in moe.carried)
+    dense = layout(dict(DENSE), ep_size=2)
+    assert "expert" not in dense.config["parallel"]
+    assert dense.dropped == [
+        "fsdp_cfg.ep_size=2: parallel.expert.size=2 needs a mixture-of-experts model (model.num_experts > 0)"
+    ]
+    assert not any("ep_size" in line for line in dense.carried)
+    assert layout(dict(DENSE), tp_size=2).config["parallel"]["tensor"] == {"size": 2, "mode": "mtp"}
+    assert layout(dict(DENSE), sp_size=2).config["parallel"]["tensor"] == {"size": 2, "mode": "isp"}
+    both = layout(dict(DENSE), tp_size=2, sp_size=2)
+    assert both.fatal == ["sp_size=2 with fsdp_cfg.tp_size=2: one tensor group here; choose one"]
+
+
+def test_a_chunked_loss_is_carried_as_the_loss_here_is_chunked_already():
+    t = Translation()
+    translate._loss(t, SimpleNamespace(loss_cfg=SimpleNamespace(mode="chunk", chunk_size=1024)))
+    assert not t.dropped and t.carried[0].startswith(
+        "loss_cfg.mode='chunk' (chunk_size=1024): the loss here is chunked"
+    )

@@ -11,7 +11,8 @@ to config.json, as for every folder here); without it, config.json's architectur
 multi-token prediction: `model_cfg.mtp_config = MTPConfig(...)` onto `model.mtp_config` with the same names, and none
 set onto `num_layers=0` (XTuner's `DeepSeekV3Config` and its `from_hf` build no MTP, whatever the folder's
 `num_nextn_predict_layers`). What XTuner adds that the family does not compute is reported, one line each: a z-loss,
-an MTP option other than those names.
+an MTP option other than those names; and so are its GPU-only kernel choices (FP8, the token dispatcher, the
+sparse-attention backends, torch.compile), which change how a GPU computes the model, not what is trained.
 """
 
 from dataclasses import dataclass
@@ -106,9 +107,15 @@ def mtp_section(mtp: Any) -> tuple[dict[str, Any], str, list[str]]:
     dropped = [
         f"model_cfg.mtp_config.{name}={value!r}: not built here (each depth's cross-entropy, as MTPConfig's defaults)"
         for name in _set_fields(mtp)
-        if name not in (*MTP_FIELDS, "name") and (value := field(mtp, name)) != MTP_NEUTRAL.get(name, _UNSET)
+        if name not in (*MTP_FIELDS, "name", *_cross_entropy_only(mtp))
+        and (value := field(mtp, name)) != MTP_NEUTRAL.get(name, _UNSET)
     ]
     return section, f"model_cfg.mtp_config={_short(mtp)} -> model.mtp_config={section}", dropped
+
+
+def _cross_entropy_only(mtp: Any) -> tuple[str, ...]:
+    """MTPConfig fields that change nothing while its loss is the cross-entropy (the TV objective's chunk size)."""
+    return ("tv_loss_chunk_size",) if field(mtp, "loss_type") in (None, "ce") else ()
 
 
 def _set_fields(obj: Any) -> list[str]:
@@ -163,10 +170,40 @@ def _carry_balancing(out: FamilyModel, model_cfg: Any, model_type: str | None) -
 
 
 def _not_computed(model_cfg: Any) -> list[str]:
-    """What XTuner's model config adds to the training that the native family does not compute, one line each."""
+    """What XTuner's model config adds to the training that the native family does not compute, one line each;
+    then its GPU-only kernels (`gpu_only_kernels`)."""
     lines = []
     if field(model_cfg, "z_loss_cfg") is not None:
         lines.append("model_cfg.z_loss_cfg: XTuner's router z-loss is not computed by model.type='deepseek_v3'")
+    return lines + gpu_only_kernels(model_cfg)
+
+
+def gpu_only_kernels(model_cfg: Any) -> list[str]:
+    """XTuner's kernel choices on the model config, one line each: they pick how a GPU computes the same model
+    (FP8 GEMMs, DeepEP's dispatch, tilelang's sparse attention, torch.compile), not what is trained."""
+    lines = []
+    float8 = field(model_cfg, "float8_cfg")
+    if float8 is not None:
+        lines.append(
+            f"model_cfg.float8_cfg={_short(float8)}: FP8 GEMMs are GPU-only (Hopper and newer); this trainer computes "
+            "in model.dtype (bf16) with fp32 masters"
+        )
+    dispatcher = field(model_cfg, "dispatcher")
+    if dispatcher is not None:
+        lines.append(
+            f"model_cfg.dispatcher={dispatcher!r}: XTuner's token dispatch backends (DeepEP, its all2all kernels) are "
+            "GPU-only; expert parallel here sends tokens with torch's all_to_all_single over parallel.expert.size"
+        )
+    if field(model_cfg, "compile_cfg") not in (None, False):
+        lines.append("model_cfg.compile_cfg: XTuner's torch.compile of its model does not apply to the native model")
+    attention = field(model_cfg, "attention")
+    for name in ("sparse_mla_backend", "indexer_backend", "indexer_topk_query_chunk_size"):
+        value = field(attention, name) if attention is not None else None
+        if value is not None and not getattr(value, "implicit", False):
+            lines.append(
+                f"model_cfg.attention.{name}={_short(value)}: XTuner's sparse-attention kernels (tilelang, "
+                "DeepGEMM, FlashMLA) are GPU-only; sparse attention here is torch's, in query chunks"
+            )
     return lines
 
 

@@ -136,6 +136,35 @@ def test_mtp_config_carries_with_xtuners_names(tmp_path):
     assert len(t.fatal) == 1 and "no num_layers (XTuner's MTPConfig requires it)" in t.fatal[0]
 
 
+def test_gpu_only_kernel_choices_are_named_and_the_tv_loss_chunk_is_silent_under_cross_entropy(tmp_path):
+    """sft_glm5p2.py's shape: FP8, the token dispatcher and the sparse-attention backends are one dropped line each
+    (GPU-only kernels: how a GPU computes the model, not what is trained); `tv_loss_chunk_size` changes nothing while
+    the MTP loss is the cross-entropy, and is named once the TV objective is asked for."""
+    path = folder(tmp_path, "deepseek_v3")
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(
+        f"{IMPORTS}from xtuner.v1.float8.config import Float8Config\n"
+        f"model_cfg = get_model_config_from_hf({str(path)!r})\n"
+        "model_cfg.mtp_config = MTPConfig(num_layers=7, share_weights=True)\n"
+        "model_cfg.mtp_config.loss_type = 'ce'\nmodel_cfg.mtp_config.tv_loss_chunk_size = 128\n"
+        "model_cfg.dispatcher = 'all2all'\nmodel_cfg.float8_cfg = Float8Config()\n"
+        "model_cfg.attention.sparse_mla_backend = 'tilelang'\n"
+        f"trainer = TrainerConfig(model_cfg=model_cfg, optim_cfg=AdamWConfig(), total_step=2, dataset_cfg={DATA}, "
+        f"load_from={str(path)!r})\n"
+    )
+    t = translate_trainer(load_trainer(cfg), cfg)
+    assert not t.fatal, t.fatal
+    assert [line.split(":")[0] for line in t.dropped] == [
+        "model_cfg.float8_cfg=Float8Config()",
+        "model_cfg.dispatcher='all2all'",
+        "model_cfg.attention.sparse_mla_backend='tilelang'",
+    ]
+    assert all("GPU-only" in line for line in t.dropped)
+    cfg.write_text(cfg.read_text().replace("loss_type = 'ce'", "loss_type = 'e2e_tv'"))
+    dropped = [line.split(":")[0] for line in translate_trainer(load_trainer(cfg), cfg).dropped]
+    assert dropped[:2] == ["model_cfg.mtp_config.loss_type='e2e_tv'", "model_cfg.mtp_config.tv_loss_chunk_size=128"]
+
+
 def test_without_load_from_the_folders_config_is_built_at_random(tmp_path):
     """As XTuner initialises a model config without weights: config.json's keys as model.hf_config, which builds."""
     path = folder(tmp_path, "glm4_moe_lite")

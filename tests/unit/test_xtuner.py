@@ -4,6 +4,9 @@ defaults and names what it cannot carry."""
 import sys
 from pathlib import Path
 
+import pytest
+
+from internlm_offload.config import ConfigError, resolve_config
 from internlm_offload.xtuner.standins import Recorded, field, kind, load_trainer
 from internlm_offload.xtuner.translate import translate_trainer
 
@@ -138,3 +141,33 @@ def test_router_bias_experts_train_as_hf_causal_lm_with_xtuners_bias_speed(tmp_p
             expected["router_bias_update_speed"] = speed
         assert t.config["model"] == expected, t.config["model"]
         assert any("-> model.router_bias_update_speed" in line for line in t.carried) == (speed is not None)
+
+
+MUON_CONFIG = CONFIG.replace("AdamWConfig, FSDPConfig", "FSDPConfig, MuonConfig").replace(
+    "optim_cfg=AdamWConfig(lr=2e-5)", "optim_cfg=MuonConfig(lr=2e-4, momentum=0.9, flatten=True)"
+)
+
+
+def test_muon_config_maps_to_the_muon_switch_and_names_what_differs(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.py"
+    path.write_text(MUON_CONFIG)
+    t = translate_trainer(load_trainer(path), path)
+    assert t.config["optimizer"] == {
+        "type": "muon",
+        "muon": {"momentum": 0.9, "nesterov": True, "eps": 1e-8, "adjust_lr_fn": "match_rms_adamw"},  # rms_norm
+    }
+    assert t.config["adam"] == {"lr": 2e-4, "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-8,
+                                "weight_decay": 0.1}  # fmt: skip
+    assert any("five distinct coefficient triples" in line for line in t.dropped)
+    assert any(line.startswith("optim_cfg.flatten=True") for line in t.dropped)
+    cfg = resolve_config({"optimizer": t.config["optimizer"], "adam": t.config["adam"]})
+    assert cfg.optimizer.muon.adjust_lr_fn == "match_rms_adamw"
+    with pytest.raises(ConfigError, match="parallel.mode='fsdp2'"):  # XTuner's FSDP: Muon there is issue 51 part 4
+        resolve_config({"optimizer": t.config["optimizer"], "parallel": t.config["parallel"]})
+
+
+def test_muon_config_with_an_lr_adjustment_not_built_here_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.py"
+    path.write_text(MUON_CONFIG.replace("flatten=True", "adjust_lr='none'"))
+    t = translate_trainer(load_trainer(path), path)
+    assert any("optim_cfg.adjust_lr='none'" in line for line in t.fatal)

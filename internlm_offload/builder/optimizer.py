@@ -27,11 +27,10 @@ from internlm_offload.optim.hybrid import HybridDeviceOptimizer
 from internlm_offload.optim.hybrid_host import offload_mask
 from internlm_offload.optim.interface import OffloadOptimizer
 from internlm_offload.optim.memory import (
+    HYBRID_MASTER_AND_GRAD_BYTES,
     HostMemoryError,
     check_host_memory,
-    hybrid_bytes_per_element,
-    state_bytes_per_element,
-    trainable_elements,
+    groups_state_bytes,
 )
 from internlm_offload.optim.muon_rule import MUON
 from internlm_offload.optim.records import Masters
@@ -167,13 +166,12 @@ def build_optimizer(
     rule = ADAMW  # for the parameters no `optimizer.rules` pattern names another
     on_disk = cfg.nvme_offload.directory is not None
     hyper = {"lr": adam.lr, "betas": (adam.adam_beta1, adam.adam_beta2), "eps": adam.adam_eps}
+    groups = run_param_groups(cfg, model)
     if check_host and ((cfg.swap_optimizer and not on_disk) or cfg.hybrid_optimizer.enable):
-        check_optimizer_host_memory(cfg, model, rule, hyper)
+        check_optimizer_host_memory(cfg, groups)
     if check_host and on_disk:
         fraction = 1.0 if cfg.swap_optimizer else cfg.hybrid_optimizer.offload_fraction
-        per_element = state_bytes_per_element(rule, hyper)
-        check_nvme_path(cfg.nvme_offload.directory, int(trainable_elements(model) * fraction) * per_element)
-    groups = run_param_groups(cfg, model)
+        check_nvme_path(cfg.nvme_offload.directory, int(groups_state_bytes(groups, rule, RULES)[1] * fraction))
     fused = fused_supported(accelerator.name) if adam.fused is None else adam.fused
     if cfg.swap_optimizer:
         return build_swap_optimizer(
@@ -233,16 +231,16 @@ def check_nvme_path(path: str, state_bytes: int) -> None:
         )
 
 
-def check_optimizer_host_memory(cfg: RunConfig, model: nn.Module, rule: UpdateRule, hyper: dict[str, Any]) -> None:
-    """Refuse before training when the host cannot hold the offloaded optimizer states (`rule`'s, with `hyper`)."""
-    elements = trainable_elements(model)
+def check_optimizer_host_memory(cfg: RunConfig, groups: list[dict[str, Any]]) -> None:
+    """Refuse before training when the host cannot hold the offloaded optimizer states (each group's rule's)."""
+    elements, states = groups_state_bytes(groups, ADAMW, RULES)
     if cfg.swap_optimizer:
-        per_element, what = state_bytes_per_element(rule, hyper), f"swap_optimizer ({rule.name} states on the host)"
-        required = elements * per_element
-    else:
+        names = "/".join(sorted({g.get(RULE_KEY, ADAMW.name) for g in groups}))
+        required, what = states, f"swap_optimizer ({names} states on the host)"
+    else:  # the CPU share's masters and grad buffers too, its states by the average bytes per element
         fraction = cfg.hybrid_optimizer.offload_fraction
-        per_element, what = hybrid_bytes_per_element(rule, hyper), "hybrid_optimizer (CPU-stepped params)"
-        required = int(elements * fraction) * per_element
+        required = int((elements * HYBRID_MASTER_AND_GRAD_BYTES + states) * fraction)
+        what = "hybrid_optimizer (CPU-stepped params)"
     try:
         check_host_memory(required, what, world_local=env_local_world_size())
     except HostMemoryError as exc:

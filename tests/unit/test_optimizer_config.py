@@ -112,3 +112,18 @@ def test_a_rule_routing_a_vector_to_muon_is_refused_in_one_line() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     with pytest.raises(ConfigError, match=r"routes 0.bias \(shape \(4,\)\) to 'muon'"):
         run_param_groups(cfg, model)
+
+
+def test_the_host_preflight_counts_each_rule_s_states() -> None:
+    """Muon keeps 4 bytes per element, AdamW 8: the swap tier's host check asks for what the groups hold."""
+    from internlm_offload.builder.optimizer import RULES
+    from internlm_offload.optim.adamw_rule import ADAMW
+    from internlm_offload.optim.memory import groups_state_bytes
+
+    adamw = resolve_config(load_config_file(REPO / "configs" / "internlm2_tiny.py"))
+    muon = resolve_config(load_config_file(REPO / "configs" / "internlm2_tiny_muon.py"))
+    model = build_model(muon.model, torch.device("cpu"))
+    elements = sum(p.numel() for p in model.parameters())
+    matrices = sum(p.numel() for g in run_param_groups(muon, model) if g.get(RULE_KEY) == "muon" for p in g["params"])
+    assert groups_state_bytes(run_param_groups(adamw, model), ADAMW, RULES) == (elements, 8 * elements)
+    assert groups_state_bytes(run_param_groups(muon, model), ADAMW, RULES) == (elements, 8 * elements - 4 * matrices)

@@ -3,7 +3,7 @@ the learning-rate schedule and gradient offload's hooks."""
 
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -11,12 +11,14 @@ import torch
 import torch.nn as nn
 
 from internlm_offload.config import ConfigError, RunConfig
+from internlm_offload.config.optimizer import uses_muon
 from internlm_offload.config.sizes import human_bytes
 from internlm_offload.device import Accelerator
 from internlm_offload.device.disk_buffers import DiskSpaceError
 from internlm_offload.engine.expert_parallel import expert_grad_reduction
 from internlm_offload.engine.precision import MasterWeights
 from internlm_offload.engine.runtime import RunContext, env_local_world_size, stage_data_mesh
+from internlm_offload.model.hooks import HasTensorPlan, SplitsMuonRows
 from internlm_offload.optim import build_lr_scheduler, param_groups
 from internlm_offload.optim.adamw import fused_supported
 from internlm_offload.optim.adamw_rule import ADAMW
@@ -25,19 +27,20 @@ from internlm_offload.optim.hybrid import HybridDeviceOptimizer
 from internlm_offload.optim.hybrid_host import offload_mask
 from internlm_offload.optim.interface import OffloadOptimizer
 from internlm_offload.optim.memory import (
+    HYBRID_MASTER_AND_GRAD_BYTES,
     HostMemoryError,
     check_host_memory,
-    hybrid_bytes_per_element,
-    state_bytes_per_element,
-    trainable_elements,
+    groups_state_bytes,
 )
+from internlm_offload.optim.muon_rule import MUON
 from internlm_offload.optim.records import Masters
 from internlm_offload.optim.rule_optimizer import optimizer_for_groups
-from internlm_offload.optim.rules import UpdateRule
+from internlm_offload.optim.rules import RULE_KEY, UpdateRule
+from internlm_offload.optim.swap import SwapAdamW
 
 # The update rules a config can name (`optimizer.rules`; config/optimizer.py lists the same names), by name.
-RULES: Mapping[str, UpdateRule] = MappingProxyType({ADAMW.name: ADAMW})
-from internlm_offload.optim.swap import SwapAdamW
+RULES: Mapping[str, UpdateRule] = MappingProxyType({ADAMW.name: ADAMW, MUON.name: MUON})
+HEAD_NAMES = ("output", "lm_head")  # a head module's name where the model states no plan (transformers', a stage)
 
 
 def hybrid_cpu_mask(cfg: RunConfig, model: nn.Module) -> list[bool]:
@@ -61,8 +64,85 @@ def _optimizer_order(cfg: RunConfig, model: nn.Module) -> list[nn.Parameter]:
 
 
 def run_param_groups(cfg: RunConfig, model: nn.Module) -> list[dict[str, Any]]:
-    """The optimizer's param groups: decay on matrices only, each parameter's update rule by `optimizer.rules`."""
-    return param_groups(model, cfg.adam.weight_decay, cfg.optimizer.rules, default_rule=ADAMW.name)
+    """The optimizer's param groups: decay on matrices only, each parameter's update rule by `optimizer.rules`, then
+    by `optimizer.type` (`muon`: XTuner's split, `muon_split`); Muon's groups carry its hyper-parameters and the
+    model's row blocks."""
+    optimizer = cfg.optimizer
+    groups = param_groups(
+        model,
+        cfg.adam.weight_decay,
+        optimizer.rules,
+        default_rule=ADAMW.name,
+        fallback=muon_split(model) if optimizer.type == MUON.name else None,
+        row_splits=muon_row_splits(model) if uses_muon(optimizer) else None,
+    )
+    names = {id(p): name for name, p in model.named_parameters()}
+    for group in groups:
+        if group.get(RULE_KEY) == MUON.name:
+            _check_muon_params(group["params"], names)
+            group.update(muon_hyperparameters(cfg))
+    return groups
+
+
+def muon_hyperparameters(cfg: RunConfig) -> dict[str, Any]:
+    """A Muon group's keys: `optimizer.muon`'s, its lr and weight decay the run's unless given."""
+    muon = cfg.optimizer.muon
+    return {
+        "lr": cfg.adam.lr if muon.lr is None else muon.lr,
+        "weight_decay": cfg.adam.weight_decay if muon.weight_decay is None else muon.weight_decay,
+        "momentum": muon.momentum,
+        "nesterov": muon.nesterov,
+        "ns_coefficients": muon.ns_coefficients,
+        "eps": muon.eps,
+        "ns_steps": muon.ns_steps,
+        "adjust_lr_fn": muon.adjust_lr_fn,
+    }
+
+
+def muon_split(model: nn.Module) -> Callable[[str, nn.Parameter], str]:
+    """XTuner's MuonConfig split: a matrix (ndim >= 2, not [1, n] or [n, 1]; an expert stack [E, out, in]) steps with
+    Muon unless it is the embedding or the LM head; everything else (norms, biases, embedding, head) with AdamW."""
+    outside = _embedding_and_head(model)
+
+    def rule(name: str, param: nn.Parameter) -> str:
+        matrix = param.ndim in (2, 3) and param.numel() not in param.shape
+        excluded = any(name == path or name.startswith(path + ".") for path in outside)
+        return MUON.name if matrix and not excluded else ADAMW.name
+
+    return rule
+
+
+def _embedding_and_head(model: nn.Module) -> set[str]:
+    """Module paths of the embedding and the LM head: the plan's, every `nn.Embedding`, and modules named as heads."""
+    paths = set()
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        if isinstance(module, HasTensorPlan):
+            plan = module.tensor_plan()
+            paths |= {prefix + plan.embedding, prefix + plan.head}
+        if isinstance(module, nn.Embedding) or path.rsplit(".", 1)[-1] in HEAD_NAMES:
+            paths.add(path)
+    return paths
+
+
+def muon_row_splits(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> the row blocks Muon orthogonalises apart, as the model's modules declare them."""
+    splits = {}
+    for path, module in model.named_modules():
+        if isinstance(module, SplitsMuonRows):
+            prefix = f"{path}." if path else ""
+            splits |= {prefix + name: rows for name, rows in module.muon_row_splits().items()}
+    return splits
+
+
+def _check_muon_params(params: list[nn.Parameter], names: dict[int, str]) -> None:
+    """`optimizer.rules` may route any parameter to Muon: refuse one it cannot step, in one line."""
+    for param in params:
+        if param.ndim not in (2, 3):
+            raise ConfigError(
+                f"optimizer.rules routes {names[id(param)]} (shape {tuple(param.shape)}) to 'muon'; Muon steps "
+                "matrices [out, in] and expert stacks [E, out, in]: route it to 'adamw'"
+            )
 
 
 def build_optimizer(
@@ -86,13 +166,12 @@ def build_optimizer(
     rule = ADAMW  # for the parameters no `optimizer.rules` pattern names another
     on_disk = cfg.nvme_offload.directory is not None
     hyper = {"lr": adam.lr, "betas": (adam.adam_beta1, adam.adam_beta2), "eps": adam.adam_eps}
+    groups = run_param_groups(cfg, model)
     if check_host and ((cfg.swap_optimizer and not on_disk) or cfg.hybrid_optimizer.enable):
-        check_optimizer_host_memory(cfg, model, rule, hyper)
+        check_optimizer_host_memory(cfg, groups)
     if check_host and on_disk:
         fraction = 1.0 if cfg.swap_optimizer else cfg.hybrid_optimizer.offload_fraction
-        per_element = state_bytes_per_element(rule, hyper)
-        check_nvme_path(cfg.nvme_offload.directory, int(trainable_elements(model) * fraction) * per_element)
-    groups = run_param_groups(cfg, model)
+        check_nvme_path(cfg.nvme_offload.directory, int(groups_state_bytes(groups, rule, RULES)[1] * fraction))
     fused = fused_supported(accelerator.name) if adam.fused is None else adam.fused
     if cfg.swap_optimizer:
         return build_swap_optimizer(
@@ -152,16 +231,16 @@ def check_nvme_path(path: str, state_bytes: int) -> None:
         )
 
 
-def check_optimizer_host_memory(cfg: RunConfig, model: nn.Module, rule: UpdateRule, hyper: dict[str, Any]) -> None:
-    """Refuse before training when the host cannot hold the offloaded optimizer states (`rule`'s, with `hyper`)."""
-    elements = trainable_elements(model)
+def check_optimizer_host_memory(cfg: RunConfig, groups: list[dict[str, Any]]) -> None:
+    """Refuse before training when the host cannot hold the offloaded optimizer states (each group's rule's)."""
+    elements, states = groups_state_bytes(groups, ADAMW, RULES)
     if cfg.swap_optimizer:
-        per_element, what = state_bytes_per_element(rule, hyper), f"swap_optimizer ({rule.name} states on the host)"
-        required = elements * per_element
-    else:
+        names = "/".join(sorted({g.get(RULE_KEY, ADAMW.name) for g in groups}))
+        required, what = states, f"swap_optimizer ({names} states on the host)"
+    else:  # the CPU share's masters and grad buffers too, its states by the average bytes per element
         fraction = cfg.hybrid_optimizer.offload_fraction
-        per_element, what = hybrid_bytes_per_element(rule, hyper), "hybrid_optimizer (CPU-stepped params)"
-        required = int(elements * fraction) * per_element
+        required = int((elements * HYBRID_MASTER_AND_GRAD_BYTES + states) * fraction)
+        what = "hybrid_optimizer (CPU-stepped params)"
     try:
         check_host_memory(required, what, world_local=env_local_world_size())
     except HostMemoryError as exc:

@@ -1,4 +1,4 @@
-"""The `optimizer` section: keys shared by every update rule, and which rule steps which parameter."""
+"""The `optimizer` section: keys shared by every update rule, which rule steps which parameter, Muon's keys."""
 
 from typing import Any, Literal, Optional
 
@@ -6,10 +6,48 @@ from pydantic import Field, field_validator
 
 from internlm_offload.config.base import Section
 
-UpdateRuleName = Literal["adamw"]  # the rules a config can name (optim/rules.py; Muon comes with its issue)
+UpdateRuleName = Literal["adamw", "muon"]  # the rules a config can name (optim/rules.py)
+
+
+class MuonConfig(Section):
+    """Muon's hyper-parameters (torch.optim.Muon's names and defaults, but the lr adjustment)."""
+
+    lr: Optional[float] = Field(
+        None, gt=0, description="Muon's peak learning rate; default: the run's (`optimizer.lr` / `adam.lr`)."
+    )
+    weight_decay: Optional[float] = Field(
+        None, ge=0, description="Muon's decoupled weight decay (with the unadjusted lr); default: `adam.weight_decay`."
+    )
+    momentum: float = Field(0.95, ge=0, lt=1, description="Momentum (torch's EMA form: `buf.lerp_(grad, 1 - mu)`).")
+    nesterov: bool = Field(True, description="Nesterov momentum: orthogonalise `grad.lerp(buf, mu)`, else `buf`.")
+    ns_coefficients: tuple[float, float, float] = Field(
+        (3.4445, -4.775, 2.0315), description="Newton-Schulz quintic coefficients (a, b, c); Keller's by default."
+    )
+    ns_steps: int = Field(5, ge=0, lt=100, description="Newton-Schulz iterations.")
+    eps: float = Field(1e-7, gt=0, description="Lower clamp on the Frobenius norm before Newton-Schulz.")
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] = Field(
+        "match_rms_adamw",
+        description="lr scale per matrix [A, B]: `match_rms_adamw` (Moonlight's 0.2 * sqrt(max(A, B)): the update's "
+        "RMS matches AdamW's, so an AdamW-tuned lr and weight decay work as they are) or `original` (Keller's "
+        "sqrt(max(1, A / B)), torch's default: wants a ~10x larger lr, 12.8x for a 4096 x 4096 matrix).",
+    )
+
+    @field_validator("ns_coefficients", mode="before")
+    @classmethod
+    def _list_as_tuple(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value
 
 
 class OptimizerConfig(Section):
+    type: UpdateRuleName = Field(
+        "adamw",
+        description="`adamw`: AdamW steps every parameter. `muon`: XTuner's MuonConfig split: every trainable "
+        "matrix (ndim >= 2, not [1, n] or [n, 1]) but the embedding and the LM head steps with Muon (`optimizer.muon`; "
+        "stacked experts per expert, MLA's fused row blocks apart), the rest (norms, biases, embedding, head) with "
+        "AdamW (`adam`); `optimizer.rules` patterns come first. Gradient clipping clips all gradients alike. "
+        "docs/optimizer_offload.md, Muon.",
+    )
+    muon: MuonConfig = Field(default_factory=MuonConfig)
     lr: Optional[float] = Field(
         None,
         gt=0,
@@ -20,7 +58,7 @@ class OptimizerConfig(Section):
         [],
         description="`(pattern, rule)` pairs choosing each trainable parameter's update rule by its name "
         "(fnmatch, e.g. `('*.experts.*', 'adamw')`): the first match wins; parameters no pattern matches take "
-        "`adamw`. Rules: `adamw`.",
+        "`optimizer.type`'s choice. Rules: `adamw`, `muon`.",
     )
 
     @field_validator("rules", mode="before")
@@ -37,3 +75,27 @@ def shared_lr_problem(optimizer: OptimizerConfig, adam_lr: float, adam_lr_set: b
     if optimizer.lr is None or not adam_lr_set or optimizer.lr == adam_lr:
         return None
     return f"optimizer.lr={optimizer.lr} and adam.lr={adam_lr} are one learning rate spelled twice; give one of them"
+
+
+def uses_muon(optimizer: OptimizerConfig) -> bool:
+    """Whether any parameter may step with Muon."""
+    return optimizer.type == "muon" or any(rule == "muon" for _, rule in optimizer.rules)
+
+
+def muon_parallel_problem(optimizer: OptimizerConfig, mode: str, tensor_size: int, expert_size: int) -> str | None:
+    """Muon orthogonalises whole matrices; sharded parameters (FSDP2, tensor or expert parallel) are not gathered
+    for it yet (issue 51, part 4): one line naming the key, else None."""
+    if not uses_muon(optimizer):
+        return None
+    if mode == "fsdp2":
+        key = "parallel.mode='fsdp2'"
+    elif tensor_size > 1:
+        key = f"parallel.tensor.size={tensor_size}"
+    elif expert_size > 1:
+        key = f"parallel.expert.size={expert_size}"
+    else:
+        return None
+    return (
+        f"optimizer.type='muon' (or a `muon` rule) with {key}: Muon orthogonalises whole matrices and does not gather "
+        "sharded parameters yet; use parallel.mode='ddp' or 'none' without tensor or expert parallel"
+    )

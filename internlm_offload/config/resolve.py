@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from internlm_offload.config.errors import report_problems, schema_at, validation_problem
 from internlm_offload.config.file import ConfigError
 from internlm_offload.config.internevo import translate
+from internlm_offload.config.optimizer import muon_parallel_problem
 from internlm_offload.config.pipeline import PIPELINE_KNOBS, data_parallel_problem, micro_batch_problem
 from internlm_offload.config.schema import RunConfig
 from internlm_offload.config.sections import AUTO, AUTO_KNOBS, TENSOR_MODES
@@ -67,6 +68,9 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
             f"{cfg.parallel.tensor.size}): use parallel.mode='ddp' or 'fsdp2'"
         )
     _resolve_expert_parallel(cfg, expert_ranks(cfg, world_size))
+    parallel = cfg.parallel
+    if problem := muon_parallel_problem(cfg.optimizer, parallel.mode, parallel.tensor.size, parallel.expert.size):
+        raise ConfigError(problem)
     return cfg
 
 

@@ -17,6 +17,8 @@
   ranks. Set by the builder (builder/model.py, engine/router_pool.py `RouterStatsPool`) on a distributed run.
 - `KeepsFp32Buffers` (a sparse block with a bias router: `MoE`; the transformers wrapper: `HFCausalLM`): buffers
   that stay fp32 whatever the compute dtype (a router bias). Read by engine/precision.py's casts.
+- `SplitsMuonRows` (a module whose weight fuses row blocks: MLA's `MultiLatentAttention`): the row blocks Muon
+  orthogonalises apart (XTuner's MuonSplit). Read by builder/optimizer.py into the param groups (`row_splits`).
 - `Hostable` (offload/hosted_base.py, a floor below; frozen modules that say how to be held on the host:
   `GroupedExperts`, `Linear4bit`): `model.lora.base_on_host`, their tensors in host memory, brought in a block at
   a time. Its `hosted` slot is set by offload/hosted_base.py `HostedBase`.
@@ -152,3 +154,12 @@ class KeepsFp32Buffers:
     def fp32_buffers(self) -> list[tuple[nn.Module, str]]:
         """(module, buffer name) of each kept buffer; none by default."""
         return []
+
+
+class SplitsMuonRows:
+    """A module some of whose weights stack row blocks that are separate matrices to Muon (XTuner's MuonSplit: MLA's
+    per-head (nope, rope) queries, (latent, rope) keys, per-head (nope, v) keys and values)."""
+
+    def muon_row_splits(self) -> dict[str, tuple[int, ...]]:
+        """Parameter name (relative to this module) -> its row blocks, top to bottom, summing to its rows."""
+        return {}

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from internlm_offload.model.attention import Documents, attend, uses_flash
-from internlm_offload.model.hooks import ExchangesSequence
+from internlm_offload.model.hooks import ExchangesSequence, SplitsMuonRows
 from internlm_offload.model.mlp import ParamInit, normal_init
 from internlm_offload.model.norm import RMSNorm
 from internlm_offload.model.rope import apply_rope, apply_rope_interleaved
@@ -26,7 +26,7 @@ from internlm_offload.model.rope import apply_rope, apply_rope_interleaved
 LATENT_NORM_EPS = 1e-6
 
 
-class MultiLatentAttention(nn.Module, ExchangesSequence):
+class MultiLatentAttention(nn.Module, ExchangesSequence, SplitsMuonRows):
     """Causal multi-head latent attention over packed documents; under isp it exchanges whole heads of the expanded
     q, k, v for sequence around attending, as `Attention` does (`sequence_exchange`, model/hooks.py)."""
 
@@ -105,6 +105,16 @@ class MultiLatentAttention(nn.Module, ExchangesSequence):
         if exchange is not None:
             out = exchange(out, scatter_dim=1, gather_dim=2)
         return self.o_proj(out.reshape(B, T, -1))  # (B, T, C)
+
+    def muon_row_splits(self) -> dict[str, tuple[int, ...]]:
+        """Per head (nope, rope) queries, (latent, rope) of the shared key, per head (nope, v): XTuner's MuonSplit."""
+        heads, dn, dr, dv = self.n_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        query = "q_proj.weight" if self.q_proj is not None else "q_b_proj.weight"
+        return {
+            query: (dn, dr) * heads,
+            "kv_a_proj_with_mqa.weight": (self.kv_lora_rank, dr),
+            "kv_b_proj.weight": (dn, dv) * heads,
+        }
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, H x (dn + dr)): through the normed low-rank bottleneck, or one projection without it."""

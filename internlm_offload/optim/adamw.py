@@ -2,7 +2,7 @@
 offloading optimizers share."""
 
 import fnmatch
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from internlm_offload.optim.dtensor import is_dtensor
 from internlm_offload.optim.interface import OffloadOptimizer
+from internlm_offload.optim.muon_rule import ROW_SPLITS_KEY
 from internlm_offload.optim.rules import RULE_KEY
 
 T = TypeVar("T")
@@ -20,24 +21,36 @@ class AdamW(OffloadOptimizer, torch.optim.AdamW):
 
 
 def param_groups(
-    model: nn.Module, weight_decay: float, rule_patterns: Sequence[tuple[str, str]] = (), default_rule: str = "adamw"
+    model: nn.Module,
+    weight_decay: float,
+    rule_patterns: Sequence[tuple[str, str]] = (),
+    default_rule: str = "adamw",
+    *,
+    fallback: Callable[[str, nn.Parameter], str] | None = None,
+    row_splits: Mapping[str, tuple[int, ...]] | None = None,
 ) -> list[dict]:
     """Matrices (embeddings, linears) decay; vectors (norm weights, biases) do not. Each of the two is one group
     per DTensor mesh (first seen first): torch's fused and foreach kernels take no mix of meshes, or of DTensors
     and plain tensors (expert parallel's expert shards beside DDP's plain weights). And one group per update rule:
     a param takes the rule of the first `(pattern, rule name)` whose fnmatch pattern matches its name, else
-    `default_rule`; a group of another rule names it (`RULE_KEY`), so groups without patterns stay as they were."""
-    by_key: dict[tuple[bool, Hashable, str], list[nn.Parameter]] = {}
+    `fallback(name, param)` (default: `default_rule`); a group of another rule than `default_rule` names it
+    (`RULE_KEY`), so groups without patterns stay as they were. And one group per `row_splits` of a param (by
+    name; Muon's row blocks), carried as the group's `ROW_SPLITS_KEY`."""
+    row_splits = row_splits or {}
+    by_key: dict[tuple[bool, Hashable, str, tuple[int, ...]], list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
             mesh = param.device_mesh if is_dtensor(param) else None
-            rule = next((r for pattern, r in rule_patterns if fnmatch.fnmatchcase(name, pattern)), default_rule)
-            by_key.setdefault((param.ndim >= 2, mesh, rule), []).append(param)
+            rule = next((r for pattern, r in rule_patterns if fnmatch.fnmatchcase(name, pattern)), None)
+            rule = rule or (fallback(name, param) if fallback else default_rule)
+            splits = tuple(row_splits.get(name, ()))
+            by_key.setdefault((param.ndim >= 2, mesh, rule, splits), []).append(param)
     return [
         {"params": params, "weight_decay": weight_decay if decays else 0.0}
         | ({} if rule == default_rule else {RULE_KEY: rule})
+        | ({ROW_SPLITS_KEY: splits} if splits else {})
         for decay in (True, False)
-        for (decays, _, rule), params in by_key.items()
+        for (decays, _, rule, splits), params in by_key.items()
         if decays == decay
     ]
 

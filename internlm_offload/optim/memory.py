@@ -1,13 +1,13 @@
 """Host-memory preflight for optimizer offload: refuse a run whose host states cannot fit."""
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from internlm_offload.log import get_logger
-from internlm_offload.optim.rules import UpdateRule
+from internlm_offload.optim.rules import UpdateRule, rule_for
 
 logger = get_logger(__name__)
 
@@ -24,6 +24,23 @@ def state_bytes_per_element(rule: UpdateRule, hyper: Mapping[str, Any]) -> int:
 def hybrid_bytes_per_element(rule: UpdateRule, hyper: Mapping[str, Any]) -> int:
     """Host bytes per CPU-stepped element of the hybrid optimizer: master, grad buffer and states (AdamW: 16)."""
     return HYBRID_MASTER_AND_GRAD_BYTES + state_bytes_per_element(rule, hyper)
+
+
+def groups_state_bytes(
+    groups: Sequence[Mapping[str, Any]], default: UpdateRule, named: Mapping[str, UpdateRule]
+) -> tuple[int, int]:
+    """(trainable elements, bytes of their fp32 states) of the params `groups` step, each with its group's rule's
+    bytes (Muon's 4 per element beside AdamW's 8): this process's shards under FSDP2."""
+    elements = states = 0
+    for group in groups:
+        count = sum(_local(p).numel() for p in group["params"] if p.requires_grad)
+        elements += count
+        states += count * state_bytes_per_element(rule_for(group, default, named), group)
+    return elements, states
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
 
 
 class HostMemoryError(RuntimeError):

@@ -54,7 +54,7 @@ host link. More chunks: less device memory, smaller copies that overlap less wel
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,6 +218,14 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         fill_defaults(self.param_groups[-1], self._rule(self.param_groups[-1]))  # AdamW's: all there already
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's Adam reads every state's `step` here (load_state_dict ends with it): a rule without one (Muon's
+        # momentum buffer alone) joins after it
+        stepless = {p: s for p, s in state["state"].items() if s and "step" not in s}
+        kept = defaultdict(dict, {p: s for p, s in state["state"].items() if p not in stepless})
+        super().__setstate__({**state, "state": kept})
+        self.state.update(stepless)
 
     # ------------------------------------------------------------------ layout
 

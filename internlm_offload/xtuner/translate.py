@@ -31,6 +31,14 @@ from internlm_offload.xtuner.standins import Recorded, field, kind
 
 # XTuner v1's defaults for the fields read here (xtuner/v1/config/optim.py, fsdp.py, loss; datasets/config.py).
 ADAMW_DEFAULTS = {"lr": 1e-5, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01, "max_grad_norm": 1.0}
+# xtuner/v1/config/optim.py MuonConfig's (docs/optimizer_offload.md, Muon); its adjust_lr -> torch's adjust_lr_fn
+MUON_DEFAULTS = {**ADAMW_DEFAULTS, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True, "adjust_lr": "rms_norm"}
+MUON_ADJUST_LR = {"rms_norm": "match_rms_adamw", "spectral_norm": "original"}
+MUON_NOT_CARRIED = {
+    "flatten": "stacked experts [E, out, in] are orthogonalised per expert here, MLA's row blocks apart",
+    "use_triton": "Newton-Schulz is torch's matmuls here",
+    "enable_all2all": "Muon gathers no shards here (FSDP2 / tensor / expert parallel are refused with Muon)",
+}
 LR_DEFAULTS = {"lr_type": "constant", "warmup_ratio": 0.03, "lr_min": 1e-6}
 FSDP_DEFAULTS = {"recompute_ratio": 1.0, "cpu_offload": False, "tp_size": 1, "ep_size": 1}
 PACK_MAX_LENGTH = 32768
@@ -231,8 +239,11 @@ def _balancing_loss(t: Translation, model_cfg: Any, hf: dict[str, Any]) -> None:
 
 def _optimizer(t: Translation, trainer: Any) -> None:
     optim = field(trainer, "optim_cfg")
+    if optim is not None and kind(optim) == "MuonConfig":
+        _muon(t, trainer, optim)
+        return
     if optim is None or kind(optim) != "AdamWConfig":
-        t.fatal.append(f"optim_cfg={short(optim)}: only AdamWConfig maps here (AdamW, its swap variant)")
+        t.fatal.append(f"optim_cfg={short(optim)}: only AdamWConfig and MuonConfig map here")
         return
     lr, (beta1, beta2) = _get(optim, "lr", ADAMW_DEFAULTS), _get(optim, "betas", ADAMW_DEFAULTS)
     t.config["adam"] = {
@@ -255,6 +266,47 @@ def _optimizer(t: Translation, trainer: Any) -> None:
         )
     if field(optim, "foreach") is not None:
         t.dropped.append("optim_cfg.foreach: the AdamW kernel is chosen here (adam.fused)")
+
+
+def _muon(t: Translation, trainer: Any, optim: Any) -> None:
+    """MuonConfig: one lr and weight decay for Muon's matrices and AdamW's rest (XTuner's split is this trainer's
+    `optimizer.type='muon'`), betas for AdamW, eps for both (XTuner's NS normalisation and AdamW)."""
+    (beta1, beta2), eps = _get(optim, "betas", MUON_DEFAULTS), float(_get(optim, "eps", MUON_DEFAULTS))
+    t.config["adam"] = {
+        "lr": float(_get(optim, "lr", MUON_DEFAULTS)),
+        "adam_beta1": float(beta1),
+        "adam_beta2": float(beta2),
+        "adam_eps": eps,
+        "weight_decay": float(_get(optim, "weight_decay", MUON_DEFAULTS)),
+    }
+    adjust = _get(optim, "adjust_lr", MUON_DEFAULTS)
+    if adjust not in MUON_ADJUST_LR:
+        t.fatal.append(f"optim_cfg.adjust_lr={adjust!r}: Muon's lr adjustments here are {sorted(MUON_ADJUST_LR)}")
+        return
+    muon = {
+        "momentum": float(_get(optim, "momentum", MUON_DEFAULTS)),
+        "nesterov": bool(_get(optim, "nesterov", MUON_DEFAULTS)),
+        "eps": eps,
+        "adjust_lr_fn": MUON_ADJUST_LR[adjust],
+    }
+    t.config["optimizer"] = {"type": "muon", "muon": muon}
+    clip = float(_get(optim, "max_grad_norm", MUON_DEFAULTS)) if field(trainer, "do_clip", True) else 0.0
+    t.set("hybrid_zero_optimizer", "clip_grad_norm", clip)
+    t.carried.append(
+        "optim_cfg (MuonConfig: lr, weight_decay, betas, eps, momentum, nesterov, adjust_lr, max_grad_norm) -> "
+        "optimizer.type='muon', optimizer.muon, adam, clip_grad_norm (XTuner's classic momentum mu*B + g is torch's "
+        "EMA scaled by 1/(1 - mu): the same orthogonalised update)"
+    )
+    t.dropped.append(
+        "optim_cfg (MuonConfig) Newton-Schulz: XTuner runs five distinct coefficient triples, here torch's one "
+        "(3.4445, -4.775, 2.0315) five times (the same lr moves weights ~5-8 % less); gradient clipping scales "
+        "Muon's gradients too here (XTuner counts them in the norm but scales only AdamW's)"
+    )
+    if adjust == "spectral_norm":
+        t.dropped.append("optim_cfg.adjust_lr='spectral_norm': sqrt(A / B) there, sqrt(max(1, A / B)) here")
+    for name, why in MUON_NOT_CARRIED.items():
+        if field(optim, name) is not None:
+            t.dropped.append(f"optim_cfg.{name}={field(optim, name)!r}: {why}")
 
 
 def _schedule(t: Translation, trainer: Any) -> None:

@@ -5,6 +5,9 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
+from internlm_offload.config import ConfigError, resolve_config
 from internlm_offload.xtuner import translate
 from internlm_offload.xtuner.standins import Recorded, field, kind, load_trainer
 from internlm_offload.xtuner.translate import Translation, translate_trainer
@@ -180,3 +183,33 @@ def test_a_chunked_loss_is_carried_as_the_loss_here_is_chunked_already():
     assert not t.dropped and t.carried[0].startswith(
         "loss_cfg.mode='chunk' (chunk_size=1024): the loss here is chunked"
     )
+
+
+MUON_CONFIG = CONFIG.replace("AdamWConfig, FSDPConfig", "FSDPConfig, MuonConfig").replace(
+    "optim_cfg=AdamWConfig(lr=2e-5)", "optim_cfg=MuonConfig(lr=2e-4, momentum=0.9, flatten=True)"
+)
+
+
+def test_muon_config_maps_to_the_muon_switch_and_names_what_differs(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.py"
+    path.write_text(MUON_CONFIG)
+    t = translate_trainer(load_trainer(path), path)
+    assert t.config["optimizer"] == {
+        "type": "muon",
+        "muon": {"momentum": 0.9, "nesterov": True, "eps": 1e-8, "adjust_lr_fn": "match_rms_adamw"},  # rms_norm
+    }
+    assert t.config["adam"] == {"lr": 2e-4, "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-8,
+                                "weight_decay": 0.1}  # fmt: skip
+    assert any("five distinct coefficient triples" in line for line in t.dropped)
+    assert any(line.startswith("optim_cfg.flatten=True") for line in t.dropped)
+    cfg = resolve_config({"optimizer": t.config["optimizer"], "adam": t.config["adam"]})
+    assert cfg.optimizer.muon.adjust_lr_fn == "match_rms_adamw"
+    with pytest.raises(ConfigError, match="parallel.mode='fsdp2'"):  # XTuner's FSDP: Muon there is issue 51 part 4
+        resolve_config({"optimizer": t.config["optimizer"], "parallel": t.config["parallel"]})
+
+
+def test_muon_config_with_an_lr_adjustment_not_built_here_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.py"
+    path.write_text(MUON_CONFIG.replace("flatten=True", "adjust_lr='none'"))
+    t = translate_trainer(load_trainer(path), path)
+    assert any("optim_cfg.adjust_lr='none'" in line for line in t.fatal)

@@ -1,0 +1,45 @@
+"""Muon end to end from configs/internlm2_tiny_muon.py (bf16 model, fp32 masters): the loss falls, and the swap,
+hybrid 0.5 and gradient offload + NVMe tiers train its curve bitwise; its checkpoint resumes bitwise on the swap
+tier (a plain optimizer's states loaded into the host arena)."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+from runner import REPO, baseline_options, metrics, run_python, train
+
+pytestmark = pytest.mark.e2e
+
+MUON = REPO / "configs" / "internlm2_tiny_muon.py"
+COMMON = baseline_options("none", "torch.bfloat16")
+NO_CKPT = "ckpt.enable_save_ckpt=False"
+TIERS = {
+    "swap": ["swap_optimizer=True", "swap_optimizer_times=4"],
+    "hybrid": ["hybrid_optimizer.enable=True", "hybrid_optimizer.offload_fraction=0.5"],
+    "grad_offload_nvme": ["swap_optimizer=True", "grad_offload=True", "grad_offload_bucket_mb=0.25",
+                          "nvme_offload.enable=True"],
+}  # fmt: skip
+
+
+def loss_compare(*args: str) -> subprocess.CompletedProcess:
+    return run_python([sys.executable, "-m", "internlm_offload.tools.loss_compare", *args])
+
+
+def test_muon_trains_and_every_tier_follows_it_bitwise(tmp_path, reference_run):
+    base = reference_run(*COMMON, config=MUON)
+    losses = [r["loss"] for r in metrics(base)]
+    assert losses[-1] < losses[0] - 0.3, losses
+    for name, options in TIERS.items():
+        run, nvme = tmp_path / name, tmp_path / "nvme"
+        nvme.mkdir(exist_ok=True)
+        disk = [f"nvme_offload.path={nvme}"] if "nvme_offload.enable=True" in options else []
+        train(run, *COMMON, NO_CKPT, *options, *disk, config=MUON)
+        for metric in ("loss", "grad_norm"):
+            compared = loss_compare(str(base), str(run), "--exact", "--quiet", "--metric", metric)
+            assert compared.returncode == 0, f"{name}: {compared.stdout}"
+    resumed = tmp_path / "resumed"
+    shutil.copytree(base / "checkpoints" / "step_00000004", resumed / "checkpoints" / "step_00000004")
+    train(resumed, *COMMON, *TIERS["swap"], config=MUON, resume=True)
+    expected = [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(base) if r["step"] > 4]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(resumed)] == expected

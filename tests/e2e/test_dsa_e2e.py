@@ -8,9 +8,12 @@ top-k in backward, block 3 reads it again from the forward's store); or offload 
 checkpointing of blocks 1-2 with its kept outputs offloaded.
 """
 
+import shutil
+
 import pytest
 from deepseek_runs import LAST, STEPS
 from runner import REPO, assert_same_metrics, metrics, train
+from tensor_parallel_runs import NEAR, assert_curves
 
 from internlm_offload.tools.export import load_weights
 
@@ -51,3 +54,34 @@ def test_tiers_change_no_bits(tmp_path, reference_run, tiers):
     train(run, *STEPS, *tiers, config=GLM5)
     assert metrics(run)[-1]["act_offload_offloaded_bytes"] > 0
     assert_same_metrics(base, run, KEYS)
+
+
+def test_resume_from_step_2_is_the_straight_run(tmp_path, reference_run):
+    """The baseline's step-2 checkpoint resumed: steps 3-6 equal the straight run's (the indexer read back with it)."""
+    base = reference_run(*STEPS, config=GLM5)
+    run = tmp_path / "resumed"
+    shutil.copytree(base / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
+    train(run, *STEPS, config=GLM5, resume=True)
+    assert [r["step"] for r in metrics(run)] == [3, 4, 5, 6]
+    expected = [r for r in metrics(base) if r["step"] > 2]
+    for key in KEYS:
+        assert [r[key] for r in metrics(run)] == [r[key] for r in expected], key
+
+
+@pytest.mark.parametrize(
+    ("options", "nproc"),
+    [
+        pytest.param(["parallel.mode=fsdp2"], 2, id="fsdp2"),
+        pytest.param(["parallel.mode=ddp", "parallel.expert.size=2"], 4, id="ep2-ddp2"),
+    ],
+)
+def test_layouts_follow_one_process(tmp_path, reference_run, options, nproc):
+    """FSDP2 on two processes (the frozen indexer sharded beside the trained weights, drawn by the meta build) and
+    expert parallel 2 x expert data 2 on four: one process's curve within NEAR (the reductions run in another order;
+    the indexer's choices, integers, the same unless a score sits at a near tie within that rounding)."""
+    base = reference_run(*STEPS, config=GLM5)
+    run = tmp_path / "run"
+    proc = train(run, *STEPS, *options, config=GLM5, nproc=nproc)
+    if nproc == 4:
+        assert "Applied expert parallel over 2 ranks (2 expert-data groups)" in proc.stderr
+    assert_curves(base, run, NEAR)

@@ -140,7 +140,7 @@ def native_layer(config: Any, hf: nn.Module, index: int, dtype: torch.dtype) -> 
     """The native block `index` as the family builds it, holding transformers' weights (strict load)."""
     args = args_from_config(config)
     layer = DecoderLayer(
-        args.hidden_size, args.rms_norm_eps, build_attention(args, "sdpa"), build_feed_forward(args, index)
+        args.hidden_size, args.rms_norm_eps, build_attention(args, "sdpa", index), build_feed_forward(args, index)
     )
     layer.load_state_dict(native_names(hf.state_dict(), index), strict=True)
     return layer.to(dtype).train()

@@ -52,6 +52,8 @@ class Documents:
 
     def __init__(self, position_ids: torch.Tensor) -> None:
         self.position_ids = position_ids
+        # what a block hands to later blocks of the same forward (DSA's top-k, model/dsa.py), by key
+        self.shared: dict[object, torch.Tensor] = {}
 
     @functools.cached_property
     def mask(self) -> torch.Tensor:

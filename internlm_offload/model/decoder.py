@@ -92,11 +92,14 @@ class DecoderLayer(nn.Module):
 
 class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
     """Decoder-only LM: tok_embeddings -> layers -> norm -> output. Under isp it keeps its rank's chunk of the
-    sequence (`sequence_shard`, model/hooks.py).
+    sequence (`sequence_shard`, model/hooks.py). `needs_documents`: its blocks get a `Documents` even for a row of
+    one document (DSA hands its top-k between blocks through it, model/dsa.py).
 
     Built on meta, so that construction draws no random numbers: `init_weights` alone sets every weight, which makes
     a direct build equal a meta build + to_empty + init_weights under the same seed.
     """
+
+    needs_documents = False
 
     def __init__(
         self,
@@ -188,6 +191,8 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
         begins, and attention never crosses into another document. With a `sequence_shard` (isp) the
         logits are this rank's chunk of the sequence, (B, T / shard.size, V).
         """
+        if position_ids is None and self.needs_documents:  # one document per row
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         documents = None if position_ids is None else Documents(position_ids)  # the whole sequence's
         whole_ids, whole_positions = input_ids, position_ids  # multi-token prediction rolls them before the split
         shard = self.sequence_shard

@@ -83,10 +83,25 @@ class MultiLatentAttention(nn.Module, ExchangesSequence, SplitsMuonRows):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: Documents | None = None
     ) -> torch.Tensor:
         """(B, T, C) -> (B, T, C); `rope` is the (cos, sin) of dr dims (model/rope.py `rope_cos_sin`)."""
+        q, k, v, _ = self._heads(x, rope)
+        exchange = self.sequence_exchange
+        if exchange is not None:  # isp: this rank's tokens of all heads -> all tokens of its heads
+            q, k, v = (exchange(t, scatter_dim=2, gather_dim=1) for t in (q, k, v))
+        out = attend(q, k, v, documents, flash=uses_flash(self.attn_impl, x), scale=self.scale)  # (B, T, H, dv)
+        if exchange is not None:
+            out = exchange(out, scatter_dim=1, gather_dim=2)
+        return self.o_proj(out.flatten(2))  # (B, T, C)
+
+    def _heads(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The kernel's q, k (B, T, H, dn + dr) and v (B, T, H, dv), roped, and the normed query latent (B, T, qr;
+        None without q-LoRA) that DSA's indexer reads (model/dsa.py)."""
         B, T, _ = x.shape
         dn, dr = self.qk_nope_head_dim, self.qk_rope_head_dim
         # -1 heads: under tensor parallel a rank would hold whole heads of q_b_proj and kv_b_proj
-        q = self._query(x).view(B, T, -1, self.qk_head_dim)  # (B, T, H, dn + dr)
+        q, q_latent = self._query(x)
+        q = q.view(B, T, -1, self.qk_head_dim)  # (B, T, H, dn + dr)
         q_nope, q_rope = q.split([dn, dr], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, dr], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, -1, dn + self.v_head_dim)
@@ -98,13 +113,7 @@ class MultiLatentAttention(nn.Module, ExchangesSequence, SplitsMuonRows):
         q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope[:, :, None], cos, sin)  # k_rope (B, T, 1, dr)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)  # every head's rope key
-        exchange = self.sequence_exchange
-        if exchange is not None:  # isp: this rank's tokens of all heads -> all tokens of its heads
-            q, k, v = (exchange(t, scatter_dim=2, gather_dim=1) for t in (q, k, v))
-        out = attend(q, k, v, documents, flash=uses_flash(self.attn_impl, x), scale=self.scale)  # (B, T, H, dv)
-        if exchange is not None:
-            out = exchange(out, scatter_dim=1, gather_dim=2)
-        return self.o_proj(out.reshape(B, T, -1))  # (B, T, C)
+        return q, k, v, q_latent
 
     def muon_row_splits(self) -> dict[str, tuple[int, ...]]:
         """Per head (nope, rope) queries, (latent, rope) of the shared key, per head (nope, v): XTuner's MuonSplit."""
@@ -116,11 +125,13 @@ class MultiLatentAttention(nn.Module, ExchangesSequence, SplitsMuonRows):
             "kv_b_proj.weight": (dn, dv) * heads,
         }
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, H x (dn + dr)): through the normed low-rank bottleneck, or one projection without it."""
+    def _query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T, H x (dn + dr)) through the normed low-rank bottleneck, and that normed latent (B, T, qr); or one
+        projection without it (latent None)."""
         if self.q_proj is not None:
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            return self.q_proj(x), None
+        latent = self.q_a_layernorm(self.q_a_proj(x))
+        return self.q_b_proj(latent), latent
 
     def _projections(self) -> list[nn.Linear]:
         """The projections that read the block's input or a latent, in registration order."""

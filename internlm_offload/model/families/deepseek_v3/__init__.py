@@ -1,6 +1,9 @@
 """The DeepSeek-V3 lineage: DeepSeek-V3 / R1 and Kimi-K2 (`deepseek_v3`), GLM-4.7-Flash (`glm4_moe_lite`), both with
-multi-head latent attention, and GLM-4.5 / 4.6 / 4.7 (`glm4_moe`, grouped-query attention with partial RoPE); all
-with dense-first blocks and the sigmoid router balanced by a bias (noaux_tc), its un-gated shared expert.
+multi-head latent attention, DeepSeek-V3.2 (`deepseek_v32`) and GLM-5 (`glm_moe_dsa`), MLA with DeepSeek Sparse
+Attention (model/dsa.py: a lightning indexer, top-k sparse MLA, GLM-5's cross-layer top-k sharing), and GLM-4.5 / 4.6
+/ 4.7 (`glm4_moe`, grouped-query attention with partial RoPE); all with dense-first blocks and the sigmoid router
+balanced by a bias (noaux_tc), its un-gated shared expert. DSA is not split by tensor parallel (isp included: its
+indexer must see every earlier key of the document) nor by a pipeline: both refused in one line (build.check_run).
 
 Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.hf_config`, config.json's keys);
 docs/deepseek.md. `tools.export --hf` writes its folder back (transformers' names and config.json; Kimi-K2's as
@@ -21,19 +24,56 @@ from internlm_offload.family import Capabilities, FamilySpec, register_family
 
 # config.json's model_type values this family reads (Kimi-K2's `kimi_k2`, which transformers does not register, is
 # read as `deepseek_v3`: the same architecture).
-MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite")
+MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
+# those with DeepSeek Sparse Attention (model/dsa.py): a lightning indexer and top-k sparse MLA
+DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
 # transformers' n_routed_experts where a config leaves it out
-DEFAULT_EXPERTS = {"deepseek_v3": 256, "kimi_k2": 256, "glm4_moe": 128, "glm4_moe_lite": 64}
+DEFAULT_EXPERTS = {
+    "deepseek_v3": 256,
+    "kimi_k2": 256,
+    "glm4_moe": 128,
+    "glm4_moe_lite": 64,
+    "deepseek_v32": 256,
+    "glm_moe_dsa": 256,
+}
 # transformers' num_experts_per_tok where a config leaves it out
-DEFAULT_TOP_K = {"deepseek_v3": 8, "kimi_k2": 8, "glm4_moe": 8, "glm4_moe_lite": 4}
+DEFAULT_TOP_K = {
+    "deepseek_v3": 8,
+    "kimi_k2": 8,
+    "glm4_moe": 8,
+    "glm4_moe_lite": 4,
+    "deepseek_v32": 8,
+    "glm_moe_dsa": 8,
+}
 # transformers' num_hidden_layers where a config leaves it out
-DEFAULT_BLOCKS = {"deepseek_v3": 61, "kimi_k2": 61, "glm4_moe": 46, "glm4_moe_lite": 47}
-# transformers' num_nextn_predict_layers where a config leaves it out (Glm4MoeLiteConfig has no such key; GLM-4.7-Flash's
-# config.json states 1)
-DEFAULT_MTP_LAYERS = {"deepseek_v3": 1, "kimi_k2": 1, "glm4_moe": 1, "glm4_moe_lite": 0}
+DEFAULT_BLOCKS = {
+    "deepseek_v3": 61,
+    "kimi_k2": 61,
+    "glm4_moe": 46,
+    "glm4_moe_lite": 47,
+    "deepseek_v32": 61,
+    "glm_moe_dsa": 78,
+}
+# transformers' num_nextn_predict_layers where a config leaves it out (Glm4MoeLiteConfig, DeepseekV32Config and
+# GlmMoeDsaConfig have no such key; GLM-4.7-Flash's config.json states 1)
+DEFAULT_MTP_LAYERS = {
+    "deepseek_v3": 1,
+    "kimi_k2": 1,
+    "glm4_moe": 1,
+    "glm4_moe_lite": 0,
+    "deepseek_v32": 0,
+    "glm_moe_dsa": 0,
+}
 # transformers' dense-first blocks where a config names neither first_k_dense_replace nor mlp_layer_types
 # (glm4_moe_lite has no first_k_dense_replace: its mlp_layer_types default to one dense block, then sparse ones)
-DEFAULT_DENSE_FIRST = {"deepseek_v3": 3, "kimi_k2": 3, "glm4_moe": 1, "glm4_moe_lite": 1}
+DEFAULT_DENSE_FIRST = {
+    "deepseek_v3": 3,
+    "kimi_k2": 3,
+    "glm4_moe": 1,
+    "glm4_moe_lite": 1,
+    "deepseek_v32": 3,
+    "glm_moe_dsa": 3,
+}
 DENSE, SPARSE = "dense", "sparse"  # transformers' names of the kinds (`mlp_layer_types`)
 
 
@@ -95,6 +135,9 @@ def with_blocks(model: Any, kinds: Sequence[str]) -> Any | None:
     config = {**config, "num_hidden_layers": len(kinds), "mlp_layer_types": list(kinds)}
     if "first_k_dense_replace" in config:  # kept consistent with the list for a reader of either
         config["first_k_dense_replace"] = leading
+    if config.get("indexer_types"):  # GLM-5's schedule, its first blocks' (the first one full) repeated to the count
+        types = config["indexer_types"]
+        config["indexer_types"] = [types[i % len(types)] for i in range(len(kinds))]
     return model.model_copy(update={"hf_config": config, "hf_path": None, "num_layers": len(kinds)})
 
 

@@ -5,7 +5,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from internlm_offload.model.families.deepseek_v3 import MODEL_TYPES
+from internlm_offload.model.dsa import FULL, indexer_sources
+from internlm_offload.model.families.deepseek_v3 import DSA_TYPES, MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,21 @@ class DeepseekV3Args:
     # grouped-query attention (glm4_moe)
     head_dim: int = 0
     use_qk_norm: bool = False
+    # DeepSeek Sparse Attention (deepseek_v32, glm_moe_dsa); index_topk None: dense MLA
+    index_topk: int | None = None
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    indexer_types: tuple[str, ...] = ()  # per block "full" (its own indexer) or "shared" (the last full one's top-k)
+    indexer_rope_interleave: bool = True  # GLM-5's indexer RoPE; DeepSeek-V3.2's is half-split
+
+    @property
+    def dsa(self) -> bool:
+        return self.index_topk is not None
+
+    @property
+    def indexer_sources(self) -> tuple[int, ...]:
+        """Each block's source of top-k (model/dsa.py `indexer_sources`)."""
+        return indexer_sources(self.indexer_types)
 
     @property
     def mla(self) -> bool:
@@ -89,6 +105,7 @@ def args_from_config(config: Any) -> DeepseekV3Args:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         attention = dict(head_dim=head_dim, use_qk_norm=config.use_qk_norm)
     return DeepseekV3Args(
+        **sparse_attention(config),
         model_type=config.model_type,
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -113,3 +130,25 @@ def args_from_config(config: Any) -> DeepseekV3Args:
         initializer_range=config.initializer_range,
         **attention,
     )
+
+
+def sparse_attention(config: Any) -> dict[str, Any]:
+    """The DSA keys of a DeepseekV32Config (every block full, half-split indexer RoPE) or GlmMoeDsaConfig (its
+    `indexer_types`, interleaved); none for the other model types. ValueError naming a bad `indexer_types`."""
+    if config.model_type not in DSA_TYPES:
+        return {}
+    layers = config.num_hidden_layers
+    glm = config.model_type == "glm_moe_dsa"
+    types = tuple(config.indexer_types) if glm else (FULL,) * layers
+    if len(types) != layers:
+        raise ValueError(f"indexer_types has {len(types)} entries for num_hidden_layers={layers}")
+    if config.q_lora_rank is None:
+        raise ValueError(f"q_lora_rank=None with model_type={config.model_type!r}: the DSA indexer reads the q latent")
+    indexer_sources(types)  # the bad values named here, at the config
+    return {
+        "index_topk": config.index_topk,
+        "index_n_heads": config.index_n_heads,
+        "index_head_dim": config.index_head_dim,
+        "indexer_types": types,
+        "indexer_rope_interleave": glm,
+    }

@@ -12,12 +12,15 @@ from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.config.lora import resolved_targets
 from internlm_offload.config.mtp import mtp_depth
 from internlm_offload.log import get_logger
+from internlm_offload.model.families.deepseek_v3 import DSA_TYPES
 from internlm_offload.model.families.deepseek_v3.args import args_from_config
 from internlm_offload.model.families.deepseek_v3.hf_names import (
     CAUSAL_LM,
+    HF_DSA_MOE,
     HF_GQA_MOE,
     HF_MLA_MOE,
     KEEP_FP32,
+    KEEP_FP32_DSA,
     MTP_COPIES,
     mtp_table,
 )
@@ -86,13 +89,13 @@ def folder_format(model: DeepseekV3) -> FolderFormat:
     weight and bias kept in fp32 on the way out, as transformers keeps them); the multi-token-prediction layers the
     model builds at blocks L + k, as DeepSeek-V3's files and XTuner's exports hold them."""
     args = model.args
-    table = HF_MLA_MOE if args.mla else HF_GQA_MOE
+    table = (HF_DSA_MOE if args.dsa else HF_MLA_MOE) if args.mla else HF_GQA_MOE
     return FolderFormat(
         table,
         args.num_attention_heads,
         args.num_key_value_heads,
         args.num_layers,
-        keep_fp32=KEEP_FP32,
+        keep_fp32=KEEP_FP32_DSA if args.dsa else KEEP_FP32,
         mtp_layers=model.mtp.settings.physical if model.mtp is not None else 0,
         mtp_table=mtp_table(table),
         mtp_copies=MTP_COPIES,
@@ -130,6 +133,7 @@ def check_run(cfg: RunConfig) -> None:
     section's `model.tie_word_embeddings`, which config/pipeline.py checks, does not apply here) is refused.
     `model.mtp_config.detach_mtp_lm_head_weight` needs the head whole on this rank: not under mtp / msp / fsp
     (which split it by the vocabulary)."""
+    check_sparse_attention(cfg)
     pipe = cfg.parallel.pipeline.size
     if pipe > 1 and transformers_config(cfg.model).tie_word_embeddings:
         raise ConfigError(
@@ -148,6 +152,26 @@ def check_run(cfg: RunConfig) -> None:
         raise ConfigError(
             f"model.mtp_config.detach_mtp_lm_head_weight=True with parallel.tensor.mode={tensor.mode!r}: the head is "
             "split over the tensor ranks there; use isp, or detach_mtp_lm_head_weight=False"
+        )
+
+
+def check_sparse_attention(cfg: RunConfig) -> None:
+    """DeepSeek Sparse Attention is not split yet: under a tensor mode (isp's sequence split included: the indexer
+    must see every earlier key of the document, a gather not built) and a pipeline (a shared block's top-k may come
+    from another stage) it is refused in one line."""
+    model_type = raw_config(cfg.model).get("model_type")
+    if model_type not in DSA_TYPES:
+        return
+    tensor, pipe = cfg.parallel.tensor, cfg.parallel.pipeline.size
+    if tensor.size > 1:
+        raise ConfigError(
+            f"parallel.tensor.size={tensor.size} (mode {tensor.mode!r}) with model_type={model_type!r}: DeepSeek "
+            "sparse attention under tensor / sequence parallel is not built; set parallel.tensor.size=1"
+        )
+    if pipe > 1:
+        raise ConfigError(
+            f"parallel.pipeline.size={pipe} with model_type={model_type!r}: DeepSeek sparse attention under a "
+            "pipeline is not built; set parallel.pipeline.size=1"
         )
 
 

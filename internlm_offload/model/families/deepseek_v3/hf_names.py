@@ -44,8 +44,16 @@ _FEED_FORWARD = (
     ),
 )
 
+# DeepSeek Sparse Attention's indexer, on the blocks that own one (GLM-5's "full" ones, every DeepSeek-V3.2 block).
+_INDEXER = tuple(
+    (f"{_LAYER}.self_attn.indexer.{n}", f"layers.{{i}}.attention.indexer.{n}")
+    for n in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+)
+
 # DeepSeek-V3 / R1, Kimi-K2, GLM-4.7-Flash: MLA.
 HF_MLA_MOE = NameTable("hf (deepseek_v3)", (*_DECODER, *_MLA_ATTENTION, *_FEED_FORWARD))
+# DeepSeek-V3.2, GLM-5: MLA and its indexer.
+HF_DSA_MOE = NameTable("hf (glm_moe_dsa / deepseek_v32)", (*_DECODER, *_MLA_ATTENTION, *_INDEXER, *_FEED_FORWARD))
 # GLM-4.5 / 4.6 / 4.7: grouped-query attention.
 HF_GQA_MOE = NameTable("hf (glm4_moe)", (*_DECODER, *_GQA_ATTENTION, *_FEED_FORWARD))
 
@@ -73,9 +81,13 @@ def mtp_table(table: NameTable) -> NameTable:
 
 # What transformers keeps in fp32 in these models (`_keep_in_fp32_modules_strict`): the router's weight and its bias.
 KEEP_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+# DSA's models also keep the indexer's head weights in fp32 (`_keep_in_fp32_modules`)
+KEEP_FP32_DSA = (*KEEP_FP32, "indexer.weights_proj.weight")
 # The causal LM class of each model_type (config.json's `architectures`, which vLLM reads).
 CAUSAL_LM = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }

@@ -14,8 +14,10 @@ from torch import nn
 from internlm_offload.model.attention import Attention
 from internlm_offload.model.balancing import balancing_loss
 from internlm_offload.model.decoder import Decoder, DecoderLayer
+from internlm_offload.model.dsa import SparseLatentAttention
 from internlm_offload.model.families.deepseek_v3.args import DeepseekV3Args
 from internlm_offload.model.hooks import PoolsRouterStats
+from internlm_offload.model.indexer import LightningIndexer
 from internlm_offload.model.mla import MultiLatentAttention
 from internlm_offload.model.mlp import FeedForward
 from internlm_offload.model.moe import MoE
@@ -25,22 +27,24 @@ from internlm_offload.model.rope import rope_from_parameters, softmax_mscale
 from internlm_offload.model.tensor_plan import BlockPlan, Region, Replicated, SideBlock, TensorPlan
 
 
-def build_attention(args: DeepseekV3Args, attn_impl: str) -> nn.Module:
-    """MLA where the config has a latent, else GLM-4.5's grouped-query attention (its o_proj never biased)."""
+def build_attention(args: DeepseekV3Args, attn_impl: str, i: int) -> nn.Module:
+    """Block i's attention: MLA where the config has a latent (with DeepSeek Sparse Attention where it has an
+    indexer), else GLM-4.5's grouped-query attention (its o_proj never biased)."""
     if args.mla:
-        return MultiLatentAttention(
-            hidden_size=args.hidden_size,
-            n_heads=args.num_attention_heads,
-            q_lora_rank=args.q_lora_rank,
-            kv_lora_rank=args.kv_lora_rank,
-            qk_nope_head_dim=args.qk_nope_head_dim,
-            qk_rope_head_dim=args.qk_rope_head_dim,
-            v_head_dim=args.v_head_dim,
-            attn_impl=attn_impl,
-            bias=args.attention_bias,
-            rope_interleave=args.rope_interleave,
-            softmax_mscale=softmax_mscale(args.rope_parameters),
-        )
+        mla = {
+            "hidden_size": args.hidden_size,
+            "n_heads": args.num_attention_heads,
+            "q_lora_rank": args.q_lora_rank,
+            "kv_lora_rank": args.kv_lora_rank,
+            "qk_nope_head_dim": args.qk_nope_head_dim,
+            "qk_rope_head_dim": args.qk_rope_head_dim,
+            "v_head_dim": args.v_head_dim,
+            "attn_impl": attn_impl,
+            "bias": args.attention_bias,
+            "rope_interleave": args.rope_interleave,
+            "softmax_mscale": softmax_mscale(args.rope_parameters),
+        }
+        return build_sparse_attention(args, i, mla) if args.dsa else MultiLatentAttention(**mla)
     return Attention(
         args.hidden_size,
         args.num_attention_heads,
@@ -53,6 +57,24 @@ def build_attention(args: DeepseekV3Args, attn_impl: str) -> nn.Module:
         o_bias=False,
         rotary_dim=args.rope_dim,
     )
+
+
+def build_sparse_attention(args: DeepseekV3Args, i: int, mla: dict) -> SparseLatentAttention:
+    """Block i's DSA: its own indexer where `indexer_types[i]` is full, else the last full block's top-k; a
+    multi-token-prediction block (i >= num_layers) owns one, as XTuner builds GLM-5's."""
+    source = args.indexer_sources[i] if i < args.num_layers else i
+    indexer = None
+    if source == i:
+        indexer = LightningIndexer(
+            hidden_size=args.hidden_size,
+            q_lora_rank=args.q_lora_rank,
+            n_heads=args.index_n_heads,
+            head_dim=args.index_head_dim,
+            rope_dim=args.qk_rope_head_dim,
+            rope_interleave=args.indexer_rope_interleave,
+            topk=args.index_topk,
+        )
+    return SparseLatentAttention(layer=i, source=source, indexer=indexer, topk=args.index_topk, **mla)
 
 
 def build_feed_forward(args: DeepseekV3Args, i: int) -> nn.Module:
@@ -151,13 +173,14 @@ class DeepseekV3(Decoder, PoolsRouterStats):
             tie_word_embeddings=args.tie_word_embeddings,
             init_std=args.initializer_range,
             block=lambda i: DecoderLayer(
-                args.hidden_size, args.rms_norm_eps, build_attention(args, attn_impl), build_feed_forward(args, i)
+                args.hidden_size, args.rms_norm_eps, build_attention(args, attn_impl, i), build_feed_forward(args, i)
             ),
             inv_freq_fn=inv_freq_fn,
             rope_attention_factor=attention_factor,
             mtp=mtp,
         )
         self.args = args
+        self.needs_documents = args.dsa  # DSA hands its top-k between blocks through the forward's Documents
         self.num_experts = args.n_routed_experts
         self.balancing_loss = balancing_loss
 

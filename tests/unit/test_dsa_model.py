@@ -1,0 +1,103 @@
+"""DeepSeek Sparse Attention in the DeepSeek-V3 family (configs/glm5_tiny.py: GLM-5's `glm_moe_dsa` with top-k 16
+and shared blocks; and as DeepSeek-V3.2's `deepseek_v32`): the blocks it builds (which own an indexer, which share
+whose top-k, the indexer frozen), packed documents each with its own loss at top-k below their lengths, the names
+its folder reads, and the layouts not built refused in one line."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_deepseek_documents import document_loss, randomized
+
+from internlm_offload.builder.model import build_model
+from internlm_offload.config import ConfigError, ModelConfig, load_config_file, resolve_config
+from internlm_offload.model.dsa import SparseLatentAttention
+from internlm_offload.model.families.deepseek_v3 import build as deepseek_build
+
+GLM5 = load_config_file(Path(__file__).parents[2] / "configs" / "glm5_tiny.py")["model"]["hf_config"]
+V32 = {k: v for k, v in GLM5.items() if k != "indexer_types"} | {"model_type": "deepseek_v32"}
+# two documents, each longer than the top-k (16): their attention is sparse, alone and packed
+DOCUMENTS = [list(range(3, 3 + 23)), [(7 * t) % 250 + 2 for t in range(29)]]
+
+
+def build(config: dict) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(ModelConfig(type="deepseek_v3", hf_config=config), torch.device("cpu"))
+
+
+def test_glm5_blocks_own_or_share_an_indexer_as_indexer_types_say():
+    model = build(GLM5)
+    blocks = [layer.attention for layer in model.layers]
+    assert all(isinstance(b, SparseLatentAttention) for b in blocks)
+    assert [b.indexer is not None for b in blocks] == [True, False, True, False]
+    assert [b.source for b in blocks] == [0, 0, 2, 2]
+    indexer = dict(blocks[0].indexer.named_parameters())
+    assert sorted(indexer) == ["k_norm.bias", "k_norm.weight", "weights_proj.weight", "wk.weight", "wq_b.weight"]
+    assert not any(p.requires_grad for p in indexer.values())  # frozen: the optimizer skips them
+    assert blocks[0].indexer.rope_interleave and model.needs_documents
+    names = {n for n, _ in model.named_parameters() if ".indexer." in n}
+    assert {n.split(".")[1] for n in names} == {"0", "2"}
+
+
+def test_deepseek_v32_has_an_indexer_in_every_block_with_half_split_rope():
+    model = build(V32)
+    assert all(layer.attention.indexer is not None for layer in model.layers)
+    assert not model.layers[0].attention.indexer.rope_interleave
+
+
+def test_folder_names_of_the_indexer():
+    model = build(GLM5)
+    layout = deepseek_build.folder_format(model)
+    foreign = {layout.table.to_foreign(n) for n, _ in model.named_parameters() if ".indexer." in n}
+    assert "model.layers.2.self_attn.indexer.weights_proj.weight" in foreign and len(foreign) == 10
+    assert "indexer.weights_proj.weight" in layout.keep_fp32  # transformers keeps it in fp32
+
+
+@pytest.mark.parametrize("config", [GLM5, V32], ids=["glm5", "v32"])
+def test_each_document_of_a_packed_row_has_the_loss_it_has_alone(config):
+    model = randomized(build(config).eval())
+    row = torch.tensor([t for d in DOCUMENTS for t in d])[None]
+    positions = torch.cat([torch.arange(len(d)) for d in DOCUMENTS])[None]
+    starts = [0, len(DOCUMENTS[0]), row.shape[1]]
+    with torch.no_grad():
+        packed = model(row, positions).logits[0]
+        for k, tokens in enumerate(DOCUMENTS):
+            alone = document_loss(model(torch.tensor(tokens)[None]).logits[0], tokens)
+            in_row = document_loss(packed[starts[k] : starts[k + 1]], tokens)
+            torch.testing.assert_close(in_row, alone, rtol=1e-5, atol=0)
+        # top-k matters here: the same model with every key chosen gives the documents other losses
+        for layer in model.layers:
+            layer.attention.topk = row.shape[1]
+        dense = model(row, positions).logits[0]
+    assert (dense - packed).abs().max() > 1e-3
+
+
+def test_bad_indexer_types_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"indexer_types\[0\]='shared' has no 'full' layer before it"):
+        build({**GLM5, "indexer_types": ["shared", "full", "full", "full"]})
+    with pytest.raises(ConfigError, match=r"indexer_types has 3 entries for num_hidden_layers=4"):
+        build({**GLM5, "indexer_types": ["full"] * 3})
+
+
+@pytest.mark.parametrize(
+    ("parallel", "message"),
+    [
+        (
+            {"mode": "fsdp2", "tensor": {"size": 2, "mode": "isp"}},
+            "parallel.tensor.size=2 (mode 'isp') with model_type='glm_moe_dsa': DeepSeek sparse attention under "
+            "tensor / sequence parallel is not built; set parallel.tensor.size=1",
+        ),
+        (
+            {"pipeline": {"size": 2}},
+            "parallel.pipeline.size=2 with model_type='glm_moe_dsa': DeepSeek sparse attention under a pipeline is "
+            "not built; set parallel.pipeline.size=1",
+        ),
+    ],
+    ids=["isp", "pipeline"],
+)
+def test_the_splits_not_built_are_refused_in_one_line(parallel, message):
+    raw = {"model": {"type": "deepseek_v3", "hf_config": GLM5}, "parallel": parallel, "data": {"micro_num": 2}}
+    cfg = resolve_config(raw, world_size=2)
+    with pytest.raises(ConfigError) as info:
+        deepseek_build.check_run(cfg)
+    assert str(info.value) == message

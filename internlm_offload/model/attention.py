@@ -1,10 +1,9 @@
 """Attention the decoder families share: packed documents, the kernel dispatch (sdpa / flash-attn), and grouped-query
 self-attention with rotary embeddings (InternLM2, Llama, Qwen2/3, GLM-4.5: biases, head_dim, q/k norms and partial
-rotary as options).
+rotary as options; GPT-OSS: sliding windows and attention sinks, `attend_masked`).
 
-Another attention module (model/mla.py's multi-head latent attention; sliding windows, sinks) takes the same
-(x, rope, documents) and calls `attend` for the kernel; under isp it declares `ExchangesSequence` (model/hooks.py)
-and exchanges heads around it.
+Another attention module (model/mla.py's multi-head latent attention) takes the same (x, rope, documents) and calls
+`attend` for the kernel; under isp it declares `ExchangesSequence` (model/hooks.py) and exchanges heads around it.
 """
 
 import functools
@@ -54,6 +53,16 @@ class Documents:
         self.position_ids = position_ids
         # what a block hands to later blocks of the same forward (DSA's top-k, model/dsa.py), by key
         self.shared: dict[object, torch.Tensor] = {}
+        self._windows: dict[int, torch.Tensor] = {}
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """(B, 1, T, T) `mask` narrowed to the last `window` keys of each query, itself included (GPT-OSS's
+        sliding layers: 0 <= q - k < window), computed once per forward per window."""
+        if window not in self._windows:
+            mask = self.mask & sliding_window(self.position_ids.shape[-1], window, self.position_ids.device)
+            mark_not_offload(mask)
+            self._windows[window] = mask
+        return self._windows[window]
 
     @functools.cached_property
     def mask(self) -> torch.Tensor:
@@ -78,6 +87,43 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
     T = position_ids.shape[-1]
     causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+def sliding_window(seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """(T, T) causal mask, narrowed to keys 0 <= q - k < `window` (None: every earlier key)."""
+    distance = torch.arange(seq_len, device=device)[:, None] - torch.arange(seq_len, device=device)[None]
+    allowed = distance >= 0
+    return allowed if window is None else allowed & (distance < window)
+
+
+def attend_masked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    sinks: torch.Tensor | None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of (B, S, H, D) queries over (B, S, KVH, D) keys and values where `allowed` ((B, 1, S, S) or
+    (S, S), True: may attend) says, with per-head `sinks` (H,): a learned logit each head adds to its softmax's
+    denominator only (a key whose value is zero), not scaled. (B, S, H, D) out.
+
+    Without sinks, SDPA with the mask. With them, explicitly, in fp32 (SDPA's kernels cannot add a column): the
+    masked, scaled logits with the sink as one more column, softmax, the column dropped. Memory: the (B, H, S, S)
+    probabilities per block, saved for backward."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H or KVH, S, D)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2)
+    groups = q.shape[1] // k.shape[1]  # query heads per key head: key head j serves queries j*groups ...
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    wide = torch.promote_types(q.dtype, torch.float32)  # bf16 / fp16 logits and softmax in fp32
+    logits = (q.to(wide) @ k.to(wide).transpose(-2, -1)) * scale  # (B, H, S, S)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(wide)[None, :, None, None].expand(*logits.shape[:-1], 1)
+    probs = torch.cat((logits, sink), dim=-1).softmax(-1)[..., :-1]
+    return (probs.to(v.dtype) @ v).transpose(1, 2)
 
 
 def check_attn_impl(attn_impl: str) -> None:
@@ -159,10 +205,15 @@ class Attention(nn.Module, ExchangesSequence):
         norm_eps: float = 1e-6,
         o_bias: bool | None = None,
         rotary_dim: int | None = None,
+        sinks: bool = False,
+        window: int | None = None,
     ) -> None:
         """`bias` is on wq, wk, wv, and on wo unless `o_bias` says otherwise (Qwen2, GLM-4.5: q, k, v only).
         `head_dim` defaults to hidden_size / n_heads (Qwen3 sets its own); `qk_norm` RMS-normalises q and k per head.
-        RoPE rotates the first `rotary_dim` dims of each head (default all; GLM-4.5 half) and passes the rest."""
+        RoPE rotates the first `rotary_dim` dims of each head (default all; GLM-4.5 half) and passes the rest.
+        GPT-OSS: `sinks` learns one softmax-denominator logit per query head (`attend_masked`); `window` lets a query
+        see its last `window` keys (itself included) within its document. Either takes the masked path whatever
+        `attn_impl` says (flash-attn has no sinks)."""
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
@@ -178,6 +229,8 @@ class Attention(nn.Module, ExchangesSequence):
         # Qwen3: RMSNorm over each head's dim, before RoPE; one weight shared by all heads
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.window = window
+        self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: Documents | None = None
@@ -195,10 +248,19 @@ class Attention(nn.Module, ExchangesSequence):
         exchange = self.sequence_exchange
         if exchange is not None:  # isp: this rank's tokens of all heads -> all tokens of its heads
             q, k, v = (exchange(t, scatter_dim=2, gather_dim=1) for t in (q, k, v))
-        out = attend(q, k, v, documents, flash=uses_flash(self.attn_impl, x))
+        if self.sinks is None and self.window is None:
+            out = attend(q, k, v, documents, flash=uses_flash(self.attn_impl, x))
+        else:
+            out = attend_masked(q, k, v, self._allowed(documents, q.shape[1], x.device), self.sinks)
         if exchange is not None:
             out = exchange(out, scatter_dim=1, gather_dim=2)
         return self.wo(out.reshape(B, T, -1))  # (B, T, C)
+
+    def _allowed(self, documents: Documents | None, seq_len: int, device: torch.device) -> torch.Tensor:
+        """Where a query may attend: within its document, causal, within the window (if any)."""
+        if documents is None:
+            return sliding_window(seq_len, self.window, device)
+        return documents.mask if self.window is None else documents.window_mask(self.window)
 
     def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
         """normal(0, std) for wq, wk, wv; normal(0, out_std) for wo, which writes into the residual stream;
@@ -212,3 +274,5 @@ class Attention(nn.Module, ExchangesSequence):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 yield from norm.param_inits()
+        if self.sinks is not None:  # transformers draws GPT-OSS's sinks normal(0, initializer_range)
+            yield self.sinks, normal_init(std)

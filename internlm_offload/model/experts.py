@@ -3,9 +3,14 @@
 Each expert e is w2[e](silu(w1[e] x) * w3[e] x), with w1, w3: (E, I, H) and w2: (E, H, I), the nn.Linear (out,
 in) layout per expert as transformers 5.x holds its fused experts (InternEvo's grouped files are (E, in, out):
 a converter transposes). One tensor per projection lets sharding, offload and the grouped matmul see one tensor.
+
+Options (GPT-OSS): `bias` adds b1, b3: (E, I) and b2: (E, H), each expert's own; `activation` "clamped_swiglu"
+is GPT-OSS's (up + 1) * g * sigmoid(alpha * g) with g = min(gate, limit) and up clamped to [-limit, limit]
+(`ClampedSwiGLU`).
 """
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,15 +47,60 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -
     return _ContiguousGrad.apply(F.grouped_mm(x, weight.transpose(-2, -1), offs=offs))
 
 
-class GroupedExperts(nn.Module, Hostable):
-    """E SwiGLU experts of width I over tokens already sorted by expert; frozen, they can be held on the host."""
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation: gate clamped from above at `limit`, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: the experts' default activation."""
+    return F.silu(gate) * up
+
+
+def _row_bias(bias: torch.Tensor, ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows, width): expert e's bias (E, width) on each of its rows (rows offs[e-1]:offs[e]; rows past the last
+    offset take the last expert's, which the caller masks). A one-hot matmul, not a gather: its backward is a GEMM,
+    deterministic on every device (a gather's index_add is not), and no host sync."""
+    experts = torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)
+    one_hot = F.one_hot(experts.clamp(max=bias.shape[0] - 1), bias.shape[0]).to(bias.dtype)
+    return one_hot @ bias
+
+
+class GroupedExperts(nn.Module, Hostable):
+    """E SwiGLU experts of width I over tokens already sorted by expert; frozen, they can be held on the host.
+    `bias` and `activation` (a `ClampedSwiGLU`; None: silu(gate) * up) are GPT-OSS's options."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        bias: bool = False,
+        activation: ClampedSwiGLU | None = None,
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.activation = swiglu if activation is None else activation
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))  # gate
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))  # up
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))  # down
+        self.b1 = nn.Parameter(torch.empty(num_experts, intermediate_size)) if bias else None
+        self.b3 = nn.Parameter(torch.empty(num_experts, intermediate_size)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
+
+    def _biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """This rank's b1, b3, b2 (None without biases): the local experts' under expert parallel."""
+        return tuple(None if b is None else local_shard(b) for b in (self.b1, self.b3, self.b2))
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
         """The grouped GEMM where the device has it for this dtype and every row stride is 16-byte aligned;
@@ -87,42 +137,53 @@ class GroupedExperts(nn.Module, Hostable):
         w3: torch.Tensor,
         w2: torch.Tensor,
     ) -> torch.Tensor:
-        """`_compute` with these weights (the local experts' w1, w3, w2)."""
+        """`_compute` with these weights (the local experts' w1, w3, w2; their biases are the module's own, which
+        stay on the device when the weights are hosted)."""
+        b1, b3, b2 = self._biases()
+        act = self.activation
         if self.uses_grouped_mm(x):
             offs = ends.to(torch.int32)  # stays on the device: no host sync
-            h = F.silu(_grouped_linear(x, w1, offs)) * _grouped_linear(x, w3, offs)
-            return _grouped_linear(h, w2, offs)
+            gate, up = _grouped_linear(x, w1, offs), _grouped_linear(x, w3, offs)
+            if b1 is not None:
+                gate, up = gate + _row_bias(b1, ends, x.shape[0]), up + _row_bias(b3, ends, x.shape[0])
+            out = _grouped_linear(act(gate, up), w2, offs)
+            return out if b2 is None else out + _row_bias(b2, ends, x.shape[0])
         if x.device.type == "meta":
             return self._shapes_only(x, w1, w3, w2)
         return self._loop(x, counts, w1, w3, w2)
 
-    @staticmethod
-    def _shapes_only(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def _shapes_only(self, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """Meta tensors (the planner's trace) have no counts to slice by: every row through expert 0, which makes
         the tensors the grouped path makes, of the same shapes (rows x width activations, whole weight grads)."""
-        w1, w3, w2 = w1[0], w3[0], w2[0]
-        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+        b1, b3, b2 = (None if b is None else b[0] for b in self._biases())
+        return F.linear(self.activation(F.linear(x, w1[0], b1), F.linear(x, w3[0], b3)), w2[0], b2)
 
-    @staticmethod
     def _loop(
-        x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+        self, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     ) -> torch.Tensor:
         """Expert by expert over contiguous slices: for devices without the grouped GEMM."""
         # The one host sync of the routing path: slicing needs the counts as Python ints.
         sizes = counts.long().tolist()
+        b1, b3, b2 = self._biases()
         outs, start = [], 0
         for e, size in enumerate(sizes):
             xe = x[start : start + size]
-            outs.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
+            gate = F.linear(xe, w1[e], None if b1 is None else b1[e])
+            up = F.linear(xe, w3[e], None if b3 is None else b3[e])
+            outs.append(F.linear(self.activation(gate, up), w2[e], None if b2 is None else b2[e]))
             start += size
         outs.append(x.new_zeros(x.shape[0] - start, x.shape[1]))  # dropped rows
         return torch.cat(outs)
 
     def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
-        """normal(0, std) for w1, w3; normal(0, out_std) for w2, which writes into the residual stream."""
+        """normal(0, std) for w1, w3; normal(0, out_std) for w2, which writes into the residual stream; biases (if
+        any) zero, as transformers draws GPT-OSS's."""
         yield self.w1, normal_init(std)
         yield self.w3, normal_init(std)
         yield self.w2, normal_init(out_std)
+        for bias in (self.b1, self.b3, self.b2):
+            if bias is not None:
+                yield bias, nn.init.zeros_
 
     @staticmethod
     def host_tensor_names() -> list[str]:

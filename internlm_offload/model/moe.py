@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from internlm_offload.config.moe import MOE_TYPES
-from internlm_offload.model.experts import GroupedExperts
+from internlm_offload.model.experts import ClampedSwiGLU, GroupedExperts
 from internlm_offload.model.hooks import DispatchesExperts, KeepsFp32Buffers, RecordsRouterStats
 from internlm_offload.model.mlp import FeedForward, ParamInit, normal_init
 from internlm_offload.model.permutation import PermuteRows, UnpermuteRows
@@ -75,7 +75,13 @@ class MoE(nn.Module, DispatchesExperts, RecordsRouterStats, KeepsFp32Buffers):
         score_correction_bias: bool = False,
         n_group: int = 1,
         topk_group: int = 1,
+        router_bias: bool = False,
+        softmax_over_topk: bool = False,
+        expert_bias: bool = False,
+        expert_activation: ClampedSwiGLU | None = None,
     ) -> None:
+        """`router_bias`, `softmax_over_topk` (model/router.py `Router`), `expert_bias` and `expert_activation`
+        (model/experts.py `GroupedExperts`) are GPT-OSS's options."""
         super().__init__()
         if moe_type not in MOE_TYPES:
             raise ValueError(f"moe_type={moe_type!r}: supported here: {', '.join(MOE_TYPES)}")
@@ -115,8 +121,12 @@ class MoE(nn.Module, DispatchesExperts, RecordsRouterStats, KeepsFp32Buffers):
                 scoring_func="softmax" if gshard else scoring_func,
                 normalize_weights=gshard or normalize_expert_weights,
                 scaling_factor=1.0 if gshard else routed_scaling_factor,
+                bias=router_bias,
+                softmax_over_topk=softmax_over_topk,
             )
-        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size)
+        self.experts = GroupedExperts(
+            num_experts, hidden_size, intermediate_size, bias=expert_bias, activation=expert_activation
+        )
         self.shared_expert_gate = shared_expert_gate
         self.shared_experts: FeedForward | None = None
         self.coefficient: nn.Linear | None = None

@@ -9,7 +9,7 @@ template stands for every expert of a mixture-of-experts block: the foreign form
 """
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -71,3 +71,10 @@ class FolderFormat:
     # (name inside such a block, the native tensor it copies): the shared embedding's and head's copies some folders
     # hold in each (DeepSeek-V3's); never read, written back where the folder read had them.
     mtp_copies: tuple[tuple[str, str], ...] = ()
+    # A re-layout of the folder's tensors (foreign names to foreign names) before the table renames them on a read,
+    # and its inverse after it on a write: GPT-OSS's interleaved, (in, out) experts and its MXFP4 pairs dequantised
+    # (model/families/gpt_oss/hf_names.py). A read a piece at a time reads the tensors of one `piece_key` together
+    # (None: one tensor, or the per-expert tensors of one stacked one).
+    read_transform: Callable[[dict], dict] | None = None
+    write_transform: Callable[[dict], dict] | None = None
+    piece_key: Callable[[str], str] | None = None

@@ -69,7 +69,12 @@ def scatter_counts(values: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """Linear gate (E, H) without bias, scored in fp32; top-k, optional renormalisation and scaling."""
+    """Linear gate (E, H), scored in fp32; top-k, optional renormalisation and scaling.
+
+    `bias`: a learned (E,) bias on the logits (GPT-OSS's `router.bias`, a parameter). `softmax_over_topk`: the top-k
+    of the raw logits, then a softmax over those k (GPT-OSS; the same choice and weights as a softmax over all E,
+    top-k and renormalise, without the division's rounding); `scores` stay the softmax over all E (the statistics).
+    """
 
     def __init__(
         self,
@@ -79,8 +84,13 @@ class Router(nn.Module):
         scoring_func: str = "softmax",
         normalize_weights: bool = True,
         scaling_factor: float = 1.0,
+        *,
+        bias: bool = False,
+        softmax_over_topk: bool = False,
     ) -> None:
         super().__init__()
+        if softmax_over_topk and scoring_func != "softmax":
+            raise ValueError(f"softmax_over_topk scores by softmax; got scoring_func={scoring_func!r}")
         if scoring_func not in SCORING_FUNCS:
             raise ValueError(f"scoring_func={scoring_func!r} must be one of {SCORING_FUNCS}")
         self.num_experts = num_experts
@@ -88,13 +98,19 @@ class Router(nn.Module):
         self.scoring_func = scoring_func
         self.normalize_weights = normalize_weights
         self.scaling_factor = scaling_factor
+        self.softmax_over_topk = softmax_over_topk
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> Routing:
         """Route x (T, H)."""
         # fp32 whatever the compute dtype: bf16 logits tie and reorder the top-k of nearby experts
-        logits = F.linear(x.float(), self.weight.float())  # (T, E)
+        bias = None if self.bias is None else self.bias.float()
+        logits = F.linear(x.float(), self.weight.float(), bias)  # (T, E)
         scores = logits.softmax(-1) if self.scoring_func == "softmax" else logits.sigmoid()
+        if self.softmax_over_topk:
+            top, indices = logits.topk(self.top_k, dim=-1)  # (T, k) raw logits, best first
+            return Routing(logits, scores, indices, top.softmax(-1) * self.scaling_factor)
         weights, indices = scores.topk(self.top_k, dim=-1)  # (T, k), sorted best first
         if self.normalize_weights:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -116,7 +132,10 @@ class Router(nn.Module):
         )
 
     def param_inits(self, std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
+        """normal(0, std) for the weight and a bias (transformers draws GPT-OSS's router bias so)."""
         yield self.weight, normal_init(std)
+        if self.bias is not None:
+            yield self.bias, normal_init(std)
 
 
 class BiasRouter(Router):

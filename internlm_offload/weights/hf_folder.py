@@ -97,7 +97,7 @@ def read_folder(folder: Path, layout: FolderFormat) -> dict[str, torch.Tensor]:
     """`folder`'s tensors under a family's own names (`layout`), its multi-token-prediction layers' among them (blocks
     `num_layers + k`, k < `mtp_layers`; their copies of the shared embedding and head not read); those of blocks past
     them (multi-token prediction the model does not build) are left out, said in one line."""
-    tensors = read_weights(weight_files(folder))
+    tensors = transformed(read_weights(weight_files(folder)), layout, folder)
     built = layout.num_layers + layout.mtp_layers
     beyond = blocks_beyond(tensors, built)
     if beyond:
@@ -138,13 +138,14 @@ def folder_pieces(folder: Path, layout: FolderFormat) -> Iterator[dict[str, torc
             layout.mtp_layers,
         )
     groups: dict[str, list[str]] = defaultdict(list)
+    key = layout.piece_key or stacked_name
     for name in files.where:
         if not _block_at_least(name, built) and not _mtp_copy(name, layout):
-            groups[stacked_name(name)].append(name)
+            groups[key(name)].append(name)
     files.expect(name for names in groups.values() for name in names)
     try:
         for names in groups.values():
-            tensors = {name: files.read(name) for name in names}
+            tensors = transformed({name: files.read(name) for name in names}, layout, folder)
             main = {n: t for n, t in tensors.items() if not _block_at_least(n, layout.num_layers)}
             native = to_native(main, layout.table, heads, str(folder)) if main else {}
             mtp = mtp_tensors(tensors, layout)
@@ -153,6 +154,17 @@ def folder_pieces(folder: Path, layout: FolderFormat) -> Iterator[dict[str, torc
             yield native
     finally:
         files.close()
+
+
+def transformed(tensors: dict[str, torch.Tensor], layout: FolderFormat, folder: Path) -> dict[str, torch.Tensor]:
+    """The folder's tensors through the family's `read_transform` (none: as they are); its refusal names the
+    folder."""
+    if layout.read_transform is None:
+        return tensors
+    try:
+        return layout.read_transform(tensors)
+    except ValueError as exc:
+        raise CheckpointError(f"{folder}: {exc}") from None
 
 
 def _mtp_copy(name: str, layout: FolderFormat) -> bool:
@@ -295,6 +307,8 @@ def write_family_folder(
         for k in range(layout.mtp_layers if mtp_copies else 0):
             for rest, shared in layout.mtp_copies:
                 tensors[f"model.layers.{layout.num_layers + k}.{rest}"] = native[shared].clone()  # saved apart
+    if layout.write_transform is not None:
+        tensors = layout.write_transform(tensors)
     if getattr(config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
     set_dtype(config, dtype)

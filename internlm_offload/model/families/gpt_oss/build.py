@@ -1,0 +1,84 @@
+"""GPT-OSS from the `model` section: its config.json (a folder's, or `model.hf_config`), the model, the folder's
+weights under the native names (MXFP4 experts dequantised), and the config.json of its `--hf` export."""
+
+from typing import Any
+
+import torch
+
+from internlm_offload.config import ConfigError, ModelConfig, RunConfig
+from internlm_offload.model.families.deepseek_v3.build import raw_config
+from internlm_offload.model.families.gpt_oss.args import args_from_config
+from internlm_offload.model.families.gpt_oss.hf_names import HF_GPT_OSS, read_experts, write_experts
+from internlm_offload.model.families.gpt_oss.model import GptOss
+from internlm_offload.model.families.gpt_oss.mxfp4 import piece_key
+from internlm_offload.model.name_table import FolderFormat
+
+CAUSAL_LM = "GptOssForCausalLM"
+
+
+def transformers_config(cfg: ModelConfig) -> Any:
+    """config.json (or `model.hf_config`) with transformers' defaults for the keys it leaves out; an MXFP4 folder's
+    `quantization_config` dropped (its experts are dequantised on load)."""
+    from transformers import AutoConfig
+
+    raw = raw_config(cfg)
+    raw.pop("quantization_config", None)
+    return AutoConfig.for_model(**raw)
+
+
+def build_model(cfg: ModelConfig, device: torch.device) -> GptOss:
+    """The model in fp32 on `device`, every weight drawn from the seed; a folder's weights are read over them by the
+    builder (`folder_format`)."""
+    try:
+        args = args_from_config(transformers_config(cfg))
+        with torch.device(device):
+            return GptOss(args, attn_impl=cfg.attn_impl)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"model.type='gpt_oss': {' '.join(str(exc).split())}") from None
+
+
+def folder_format(model: GptOss) -> FolderFormat:
+    """transformers' names, the experts re-laid-out (and MXFP4 dequantised) on the way in and out."""
+    args = model.args
+    return FolderFormat(
+        HF_GPT_OSS,
+        args.num_attention_heads,
+        args.num_key_value_heads,
+        args.num_layers,
+        read_transform=read_experts,
+        write_transform=write_experts,
+        piece_key=piece_key,
+    )
+
+
+def folder_config(cfg: ModelConfig) -> Any:
+    """The config.json of its `--hf` export: the one the model was built by, without quantisation (the experts are
+    written as floats)."""
+    config = transformers_config(cfg)
+    config.architectures = [CAUSAL_LM]
+    return config
+
+
+def check_run(cfg: RunConfig) -> None:
+    """What is not built for GPT-OSS, refused in one line: LoRA (its targets are not mapped) and a balancing loss
+    (transformers' forward returns none; not built here). Tensor, sequence and pipeline parallel are refused by the
+    family's capabilities."""
+    if cfg.model.lora is not None:
+        raise ConfigError(
+            "model.lora with model.type='gpt_oss': adapters on its sinks and biased experts are not built"
+        )
+    if cfg.model.balancing_loss is not None:
+        raise ConfigError(
+            f"model.balancing_loss={cfg.model.balancing_loss!r} with model.type='gpt_oss': not built (transformers' "
+            "GPT-OSS returns no balancing loss unless output_router_logits)"
+        )
+
+
+def aux_loss_coefficients(cfg: RunConfig, model: GptOss) -> dict[str, float]:
+    """None: the model returns no auxiliary loss."""
+    return {}
+
+
+def lora_targets(cfg: ModelConfig) -> list[str]:
+    """Never reached: `check_run` refuses model.lora."""
+    raise ConfigError("model.lora with model.type='gpt_oss': not built")

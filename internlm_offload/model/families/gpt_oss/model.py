@@ -1,0 +1,70 @@
+"""GPT-OSS on the shared decoder: `Attention` with biases, sinks and (on sliding layers) a window; `MoE` with the
+biased top-k-then-softmax router and biased clamped-SwiGLU experts; YaRN RoPE (model/rope.py)."""
+
+from torch import nn
+
+from internlm_offload.model.attention import Attention
+from internlm_offload.model.decoder import Decoder, DecoderLayer
+from internlm_offload.model.experts import ClampedSwiGLU
+from internlm_offload.model.families.gpt_oss.args import GptOssArgs
+from internlm_offload.model.moe import MoE
+from internlm_offload.model.rope import rope_from_parameters
+
+
+def build_attention(args: GptOssArgs, i: int, attn_impl: str) -> Attention:
+    """Block i's attention: biases on q, k, v and o, one sink per query head, its layer type's window."""
+    return Attention(
+        args.hidden_size,
+        args.num_attention_heads,
+        args.num_key_value_heads,
+        attn_impl,
+        bias=args.attention_bias,
+        head_dim=args.head_dim,
+        sinks=True,
+        window=args.window(i),
+    )
+
+
+def build_feed_forward(args: GptOssArgs) -> MoE:
+    """Every block's experts: every choice computed, the router's bias and softmax over the top-k logits, the
+    experts' biases and clamped SwiGLU."""
+    return MoE(
+        args.hidden_size,
+        args.intermediate_size,
+        args.num_local_experts,
+        args.num_experts_per_tok,
+        moe_type="Dropless",
+        router_bias=True,
+        softmax_over_topk=True,
+        expert_bias=True,
+        expert_activation=ClampedSwiGLU(args.swiglu_alpha, args.swiglu_limit),
+    )
+
+
+def build_block(args: GptOssArgs, i: int, attn_impl: str) -> nn.Module:
+    """Block i: pre-norm attention of its layer type, then the experts."""
+    return DecoderLayer(
+        args.hidden_size, args.rms_norm_eps, build_attention(args, i, attn_impl), build_feed_forward(args)
+    )
+
+
+class GptOss(Decoder):
+    """A GPT-OSS model from `GptOssArgs` (no auxiliary loss: transformers' forward returns none by default)."""
+
+    def __init__(self, args: GptOssArgs, attn_impl: str = "auto") -> None:
+        inv_freq_fn, attention_factor = rope_from_parameters(args.rope_parameters, args.max_position_embeddings)
+        super().__init__(
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            norm_eps=args.rms_norm_eps,
+            rope_dim=args.head_dim,
+            rope_base=args.rope_parameters["rope_theta"],
+            tie_word_embeddings=args.tie_word_embeddings,
+            init_std=args.initializer_range,
+            block=lambda i: build_block(args, i, attn_impl),
+            inv_freq_fn=inv_freq_fn,
+            rope_attention_factor=attention_factor,
+        )
+        self.args = args
+        self.num_experts = args.num_local_experts

@@ -1,0 +1,85 @@
+"""GPT-OSS as a native family (model/families/gpt_oss; configs/gpt_oss_tiny.py: sinks, 32-token windows on the even
+layers of 128-token rows, biased router and clamped-SwiGLU experts) composed with the trainer: the memory tiers
+bitwise against the family's baseline (loss, grad norm and the expert loads of every step), DDP and FSDP2 on two
+processes within 1e-5 of one process, and a folder made by transformers (its experts in MXFP4, as the release ships
+them) trained from the folder alone."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from runner import REPO, assert_same_metrics, metrics, train
+from tensor_parallel_runs import assert_curves
+
+pytestmark = pytest.mark.e2e
+
+GPT_OSS = REPO / "configs" / "gpt_oss_tiny.py"
+# 6 steps of a global batch of 8 (4 micro-batches of 2 on one process), lr 1e-3
+STEPS = ["data.total_steps=6", "data.global_bsz=8", "adam.lr=1e-3", "ckpt.checkpoint_every=6", "ckpt.keep_last=0"]
+KEYS = ("loss", "grad_norm", "moe_tokens_per_expert", "moe_max_load")
+WITHIN = {"loss": ["--rtol", "1e-5"], "grad_norm": ["--rtol", "1e-5"]}
+SELECTIVE = ["cpu_offloading.enable=True", "cpu_offloading.num_layers=1", "cpu_offloading.min_offload_bytes=0",
+             "model.checkpoint=0.75", "selective_checkpoint=True", "selective_checkpoint_offload=True"]  # fmt: skip
+FULL = ["cpu_offloading.enable=True", "cpu_offloading.num_layers=2", "cpu_offloading.min_offload_bytes=0",
+        "model.checkpoint=0.75"]  # fmt: skip
+SWAP = ["swap_optimizer=True", "grad_offload=True", "grad_offload_bucket_mb=0.25", "nvme_offload.enable=True"]
+HYBRID = ["hybrid_optimizer.enable=True", "hybrid_optimizer.offload_fraction=0.5"]
+
+
+@pytest.fixture(scope="module")
+def baseline(reference_run) -> Path:
+    """The family's fp32 run of STEPS on one process."""
+    return reference_run(*STEPS, nproc=1, config=GPT_OSS)
+
+
+@pytest.mark.parametrize(
+    "tiers",
+    [
+        pytest.param([*SELECTIVE, *SWAP], id="selective-offload-swap-gradoffload-nvme"),
+        pytest.param([*FULL, *HYBRID], id="offload-full-checkpoint-hybrid"),
+    ],
+)
+def test_tiers_change_no_bits(tmp_path, baseline, tiers):
+    """Activation offload (every saved tensor, the sinks' probabilities and the window masks' users included) with
+    selective or full checkpointing, the swap optimizer with its states on "NVMe" and the gradients on the host, or
+    the hybrid optimizer: every step's loss, grad norm and expert loads the baseline's bit for bit."""
+    run, nvme = tmp_path / "run", tmp_path / "nvme"
+    nvme.mkdir()
+    train(run, *STEPS, *tiers, f"nvme_offload.path={nvme}", config=GPT_OSS)
+    assert metrics(run)[-1]["act_offload_offloaded_bytes"] > 0
+    assert_same_metrics(baseline, run, KEYS)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_data_parallel_on_two_processes_follows_one_process(tmp_path, baseline, mode):
+    """Two ranks of 2 micro-batches each against one process's 4: loss and grad norm within 1e-5 (relative)."""
+    run = tmp_path / mode
+    train(run, *STEPS, f"parallel.mode={mode}", config=GPT_OSS, nproc=2)
+    assert_curves(baseline, run, WITHIN)
+
+
+def test_an_mxfp4_folder_trains_from_the_folder_alone(tmp_path):
+    """A transformers GptOssForCausalLM saved with its experts as MXFP4 blocks and scales: a config naming the folder
+    trains (dequantised on load) and the loss goes down."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(vocab_size=259, hidden_size=64, intermediate_size=64, head_dim=16,
+                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                       num_experts_per_tok=2, num_hidden_layers=2, sliding_window=16)  # fmt: skip
+    folder = tmp_path / "gpt_oss"
+    transformers.GptOssForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inner, outer = tensors.pop(name).shape
+        tensors[f"{name}_blocks"] = torch.randint(0, 256, (experts, outer, inner // 32, 16), dtype=torch.uint8)
+        tensors[f"{name}_scales"] = torch.full((experts, outer, inner // 32), 121, dtype=torch.uint8)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    cfg = tmp_path / "gpt_oss.py"
+    cfg.write_text(
+        f"_base_ = [{str(GPT_OSS)!r}]\nmodel = dict(_delete_=True, type='gpt_oss', hf_path={str(folder)!r})\n"
+    )
+    train(tmp_path / "run", "data.total_steps=8", config=cfg)
+    losses = [r["loss"] for r in metrics(tmp_path / "run")]
+    assert len(losses) == 8 and losses[-1] < losses[0], losses

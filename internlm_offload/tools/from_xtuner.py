@@ -19,10 +19,10 @@ from pathlib import Path
 from pprint import pformat
 from typing import Any
 
-from internlm_offload.config import ConfigError, resolve_config
+from internlm_offload.config import ConfigError
 from internlm_offload.xtuner.classic import translate_classic
 from internlm_offload.xtuner.standins import is_classic, load_classic, load_trainer
-from internlm_offload.xtuner.translate import Translation, layout_world_size, translate_trainer
+from internlm_offload.xtuner.translate import Translation, translate_trainer, validate
 
 
 def render(config: dict[str, Any], source: Path, t: Translation) -> str:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dropped: {line}", file=sys.stderr)
     if not t.fatal:
         try:
-            resolve_config(t.config, world_size=layout_world_size(t.config))
+            validate(t.config)
         except ConfigError as exc:
             t.fatal.append(f"the translation does not validate: {exc}")
     if t.fatal:

@@ -22,6 +22,7 @@ from typing import Any
 
 from internlm_offload.config import ConfigError, resolve_config
 from internlm_offload.errors import CheckpointError, DataError
+from internlm_offload.family import family_spec
 from internlm_offload.model.families.internlm2.hf_config import native_model_values
 from internlm_offload.model.families.internlm2.hf_names import DENSE_TABLES
 from internlm_offload.weights.hf_folder import read_config
@@ -456,6 +457,13 @@ def layout_world_size(config: dict[str, Any]) -> int:
     return int(parallel.get("tensor", {}).get("size", 1)) * int(parallel.get("expert", {}).get("size", 1))
 
 
+def validate(config: dict[str, Any]) -> None:
+    """What train.py checks before it builds: the schema at the smallest world the layout fits, then the model
+    family's own refusals (its `check_run`); ConfigError names the first problem."""
+    cfg = resolve_config(config, world_size=layout_world_size(config))
+    family_spec(cfg.model.type).module().check_run(cfg)
+
+
 def _check_layout(t: Translation) -> None:
     """Keep a carried tensor or expert group only where this trainer builds it for the translated model: a group
     the model cannot take (a dense model's experts, a tensor mode the model type does not split) is dropped with
@@ -464,7 +472,7 @@ def _check_layout(t: Translation) -> None:
     if t.fatal or layout_world_size(t.config) == 1:
         return
     try:
-        resolve_config(t.config, world_size=layout_world_size(t.config))
+        validate(t.config)
         return
     except ConfigError as exc:
         problem = " ".join(str(exc).split())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from chat_fixtures import WORDS, save_chatml_tokenizer
-from runner import losses, run_python, train
+from runner import losses, metrics, run_python, train
 from test_bad_input import assert_clean_error
 
 pytestmark = pytest.mark.e2e
@@ -54,8 +54,10 @@ trainer = TrainerConfig(
 """
 ADAMW = 'AdamWConfig(lr=1e-3, foreach=False, swap_optimizer=os.environ.get("SWAP_OPTIMIZER", "0") == "1")'
 
-# XTuner's swap-optimizer example for GLM (examples/v1/config/sft_glm5p2.py), in its shape: env knobs, an
-# `X | None` annotation on a stand-in class, model_cfg mutations (multi-token prediction, experts, float8).
+# XTuner's swap-optimizer recipe for GLM-5.2 (examples/v1/config/sft_glm5p2.py), in its shape and with its
+# environment knobs (GLM5_2_MODEL_PATH, ALPACA_PATH, SWAP_OPTIMIZER, EP_SIZE, SP_SIZE, TOTAL_STEP, GLOBAL_BATCH_SIZE,
+# SAMPLE_MAX_LENGTH, PACK_MAX_LENGTH, FP8, DISPATCHER): an `X | None` annotation on a stand-in class, model_cfg
+# mutations (one shared MTP layer for 7 depths, the dispatcher, float8, the sparse-attention backend), the chunked loss.
 GLM_SWAP = """\
 import os
 from typing import Literal, cast
@@ -78,40 +80,48 @@ def float8() -> Float8Config | None:  # the annotation the stand-ins must evalua
     return Float8Config(scaling_granularity_gemm=ScalingGranularity.TILEWISE) if env_flag("FP8") else None
 
 
-def no_dispatcher() -> None | str:
-    return None
+def dispatcher() -> None | str:
+    name = os.environ.get("DISPATCHER", "all2all").lower()
+    return None if name in ("", "none") else name
 
 
-MODEL = os.environ["GLM_MODEL_PATH"]
+MODEL = os.environ["GLM5_2_MODEL_PATH"]
+ep_size = int(os.environ.get("EP_SIZE", "1"))
 loss_cfg = CELossConfig(mode="chunk", chunk_size=1024)
 model_cfg = get_model_config_from_hf(MODEL)
 model_cfg.mtp_config = MTPConfig(num_layers=7, share_weights=True, loss_scaling_factor=0.1)
-model_cfg.dispatcher = no_dispatcher()
-model_cfg.ep_size = int(os.environ.get("EP_SIZE", "1"))
+model_cfg.dispatcher = dispatcher()
+model_cfg.ep_size = ep_size
 model_cfg.float8_cfg = float8()
 model_cfg.lm_loss_cfg = loss_cfg
 if model_cfg.mtp_config is not None:
-    model_cfg.mtp_config.loss_type = cast(Literal["ce", "e2e_tv"], "ce")
+    model_cfg.mtp_config.loss_type = cast(Literal["ce", "e2e_tv"], os.environ.get("MTP_LOSS_TYPE", "ce"))
+    model_cfg.mtp_config.tv_loss_chunk_size = 128
 if hasattr(model_cfg.attention, "sparse_mla_backend"):
-    model_cfg.attention.sparse_mla_backend = "tilelang"
+    model_cfg.attention.sparse_mla_backend = os.environ.get("SPARSE_MLA_BACKEND", "tilelang")
 dataset_config = [
     {
         "dataset": DatasetConfig(name="alpaca", anno_path=os.environ["ALPACA_PATH"], sample_ratio=1.0),
-        "tokenize_fn": OpenaiTokenizeFunctionConfig(chat_template="glm5.2", max_length=64),
+        "tokenize_fn": OpenaiTokenizeFunctionConfig(
+            chat_template="glm5.2", max_length=int(os.environ.get("SAMPLE_MAX_LENGTH", "4096"))
+        ),
     }
 ]
 trainer = TrainerConfig(
     model_cfg=model_cfg,
     load_from=MODEL,
     tokenizer_path=MODEL,
-    optim_cfg=AdamWConfig(lr=1e-6, foreach=False, swap_optimizer=env_flag("SWAP_OPTIMIZER")),
-    dataloader_cfg=DataloaderConfig(dataset_config_list=dataset_config, pack_max_length=128),
+    optim_cfg=AdamWConfig(lr=1e-3, foreach=False, swap_optimizer=env_flag("SWAP_OPTIMIZER")),
+    dataloader_cfg=DataloaderConfig(
+        dataset_config_list=dataset_config, pack_max_length=int(os.environ.get("PACK_MAX_LENGTH", "16384"))
+    ),
     lr_cfg=LRConfig(lr_type="cosine", warmup_ratio=0.0),
     loss_cfg=loss_cfg,
-    fsdp_cfg=FSDPConfig(cpu_offload=False, ep_size=int(os.environ.get("EP_SIZE", "1"))),
-    global_batch_size=8,
-    total_step=10,
-    work_dir="work_dirs/glm_sft",
+    fsdp_cfg=FSDPConfig(cpu_offload=env_flag("CPU_OFFLOAD"), ep_size=ep_size),
+    global_batch_size=int(os.environ.get("GLOBAL_BATCH_SIZE", "8")),
+    total_step=int(os.environ.get("TOTAL_STEP", "10")),
+    sp_size=int(os.environ.get("SP_SIZE", "1")),
+    work_dir="work_dirs/glm52_sft",
 )
 """
 
@@ -129,7 +139,7 @@ def model_and_data(tmp_path_factory) -> tuple[Path, Path, Path]:
     LlamaForCausalLM(config).save_pretrained(model)
     save_chatml_tokenizer(model)
     rng = random.Random(0)
-    say = lambda: " ".join(rng.choices(WORDS[4:], k=rng.randint(2, 8)))  # noqa: E731
+    say = lambda: " ".join(rng.choices(WORDS[4:], k=rng.randint(2, 8)))
     sft, pretrain = root / "sft.jsonl", root / "pretrain.jsonl"
     sft.write_text("".join(json.dumps([{"role": "user", "content": say()}, {"role": "assistant", "content": say()}])
                            + "\n" for _ in range(40)))  # fmt: skip
@@ -192,26 +202,45 @@ def test_what_cannot_carry_stops_in_one_line_and_writes_nothing(model_and_data, 
     assert_clean_error(proc, "is an XTuner config", "python -m internlm_offload.tools.from_xtuner")
 
 
-def test_xtuners_glm_swap_example_translates_onto_the_native_family(tmp_path):
-    """Its `-> Float8Config | None` runs under the stand-ins; GLM-5 (`glm_moe_dsa`: DeepSeek sparse attention on the
-    DeepSeek-V3 family, docs/deepseek.md) maps onto model.type='deepseek_v3' with its folder, its MTP section carried,
-    exit 0 (that the output trains is issue 50's recipe work: the chunked loss's line, the tiny folder's weights)."""
-    model = tmp_path / "glm"
-    model.mkdir()
-    glm = {"model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"], "n_routed_experts": 8,
-           "num_nextn_predict_layers": 1, "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 32}  # fmt: skip
-    (model / "config.json").write_text(json.dumps(glm))
-    data = tmp_path / "alpaca.jsonl"
-    data.write_text(json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]) + "\n")
-    config = tmp_path / "sft_glm.py"
-    config.write_text(GLM_SWAP)
+def test_xtuners_glm5_swap_recipe_translates_and_trains_with_the_swap_optimizer(model_and_data, tmp_path):
+    """The GLM-5.2 recipe's shape with SWAP_OPTIMIZER=1 on a tiny GLM-5 folder made by transformers (`glm_moe_dsa`:
+    DeepSeek sparse attention with top-k 16 below the 64-token packs, one MTP layer) holding the test's chat
+    tokenizer: it translates (exit 0) onto the native family with the swap optimizer, one shared MTP layer for 7
+    depths, the chunked loss carried, FP8 / the dispatcher / the sparse-attention backend named as GPU-only kernels
+    and SP_SIZE=2 dropped with the family's own refusal; the output trains 2 steps from the folder, alpaca
+    conversations through the folder's chat template, `mtp_loss` logged."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    _, sft, _ = model_and_data
+    folder = tmp_path / "glm5"
+    torch.manual_seed(0)
+    config = GlmMoeDsaConfig(vocab_size=32, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+                             num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+                             num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                             n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                             qk_rope_head_dim=8, v_head_dim=8, index_topk=16, index_n_heads=4, index_head_dim=16,
+                             num_nextn_predict_layers=1, max_position_embeddings=128)  # fmt: skip
+    GlmMoeDsaForCausalLM(config).save_pretrained(folder)
+    save_chatml_tokenizer(folder)
+    recipe = tmp_path / "sft_glm5p2.py"
+    recipe.write_text(GLM_SWAP)
     out = tmp_path / "translated.py"
-    env = {"GLM_MODEL_PATH": str(model), "ALPACA_PATH": str(data), "SWAP_OPTIMIZER": "1"}
-    proc = from_xtuner(config, out, env=env)
+    env = {"GLM5_2_MODEL_PATH": str(folder), "ALPACA_PATH": str(sft), "SWAP_OPTIMIZER": "1", "TOTAL_STEP": "2",
+           "GLOBAL_BATCH_SIZE": "2", "SAMPLE_MAX_LENGTH": "48", "PACK_MAX_LENGTH": "64", "FP8": "1", "SP_SIZE": "2"}  # fmt: skip
+    proc = from_xtuner(recipe, out, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = proc.stdout + proc.stderr
-    assert "model.type='deepseek_v3', model.hf_path (model_type='glm_moe_dsa'" in report
-    assert "optim_cfg.swap_optimizer -> swap_optimizer" in report and out.exists()
+    assert "model.type='deepseek_v3', model.hf_path (model_type='glm_moe_dsa'" in proc.stderr
+    assert "optim_cfg.swap_optimizer -> swap_optimizer" in proc.stderr
+    assert "carried: loss_cfg.mode='chunk' (chunk_size=1024): the loss here is chunked already" in proc.stderr
+    dropped = [line for line in proc.stderr.splitlines() if line.startswith("dropped: ")]
+    for field in ("model_cfg.float8_cfg=", "model_cfg.dispatcher='all2all'", "model_cfg.attention.sparse_mla_backend"):
+        assert any(line.startswith(f"dropped: {field}") and "GPU-only" in line for line in dropped), field
+    assert any(line.startswith("dropped: sp_size=2: ") for line in dropped), dropped
+    text = out.read_text()
+    assert "swap_optimizer = True" in text and "'num_layers': 7" in text and "'share_weights': True" in text
+    train(tmp_path / "run", "monitor.progress_bar=off", config=out, fast=False)
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2] and all(r["mtp_loss"] > 0 for r in records)
 
 
 # XTuner's examples/v1/pretrain_qwen3_tiny.py as it ships (InternLM/xtuner main), shrunk where it must be to run

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
+from internlm_offload.optim.dtensor import is_dtensor
+from internlm_offload.optim.muon_sharded import sharded_matrix_step
 from internlm_offload.optim.rules import Group, StateSpec, UpdateRule
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")  # torch's; None is "original" (Keller's)
@@ -46,7 +48,8 @@ class MuonRule(UpdateRule):
     """torch's Muon, one `momentum_buffer` per parameter; matrices `[out, in]` and expert stacks `[E, out, in]`."""
 
     name = "muon"
-    whole_params = True  # Newton-Schulz reads a whole matrix: tiers never split one (a shard is refused)
+    whole_params = True  # Newton-Schulz reads a whole matrix: chunking tiers never split one, nor take a shard
+    # (the plain tier gathers a DTensor's matrices whole: optim/muon_sharded.py)
     update_bytes = 20  # elementwise part: read param, grad, buffer; write param, buffer (fp32); NS is extra
 
     def state_keys(self, group: Group) -> tuple[str, ...]:
@@ -79,6 +82,16 @@ class MuonRule(UpdateRule):
             check_shape(param.shape, group.get(ROW_SPLITS_KEY))
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+            if is_dtensor(param):  # each logical matrix gathered whole (optim/muon_sharded.py)
+                sharded_matrix_step(
+                    param,
+                    update,
+                    lambda shape: matrix_blocks(shape, group.get(ROW_SPLITS_KEY)),
+                    lambda block: self._orthogonalise(block, group),
+                    lambda shape: _adjust_lr(lr, group["adjust_lr_fn"], shape),
+                    1 - lr * wd,
+                )
+                continue
             if param.ndim == 2 and not group.get(ROW_SPLITS_KEY):
                 # torch.optim.Muon's own ops, in its order
                 update = _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])

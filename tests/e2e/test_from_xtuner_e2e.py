@@ -179,16 +179,32 @@ def test_a_pretrain_config_counts_its_epochs_into_steps_and_trains(model_and_dat
 
 def test_what_cannot_carry_stops_in_one_line_and_writes_nothing(model_and_data, tmp_path):
     model, sft, _ = model_and_data
-    config = tmp_path / "muon.py"
-    config.write_text(SFT.format(model=str(model), data=str(sft), optim="MuonConfig(lr=1e-3)", length="total_step=3")
-                      .replace("from xtuner.v1.config import", "from xtuner.v1.config import MuonConfig,"))  # fmt: skip
+    config = tmp_path / "lion.py"
+    config.write_text(SFT.format(model=str(model), data=str(sft), optim="LionConfig(lr=1e-3)", length="total_step=3")
+                      .replace("from xtuner.v1.config import", "from xtuner.v1.config import LionConfig,"))  # fmt: skip
     out = tmp_path / "translated.py"
     assert_clean_error(
-        from_xtuner(config, out), "cannot be carried over", "optim_cfg=MuonConfig(...): only AdamWConfig"
+        from_xtuner(config, out), "cannot be carried over", "optim_cfg=LionConfig(...): only AdamWConfig and MuonConfig"
     )
     assert not out.exists()
     proc = train(tmp_path / "run", config=config, check=False)
     assert_clean_error(proc, "is an XTuner config", "python -m internlm_offload.tools.from_xtuner")
+
+
+def test_a_muon_config_translates_and_trains_under_its_fsdp(model_and_data, tmp_path):
+    """XTuner's MuonConfig: `optimizer.type='muon'` under XTuner's FSDP (each matrix gathered whole), 3 steps."""
+    model, sft, _ = model_and_data
+    config = tmp_path / "muon.py"
+    config.write_text(SFT.format(model=str(model), data=str(sft), optim="MuonConfig(lr=1e-3)", length="total_step=3")
+                      .replace("from xtuner.v1.config import", "from xtuner.v1.config import MuonConfig,"))  # fmt: skip
+    out = tmp_path / "translated.py"
+    proc = from_xtuner(config, out)
+    assert proc.returncode == 0, proc.stderr
+    assert "five distinct coefficient triples" in proc.stderr
+    text = out.read_text()
+    assert "'type': 'muon'" in text and "'adjust_lr_fn': 'match_rms_adamw'" in text and "'mode': 'fsdp2'" in text
+    train(tmp_path / "run", "monitor.progress_bar=off", config=out, fast=False)
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3]
 
 
 def test_xtuners_glm_swap_example_stops_in_one_line_naming_the_family(tmp_path):

@@ -82,10 +82,13 @@ def uses_muon(optimizer: OptimizerConfig) -> bool:
     return optimizer.type == "muon" or any(rule == "muon" for _, rule in optimizer.rules)
 
 
-def muon_parallel_problem(optimizer: OptimizerConfig, mode: str, tensor_size: int, expert_size: int) -> str | None:
-    """Muon orthogonalises whole matrices; sharded parameters (FSDP2, tensor or expert parallel) are not gathered
-    for it yet (issue 51, part 4): one line naming the key, else None."""
-    if not uses_muon(optimizer):
+def muon_parallel_problem(
+    optimizer: OptimizerConfig, mode: str, tensor_size: int, expert_size: int, offload_tier: str | None
+) -> str | None:
+    """Muon orthogonalises whole matrices: the plain optimizer gathers a sharded (FSDP2, tensor or expert parallel)
+    parameter's matrices (optim/muon_sharded.py), the swap and hybrid tiers step local shards and do not (issue 51,
+    part 4): one line naming the keys, else None. `offload_tier`: `swap_optimizer` / `hybrid_optimizer`, or None."""
+    if not uses_muon(optimizer) or offload_tier is None:
         return None
     if mode == "fsdp2":
         key = "parallel.mode='fsdp2'"
@@ -96,6 +99,7 @@ def muon_parallel_problem(optimizer: OptimizerConfig, mode: str, tensor_size: in
     else:
         return None
     return (
-        f"optimizer.type='muon' (or a `muon` rule) with {key}: Muon orthogonalises whole matrices and does not gather "
-        "sharded parameters yet; use parallel.mode='ddp' or 'none' without tensor or expert parallel"
+        f"optimizer.type='muon' (or a `muon` rule) with {key} and {offload_tier}: the {offload_tier} tier steps "
+        "each rank's shards and does not gather Muon's matrices yet; drop one of them (Muon without an offload tier "
+        "gathers them)"
     )

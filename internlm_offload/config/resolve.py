@@ -69,7 +69,8 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
         )
     _resolve_expert_parallel(cfg, expert_ranks(cfg, world_size))
     parallel = cfg.parallel
-    if problem := muon_parallel_problem(cfg.optimizer, parallel.mode, parallel.tensor.size, parallel.expert.size):
+    tier = "swap_optimizer" if cfg.swap_optimizer else "hybrid_optimizer" if cfg.hybrid_optimizer.enable else None
+    if problem := muon_parallel_problem(cfg.optimizer, parallel.mode, parallel.tensor.size, parallel.expert.size, tier):
         raise ConfigError(problem)
     return cfg
 

@@ -13,7 +13,8 @@ What torch does not do, and this rule does, per *logical matrix*:
   orthogonalised and lr-scaled apart: MLA's `q_b_proj` per head (nope, rope), `kv_a_proj_with_mqa` (latent, rope)
   and `kv_b_proj` per head (nope, v), as XTuner's MuonSplit does. The model declares them
   (model/hooks.py `SplitsMuonRows`); the param groups carry them (optim/adamw.py `param_groups`).
-So each block's result is what `torch.optim.Muon` gives that block as a parameter of its own.
+So each block's result is what `torch.optim.Muon` gives that block as a parameter of its own. A DTensor
+parameter (FSDP2, tensor or expert parallel) has its logical matrices gathered whole first (optim/muon_sharded.py).
 
 Momentum convention: torch's EMA (XTuner, Moonlight and Dion keep the classic `mu * buf + grad`, 1/(1 - mu) times
 larger): a state dict moves between this rule and `torch.optim.Muon` as it is, not to XTuner's without rescaling.
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
+from internlm_offload.optim.dtensor import is_dtensor
 from internlm_offload.optim.rules import Group, StateSpec, UpdateRule
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")  # torch's; None is "original" (Keller's)
@@ -46,7 +48,8 @@ class MuonRule(UpdateRule):
     """torch's Muon, one `momentum_buffer` per parameter; matrices `[out, in]` and expert stacks `[E, out, in]`."""
 
     name = "muon"
-    whole_params = True  # Newton-Schulz reads a whole matrix: tiers never split one (a shard is refused)
+    whole_params = True  # Newton-Schulz reads a whole matrix: chunking tiers never split one, nor take a shard
+    # (the plain tier gathers a DTensor's matrices whole: optim/muon_sharded.py)
     update_bytes = 20  # elementwise part: read param, grad, buffer; write param, buffer (fp32); NS is extra
 
     def state_keys(self, group: Group) -> tuple[str, ...]:
@@ -79,6 +82,18 @@ class MuonRule(UpdateRule):
             check_shape(param.shape, group.get(ROW_SPLITS_KEY))
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+            if is_dtensor(param):  # each logical matrix gathered whole
+                from internlm_offload.optim.muon_sharded import sharded_matrix_step  # torch with distributed only
+
+                sharded_matrix_step(
+                    param,
+                    update,
+                    lambda shape: matrix_blocks(shape, group.get(ROW_SPLITS_KEY)),
+                    lambda block: self._orthogonalise(block, group),
+                    lambda shape: _adjust_lr(lr, group["adjust_lr_fn"], shape),
+                    1 - lr * wd,
+                )
+                continue
             if param.ndim == 2 and not group.get(ROW_SPLITS_KEY):
                 # torch.optim.Muon's own ops, in its order
                 update = _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])

@@ -38,7 +38,7 @@ MUON_ADJUST_LR = {"rms_norm": "match_rms_adamw", "spectral_norm": "original"}
 MUON_NOT_CARRIED = {
     "flatten": "stacked experts [E, out, in] are orthogonalised per expert here, MLA's row blocks apart",
     "use_triton": "Newton-Schulz is torch's matmuls here",
-    "enable_all2all": "Muon gathers no shards here (FSDP2 / tensor / expert parallel are refused with Muon)",
+    "enable_all2all": "Muon all-gathers each sharded matrix to every rank here (no owner-per-matrix all-to-all)",
 }
 LR_DEFAULTS = {"lr_type": "constant", "warmup_ratio": 0.03, "lr_min": 1e-6}
 FSDP_DEFAULTS = {"recompute_ratio": 1.0, "cpu_offload": False, "tp_size": 1, "ep_size": 1}

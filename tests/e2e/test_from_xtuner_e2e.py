@@ -190,24 +190,40 @@ def test_a_pretrain_config_counts_its_epochs_into_steps_and_trains(model_and_dat
 
 def test_what_cannot_carry_stops_in_one_line_and_writes_nothing(model_and_data, tmp_path):
     model, sft, _ = model_and_data
-    config = tmp_path / "muon.py"
-    config.write_text(SFT.format(model=str(model), data=str(sft), optim="MuonConfig(lr=1e-3)", length="total_step=3")
-                      .replace("from xtuner.v1.config import", "from xtuner.v1.config import MuonConfig,"))  # fmt: skip
+    config = tmp_path / "lion.py"
+    config.write_text(SFT.format(model=str(model), data=str(sft), optim="LionConfig(lr=1e-3)", length="total_step=3")
+                      .replace("from xtuner.v1.config import", "from xtuner.v1.config import LionConfig,"))  # fmt: skip
     out = tmp_path / "translated.py"
     assert_clean_error(
-        from_xtuner(config, out), "cannot be carried over", "optim_cfg=MuonConfig(...): only AdamWConfig"
+        from_xtuner(config, out), "cannot be carried over", "optim_cfg=LionConfig(...): only AdamWConfig and MuonConfig"
     )
     assert not out.exists()
     proc = train(tmp_path / "run", config=config, check=False)
     assert_clean_error(proc, "is an XTuner config", "python -m internlm_offload.tools.from_xtuner")
 
 
+def test_a_muon_config_translates_and_trains_under_its_fsdp(model_and_data, tmp_path):
+    """XTuner's MuonConfig: `optimizer.type='muon'` under XTuner's FSDP (each matrix gathered whole), 3 steps."""
+    model, sft, _ = model_and_data
+    config = tmp_path / "muon.py"
+    config.write_text(SFT.format(model=str(model), data=str(sft), optim="MuonConfig(lr=1e-3)", length="total_step=3")
+                      .replace("from xtuner.v1.config import", "from xtuner.v1.config import MuonConfig,"))  # fmt: skip
+    out = tmp_path / "translated.py"
+    proc = from_xtuner(config, out)
+    assert proc.returncode == 0, proc.stderr
+    assert "five distinct coefficient triples" in proc.stderr
+    text = out.read_text()
+    assert "'type': 'muon'" in text and "'adjust_lr_fn': 'match_rms_adamw'" in text and "'mode': 'fsdp2'" in text
+    train(tmp_path / "run", "monitor.progress_bar=off", config=out, fast=False)
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3]
+
+
 def test_xtuners_glm5_swap_recipe_translates_and_trains_with_the_swap_optimizer(model_and_data, tmp_path):
     """The GLM-5.2 recipe's shape with SWAP_OPTIMIZER=1 on a tiny GLM-5 folder made by transformers (`glm_moe_dsa`:
     DeepSeek sparse attention with top-k 16 below the 64-token packs, one MTP layer) holding the test's chat
     tokenizer: it translates (exit 0) onto the native family with the swap optimizer, one shared MTP layer for 7
-    depths, the chunked loss carried, FP8 / the dispatcher / the sparse-attention backend named as GPU-only kernels
-    and SP_SIZE=2 dropped with the family's own refusal; the output trains 2 steps from the folder, alpaca
+    depths, the chunked loss carried, FP8 / the dispatcher / the sparse-attention backend named as GPU-only kernels;
+    the output trains 2 steps from the folder, alpaca
     conversations through the folder's chat template, `mtp_loss` logged."""
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
@@ -226,7 +242,7 @@ def test_xtuners_glm5_swap_recipe_translates_and_trains_with_the_swap_optimizer(
     recipe.write_text(GLM_SWAP)
     out = tmp_path / "translated.py"
     env = {"GLM5_2_MODEL_PATH": str(folder), "ALPACA_PATH": str(sft), "SWAP_OPTIMIZER": "1", "TOTAL_STEP": "2",
-           "GLOBAL_BATCH_SIZE": "2", "SAMPLE_MAX_LENGTH": "48", "PACK_MAX_LENGTH": "64", "FP8": "1", "SP_SIZE": "2"}  # fmt: skip
+           "GLOBAL_BATCH_SIZE": "2", "SAMPLE_MAX_LENGTH": "48", "PACK_MAX_LENGTH": "64", "FP8": "1"}  # fmt: skip
     proc = from_xtuner(recipe, out, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "model.type='deepseek_v3', model.hf_path (model_type='glm_moe_dsa'" in proc.stderr
@@ -235,7 +251,6 @@ def test_xtuners_glm5_swap_recipe_translates_and_trains_with_the_swap_optimizer(
     dropped = [line for line in proc.stderr.splitlines() if line.startswith("dropped: ")]
     for field in ("model_cfg.float8_cfg=", "model_cfg.dispatcher='all2all'", "model_cfg.attention.sparse_mla_backend"):
         assert any(line.startswith(f"dropped: {field}") and "GPU-only" in line for line in dropped), field
-    assert any(line.startswith("dropped: sp_size=2: ") for line in dropped), dropped
     text = out.read_text()
     assert "swap_optimizer = True" in text and "'num_layers': 7" in text and "'share_weights': True" in text
     train(tmp_path / "run", "monitor.progress_bar=off", config=out, fast=False)

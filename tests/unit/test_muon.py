@@ -160,3 +160,13 @@ def test_a_param_without_grad_is_not_decayed() -> None:
     params[1].grad = None
     optimizer.step()
     assert torch.equal(params[1], before) and not optimizer.state[params[1]]
+
+
+def test_a_tensor_lr_steps_as_torch_s() -> None:
+    ours, theirs = matrices(SHAPES), matrices(SHAPES)
+    a, b = Muon(ours, lr=torch.tensor(0.01)), torch.optim.Muon(theirs, lr=torch.tensor(0.01))
+    train(ours, a, steps=2)
+    train(theirs, b, steps=2)
+    assert_same(ours, theirs)
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+        Muon(matrices(SHAPES), lr=torch.tensor([0.01, 0.02]))

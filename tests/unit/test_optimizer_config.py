@@ -99,12 +99,28 @@ def test_muon_steps_stacked_experts_and_mla_row_blocks_apart() -> None:
         ({"optimizer": {"type": "muon", "muon": {"adjust_lr_fn": "spectral"}}}, "optimizer.muon.adjust_lr_fn"),
         ({"optimizer": {"type": "muon", "muon": {"ns_steps": 100}}}, "optimizer.muon.ns_steps"),
         ({"optimizer": {"type": "lion"}}, "optimizer.type"),
-        ({"optimizer": {"type": "muon"}, "parallel": {"mode": "fsdp2"}}, "parallel.mode='fsdp2'"),
-        ({"optimizer": {"rules": [["*", "muon"]]}, "parallel": {"tensor": {"size": 2}}}, "parallel.tensor.size=2"),
+        (
+            {"optimizer": {"type": "muon"}, "parallel": {"mode": "fsdp2"}, "swap_optimizer": True},
+            "parallel.mode='fsdp2' and swap_optimizer",
+        ),
+        (
+            {
+                "optimizer": {"rules": [["*", "muon"]]},
+                "parallel": {"mode": "fsdp2"},
+                "hybrid_optimizer": {"enable": True},
+            },
+            "parallel.mode='fsdp2' and hybrid_optimizer",
+        ),
     ],
 )
 def test_bad_muon_settings_are_refused_in_one_line(raw: dict[str, Any], message: str) -> None:
     assert message in config_error(raw)
+
+
+def test_muon_under_sharding_without_an_offload_tier_resolves() -> None:
+    assert resolve_config({"optimizer": {"type": "muon"}, "parallel": {"mode": "fsdp2"}}).optimizer.type == "muon"
+    raw = {"optimizer": {"type": "muon"}, "parallel": {"tensor": {"size": 2}, "mode": "fsdp2"}}
+    assert resolve_config(raw, world_size=2).parallel.tensor.size == 2
 
 
 def test_a_rule_routing_a_vector_to_muon_is_refused_in_one_line() -> None:

@@ -56,6 +56,16 @@ def test_tiers_change_no_bits(tmp_path, reference_run, tiers):
     assert_same_metrics(base, run, KEYS)
 
 
+def test_bf16_with_fp32_masters_tiers_change_no_bits(tmp_path, reference_run):
+    """In bf16 (fp32 masters): offload of blocks 0-1 and full checkpointing of block 2, the baseline bit for bit."""
+    bf16 = "model.dtype=torch.bfloat16"
+    base = reference_run(*STEPS, bf16, config=GLM5)
+    run = tmp_path / "run"
+    train(run, *STEPS, bf16, *TIERS["offload-full-checkpoint"], config=GLM5)
+    assert metrics(run)[-1]["act_offload_offloaded_bytes"] > 0
+    assert_same_metrics(base, run, KEYS)
+
+
 def test_resume_from_step_2_is_the_straight_run(tmp_path, reference_run):
     """The baseline's step-2 checkpoint resumed: steps 3-6 equal the straight run's (the indexer read back with it)."""
     base = reference_run(*STEPS, config=GLM5)

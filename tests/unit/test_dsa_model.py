@@ -99,9 +99,9 @@ def test_bad_indexer_types_are_refused_in_one_line():
     ("parallel", "message"),
     [
         (
-            {"mode": "fsdp2", "tensor": {"size": 2, "mode": "isp"}},
-            "parallel.tensor.size=2 (mode 'isp') with model_type='glm_moe_dsa': DeepSeek sparse attention under "
-            "tensor / sequence parallel is not built; set parallel.tensor.size=1",
+            {"mode": "fsdp2", "tensor": {"size": 2, "mode": "msp"}, "expert": {"no_tp": True}},
+            "parallel.tensor.size=2 (mode 'msp') with model_type='glm_moe_dsa': DeepSeek sparse attention under "
+            "mtp / msp / fsp is not built; use parallel.tensor.mode='isp' or size 1",
         ),
         (
             {"pipeline": {"size": 2}},
@@ -109,7 +109,7 @@ def test_bad_indexer_types_are_refused_in_one_line():
             "not built; set parallel.pipeline.size=1",
         ),
     ],
-    ids=["isp", "pipeline"],
+    ids=["msp", "pipeline"],
 )
 def test_the_splits_not_built_are_refused_in_one_line(parallel, message):
     raw = {"model": {"type": "deepseek_v3", "hf_config": GLM5}, "parallel": parallel, "data": {"micro_num": 2}}

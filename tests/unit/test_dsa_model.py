@@ -100,13 +100,17 @@ def test_bad_indexer_types_are_refused_in_one_line():
     [
         (
             {"mode": "fsdp2", "tensor": {"size": 2, "mode": "msp"}, "expert": {"no_tp": True}},
-            "parallel.tensor.size=2 (mode 'msp') with model_type='glm_moe_dsa': DeepSeek sparse attention under "
-            "mtp / msp / fsp is not built; use parallel.tensor.mode='isp' or size 1",
+            (
+                "parallel.tensor.size=2 (mode 'msp') with model_type='glm_moe_dsa': DeepSeek sparse attention under "
+                "mtp / msp / fsp is not built; use parallel.tensor.mode='isp' or size 1"
+            ),
         ),
         (
             {"pipeline": {"size": 2}},
-            "parallel.pipeline.size=2 with model_type='glm_moe_dsa': DeepSeek sparse attention under a pipeline is "
-            "not built; set parallel.pipeline.size=1",
+            (
+                "parallel.pipeline.size=2 with model_type='glm_moe_dsa': DeepSeek sparse attention under a pipeline "
+                "is not built; set parallel.pipeline.size=1"
+            ),
         ),
     ],
     ids=["msp", "pipeline"],

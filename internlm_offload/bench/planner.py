@@ -83,6 +83,17 @@ DEEPSEEK = {
     **{f"model.hf_config.{key}": value for key, value in DEEPSEEK_CONFIG.items()},
     "model.checkpoint": 0.5,
 }
+# GLM-5's DeepSeek sparse attention on that model (docs/deepseek.md): an indexer of 4 heads x 32 keeping 64 keys per
+# query, below the validation sequence, blocks alternately owning an indexer and sharing the last one's top-k.
+GLM5_DSA = {
+    **DEEPSEEK,
+    "model.hf_config.model_type": "glm_moe_dsa",
+    "model.hf_config.n_group": 1,
+    "model.hf_config.index_topk": 64,
+    "model.hf_config.index_n_heads": 4,
+    "model.hf_config.index_head_dim": 32,
+    "model.hf_config.indexer_types": ["full", "shared"] * 3,
+}
 SETTINGS: dict[str, dict[str, Any]] = {
     "baseline": {},
     "offload 3": {**OFFLOAD, "cpu_offloading.num_layers": 3},
@@ -114,6 +125,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     },
     "lora r=8 bf16": LORA,
     "deepseek mla 2 dense + 4 sparse + ckpt 0.5": DEEPSEEK,
+    "glm5 dsa top-64 + ckpt 0.5": GLM5_DSA,
     "fsdp2 x2": {"parallel.mode": "fsdp2"},
     "fsdp2 x4 + swap + ckpt 0.5": {"parallel.mode": "fsdp2", "swap_optimizer": True, "model.checkpoint": 0.5},
     "mtp 2": {"parallel.tensor.size": 2, "parallel.tensor.mode": "mtp"},

@@ -67,28 +67,43 @@ class SparseLatentAttention(MultiLatentAttention):
         """(B, T, C) -> (B, T, C); `documents` carries the choice between layers (the model always passes one)."""
         if documents is None:
             raise ValueError("DeepSeek sparse attention needs the forward's Documents (position_ids) to share top-k")
-        if self.sequence_exchange is not None:
-            raise ValueError("DeepSeek sparse attention under isp is not built: its indexer needs every earlier key")
         q, k, v, q_latent = self._heads(x, rope)
-        chosen = self._choice(x, q_latent, rope, documents)
-        if x.shape[1] <= self.topk:  # every visible key is chosen: dense MLA, bit for bit
+        exchange = self.sequence_exchange
+        if exchange is not None:  # isp: this rank's tokens of all heads -> all tokens of its heads
+            q, k, v = (exchange(t, scatter_dim=2, gather_dim=1) for t in (q, k, v))
+        chosen = self._choice(x, q_latent, rope, documents)  # (B, T, K) for the whole sequence
+        if q.shape[1] <= self.topk:  # every visible key is chosen: dense MLA, bit for bit
             out = attend(q, k, v, documents, flash=uses_flash(self.attn_impl, x), scale=self.scale)
         else:
             out = sparse_attend(q, k, v, chosen, scale=self.scale)
+        if exchange is not None:
+            out = exchange(out, scatter_dim=1, gather_dim=2)
         return self.o_proj(out.flatten(2))
 
     def _choice(
         self, x: torch.Tensor, q_latent: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: Documents
     ) -> torch.Tensor:
-        """(B, T, K) int32: this layer's indexer's choice (stored for the shared layers after it), or its source's."""
+        """(B, T, K) int32: this layer's indexer's choice (stored for the shared layers after it), or its source's.
+        Under isp the indexer's inputs are gathered along the sequence first (no gradient: it is frozen) and every
+        rank chooses for the whole sequence, whose every token of its heads it attends after the exchange: the
+        indexer's compute repeated on each rank, no collective in backward."""
         if self.indexer is None:
             chosen = documents.shared.get(("dsa_topk", self.source))
             if chosen is None:
                 raise RuntimeError(f"layer {self.layer} shares layer {self.source}'s top-k, which did not run")
             return chosen
+        if self.sequence_exchange is not None:
+            with torch.no_grad():
+                x, q_latent = self._gathered(x), self._gathered(q_latent)
+                rope = tuple(self._gathered(t if t.dim() == 3 else t[None].expand(x.shape[0], -1, -1)) for t in rope)
         chosen = self.indexer(x, q_latent, rope, documents.position_ids)
         documents.shared[("dsa_topk", self.layer)] = chosen
         return chosen
+
+    def _gathered(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, s / P, D) -> (B, s, D): every rank's chunk in rank order, through isp's exchange of one head (which
+        repeats a head to every rank: each sends its chunk to all)."""
+        return self.sequence_exchange(t[:, :, None], scatter_dim=2, gather_dim=1)[:, :, 0]
 
     def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
         """MLA's, then the indexer's (after: MLA's draws are those of a model without DSA)."""

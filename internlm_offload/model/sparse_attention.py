@@ -21,17 +21,27 @@ def query_chunk(k: torch.Tensor, v: torch.Tensor, topk: int) -> int:
     return max(1, CHUNK_ELEMENTS // (topk * heads * width))
 
 
-def _gather(t: torch.Tensor, safe: torch.Tensor) -> torch.Tensor:
-    """(B, c, K, H, D): the rows of `t` (B, T, H, D) at `safe` (B, c, K) positions of the same batch row."""
-    rows = torch.arange(t.shape[0], device=t.device)[:, None, None]
-    return t[rows, safe]
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    """(B, T, H, D) -> (B, H, T, D) contiguous: each head's rows together, so a gather reads whole rows and the
+    products below are plain batched matmuls (no permuted copies)."""
+    return t.transpose(1, 2).contiguous()
 
 
-def _scatter_add(into: torch.Tensor, safe: torch.Tensor, rows: torch.Tensor) -> None:
-    """Add `rows` (B, c, K, H, D) into `into` (B, T, H, D) at `safe` (B, c, K) positions of the same batch row."""
-    B, T = into.shape[:2]
-    flat = (safe + torch.arange(B, device=safe.device)[:, None, None] * T).flatten()
-    into.view(B * T, *into.shape[2:]).index_add_(0, flat, rows.flatten(0, 2).to(into.dtype))
+def _rows(t: torch.Tensor, safe: torch.Tensor) -> torch.Tensor:
+    """(B, H, c, K) row numbers in `t` (B, H, T, D) flattened to rows: head h's key `safe` (B, c, K) of batch row b."""
+    B, H, T = t.shape[:3]
+    heads = (torch.arange(B, device=t.device)[:, None] * H + torch.arange(H, device=t.device)[None]) * T
+    return heads[:, :, None, None] + safe[:, None]
+
+
+def _gather(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """(B, H, c, K, D): the rows of `t` (B, H, T, D) at `rows` (`_rows`)."""
+    return t.flatten(0, 2).index_select(0, rows.flatten()).view(*rows.shape, t.shape[-1])
+
+
+def _scatter_add(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """Add `values` (B, H, c, K, D) into `into` (B, H, T, D) at `rows` (`_rows`), in a fixed order."""
+    into.view(-1, into.shape[-1]).index_add_(0, rows.flatten(), values.flatten(0, 3).to(into.dtype))
 
 
 def _accumulate(t: torch.Tensor) -> torch.dtype:
@@ -40,10 +50,16 @@ def _accumulate(t: torch.Tensor) -> torch.dtype:
 
 
 def _chunk_scores(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
-    """(B, c, H, K) scaled scores (at least fp32) of a chunk's queries over its gathered keys, -inf in the empty
-    slots."""
-    scores = torch.einsum("bchd,bckhd->bchk", q, keys).to(_accumulate(q)) * scale
-    return scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    """(B, H, c, K) scaled scores (at least fp32) of a chunk's queries (B, H, c, D) over its gathered keys (B, H, c,
+    K, D), -inf in the empty slots (`valid` (B, c, K) False)."""
+    scores = torch.matmul(keys, q[..., None]).squeeze(-1).to(_accumulate(q)) * scale
+    return scores.masked_fill(~valid[:, None], float("-inf"))
+
+
+def _picked(indices: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's (valid, safe) slots: where it chose a key, and the positions with -1 read as 0 (masked)."""
+    picked = indices[:, start:stop]
+    return picked >= 0, picked.clamp(min=0).long()
 
 
 class SparseAttention(torch.autograd.Function):
@@ -53,15 +69,17 @@ class SparseAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, indices, scale: float, chunk: int):
         B, T, H, _ = q.shape
         out = q.new_empty(B, T, H, v.shape[-1])
-        lse = q.new_empty(B, T, H, dtype=_accumulate(q))
+        lse = q.new_empty(B, H, T, dtype=_accumulate(q))
+        q_h, k_h, v_h = (_heads_first(t) for t in (q, k, v))  # transients of the forward alone
         for start in range(0, T, chunk):
             stop = min(start + chunk, T)
-            picked = indices[:, start:stop]
-            valid, safe = picked >= 0, picked.clamp(min=0).long()
-            scores = _chunk_scores(q[:, start:stop], _gather(k, safe), valid, scale)
-            lse[:, start:stop] = torch.logsumexp(scores, dim=-1)
-            probs = torch.exp(scores - lse[:, start:stop, :, None]).to(v.dtype)
-            out[:, start:stop] = torch.einsum("bchk,bckhd->bchd", probs, _gather(v, safe))
+            valid, safe = _picked(indices, start, stop)
+            rows = _rows(k_h, safe)
+            scores = _chunk_scores(q_h[:, :, start:stop], _gather(k_h, rows), valid, scale)
+            lse[:, :, start:stop] = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - lse[:, :, start:stop, None]).to(v.dtype)
+            out_c = torch.matmul(probs[..., None, :], _gather(v_h, rows)).squeeze(-2)  # (B, H, c, Dv)
+            out[:, start:stop] = out_c.transpose(1, 2)
         ctx.save_for_backward(q, k, v, indices, out, lse)
         ctx.scale, ctx.chunk = scale, chunk
         return out
@@ -71,25 +89,28 @@ class SparseAttention(torch.autograd.Function):
         q, k, v, indices, out, lse = ctx.saved_tensors
         scale, chunk = ctx.scale, ctx.chunk
         T = q.shape[1]
-        grad_q = torch.empty_like(q)
-        # fp32 (or wider) accumulators: a key chosen by many queries sums many contributions
         acc = _accumulate(q)
-        grad_k = torch.zeros(k.shape, dtype=acc, device=k.device)
-        grad_v = torch.zeros(v.shape, dtype=acc, device=v.device)
+        q_h, k_h, v_h = (_heads_first(t) for t in (q, k, v))
+        out_h, grad_h = _heads_first(out).to(acc), _heads_first(grad_out).to(acc)
+        grad_q = torch.empty_like(q_h)
+        # fp32 (or wider) accumulators: a key chosen by many queries sums many contributions
+        grad_k = torch.zeros(k_h.shape, dtype=acc, device=k.device)
+        grad_v = torch.zeros(v_h.shape, dtype=acc, device=v.device)
         for start in range(0, T, chunk):
             stop = min(start + chunk, T)
-            picked = indices[:, start:stop]
-            valid, safe = picked >= 0, picked.clamp(min=0).long()
-            keys, values = _gather(k, safe), _gather(v, safe)
-            q_c, d_out = q[:, start:stop], grad_out[:, start:stop].to(acc)
-            probs = torch.exp(_chunk_scores(q_c, keys, valid, scale) - lse[:, start:stop, :, None])  # (B, c, H, K)
-            _scatter_add(grad_v, safe, torch.einsum("bchk,bchd->bckhd", probs, d_out))
-            d_probs = torch.einsum("bchd,bckhd->bchk", d_out, values.to(acc))
-            row = (d_out * out[:, start:stop].to(acc)).sum(-1, keepdim=True)  # (B, c, H, 1)
+            valid, safe = _picked(indices, start, stop)
+            rows = _rows(k_h, safe)
+            keys, values = _gather(k_h, rows), _gather(v_h, rows)
+            q_c, d_out = q_h[:, :, start:stop], grad_h[:, :, start:stop]
+            probs = torch.exp(_chunk_scores(q_c, keys, valid, scale) - lse[:, :, start:stop, None])  # (B, H, c, K)
+            _scatter_add(grad_v, rows, probs[..., None] * d_out[..., None, :])
+            d_probs = torch.matmul(values.to(acc), d_out[..., None]).squeeze(-1)
+            row = (d_out * out_h[:, :, start:stop]).sum(-1, keepdim=True)  # (B, H, c, 1)
             d_scores = probs * (d_probs - row) * scale  # zero in the empty slots (probs 0 there)
-            grad_q[:, start:stop] = torch.einsum("bchk,bckhd->bchd", d_scores, keys.to(acc)).to(q.dtype)
-            _scatter_add(grad_k, safe, torch.einsum("bchk,bchd->bckhd", d_scores, q_c.to(acc)))
-        return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
+            grad_q[:, :, start:stop] = torch.matmul(d_scores[..., None, :], keys.to(acc)).squeeze(-2).to(q.dtype)
+            _scatter_add(grad_k, rows, d_scores[..., None] * q_c.to(acc)[..., None, :])
+        back = (t.transpose(1, 2).to(dtype) for t, dtype in ((grad_q, q.dtype), (grad_k, k.dtype), (grad_v, v.dtype)))
+        return (*back, None, None, None)
 
 
 def sparse_attend(

@@ -13,7 +13,7 @@ import shutil
 import pytest
 from deepseek_runs import LAST, STEPS
 from runner import REPO, assert_same_metrics, metrics, train
-from tensor_parallel_runs import NEAR, assert_curves
+from tensor_parallel_runs import NEAR, assert_curves, tensor
 
 from internlm_offload.tools.export import load_weights
 
@@ -56,6 +56,16 @@ def test_tiers_change_no_bits(tmp_path, reference_run, tiers):
     assert_same_metrics(base, run, KEYS)
 
 
+def test_bf16_with_fp32_masters_tiers_change_no_bits(tmp_path, reference_run):
+    """In bf16 (fp32 masters): offload of blocks 0-1 and full checkpointing of block 2, the baseline bit for bit."""
+    bf16 = "model.dtype=torch.bfloat16"
+    base = reference_run(*STEPS, bf16, config=GLM5)
+    run = tmp_path / "run"
+    train(run, *STEPS, bf16, *TIERS["offload-full-checkpoint"], config=GLM5)
+    assert metrics(run)[-1]["act_offload_offloaded_bytes"] > 0
+    assert_same_metrics(base, run, KEYS)
+
+
 def test_resume_from_step_2_is_the_straight_run(tmp_path, reference_run):
     """The baseline's step-2 checkpoint resumed: steps 3-6 equal the straight run's (the indexer read back with it)."""
     base = reference_run(*STEPS, config=GLM5)
@@ -73,15 +83,20 @@ def test_resume_from_step_2_is_the_straight_run(tmp_path, reference_run):
     [
         pytest.param(["parallel.mode=fsdp2"], 2, id="fsdp2"),
         pytest.param(["parallel.mode=ddp", "parallel.expert.size=2"], 4, id="ep2-ddp2"),
+        pytest.param(tensor("isp"), 2, id="isp2"),
     ],
 )
 def test_layouts_follow_one_process(tmp_path, reference_run, options, nproc):
-    """FSDP2 on two processes (the frozen indexer sharded beside the trained weights, drawn by the meta build) and
-    expert parallel 2 x expert data 2 on four: one process's curve within NEAR (the reductions run in another order;
-    the indexer's choices, integers, the same unless a score sits at a near tie within that rounding)."""
+    """FSDP2 on two processes (the frozen indexer sharded beside the trained weights, drawn by the meta build),
+    expert parallel 2 x expert data 2 on four, and isp on two (each rank's indexer scores the whole sequence from
+    inputs gathered along it, its heads attend every token after Ulysses' exchange): one process's curve within NEAR
+    (the reductions run in another order; the indexer's choices, integers, the same unless a score sits at a near
+    tie within that rounding)."""
     base = reference_run(*STEPS, config=GLM5)
     run = tmp_path / "run"
     proc = train(run, *STEPS, *options, config=GLM5, nproc=nproc)
     if nproc == 4:
         assert "Applied expert parallel over 2 ranks (2 expert-data groups)" in proc.stderr
+    if "parallel.tensor.mode=isp" in options:
+        assert "Applied tensor parallel isp over 2 ranks" in proc.stderr
     assert_curves(base, run, NEAR)

@@ -177,7 +177,10 @@ def test_sparse_kernel_is_dense_attention_masked_to_the_chosen_keys():
 
 
 def test_sparse_kernel_gradcheck_float64():
+    """One row of 9 (two documents), 2 heads of 3 / 2 dims: small, gradcheck perturbs every input element."""
     (q, k, v), indices, _ = kernel_inputs(torch.float64, length=9)
+    q, k, v = (t.detach()[:1, :, :2, :3].clone().requires_grad_() for t in (q, k, v))
+    indices = indices[:1]
     assert torch.autograd.gradcheck(lambda q, k, v: sparse_attend(q, k, v, indices, scale=0.3, chunk=4), (q, k, v))
 
 

@@ -45,6 +45,22 @@ def test_deepseek_v32_has_an_indexer_in_every_block_with_half_split_rope():
     assert not model.layers[0].attention.indexer.rope_interleave
 
 
+def test_multi_token_prediction_block_owns_an_indexer_and_trains():
+    """GLM-5's MTP layer is "full" (XTuner appends it so): its block has its own indexer, reading the forward's store
+    under its own index; a training forward gives its logits and the backward runs."""
+    torch.manual_seed(0)
+    section = ModelConfig(type="deepseek_v3", hf_config=GLM5, mtp_config={"num_layers": 2, "share_weights": True})
+    model = build_model(section, torch.device("cpu")).train()
+    attention = model.mtp.layers[0].block.attention
+    assert attention.indexer is not None and attention.source == attention.layer == 4
+    ids = torch.tensor([t for d in DOCUMENTS for t in d])[None]
+    positions = torch.cat([torch.arange(len(d)) for d in DOCUMENTS])[None]
+    out = model(ids, positions)
+    assert len(out.mtp_logits) == 2
+    sum(logits.float().square().mean() for logits in (out.logits, *out.mtp_logits)).backward()
+    assert attention.q_b_proj.weight.grad.abs().sum() > 0 and attention.indexer.wq_b.weight.grad is None
+
+
 def test_folder_names_of_the_indexer():
     model = build(GLM5)
     layout = deepseek_build.folder_format(model)
@@ -83,17 +99,21 @@ def test_bad_indexer_types_are_refused_in_one_line():
     ("parallel", "message"),
     [
         (
-            {"mode": "fsdp2", "tensor": {"size": 2, "mode": "isp"}},
-            "parallel.tensor.size=2 (mode 'isp') with model_type='glm_moe_dsa': DeepSeek sparse attention under "
-            "tensor / sequence parallel is not built; set parallel.tensor.size=1",
+            {"mode": "fsdp2", "tensor": {"size": 2, "mode": "msp"}, "expert": {"no_tp": True}},
+            (
+                "parallel.tensor.size=2 (mode 'msp') with model_type='glm_moe_dsa': DeepSeek sparse attention under "
+                "mtp / msp / fsp is not built; use parallel.tensor.mode='isp' or size 1"
+            ),
         ),
         (
             {"pipeline": {"size": 2}},
-            "parallel.pipeline.size=2 with model_type='glm_moe_dsa': DeepSeek sparse attention under a pipeline is "
-            "not built; set parallel.pipeline.size=1",
+            (
+                "parallel.pipeline.size=2 with model_type='glm_moe_dsa': DeepSeek sparse attention under a pipeline "
+                "is not built; set parallel.pipeline.size=1"
+            ),
         ),
     ],
-    ids=["isp", "pipeline"],
+    ids=["msp", "pipeline"],
 )
 def test_the_splits_not_built_are_refused_in_one_line(parallel, message):
     raw = {"model": {"type": "deepseek_v3", "hf_config": GLM5}, "parallel": parallel, "data": {"micro_num": 2}}

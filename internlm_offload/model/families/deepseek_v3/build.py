@@ -156,17 +156,17 @@ def check_run(cfg: RunConfig) -> None:
 
 
 def check_sparse_attention(cfg: RunConfig) -> None:
-    """DeepSeek Sparse Attention is not split yet: under a tensor mode (isp's sequence split included: the indexer
-    must see every earlier key of the document, a gather not built) and a pipeline (a shared block's top-k may come
-    from another stage) it is refused in one line."""
+    """DeepSeek Sparse Attention splits by isp (model/dsa.py: the indexer's inputs gathered along the sequence),
+    not yet by the other tensor modes (mtp / msp / fsp: whole heads per rank, the indexer whole on each) nor by a
+    pipeline (a shared block's top-k may come from another stage): those refused in one line."""
     model_type = raw_config(cfg.model).get("model_type")
     if model_type not in DSA_TYPES:
         return
     tensor, pipe = cfg.parallel.tensor, cfg.parallel.pipeline.size
-    if tensor.size > 1:
+    if tensor.size > 1 and tensor.mode != "isp":
         raise ConfigError(
             f"parallel.tensor.size={tensor.size} (mode {tensor.mode!r}) with model_type={model_type!r}: DeepSeek "
-            "sparse attention under tensor / sequence parallel is not built; set parallel.tensor.size=1"
+            "sparse attention under mtp / msp / fsp is not built; use parallel.tensor.mode='isp' or size 1"
         )
     if pipe > 1:
         raise ConfigError(

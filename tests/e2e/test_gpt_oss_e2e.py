@@ -1,7 +1,7 @@
 """GPT-OSS as a native family (model/families/gpt_oss; configs/gpt_oss_tiny.py: sinks, 32-token windows on the even
 layers of 128-token rows, biased router and clamped-SwiGLU experts) composed with the trainer: the memory tiers
 bitwise against the family's baseline (loss, grad norm and the expert loads of every step), DDP and FSDP2 on two
-processes within 1e-5 of one process, and a folder made by transformers (its experts in MXFP4, as the release ships
+processes and expert parallel over them within 1e-5 of one process, and a folder made by transformers (its experts in MXFP4, as the release ships
 them) trained from the folder alone."""
 
 from pathlib import Path
@@ -50,11 +50,19 @@ def test_tiers_change_no_bits(tmp_path, baseline, tiers):
     assert_same_metrics(baseline, run, KEYS)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_data_parallel_on_two_processes_follows_one_process(tmp_path, baseline, mode):
-    """Two ranks of 2 micro-batches each against one process's 4: loss and grad norm within 1e-5 (relative)."""
-    run = tmp_path / mode
-    train(run, *STEPS, f"parallel.mode={mode}", config=GPT_OSS, nproc=2)
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel.mode=ddp"], ["parallel.mode=fsdp2"], ["parallel.mode=ddp", "parallel.expert.size=2"]],
+    ids=["ddp", "fsdp2", "ddp-ep2"],
+)
+def test_two_processes_follow_one_process(tmp_path, baseline, layout):
+    """Two ranks of 2 micro-batches each against one process's 4: DDP, FSDP2 (its meta build drawing each rank's
+    shards from the seed), expert parallel over both (each holding 4 of the 8 experts of every block, their biases
+    with them): loss and grad norm within 1e-5 (relative)."""
+    run = tmp_path / "run"
+    proc = train(run, *STEPS, *layout, config=GPT_OSS, nproc=2)
+    if "parallel.expert.size=2" in layout:
+        assert "4 sparse blocks, 4 of 8 experts each" in proc.stderr
     assert_curves(baseline, run, WITHIN)
 
 

@@ -26,12 +26,16 @@ SWAP = ["swap_optimizer=True", "grad_offload=True", "grad_offload_bucket_mb=0.25
 HYBRID = ["hybrid_optimizer.enable=True", "hybrid_optimizer.offload_fraction=0.5"]
 
 
+DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}  # bf16: fp32 masters (model/precision defaults)
+
+
 @pytest.fixture(scope="module")
 def baseline(reference_run) -> Path:
     """The family's fp32 run of STEPS on one process."""
     return reference_run(*STEPS, nproc=1, config=GPT_OSS)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "tiers",
     [
@@ -39,13 +43,16 @@ def baseline(reference_run) -> Path:
         pytest.param([*FULL, *HYBRID], id="offload-full-checkpoint-hybrid"),
     ],
 )
-def test_tiers_change_no_bits(tmp_path, baseline, tiers):
+def test_tiers_change_no_bits(tmp_path, reference_run, tiers, dtype):
     """Activation offload (every saved tensor, the sinks' probabilities and the window masks' users included) with
     selective or full checkpointing, the swap optimizer with its states on "NVMe" and the gradients on the host, or
-    the hybrid optimizer: every step's loss, grad norm and expert loads the baseline's bit for bit."""
+    the hybrid optimizer: every step's loss, grad norm and expert loads the baseline's bit for bit, in fp32 and in
+    bf16 with fp32 masters (the sinks' softmax in fp32 either way)."""
+    precision = f"model.dtype={DTYPES[dtype]}"
+    baseline = reference_run(*STEPS, *([precision] if dtype != "fp32" else []), nproc=1, config=GPT_OSS)
     run, nvme = tmp_path / "run", tmp_path / "nvme"
     nvme.mkdir()
-    train(run, *STEPS, *tiers, f"nvme_offload.path={nvme}", config=GPT_OSS)
+    train(run, *STEPS, precision, *tiers, f"nvme_offload.path={nvme}", config=GPT_OSS)
     assert metrics(run)[-1]["act_offload_offloaded_bytes"] > 0
     assert_same_metrics(baseline, run, KEYS)
 

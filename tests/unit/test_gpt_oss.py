@@ -56,6 +56,7 @@ def test_the_window_sees_the_last_keys_of_its_own_document():
         for key in range(10):
             want[query, key] = 0 <= query - key < 3 and (query < 6) == (key < 6)
     assert torch.equal(documents.window_mask(3)[0, 0], want)
+    assert torch.equal(documents.window_mask(3, sink_column=True)[0, 0, :, 1:], want)
     for key in range(10):
         moved = x.clone()
         moved[0, key] += 1.0

@@ -53,16 +53,22 @@ class Documents:
         self.position_ids = position_ids
         # what a block hands to later blocks of the same forward (DSA's top-k, model/dsa.py), by key
         self.shared: dict[object, torch.Tensor] = {}
-        self._windows: dict[int, torch.Tensor] = {}
+        self._masks: dict[tuple[int | None, bool], torch.Tensor] = {}
 
-    def window_mask(self, window: int) -> torch.Tensor:
+    def window_mask(self, window: int | None, sink_column: bool = False) -> torch.Tensor:
         """(B, 1, T, T) `mask` narrowed to the last `window` keys of each query, itself included (GPT-OSS's
-        sliding layers: 0 <= q - k < window), computed once per forward per window."""
-        if window not in self._windows:
-            mask = self.mask & sliding_window(self.position_ids.shape[-1], window, self.position_ids.device)
+        sliding layers: 0 <= q - k < window; None: the whole document), with `sink_column` the sinks' column first
+        ((B, 1, T, T + 1), `with_sink_column`); computed once per forward, shared by the blocks that ask alike."""
+        key = (window, sink_column)
+        if key not in self._masks:
+            mask = self.mask
+            if window is not None:
+                mask = mask & sliding_window(self.position_ids.shape[-1], window, self.position_ids.device)
+            if sink_column:
+                mask = with_sink_column(mask)
             mark_not_offload(mask)
-            self._windows[window] = mask
-        return self._windows[window]
+            self._masks[key] = mask
+        return self._masks[key]
 
     @functools.cached_property
     def mask(self) -> torch.Tensor:
@@ -96,6 +102,16 @@ def sliding_window(seq_len: int, window: int | None, device: torch.device) -> to
     return allowed if window is None else allowed & (distance < window)
 
 
+# A sink below this is taken as this (its share is exactly 0 in fp32 and wider): -inf would make 0 * -inf = NaN
+# in the augmented dot products of `attend_masked`.
+SINK_FLOOR = -1e30
+
+
+def with_sink_column(allowed: torch.Tensor) -> torch.Tensor:
+    """`allowed` (..., S, S) with a first column of True: every query sees its head's sink key (`attend_masked`)."""
+    return torch.cat((torch.ones_like(allowed[..., :1]), allowed), dim=-1)
+
+
 def attend_masked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -104,26 +120,41 @@ def attend_masked(
     sinks: torch.Tensor | None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Attention of (B, S, H, D) queries over (B, S, KVH, D) keys and values where `allowed` ((B, 1, S, S) or
-    (S, S), True: may attend) says, with per-head `sinks` (H,): a learned logit each head adds to its softmax's
-    denominator only (a key whose value is zero), not scaled. (B, S, H, D) out.
+    """Attention of (B, S, H, D) queries over (B, S, KVH, D) keys and (B, S, KVH, Dv) values where `allowed` ((B, 1,
+    S, S) or (S, S), True: may attend; with sinks it may already carry `with_sink_column`'s column) says, with
+    per-head `sinks` (H,): a learned logit each query head adds to its softmax's denominator only (a key whose value
+    is zero), not scaled. (B, S, H, Dv) out.
 
-    Without sinks, SDPA with the mask. With them, explicitly, in fp32 (SDPA's kernels cannot add a column): the
-    masked, scaled logits with the sink as one more column, softmax, the column dropped. Memory: the (B, H, S, S)
-    probabilities per block, saved for backward."""
+    One SDPA call either way (its fused kernels keep O(S) per head, no (S, S) probabilities saved). The sinks ride in
+    as one more key per kv head at position 0 whose value is zero: each of a kv head's g query heads gets a one-hot
+    extra dim (q' = [q, e_m]), real keys zeros there (k' = [k, 0]: q'.k' = q.k exactly), the sink key [0, s_j g.. /
+    scale], so q'.k_sink x scale = the head's sink."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dv = v.shape[-1]
+    if sinks is not None:
+        q, k, v, allowed = _with_sink_keys(q, k, v, allowed, sinks, scale)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H or KVH, S, D)
-    if sinks is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2)
-    groups = q.shape[1] // k.shape[1]  # query heads per key head: key head j serves queries j*groups ...
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    wide = torch.promote_types(q.dtype, torch.float32)  # bf16 / fp16 logits and softmax in fp32
-    logits = (q.to(wide) @ k.to(wide).transpose(-2, -1)) * scale  # (B, H, S, S)
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    sink = sinks.to(wide)[None, :, None, None].expand(*logits.shape[:-1], 1)
-    probs = torch.cat((logits, sink), dim=-1).softmax(-1)[..., :-1]
-    return (probs.to(v.dtype) @ v).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)[..., :dv]
+
+
+def _with_sink_keys(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, ...]:
+    """q, k, v and the mask of `attend_masked` with the sinks as one more key per kv head (q and k g dims wider, v
+    zero-padded to their width so that every SDPA kernel takes it; the output is sliced back)."""
+    B, S, H, D = q.shape
+    kv_heads = k.shape[2]
+    g = H // kv_heads  # query heads per kv head: kv head j serves queries j*g ... j*g + g - 1
+    one_hot = torch.eye(g, dtype=q.dtype, device=q.device).repeat(kv_heads, 1)  # (H, g): row h = e_(h mod g)
+    q = torch.cat((q, one_hot.expand(B, S, H, g)), dim=-1)
+    k = torch.cat((k, k.new_zeros(B, S, kv_heads, g)), dim=-1)
+    sink_keys = torch.cat((k.new_zeros(kv_heads, D), (sinks.clamp(min=SINK_FLOOR) / scale).view(kv_heads, g)), -1)
+    k = torch.cat((sink_keys.to(k.dtype).expand(B, 1, kv_heads, D + g), k), dim=1)  # (B, S + 1, KVH, D + g)
+    v = F.pad(v, (0, D + g - v.shape[-1], 0, 0, 1, 0))  # a zero value for the sink key (S + 1), width D + g
+    if allowed.shape[-1] == S:
+        allowed = with_sink_column(allowed)
+    return q, k, v, allowed
 
 
 def check_attn_impl(attn_impl: str) -> None:
@@ -257,10 +288,13 @@ class Attention(nn.Module, ExchangesSequence):
         return self.wo(out.reshape(B, T, -1))  # (B, T, C)
 
     def _allowed(self, documents: Documents | None, seq_len: int, device: torch.device) -> torch.Tensor:
-        """Where a query may attend: within its document, causal, within the window (if any)."""
+        """Where a query may attend: within its document, causal, within the window (if any); the sinks' column
+        first where it has sinks."""
+        sink_column = self.sinks is not None
         if documents is None:
-            return sliding_window(seq_len, self.window, device)
-        return documents.mask if self.window is None else documents.window_mask(self.window)
+            allowed = sliding_window(seq_len, self.window, device)
+            return with_sink_column(allowed) if sink_column else allowed
+        return documents.window_mask(self.window, sink_column)
 
     def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
         """normal(0, std) for wq, wk, wv; normal(0, out_std) for wo, which writes into the residual stream;

@@ -1,7 +1,7 @@
 """GPT-OSS as a native family (model/families/gpt_oss; configs/gpt_oss_tiny.py: sinks, 32-token windows on the even
 layers of 128-token rows, biased router and clamped-SwiGLU experts) composed with the trainer: the memory tiers
 bitwise against the family's baseline (loss, grad norm and the expert loads of every step), DDP and FSDP2 on two
-processes within 1e-5 of one process, and a folder made by transformers (its experts in MXFP4, as the release ships
+processes and expert parallel over them within 1e-5 of one process, and a folder made by transformers (its experts in MXFP4, as the release ships
 them) trained from the folder alone."""
 
 from pathlib import Path
@@ -26,12 +26,16 @@ SWAP = ["swap_optimizer=True", "grad_offload=True", "grad_offload_bucket_mb=0.25
 HYBRID = ["hybrid_optimizer.enable=True", "hybrid_optimizer.offload_fraction=0.5"]
 
 
+DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}  # bf16: fp32 masters (model/precision defaults)
+
+
 @pytest.fixture(scope="module")
 def baseline(reference_run) -> Path:
     """The family's fp32 run of STEPS on one process."""
     return reference_run(*STEPS, nproc=1, config=GPT_OSS)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "tiers",
     [
@@ -39,28 +43,40 @@ def baseline(reference_run) -> Path:
         pytest.param([*FULL, *HYBRID], id="offload-full-checkpoint-hybrid"),
     ],
 )
-def test_tiers_change_no_bits(tmp_path, baseline, tiers):
+def test_tiers_change_no_bits(tmp_path, reference_run, tiers, dtype):
     """Activation offload (every saved tensor, the sinks' probabilities and the window masks' users included) with
     selective or full checkpointing, the swap optimizer with its states on "NVMe" and the gradients on the host, or
-    the hybrid optimizer: every step's loss, grad norm and expert loads the baseline's bit for bit."""
+    the hybrid optimizer: every step's loss, grad norm and expert loads the baseline's bit for bit, in fp32 and in
+    bf16 with fp32 masters (the sinks' softmax in fp32 either way)."""
+    precision = f"model.dtype={DTYPES[dtype]}"
+    baseline = reference_run(*STEPS, *([precision] if dtype != "fp32" else []), nproc=1, config=GPT_OSS)
     run, nvme = tmp_path / "run", tmp_path / "nvme"
     nvme.mkdir()
-    train(run, *STEPS, *tiers, f"nvme_offload.path={nvme}", config=GPT_OSS)
+    train(run, *STEPS, precision, *tiers, f"nvme_offload.path={nvme}", config=GPT_OSS)
     assert metrics(run)[-1]["act_offload_offloaded_bytes"] > 0
     assert_same_metrics(baseline, run, KEYS)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_data_parallel_on_two_processes_follows_one_process(tmp_path, baseline, mode):
-    """Two ranks of 2 micro-batches each against one process's 4: loss and grad norm within 1e-5 (relative)."""
-    run = tmp_path / mode
-    train(run, *STEPS, f"parallel.mode={mode}", config=GPT_OSS, nproc=2)
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel.mode=ddp"], ["parallel.mode=fsdp2"], ["parallel.mode=ddp", "parallel.expert.size=2"]],
+    ids=["ddp", "fsdp2", "ddp-ep2"],
+)
+def test_two_processes_follow_one_process(tmp_path, baseline, layout):
+    """Two ranks of 2 micro-batches each against one process's 4: DDP, FSDP2 (its meta build drawing each rank's
+    shards from the seed), expert parallel over both (each holding 4 of the 8 experts of every block, their biases
+    with them): loss and grad norm within 1e-5 (relative)."""
+    run = tmp_path / "run"
+    proc = train(run, *STEPS, *layout, config=GPT_OSS, nproc=2)
+    if "parallel.expert.size=2" in layout:
+        assert "4 sparse blocks, 4 of 8 experts each" in proc.stderr
     assert_curves(baseline, run, WITHIN)
 
 
 def test_an_mxfp4_folder_trains_from_the_folder_alone(tmp_path):
     """A transformers GptOssForCausalLM saved with its experts as MXFP4 blocks and scales: a config naming the folder
-    trains (dequantised on load) and the loss goes down."""
+    trains (dequantised on load) and the loss goes down; FSDP2 on two processes (its meta build reading the folder a
+    piece at a time, each MXFP4 pair together) follows it within 1e-5."""
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file, save_file
 
@@ -80,6 +96,10 @@ def test_an_mxfp4_folder_trains_from_the_folder_alone(tmp_path):
     cfg.write_text(
         f"_base_ = [{str(GPT_OSS)!r}]\nmodel = dict(_delete_=True, type='gpt_oss', hf_path={str(folder)!r})\n"
     )
-    train(tmp_path / "run", "data.total_steps=8", config=cfg)
-    losses = [r["loss"] for r in metrics(tmp_path / "run")]
-    assert len(losses) == 8 and losses[-1] < losses[0], losses
+    steps = ["data.total_steps=6", "data.global_bsz=8", "ckpt.checkpoint_every=6", "ckpt.keep_last=0"]
+    train(tmp_path / "one", *steps, config=cfg)
+    losses = [r["loss"] for r in metrics(tmp_path / "one")]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    proc = train(tmp_path / "fsdp2", *steps, "parallel.mode=fsdp2", config=cfg, nproc=2)
+    assert "Loaded" in proc.stderr
+    assert_curves(tmp_path / "one", tmp_path / "fsdp2", WITHIN)

@@ -56,6 +56,7 @@ def test_the_window_sees_the_last_keys_of_its_own_document():
         for key in range(10):
             want[query, key] = 0 <= query - key < 3 and (query < 6) == (key < 6)
     assert torch.equal(documents.window_mask(3)[0, 0], want)
+    assert torch.equal(documents.window_mask(3, sink_column=True)[0, 0, :, 1:], want)
     for key in range(10):
         moved = x.clone()
         moved[0, key] += 1.0
@@ -137,3 +138,39 @@ def test_mxfp4_is_transformers_dequantiser():
 def test_a_lone_half_of_an_mxfp4_pair_is_named():
     with pytest.raises(ValueError, match="experts.down_proj_scales"):
         dequantize_folder({"x.experts.down_proj_scales": torch.zeros(1, 1, 1, dtype=torch.uint8)})
+
+
+def gpt_oss(**sections: object) -> dict:
+    config = {"model_type": "gpt_oss", "num_hidden_layers": 2, "num_local_experts": 4}
+    return {"model": {"type": "gpt_oss", "hf_config": config, **sections.pop("model", {})}, **sections}
+
+
+@pytest.mark.parametrize(
+    "sections, fragment",
+    [
+        ({"parallel": {"mode": "fsdp2", "tensor": {"size": 2, "mode": "msp"}, "expert": {"no_tp": True}}}, "gpt_oss"),
+        ({"parallel": {"tensor": {"size": 2, "mode": "isp"}}}, "gpt_oss"),
+        ({"parallel": {"pipeline": {"size": 2}}}, "parallel.pipeline"),
+        ({"model": {"attn_impl": "flash"}}, "model.attn_impl='flash'"),
+        ({"ckpt": {"load_ckpt_info": {"path": "/x", "content": ("model",), "ckpt_type": "hf"}}}, "model.hf_path"),
+    ],
+)
+def test_what_is_not_built_is_refused_in_one_line(sections, fragment):
+    from internlm_offload.config import resolve_config
+
+    with pytest.raises(ValueError) as raised:
+        resolve_config(gpt_oss(**sections))
+    message = str(raised.value).strip().splitlines()[-1]
+    assert fragment in message, message
+
+
+@pytest.mark.parametrize(
+    "model, fragment",
+    [({"lora": {"r": 4}}, "model.lora"), ({"balancing_loss": "global_batch"}, "model.balancing_loss")],
+)
+def test_the_run_checks_refuse_lora_and_a_balancing_loss(model, fragment):
+    from internlm_offload.config import ConfigError, resolve_config
+    from internlm_offload.model.families.gpt_oss.build import check_run
+
+    with pytest.raises(ConfigError, match=fragment):
+        check_run(resolve_config(gpt_oss(model=model)))

@@ -18,11 +18,11 @@ from internlm_offload.weights.hf_folder import folder_pieces, read_folder, write
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 259
-YARN = dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-            original_max_position_embeddings=64, rope_theta=150000.0)  # fmt: skip
-CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4,
-              num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=3,
-              sliding_window=4, max_position_embeddings=256, rope_parameters=YARN)  # fmt: skip
+YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 64, "rope_theta": 150000.0}  # fmt: skip
+CONFIG = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 32, "head_dim": 16, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3,
+          "sliding_window": 4, "max_position_embeddings": 256, "rope_parameters": YARN}  # fmt: skip
 
 
 def transformers_folder(folder: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

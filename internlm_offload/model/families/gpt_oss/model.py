@@ -9,6 +9,7 @@ from internlm_offload.model.experts import ClampedSwiGLU
 from internlm_offload.model.families.gpt_oss.args import GptOssArgs
 from internlm_offload.model.moe import MoE
 from internlm_offload.model.rope import rope_from_parameters
+from internlm_offload.model.tensor_plan import BlockPlan, Region, TensorPlan
 
 
 def build_attention(args: GptOssArgs, i: int, attn_impl: str) -> Attention:
@@ -68,3 +69,21 @@ class GptOss(Decoder):
         )
         self.args = args
         self.num_experts = args.num_local_experts
+
+    def tensor_plan(self) -> TensorPlan:
+        """Where expert parallel finds the sparse blocks (every block; model/tensor_plan.py). Tensor parallel is not
+        built for this family (its capability is off: the sinks would split with their heads and o_proj's bias be
+        added once), so the attention's roles are named but never split."""
+        attention = Region("attention", column=("attention.wq", "attention.wk", "attention.wv"), row=("attention.wo",))
+        block = BlockPlan(
+            attention=attention,
+            kv=("attention.wk", "attention.wv"),
+            kv_heads=self.args.num_key_value_heads,
+            feed_forward=Region("feed_forward"),
+            sparse=True,
+            norms=("attention_norm", "ffn_norm"),
+            heads=self.args.num_attention_heads,
+        )
+        return TensorPlan(
+            embedding="tok_embeddings", final_norm="norm", head="output", blocks=(block,) * self.args.num_layers
+        )

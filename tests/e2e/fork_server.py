@@ -49,6 +49,18 @@ PRELOAD = (
     "internlm_offload.planner.preflight",
     "internlm_offload.engine.checkpoint",
     "internlm_offload.engine.trainer",
+    # what a run still imported after the fork (0.1 to 0.2 s of CPU each): the checkpoint's file system, the
+    # native families' models
+    "torch.distributed.checkpoint._fsspec_filesystem",
+    "internlm_offload.model.families.internlm2.model",
+    "internlm_offload.model.families.deepseek_v3.model",
+    # The DeepSeek-V3 family and Hugging Face models read their config through transformers: its import and the
+    # auto classes' mapping take about 1.1 s of CPU per process, every rank of those runs (a third of the e2e files).
+    "transformers",
+    "transformers.models.auto.configuration_auto",
+    "transformers.models.auto.modeling_auto",
+    # LoRA's adapters (model/lora.py): peft, which imports bitsandbytes, about 1.5 s of CPU per rank of a LoRA run
+    "peft",
 )
 
 

@@ -1,7 +1,10 @@
 """`memory_budget` with "auto" knobs: the planner chooses at start-up and the run stays within the budget.
 
 The validation model (configs/planner_validation_auto.py) asks for 60 % of its baseline's device peak;
-the measured peak of the steady step must be within that budget + 10 % (issue 9's criterion).
+the measured peak of the steady step must be within that budget + 10 % (issue 9's criterion). Here at sequence 256
+(`SHORT`, CI time): the config's 840 MiB is 60 % of its 1.40 GiB baseline at 512; at 256 the baseline traces 906 MiB
+and 60 % of it is 540 MiB, where the planner makes the same choice (offload 6 blocks + hybrid 0.5, predicted 529.8 MiB,
+measured 531.2) and the run takes 19 s of CPU instead of 29.
 """
 
 import re
@@ -13,11 +16,13 @@ from runner import REPO, metrics, train
 pytestmark = pytest.mark.e2e
 
 AUTO_CONFIG = REPO / "configs" / "planner_validation_auto.py"
-BUDGET = 840 * 2**20  # the config's memory_budget.device
+BUDGET = 540 * 2**20  # 60 % of the baseline's 906 MiB at sequence 256
+SHORT = ["data.seq_len=256", f"memory_budget.device={BUDGET >> 20}MiB"]
 
 
 def test_a_plan_chosen_for_60_percent_of_the_baseline_trains_within_it(tmp_path: Path) -> None:
-    proc = train(tmp_path, "data.total_steps=2", "ckpt.enable_save_ckpt=False", config=AUTO_CONFIG, fast=False)
+    options = ["data.total_steps=2", "ckpt.enable_save_ckpt=False", *SHORT]
+    proc = train(tmp_path, *options, config=AUTO_CONFIG, fast=False)
     assert "memory_budget: chose" in proc.stderr
     steady = metrics(tmp_path)[1]["device_peak_mem_bytes"]
     assert 0 < steady <= 1.10 * BUDGET, f"measured {steady / 2**20:.1f} MiB against a budget of {BUDGET >> 20} MiB"

@@ -35,19 +35,20 @@ def baseline(reference_run) -> Path:
     return reference_run(*STEPS, nproc=1, config=GPT_OSS)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# each tier in one precision, each precision once: the optimizer tiers under both precisions on one family are
+# test_deepseek_tiers_e2e.py's; what is GPT-OSS's own (sinks, windows, biased experts) goes through both here
 @pytest.mark.parametrize(
-    "tiers",
+    ("tiers", "dtype"),
     [
-        pytest.param([*SELECTIVE, *SWAP], id="selective-offload-swap-gradoffload-nvme"),
-        pytest.param([*FULL, *HYBRID], id="offload-full-checkpoint-hybrid"),
+        pytest.param([*SELECTIVE, *SWAP], "bf16", id="selective-offload-swap-gradoffload-nvme-bf16"),
+        pytest.param([*FULL, *HYBRID], "fp32", id="offload-full-checkpoint-hybrid-fp32"),
     ],
 )
 def test_tiers_change_no_bits(tmp_path, reference_run, tiers, dtype):
     """Activation offload (every saved tensor, the sinks' probabilities and the window masks' users included) with
-    selective or full checkpointing, the swap optimizer with its states on "NVMe" and the gradients on the host, or
-    the hybrid optimizer: every step's loss, grad norm and expert loads the baseline's bit for bit, in fp32 and in
-    bf16 with fp32 masters (the sinks' softmax in fp32 either way)."""
+    selective checkpointing, the swap optimizer with its states on "NVMe" and the gradients on the host, in bf16 with
+    fp32 masters; or with full checkpointing and the hybrid optimizer in fp32: every step's loss, grad norm and expert
+    loads the baseline's bit for bit (the sinks' softmax in fp32 either way)."""
     precision = f"model.dtype={DTYPES[dtype]}"
     baseline = reference_run(*STEPS, *([precision] if dtype != "fp32" else []), nproc=1, config=GPT_OSS)
     run, nvme = tmp_path / "run", tmp_path / "nvme"

@@ -68,10 +68,10 @@ def test_fsdp2_follows_one_process_and_its_checkpoint_continues_on_one(tmp_path,
     """fp32, FSDP2 over 2 processes (every matrix gathered whole in bf16, optim/muon_sharded.py) against one process
     for 10 steps. Not bitwise: the reduce-scattered gradients differ from one process's in the last bits, and bf16
     Newton-Schulz rounds some of them apart (given the same gradients the sharded step is bitwise one process's:
-    tests/unit/test_muon_sharded.py). Measured over 20 steps: loss within 7e-6 relative, grad norm 2e-4; the bounds below leave
-    room for other kernels. Its step-5 checkpoint (momentum buffers as DTensor shards) continues on one process
-    along its curve (measured 2.4e-6 from step 10). Red with Newton-Schulz on each rank's shard (off from step 2,
-    0.062 at step 8)."""
+    tests/unit/test_muon_sharded.py). Measured over 20 steps: loss within 7e-6 relative, grad norm 2e-4; the bounds
+    below leave room for other kernels. Its step-5 checkpoint (momentum buffers as DTensor shards) continues on one
+    process along its curve (measured 2.4e-6 from step 10). Red with Newton-Schulz on each rank's shard (off from
+    step 2, 0.062 at step 8)."""
     one = reference_run(*CALM_FP32, config=MUON)
     run, resumed = tmp_path / "fsdp2", tmp_path / "resumed"
     options = [o for o in CALM_FP32 if o not in ("parallel.mode=none", NO_CKPT)]

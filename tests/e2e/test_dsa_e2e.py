@@ -89,10 +89,11 @@ def test_resume_from_step_2_is_the_straight_run(tmp_path, reference_run):
 def test_layouts_follow_one_process(tmp_path, reference_run, options, nproc):
     """FSDP2 on two processes (the frozen indexer sharded beside the trained weights, drawn by the meta build),
     expert parallel over two under DDP (the frozen indexer left out of DDP's reduction with the experts; expert data
-    2 on four ranks, the same path with its counts pooled wider, is test_deepseek_parallel_e2e.py's), and isp on two (each rank's indexer scores the whole sequence from
-    inputs gathered along it, its heads attend every token after Ulysses' exchange): one process's curve within NEAR
-    (the reductions run in another order; the indexer's choices, integers, the same unless a score sits at a near
-    tie within that rounding)."""
+    2 on four ranks, the same path with its counts pooled wider, is test_deepseek_parallel_e2e.py's), and isp on two
+    (each rank's indexer scores the whole sequence from inputs gathered along it, its heads attend every token after
+    Ulysses' exchange): one process's curve within NEAR (the reductions run in another order; the indexer's choices,
+    integers, the same unless a score sits at a near tie within that rounding). Red with DDP leaving the attention's
+    weights unreduced under expert parallel (off from step 2)."""
     base = reference_run(*STEPS, config=GLM5)
     run = tmp_path / "run"
     proc = train(run, *STEPS, *options, config=GLM5, nproc=nproc)

@@ -139,6 +139,22 @@ def matrix_blocks(shape: torch.Size, row_splits: tuple[int, ...] | None = None) 
     return [(expert, block) for expert in range(shape[0]) for block in per_matrix]
 
 
+def block_shapes(shape: torch.Size, row_splits: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+    """The `(rows, cols)` of each logical matrix Newton-Schulz orthogonalises for a parameter of `shape`."""
+    rows = tuple(row_splits) if row_splits else (shape[-2],)
+    return [(count, shape[-1]) for count in rows] * (shape[0] if len(shape) == 3 else 1)
+
+
+def orthogonalise_zeros(shapes: set[tuple[int, int]], group: Group, device: torch.device) -> None:
+    """Newton-Schulz once on zeros of each shape: its kernels' first use, which on cpu leaves oneDNN's caches of
+    about 2 MiB per shape behind (the kernel probe counts them as the runtime's: engine/runtime_memory.py)."""
+    hyper = {**MUON_DEFAULTS, **group}
+    for shape in sorted(shapes):
+        _zeropower_via_newtonschulz(
+            torch.zeros(shape, device=device), hyper["ns_coefficients"], hyper["ns_steps"], hyper["eps"]
+        )
+
+
 def check_hyperparameters(
     lr: float, weight_decay: float, momentum: float, ns_coefficients: tuple, ns_steps: int, adjust_lr_fn: Any
 ) -> None:

@@ -51,6 +51,9 @@ class MuonRule(UpdateRule):
     whole_params = True  # Newton-Schulz reads a whole matrix: chunking tiers never split one, nor take a shard
     # (the plain tier gathers a DTensor's matrices whole: optim/muon_sharded.py)
     update_bytes = 20  # elementwise part: read param, grad, buffer; write param, buffer (fp32); NS is extra
+    # the planner counts its elements by the momentum update, one per parameter, whose first argument is the buffer
+    # (shaped as the parameter); Newton-Schulz's matmuls are counted as FLOPs (planner/cost.py)
+    kernel_ops = ("aten.lerp_.Scalar",)
 
     def state_keys(self, group: Group) -> tuple[str, ...]:
         return ("momentum_buffer",)

@@ -17,7 +17,7 @@ move a few values per token. Elements and bytes of DTensors are their local shar
                   + collectives / collective_bytes_per_s                 the tensor-parallel ones do not
     optimizer   = max(device AdamW elements x 28 B / hbm_bytes_per_s     the hybrid's CPU share overlaps
                         + device Muon elements x 20 B / hbm_bytes_per_s  the device step; Muon's
-                        + device FLOPs / flops_per_s,                    Newton-Schulz is its FLOPs (5
+                        + device FLOPs / bf16_flops_per_s,               Newton-Schulz is its FLOPs (5
                       host AdamW elements / cpu_adam_elements_per_s      steps of 3 matmuls per matrix),
                         + host Muon elements x 20 B / host_bytes_per_s   on the device, or on the host
                         + host FLOPs / cpu_flops_per_s)                  for the hybrid's CPU share
@@ -95,6 +95,9 @@ class Hardware:
     # Matmul FLOP/s of the host's cores (the hybrid's CPU share of Muon's Newton-Schulz, bf16); stated, as disk's.
     cpu_flops_per_s: float = 1e12
     cpu_flops_source: str = "assumed: ~1 TFLOP/s bf16 matmul on a server's cores (AMX); calibrate() measures it"
+    # bf16 matmul FLOP/s on the device (Newton-Schulz's dtype); None: `flops_per_s` (the rows' are bf16 already;
+    # cpu's calibrated `flops_per_s` is fp32's, which a bf16 matmul beats by ~1.8x on AVX512-BF16 here)
+    bf16_flops_per_s: float | None = None
     # Bytes per second each rank sends in a collective within its node (NCCL's "bus bandwidth").
     collective_bytes_per_s: float = 1e9
     collective_source: str = "assumed: gloo over loopback TCP (measured here: 0.25-1.4 GB/s)"
@@ -383,7 +386,9 @@ def step_time(micro_batch: StepWork, optimizer: StepWork, micro_num: int, hw: Ha
         optimizer.device_adamw_elements * ADAMW_BYTES_PER_ELEMENT
         + optimizer.device_muon_elements * MUON_BYTES_PER_ELEMENT
     )
-    device_update = device_bytes / hw.hbm_bytes_per_s + (optimizer.flops - optimizer.host_flops) / hw.flops_per_s
+    device_update = device_bytes / hw.hbm_bytes_per_s + (optimizer.flops - optimizer.host_flops) / (
+        hw.bf16_flops_per_s or hw.flops_per_s
+    )
     host_update = (
         optimizer.host_adamw_elements / hw.cpu_adam_elements_per_s
         + optimizer.host_muon_elements * MUON_BYTES_PER_ELEMENT / host_bytes_per_s(hw)
@@ -424,6 +429,8 @@ def calibrate(repeats: int = 5) -> Hardware:
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
     flops = 2 * n**3 / _median_seconds(lambda: torch.mm(a, b), repeats)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    bf16_flops = 2 * n**3 / _median_seconds(lambda: torch.mm(a16, b16), repeats)
     src, dst = torch.randn(32 << 20), torch.empty(32 << 20)
     copy_bytes = 2 * src.nbytes / _median_seconds(lambda: dst.copy_(src), repeats)  # read + write
     param = torch.randn(8 << 20, requires_grad=True)
@@ -436,8 +443,9 @@ def calibrate(repeats: int = 5) -> Hardware:
         copy_bytes / 2,
         copy_bytes,
         elements,
-        cpu_flops_per_s=flops,
-        cpu_flops_source="measured by --calibrate: the same matmul (host and device are one cpu)",
+        cpu_flops_per_s=bf16_flops,
+        cpu_flops_source="measured by --calibrate: the same matmul in bf16 (host and device are one cpu)",
+        bf16_flops_per_s=bf16_flops,
         source=f"measured by --calibrate: {n}x{n} fp32 matmul, {src.nbytes >> 20} MiB copy_, fused AdamW over "
         f"{param.numel() >> 20} Mi elements; medians of {repeats}",
         duplex_link=False,

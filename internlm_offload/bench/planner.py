@@ -23,8 +23,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 

@@ -18,6 +18,7 @@ import gc
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -169,7 +170,25 @@ def probe_kernel_memory(cfg: RunConfig, accelerator: Accelerator) -> int:
         lambda: build_probe_model(one_block),
         micro_batches(cfg)[0],
         DTYPES[cfg.model.dtype],
+        muon_kernels(cfg.model_copy(update={"model": one_block}), build_probe_model(one_block)),
     )
+
+
+def muon_kernels(cfg: RunConfig, model: Any) -> Callable[[Any], None] | None:
+    """Newton-Schulz at each shape of `model`'s Muon matrices (its groups as the run's optimizer makes them), for
+    the kernel probe; None without Muon."""
+    from internlm_offload.builder.optimizer import run_param_groups
+    from internlm_offload.config.optimizer import uses_muon
+    from internlm_offload.optim.muon_rule import MUON, ROW_SPLITS_KEY, block_shapes, orthogonalise_zeros
+    from internlm_offload.optim.rules import RULE_KEY
+
+    if not uses_muon(cfg.optimizer):
+        return None
+    groups = [g for g in run_param_groups(cfg, model) if g.get(RULE_KEY) == MUON.name]
+    if not groups:
+        return None
+    shapes = {s for g in groups for p in g["params"] for s in block_shapes(p.shape, g.get(ROW_SPLITS_KEY))}
+    return lambda device: orthogonalise_zeros(shapes, groups[0], device)
 
 
 def freeze_what_lives_for_good() -> None:

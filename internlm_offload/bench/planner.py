@@ -23,8 +23,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "ckpt 1.0": {"model.checkpoint": 1.0},
     "ckpt 0.5 + offload 6": {"model.checkpoint": 0.5, **OFFLOAD, "cpu_offloading.num_layers": 6},
     "swap": {"swap_optimizer": True, "swap_optimizer_times": 4},
+    # Muon (docs/planner.md, Muon): one state per matrix element, Newton-Schulz's bf16 buffers in the step
+    "muon": {"optimizer.type": "muon"},
+    "muon + swap": {"optimizer.type": "muon", "swap_optimizer": True, "swap_optimizer_times": 4},
     "hybrid 0.5": {"hybrid_optimizer.enable": True, "hybrid_optimizer.offload_fraction": 0.5},
     "bf16 ckpt 1.0 + swap": {**BF16_LEAN, "swap_optimizer": True, "swap_optimizer_times": 4},
     "bf16 ckpt 1.0 + swap + grad offload": {

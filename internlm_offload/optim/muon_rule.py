@@ -51,6 +51,9 @@ class MuonRule(UpdateRule):
     whole_params = True  # Newton-Schulz reads a whole matrix: chunking tiers never split one, nor take a shard
     # (the plain tier gathers a DTensor's matrices whole: optim/muon_sharded.py)
     update_bytes = 20  # elementwise part: read param, grad, buffer; write param, buffer (fp32); NS is extra
+    # the planner counts its elements by the momentum update, one per parameter, whose first argument is the buffer
+    # (shaped as the parameter); Newton-Schulz's matmuls are counted as FLOPs (planner/cost.py)
+    kernel_ops = ("aten.lerp_.Scalar",)
 
     def state_keys(self, group: Group) -> tuple[str, ...]:
         return ("momentum_buffer",)
@@ -137,6 +140,22 @@ def matrix_blocks(shape: torch.Size, row_splits: tuple[int, ...] | None = None) 
     if len(shape) == 2:
         return [(block,) for block in per_matrix]
     return [(expert, block) for expert in range(shape[0]) for block in per_matrix]
+
+
+def block_shapes(shape: torch.Size, row_splits: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+    """The `(rows, cols)` of each logical matrix Newton-Schulz orthogonalises for a parameter of `shape`."""
+    rows = tuple(row_splits) if row_splits else (shape[-2],)
+    return [(count, shape[-1]) for count in rows] * (shape[0] if len(shape) == 3 else 1)
+
+
+def orthogonalise_zeros(shapes: set[tuple[int, int]], group: Group, device: torch.device) -> None:
+    """Newton-Schulz once on zeros of each shape: its kernels' first use, which on cpu leaves oneDNN's caches of
+    about 2 MiB per shape behind (the kernel probe counts them as the runtime's: engine/runtime_memory.py)."""
+    hyper = {**MUON_DEFAULTS, **group}
+    for shape in sorted(shapes):
+        _zeropower_via_newtonschulz(
+            torch.zeros(shape, device=device), hyper["ns_coefficients"], hyper["ns_steps"], hyper["eps"]
+        )
 
 
 def check_hyperparameters(

@@ -46,7 +46,8 @@ def sharded_matrix_step(
             local[index].add_(block, alpha=-scale(block.shape))
         return
     whole = update.to(torch.bfloat16).full_tensor()  # the same collective on every rank, in the params' order
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    with torch.device("cpu"):  # its offsets are a host tensor it reads: not on the planner's default meta device
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     local.mul_(decay)
     for index in blocks(param.shape):
         block = orthogonalise(whole[index])

@@ -3,8 +3,9 @@
 The trace counts, per micro-batch and per optimizer step: matmul, grouped-expert and attention FLOPs (torch's
 `FlopCounterMode` formulas, recomputation included; an op on DTensors counts this rank's share), bytes copied
 between host and device (every `copy_` whose source and destination lie in different tiers), bytes that
-additions into host tensors read and write (gradient offload's accumulation), AdamW elements stepped on
-the device and on the host, and the bytes each rank sends in the tensor and sequence parallel
+additions into host tensors read and write (gradient offload's accumulation), AdamW and Muon elements stepped
+on the device and on the host, the FLOPs of matmuls on host tensors (the hybrid's CPU share of Muon's
+Newton-Schulz), and the bytes each rank sends in the tensor and sequence parallel
 collectives (torch's functional collectives: DTensor's redistributions, Ulysses' all-to-all; ring
 algorithms, so a collective over n ranks sends (n-1)/n of its buffer, twice for an all-reduce). Collectives
 DTensor issues inside one of its own ops (loss_parallel's reductions over the vocabulary) are not seen; they
@@ -14,13 +15,19 @@ move a few values per token. Elements and bytes of DTensors are their local shar
     micro-batch = max(FLOPs / flops_per_s, copies / link_bytes_per_s,   activation and gradient copies
                       host adds / host_bytes_per_s)                      and the host's adds overlap compute;
                   + collectives / collective_bytes_per_s                 the tensor-parallel ones do not
-    optimizer   = max(device elements x 28 B / hbm_bytes_per_s,          the hybrid's CPU share overlaps
-                      host elements / cpu_adam_elements_per_s)           the device step
+    optimizer   = max(device AdamW elements x 28 B / hbm_bytes_per_s     the hybrid's CPU share overlaps
+                        + device Muon elements x 20 B / hbm_bytes_per_s  the device step; Muon's
+                        + device FLOPs / bf16_flops_per_s,               Newton-Schulz is its FLOPs (5
+                      host AdamW elements / cpu_adam_elements_per_s      steps of 3 matmuls per matrix),
+                        + host Muon elements x 20 B / host_bytes_per_s   on the device, or on the host
+                        + host FLOPs / cpu_flops_per_s)                  for the hybrid's CPU share
                   + max(step copies / link_bytes_per_s,                  swap and hybrid traffic, not hidden;
                         disk bytes / disk_bytes_per_s)                   the two directions overlap on a
                                                                          device (the larger counts; both on
                                                                          cpu), NVMe reads and writes too
-                  + collectives / collective_bytes_per_s                 the norm over tensor shards
+                  + collectives / collective_bytes_per_s                 the norm over tensor shards;
+                                                                         Muon's gathers of whole matrices
+                                                                         (bf16, optim/muon_sharded.py)
     step        = micro_num x micro-batch + optimizer
     pipeline    = the makespan of torch's schedule order + optimizer     each rank's micro-batch time split
                                                                          over its stages, backward = 2 x
@@ -49,13 +56,17 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from internlm_offload.optim.adamw_rule import ADAMW
 from internlm_offload.optim.dtensor import is_dtensor, local_nbytes, local_shard
+from internlm_offload.optim.muon_rule import MUON
 from internlm_offload.planner.tracker import StorageTracker, copies_meta_to_cpu
 
-# The update rule the traced step runs (the one a config names today): its kernels are counted, its bytes per
-# element price the device step, and the host's CPU rate (`cpu_adam_elements_per_s`) is measured on it.
+# The update rules a traced step may run: each one's kernels are counted (`kernel_ops`), its bytes per element price
+# its elementwise step; the host's CPU rate (`cpu_adam_elements_per_s`) is measured on AdamW's.
 PLANNED_RULE = ADAMW
 ADAMW_BYTES_PER_ELEMENT = PLANNED_RULE.update_bytes
 ADAMW_OPS = PLANNED_RULE.kernel_ops
+MUON_BYTES_PER_ELEMENT = MUON.update_bytes
+MUON_OPS = MUON.kernel_ops
+MATMUL_OPS = ("aten.mm.default", "aten.addmm.default")  # Newton-Schulz's; on host tensors, the CPU's FLOPs
 ADD_OPS = ("aten.add_.Tensor", "aten.add.out")
 # Functional collectives (what DTensor and Ulysses issue) -> how many times its buffer a rank sends, times
 # (n-1)/n: all-gather and reduce-scatter send one buffer's worth (the larger side), all-reduce two. FSDP2's
@@ -81,6 +92,12 @@ class Hardware:
     # The NVMe tier's bandwidth per node (reads and writes together); no row measures it, so it is stated.
     disk_bytes_per_s: float = 6e9
     disk_source: str = "assumed: one NVMe drive per node, ~6 GB/s (PCIe 4.0 x4)"
+    # Matmul FLOP/s of the host's cores (the hybrid's CPU share of Muon's Newton-Schulz, bf16); stated, as disk's.
+    cpu_flops_per_s: float = 1e12
+    cpu_flops_source: str = "assumed: ~1 TFLOP/s bf16 matmul on a server's cores (AMX); calibrate() measures it"
+    # bf16 matmul FLOP/s on the device (Newton-Schulz's dtype); None: `flops_per_s` (the rows' are bf16 already;
+    # cpu's calibrated `flops_per_s` is fp32's, which a bf16 matmul beats by ~1.8x on AVX512-BF16 here)
+    bf16_flops_per_s: float | None = None
     # Bytes per second each rank sends in a collective within its node (NCCL's "bus bandwidth").
     collective_bytes_per_s: float = 1e9
     collective_source: str = "assumed: gloo over loopback TCP (measured here: 0.25-1.4 GB/s)"
@@ -150,6 +167,9 @@ class StepWork:
     host_add_bytes: int = 0  # read and written by additions into host tensors (gradient offload's accumulation)
     disk_bytes: int = 0  # read from and written to the NVMe tier (copies from and to its mapped file)
     collective_bytes: int = 0  # sent by this rank in tensor and sequence parallel collectives
+    device_muon_elements: int = 0  # Muon's elementwise step (its momentum update), per tier
+    host_muon_elements: int = 0
+    host_flops: int = 0  # part of `flops`: matmuls on host tensors (the hybrid's CPU share of Newton-Schulz)
 
     def scaled(self, factor: float) -> StepWork:
         return StepWork(**{k: int(v * factor) for k, v in asdict(self).items()})
@@ -190,6 +210,14 @@ class WorkCounter(TorchDispatchMode):
                 self.work.host_adamw_elements += elements
             else:
                 self.work.device_adamw_elements += elements
+        elif name in MUON_OPS:  # one parameter's momentum buffer (its shard's, as the parameter's)
+            buffer = args[0]
+            if self.tracker.tier_of(buffer) == "host":
+                self.work.host_muon_elements += local_shard(buffer).numel()
+            else:
+                self.work.device_muon_elements += local_shard(buffer).numel()
+        elif name in MATMUL_OPS and self.tracker.tier_of(args[-1]) == "host":
+            self.work.host_flops += flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=None)
         elif name in COLLECTIVES:
             self.work.collective_bytes += _sent_bytes(name, args)
         out = func(*args, **(kwargs or {}))
@@ -354,8 +382,18 @@ def step_time(micro_batch: StepWork, optimizer: StepWork, micro_num: int, hw: Ha
     host_adds = micro_batch.host_add_bytes / host_bytes_per_s(hw)
     collectives = micro_batch.collective_bytes / hw.collective_bytes_per_s  # on the critical path
     per_micro_batch = max(compute, activation_copies, host_adds) + collectives
-    device_update = optimizer.device_adamw_elements * ADAMW_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s
-    host_update = optimizer.host_adamw_elements / hw.cpu_adam_elements_per_s
+    device_bytes = (
+        optimizer.device_adamw_elements * ADAMW_BYTES_PER_ELEMENT
+        + optimizer.device_muon_elements * MUON_BYTES_PER_ELEMENT
+    )
+    device_update = device_bytes / hw.hbm_bytes_per_s + (optimizer.flops - optimizer.host_flops) / (
+        hw.bf16_flops_per_s or hw.flops_per_s
+    )
+    host_update = (
+        optimizer.host_adamw_elements / hw.cpu_adam_elements_per_s
+        + optimizer.host_muon_elements * MUON_BYTES_PER_ELEMENT / host_bytes_per_s(hw)
+        + optimizer.host_flops / hw.cpu_flops_per_s
+    )
     both_ways = (optimizer.h2d_bytes, optimizer.d2h_bytes)
     copies = (max(both_ways) if hw.duplex_link else sum(both_ways)) / hw.link_bytes_per_s
     disk = optimizer.disk_bytes / hw.disk_bytes_per_s  # the states' reads and writes, overlapping their copies
@@ -374,6 +412,7 @@ def shared_by(hw: Hardware, ranks_per_node: int) -> Hardware:
         hw,
         link_bytes_per_s=min(hw.link_bytes_per_s, share),
         cpu_adam_elements_per_s=hw.cpu_adam_elements_per_s / ranks_per_node,
+        cpu_flops_per_s=hw.cpu_flops_per_s / ranks_per_node,
         disk_bytes_per_s=hw.disk_bytes_per_s / ranks_per_node,
         source=f"{hw.source}; the host shared by {ranks_per_node} ranks per node",
     )
@@ -390,6 +429,8 @@ def calibrate(repeats: int = 5) -> Hardware:
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
     flops = 2 * n**3 / _median_seconds(lambda: torch.mm(a, b), repeats)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    bf16_flops = 2 * n**3 / _median_seconds(lambda: torch.mm(a16, b16), repeats)
     src, dst = torch.randn(32 << 20), torch.empty(32 << 20)
     copy_bytes = 2 * src.nbytes / _median_seconds(lambda: dst.copy_(src), repeats)  # read + write
     param = torch.randn(8 << 20, requires_grad=True)
@@ -402,7 +443,10 @@ def calibrate(repeats: int = 5) -> Hardware:
         copy_bytes / 2,
         copy_bytes,
         elements,
-        f"measured by --calibrate: {n}x{n} fp32 matmul, {src.nbytes >> 20} MiB copy_, fused AdamW over "
+        cpu_flops_per_s=bf16_flops,
+        cpu_flops_source="measured by --calibrate: the same matmul in bf16 (host and device are one cpu)",
+        bf16_flops_per_s=bf16_flops,
+        source=f"measured by --calibrate: {n}x{n} fp32 matmul, {src.nbytes >> 20} MiB copy_, fused AdamW over "
         f"{param.numel() >> 20} Mi elements; medians of {repeats}",
         duplex_link=False,
     )

@@ -28,6 +28,7 @@ from typing import Any
 
 from internlm_offload.config import AUTO_KNOBS, TENSOR_MODES, RunConfig, data_parallel_size, expert_ranks
 from internlm_offload.config.lora import base_on_host_layout_problem
+from internlm_offload.config.optimizer import uses_muon
 from internlm_offload.config.pipeline import PIPELINE_KNOBS, PIPELINE_MODES, virtual_chunks
 from internlm_offload.config.pipeline_partition import rank_blocks
 from internlm_offload.family import block_count, routed_experts
@@ -122,7 +123,7 @@ def optimizer_kinds(
         **({"hybrid_optimizer.enable": False} if switch_hybrid else {}),
         **({PARAMS_ON_HOST: False} if params_on_host else {}),
     }
-    settings = [] if fixed_hybrid else [Setting("AdamW" if off else "optimizer as configured", off)]
+    settings = [] if fixed_hybrid else [Setting(rule_label(cfg) if off else "optimizer as configured", off)]
     if switch_hybrid or fixed_hybrid:
         fractions = HYBRID_FRACTIONS if "hybrid_optimizer.offload_fraction" in auto else (None,)
         for fraction in fractions:
@@ -139,6 +140,12 @@ def optimizer_kinds(
         wrapper = {} if cfg.parallel.mode == "fsdp2" or wrapper_searched else {WRAPPER: "fsdp2"}
         settings.append(Setting("params on host (FSDP2)", {**off, **wrapper, PARAMS_ON_HOST: True}))
     return settings
+
+
+def rule_label(cfg: RunConfig | None) -> str:
+    """What the optimizer on the device is called: the rule the config asked for. The settings move where states
+    live and never the rule (`optimizer.type` is no knob: Muon against AdamW changes the training, not its memory)."""
+    return "Muon" if cfg is not None and uses_muon(cfg.optimizer) else "AdamW"
 
 
 def _with_gradient_offload(settings: list[Setting], cfg: RunConfig | None, auto: frozenset[str]) -> list[Setting]:

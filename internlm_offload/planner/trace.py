@@ -137,6 +137,7 @@ class _Probe:
     micro_batch_work: StepWork | None = None  # the first micro-batch of the steady step
     optimizer_work: StepWork = field(default_factory=StepWork)  # the step's once-per-step work
     forwards: int = 0
+    _flops_before_step: int = 0
     segments: list[Segment] | None = None  # recorded while a list (the steady step)
     _open: tuple[str, int] = ("", -1)  # the segment being recorded: its label and block
     _before: dict[Any, int] = field(default_factory=dict)
@@ -195,10 +196,14 @@ class _Probe:
             self.micro_batch_work = self.micro_batch_work or total
             self.optimizer_work = total - self.micro_batch_work.scaled(self.forwards)
             self.counter.work = StepWork()
+            self._flops_before_step = total.flops
 
     def after_optimizer_step(self) -> None:
+        """The step's own work, its FLOPs (Muon's Newton-Schulz) too: the FLOP counter's total runs on."""
         if self.counter is not None:
-            self.optimizer_work = self.optimizer_work + self.counter.work
+            step = self._counted()
+            step.flops -= self._flops_before_step
+            self.optimizer_work = self.optimizer_work + step
             self.counter = None
 
     def hooks(self, model: nn.Module, layers: nn.ModuleList) -> list[Any]:

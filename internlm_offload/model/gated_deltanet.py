@@ -187,7 +187,9 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         return qkv, z.reshape(B, T, -1, dv), b.reshape(B, T, -1), a.reshape(B, T, -1)
 
-    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: object = None, documents: Documents | None = None) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C); `rope` is not read (a decoder block's mixer signature: linear attention has no
+        positions beyond its conv), `documents` keeps packed documents apart."""
         B, T, _ = x.shape
         qkv, z, b, a = self.project(x)
         if documents is None:

@@ -117,7 +117,7 @@ def test_packed_documents_equal_each_alone():
     x = torch.randn(1, sum(lengths), HIDDEN, dtype=torch.float64)
     layer = layer.double()
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    packed = layer(x, Documents(positions))
+    packed = layer(x, documents=Documents(positions))
     alone = torch.cat([layer(part) for part in x.split(lengths, dim=1)], dim=1)
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-12)
     grad = torch.randn_like(packed)

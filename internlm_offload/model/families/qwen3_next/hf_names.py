@@ -1,0 +1,35 @@
+"""Qwen3-Next's Hugging Face names against the native ones (name_table.NameTable): the Gated DeltaNet's under
+their own names (its conv as `conv_weight`), the gated attention's, the router, the experts one tensor each on disk
+(stacked here) and the gated shared expert."""
+
+from internlm_offload.model.name_table import NameTable
+
+_SWIGLU = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
+_LAYER = "model.layers.{i}"
+_LINEAR = "in_proj_qkvz.weight", "in_proj_ba.weight", "out_proj.weight", "A_log", "dt_bias", "norm.weight"
+
+HF_QWEN3_NEXT = NameTable(
+    "hf (qwen3_next)",
+    (
+        ("model.embed_tokens.weight", "tok_embeddings.weight"),
+        (f"{_LAYER}.input_layernorm.weight", "layers.{i}.attention_norm.weight"),
+        (f"{_LAYER}.post_attention_layernorm.weight", "layers.{i}.ffn_norm.weight"),
+        *((f"{_LAYER}.linear_attn.{n}", f"layers.{{i}}.attention.{n}") for n in _LINEAR),
+        (f"{_LAYER}.linear_attn.conv1d.weight", "layers.{i}.attention.conv_weight"),
+        *(
+            (f"{_LAYER}.self_attn.{hf}_proj.weight", f"layers.{{i}}.attention.{ours}.weight")
+            for hf, ours in (("q", "wq"), ("k", "wk"), ("v", "wv"), ("o", "wo"))
+        ),
+        *((f"{_LAYER}.self_attn.{n}.weight", f"layers.{{i}}.attention.{n}.weight") for n in ("q_norm", "k_norm")),
+        *((f"{_LAYER}.mlp.{hf}.weight", f"layers.{{i}}.feed_forward.{ours}.weight") for hf, ours in _SWIGLU),
+        (f"{_LAYER}.mlp.gate.weight", "layers.{i}.feed_forward.router.weight"),
+        *((f"{_LAYER}.mlp.experts.*.{hf}.weight", f"layers.{{i}}.feed_forward.experts.{ours}") for hf, ours in _SWIGLU),
+        *(
+            (f"{_LAYER}.mlp.shared_expert.{hf}.weight", f"layers.{{i}}.feed_forward.shared_experts.{ours}.weight")
+            for hf, ours in _SWIGLU
+        ),
+        (f"{_LAYER}.mlp.shared_expert_gate.weight", "layers.{i}.feed_forward.coefficient.weight"),
+        ("model.norm.weight", "norm.weight"),
+        ("lm_head.weight", "output.weight"),
+    ),
+)

@@ -8,7 +8,7 @@ import torch
 from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.model.families.deepseek_v3.build import raw_config
 from internlm_offload.model.families.qwen3_next.args import args_from_config
-from internlm_offload.model.families.qwen3_next.hf_names import HF_QWEN3_NEXT
+from internlm_offload.model.families.qwen3_next.hf_names import HF_QWEN3_NEXT, drop_mtp
 from internlm_offload.model.families.qwen3_next.model import Qwen3Next
 from internlm_offload.model.name_table import FolderFormat
 
@@ -34,9 +34,12 @@ def build_model(cfg: ModelConfig, device: torch.device) -> Qwen3Next:
 
 
 def folder_format(model: Qwen3Next) -> FolderFormat:
-    """transformers' names (the experts stacked from one tensor each)."""
+    """transformers' names (the experts stacked from one tensor each); the folder's `mtp.*` tensors dropped on the
+    way in (`drop_mtp`)."""
     args = model.args
-    return FolderFormat(HF_QWEN3_NEXT, args.num_attention_heads, args.num_key_value_heads, args.num_layers)
+    return FolderFormat(
+        HF_QWEN3_NEXT, args.num_attention_heads, args.num_key_value_heads, args.num_layers, read_transform=drop_mtp
+    )
 
 
 def folder_config(cfg: ModelConfig) -> Any:

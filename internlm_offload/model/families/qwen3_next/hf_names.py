@@ -2,7 +2,14 @@
 their own names (its conv as `conv_weight`), the gated attention's, the router, the experts one tensor each on disk
 (stacked here) and the gated shared expert."""
 
+import logging
+
+import torch
+
 from internlm_offload.model.name_table import NameTable
+
+logger = logging.getLogger(__name__)
+MTP = "mtp."  # the released folders' multi-token-prediction layer, which transformers does not read either
 
 _SWIGLU = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
 _LAYER = "model.layers.{i}"
@@ -33,3 +40,16 @@ HF_QWEN3_NEXT = NameTable(
         ("lm_head.weight", "output.weight"),
     ),
 )
+
+
+def drop_mtp(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A folder's tensors (or a piece of them) without the `mtp.*` ones, said in one line: multi-token prediction is
+    not built for this family (transformers ignores them too), so an export leaves them out."""
+    dropped = [name for name in tensors if name.startswith(MTP)]
+    if dropped:
+        logger.warning(
+            "%d mtp.* tensors of the folder are not read: multi-token prediction is not built for qwen3_next (an "
+            "--hf export leaves them out)",
+            len(dropped),
+        )
+    return {name: tensor for name, tensor in tensors.items() if not name.startswith(MTP)}

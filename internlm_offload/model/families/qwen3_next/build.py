@@ -7,12 +7,11 @@ import torch
 
 from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.model.families.deepseek_v3.build import raw_config
+from internlm_offload.model.families.qwen3_next import CAUSAL_LMS
 from internlm_offload.model.families.qwen3_next.args import args_from_config
 from internlm_offload.model.families.qwen3_next.hf_names import HF_QWEN3_NEXT, drop_mtp
 from internlm_offload.model.families.qwen3_next.model import Qwen3Next
 from internlm_offload.model.name_table import FolderFormat
-
-CAUSAL_LM = "Qwen3NextForCausalLM"
 
 
 def transformers_config(cfg: ModelConfig) -> Any:
@@ -45,7 +44,7 @@ def folder_format(model: Qwen3Next) -> FolderFormat:
 def folder_config(cfg: ModelConfig) -> Any:
     """The config.json of its `--hf` export: the one the model was built by, its causal LM class named."""
     config = transformers_config(cfg)
-    config.architectures = [CAUSAL_LM]
+    config.architectures = [CAUSAL_LMS[config.model_type]]
     return config
 
 

@@ -13,10 +13,13 @@ MTP = "mtp."  # the released folders' multi-token-prediction layer, which transf
 
 _SWIGLU = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
 _LAYER = "model.layers.{i}"
-_LINEAR = "in_proj_qkvz.weight", "in_proj_ba.weight", "out_proj.weight", "A_log", "dt_bias", "norm.weight"
+# Qwen3-Next's fused projections and Qwen3.5's split ones: a folder holds one set
+_FUSED = "in_proj_qkvz.weight", "in_proj_ba.weight"
+_SPLIT = "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"
+_LINEAR = *_FUSED, *_SPLIT, "out_proj.weight", "A_log", "dt_bias", "norm.weight"
 
 HF_QWEN3_NEXT = NameTable(
-    "hf (qwen3_next)",
+    "hf (qwen3_next / qwen3_5_text / qwen3_5_moe_text)",
     (
         ("model.embed_tokens.weight", "tok_embeddings.weight"),
         (f"{_LAYER}.input_layernorm.weight", "layers.{i}.attention_norm.weight"),

@@ -14,7 +14,8 @@ from internlm_offload.model.moe import MoE
 
 
 def build_mixer(args: Qwen3NextArgs, i: int, attn_impl: str) -> nn.Module:
-    """Block i's mixer: Gated DeltaNet (Qwen3-Next's fused projections) or the gated full attention."""
+    """Block i's mixer: Gated DeltaNet (Qwen3-Next's fused projections, Qwen3.5's split ones) or the gated full
+    attention."""
     if args.layer_types[i] == LINEAR:
         return GatedDeltaNet(
             args.hidden_size,
@@ -24,7 +25,7 @@ def build_mixer(args: Qwen3NextArgs, i: int, attn_impl: str) -> nn.Module:
             args.linear_value_head_dim,
             conv_kernel=args.linear_conv_kernel_dim,
             norm_eps=args.rms_norm_eps,
-            fused=True,
+            fused=args.fused_projections,
         )
     return Attention(
         args.hidden_size,
@@ -59,7 +60,7 @@ def build_feed_forward(args: Qwen3NextArgs, i: int) -> nn.Module:
 
 
 class Qwen3Next(Decoder):
-    """A Qwen3-Next model from `Qwen3NextArgs` (no auxiliary loss: transformers' forward returns none by default)."""
+    """A Qwen3-Next / Qwen3.5 text model from `Qwen3NextArgs` (no auxiliary loss: transformers' forward returns none by default)."""
 
     def __init__(self, args: Qwen3NextArgs, attn_impl: str = "auto") -> None:
         super().__init__(

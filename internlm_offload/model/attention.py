@@ -238,13 +238,17 @@ class Attention(nn.Module, ExchangesSequence):
         rotary_dim: int | None = None,
         sinks: bool = False,
         window: int | None = None,
+        output_gate: bool = False,
+        zero_centred_qk_norm: bool = False,
     ) -> None:
         """`bias` is on wq, wk, wv, and on wo unless `o_bias` says otherwise (Qwen2, GLM-4.5: q, k, v only).
         `head_dim` defaults to hidden_size / n_heads (Qwen3 sets its own); `qk_norm` RMS-normalises q and k per head.
         RoPE rotates the first `rotary_dim` dims of each head (default all; GLM-4.5 half) and passes the rest.
         GPT-OSS: `sinks` learns one softmax-denominator logit per query head (`attend_masked`); `window` lets a query
         see its last `window` keys (itself included) within its document. Either takes the masked path whatever
-        `attn_impl` says (flash-attn has no sinks)."""
+        `attn_impl` says (flash-attn has no sinks). Qwen3-Next: `output_gate` makes wq write each head's query then its
+        gate ([q | gate] per head) and the output is attention * sigmoid(gate) before wo; `zero_centred_qk_norm`
+        makes the q/k norms (1 + w)."""
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
@@ -253,13 +257,14 @@ class Attention(nn.Module, ExchangesSequence):
         if self.rotary_dim > self.head_dim or self.rotary_dim % 2:
             raise ValueError(f"rotary_dim={rotary_dim} must be even and at most head_dim={self.head_dim}")
         self.attn_impl = attn_impl
-        self.wq = nn.Linear(hidden_size, n_heads * self.head_dim, bias=bias)
+        self.output_gate = output_gate
+        self.wq = nn.Linear(hidden_size, n_heads * self.head_dim * (2 if output_gate else 1), bias=bias)
         self.wk = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(hidden_size, n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * self.head_dim, hidden_size, bias=bias if o_bias is None else o_bias)
         # Qwen3: RMSNorm over each head's dim, before RoPE; one weight shared by all heads
-        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, norm_eps, zero_centred_qk_norm) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps, zero_centred_qk_norm) if qk_norm else None
         self.window = window
         self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
 
@@ -268,7 +273,11 @@ class Attention(nn.Module, ExchangesSequence):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallel each rank holds whole heads of its column shard of wq/wk/wv
-        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
+        gate = None
+        if self.output_gate:  # per head [query | gate]
+            q, gate = self.wq(x).view(B, T, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, KVH, D)
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, KVH, D)
         if self.q_norm is not None:
@@ -285,7 +294,10 @@ class Attention(nn.Module, ExchangesSequence):
             out = attend_masked(q, k, v, self._allowed(documents, q.shape[1], x.device), self.sinks)
         if exchange is not None:
             out = exchange(out, scatter_dim=1, gather_dim=2)
-        return self.wo(out.reshape(B, T, -1))  # (B, T, C)
+        out = out.reshape(B, T, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(B, T, -1))
+        return self.wo(out)  # (B, T, C)
 
     def _allowed(self, documents: Documents | None, seq_len: int, device: torch.device) -> torch.Tensor:
         """Where a query may attend: within its document, causal, within the window (if any); the sinks' column

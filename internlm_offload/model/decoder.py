@@ -70,12 +70,20 @@ class DecoderLayer(nn.Module):
     The attention takes (x, rope, documents); the feed-forward is a SwiGLU or a sparse block (`MoE`).
     """
 
-    def __init__(self, hidden_size: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        norm_eps: float,
+        attention: nn.Module,
+        feed_forward: nn.Module,
+        zero_centred_norms: bool = False,
+    ) -> None:
+        """`zero_centred_norms`: both norms (1 + w), w initialised to 0 (Qwen3-Next / Qwen3.5)."""
         super().__init__()
         # registered in this order: the parameters' order (state dicts, optimizer groups, DDP buckets) follows it
-        self.attention_norm = RMSNorm(hidden_size, norm_eps)
+        self.attention_norm = RMSNorm(hidden_size, norm_eps, zero_centred_norms)
         self.attention = attention
-        self.ffn_norm = RMSNorm(hidden_size, norm_eps)
+        self.ffn_norm = RMSNorm(hidden_size, norm_eps, zero_centred_norms)
         self.feed_forward = feed_forward
 
     def forward(self, x: torch.Tensor, rope: Rope, documents: Documents | None = None) -> torch.Tensor:
@@ -116,11 +124,13 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
         inv_freq_fn: InvFreqFn = rope_inv_freq,
         rope_attention_factor: float = 1.0,
         mtp: MtpSettings | None = None,
+        zero_centred_norm: bool = False,
     ) -> None:
         """`block(i)` builds block i (on meta); RoPE rotates `rope_dim` dims of each head at base `rope_base`, at
         the frequencies `inv_freq_fn(rope_dim, rope_base, device)` makes, its cos and sin times
         `rope_attention_factor` (a family's scaled rope, e.g. YaRN: model/rope.py `rope_from_parameters`). `mtp`:
-        multi-token prediction's layers after the head, their blocks `block(num_layers + k)`."""
+        multi-token prediction's layers after the head, their blocks `block(num_layers + k)`. `zero_centred_norm`:
+        the final norm is (1 + w) (Qwen3-Next)."""
         super().__init__()
         self.num_layers = num_layers
         self.vocab_size = vocab_size
@@ -134,7 +144,7 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
         with torch.device("meta"):
             self.tok_embeddings = nn.Embedding(vocab_size, hidden_size)
             self.layers = nn.ModuleList(block(i) for i in range(num_layers))
-            self.norm = RMSNorm(hidden_size, norm_eps)
+            self.norm = RMSNorm(hidden_size, norm_eps, zero_centred_norm)
             self.output = nn.Linear(hidden_size, vocab_size, bias=False)
             self.mtp = (
                 None

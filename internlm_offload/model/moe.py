@@ -79,8 +79,10 @@ class MoE(nn.Module, DispatchesExperts, RecordsRouterStats, KeepsFp32Buffers):
         softmax_over_topk: bool = False,
         expert_bias: bool = False,
         expert_activation: ClampedSwiGLU | None = None,
+        shared_intermediate_size: int | None = None,
     ) -> None:
-        """`router_bias`, `softmax_over_topk` (model/router.py `Router`), `expert_bias` and `expert_activation`
+        """`shared_intermediate_size`: the shared experts' width (Qwen3-Next's `shared_expert_intermediate_size`;
+        default `intermediate_size * num_shared_experts`). `router_bias`, `softmax_over_topk` (model/router.py `Router`), `expert_bias` and `expert_activation`
         (model/experts.py `GroupedExperts`) are GPT-OSS's options."""
         super().__init__()
         if moe_type not in MOE_TYPES:
@@ -131,7 +133,8 @@ class MoE(nn.Module, DispatchesExperts, RecordsRouterStats, KeepsFp32Buffers):
         self.shared_experts: FeedForward | None = None
         self.coefficient: nn.Linear | None = None
         if num_shared_experts > 0:
-            self.shared_experts = FeedForward(hidden_size, intermediate_size * num_shared_experts)
+            shared_width = shared_intermediate_size or intermediate_size * num_shared_experts
+            self.shared_experts = FeedForward(hidden_size, shared_width)
             if shared_expert_gate == "sigmoid":  # Qwen2-MoE: sigmoid(Linear(H, 1)) scales the shared output
                 self.coefficient = nn.Linear(hidden_size, 1, bias=False)
             elif shared_expert_gate == "softmax":  # InternEvo MoE: softmax(Linear(H, 2)) weighs (routed, shared)

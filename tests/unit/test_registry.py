@@ -28,7 +28,7 @@ def test_lookup_returns_registered_object(registry: Registry, name: str, expecte
 
 
 UNKNOWN = [
-    (MODELS, "model.type", "llama", "model types: deepseek_v3, gpt_oss, hf_causal_lm, internlm2"),
+    (MODELS, "model.type", "llama", "model types: deepseek_v3, gpt_oss, hf_causal_lm, internlm2, qwen3_next"),
     (DATASETS, "data.type", "parquet", "dataset types: builtin, chat, internevo, text"),
     (PARALLEL, "parallel.mode", "tp", "parallel types: ddp, fsdp2, none"),
 ]

@@ -1,0 +1,74 @@
+"""Qwen3-Next (`qwen3_next`) and the Qwen3.5 text models (`qwen3_5_moe_text`, `qwen3_5_text`: the same design with
+split DeltaNet projections; a dense MLP in `qwen3_5_text`) on the native decoder: three Gated DeltaNet blocks (model/gated_deltanet.py) for every
+gated full-attention block (per-head output gate, zero-centred q/k norms, partial RoPE), zero-centred RMSNorms, and
+mixtures of experts with a sigmoid-gated shared expert (softmax router, top-k renormalised).
+
+Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.hf_config`); docs/qwen3_next.md.
+`tools.export --hf` writes the folder back. Tensor, sequence and pipeline parallel, LoRA, a balancing loss and MTP
+are refused in one line (not built).
+"""
+
+from typing import Any
+
+from internlm_offload.family import Capabilities, FamilySpec, register_family
+from internlm_offload.model.families.gpt_oss import folder_config
+
+MODEL_TYPE = "qwen3_next"
+# config.json's model_type -> its causal LM class (the `--hf` export's architectures)
+CAUSAL_LMS = {
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+}
+VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")  # the released folders: a vision tower around the text model
+# transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B) for keys a config.json leaves out
+DEFAULT_EXPERTS, DEFAULT_TOP_K, DEFAULT_BLOCKS = 512, 10, 48
+
+
+def check_section(model: Any) -> None:
+    """A Qwen3-Next or Qwen3.5 text folder or config; a vision-language folder refused (not built)."""
+    if (model.hf_path is None) == (model.hf_config is None):
+        raise ValueError("model.type='qwen3_next' needs exactly one of model.hf_path and model.hf_config")
+    model_type = folder_config(model).get("model_type")
+    if model_type in VISION_LANGUAGE:
+        raise ValueError(
+            f"model_type={model_type!r}: the vision-language folder (model.language_model.*, fused experts, a vision "
+            f"tower) is not built for model.type='qwen3_next'; its text model is ({', '.join(CAUSAL_LMS)})"
+        )
+    if model.hf_config is not None and model_type not in CAUSAL_LMS:
+        raise ValueError(
+            f"model.hf_config['model_type']={model_type!r}: model.type='qwen3_next' builds {', '.join(CAUSAL_LMS)}"
+        )
+    if model.attn_impl == "eager":
+        raise ValueError("model.attn_impl='eager': qwen3_next attends natively; use 'auto', 'sdpa' or 'flash'")
+
+
+def blocks(model: Any) -> int:
+    """config.json's `num_hidden_layers`."""
+    return int(folder_config(model).get("num_hidden_layers", DEFAULT_BLOCKS))
+
+
+def routed_experts(model: Any) -> int:
+    """config.json's `num_experts` (none in the dense `qwen3_5_text`)."""
+    config = folder_config(model)
+    return int(config.get("num_experts", 0 if config.get("model_type") == "qwen3_5_text" else DEFAULT_EXPERTS))
+
+
+def experts_per_token(model: Any) -> int:
+    """config.json's `num_experts_per_tok` (none in the dense `qwen3_5_text`)."""
+    config = folder_config(model)
+    return int(config.get("num_experts_per_tok", 0 if config.get("model_type") == "qwen3_5_text" else DEFAULT_TOP_K))
+
+
+FAMILY = register_family(
+    FamilySpec(
+        name="qwen3_next",
+        entry="internlm_offload.model.families.qwen3_next.build",
+        summary="Qwen3-Next / Qwen3.5 text (Gated DeltaNet + gated attention, gated shared expert) from a Hugging Face folder",
+        capabilities=Capabilities(init_per_param=True, folder_export=True),
+        check_section=check_section,
+        routed_experts=routed_experts,
+        experts_per_token=experts_per_token,
+        blocks=blocks,
+    )
+)

@@ -1,0 +1,241 @@
+"""Gated DeltaNet, the linear-attention mixer of Qwen3-Next and Qwen3.5 (three of every four blocks), in torch.
+
+Per value head a dk x dv state S decays by alpha_t = exp(g_t) and is corrected towards v_t along k_t (the delta
+rule): S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T q_t. Training runs the chunked
+form (chunks of 64 tokens: a UT transform inside a chunk, a scan over chunks) with autograd for the backward.
+
+Packed rows keep their documents apart: the causal conv's taps stop at a document's first token and the state
+restarts at zero, from `Documents` (position ids restarting at 0). The rule lays every document out on its own
+chunks (each padded to a multiple of the chunk size), so a chunk never straddles two documents and the state is
+zeroed at the first chunk of each.
+"""
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from internlm_offload.model.attention import Documents
+from internlm_offload.model.mlp import ParamInit, normal_init
+
+CHUNK_SIZE = 64
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output times silu(z): w * rmsnorm(o) * silu(z), one plain weight (init 1) shared by
+    every head; the normalised value is cast back to the input dtype before the weight, silu(z) is fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or float64 in the tests
+        h = x.to(wide)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)
+        return (h * F.silu(z.to(wide))).to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (the flash-linear-attention kernels' formula)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv of x (B, T, C) with weight (C, 1, K), each tap cut at its document's first token
+    (a tap reaching k tokens back counts only where the position is at least k), then SiLU."""
+    K = weight.shape[-1]
+    T = x.shape[1]
+    padded = F.pad(x, (0, 0, K - 1, 0))  # (B, K-1+T, C); the slices below are views of it
+    out = padded[:, K - 1 :] * weight[:, 0, K - 1]
+    for back in range(1, K):
+        tap = padded[:, K - 1 - back : K - 1 - back + T] * weight[:, 0, K - 1 - back]
+        out = out + tap * (position_ids >= back).unsqueeze(-1).to(x.dtype)
+    return F.silu(out)
+
+
+class ChunkLayout:
+    """Where each token of the flattened rows sits when every document is padded to whole chunks: `index` (N,)
+    its slot, `padded` the slots in all, `resets` per chunk whether a document starts there."""
+
+    def __init__(self, position_ids: torch.Tensor, chunk_size: int) -> None:
+        starts = position_ids == 0
+        starts[:, 0] = True  # every row begins a document
+        starts = starts.flatten()
+        begin = starts.nonzero().flatten()  # one host sync per forward
+        ends = torch.cat([begin[1:], begin.new_tensor([starts.numel()])])
+        lengths = ends - begin
+        padded_lengths = (lengths + chunk_size - 1) // chunk_size * chunk_size
+        offsets = torch.cumsum(padded_lengths, 0) - padded_lengths
+        doc = torch.cumsum(starts.long(), 0) - 1
+        token = torch.arange(starts.numel(), device=position_ids.device)
+        self.index = offsets[doc] + (token - begin[doc])
+        self.padded = int(padded_lengths.sum())
+        resets = torch.zeros(self.padded // chunk_size, dtype=torch.bool)
+        resets[(offsets // chunk_size).cpu()] = True
+        self.resets: list[bool] = resets.tolist()
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, ...) tokens -> (padded, ...) slots, zeros between documents."""
+        return x.new_zeros((self.padded, *x.shape[1:])).index_copy(0, self.index, x)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(padded, ...) slots -> (N, ...) tokens."""
+        return x.index_select(0, self.index)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    resets: list[bool],
+    chunk_size: int = CHUNK_SIZE,
+) -> torch.Tensor:
+    """The gated delta rule over (H, N, d) fp32 inputs (g, beta: (H, N)), N a multiple of `chunk_size`, q and k
+    L2-normalised and q scaled; the state restarts at zero on every chunk `resets` marks. Returns (H, N, dv)."""
+    H, N, dk = k.shape
+    dv = v.shape[-1]
+    n_chunks = N // chunk_size
+    q, k, v = (t.reshape(H, n_chunks, chunk_size, t.shape[-1]) for t in (q, k, v))
+    g, beta = (t.reshape(H, n_chunks, chunk_size) for t in (g, beta))
+    k_beta = k * beta.unsqueeze(-1)
+    v_beta = v * beta.unsqueeze(-1)
+    gamma = g.cumsum(-1)  # log of the decay from the chunk's start to each token
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # Γ_ij, j <= i
+    # UT transform: (I + L) U = diag(β) V and (I + L) W = diag(β e^γ) K, L the strictly lower part of (βK)Kᵀ ⊙ Γ;
+    # the solve reads only the strictly lower triangle (unitriangular)
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * gamma.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay  # within a chunk, the diagonal included
+    q_decayed = q * gamma.exp().unsqueeze(-1)
+    k_decayed = k * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
+    chunk_decay = gamma[..., -1].exp()[..., None, None]  # (H, n_chunks, 1, 1)
+    state = q.new_zeros(H, dk, dv)
+    outs = []
+    for i in range(n_chunks):
+        if resets[i]:
+            state = torch.zeros_like(state)  # a document starts: nothing of the previous one carries over
+        v_new = u[:, i] - w[:, i] @ state
+        outs.append(q_decayed[:, i] @ state + attn[:, i] @ v_new)
+        state = state * chunk_decay[:, i] + k_decayed[:, i].transpose(-1, -2) @ v_new
+    return torch.stack(outs, 1).reshape(H, N, dv)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next / Qwen3.5 linear attention: projections to q, k, v, z, b, a; the causal conv over q, k, v; the
+    chunked gated delta rule per value head (key heads shared by `n_value_heads / n_key_heads` consecutive value
+    heads); the gated RMSNorm with z; the output projection.
+
+    `fused=True` is Qwen3-Next's layout (`in_proj_qkvz`, `in_proj_ba`, grouped per key head: q, k, r value heads
+    of v, of z; then b, a); `fused=False` Qwen3.5's (`in_proj_qkv` rows [Q | K | V], `in_proj_z`, `in_proj_b`,
+    `in_proj_a`)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        n_key_heads: int,
+        n_value_heads: int,
+        key_head_dim: int,
+        value_head_dim: int,
+        *,
+        conv_kernel: int = 4,
+        norm_eps: float = 1e-6,
+        fused: bool = True,
+        chunk_size: int = CHUNK_SIZE,
+    ) -> None:
+        super().__init__()
+        if n_value_heads % n_key_heads:
+            raise ValueError(f"n_value_heads={n_value_heads} must be a multiple of n_key_heads={n_key_heads}")
+        self.n_key_heads, self.n_value_heads = n_key_heads, n_value_heads
+        self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
+        self.key_dim, self.value_dim = n_key_heads * key_head_dim, n_value_heads * value_head_dim
+        self.fused = fused
+        self.chunk_size = chunk_size
+        conv_dim = 2 * self.key_dim + self.value_dim
+        if fused:
+            self.in_proj_qkvz = nn.Linear(hidden_size, conv_dim + self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden_size, 2 * n_value_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden_size, conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden_size, n_value_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden_size, n_value_heads, bias=False)
+        # depthwise: one K-tap filter per channel of [Q | K | V], the checkpoints' Conv1d layout
+        self.conv_weight = nn.Parameter(torch.empty(conv_dim, 1, conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(n_value_heads))
+        self.A_log = nn.Parameter(torch.empty(n_value_heads))
+        self.norm = GatedRMSNorm(value_head_dim, norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (B, T, C) -> qkv (B, T, 2 key_dim + value_dim) as [Q | K | V], z (B, T, Hv, dv), b and a (B, T, Hv)."""
+        B, T, _ = x.shape
+        Hk, r, dk, dv = self.n_key_heads, self.n_value_heads // self.n_key_heads, self.key_head_dim, self.value_head_dim
+        if not self.fused:
+            z = self.in_proj_z(x).view(B, T, -1, dv)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        groups = self.in_proj_qkvz(x).view(B, T, Hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = groups.split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(B, T, Hk, 2 * r).split([r, r], dim=-1)
+        qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        return qkv, z.reshape(B, T, -1, dv), b.reshape(B, T, -1), a.reshape(B, T, -1)
+
+    def forward(self, x: torch.Tensor, rope: object = None, documents: Documents | None = None) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C); `rope` is not read (a decoder block's mixer signature: linear attention has no
+        positions beyond its conv), `documents` keeps packed documents apart."""
+        B, T, _ = x.shape
+        qkv, z, b, a = self.project(x)
+        if documents is None:
+            position_ids = torch.arange(T, device=x.device).expand(B, T)
+        else:
+            position_ids = documents.position_ids
+        qkv = causal_conv(qkv, self.conv_weight, position_ids)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        r = self.n_value_heads // self.n_key_heads
+        # value heads r*j .. r*j+r-1 read key head j
+        q = q.reshape(B * T, -1, self.key_head_dim).repeat_interleave(r, dim=1)
+        k = k.reshape(B * T, -1, self.key_head_dim).repeat_interleave(r, dim=1)
+        v = v.reshape(B * T, -1, self.value_head_dim)
+        beta = b.sigmoid().reshape(B * T, -1)
+        # the decay and the rule in fp32 (or float64 in the tests): g = -e^A softplus(a + dt_bias) <= 0
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        g = (-self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias)).reshape(B * T, -1)
+        # L2-normalised q and k, q scaled by dk^-1/2
+        q = l2norm(q.to(dtype)) * self.key_head_dim**-0.5
+        k = l2norm(k.to(dtype))
+        layout = ChunkLayout(position_ids, self.chunk_size)
+        q, k, v, g, beta = (layout.scatter(t.to(dtype)).transpose(0, 1) for t in (q, k, v, g, beta))
+        out = chunk_gated_delta_rule(q, k, v, g, beta, layout.resets, self.chunk_size)
+        out = layout.gather(out.transpose(0, 1)).to(x.dtype).view(B, T, -1, self.value_head_dim)
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(B, T, -1))
+
+    def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
+        """normal(0, std) for the input projections and the conv, normal(0, out_std) for out_proj; dt_bias 1,
+        A_log = log U(0.01, 16) (transformers' init), the gated norm's weight 1."""
+        for name in ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+            lin = getattr(self, name, None)
+            if lin is not None:
+                yield lin.weight, normal_init(std)
+        yield self.conv_weight, normal_init(std)
+        yield self.out_proj.weight, normal_init(out_std)
+        yield self.dt_bias, nn.init.ones_
+        yield self.A_log, _log_uniform(0.01, 16.0)
+        yield self.norm.weight, nn.init.ones_
+
+
+def _log_uniform(low: float, high: float) -> ParamInit:
+    """log of U(low, high) in place (A_log: the decay rates' logs)."""
+
+    def init(t: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return t.uniform_(low, high).log_()
+
+    return init

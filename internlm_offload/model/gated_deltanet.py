@@ -63,6 +63,10 @@ class ChunkLayout:
 
     def __init__(self, position_ids: torch.Tensor, chunk_size: int) -> None:
         starts = position_ids == 0
+        if position_ids.is_meta:
+            # a trace on meta (the preflight, the planner) cannot read where documents start: it takes one document
+            # a row, so it misses the padding of the documents after the first (under chunk_size slots each)
+            starts = torch.zeros(position_ids.shape, dtype=torch.bool, device="cpu")
         starts[:, 0] = True  # every row begins a document
         starts = starts.flatten()
         begin = starts.nonzero().flatten()  # one host sync per forward
@@ -71,10 +75,10 @@ class ChunkLayout:
         padded_lengths = (lengths + chunk_size - 1) // chunk_size * chunk_size
         offsets = torch.cumsum(padded_lengths, 0) - padded_lengths
         doc = torch.cumsum(starts.long(), 0) - 1
-        token = torch.arange(starts.numel(), device=position_ids.device)
-        self.index = offsets[doc] + (token - begin[doc])
+        token = torch.arange(starts.numel(), device=starts.device)
+        self.index = (offsets[doc] + (token - begin[doc])).to(position_ids.device)
         self.padded = int(padded_lengths.sum())
-        resets = torch.zeros(self.padded // chunk_size, dtype=torch.bool)
+        resets = torch.zeros(self.padded // chunk_size, dtype=torch.bool, device="cpu")
         resets[(offsets // chunk_size).cpu()] = True
         self.resets: list[bool] = resets.tolist()
 

@@ -124,3 +124,15 @@ def test_packed_documents_equal_each_alone():
     want = torch.autograd.grad((alone * grad).sum(), layer.conv_weight)[0]
     got = torch.autograd.grad((packed * grad).sum(), layer.conv_weight)[0]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_it_traces_on_meta():
+    """The preflight and the planner trace a step on meta (the default device meta, packed position ids on meta):
+    the layout takes one document a row there, and the output has the shape of the input."""
+    with torch.device("meta"):
+        layer = GatedDeltaNet(HIDDEN, HK, HV, DK, DV, chunk_size=8)
+        x = torch.randn(2, 19, HIDDEN, requires_grad=True)
+        positions = torch.arange(19).expand(2, 19)
+        out = layer(x, documents=Documents(positions))
+        out.sum().backward()
+    assert out.shape == x.shape and x.grad.shape == x.shape

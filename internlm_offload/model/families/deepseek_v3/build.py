@@ -159,7 +159,10 @@ def check_sparse_attention(cfg: RunConfig) -> None:
     """DeepSeek Sparse Attention splits by isp (model/dsa.py: the indexer's inputs gathered along the sequence),
     not yet by the other tensor modes (mtp / msp / fsp: whole heads per rank, the indexer whole on each) nor by a
     pipeline (a shared block's top-k may come from another stage): those refused in one line."""
-    model_type = raw_config(cfg.model).get("model_type")
+    try:
+        model_type = raw_config(cfg.model).get("model_type")
+    except ValueError:  # a missing or unreadable folder: the build names it in one line (model.type=...: ...)
+        return
     if model_type not in DSA_TYPES:
         return
     tensor, pipe = cfg.parallel.tensor, cfg.parallel.pipeline.size

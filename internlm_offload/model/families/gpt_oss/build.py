@@ -60,17 +60,11 @@ def folder_config(cfg: ModelConfig) -> Any:
 
 
 def check_run(cfg: RunConfig) -> None:
-    """What is not built for GPT-OSS, refused in one line: LoRA (its targets are not mapped) and a balancing loss
-    (transformers' forward returns none; not built here). Tensor, sequence and pipeline parallel are refused by the
-    family's capabilities."""
+    """What is not built for GPT-OSS, refused in one line: LoRA (its targets are not mapped). A balancing loss,
+    tensor, sequence and pipeline parallel are refused by the family's capabilities (the config's checks)."""
     if cfg.model.lora is not None:
         raise ConfigError(
             "model.lora with model.type='gpt_oss': adapters on its sinks and biased experts are not built"
-        )
-    if cfg.model.balancing_loss is not None:
-        raise ConfigError(
-            f"model.balancing_loss={cfg.model.balancing_loss!r} with model.type='gpt_oss': not built (transformers' "
-            "GPT-OSS returns no balancing loss unless output_router_logits)"
         )
 
 

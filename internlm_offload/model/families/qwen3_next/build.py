@@ -49,15 +49,10 @@ def folder_config(cfg: ModelConfig) -> Any:
 
 
 def check_run(cfg: RunConfig) -> None:
-    """What is not built for Qwen3-Next, refused in one line: LoRA and a balancing loss. Tensor, sequence and
-    pipeline parallel and multi-token prediction are refused by the family's capabilities."""
+    """What is not built for Qwen3-Next, refused in one line: LoRA. A balancing loss, tensor, sequence and pipeline
+    parallel and multi-token prediction are refused by the family's capabilities (the config's checks)."""
     if cfg.model.lora is not None:
         raise ConfigError("model.lora with model.type='qwen3_next': adapters on Gated DeltaNet are not built")
-    if cfg.model.balancing_loss is not None:
-        raise ConfigError(
-            f"model.balancing_loss={cfg.model.balancing_loss!r} with model.type='qwen3_next': not built (transformers' "
-            "Qwen3-Next returns no balancing loss unless output_router_logits)"
-        )
 
 
 def aux_loss_coefficients(cfg: RunConfig, model: Qwen3Next) -> dict[str, float]:

@@ -47,6 +47,9 @@ class Capabilities:
     # `tools.export --hf` writes its folder back: config.json from its module's `folder_config(cfg)`, the tensors under
     # its `folder_format` names (the names `model.hf_path` is read by).
     folder_export: bool = False
+    # `model.lora`: PEFT's adapters on the modules its entry's `lora_targets(cfg)` names (config/lora.py refuses the
+    # section for the others).
+    lora: bool = False
     # `model.balancing_loss`: its model returns the bias router's balancing loss (model/balancing.py) as `moe_aux`.
     balancing_loss: bool = False
     # `model.mtp_config`: multi-token prediction blocks after its stack (model/mtp.py), their loss added by the engine;
@@ -58,13 +61,14 @@ class Capabilities:
 class FamilySpec:
     """One registered family: its `model.type` name, its capabilities, and the module that builds it.
 
-    `entry` names a module with `build_model(cfg: ModelConfig, device) -> nn.Module` (the bare fp32 model),
-    `aux_loss_coefficients(cfg: RunConfig, model) -> dict[str, float]` (the weight of each auxiliary loss its
-    model returns), `lora_targets(cfg: ModelConfig) -> list[str]` (PEFT's target names on its modules),
+    `entry` names a module with `build_model(cfg: ModelConfig, device) -> nn.Module` (the bare fp32 model) and
     `folder_format(model) -> FolderFormat | None` (how `model.hf_path`'s tensors are named, which the builder reads
-    them by; None: the family reads its folder otherwise) and `check_run(cfg: RunConfig) -> None` (what the run asks
-    that the schema cannot see, as a ConfigError); with `Capabilities.folder_export`, `folder_config(cfg: ModelConfig)`
-    (the transformers config its `--hf` export writes as config.json).
+    them by; None: the family reads its folder otherwise); with `Capabilities.folder_export`,
+    `folder_config(cfg: ModelConfig)` (the transformers config its `--hf` export writes as config.json); with
+    `Capabilities.lora`, `lora_targets(cfg: ModelConfig) -> list[str]` (PEFT's target names on its modules). Optional
+    (left out where there is nothing to say; `check_run` / `aux_loss_coefficients` below stand in): `aux_loss_coefficients(cfg: RunConfig, model) ->
+    dict[str, float]` (the weight of each auxiliary loss its model returns; none: {}) and `check_run(cfg: RunConfig)
+    -> None` (what the run asks that the schema cannot see, as a ConfigError; none: nothing to check).
     """
 
     name: str
@@ -98,9 +102,27 @@ class FamilySpec:
         """The family's builder module, imported on first use (it imports torch)."""
         return importlib.import_module(self.entry)
 
+    def entry_function(self, name: str) -> Callable[..., Any] | None:
+        """The entry module's function `name`; None where the family leaves that optional piece out."""
+        return getattr(self.module(), name, None)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """`build_model`: a registry entry is something to call (mmengine's `Registry` holds callables)."""
         return self.module().build_model(*args, **kwargs)
+
+
+def check_run(cfg: Any) -> None:
+    """The run's family's own refusals (its entry's `check_run`, a ConfigError) of a RunConfig; none where it has none."""
+    check = family_spec(cfg.model.type).entry_function("check_run")
+    if check is not None:
+        check(cfg)
+
+
+def aux_loss_coefficients(cfg: Any, model: Any) -> dict[str, float]:
+    """The weight of each auxiliary loss the run's (bare) model returns, by name: its family's
+    `aux_loss_coefficients`; {} where it has none (its model returns no auxiliary loss)."""
+    weights = family_spec(cfg.model.type).entry_function("aux_loss_coefficients")
+    return {} if weights is None else dict(weights(cfg, model))
 
 
 def register_family(spec: FamilySpec) -> FamilySpec:

@@ -25,7 +25,8 @@ from internlm_offload.engine.runtime import RunContext, data_parallel_group, sta
 from internlm_offload.engine.sequence_parallel import SequenceShard
 from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
 from internlm_offload.errors import CheckpointError
-from internlm_offload.family import capabilities, family_spec
+from internlm_offload.family import aux_loss_coefficients as family_aux_loss_coefficients
+from internlm_offload.family import capabilities, check_run, family_spec
 from internlm_offload.log import get_logger
 from internlm_offload.model.families.hf_causal_lm.routers import RouterTaps
 from internlm_offload.model.hooks import PoolsRouterStats
@@ -140,7 +141,7 @@ def log_loaded(folder: Path, layout: FolderFormat, count: int, absent: list[int]
 
 def aux_loss_coefficients(cfg: RunConfig, model: nn.Module) -> dict[str, float]:
     """The weight of each auxiliary loss the (bare) model returns, by name, as its family reads them off the config."""
-    return family_spec(cfg.model.type).module().aux_loss_coefficients(cfg, model)
+    return family_aux_loss_coefficients(cfg, model)
 
 
 def sequence_shard(cfg: RunConfig, ctx: RunContext) -> SequenceShard | None:
@@ -274,7 +275,7 @@ def build_bare_model(
     """The model in fp32 (on meta when FSDP2 materializes the shards later; the base on the host already with
     `hosts_base_from_meta`); device memory counts from here."""
     ctx.accelerator.mark_memory_baseline()  # cpu: see device/cpu_memory.py
-    family_spec(cfg.model.type).module().check_run(cfg)
+    check_run(cfg)
     hosted = hosts_base_from_meta(cfg)
     on_meta = on_meta or hosted
     model = build_model(cfg.model, torch.device("meta") if on_meta else ctx.device)
@@ -359,8 +360,12 @@ def lora_settings(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def lora_targets(cfg: ModelConfig) -> list[str]:
-    """`model.lora.target_modules` as PEFT matches them on this model's family."""
-    return family_spec(cfg.type).module().lora_targets(cfg)
+    """`model.lora.target_modules` as PEFT matches them on this model's family (the config refuses `model.lora` for a
+    family without `Capabilities.lora`; one that claims it and names no targets is refused here)."""
+    targets = family_spec(cfg.type).entry_function("lora_targets")
+    if targets is None:
+        raise ConfigError(f"model.lora with model.type={cfg.type!r}: the family names no LoRA targets (lora_targets)")
+    return targets(cfg)
 
 
 def add_adapters(cfg: ModelConfig, model: nn.Module) -> None:

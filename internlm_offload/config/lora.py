@@ -5,7 +5,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from internlm_offload.config.base import Section
-from internlm_offload.family import capabilities, family_spec, routed_experts
+from internlm_offload.family import capabilities, families_with, family_spec, routed_experts
 
 # PEFT's default for llama-like models (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`).
 DEFAULT_TARGETS = ("q_proj", "v_proj")
@@ -80,6 +80,8 @@ def check_lora(model: Any) -> None:
     """The checks of `model.lora` against the rest of the model section (a `ModelConfig`)."""
     if model.lora is None:
         return
+    if not capabilities(model.type).lora:
+        raise ValueError(f"model.lora is built for model.type={families_with('lora')}; not {model.type!r}")
     if capabilities(model.type).native_names:
         native_targets(model.lora, model.type)  # raises naming a target the decoder does not have
     if model.num_experts and model.quantization_config is not None:

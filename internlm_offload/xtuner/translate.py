@@ -22,7 +22,7 @@ from typing import Any
 
 from internlm_offload.config import ConfigError, resolve_config
 from internlm_offload.errors import CheckpointError, DataError
-from internlm_offload.family import family_spec
+from internlm_offload.family import check_run
 from internlm_offload.model.families.internlm2.hf_config import native_model_values
 from internlm_offload.model.families.internlm2.hf_names import DENSE_TABLES
 from internlm_offload.weights.hf_folder import read_config
@@ -461,7 +461,7 @@ def validate(config: dict[str, Any]) -> None:
     """What train.py checks before it builds: the schema at the smallest world the layout fits, then the model
     family's own refusals (its `check_run`); ConfigError names the first problem."""
     cfg = resolve_config(config, world_size=layout_world_size(config))
-    family_spec(cfg.model.type).module().check_run(cfg)
+    check_run(cfg)
 
 
 def _check_layout(t: Translation) -> None:

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import torch
 
-from internlm_offload.config import ConfigError, ModelConfig, RunConfig
-from internlm_offload.config.lora import resolved_targets
+from internlm_offload.config import ConfigError, ModelConfig
 from internlm_offload.model.families.internlm2.hf_config import native_model_values
 from internlm_offload.model.families.internlm2.hf_names import HF_LLAMA
 from internlm_offload.model.families.internlm2.model import InternLM2
@@ -32,16 +31,3 @@ def build_model(cfg: ModelConfig, device: torch.device) -> StubLlama:
 def folder_format(model: StubLlama) -> FolderFormat:
     args = model.args
     return FolderFormat(HF_LLAMA, args.num_attention_heads, args.num_kv_attention_heads, args.num_layers)
-
-
-def check_run(cfg: RunConfig) -> None:
-    """Nothing beyond the schema's checks."""
-
-
-def aux_loss_coefficients(cfg: RunConfig, model: StubLlama) -> dict[str, float]:
-    return {}
-
-
-def lora_targets(cfg: ModelConfig) -> list[str]:
-    assert cfg.lora is not None
-    return resolved_targets(cfg.lora)

@@ -105,12 +105,11 @@ def test_the_folders_mtp_tensors_are_dropped_in_one_line(tmp_path, caplog):
 
 
 def test_what_is_not_built_is_refused_in_one_line():
-    from internlm_offload.config import ConfigError, RunConfig
-    from internlm_offload.model.families.qwen3_next.build import check_run
+    from internlm_offload.config import ConfigError, resolve_config
 
     model = {"type": "qwen3_next", "hf_config": {"model_type": "qwen3_next"}, "lora": {"r": 8}}
-    with pytest.raises(ConfigError, match="model.lora with model.type='qwen3_next'"):
-        check_run(RunConfig(model=model))
+    with pytest.raises(ConfigError, match="model.lora is built for model.type=.*; not 'qwen3_next'"):
+        resolve_config({"model": model})
 
 
 def test_a_vision_language_folder_is_refused_in_one_line(tmp_path):

@@ -164,6 +164,7 @@ FAMILY = register_family(
             pipeline=True,
             init_per_param=True,
             folder_export=True,
+            lora=True,
             balancing_loss=True,
             multi_token_prediction=True,
         ),

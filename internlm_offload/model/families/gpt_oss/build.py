@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from internlm_offload.config import ConfigError, ModelConfig, RunConfig
+from internlm_offload.config import ConfigError, ModelConfig
 from internlm_offload.model.families.deepseek_v3.build import raw_config
 from internlm_offload.model.families.gpt_oss.args import args_from_config
 from internlm_offload.model.families.gpt_oss.hf_names import HF_GPT_OSS, read_experts, write_experts
@@ -57,22 +57,3 @@ def folder_config(cfg: ModelConfig) -> Any:
     config = transformers_config(cfg)
     config.architectures = [CAUSAL_LM]
     return config
-
-
-def check_run(cfg: RunConfig) -> None:
-    """What is not built for GPT-OSS, refused in one line: LoRA (its targets are not mapped). A balancing loss,
-    tensor, sequence and pipeline parallel are refused by the family's capabilities (the config's checks)."""
-    if cfg.model.lora is not None:
-        raise ConfigError(
-            "model.lora with model.type='gpt_oss': adapters on its sinks and biased experts are not built"
-        )
-
-
-def aux_loss_coefficients(cfg: RunConfig, model: GptOss) -> dict[str, float]:
-    """None: the model returns no auxiliary loss."""
-    return {}
-
-
-def lora_targets(cfg: ModelConfig) -> list[str]:
-    """Never reached: `check_run` refuses model.lora."""
-    raise ConfigError("model.lora with model.type='gpt_oss': not built")

@@ -19,7 +19,7 @@ FAMILY = register_family(
         name="hf_causal_lm",
         entry="internlm_offload.model.families.hf_causal_lm.build",
         summary="a transformers causal LM from a folder or a config (model.hf_path / model.hf_config)",
-        capabilities=Capabilities(transformers_modules=True),
+        capabilities=Capabilities(transformers_modules=True, lora=True),
         check_section=check_section,
     )
 )

@@ -47,6 +47,7 @@ FAMILY = register_family(
             native_names=True,
             foreign_weights=True,
             config_vocab=True,
+            lora=True,
         ),
         check_section=check_section,
         module_names=MODULE_NAMES,

@@ -58,10 +58,6 @@ def folder_format(model: InternLM2) -> None:
     return None
 
 
-def check_run(cfg: RunConfig) -> None:
-    """Nothing beyond the schema's checks: every run the config validates builds."""
-
-
 def aux_loss_coefficients(cfg: RunConfig, model: InternLM2) -> dict[str, float]:
     """The router's load-balancing loss weighs `loss.moe_loss_coeff` (InternEvo's key); a dense model has none."""
     return {MOE_AUX: cfg.loss.moe_loss_coeff} if cfg.model.num_experts else {}

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from internlm_offload.config import ConfigError, ModelConfig, RunConfig
+from internlm_offload.config import ConfigError, ModelConfig
 from internlm_offload.model.families.deepseek_v3.build import raw_config
 from internlm_offload.model.families.qwen3_next import CAUSAL_LMS
 from internlm_offload.model.families.qwen3_next.args import args_from_config
@@ -46,20 +46,3 @@ def folder_config(cfg: ModelConfig) -> Any:
     config = transformers_config(cfg)
     config.architectures = [CAUSAL_LMS[config.model_type]]
     return config
-
-
-def check_run(cfg: RunConfig) -> None:
-    """What is not built for Qwen3-Next, refused in one line: LoRA. A balancing loss, tensor, sequence and pipeline
-    parallel and multi-token prediction are refused by the family's capabilities (the config's checks)."""
-    if cfg.model.lora is not None:
-        raise ConfigError("model.lora with model.type='qwen3_next': adapters on Gated DeltaNet are not built")
-
-
-def aux_loss_coefficients(cfg: RunConfig, model: Qwen3Next) -> dict[str, float]:
-    """None: the model returns no auxiliary loss."""
-    return {}
-
-
-def lora_targets(cfg: ModelConfig) -> list[str]:
-    """Never reached: `check_run` refuses model.lora."""
-    raise ConfigError("model.lora with model.type='qwen3_next': not built")

@@ -124,3 +124,17 @@ def test_a_stage_beginning_at_a_shared_block_is_refused_in_one_line():
         "(model.hf_config's indexer_types); DeepSeek sparse attention sends no top-k between stages: choose a size "
         "(or model.num_chunks) whose every stage begins at a 'full' block"
     )
+
+
+def test_the_tiny_glm5_config_is_the_tiny_deepseek_v3_with_glm5_keys_over_it():
+    """configs/glm5_tiny.py inherits configs/deepseek_v3_tiny.py (`_base_`): the same model but for GLM-5's keys, and
+    no multi-token prediction (GlmMoeDsaConfig has none)."""
+    configs = Path(__file__).parents[2] / "configs"
+    glm5, v3 = (load_config_file(configs / name)["model"] for name in ("glm5_tiny.py", "deepseek_v3_tiny.py"))
+    dsa = {"model_type", "n_group", "index_topk", "index_n_heads", "index_head_dim", "indexer_types", "rope_parameters"}
+    assert {k: v for k, v in glm5["hf_config"].items() if k not in dsa} == {
+        k: v for k, v in v3["hf_config"].items() if k not in dsa
+    }
+    assert glm5["hf_config"]["model_type"] == "glm_moe_dsa" and glm5["mtp_config"] is None
+    cfg = resolve_config({"model": glm5}, world_size=1)
+    assert cfg.model.mtp_config is None or not cfg.model.mtp_config.num_layers

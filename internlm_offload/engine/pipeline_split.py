@@ -68,6 +68,7 @@ class PipelineChunk(nn.Module, ShardsSequence):
         self.inv_freq_fn, self.rope_attention_factor = model.inv_freq_fn, model.rope_attention_factor
         self.register_buffer("inv_freq", model.inv_freq, persistent=False)
         self.sequence_parts = 1  # msp / fsp / isp over T ranks: T (set by the builder)
+        self.needs_documents = model.needs_documents  # DSA: its blocks hand their top-k on through Documents
         # this stage's sparse blocks' losses, backpropagated here (engine/stage_aux_loss.py)
         self.aux_losses = StageAuxLosses(model.stage_aux_losses(), aux_coefficients)
         self.record_routing = False  # set by the stage around each micro-batch's forward (engine/pipeline.py)
@@ -80,6 +81,8 @@ class PipelineChunk(nn.Module, ShardsSequence):
         after the first take the D depths' input embeddings after the hidden state (`carried`) and return them
         after theirs; the last returns the logits, then each depth's logits."""
         seq_len = x.shape[1] if self.first else x.shape[1] * self.sequence_parts  # the whole sequence's
+        if position_ids is None and self.needs_documents:  # one document per row, as Decoder.forward
+            position_ids = torch.arange(seq_len, device=x.device).expand(x.shape[0], seq_len)
         documents = None if position_ids is None else Documents(position_ids)  # the whole sequence's
         whole_ids, whole_positions = x, position_ids  # multi-token prediction rolls them before the split
         shard = self.sequence_shard

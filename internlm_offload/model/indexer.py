@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from internlm_offload.model.meta_trace import count_skipped_work, traced_queries
 from internlm_offload.model.mlp import ParamInit, normal_init
 from internlm_offload.model.rope import apply_rope, apply_rope_interleaved
 
@@ -88,15 +89,18 @@ class LightningIndexer(nn.Module):
         keys = k.float().transpose(-1, -2)[:, None]  # (B, 1, Di, T)
         count = min(self.topk, T)
         chunk = max(1, CHUNK_ELEMENTS // (self.n_heads * T))
-        picks = []
-        for start in range(0, T, chunk):
+        # written in place chunk by chunk: no list of chunks beside their concatenation
+        picks = torch.empty(B, T, count, dtype=torch.int32, device=x.device)
+        traced = traced_queries(x, T, chunk)  # on meta the first chunks (model/meta_trace.py)
+        for start in range(0, traced, chunk):
             stop = min(start + chunk, T)
             scores = F.relu(torch.matmul(q[:, start:stop].float(), keys) * self.head_dim**-0.5)  # (B, c, Hi, T)
             index = torch.matmul(weights[:, start:stop, None], scores).squeeze(-2)  # (B, c, T)
             index = index.masked_fill(~visible_keys(doc, start, stop), float("-inf"))
             best, where = index.topk(count, dim=-1)
-            picks.append(where.masked_fill(best == float("-inf"), -1).to(torch.int32))
-        return torch.cat(picks, dim=1)
+            picks[:, start:stop] = where.masked_fill(best == float("-inf"), -1)
+        count_skipped_work(x, 2 * B * (T - traced) * self.n_heads * T * (self.head_dim + 1))  # q.k, then weights
+        return picks
 
     def _roped(
         self, x: torch.Tensor, q_latent: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]

@@ -11,6 +11,8 @@ copy. The transient of a chunk is its gathered keys and values, c x K x H x (D +
 
 import torch
 
+from internlm_offload.model.meta_trace import count_skipped_work, traced_queries
+
 # the gathered elements one query chunk may hold (fp32: 256 MiB); a chunk is at least one query
 CHUNK_ELEMENTS = 1 << 26
 
@@ -71,7 +73,8 @@ class SparseAttention(torch.autograd.Function):
         out = q.new_empty(B, T, H, v.shape[-1])
         lse = q.new_empty(B, H, T, dtype=_accumulate(q))
         q_h, k_h, v_h = (_heads_first(t) for t in (q, k, v))  # transients of the forward alone
-        for start in range(0, T, chunk):
+        traced = traced_queries(q, T, chunk)  # on meta the first chunks (model/meta_trace.py)
+        for start in range(0, traced, chunk):
             stop = min(start + chunk, T)
             valid, safe = _picked(indices, start, stop)
             rows = _rows(k_h, safe)
@@ -80,6 +83,8 @@ class SparseAttention(torch.autograd.Function):
             probs = torch.exp(scores - lse[:, :, start:stop, None]).to(v.dtype)
             out_c = torch.matmul(probs[..., None, :], _gather(v_h, rows)).squeeze(-2)  # (B, H, c, Dv)
             out[:, start:stop] = out_c.transpose(1, 2)
+        topk, width, width_v = indices.shape[-1], q.shape[-1], v.shape[-1]
+        count_skipped_work(q, 2 * B * H * (T - traced) * topk * (width + width_v))  # scores, then probs x values
         ctx.save_for_backward(q, k, v, indices, out, lse)
         ctx.scale, ctx.chunk = scale, chunk
         return out
@@ -96,7 +101,8 @@ class SparseAttention(torch.autograd.Function):
         # fp32 (or wider) accumulators: a key chosen by many queries sums many contributions
         grad_k = torch.zeros(k_h.shape, dtype=acc, device=k.device)
         grad_v = torch.zeros(v_h.shape, dtype=acc, device=v.device)
-        for start in range(0, T, chunk):
+        traced = traced_queries(q, T, chunk)
+        for start in range(0, traced, chunk):
             stop = min(start + chunk, T)
             valid, safe = _picked(indices, start, stop)
             rows = _rows(k_h, safe)
@@ -109,6 +115,9 @@ class SparseAttention(torch.autograd.Function):
             d_scores = probs * (d_probs - row) * scale  # zero in the empty slots (probs 0 there)
             grad_q[:, :, start:stop] = torch.matmul(d_scores[..., None, :], keys.to(acc)).squeeze(-2).to(q.dtype)
             _scatter_add(grad_k, rows, d_scores[..., None] * q_c.to(acc)[..., None, :])
+        B, H, topk = q.shape[0], q.shape[2], indices.shape[-1]
+        width, width_v = q.shape[-1], v.shape[-1]
+        count_skipped_work(q, 2 * B * H * (T - traced) * topk * (2 * width + width_v))  # scores, d_probs, grad_q
         back = (t.transpose(1, 2).to(dtype) for t, dtype in ((grad_q, q.dtype), (grad_k, k.dtype), (grad_v, v.dtype)))
         return (*back, None, None, None)
 

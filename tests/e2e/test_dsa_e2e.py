@@ -82,21 +82,32 @@ def test_resume_from_step_2_is_the_straight_run(tmp_path, reference_run):
         pytest.param(["parallel.mode=fsdp2"], 2, id="fsdp2"),
         pytest.param(["parallel.mode=ddp", "parallel.expert.size=2"], 2, id="ep2-ddp"),
         pytest.param(tensor("isp"), 2, id="isp2"),
+        pytest.param([*tensor("fsp"), "parallel.mode=fsdp2", "parallel.expert.no_tp=True"], 2, id="fsp2"),
+        pytest.param(["parallel.pipeline.size=2", "parallel.mode=ddp"], 4, id="pp2-ddp2"),
     ],
 )
 def test_layouts_follow_one_process(tmp_path, reference_run, options, nproc):
     """FSDP2 on two processes (the frozen indexer sharded beside the trained weights, drawn by the meta build),
     expert parallel over two under DDP (the frozen indexer left out of DDP's reduction with the experts; expert data
-    2 on four ranks, the same path with its counts pooled wider, is test_deepseek_parallel_e2e.py's), and isp on two
+    2 on four ranks, the same path with its counts pooled wider, is test_deepseek_parallel_e2e.py's), isp on two
     (each rank's indexer scores the whole sequence from inputs gathered along it, its heads attend every token after
-    Ulysses' exchange): one process's curve within NEAR (the reductions run in another order; the indexer's choices,
-    integers, the same unless a score sits at a near tie within that rounding). Red with DDP leaving the attention's
-    weights unreduced under expert parallel (off from step 2)."""
+    Ulysses' exchange), fsp on two (MLA's heads split as for plain MLA; the indexer whole on both ranks over the
+    sequence the attention's input is gathered to, run again in backward inside fsp's recomputed region: mtp and msp
+    take the same path without the recompute) and two pipeline stages of DDP over two ranks each (blocks 0-1 and 2-3:
+    each stage begins at a full block, so its shared block takes the top-k of its own stage; DDP alone is this
+    launch's data-parallel half, and ep2-ddp's): one process's curve within NEAR (the reductions run in another
+    order; the indexer's choices, integers, the same unless a score sits at a near tie within that rounding). Red
+    with DDP leaving the attention's weights unreduced under expert parallel (off from step 2), and with the
+    indexer fed only this rank's half of the sequence under fsp (its keys elsewhere zeroed: the loss off at step 1,
+    see docs/deepseek.md)."""
     base = reference_run(*STEPS, config=GLM5)
     run = tmp_path / "run"
     proc = train(run, *STEPS, *options, config=GLM5, nproc=nproc)
     if "parallel.expert.size=2" in options:
         assert "Applied expert parallel over 2 ranks (1 expert-data groups)" in proc.stderr
-    if "parallel.tensor.mode=isp" in options:
-        assert "Applied tensor parallel isp over 2 ranks" in proc.stderr
+    for mode in ("isp", "fsp"):
+        if f"parallel.tensor.mode={mode}" in options:
+            assert f"Applied tensor parallel {mode} over 2 ranks" in proc.stderr
+    if "parallel.pipeline.size=2" in options:
+        assert "Pipeline rank 0 of 2: stages [0] of 2 (Schedule1F1B), DDP over 2 ranks each" in proc.stderr
     assert_curves(base, run, NEAR)

@@ -95,29 +95,46 @@ def test_bad_indexer_types_are_refused_in_one_line():
         build({**GLM5, "indexer_types": ["full"] * 3})
 
 
+def check_run(parallel: dict, config: dict = GLM5, world_size: int = 2) -> None:
+    raw = {"model": {"type": "deepseek_v3", "hf_config": config}, "parallel": parallel, "data": {"micro_num": 2}}
+    deepseek_build.check_run(resolve_config(raw, world_size=world_size))
+
+
 @pytest.mark.parametrize(
-    ("parallel", "message"),
+    "parallel",
     [
-        (
-            {"mode": "fsdp2", "tensor": {"size": 2, "mode": "msp"}, "expert": {"no_tp": True}},
-            (
-                "parallel.tensor.size=2 (mode 'msp') with model_type='glm_moe_dsa': DeepSeek sparse attention under "
-                "mtp / msp / fsp is not built; use parallel.tensor.mode='isp' or size 1"
-            ),
-        ),
-        (
-            {"pipeline": {"size": 2}},
-            (
-                "parallel.pipeline.size=2 with model_type='glm_moe_dsa': DeepSeek sparse attention under a pipeline "
-                "is not built; set parallel.pipeline.size=1"
-            ),
-        ),
-    ],
-    ids=["msp", "pipeline"],
+        {"mode": "fsdp2", "tensor": {"size": 2, "mode": mode}, "expert": {"no_tp": True}}
+        for mode in ("mtp", "msp", "fsp")
+    ]
+    + [{"pipeline": {"size": 2}}],
+    ids=["mtp", "msp", "fsp", "pipeline-at-a-full-block"],
 )
-def test_the_splits_not_built_are_refused_in_one_line(parallel, message):
-    raw = {"model": {"type": "deepseek_v3", "hf_config": GLM5}, "parallel": parallel, "data": {"micro_num": 2}}
-    cfg = resolve_config(raw, world_size=2)
+def test_tensor_modes_and_a_pipeline_cut_at_a_full_block_are_taken(parallel):
+    """The tiny GLM-5's blocks full, shared, full, shared: two stages begin at blocks 0 and 2, both full."""
+    check_run(parallel)
+
+
+def test_a_stage_beginning_at_a_shared_block_is_refused_in_one_line():
+    """Blocks full, shared, shared, shared over two stages: block 2 begins stage 1 and shares block 0's top-k."""
+    config = {**GLM5, "indexer_types": ["full", "shared", "shared", "shared"]}
     with pytest.raises(ConfigError) as info:
-        deepseek_build.check_run(cfg)
-    assert str(info.value) == message
+        check_run({"pipeline": {"size": 2}}, config)
+    assert str(info.value) == (
+        "parallel.pipeline.size=2: stage 1 begins at block 2, which shares the top-k of block 0 on an earlier stage "
+        "(model.hf_config's indexer_types); DeepSeek sparse attention sends no top-k between stages: choose a size "
+        "(or model.num_chunks) whose every stage begins at a 'full' block"
+    )
+
+
+def test_the_tiny_glm5_config_is_the_tiny_deepseek_v3_with_glm5_keys_over_it():
+    """configs/glm5_tiny.py inherits configs/deepseek_v3_tiny.py (`_base_`): the same model but for GLM-5's keys, and
+    no multi-token prediction (GlmMoeDsaConfig has none)."""
+    configs = Path(__file__).parents[2] / "configs"
+    glm5, v3 = (load_config_file(configs / name)["model"] for name in ("glm5_tiny.py", "deepseek_v3_tiny.py"))
+    dsa = {"model_type", "n_group", "index_topk", "index_n_heads", "index_head_dim", "indexer_types", "rope_parameters"}
+    assert {k: v for k, v in glm5["hf_config"].items() if k not in dsa} == {
+        k: v for k, v in v3["hf_config"].items() if k not in dsa
+    }
+    assert glm5["hf_config"]["model_type"] == "glm_moe_dsa" and glm5["mtp_config"] is None
+    cfg = resolve_config({"model": glm5}, world_size=1)
+    assert cfg.model.mtp_config is None or not cfg.model.mtp_config.num_layers

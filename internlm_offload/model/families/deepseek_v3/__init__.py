@@ -2,8 +2,10 @@
 multi-head latent attention, DeepSeek-V3.2 (`deepseek_v32`) and GLM-5 (`glm_moe_dsa`), MLA with DeepSeek Sparse
 Attention (model/dsa.py: a lightning indexer, top-k sparse MLA, GLM-5's cross-layer top-k sharing), and GLM-4.5 / 4.6
 / 4.7 (`glm4_moe`, grouped-query attention with partial RoPE); all with dense-first blocks and the sigmoid router
-balanced by a bias (noaux_tc), its un-gated shared expert. DSA splits by isp (its indexer's inputs gathered along the
-sequence), not by mtp / msp / fsp nor by a pipeline: those refused in one line (build.check_run).
+balanced by a bias (noaux_tc), its un-gated shared expert. DSA splits by every tensor mode (the indexer whole on each
+rank over the whole sequence: isp gathers its inputs, mtp / msp / fsp hand the attention its input whole) and by a
+pipeline whose stages each begin at a block with an indexer (a stage beginning at a shared block refused in one line:
+build.check_run).
 
 Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.hf_config`, config.json's keys);
 docs/deepseek.md. `tools.export --hf` writes its folder back (transformers' names and config.json; Kimi-K2's as

@@ -11,6 +11,8 @@ import torch
 from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.config.lora import resolved_targets
 from internlm_offload.config.mtp import mtp_depth
+from internlm_offload.config.pipeline import virtual_chunks
+from internlm_offload.config.pipeline_partition import partition_uniform
 from internlm_offload.log import get_logger
 from internlm_offload.model.families.deepseek_v3 import DSA_TYPES
 from internlm_offload.model.families.deepseek_v3.args import args_from_config
@@ -156,26 +158,34 @@ def check_run(cfg: RunConfig) -> None:
 
 
 def check_sparse_attention(cfg: RunConfig) -> None:
-    """DeepSeek Sparse Attention splits by isp (model/dsa.py: the indexer's inputs gathered along the sequence),
-    not yet by the other tensor modes (mtp / msp / fsp: whole heads per rank, the indexer whole on each) nor by a
-    pipeline (a shared block's top-k may come from another stage): those refused in one line."""
+    """DeepSeek Sparse Attention splits by every tensor mode (model/dsa.py: the indexer whole on each rank, over the
+    whole sequence its attention's input already is, gathered under msp / fsp, gathered for it under isp) and by a
+    pipeline whose every stage holds the full block each of its shared blocks takes the top-k of: a shared block whose
+    source sits on an earlier stage is refused in one line (the top-k is not sent between stages)."""
     try:
-        model_type = raw_config(cfg.model).get("model_type")
+        raw = raw_config(cfg.model)
     except ValueError:  # a missing or unreadable folder: the build names it in one line (model.type=...: ...)
         return
-    if model_type not in DSA_TYPES:
+    pipe = cfg.parallel.pipeline
+    if raw.get("model_type") not in DSA_TYPES or pipe.size == 1:
         return
-    tensor, pipe = cfg.parallel.tensor, cfg.parallel.pipeline.size
-    if tensor.size > 1 and tensor.mode != "isp":
-        raise ConfigError(
-            f"parallel.tensor.size={tensor.size} (mode {tensor.mode!r}) with model_type={model_type!r}: DeepSeek "
-            "sparse attention under mtp / msp / fsp is not built; use parallel.tensor.mode='isp' or size 1"
-        )
-    if pipe > 1:
-        raise ConfigError(
-            f"parallel.pipeline.size={pipe} with model_type={model_type!r}: DeepSeek sparse attention under a "
-            "pipeline is not built; set parallel.pipeline.size=1"
-        )
+    try:
+        sources = args_from_config(transformers_config(cfg.model)).indexer_sources
+    except (ValueError, TypeError, KeyError):  # a bad config: the build names it in one line
+        return
+    chunks = virtual_chunks(pipe.mode, cfg.model.num_chunks)
+    try:
+        ranges = partition_uniform(len(sources), pipe.size, chunks)
+    except ValueError:  # a split the pipeline's own check refuses
+        return
+    for stage, (start, end) in enumerate(ranges):
+        if sources[start] < start:
+            raise ConfigError(
+                f"parallel.pipeline.size={pipe.size}: stage {stage} begins at block {start}, which shares the top-k "
+                f"of block {sources[start]} on an earlier stage (model.hf_config's indexer_types); DeepSeek sparse "
+                "attention sends no top-k between stages: choose a size (or model.num_chunks) whose every stage "
+                "begins at a 'full' block"
+            )
 
 
 def aux_loss_coefficients(cfg: RunConfig, model: DeepseekV3) -> dict[str, float]:

@@ -96,6 +96,7 @@ def muon_hyperparameters(cfg: RunConfig) -> dict[str, Any]:
         "eps": muon.eps,
         "ns_steps": muon.ns_steps,
         "adjust_lr_fn": muon.adjust_lr_fn,
+        "ns_dtype": muon.ns_dtype,
     }
 
 

@@ -5,6 +5,9 @@ gradients (`buf.lerp_(grad, 1 - momentum)`), the update is the Nesterov mix `gra
 buffer), Newton-Schulz orthogonalises it in bf16, the weight decays with the unadjusted lr, and the weight moves by
 `lr * ratio` times the orthogonal update. On a plain `[out, in]` matrix every op is torch's own (its private
 `_zeropower_via_newtonschulz` and `_adjust_lr`, as `AdamWRule` calls torch's `adam`), so it is bitwise torch's.
+A group's `ns_dtype` "torch.float32" runs the same iteration in fp32 instead (`newton_schulz`): bf16 rounds the last
+bits of differently reduced gradients (another world size, another layout) far apart (muon.md trip-wire 4); fp32
+keeps sharded runs within fp32 noise of one process, at ~2x the FLOP time and twice the gathered bytes.
 
 What torch does not do, and this rule does, per *logical matrix*:
 - a stacked expert weight `[E, out, in]` is E matrices: each expert is orthogonalised (and its lr ratio taken)
@@ -31,6 +34,8 @@ from internlm_offload.optim.rules import Group, StateSpec, UpdateRule
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")  # torch's; None is "original" (Keller's)
 ROW_SPLITS_KEY = "row_splits"  # a group key: the row blocks each matrix of its params is orthogonalised in
+NS_DTYPE_KEY = "ns_dtype"  # a group key (ours, not torch's): the dtype Newton-Schulz runs in, by its config name
+NS_DTYPES = {"torch.bfloat16": torch.bfloat16, "torch.float32": torch.float32}  # torch's (and XTuner's) is bf16
 # torch.optim.Muon's defaults (torch/optim/_muon.py)
 MUON_DEFAULTS: dict[str, Any] = {
     "lr": 1e-3,
@@ -42,6 +47,7 @@ MUON_DEFAULTS: dict[str, Any] = {
     "ns_steps": 5,
     "adjust_lr_fn": None,
 }
+NS_DTYPE_DEFAULT = "torch.bfloat16"  # torch.optim.Muon's; a group without the key (torch's state dicts) runs it
 
 
 class MuonRule(UpdateRule):
@@ -92,33 +98,59 @@ class MuonRule(UpdateRule):
                     param,
                     update,
                     lambda shape: matrix_blocks(shape, group.get(ROW_SPLITS_KEY)),
-                    lambda block: self._orthogonalise(block, group),
+                    lambda block: orthogonalise(block, group),
                     lambda shape: _adjust_lr(lr, group["adjust_lr_fn"], shape),
                     1 - lr * wd,
+                    ns_dtype(group),
                 )
                 continue
             if param.ndim == 2 and not group.get(ROW_SPLITS_KEY):
                 # torch.optim.Muon's own ops, in its order
-                update = _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                update = orthogonalise(update, group)
                 adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], param.shape)
                 param.mul_(1 - lr * wd)
                 param.add_(update, alpha=-adjusted_lr)
                 continue
             blocks = list(matrix_blocks(param.shape, group.get(ROW_SPLITS_KEY)))
-            orthogonal = [self._orthogonalise(update[index], group) for index in blocks]
+            orthogonal = [orthogonalise(update[index], group) for index in blocks]
             param.mul_(1 - lr * wd)
             for index, block in zip(blocks, orthogonal):
                 param[index].add_(block, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], block.shape))
-
-    @staticmethod
-    def _orthogonalise(block: torch.Tensor, group: Group) -> torch.Tensor:
-        return _zeropower_via_newtonschulz(block, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
     def state_bytes(self, dtype: torch.dtype, group: Group) -> int:
         return dtype.itemsize  # one buffer, half of AdamW's two
 
 
 MUON = MuonRule()  # stateless: shared
+
+
+def ns_dtype(group: Group) -> torch.dtype:
+    """The dtype a group's Newton-Schulz runs in."""
+    return NS_DTYPES[group.get(NS_DTYPE_KEY, NS_DTYPE_DEFAULT)]
+
+
+def orthogonalise(block: torch.Tensor, group: Group) -> torch.Tensor:
+    """Newton-Schulz of one matrix with the group's hyper-parameters: torch's own in bf16 (bitwise
+    torch.optim.Muon), `newton_schulz` in fp32."""
+    hyper = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+    if ns_dtype(group) == torch.bfloat16:
+        return _zeropower_via_newtonschulz(block, *hyper)
+    return newton_schulz(block, *hyper, dtype=ns_dtype(group))
+
+
+def newton_schulz(
+    matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, *, dtype: torch.dtype
+) -> torch.Tensor:
+    """The quintic Newton-Schulz iteration torch.optim.Muon runs (X <- aX + (bG + cG^2)X with G = XX^T, on the wide
+    orientation, after dividing by the Frobenius norm clamped at `eps`), in `dtype`; returns `dtype`."""
+    a, b, c = coefficients
+    tall = matrix.size(0) > matrix.size(1)
+    x = matrix.to(dtype).mT if tall else matrix.to(dtype)  # the Gram matrix is min(out, in) square
+    x = x / x.norm().clamp(min=eps)  # a new tensor: the caller's update is left alone
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
 
 
 def check_shape(shape: torch.Size, row_splits: tuple[int, ...] | None = None) -> None:
@@ -153,9 +185,7 @@ def orthogonalise_zeros(shapes: set[tuple[int, int]], group: Group, device: torc
     about 2 MiB per shape behind (the kernel probe counts them as the runtime's: engine/runtime_memory.py)."""
     hyper = {**MUON_DEFAULTS, **group}
     for shape in sorted(shapes):
-        _zeropower_via_newtonschulz(
-            torch.zeros(shape, device=device), hyper["ns_coefficients"], hyper["ns_steps"], hyper["eps"]
-        )
+        orthogonalise(torch.zeros(shape, device=device), hyper)
 
 
 def check_hyperparameters(
@@ -173,3 +203,11 @@ def check_hyperparameters(
         raise ValueError(f"ns_coefficients must be 3 values (a, b, c); got {tuple(ns_coefficients)}")
     if not 0 <= ns_steps < 100:
         raise ValueError(f"ns_steps={ns_steps} must be in 0..99")
+
+
+def ns_dtype_name(value: torch.dtype | str) -> str:
+    """`ns_dtype` as a group holds it ("torch.bfloat16" / "torch.float32"), from a dtype or that name."""
+    name = str(value) if isinstance(value, torch.dtype) else value
+    if name not in NS_DTYPES:
+        raise ValueError(f"ns_dtype={value}: Newton-Schulz runs in {', '.join(NS_DTYPES)}")
+    return name

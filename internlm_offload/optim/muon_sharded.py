@@ -4,9 +4,10 @@ Newton-Schulz of a shard is not Newton-Schulz of the matrix (muon.md trip-wire 3
 elementwise on the local shards, is gathered whole before it is orthogonalised:
 - a stack `[E, out, in]` sharded on its expert dim only (expert parallel, FSDP2 over whole experts) holds whole
   experts on every rank: each is orthogonalised where it is, with no communication (XTuner's "local" path);
-- any other layout: every rank all-gathers the update in bf16 (Newton-Schulz casts to bf16 first, so the gathered
-  bits are the ones one process orthogonalises, at half the bytes of fp32), orthogonalises each logical matrix
-  whole and applies the part it holds (Megatron's "duplicated" mode: one all-gather of 2 bytes per element per
+- any other layout: every rank all-gathers the update in Newton-Schulz's dtype (bf16 by default: Newton-Schulz
+  casts to it first, so the gathered bits are the ones one process orthogonalises, at half the bytes of fp32; fp32
+  under `ns_dtype="torch.float32"`, or the update's own dtype where that is narrower), orthogonalises each logical
+  matrix whole and applies the part it holds (Megatron's "duplicated" mode: one all-gather of 2 bytes per element per
   step, and W ranks each run every Newton-Schulz; an owner-per-matrix all-to-all would divide that work by W).
 The lr ratio is the logical matrix's, from the global shape.
 """
@@ -34,9 +35,11 @@ def sharded_matrix_step(
     orthogonalise: Orthogonalise,
     scale: Scale,
     decay: float,
+    ns_dtype: torch.dtype = torch.bfloat16,
 ) -> None:
     """Decay `param` by `decay` and add each logical matrix's orthogonalised `update` (`blocks(shape)` indexes
-    them) times `-scale(block shape)`, on this rank's part of `param`."""
+    them) times `-scale(block shape)`, on this rank's part of `param`; `ns_dtype`: the dtype `orthogonalise`
+    casts to first."""
     local = param.to_local()
     if experts_whole_here(param):
         local_update = update.to_local()
@@ -45,7 +48,9 @@ def sharded_matrix_step(
             block = orthogonalise(local_update[index])
             local[index].add_(block, alpha=-scale(block.shape))
         return
-    whole = update.to(torch.bfloat16).full_tensor()  # the same collective on every rank, in the params' order
+    # the same collective on every rank, in the params' order; the cast first (a narrower update is not widened)
+    wire = ns_dtype if ns_dtype.itemsize < update.dtype.itemsize else update.dtype
+    whole = update.to(wire).full_tensor()
     with torch.device("cpu"):  # its offsets are a host tensor it reads: not on the planner's default meta device
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     local.mul_(decay)

@@ -1,6 +1,8 @@
 """Muon over DTensor params on two gloo processes: each logical matrix is orthogonalised whole, so every layout
 steps bitwise as one process steps the whole tensors (rows or columns sharded, an uneven shard, row blocks that
-cross the shard boundary, an expert stack sharded by experts (no gather) or inside its experts)."""
+cross the shard boundary, an expert stack sharded by experts (no gather) or inside its experts), with Newton-Schulz
+in bf16 (torch's) and in fp32 (`ns_dtype`, the update gathered in fp32); the bytes each rank receives per step are
+the documented cost (bench/muon_comm.py counts them the same way)."""
 
 import os
 import sys
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from internlm_offload.bench.muon_comm import Collectives
 from internlm_offload.optim import Muon
 
 dist.init_process_group("gloo")
@@ -31,20 +34,35 @@ def groups(params):
 
 gen = torch.Generator().manual_seed(0)
 initial = [torch.randn(shape, generator=gen) for shape, _, _ in CASES]
-whole = [torch.nn.Parameter(t.clone()) for t in initial]
-sharded = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(dim)])) for t, (_, dim, _) in zip(initial, CASES)]
-ref = Muon(groups(whole), lr=0.02, adjust_lr_fn="match_rms_adamw")
-opt = Muon(groups(sharded), lr=0.02, adjust_lr_fn="match_rms_adamw")
-for step in range(3):
-    gen = torch.Generator().manual_seed(100 + step)
-    for p, q, (shape, dim, _) in zip(whole, sharded, CASES):
-        grad = torch.randn(shape, generator=gen)
-        p.grad, q.grad = grad, distribute_tensor(grad.clone(), mesh, [Shard(dim)])
-    ref.step()
-    opt.step()
-for index, (p, q) in enumerate(zip(whole, sharded)):
-    assert torch.equal(p.detach(), q.full_tensor()), f"case {CASES[index]} differs"
-    assert torch.equal(ref.state[p]["momentum_buffer"], opt.state[q]["momentum_buffer"].full_tensor())
+counter = Collectives(2)
+
+
+def padded(shape, dim):
+    return torch.Size([size + size % 2 if d == dim else size for d, size in enumerate(shape)]).numel()
+
+
+# elements each rank receives per step (the other half of each gathered matrix; DTensor pads an uneven shard)
+GATHERED = sum(padded(shape, dim) for shape, dim, _ in CASES if (len(shape), dim) != (3, 0)) // 2
+for ns_dtype in (torch.bfloat16, torch.float32):  # Newton-Schulz's dtype, and the gathered update's
+    whole = [torch.nn.Parameter(t.clone()) for t in initial]
+    sharded = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(dim)]))
+               for t, (_, dim, _) in zip(initial, CASES)]
+    ref = Muon(groups(whole), lr=0.02, adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype)
+    opt = Muon(groups(sharded), lr=0.02, adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 + step)
+        for p, q, (shape, dim, _) in zip(whole, sharded, CASES):
+            grad = torch.randn(shape, generator=gen)
+            p.grad, q.grad = grad, distribute_tensor(grad.clone(), mesh, [Shard(dim)])
+        ref.step()
+        with counter:
+            opt.step()
+        # one all-gather per matrix but the stack sharded by experts, in Newton-Schulz's dtype: N (W - 1) / W each
+        got = counter.take()
+        assert got == ({"all_gather_into_tensor": len(CASES) - 1}, GATHERED * ns_dtype.itemsize), (got, GATHERED)
+    for index, (p, q) in enumerate(zip(whole, sharded)):
+        assert torch.equal(p.detach(), q.full_tensor()), f"{ns_dtype}: case {CASES[index]} differs"
+        assert torch.equal(ref.state[p]["momentum_buffer"], opt.state[q]["momentum_buffer"].full_tensor())
 print(f"MUON-SHARDED-OK rank={rank}", flush=True)
 from internlm_offload.engine.runtime import shutdown_runtime
 

@@ -16,7 +16,7 @@ from internlm_offload.model import InternLM2
 from internlm_offload.optim import HybridDeviceOptimizer, SwapAdamW
 from internlm_offload.optim.adamw_rule import ADAMW
 from internlm_offload.optim.grad_offload import GradOffload
-from internlm_offload.optim.muon_rule import MUON, ROW_SPLITS_KEY
+from internlm_offload.optim.muon_rule import MUON, NS_DTYPE_KEY, ROW_SPLITS_KEY
 from internlm_offload.optim.rule_optimizer import RuleOptimizer
 from internlm_offload.optim.rules import RULE_KEY
 
@@ -40,11 +40,11 @@ def make_params() -> list[torch.nn.Parameter]:
 
 
 def groups_of(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
-    """Muon over the matrices and the stack, Muon per row block over the split matrix, fused AdamW over the vector
-    (fused: the hybrid optimizer's CPU side steps AdamW fused)."""
+    """Muon over the matrices and the stack, Muon per row block (Newton-Schulz in fp32) over the split matrix, fused
+    AdamW over the vector (fused: the hybrid optimizer's CPU side steps AdamW fused)."""
     return [
         {"params": params[:3], **MUON_KEYS},
-        {"params": [params[3]], **MUON_KEYS, ROW_SPLITS_KEY: (4, 2, 4, 2)},
+        {"params": [params[3]], **MUON_KEYS, ROW_SPLITS_KEY: (4, 2, 4, 2), NS_DTYPE_KEY: "torch.float32"},
         {"params": [params[4]], "fused": True},
     ]
 

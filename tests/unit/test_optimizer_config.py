@@ -71,9 +71,10 @@ def test_muon_takes_the_matrices_adamw_the_embedding_head_norms_and_biases() -> 
     assert some["adjust_lr_fn"] == "match_rms_adamw"  # an AdamW-tuned lr works as it is
     assert (some["lr"], some["weight_decay"]) == (cfg.adam.lr, cfg.adam.weight_decay)  # the same lr and decay
     assert groups["tok_embeddings.weight"]["weight_decay"] == cfg.adam.weight_decay
-    own = resolve_config({"optimizer": {"type": "muon", "muon": {"lr": 0.02, "weight_decay": 0.1}}})
-    some = rules_by_name(own, model)[next(iter(muon))]
-    assert (some["lr"], some["weight_decay"]) == (0.02, 0.1)
+    assert some["ns_dtype"] == "torch.bfloat16"  # torch's Newton-Schulz
+    own = {"lr": 0.02, "weight_decay": 0.1, "ns_dtype": "torch.float32"}
+    some = rules_by_name(resolve_config({"optimizer": {"type": "muon", "muon": own}}), model)[next(iter(muon))]
+    assert (some["lr"], some["weight_decay"], some["ns_dtype"]) == (0.02, 0.1, "torch.float32")
 
 
 def test_muon_steps_stacked_experts_and_mla_row_blocks_apart() -> None:
@@ -98,6 +99,7 @@ def test_muon_steps_stacked_experts_and_mla_row_blocks_apart() -> None:
     [
         ({"optimizer": {"type": "muon", "muon": {"adjust_lr_fn": "spectral"}}}, "optimizer.muon.adjust_lr_fn"),
         ({"optimizer": {"type": "muon", "muon": {"ns_steps": 100}}}, "optimizer.muon.ns_steps"),
+        ({"optimizer": {"type": "muon", "muon": {"ns_dtype": "torch.float16"}}}, "optimizer.muon.ns_dtype"),
         ({"optimizer": {"type": "lion"}}, "optimizer.type"),
         (
             {"optimizer": {"type": "muon"}, "parallel": {"mode": "fsdp2"}, "swap_optimizer": True},

@@ -23,6 +23,7 @@ class LoraConfig(Section):
         None,
         description="Linear modules that get an adapter, matched by name suffix as in PEFT. `internlm2`: "
         "q_proj/k_proj/v_proj/o_proj/gate_proj/up_proj/down_proj or the native wq/wk/wv/wo/w1/w3/w2; "
+        "`gpt_oss`: its attention's q_proj/k_proj/v_proj/o_proj or wq/wk/wv/wo; "
         "`hf_causal_lm`: the Hugging Face model's own module names. Default: PEFT's llama default, "
         "`['q_proj', 'v_proj']`. On a mixture of experts the MLP names adapt the dense blocks' and the shared "
         "experts' linears; the router and the routed experts stay frozen.",
@@ -82,7 +83,7 @@ def check_lora(model: Any) -> None:
         return
     if not capabilities(model.type).lora:
         raise ValueError(f"model.lora is built for model.type={families_with('lora')}; not {model.type!r}")
-    if capabilities(model.type).native_names:
+    if family_spec(model.type).module_names:
         native_targets(model.lora, model.type)  # raises naming a target the decoder does not have
     if model.num_experts and model.quantization_config is not None:
         raise ValueError(

@@ -33,7 +33,7 @@ from collections.abc import Collection
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -106,6 +106,8 @@ def apply_tensor_parallel(
         if mode == "fsp" and gather_again_in is not None and index not in gather_again_in:
             block_mode = "msp"
         parallelize_module(block, tp_mesh, _block_styles(block_mode, block_plan, tp_mesh.size()))
+        for name in block_plan.head_params:
+            split_with_heads(block, name, tp_mesh)
         if block_mode == "fsp":
             attention = planned_module(block, index, block_plan.attention.module, feature)
             gather_in_backward_again(attention, local=bool(block_plan.attention.replicated))
@@ -124,6 +126,18 @@ def _block_names(plan: BlockPlan) -> list[str]:
     attention, feed_forward = plan.attention, plan.feed_forward
     regions = [attention.module, *attention.column, *attention.row, feed_forward.module, *feed_forward.column]
     return [*regions, *feed_forward.row, *plan.kv, *plan.norms, *(r.module for r in attention.replicated)]
+
+
+def split_with_heads(block: nn.Module, name: str, tp_mesh: DeviceMesh) -> None:
+    """A per-head parameter of the attention (`BlockPlan.head_params`: GPT-OSS's sinks) sharded on dim 0 as the
+    column projections shard their heads: rank r keeps the entries of its query heads; the module reads it as a
+    local tensor (`to_local`), whose gradient comes back as this shard's."""
+    path, _, attr = name.rpartition(".")
+    module = block.get_submodule(path)
+    param = getattr(module, attr)
+    # src_data_rank=None: every rank built the same whole tensor (the seed's draw, or meta): each cuts its own rows
+    sharded = distribute_tensor(param.data, tp_mesh, [Shard(0)], src_data_rank=None)
+    module.register_parameter(attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
 def check_heads(index: int, plan: BlockPlan, tensor_size: int, feature: str) -> None:

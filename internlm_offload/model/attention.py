@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from internlm_offload.model.hooks import ExchangesSequence
 from internlm_offload.model.mlp import ParamInit, normal_init
@@ -291,13 +292,24 @@ class Attention(nn.Module, ExchangesSequence):
         if self.sinks is None and self.window is None:
             out = attend(q, k, v, documents, flash=uses_flash(self.attn_impl, x))
         else:
-            out = attend_masked(q, k, v, self._allowed(documents, q.shape[1], x.device), self.sinks)
+            out = attend_masked(q, k, v, self._allowed(documents, q.shape[1], x.device), self._own_sinks())
         if exchange is not None:
             out = exchange(out, scatter_dim=1, gather_dim=2)
         out = out.reshape(B, T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(B, T, -1))
         return self.wo(out)  # (B, T, C)
+
+    def _own_sinks(self) -> torch.Tensor | None:
+        """The sinks of the query heads this rank attends with: under tensor parallel its shard (split with the
+        heads: engine/tensor_parallel.py `split_with_heads`), under isp its chunk of the whole (the heads the
+        exchange hands it), else all."""
+        sinks = self.sinks
+        if isinstance(sinks, DTensor):
+            return sinks.to_local()
+        if sinks is not None and self.sequence_exchange is not None:
+            return self.sequence_exchange.own_heads(sinks, dim=0)
+        return sinks
 
     def _allowed(self, documents: Documents | None, seq_len: int, device: torch.device) -> torch.Tensor:
         """Where a query may attend: within its document, causal, within the window (if any); the sinks' column

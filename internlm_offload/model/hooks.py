@@ -79,6 +79,11 @@ class SequenceExchange(Protocol):
         """Split `x` along `scatter_dim` over the ranks, gather what they send along `gather_dim`."""
         ...
 
+    def own_heads(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """This rank's contiguous chunk of `x` along a query-heads dim: the heads the exchange hands this rank (a
+        per-head parameter of a whole attention, GPT-OSS's sinks, goes with its heads)."""
+        ...
+
 
 class ExpertDispatchFn(Protocol):
     """Expert parallel's dispatch (engine/expert_parallel.py `ExpertDispatch`)."""

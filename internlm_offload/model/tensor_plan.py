@@ -48,7 +48,9 @@ class BlockPlan:
     after it, or with
     `sparse` a sparse block (a model/hooks.py `DispatchesExperts`: whole on every tensor rank, its experts what
     expert parallel shards), whose column and row are then empty; `norms`: replicated, sequence parallel under
-    msp / fsp.
+    msp / fsp; `head_params`: parameters of the attention with one entry per query head on dim 0 (GPT-OSS's sinks,
+    block-relative names such as "attention.sinks"), split with the heads under mtp / msp / fsp and cut to this
+    rank's heads under isp (by the attention itself: model/hooks.py `SequenceExchange.own_heads`).
     """
 
     attention: Region
@@ -58,6 +60,7 @@ class BlockPlan:
     sparse: bool = False
     norms: tuple[str, ...] = ()
     heads: int = 0
+    head_params: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.sparse and (self.feed_forward.column or self.feed_forward.row):

@@ -9,12 +9,14 @@ native model, others train as `hf_causal_lm` (experts balanced by a router bias 
 it, `model.router_bias_update_speed`), except families XTuner trains in a way not built here (vision-language models,
 multi-token prediction outside the `deepseek_v3` family): those are fatal, named. XTuner's DeepSeek-V3 lineage (`DeepSeekV3Config` with `load_from`,
 or `get_model_config_from_hf` of a DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash folder) maps onto the native
-`deepseek_v3` family (`deepseek.py`). Without `load_from`, XTuner's Qwen3 / Qwen3-MoE model classes and
+`deepseek_v3` family (`deepseek.py`), XTuner's GPT-OSS configs onto the native `gpt_oss` family (`gpt_oss.py`).
+Without `load_from`, XTuner's Qwen3 / Qwen3-MoE model classes and
 `get_model_config_from_hf` map onto the native model, initialised at random (`models.py`).
 """
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
@@ -27,6 +29,7 @@ from internlm_offload.model.families.internlm2.hf_config import native_model_val
 from internlm_offload.model.families.internlm2.hf_names import DENSE_TABLES
 from internlm_offload.weights.hf_folder import read_config
 from internlm_offload.xtuner.deepseek import bias_speed, family_model, names_the_family
+from internlm_offload.xtuner.gpt_oss import gpt_oss_model, names_gpt_oss
 from internlm_offload.xtuner.models import ModelClassError, model_from_xtuner
 from internlm_offload.xtuner.standins import Recorded, field, kind
 
@@ -107,6 +110,9 @@ def _model(t: Translation, trainer: Any) -> None:
     if names_the_family(model_cfg, load_from):
         _family_model(t, trainer, model_cfg, load_from)
         return
+    if names_gpt_oss(model_cfg, load_from):
+        _family_model(t, trainer, model_cfg, load_from, gpt_oss_model)
+        return
     if load_from is None:
         _model_class(t, trainer)
         return
@@ -121,10 +127,13 @@ def _model(t: Translation, trainer: Any) -> None:
     t.set("data", "tokenizer", str(tokenizer))
 
 
-def _family_model(t: Translation, trainer: Any, model_cfg: Any, load_from: Any) -> None:
-    """XTuner's DeepSeek-V3 lineage as the native family (`deepseek.py`); the tokenizer as for any model."""
+def _family_model(
+    t: Translation, trainer: Any, model_cfg: Any, load_from: Any, mapping: Callable[[Any, Any], Any] = family_model
+) -> None:
+    """XTuner's model config as a native family (`mapping`: the DeepSeek-V3 lineage's, `deepseek.py`, or GPT-OSS's,
+    `gpt_oss.py`); the tokenizer as for any model."""
     try:
-        mapped = family_model(model_cfg, load_from)
+        mapped = mapping(model_cfg, load_from)
     except (ModelClassError, CheckpointError) as exc:
         t.fatal.append(f"model_cfg={short(model_cfg)}: {exc}")
         return

@@ -2,7 +2,8 @@
 layers of 128-token rows, biased router and clamped-SwiGLU experts) composed with the trainer: the memory tiers
 bitwise against the family's baseline (loss, grad norm and the expert loads of every step), FSDP2 on two processes
 and expert parallel over them under DDP within 1e-5 of one process, and a folder made by transformers (its experts
-in MXFP4, as the release ships them) trained from the folder alone."""
+in MXFP4, as the release ships them) trained from the folder alone; tensor parallel (msp), isp and a pipeline of 2
+stages within 1e-5 of one process too."""
 
 from pathlib import Path
 
@@ -72,6 +73,32 @@ def test_two_processes_follow_one_process(tmp_path, baseline, layout):
     proc = train(run, *STEPS, *layout, config=GPT_OSS, nproc=2)
     if "parallel.expert.size=2" in layout:
         assert "4 sparse blocks, 4 of 8 experts each" in proc.stderr
+    assert_curves(baseline, run, WITHIN)
+
+
+# one launch per split: mtp's column / row is msp's without the sequence shards, fsp msp's numerics
+@pytest.mark.parametrize(
+    ("layout", "applied"),
+    [
+        (["parallel.tensor.size=2", "parallel.tensor.mode=msp", "parallel.mode=fsdp2", "parallel.expert.no_tp=True"],
+         "Applied tensor parallel msp over 2 ranks"),
+        (["parallel.tensor.size=2", "parallel.tensor.mode=isp", "parallel.mode=ddp"],
+         "Applied tensor parallel isp over 2 ranks"),
+        (["parallel.pipeline.size=2"], "Pipeline rank 0 of 2: stages [0] of 2"),
+    ],
+    ids=["msp", "isp", "pipeline2"],
+)  # fmt: skip
+def test_the_splits_follow_one_process(tmp_path, baseline, layout, applied):
+    """T=2 msp under FSDP2: q/k/v column parallel with their biases, o row parallel (its bias added once after the
+    reduce-scatter), each rank's 2 of the 4 sinks with its 2 query heads (1 kv head each), every sparse block whole
+    routing its rank's chunk of the sequence; isp under DDP: each rank's 32 of 64 tokens, Ulysses handing it 2 heads
+    for the whole sequence and its attention cutting the same 2 sinks; a pipeline of 2 stages (2 blocks each, a
+    sliding and a full one). Loss and grad norm within 1e-5 (relative) of one process. Red with every rank attending
+    with rank 0's sinks (msp and isp alike: step 1's loss 5.53414 against 5.53397) and with a stage dropping YaRN's
+    attention factor (step 1's loss 5.53460)."""
+    run = tmp_path / "run"
+    proc = train(run, *STEPS, *layout, config=GPT_OSS, nproc=2)
+    assert applied in proc.stderr
     assert_curves(baseline, run, WITHIN)
 
 

@@ -101,11 +101,14 @@ def test_a_config_that_imports_the_stub_family_trains_it_as_the_native_family_tr
     assert sorted(stub_losses) == [1, 2, 3] and stub_losses == losses(tmp_path / "native")
 
 
+SPLITS = "splits model.type='deepseek_v3' / 'gpt_oss' / 'internlm2', not 'stub_llama'"  # the families with a plan
+
+
 @pytest.mark.parametrize(
     "section, refusal",
     [
-        ({"parallel": {"pipeline": {"size": 2}}}, "splits model.type='deepseek_v3' / 'internlm2', not 'stub_llama'"),
-        ({"parallel": {"tensor": {"size": 2}}}, "splits model.type='deepseek_v3' / 'internlm2', not 'stub_llama'"),
+        ({"parallel": {"pipeline": {"size": 2}}}, SPLITS),
+        ({"parallel": {"tensor": {"size": 2}}}, SPLITS),
         ({"model": {"num_experts": 4}}, "builds the experts of model.type='internlm2'; a 'stub_llama' model"),
     ],
 )

@@ -148,9 +148,8 @@ def gpt_oss(**sections: object) -> dict:
 @pytest.mark.parametrize(
     "sections, fragment",
     [
-        ({"parallel": {"mode": "fsdp2", "tensor": {"size": 2, "mode": "msp"}, "expert": {"no_tp": True}}}, "gpt_oss"),
-        ({"parallel": {"tensor": {"size": 2, "mode": "isp"}}}, "gpt_oss"),
-        ({"parallel": {"pipeline": {"size": 2}}}, "parallel.pipeline"),
+        ({"parallel": {"mode": "fsdp2", "tensor": {"size": 2, "mode": "msp"}}}, "parallel.expert.no_tp=False"),
+        ({"model": {"lora": {"r": 4, "target_modules": ["gate_proj"]}}}, "'gate_proj' is not a linear of"),
         ({"model": {"attn_impl": "flash"}}, "model.attn_impl='flash'"),
         ({"ckpt": {"load_ckpt_info": {"path": "/x", "content": ("model",), "ckpt_type": "hf"}}}, "model.hf_path"),
     ],
@@ -164,12 +163,27 @@ def test_what_is_not_built_is_refused_in_one_line(sections, fragment):
     assert fragment in message, message
 
 
-@pytest.mark.parametrize(
-    "model, fragment",
-    [({"lora": {"r": 4}}, "model.lora"), ({"balancing_loss": "global_batch"}, "model.balancing_loss")],
-)
-def test_the_config_refuses_lora_and_a_balancing_loss(model, fragment):
+def test_the_config_refuses_a_balancing_loss():
     from internlm_offload.config import ConfigError, resolve_config
 
-    with pytest.raises(ConfigError, match=fragment):
-        resolve_config(gpt_oss(model=model))
+    with pytest.raises(ConfigError, match="model.balancing_loss"):
+        resolve_config(gpt_oss(model={"balancing_loss": "global_batch"}))
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"mode": "fsdp2", "tensor": {"size": 2, "mode": "msp"}, "expert": {"no_tp": True}},
+        {"mode": "ddp", "tensor": {"size": 2, "mode": "isp"}},
+        {"pipeline": {"size": 2}},
+    ],
+    ids=["msp", "isp", "pipeline"],
+)
+def test_the_splits_and_lora_are_taken(parallel):
+    """The layouts tests/e2e/test_gpt_oss_e2e.py trains, and LoRA on the attention (transformers' names mapped)."""
+    from internlm_offload.builder.model import lora_targets
+    from internlm_offload.config import resolve_config
+
+    resolve_config(gpt_oss(parallel=parallel, data={"micro_num": 2}), world_size=2)
+    cfg = resolve_config(gpt_oss(model={"lora": {"r": 4, "target_modules": ["q_proj", "o_proj", "wk"]}}))
+    assert lora_targets(cfg.model) == ["wq", "wo", "wk"]

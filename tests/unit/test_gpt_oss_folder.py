@@ -1,6 +1,7 @@
 """A GPT-OSS folder made by transformers, from the folder alone (model/families/gpt_oss): transformers' step-1 loss and
-grad norm (fp32, one document a row), packed documents each their own (full and sliding layers), the `--hf` folder
-written back bit for bit, and an MXFP4 folder's experts dequantised on load (whole and a piece at a time)."""
+grad norm (fp32, one document a row), packed documents each their own (full and sliding layers), LoRA on the
+attention as PEFT puts it on transformers' model, the `--hf` folder written back bit for bit, and an MXFP4 folder's
+experts dequantised on load (whole and a piece at a time)."""
 
 from pathlib import Path
 
@@ -119,3 +120,45 @@ def test_an_mxfp4_folder_is_dequantised_into_the_stacked_experts(tmp_path):
     write_family_folder(model.state_dict(), layout, folder_config(cfg), tmp_path / "out", torch.bfloat16)
     out = load_file(tmp_path / "out" / "model.safetensors")
     assert torch.equal(out["model.layers.1.mlp.experts.gate_up_proj"], gate_up.to(torch.bfloat16))  # exact in bf16
+
+
+def test_lora_on_the_attention_follows_peft_on_transformers(tmp_path):
+    """`model.lora` on q/k/v/o (transformers' names) of a folder: adapters on every block's wq/wk/wv/wo and nowhere
+    else (sinks, router and stacked experts frozen); with the same A and B (B drawn nonzero) the loss and every
+    adapter's gradient are those of PEFT's `get_peft_model` on transformers' GptOssForCausalLM within 1e-5. Red with
+    o_proj mapped to wq (adapters on wq only, none on wo: the adapters' names differ)."""
+    peft = pytest.importorskip("peft")
+    from internlm_offload.builder.model import add_adapters
+    from internlm_offload.model.lora import adapter_parameters
+
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    theirs = peft.get_peft_model(transformers_folder(tmp_path / "gpt_oss"), peft.LoraConfig(**lora))
+    cfg = ModelConfig(type="gpt_oss", hf_path=str(tmp_path / "gpt_oss"), lora=lora)
+    model = build_model(cfg, torch.device("cpu"))
+    add_adapters(cfg, model)
+    ours = dict(adapter_parameters(model))
+    names = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
+             "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo"}  # fmt: skip
+
+    def our_name(name: str) -> str:
+        name = name.removeprefix("base_model.model.model.")
+        for hf, native_name in names.items():
+            name = name.replace(hf, native_name)
+        return name
+
+    adapters = {our_name(n): p for n, p in theirs.named_parameters() if "lora_" in n}
+    assert adapters.keys() == ours.keys() and len(ours) == 3 * 4 * 2
+    assert all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+    with torch.no_grad():
+        for name, param in ours.items():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+            adapters[name].copy_(param)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    want = theirs(input_ids=ids, labels=ids).loss
+    got = F.cross_entropy(model(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for name, param in ours.items():
+        torch.testing.assert_close(param.grad, adapters[name].grad, rtol=1e-5, atol=1e-6, msg=name)

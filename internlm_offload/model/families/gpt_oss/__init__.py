@@ -5,7 +5,8 @@ and whose experts have biases and GPT-OSS's clamped SwiGLU.
 
 Built from a Hugging Face folder alone (`model.hf_path`; its MXFP4 experts dequantised on load) or its config
 (`model.hf_config`); docs/gpt_oss.md. `tools.export --hf` writes the folder back in bf16 / fp32 (never MXFP4).
-Tensor and sequence parallel, pipelines, LoRA and a balancing loss are refused in one line (not built).
+Tensor parallel (mtp / msp / fsp: the sinks split with their heads; isp: each rank's attention keeps its heads'
+sinks), pipelines and LoRA on the attention's projections are built; a balancing loss is refused in one line.
 """
 
 import json
@@ -17,6 +18,9 @@ from internlm_offload.family import Capabilities, FamilySpec, register_family
 MODEL_TYPE = "gpt_oss"
 # transformers' GptOssConfig defaults (gpt-oss-120b) for keys a config.json leaves out
 DEFAULT_EXPERTS, DEFAULT_TOP_K, DEFAULT_BLOCKS = 128, 4, 36
+# LoRA's targets: the attention's projections, as transformers names them -> as the model does (the experts are
+# stacked tensors, not linears: they stay frozen, as the router does)
+MODULE_NAMES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo"}
 
 
 def folder_config(model: Any) -> dict[str, Any]:
@@ -65,7 +69,10 @@ FAMILY = register_family(
         name="gpt_oss",
         entry="internlm_offload.model.families.gpt_oss.build",
         summary="GPT-OSS (sinks, sliding windows, biased router and clamped-SwiGLU experts) from a Hugging Face folder",
-        capabilities=Capabilities(init_per_param=True, folder_export=True),
+        capabilities=Capabilities(
+            tensor_parallel=True, pipeline=True, init_per_param=True, folder_export=True, lora=True
+        ),
+        module_names=MODULE_NAMES,
         check_section=check_section,
         routed_experts=routed_experts,
         experts_per_token=experts_per_token,

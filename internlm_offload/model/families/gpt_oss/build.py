@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from internlm_offload.config import ConfigError, ModelConfig
+from internlm_offload.config.lora import native_targets
 from internlm_offload.model.families.deepseek_v3.build import raw_config
 from internlm_offload.model.families.gpt_oss.args import args_from_config
 from internlm_offload.model.families.gpt_oss.hf_names import HF_GPT_OSS, read_experts, write_experts
@@ -57,3 +58,9 @@ def folder_config(cfg: ModelConfig) -> Any:
     config = transformers_config(cfg)
     config.architectures = [CAUSAL_LM]
     return config
+
+
+def lora_targets(cfg: ModelConfig) -> list[str]:
+    """`model.lora.target_modules` as the model names the attention's projections (transformers' names translated)."""
+    assert cfg.lora is not None
+    return native_targets(cfg.lora, cfg.type)

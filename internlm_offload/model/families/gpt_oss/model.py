@@ -71,10 +71,10 @@ class GptOss(Decoder):
         self.num_experts = args.num_local_experts
 
     def tensor_plan(self) -> TensorPlan:
-        """Where expert parallel finds the sparse blocks (every block; model/tensor_plan.py). Tensor parallel is not
-        built for this family (its capability is off: the sinks would split with their heads and o_proj's bias be
-        added once), so the attention's roles are named but never split."""
-        attention = Region("attention", column=("attention.wq", "attention.wk", "attention.wv"), row=("attention.wo",))
+        """Its modules by parallel role (model/tensor_plan.py): q/k/v column parallel with their biases, o row
+        parallel (its bias added once, after the reduce), the sinks split with their query heads; every block sparse
+        (whole on each tensor rank, its experts what expert parallel shards)."""
+        attention = Region("attention", column=("attention.wq",), row=("attention.wo",), extra_args=2)  # rope, docs
         block = BlockPlan(
             attention=attention,
             kv=("attention.wk", "attention.wv"),
@@ -83,6 +83,7 @@ class GptOss(Decoder):
             sparse=True,
             norms=("attention_norm", "ffn_norm"),
             heads=self.args.num_attention_heads,
+            head_params=("attention.sinks",),
         )
         return TensorPlan(
             embedding="tok_embeddings", final_norm="norm", head="output", blocks=(block,) * self.args.num_layers

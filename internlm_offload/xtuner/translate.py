@@ -15,6 +15,7 @@ or `get_model_config_from_hf` of a DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Fla
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
@@ -26,6 +27,7 @@ from internlm_offload.family import family_spec
 from internlm_offload.model.families.internlm2.hf_config import native_model_values
 from internlm_offload.model.families.internlm2.hf_names import DENSE_TABLES
 from internlm_offload.weights.hf_folder import read_config
+from internlm_offload.xtuner import qwen3_5
 from internlm_offload.xtuner.deepseek import bias_speed, family_model, names_the_family
 from internlm_offload.xtuner.models import ModelClassError, model_from_xtuner
 from internlm_offload.xtuner.standins import Recorded, field, kind
@@ -107,6 +109,9 @@ def _model(t: Translation, trainer: Any) -> None:
     if names_the_family(model_cfg, load_from):
         _family_model(t, trainer, model_cfg, load_from)
         return
+    if qwen3_5.names_the_family(model_cfg, load_from):  # Qwen3.5 / Qwen3-Next (qwen3_5.py)
+        _family_model(t, trainer, model_cfg, load_from, qwen3_5.family_model)
+        return
     if load_from is None:
         _model_class(t, trainer)
         return
@@ -121,10 +126,13 @@ def _model(t: Translation, trainer: Any) -> None:
     t.set("data", "tokenizer", str(tokenizer))
 
 
-def _family_model(t: Translation, trainer: Any, model_cfg: Any, load_from: Any) -> None:
-    """XTuner's DeepSeek-V3 lineage as the native family (`deepseek.py`); the tokenizer as for any model."""
+def _family_model(
+    t: Translation, trainer: Any, model_cfg: Any, load_from: Any, build: Callable[[Any, Any], Any] = family_model
+) -> None:
+    """XTuner's model as a native family (`build`: the DeepSeek-V3 lineage's, `deepseek.py`, unless given); the
+    tokenizer as for any model."""
     try:
-        mapped = family_model(model_cfg, load_from)
+        mapped = build(model_cfg, load_from)
     except (ModelClassError, CheckpointError) as exc:
         t.fatal.append(f"model_cfg={short(model_cfg)}: {exc}")
         return

@@ -26,10 +26,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +34,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from internlm_offload.bench.timing import Variant, alternate, rel_err, summarize
 from internlm_offload.model.decoder import DecoderLayer
 from internlm_offload.model.families.deepseek_v3.args import args_from_config
 from internlm_offload.model.families.deepseek_v3.hf_names import HF_MLA_MOE
@@ -56,17 +54,6 @@ QUICK = {
 }  # fmt: skip
 MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::_grouped_mm", "aten::addmm")
 LAYER = "model.layers.{}."  # transformers' prefix of block i's names in its folders
-
-
-@dataclass
-class Variant:
-    """One block and the times of its timed steps."""
-
-    name: str
-    step: Callable[[], tuple[torch.Tensor, torch.Tensor]]
-    block: nn.Module
-    wall_s: list[float] = field(default_factory=list)
-    cpu_s: list[float] = field(default_factory=list)
 
 
 def hf_config(args: argparse.Namespace) -> Any:
@@ -186,11 +173,6 @@ def pair(args: argparse.Namespace, kind: str) -> tuple[Variant, Variant]:
     return Variant(f"transformers_{kind}", theirs, hf), Variant(f"native_{kind}", ours, native)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """|a - b| / |b| (Frobenius norms)."""
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
-
-
 def agreement(hf: Variant, native: Variant, kind: str) -> dict[str, float]:
     """Relative errors of output, input gradient and parameter gradients (the worst) after one step each."""
     out_hf, dx_hf = hf.step()
@@ -201,25 +183,6 @@ def agreement(hf: Variant, native: Variant, kind: str) -> dict[str, float]:
     for v in (hf, native):
         v.block.zero_grad(set_to_none=True)
     return {"output": rel_err(out_n, out_hf), "input_grad": rel_err(dx_n, dx_hf), "param_grads": worst}
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of one call."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
-def time_variants(variants: list[Variant], args: argparse.Namespace) -> None:
-    """Warm-up steps, then timed ones, alternating (rotating which goes first)."""
-    for rep in range(args.warmup + args.repeats):
-        k = rep % len(variants)
-        for v in variants[k:] + variants[:k]:
-            wall, cpu = timed(v.step)
-            v.block.zero_grad(set_to_none=True)
-            if rep >= args.warmup:
-                v.wall_s.append(wall)
-                v.cpu_s.append(cpu)
 
 
 def profile_variants(variants: list[Variant], steps: int) -> dict[str, dict[str, Any]]:
@@ -247,19 +210,6 @@ def op_split(self_us: dict[str, float], steps: int) -> dict[str, Any]:
         "cpu_s_per_step": total_us / 1e6 / steps,
         "matmul_share": matmul_us / total_us,
         "top_ops_self_s_per_step": {op: self_us[op] / 1e6 / steps for op in top},
-    }
-
-
-def summarize(v: Variant, base: Variant) -> dict[str, Any]:
-    """The JSON record of one variant; ratios are against `base` (transformers' block of the same kind)."""
-    return {
-        "name": v.name,
-        "wall_s": v.wall_s,
-        "cpu_s": v.cpu_s,
-        "wall_s_median": statistics.median(v.wall_s),
-        "cpu_s_median": statistics.median(v.cpu_s),
-        "ratio_wall": statistics.median(v.wall_s) / statistics.median(base.wall_s),
-        "ratio_cpu": statistics.median(v.cpu_s) / statistics.median(base.cpu_s),
     }
 
 
@@ -374,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if bad:
         raise SystemExit(f"the native block disagrees with transformers' (relative error over {tolerance:g}): {bad}")
     variants = [v for hf_native in pairs.values() for v in hf_native]
-    time_variants(variants, args)
+    alternate(variants, args.warmup, args.repeats)
     records = [summarize(v, pairs[kind][0]) for kind in pairs for v in pairs[kind]]
     profiles = profile_variants(variants, args.profile_steps)
     result = {"env": environment(args), "results": records, "relative_error": errors, "profiles": profiles}

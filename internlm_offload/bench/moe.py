@@ -22,10 +22,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,22 +32,13 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from internlm_offload.bench.timing import Variant, alternate, rel_err, summarize
 from internlm_offload.model.moe import MoE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUICK = {"tokens": 64, "hidden": 32, "intermediate": 16, "experts": 8, "top_k": 2, "repeats": 2, "warmup": 1}
 EXPERT_MATMUL_OP = "aten::_grouped_mm"
 HF_IMPLEMENTATIONS = ("grouped_mm", "eager")  # config._experts_implementation; the first is the ratios' base
-
-
-@dataclass
-class Variant:
-    """One block and the times of its timed steps."""
-
-    name: str
-    block: nn.Module
-    wall_s: list[float] = field(default_factory=list)
-    cpu_s: list[float] = field(default_factory=list)
 
 
 def hf_block(args: argparse.Namespace, experts_implementation: str) -> Qwen3MoeSparseMoeBlock:
@@ -96,17 +83,6 @@ def step(block: nn.Module, x: torch.Tensor, target: torch.Tensor) -> tuple[torch
     return out.detach(), x.grad
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of one call."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
-
-
 def agreement(hf: Qwen3MoeSparseMoeBlock, native: MoE, x: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
     """Relative errors of the native block's output and gradients against transformers' (one step each)."""
     for block in (hf, native):
@@ -126,18 +102,6 @@ def agreement(hf: Qwen3MoeSparseMoeBlock, native: MoE, x: torch.Tensor, target: 
     return errors
 
 
-def time_variants(variants: list[Variant], x: torch.Tensor, target: torch.Tensor, args: argparse.Namespace) -> None:
-    """Warm-up steps, then timed ones, alternating (rotating which goes first)."""
-    for rep in range(args.warmup + args.repeats):
-        k = rep % len(variants)
-        for v in variants[k:] + variants[:k]:
-            wall, cpu = timed(lambda v=v: step(v.block, x, target))
-            v.block.zero_grad(set_to_none=True)
-            if rep >= args.warmup:
-                v.wall_s.append(wall)
-                v.cpu_s.append(cpu)
-
-
 def profile_native(native: MoE, x: torch.Tensor, target: torch.Tensor, steps: int) -> dict[str, Any]:
     """The native block's CPU time by op over `steps` steps: the expert matmuls' share and the top ops."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -154,19 +118,6 @@ def profile_native(native: MoE, x: torch.Tensor, target: torch.Tensor, steps: in
         "expert_matmul_share": matmul_us / total_us,
         "dispatch_and_rest_share": 1 - matmul_us / total_us,
         "top_ops_self_s_per_step": {e.key: e.self_cpu_time_total / 1e6 / steps for e in top},
-    }
-
-
-def summarize(v: Variant, base: Variant) -> dict[str, Any]:
-    """The JSON record of one variant; ratios are against `base` (transformers' grouped_mm)."""
-    return {
-        "name": v.name,
-        "wall_s": v.wall_s,
-        "cpu_s": v.cpu_s,
-        "wall_s_median": statistics.median(v.wall_s),
-        "cpu_s_median": statistics.median(v.cpu_s),
-        "ratio_wall": statistics.median(v.wall_s) / statistics.median(base.wall_s),
-        "ratio_cpu": statistics.median(v.cpu_s) / statistics.median(base.cpu_s),
     }
 
 
@@ -252,8 +203,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     x = torch.randn(1, args.tokens, args.hidden, generator=gen).to(DTYPES[args.dtype])
     target = torch.randn(1, args.tokens, args.hidden, generator=gen)
     errors = {impl: agreement(block, native, x, target) for impl, block in hf.items()}
-    variants = [Variant(f"transformers_{impl}", block) for impl, block in hf.items()] + [Variant("native", native)]
-    time_variants(variants, x, target, args)
+    blocks = {f"transformers_{impl}": block for impl, block in hf.items()} | {"native": native}
+    variants = [Variant(name, lambda b=block: step(b, x, target), block) for name, block in blocks.items()]
+    alternate(variants, args.warmup, args.repeats)
     prof = profile_native(native, x, target, args.profile_steps)
     records = [summarize(v, variants[0]) for v in variants]
     result = {"env": environment(args), "results": records, "relative_error": errors, "native_profile": prof}

@@ -94,6 +94,33 @@ GLM5_DSA = {
     "model.hf_config.index_head_dim": 32,
     "model.hf_config.indexer_types": ["full", "shared"] * 3,
 }
+# Qwen3-Next (model.type="qwen3_next", docs/qwen3_next.md) built from config.json's keys: 8 blocks, three Gated DeltaNet
+# (the causal conv, the chunked rule's buffers: chunks of 64, the UT transform's solves, the state scanned over chunks)
+# for every gated full attention, every block 8 experts (top-2) beside the sigmoid-gated shared expert; half the blocks
+# recomputed (blocks 0-3: three DeltaNet, one attention).
+QWEN3_NEXT_CONFIG = {
+    "model_type": "qwen3_next",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 259,
+}
+QWEN3_NEXT = {
+    "model.type": "qwen3_next",
+    **{f"model.hf_config.{key}": value for key, value in QWEN3_NEXT_CONFIG.items()},
+    "model.checkpoint": 0.5,
+}
 SETTINGS: dict[str, dict[str, Any]] = {
     "baseline": {},
     "offload 3": {**OFFLOAD, "cpu_offloading.num_layers": 3},
@@ -129,6 +156,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "lora r=8 bf16": LORA,
     "deepseek mla 2 dense + 4 sparse + ckpt 0.5": DEEPSEEK,
     "glm5 dsa top-64 + ckpt 0.5": GLM5_DSA,
+    "qwen3_next 6 deltanet + 2 attention + ckpt 0.5": QWEN3_NEXT,
     "fsdp2 x2": {"parallel.mode": "fsdp2"},
     "fsdp2 x4 + swap + ckpt 0.5": {"parallel.mode": "fsdp2", "swap_optimizer": True, "model.checkpoint": 0.5},
     "mtp 2": {"parallel.tensor.size": 2, "parallel.tensor.mode": "mtp"},

@@ -28,6 +28,7 @@ from internlm_offload.family import check_run
 from internlm_offload.model.families.internlm2.hf_config import native_model_values
 from internlm_offload.model.families.internlm2.hf_names import DENSE_TABLES
 from internlm_offload.weights.hf_folder import read_config
+from internlm_offload.xtuner import qwen3_5
 from internlm_offload.xtuner.deepseek import bias_speed, family_model, names_the_family
 from internlm_offload.xtuner.gpt_oss import gpt_oss_model, names_gpt_oss
 from internlm_offload.xtuner.models import ModelClassError, model_from_xtuner
@@ -113,6 +114,9 @@ def _model(t: Translation, trainer: Any) -> None:
     if names_gpt_oss(model_cfg, load_from):
         _family_model(t, trainer, model_cfg, load_from, gpt_oss_model)
         return
+    if qwen3_5.names_the_family(model_cfg, load_from):  # Qwen3.5 / Qwen3-Next (qwen3_5.py)
+        _family_model(t, trainer, model_cfg, load_from, qwen3_5.family_model)
+        return
     if load_from is None:
         _model_class(t, trainer)
         return
@@ -130,8 +134,8 @@ def _model(t: Translation, trainer: Any) -> None:
 def _family_model(
     t: Translation, trainer: Any, model_cfg: Any, load_from: Any, mapping: Callable[[Any, Any], Any] = family_model
 ) -> None:
-    """XTuner's model config as a native family (`mapping`: the DeepSeek-V3 lineage's, `deepseek.py`, or GPT-OSS's,
-    `gpt_oss.py`); the tokenizer as for any model."""
+    """XTuner's model config as a native family (`mapping`: the DeepSeek-V3 lineage's, `deepseek.py`, GPT-OSS's,
+    `gpt_oss.py`, or Qwen3.5's, `qwen3_5.py`); the tokenizer as for any model."""
     try:
         mapped = mapping(model_cfg, load_from)
     except (ModelClassError, CheckpointError) as exc:

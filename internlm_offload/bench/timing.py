@@ -1,0 +1,63 @@
+"""The block benches' shared timing: variants stepped alternately in one process (the first of each round rotating,
+so a slow spell of the shared machine falls on all of them), wall and process CPU time per step, medians and their
+ratios to a base variant. Not imported by the library."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Variant:
+    """One thing to time: `step` runs it once (forward and backward), `block` holds the gradients to clear."""
+
+    name: str
+    step: Callable[[], Any]
+    block: nn.Module
+    wall_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def alternate(variants: list[Variant], warmup: int, repeats: int) -> None:
+    """`warmup` untimed rounds, then `repeats` timed ones; each round steps every variant once, rotating which goes
+    first, and clears its block's gradients after the step (outside the timing)."""
+    for rep in range(warmup + repeats):
+        k = rep % len(variants)
+        for v in variants[k:] + variants[:k]:
+            wall, cpu = timed(v.step)
+            v.block.zero_grad(set_to_none=True)
+            if rep >= warmup:
+                v.wall_s.append(wall)
+                v.cpu_s.append(cpu)
+
+
+def summarize(v: Variant, base: Variant) -> dict[str, Any]:
+    """The JSON record of one variant: its raw times, medians, and the medians' ratios to `base`'s."""
+    return {
+        "name": v.name,
+        "wall_s": v.wall_s,
+        "cpu_s": v.cpu_s,
+        "wall_s_median": statistics.median(v.wall_s),
+        "cpu_s_median": statistics.median(v.cpu_s),
+        "ratio_wall": statistics.median(v.wall_s) / statistics.median(base.wall_s),
+        "ratio_cpu": statistics.median(v.cpu_s) / statistics.median(base.cpu_s),
+    }
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| (Frobenius norms, in fp32)."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()

@@ -1,0 +1,132 @@
+"""XTuner v1's Qwen3.5 models as the native family, `model.type='qwen3_next'` (model/families/qwen3_next).
+
+Mapped: XTuner's Qwen3.5 text config classes (`Qwen3_5_VLTextMoE35BA3BConfig`, `Qwen3_5_VLTextMoEConfig`) and its
+vision-language class `Qwen3_5_VLMoE35BA3Config` (its `text_config` is the text class; `only_llm_forward` trains the
+text model alone) with `load_from` a text folder of the family (config.json's model_type `qwen3_5_moe_text`,
+`qwen3_5_text` or `qwen3_next`), and `get_model_config_from_hf(folder)` of such a folder. With `load_from` the model is
+that folder (`model.hf_path`; XTuner's class values give way to config.json, as for every folder here); without it,
+config.json's architecture initialised at random (`model.hf_config`). A vision-language folder (`qwen3_5`,
+`qwen3_5_moe`) stops in one line, as the family refuses it.
+
+What XTuner adds that the family does not compute: its balancing loss (`BalancingLossConfig`, on by default in the
+Qwen3.5 MoE classes: reported, as the DeepSeek lineage reports a z-loss; transformers' Qwen3-Next adds none unless asked
+for router logits), a z-loss; multi-token prediction (`mtp_config` with `num_layers` > 0) is fatal (not built for this
+family: the folder's `mtp.*` tensors are dropped on the read). Its GPU-only kernel choices (FP8, the token dispatcher,
+torch.compile) are reported as for the DeepSeek lineage.
+"""
+
+from pathlib import Path
+from typing import Any
+
+from internlm_offload.errors import CheckpointError
+from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, VISION_LANGUAGE
+from internlm_offload.weights.hf_folder import read_config
+from internlm_offload.xtuner.deepseek import FamilyModel, gpu_only_kernels
+from internlm_offload.xtuner.models import FROM_HF, ModelClassError
+from internlm_offload.xtuner.standins import field, kind
+
+TEXT_CLASSES = ("Qwen3_5_VLTextMoE35BA3BConfig", "Qwen3_5_VLTextMoEConfig")
+VISION_CLASSES = ("Qwen3_5_VLMoE35BA3Config",)  # a vision tower around one of TEXT_CLASSES (`text_config`)
+MODEL_TYPES = tuple(CAUSAL_LMS)  # what model.type='qwen3_next' builds
+TYPE = "qwen3_next"
+
+
+def names_the_family(model_cfg: Any, load_from: Any) -> bool:
+    """Whether XTuner's model config is a Qwen3.5 one: a Qwen3.5 class with `load_from`, or `get_model_config_from_hf`
+    of a folder of the family's model_types (or of a Qwen3.5 vision-language folder, to refuse it in one line)."""
+    if kind(model_cfg) in (*TEXT_CLASSES, *VISION_CLASSES):
+        return load_from is not None
+    return kind(model_cfg) == FROM_HF and _folder_type(model_cfg) in (*MODEL_TYPES, *VISION_LANGUAGE)
+
+
+def family_model(model_cfg: Any, load_from: Any) -> FamilyModel:
+    """The `model` section of an XTuner config that `names_the_family`; ModelClassError (or CheckpointError for an
+    unreadable folder): the one report line."""
+    name = kind(model_cfg)
+    text_cfg = field(model_cfg, "text_config") if name in VISION_CLASSES else model_cfg
+    if load_from is not None:
+        hf = _text_folder(Path(str(load_from)), f"load_from={str(load_from)!r}", name)
+        out = FamilyModel({"type": TYPE, "hf_path": str(load_from)})
+        out.carried.append(
+            f"model_cfg={name}, load_from -> model.type={TYPE!r}, model.hf_path (model_type={hf['model_type']!r}: "
+            "the folder's architecture and weights)"
+        )
+    else:
+        folder = Path(str(model_cfg.args[0] if model_cfg.args else field(model_cfg, "model_path")))
+        hf = _text_folder(folder, f"{FROM_HF}({str(folder)!r})", name)
+        out = FamilyModel({"type": TYPE, "hf_config": hf})
+        out.carried.append(
+            f"model_cfg={FROM_HF}({str(folder)!r}) -> model.type={TYPE!r}, model.hf_config (model_type="
+            f"{hf['model_type']!r}), initialised at random"
+        )
+    if name in VISION_CLASSES:
+        out.carried.append(_only_llm(model_cfg))
+    _no_mtp(text_cfg, out)
+    out.dropped.extend(_not_computed(text_cfg, name))
+    out.dropped.extend(gpu_only_kernels(text_cfg))
+    if text_cfg is not model_cfg and field(model_cfg, "compile_cfg") not in (None, False):
+        out.dropped.append(
+            "model_cfg.compile_cfg: XTuner's torch.compile of its model does not apply to the native model"
+        )
+    return out
+
+
+def _text_folder(folder: Path, where: str, name: str) -> dict[str, Any]:
+    """config.json of a text folder of the family; ModelClassError naming what is built for any other."""
+    hf = read_config(folder)
+    model_type = hf.get("model_type")
+    if model_type in MODEL_TYPES:
+        return hf
+    why = " (a vision-language folder: the vision tower is not built here)" if model_type in VISION_LANGUAGE else ""
+    raise ModelClassError(
+        f"{where}: model_type={model_type!r}{why}; model_cfg={name} maps onto model.type={TYPE!r}, which builds the "
+        f"text folders {', '.join(MODEL_TYPES)}"
+    )
+
+
+def _only_llm(model_cfg: Any) -> str:
+    """The vision-language class's `only_llm_forward`: the text model alone either way here."""
+    only_llm = field(model_cfg, "only_llm_forward")
+    return (
+        f"model_cfg.only_llm_forward={only_llm!r}: the text model (text_config) alone trains here, from a text folder "
+        "(no vision tower is built)"
+    )
+
+
+def _no_mtp(text_cfg: Any, out: FamilyModel) -> None:
+    """XTuner's multi-token prediction: none (or num_layers=0) carries; any depth is not built for this family."""
+    mtp = field(text_cfg, "mtp_config")
+    layers = field(mtp, "num_layers") if mtp is not None else 0
+    if layers:
+        raise ModelClassError(
+            f"model_cfg.mtp_config.num_layers={layers}: multi-token prediction is not built for model.type={TYPE!r} "
+            "(the folder's mtp.* tensors are dropped on the read); set NORMAL_MTP_LAYERS=0 / mtp_config=None"
+        )
+    out.carried.append(
+        f"model_cfg.mtp_config={'unset' if mtp is None else 'num_layers=0'} -> no multi-token prediction"
+    )
+
+
+def _not_computed(text_cfg: Any, name: str) -> list[str]:
+    """XTuner's losses the family does not compute, one line each (as the DeepSeek lineage reports a z-loss)."""
+    lines = []
+    balancing = field(text_cfg, "balancing_loss_cfg", "default")
+    if balancing == "default" and name != FROM_HF:  # XTuner's Qwen3.5 MoE classes default to BalancingLossConfig()
+        balancing = "BalancingLossConfig() (the class's default)"
+    if balancing not in (None, "default"):
+        lines.append(
+            f"model_cfg.balancing_loss_cfg={balancing}: XTuner's balancing loss is not computed by model.type={TYPE!r} "
+            "(nor by transformers' Qwen3-Next without output_router_logits); the experts' loads are logged"
+        )
+    if field(text_cfg, "z_loss_cfg") is not None:
+        lines.append(f"model_cfg.z_loss_cfg: XTuner's router z-loss is not computed by model.type={TYPE!r}")
+    return lines
+
+
+def _folder_type(model_cfg: Any) -> str | None:
+    """config.json's model_type of get_model_config_from_hf's folder; None where there is none to read."""
+    try:
+        folder = model_cfg.args[0] if model_cfg.args else field(model_cfg, "model_path")
+        return read_config(Path(str(folder))).get("model_type")
+    except (CheckpointError, AttributeError, TypeError, IndexError):
+        return None

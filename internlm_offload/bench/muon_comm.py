@@ -90,6 +90,7 @@ class Collectives(TorchDispatchMode):
         """(calls per collective, bytes received) since the last take; `seconds` restarts too."""
         taken = dict(self.calls), self.received
         self.calls, self.received, self.seconds = Counter(), 0, 0.0
+        self._started.clear()  # a collective whose wait this mode did not see: its id may come back later
         return taken
 
 

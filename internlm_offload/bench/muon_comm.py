@@ -12,8 +12,8 @@ parameters in two layouts:
 Three optimizers step each layout's copy, alternating step by step in the same processes, the first rotating:
 `adamw` (this trainer's AdamW, foreach), `muon_bf16` (Muon, Newton-Schulz in bf16 as torch's) and `muon_fp32`
 (`ns_dtype=torch.float32`). Every copy gets the same seeded gradients before every step. A dispatch mode counts the
-functional collectives `step()` issues and the bytes each rank receives (an all-gather's output less its own
-shard). The layout's own traffic (FSDP2's parameter all-gathers and gradient reduce-scatter, tensor parallel's
+functional collectives `step()` issues, the bytes each rank receives (an all-gather's output less its own
+shard) and the time from each collective's call to the end of its wait (a gather waits for the slower rank too). The layout's own traffic (FSDP2's parameter all-gathers and gradient reduce-scatter, tensor parallel's
 activations) is the same under every optimizer and is not counted; for scale, `fsdp2_own_bytes` gives FSDP2's per
 step for these matrices in fp32 (all-gather in forward and again in backward, reduce-scatter of the gradients:
 3 x 4 bytes x N (W - 1) / W per rank). Medians over the timed steps, rank 0's (a step ends in a rendezvous for
@@ -56,31 +56,41 @@ OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer
     "muon_fp32": lambda p: Muon(p, **MUON_HYPER, ns_dtype=torch.float32),
 }
 GATHER = "_c10d_functional.all_gather_into_tensor.default"
+WAIT = "_c10d_functional.wait_tensor.default"
 COLLECTIVES = ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor", "all_to_all_single", "broadcast")
 
 
 class Collectives(TorchDispatchMode):
-    """Counts each functional collective, and the bytes this rank receives by all-gathers."""
+    """Counts each functional collective, the bytes this rank receives by all-gathers, and the seconds from each
+    collective's call to the end of its wait."""
 
     def __init__(self, world: int) -> None:
         super().__init__()
         self.world = world
         self.calls: Counter[str] = Counter()
         self.received = 0
+        self.seconds = 0.0
+        self._started: dict[int, float] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         name = str(func)
         namespace, op = (name.split(".") + [""])[:2]
         if namespace == "_c10d_functional" and op in COLLECTIVES:
             self.calls[op] += 1
+            self._started[id(out)] = start
             if name == GATHER:
                 self.received += out.numel() * out.element_size() * (self.world - 1) // self.world
+        elif name == WAIT and id(args[0]) in self._started:
+            self.seconds += time.perf_counter() - self._started.pop(id(args[0]))
         return out
 
     def take(self) -> tuple[dict[str, int], int]:
+        """(calls per collective, bytes received) since the last take; `seconds` restarts too."""
         taken = dict(self.calls), self.received
-        self.calls, self.received = Counter(), 0
+        self.calls, self.received, self.seconds = Counter(), 0, 0.0
+        self._started.clear()  # a collective whose wait this mode did not see: its id may come back later
         return taken
 
 
@@ -107,7 +117,7 @@ def worker(settings: dict[str, int], out: Path) -> None:
     variants = [(layout, name) for layout in ("fsdp2", "tensor") for name in OPTIMIZERS]
     params = {v: sharded(initial, v[0], mesh) for v in variants}
     optimizers = {v: OPTIMIZERS[v[1]](params[v]) for v in variants}
-    records: dict[tuple[str, str], dict[str, Any]] = {v: {"step_s": []} for v in variants}
+    records: dict[tuple[str, str], dict[str, Any]] = {v: {"step_s": [], "collective_s": []} for v in variants}
     counter = Collectives(world)
     for index in range(settings["warmup"] + settings["steps"]):
         grads = [torch.randn(s, generator=torch.Generator().manual_seed(100 + index)) for s in shapes]
@@ -120,9 +130,11 @@ def worker(settings: dict[str, int], out: Path) -> None:
             with counter:
                 optimizers[variant].step()
             elapsed = time.perf_counter() - start
+            gathers = counter.seconds
             calls, received = counter.take()
             if index >= settings["warmup"]:
                 records[variant]["step_s"].append(elapsed)
+                records[variant]["collective_s"].append(gathers)
                 records[variant].update(collectives=calls, received_bytes=received)  # the same every step
     if rank == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -135,8 +147,8 @@ def report(settings: dict[str, int], shapes: list[tuple[int, int]], records: dic
     elements = sum(a * b for a, b in shapes)
     rows = {}
     for (layout, name), record in records.items():
-        median = statistics.median(record["step_s"])
-        rows[f"{layout}/{name}"] = {**record, "step_s_median": median}
+        medians = {f"{key}_median": statistics.median(record[key]) for key in ("step_s", "collective_s")}
+        rows[f"{layout}/{name}"] = {**record, **medians}
     for key, row in rows.items():
         row["vs_adamw"] = row["step_s_median"] / rows[key.split("/")[0] + "/adamw"]["step_s_median"]
     return {
@@ -158,13 +170,13 @@ def report(settings: dict[str, int], shapes: list[tuple[int, int]], records: dic
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| layout / optimizer | step ms (median) | x AdamW | collectives | MiB received per rank |"]
-    lines.append("|---|---:|---:|---|---:|")
+    lines = ["| layout / optimizer | step ms | x AdamW | collectives | of which ms | MiB received per rank |"]
+    lines.append("|---|---:|---:|---|---:|---:|")
     for key, row in result["rows"].items():
         calls = ", ".join(f"{n} {op}" for op, n in sorted(row["collectives"].items())) or "none"
         lines.append(
             f"| {key} | {row['step_s_median'] * 1e3:.1f} | {row['vs_adamw']:.2f} | {calls} | "
-            f"{row['received_bytes'] / 2**20:.2f} |"
+            f"{row['collective_s_median'] * 1e3:.1f} | {row['received_bytes'] / 2**20:.2f} |"
         )
     return "\n".join(lines)
 

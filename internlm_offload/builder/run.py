@@ -53,6 +53,7 @@ from internlm_offload.offload.hosted_base import HostedBase
 from internlm_offload.offload.selective_offload import SelectiveOffloader
 from internlm_offload.optim.grad_offload import GradOffload
 from internlm_offload.optim.interface import OffloadOptimizer
+from internlm_offload.optim.muon_rule import MUON
 from internlm_offload.optim.records import Masters
 
 
@@ -155,6 +156,7 @@ def trainer_settings(
     return TrainerSettings(
         total_steps=cfg.data.total_steps,
         clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm,
+        unclipped_rules=() if cfg.optimizer.muon.clip_grad else (MUON.name,),
         checkpoint_every=cfg.ckpt.checkpoint_every,
         save_checkpoints=cfg.ckpt.enable_save_ckpt,
         log_every=cfg.monitor.log_every,

@@ -25,6 +25,12 @@ class MuonConfig(Section):
     )
     ns_steps: int = Field(5, ge=0, lt=100, description="Newton-Schulz iterations.")
     eps: float = Field(1e-7, gt=0, description="Lower clamp on the Frobenius norm before Newton-Schulz.")
+    clip_grad: bool = Field(
+        True,
+        description="Whether `hybrid_zero_optimizer.clip_grad_norm` scales Muon's gradients: True (torch's way: "
+        "every gradient clipped alike) or False (XTuner's MuonConfig: Muon's gradients count in the norm but are not "
+        "scaled, only AdamW's are; `tools.from_xtuner` sets it).",
+    )
     ns_dtype: Literal["torch.bfloat16", "torch.float32"] = Field(
         "torch.bfloat16",
         description="The dtype Newton-Schulz runs in (and sharded updates are gathered in): `torch.bfloat16` as "
@@ -51,7 +57,8 @@ class OptimizerConfig(Section):
         description="`adamw`: AdamW steps every parameter. `muon`: XTuner's MuonConfig split: every trainable "
         "matrix (ndim >= 2, not [1, n] or [n, 1]) but the embedding and the LM head steps with Muon (`optimizer.muon`; "
         "stacked experts per expert, MLA's fused row blocks apart), the rest (norms, biases, embedding, head) with "
-        "AdamW (`adam`); `optimizer.rules` patterns come first. Gradient clipping clips all gradients alike. "
+        "AdamW (`adam`); `optimizer.rules` patterns come first. Gradient clipping clips all gradients alike "
+        "(XTuner's leaves Muon's unscaled: `optimizer.muon.clip_grad=False`). "
         "docs/optimizer_offload.md, Muon.",
     )
     muon: MuonConfig = Field(default_factory=MuonConfig)

@@ -43,6 +43,7 @@ from internlm_offload.optim.dtensor import is_dtensor, local_shard
 from internlm_offload.optim.interface import OffloadOptimizer
 from internlm_offload.optim.lr_scheduler import load_scheduler_state
 from internlm_offload.optim.records import Masters
+from internlm_offload.optim.rules import RULE_KEY
 from internlm_offload.weights.sources import WeightsSource, load_weights
 
 logger = get_logger(__name__)
@@ -69,6 +70,8 @@ class TrainerSettings:
     valid_every: int = 0  # validate after every N-th step; 0: never
     skip_batches: tuple[tuple[int, int], ...] = ()  # inclusive ranges of data-stream batch indices to discard
     predicted_device_peak_bytes: int | None = None  # the planner's steady-step peak, logged beside the measured
+    # update rules whose gradients count in the clipping norm but are not scaled (XTuner's Muon: ("muon",))
+    unclipped_rules: tuple[str, ...] = ()
     runtime_memory_bytes: int = 0  # the runtime's own, measured at start-up; in neither figure, logged with them
     loss_parallel: bool = False  # tensor parallel with vocab-sharded logits: forward, loss and backward under it
     # mtp/msp/fsp with whole experts: the tensor ranks whose chunks' MoE aux losses one objective adds up (their
@@ -410,9 +413,21 @@ class Trainer:
             norm = self.pipeline.global_norm(norm)
         # clip_grad_norm_'s own rule and kernels, applied to the grad tensors (masters' grads need not be `.grad`);
         # per mesh, as torch's foreach kernels take no mix of DTensors and plain tensors
+        unclipped = self._unclipped_grads()
         for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_([_GradHolder(g) for g in group], max_norm, norm)
+            clipped = [_GradHolder(g) for g in group if local_shard(g).data_ptr() not in unclipped]
+            torch.nn.utils.clip_grads_with_norm_(clipped, max_norm, norm)
         return norm
+
+    def _unclipped_grads(self) -> set[int]:
+        """Addresses of the gradients clipping leaves alone: those of the params stepped by `unclipped_rules`
+        (found by the master each gradient record belongs to, so in every tier alike); empty by default."""
+        if not self.settings.unclipped_rules:
+            return set()
+        rules = self.settings.unclipped_rules
+        owned = {id(p) for g in self.optimizer.param_groups if g.get(RULE_KEY) in rules for p in g["params"]}
+        grads = [record.grad() for record in self.masters.records() if id(record.master) in owned]
+        return {local_shard(grad).data_ptr() for grad in grads if grad is not None and grad.numel()}
 
     # ------------------------------------------------------------------ loop
 

@@ -302,6 +302,7 @@ def _muon(t: Translation, trainer: Any, optim: Any) -> None:
         "nesterov": bool(_get(optim, "nesterov", MUON_DEFAULTS)),
         "eps": eps,
         "adjust_lr_fn": MUON_ADJUST_LR[adjust],
+        "clip_grad": False,  # XTuner's Muon groups carry clip_grad=False: counted in the norm, not scaled
     }
     t.config["optimizer"] = {"type": "muon", "muon": muon}
     clip = float(_get(optim, "max_grad_norm", MUON_DEFAULTS)) if field(trainer, "do_clip", True) else 0.0
@@ -309,12 +310,12 @@ def _muon(t: Translation, trainer: Any, optim: Any) -> None:
     t.carried.append(
         "optim_cfg (MuonConfig: lr, weight_decay, betas, eps, momentum, nesterov, adjust_lr, max_grad_norm) -> "
         "optimizer.type='muon', optimizer.muon, adam, clip_grad_norm (XTuner's classic momentum mu*B + g is torch's "
-        "EMA scaled by 1/(1 - mu): the same orthogonalised update)"
+        "EMA scaled by 1/(1 - mu): the same orthogonalised update; Muon's gradients counted in the clipping norm but "
+        "not scaled, as XTuner: optimizer.muon.clip_grad=False)"
     )
     t.dropped.append(
         "optim_cfg (MuonConfig) Newton-Schulz: XTuner runs five distinct coefficient triples, here torch's one "
-        "(3.4445, -4.775, 2.0315) five times (the same lr moves weights ~5-8 % less); gradient clipping scales "
-        "Muon's gradients too here (XTuner counts them in the norm but scales only AdamW's)"
+        "(3.4445, -4.775, 2.0315) five times (the same lr moves weights ~5-8 % less)"
     )
     if adjust == "spectral_norm":
         t.dropped.append("optim_cfg.adjust_lr='spectral_norm': sqrt(A / B) there, sqrt(max(1, A / B)) here")

@@ -3,6 +3,7 @@ with matrices, an expert stack and a row-split matrix; a swap chunk never splits
 tiers and the plain optimizer. Tiny tensors, in process, cpu backend; equality is `torch.equal`."""
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 from internlm_offload.builder.optimizer import RULES, run_param_groups
 from internlm_offload.config import resolve_config
 from internlm_offload.device import Accelerator
-from internlm_offload.engine.precision import NoMasters
+from internlm_offload.engine.precision import MasterWeights, NoMasters
+from internlm_offload.engine.trainer import Trainer
 from internlm_offload.model import InternLM2
 from internlm_offload.optim import HybridDeviceOptimizer, SwapAdamW
 from internlm_offload.optim.adamw_rule import ADAMW
@@ -196,3 +198,49 @@ def test_gradient_offload_steps_muon_bitwise(acc: Accelerator, tier: str) -> Non
 
     got, want = train_tiny(build, True, acc), train_tiny(plain_tiny, False, acc)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+# ---------------------------------------------------------------- XTuner's clipping (`optimizer.muon.clip_grad=False`)
+
+
+def clipped_grads(acc: Accelerator, kind: str, max_norm: float, unclipped: tuple[str, ...]) -> tuple:
+    """The tiny model's backward under `kind` of masters (`masters`: bf16 with fp32 masters), clipped by the
+    trainer's own `clip_gradients`: the norm and each gradient with its rule, in parameter order."""
+    model = tiny_model()
+    if kind == "masters":
+        masters = MasterWeights(model, torch.bfloat16)  # casts the model
+    else:
+        masters = NoMasters(model)
+        masters = GradOffload(masters, acc, bucket_bytes=4096, from_zeros=False) if kind == "grad_offload" else masters
+    optimizer = RuleOptimizer(run_param_groups(CFG, masters.module), rule=ADAMW, rules=RULES, lr=LR)
+    tokens = torch.randint(0, 67, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(tokens).logits.float().square().mean().backward()
+    masters.accumulate_grads()
+    trainer = SimpleNamespace(
+        settings=SimpleNamespace(clip_grad_norm=max_norm, unclipped_rules=unclipped),
+        masters=masters,
+        optimizer=optimizer,
+        pipeline=None,
+    )
+    trainer._unclipped_grads = lambda: Trainer._unclipped_grads(trainer)
+    norm = Trainer.clip_gradients(trainer)
+    rules = {id(p): g.get(RULE_KEY, "adamw") for g in optimizer.param_groups for p in g["params"]}
+    grads = [(rules[id(r.master)], r.grad().clone()) for r in masters.records()]
+    if kind == "grad_offload":
+        masters.close()
+    return norm, grads
+
+
+@pytest.mark.parametrize("kind", ["plain", "masters", "grad_offload"])
+def test_xtuner_clipping_counts_muon_s_gradients_and_scales_only_adamw_s(acc: Accelerator, kind: str) -> None:
+    """`unclipped_rules=("muon",)`: the norm is over all gradients (as torch's way), Muon's gradients stay as they
+    were, AdamW's are scaled as under torch's way; whichever holds the gradients (the model, fp32 masters, host
+    buffers of gradient offload)."""
+    torch_way = clipped_grads(acc, kind, 0.01, ())
+    unclipped = clipped_grads(acc, kind, 0.0, ())
+    xtuner = clipped_grads(acc, kind, 0.01, ("muon",))
+    assert torch.equal(torch_way[0], xtuner[0]) and torch.equal(unclipped[0], xtuner[0]) and xtuner[0] > 0.01
+    assert {rule for rule, _ in xtuner[1]} == {"muon", "adamw"}
+    for (rule, got), (_, scaled), (_, kept) in zip(xtuner[1], torch_way[1], unclipped[1], strict=True):
+        assert torch.equal(got, kept if rule == "muon" else scaled), rule
+        assert not torch.equal(scaled, kept) or not kept.any()  # the clipping is active

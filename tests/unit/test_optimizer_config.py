@@ -9,6 +9,7 @@ import torch
 
 from internlm_offload.builder.model import build_model
 from internlm_offload.builder.optimizer import run_param_groups
+from internlm_offload.builder.run import trainer_settings
 from internlm_offload.config import ConfigError, load_config_file, resolve_config
 from internlm_offload.optim import param_groups
 from internlm_offload.optim.muon_rule import ROW_SPLITS_KEY
@@ -75,6 +76,10 @@ def test_muon_takes_the_matrices_adamw_the_embedding_head_norms_and_biases() -> 
     own = {"lr": 0.02, "weight_decay": 0.1, "ns_dtype": "torch.float32"}
     some = rules_by_name(resolve_config({"optimizer": {"type": "muon", "muon": own}}), model)[next(iter(muon))]
     assert (some["lr"], some["weight_decay"], some["ns_dtype"]) == (0.02, 0.1, "torch.float32")
+    # clipping: torch's way unless XTuner's is asked for (the trainer leaves Muon's gradients unscaled)
+    assert trainer_settings(cfg).unclipped_rules == ()
+    xtuner = resolve_config({"optimizer": {"type": "muon", "muon": {"clip_grad": False}}})
+    assert trainer_settings(xtuner).unclipped_rules == ("muon",)
 
 
 def test_muon_steps_stacked_experts_and_mla_row_blocks_apart() -> None:

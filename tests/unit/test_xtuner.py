@@ -196,14 +196,15 @@ def test_muon_config_maps_to_the_muon_switch_and_names_what_differs(tmp_path: Pa
     t = translate_trainer(load_trainer(path), path)
     assert t.config["optimizer"] == {
         "type": "muon",
-        "muon": {"momentum": 0.9, "nesterov": True, "eps": 1e-8, "adjust_lr_fn": "match_rms_adamw"},  # rms_norm
-    }
+        "muon": {"momentum": 0.9, "nesterov": True, "eps": 1e-8, "adjust_lr_fn": "match_rms_adamw",  # rms_norm
+                 "clip_grad": False},  # XTuner's: Muon's gradients in the norm, not scaled
+    }  # fmt: skip
     assert t.config["adam"] == {"lr": 2e-4, "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-8,
                                 "weight_decay": 0.1}  # fmt: skip
     assert any("five distinct coefficient triples" in line for line in t.dropped)
     assert any(line.startswith("optim_cfg.flatten=True") for line in t.dropped)
     cfg = resolve_config({"optimizer": t.config["optimizer"], "adam": t.config["adam"]})
-    assert cfg.optimizer.muon.adjust_lr_fn == "match_rms_adamw"
+    assert cfg.optimizer.muon.adjust_lr_fn == "match_rms_adamw" and cfg.optimizer.muon.clip_grad is False
     parallel = {"mode": t.config["parallel"]["mode"]}  # XTuner's FSDP (the CONFIG's tp_size: a tensor group here)
     assert resolve_config({"optimizer": t.config["optimizer"], "parallel": parallel})
     with pytest.raises(ConfigError, match="parallel.mode='fsdp2' and swap_optimizer"):  # not gathered there yet

@@ -74,6 +74,7 @@ def forked(cmd: list[str]) -> None:
         "moe ep 2 x fsdp2",
         "deepseek mla 2 dense + 4 sparse + ckpt 0.5",
         "glm5 dsa top-64 + ckpt 0.5",
+        "qwen3_next 6 deltanet + 2 attention + ckpt 0.5",
     ],
 )
 def test_predicted_device_peak_is_within_5_percent_of_measured(

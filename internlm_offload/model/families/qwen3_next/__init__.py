@@ -8,6 +8,7 @@ Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.h
 are refused in one line (not built).
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 from internlm_offload.family import Capabilities, FamilySpec, register_family
@@ -60,6 +61,40 @@ def experts_per_token(model: Any) -> int:
     return int(config.get("num_experts_per_tok", 0 if config.get("model_type") == "qwen3_5_text" else DEFAULT_TOP_K))
 
 
+def block_kinds(model: Any) -> tuple[str, ...]:
+    """Each block's kind, "<mixer>/<feed-forward>": `linear_attention` (Gated DeltaNet) or `full_attention` (config.json's
+    `layer_types`, else every `full_attention_interval`-th), then "sparse" (the experts) or "dense" (as args.py
+    decides: Qwen3-Next's `decoder_sparse_step` / `mlp_only_layers`, none in `qwen3_5_text`). The kernel probe runs
+    one block of each kind, the planner composes its reduced models from them."""
+    config = folder_config(model)
+    count = blocks(model)
+    interval = int(config.get("full_attention_interval", 4))
+    types = config.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(count)
+    ]
+    step, dense_only = int(config.get("decoder_sparse_step", 1)), set(config.get("mlp_only_layers", ()))
+    experts = routed_experts(model)
+    sparse = [experts > 0 and (i + 1) % step == 0 and i not in dense_only for i in range(count)]
+    return tuple(f"{kind}/{'sparse' if s else 'dense'}" for kind, s in zip(types, sparse, strict=True))
+
+
+def with_blocks(model: Any, kinds: Sequence[str]) -> Any | None:
+    """The section of the same model with exactly `kinds` as its blocks (`block_kinds`' names), from `model.hf_config`
+    (a folder's config.json copied there; its weights are not read); None where the config cannot be read or cannot
+    hold that order (a dense block in Qwen3.5-MoE, a sparse one in the dense Qwen3.5)."""
+    config = folder_config(model)
+    if not config:
+        return None
+    mixers, ffns = zip(*(kind.split("/") for kind in kinds), strict=True)
+    config = {**config, "num_hidden_layers": len(kinds), "layer_types": list(mixers)}
+    dense = [i for i, ffn in enumerate(ffns) if ffn == "dense"]
+    if config.get("model_type") == "qwen3_next":
+        config.update(decoder_sparse_step=1, mlp_only_layers=dense)
+    elif (dense and len(dense) != len(kinds)) or (not dense) != bool(routed_experts(model)):
+        return None  # Qwen3.5's blocks are all sparse (MoE) or all dense
+    return model.model_copy(update={"hf_config": config, "hf_path": None, "num_layers": len(kinds)})
+
+
 FAMILY = register_family(
     FamilySpec(
         name="qwen3_next",
@@ -70,5 +105,7 @@ FAMILY = register_family(
         routed_experts=routed_experts,
         experts_per_token=experts_per_token,
         blocks=blocks,
+        block_kinds=block_kinds,
+        with_blocks=with_blocks,
     )
 )

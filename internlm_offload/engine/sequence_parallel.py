@@ -18,7 +18,6 @@ rank computes from its part of the sequence.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,12 +62,25 @@ def sequence_all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: 
     return torch.cat(pieces, dim=gather_dim)
 
 
+@dataclass(frozen=True)
+class SequenceAllToAll:
+    """isp's exchange over the tensor group, which an attention calls (model/hooks.py `SequenceExchange`): this rank
+    is `rank` of `size` (the head groups it receives, for a mixer with per-head weights: Gated DeltaNet)."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+    def __call__(self, x: torch.Tensor, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        return sequence_all_to_all(x, self.group, scatter_dim, gather_dim)
+
+
 def apply_sequence_parallel(model: nn.Module, shard: SequenceShard) -> None:
     """isp: the model splits its input, each block's attention exchanges heads for sequence; refused in one line
     where the model or an attention does not take its hook."""
     attentions = sequence_exchangers(model, "parallel.tensor.mode='isp'")
     model.sequence_shard = shard
-    exchange = functools.partial(sequence_all_to_all, group=shard.group)
+    exchange = SequenceAllToAll(shard.group, shard.rank, shard.size)
     for attention in attentions:
         attention.sequence_exchange = exchange
     logger.info("Applied tensor parallel isp over %d ranks (sequence chunks, Ulysses attention)", shard.size)

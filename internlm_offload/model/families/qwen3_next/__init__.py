@@ -65,7 +65,7 @@ FAMILY = register_family(
         name="qwen3_next",
         entry="internlm_offload.model.families.qwen3_next.build",
         summary="Qwen3-Next / Qwen3.5 text (Gated DeltaNet + gated attention, gated shared expert) from a Hugging Face folder",
-        capabilities=Capabilities(init_per_param=True, folder_export=True),
+        capabilities=Capabilities(tensor_parallel=True, pipeline=True, init_per_param=True, folder_export=True),
         check_section=check_section,
         routed_experts=routed_experts,
         experts_per_token=experts_per_token,

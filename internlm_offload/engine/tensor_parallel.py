@@ -198,10 +198,20 @@ def _whole_input(layout: Shard | Replicate, extra_args: int) -> PrepareModuleInp
 
 @dataclass(frozen=True)
 class HeadGroups:
-    """This rank's whole head groups: the `rank`-th of `size` equal runs (model/hooks.py `HeadGroupSplit`)."""
+    """This rank's whole head groups: the `rank`-th of `size` equal runs over `mesh` (model/hooks.py
+    `HeadGroupSplit`)."""
 
+    mesh: DeviceMesh
     rank: int
     size: int
+
+    def local_input(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (the shared replicated DTensor, or a plain whole tensor) as a local tensor whose gradient is `Partial`:
+        summed over the tensor group with the column projections' (the shared input's one reduction), or by its own
+        all-reduce for a plain input."""
+        if not is_dtensor(x):
+            x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        return x.to_local(grad_placements=[Partial()])
 
 
 class WholeParameters(ParallelStyle):
@@ -213,7 +223,7 @@ class WholeParameters(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         replicate_parameters(module, device_mesh)
         if isinstance(module, SplitsHeadGroups):
-            module.head_groups = HeadGroups(device_mesh.get_local_rank(), device_mesh.size())
+            module.head_groups = HeadGroups(device_mesh, device_mesh.get_local_rank(), device_mesh.size())
         forward = module.forward
 
         @functools.wraps(forward)

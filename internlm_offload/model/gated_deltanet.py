@@ -187,14 +187,20 @@ class GatedDeltaNet(nn.Module, ExchangesSequence, SplitsHeadGroups):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x (B, T, C) -> per key-head group q, k (B, T, h, dk), v, z (B, T, h * r, dv), b, a (B, T, h * r), h the
-        groups this rank's projections hold (all of them, or its tensor shard of the fused ones: -1 groups)."""
+        groups this rank's projections hold: all of them, or its tensor shard (the fused projections' rows split
+        evenly, -1 groups; the split in_proj_qkv's rows of its groups taken from the whole weight)."""
         B, T, _ = x.shape
         r, dk, dv = self.n_value_heads // self.n_key_heads, self.key_head_dim, self.value_head_dim
         if not self.fused:
-            q, k, v = self.in_proj_qkv(x).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            h, split = self.n_key_heads, self.head_groups
+            if split is None:
+                qkv = self.in_proj_qkv(x)
+            else:  # whole on every rank: this rank's rows [Q | K | V] of its groups, its input gradient summed
+                h = self.n_key_heads // split.size
+                qkv = F.linear(split.local_input(x), self.group_rows(self.in_proj_qkv.weight, split.rank * h, h))
+            q, k, v = qkv.split([h * dk, h * dk, h * r * dv], dim=-1)
             z, b, a = self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-            q, k = q.view(B, T, -1, dk), k.view(B, T, -1, dk)
-            return q, k, v.view(B, T, -1, dv), z.view(B, T, -1, dv), b, a
+            return q.view(B, T, h, dk), k.view(B, T, h, dk), v.view(B, T, -1, dv), z.view(B, T, -1, dv), b, a
         groups = self.in_proj_qkvz(x).view(B, T, -1, 2 * dk + 2 * r * dv)
         h = groups.shape[2]
         q, k, v, z = groups.split([dk, dk, r * dv, r * dv], dim=-1)
@@ -227,19 +233,15 @@ class GatedDeltaNet(nn.Module, ExchangesSequence, SplitsHeadGroups):
             raise ValueError(f"{n_groups} of {self.n_key_heads} key-head groups here without a split that says which")
         return split.rank * n_groups
 
-    def conv_channels(self, first: int, n_groups: int) -> torch.Tensor:
-        """The conv weight's rows of key-head groups first .. first + n_groups - 1: their Q, K and V channels."""
+    def group_rows(self, weight: torch.Tensor, first: int, n_groups: int) -> torch.Tensor:
+        """The rows of a [Q | K | V] weight (the conv's, Qwen3.5's in_proj_qkv) of key-head groups first ..
+        first + n_groups - 1: their Q, K and V rows."""
         if n_groups == self.n_key_heads:
-            return self.conv_weight
+            return weight
         r, dk, dv = self.n_value_heads // self.n_key_heads, self.key_head_dim, self.value_head_dim
-        q, k, v = self.conv_weight.split([self.key_dim, self.key_dim, self.value_dim])
-        return torch.cat(
-            [
-                q[first * dk :][: n_groups * dk],
-                k[first * dk :][: n_groups * dk],
-                v[first * r * dv :][: n_groups * r * dv],
-            ]
-        )
+        q, k, v = weight.split([self.key_dim, self.key_dim, self.value_dim])
+        keys = slice(first * dk, (first + n_groups) * dk)
+        return torch.cat([q[keys], k[keys], v[first * r * dv : (first + n_groups) * r * dv]])
 
     def forward(self, x: torch.Tensor, rope: object = None, documents: Documents | None = None) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C); `rope` is not read (a decoder block's mixer signature: linear attention has no
@@ -257,7 +259,7 @@ class GatedDeltaNet(nn.Module, ExchangesSequence, SplitsHeadGroups):
         else:
             position_ids = documents.position_ids
         qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)  # [Q | K | V]
-        qkv = causal_conv(qkv, self.conv_channels(first, n_groups), position_ids)
+        qkv = causal_conv(qkv, self.group_rows(self.conv_weight, first, n_groups), position_ids)
         key_width = n_groups * self.key_head_dim
         q, k, v = qkv.split([key_width, key_width, qkv.shape[-1] - 2 * key_width], dim=-1)
         r = self.n_value_heads // self.n_key_heads

@@ -133,6 +133,11 @@ class HeadGroupSplit(Protocol):
     rank: int
     size: int
 
+    def local_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The mixer's input as this rank's plain tensor, for a projection it computes from a whole weight's rows:
+        its gradient (this rank's heads' part) summed over the tensor group in backward."""
+        ...
+
 
 class SplitsHeadGroups:
     """A mixer whose column projections tensor parallel splits by whole head groups, its other per-head parameters

@@ -16,12 +16,18 @@ HIDDEN, HK, HV, DK, DV = 24, 4, 8, 6, 5
 # two rows, each two documents; the second row's boundary (token 37) is off isp's shard boundaries
 POSITIONS = torch.tensor([list(range(30)) + list(range(34)), list(range(37)) + list(range(27))])
 WHOLE_PARAMS = ("conv_weight", "A_log", "dt_bias", "norm.weight")
+COLUMN = {True: ("in_proj_qkvz", "in_proj_ba"), False: ("in_proj_z", "in_proj_b", "in_proj_a")}
 
 
 @dataclass(frozen=True)
 class Split:
+    """engine/tensor_parallel.py `HeadGroups` on one process: the input as it is (the test sums its gradients)."""
+
     rank: int
     size: int
+
+    def local_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 def make(fused: bool) -> GatedDeltaNet:
@@ -35,38 +41,42 @@ def make(fused: bool) -> GatedDeltaNet:
 
 
 def whole_run(layer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The layer's output on x with packed documents, and every parameter's gradient of a fixed projection of it."""
+    """The layer's output on x with packed documents, and every parameter's (and the input's, "x") gradient of a
+    fixed projection of it."""
     x = x.clone().requires_grad_()
     out = layer(x, None, Documents(POSITIONS))
     (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-    return out.detach(), {name: p.grad for name, p in layer.named_parameters()}
+    return out.detach(), {"x": x.grad, **{name: p.grad for name, p in layer.named_parameters()}}
 
 
 def tensor_rank(layer: GatedDeltaNet, rank: int, size: int) -> GatedDeltaNet:
-    """Rank `rank` of `size` as tensor parallel shards it (engine/tensor_parallel.py): the fused projections' rows
-    split evenly (whole key-head groups), out_proj's columns, the rest whole."""
+    """Rank `rank` of `size` as tensor parallel shards it (engine/tensor_parallel.py): the column projections' rows
+    split evenly (the fused ones: whole key-head groups; the split in_proj_z / b / a: whole value heads), out_proj's
+    columns, the rest whole (the split in_proj_qkv too: the layer reads its groups' rows)."""
     local = copy.deepcopy(layer)
     with torch.no_grad():
-        for name in ("in_proj_qkvz", "in_proj_ba"):
+        for name in COLUMN[layer.fused]:
             getattr(local, name).weight = torch.nn.Parameter(getattr(layer, name).weight.chunk(size)[rank].clone())
         local.out_proj.weight = torch.nn.Parameter(layer.out_proj.weight.chunk(size, dim=1)[rank].clone())
     local.head_groups = Split(rank, size)
     return local
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["qwen3_next", "qwen3_5"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_tensor_ranks_of_whole_key_head_groups_add_up_to_the_whole_layer(size):
-    """Each rank's out_proj partial sums (the row-parallel all-reduce) give the whole output; the whole parameters'
-    gradients summed over ranks give the whole layer's, the projections' are the whole gradient's shards. Red with
-    the conv's channels taken as one even run of rows per rank (the output 13.6 off at 2 ranks)."""
-    layer = make(fused=True)
+def test_tensor_ranks_of_whole_key_head_groups_add_up_to_the_whole_layer(fused, size):
+    """Each rank's out_proj partial sums (the row-parallel all-reduce) give the whole output; the input's and the
+    whole parameters' gradients summed over ranks give the whole layer's, the column / row projections' are the whole
+    gradient's shards. Red with the conv's channels taken as one even run of rows per rank (the output 13.6 off at 2
+    ranks), and with Qwen3.5's in_proj_qkv rows taken as one even run per rank (18.8 off at 2 ranks)."""
+    layer = make(fused)
     x = torch.randn(2, 64, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     want, grads = whole_run(layer, x)
     outs, local_grads = zip(*(whole_run(tensor_rank(layer, r, size), x) for r in range(size)), strict=True)
     torch.testing.assert_close(sum(outs), want, rtol=0, atol=1e-12)
-    for name in WHOLE_PARAMS:
+    for name in ("x", *WHOLE_PARAMS, *(() if fused else ("in_proj_qkv.weight",))):
         torch.testing.assert_close(sum(g[name] for g in local_grads), grads[name], rtol=0, atol=1e-12)
-    for name, dim in (("in_proj_qkvz.weight", 0), ("in_proj_ba.weight", 0), ("out_proj.weight", 1)):
+    for name, dim in (*((f"{n}.weight", 0) for n in COLUMN[fused]), ("out_proj.weight", 1)):
         got = torch.cat([g[name] for g in local_grads], dim=dim)
         torch.testing.assert_close(got, grads[name], rtol=0, atol=1e-12)
 
@@ -113,6 +123,8 @@ def test_isp_ranks_give_the_whole_sequence_output(fused, size):
     (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
     torch.testing.assert_close(out.detach(), want, rtol=0, atol=1e-12)
     for name, grad in grads.items():
+        if name == "x":
+            continue
         got = sum(dict(local.named_parameters())[name].grad for local in locals_)
         torch.testing.assert_close(got, grad, rtol=0, atol=1e-12)
 

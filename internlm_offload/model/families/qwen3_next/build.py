@@ -7,7 +7,7 @@ import torch
 
 from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.model.families.deepseek_v3.build import raw_config
-from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, MODEL_TYPE
+from internlm_offload.model.families.qwen3_next import CAUSAL_LMS
 from internlm_offload.model.families.qwen3_next.args import args_from_config
 from internlm_offload.model.families.qwen3_next.hf_names import HF_QWEN3_NEXT, drop_mtp
 from internlm_offload.model.families.qwen3_next.model import Qwen3Next
@@ -50,8 +50,7 @@ def folder_config(cfg: ModelConfig) -> Any:
 
 def check_run(cfg: RunConfig) -> None:
     """What is not built for Qwen3-Next, refused in one line: LoRA; a tensor or isp group that does not divide the
-    DeltaNet's key heads (each rank runs whole key-head groups); tensor parallel on Qwen3.5's split in_proj_qkv
-    (its rows are [Q | K | V], not one run per group); a pipeline with the embedding tied to the head. A balancing
+    DeltaNet's key heads (each rank runs whole key-head groups); a pipeline with the embedding tied to the head. A balancing
     loss and multi-token prediction are refused by the family's capabilities (the config's checks)."""
     if cfg.model.lora is not None:
         raise ConfigError("model.lora with model.type='qwen3_next': adapters on Gated DeltaNet are not built")
@@ -63,11 +62,6 @@ def check_run(cfg: RunConfig) -> None:
             raise ConfigError(
                 f"{where}: the Gated DeltaNet's linear_num_key_heads={config.linear_num_key_heads} must be a multiple "
                 "of it (each rank runs whole key-head groups)"
-            )
-        if tensor.mode != "isp" and config.model_type != MODEL_TYPE:
-            raise ConfigError(
-                f"{where} with model_type={config.model_type!r}: tensor parallel over Qwen3.5's split in_proj_qkv is "
-                "not built (Qwen3-Next's fused projections are); use parallel.tensor.mode='isp'"
             )
     pipe = cfg.parallel.pipeline.size
     if pipe > 1 and config.tie_word_embeddings:

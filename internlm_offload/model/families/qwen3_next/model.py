@@ -64,11 +64,16 @@ def mixer_region(args: Qwen3NextArgs, i: int) -> Region:
     """Block i's mixer by role (model/tensor_plan.py). Gated DeltaNet: the fused in_proj_qkvz / in_proj_ba column
     parallel (their rows are grouped per key head, so an even split of the rows is one of whole key-head groups:
     each rank's key heads with their value heads), out_proj row parallel, the conv, A_log, dt_bias and the gated
-    norm whole on every rank (each reads its groups' channels and heads). Gated attention: wq (each head's
+    norm whole on every rank (each reads its groups' channels and heads); Qwen3.5's split in_proj_z / in_proj_b /
+    in_proj_a column parallel (rows by value head) and its in_proj_qkv whole, each rank multiplying by its groups'
+    rows of it. Gated attention: wq (each head's
     [query | gate] rows) column parallel by whole heads, wo row parallel, the per-head q/k norms whole."""
     if args.layer_types[i] != LINEAR:
         return Region("attention", column=("attention.wq",), row=("attention.wo",), extra_args=2, whole_parameters=True)
-    column = ("attention.in_proj_qkvz", "attention.in_proj_ba")
+    if args.fused_projections:
+        column = ("attention.in_proj_qkvz", "attention.in_proj_ba")
+    else:  # Qwen3.5: in_proj_qkv's rows are [Q | K | V], not a run per group: whole, each rank reading its rows
+        column = ("attention.in_proj_z", "attention.in_proj_b", "attention.in_proj_a")
     return Region("attention", column=column, row=("attention.out_proj",), extra_args=2, whole_parameters=True)
 
 

@@ -3,6 +3,7 @@ and isp's exchange of the groups for the whole sequence, each rank a module (thr
 float64 against the whole layer on packed documents, outputs and gradients."""
 
 import copy
+import re
 import threading
 from dataclasses import dataclass
 
@@ -135,3 +136,64 @@ def test_a_split_that_does_not_say_its_rank_is_refused():
     layer.head_groups = None
     with pytest.raises(ValueError, match="2 of 4 key-head groups here without a split"):
         layer(torch.zeros(1, 16, HIDDEN, dtype=torch.float64))
+
+
+TINY = {"model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "intermediate_size": 32, "vocab_size": 64,
+        "mlp_only_layers": [1]}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
+def test_the_tensor_plan_names_every_module_it_splits(model_type):
+    """The family's plan (model/families/qwen3_next/model.py) names modules the model has (the engine checks the
+    same before splitting): DeltaNet blocks by their key heads, the attention block by its heads, the dense block 1
+    column / row, the rest sparse."""
+    from transformers import AutoConfig
+
+    from internlm_offload.engine.model_plan import check_model_names, check_names, planned_blocks
+    from internlm_offload.engine.tensor_parallel import _block_names
+    from internlm_offload.model.families.qwen3_next.args import args_from_config
+    from internlm_offload.model.families.qwen3_next.model import Qwen3Next
+
+    config = {**TINY, "model_type": model_type}
+    if model_type != "qwen3_next":
+        config.pop("mlp_only_layers")
+    model = Qwen3Next(args_from_config(AutoConfig.for_model(**config)))
+    plan = model.tensor_plan()
+    check_model_names(model, plan, "test")
+    for index, block, block_plan in planned_blocks(model, plan):
+        check_names(block, index, _block_names(block_plan), "test")
+    assert [(b.heads, b.kv_heads, b.sparse) for b in plan.blocks] == [
+        (2, 2, True),
+        (2, 2, model_type != "qwen3_next"),
+        (2, 2, True),
+        (4, 2, True),
+    ]
+    assert all(b.attention.whole_parameters for b in plan.blocks)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"parallel": {"mode": "ddp", "tensor": {"size": 4, "mode": "isp"}}},
+            "parallel.tensor.size=4 (mode 'isp'): the Gated DeltaNet's linear_num_key_heads=2 must be a multiple of it",
+        ),
+        (
+            {"parallel": {"pipeline": {"size": 2}}, "tie_word_embeddings": True},
+            "parallel.pipeline.size=2 with the config's tie_word_embeddings=True",
+        ),
+    ],
+)
+def test_a_split_the_family_cannot_take_is_refused_in_one_line(options, message):
+    """A tensor / isp group that does not divide the DeltaNet's key heads, a pipeline that ties the embedding to the
+    head."""
+    from internlm_offload.config import ConfigError, RunConfig
+    from internlm_offload.model.families.qwen3_next.build import check_run
+
+    tie = options.pop("tie_word_embeddings", False)
+    model = {"type": "qwen3_next", "hf_config": {**TINY, "tie_word_embeddings": tie}}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_run(RunConfig(model=model, **options))

@@ -41,10 +41,10 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_follows_one_process(tmp_path, reference_run, layout):
     """The layout's loss and grad norm within NEAR of one process at every step. Red with the conv run on each
-    rank's sequence chunk before isp's exchange (its taps cut at the shard boundary; isp x DDP: step 1's loss 8.3e-5 off, 2.3e-4
-    by step 4), with the conv's channels taken as one even run of rows per rank under msp (rank 0 then reads all
-    the Q and K channels and no V channel of its group: step 1's loss 3.1e-4 off, 1.4e-3 by step 3), and with
-    FSDP2's force-sum left on for the experts' group of one (their gradients halved: step 1's grad norm 1.3e-2
+    rank's sequence chunk before isp's exchange (its taps cut at the shard boundary; isp x DDP: step 1's loss 8.3e-5
+    off, 2.3e-4 by step 4), with the conv's channels taken as one even run of rows per rank under msp (rank 0 then
+    reads all the Q and K channels and no V channel of its group: step 1's loss 3.1e-4 off, 1.4e-3 by step 3), and
+    with FSDP2's force-sum left on for the experts' group of one (their gradients halved: step 1's grad norm 1.3e-2
     off, the loss 1.4e-5 by step 4)."""
     nproc, options, said = LAYOUTS[layout]
     one = reference_run(*STEPS, nproc=1, config=QWEN3_NEXT)

@@ -104,8 +104,14 @@ def test_a_config_that_imports_the_stub_family_trains_it_as_the_native_family_tr
 @pytest.mark.parametrize(
     "section, refusal",
     [
-        ({"parallel": {"pipeline": {"size": 2}}}, "splits model.type='deepseek_v3' / 'internlm2', not 'stub_llama'"),
-        ({"parallel": {"tensor": {"size": 2}}}, "splits model.type='deepseek_v3' / 'internlm2', not 'stub_llama'"),
+        (
+            {"parallel": {"pipeline": {"size": 2}}},
+            "splits model.type='deepseek_v3' / 'internlm2' / 'qwen3_next', not 'stub_llama'",
+        ),
+        (
+            {"parallel": {"tensor": {"size": 2}}},
+            "splits model.type='deepseek_v3' / 'internlm2' / 'qwen3_next', not 'stub_llama'",
+        ),
         ({"model": {"num_experts": 4}}, "builds the experts of model.type='internlm2'; a 'stub_llama' model"),
     ],
 )

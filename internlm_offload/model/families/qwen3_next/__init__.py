@@ -4,8 +4,9 @@ gated full-attention block (per-head output gate, zero-centred q/k norms, partia
 mixtures of experts with a sigmoid-gated shared expert (softmax router, top-k renormalised).
 
 Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.hf_config`); docs/qwen3_next.md.
-`tools.export --hf` writes the folder back. Tensor, sequence and pipeline parallel, LoRA, a balancing loss and MTP
-are refused in one line (not built).
+`tools.export --hf` writes the folder back. Tensor parallel splits by whole DeltaNet key-head groups, isp exchanges
+them for whole sequences, a pipeline splits the stack (docs/qwen3_next.md, "Layouts"). LoRA, a balancing loss and
+MTP are refused in one line (not built).
 """
 
 from typing import Any

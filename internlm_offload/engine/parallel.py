@@ -92,8 +92,12 @@ def shard_experts(model: nn.Module, ctx: RunContext, reshard_after_forward: bool
     for moe in moe_blocks(model):
         fully_shard(moe.experts, reshard_after_forward=reshard_after_forward, **shard)
         moe.experts.set_gradient_divide_factor(float(ctx.expert_grad_divisor))
-        # a sum, then the division: a factor other than the group's size is PREMUL_SUM otherwise, which gloo lacks
-        moe.experts.set_force_sum_reduction_for_comms(True)
+        if shard["mesh"].size() > 1:
+            # a sum, then the division: a factor other than the group's size is PREMUL_SUM otherwise, which gloo
+            # lacks. A group of one (expert parallel over every rank) communicates nothing, and there torch 2.13
+            # divides the gradient when it copies it and again after, so it is left out (measured: Qwen3-Next EP 2 on
+            # 2 ranks under FSDP2 had the experts' gradients halved, grad norm 1.3e-2 off at step 1)
+            moe.experts.set_force_sum_reduction_for_comms(True)
     blocks = moe_blocks(model)
     local = tuple(blocks[0].experts.w1.to_local().shape) if blocks else ()
     mesh = shard["mesh"]

@@ -13,7 +13,7 @@ rank computes from its part of the sequence.
   written here), attends, and the output is exchanged back. Where T exceeds the kv heads, each kv head is
   repeated to T before the exchange, as InternEvo does.
 - A per-head parameter of the attention (GPT-OSS's sinks) goes with its heads: each rank's attention cuts its
-  chunk (`UlyssesExchange.own_heads`), the wrapper's sum over the ranks then adds each chunk's whole-sequence
+  chunk (`SequenceAllToAll.own_heads`), the wrapper's sum over the ranks then adds each chunk's whole-sequence
   gradient once.
 - The loss takes the matching chunk of the labels (shifted before the split) and is weighted by T: the
   wrapper's average over all ranks then sums the chunks of one sequence and averages the data-parallel ranks.
@@ -66,18 +66,20 @@ def sequence_all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: 
 
 
 @dataclass(frozen=True)
-class UlyssesExchange:
-    """isp's exchange over one tensor group (model/hooks.py `SequenceExchange`): the all-to-all, and the query heads
-    it hands this rank."""
+class SequenceAllToAll:
+    """isp's exchange over the tensor group, which an attention calls (model/hooks.py `SequenceExchange`): this rank
+    is `rank` of `size` (the head groups it receives, for a mixer with per-head weights: Gated DeltaNet)."""
 
     group: dist.ProcessGroup
+    rank: int
+    size: int
 
     def __call__(self, x: torch.Tensor, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         return sequence_all_to_all(x, self.group, scatter_dim, gather_dim)
 
     def own_heads(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Chunk `rank` of `x` along `dim`: the all-to-all sends query head chunk j to rank j."""
-        return x.chunk(dist.get_world_size(self.group), dim=dim)[dist.get_rank(self.group)]
+        return x.chunk(self.size, dim=dim)[self.rank]
 
 
 def apply_sequence_parallel(model: nn.Module, shard: SequenceShard) -> None:
@@ -85,7 +87,7 @@ def apply_sequence_parallel(model: nn.Module, shard: SequenceShard) -> None:
     where the model or an attention does not take its hook."""
     attentions = sequence_exchangers(model, "parallel.tensor.mode='isp'")
     model.sequence_shard = shard
-    exchange = UlyssesExchange(shard.group)
+    exchange = SequenceAllToAll(shard.group, shard.rank, shard.size)
     for attention in attentions:
         attention.sequence_exchange = exchange
     logger.info("Applied tensor parallel isp over %d ranks (sequence chunks, Ulysses attention)", shard.size)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -53,8 +54,9 @@ from internlm_offload.engine.model_plan import (
     planned_module,
     tensor_plan,
 )
-from internlm_offload.engine.moe_tensor_parallel import WholeMoE
+from internlm_offload.engine.moe_tensor_parallel import WholeMoE, local_parameters, replicate_parameters
 from internlm_offload.log import get_logger
+from internlm_offload.model.hooks import SplitsHeadGroups
 from internlm_offload.model.tensor_plan import BlockPlan
 from internlm_offload.optim.dtensor import is_dtensor
 
@@ -108,6 +110,9 @@ def apply_tensor_parallel(
         parallelize_module(block, tp_mesh, _block_styles(block_mode, block_plan, tp_mesh.size()))
         for name in block_plan.head_params:
             split_with_heads(block, name, tp_mesh)
+        if block_plan.attention.whole_parameters:
+            attention = planned_module(block, index, block_plan.attention.module, feature)
+            WholeParameters()._apply(attention, tp_mesh)
         if block_mode == "fsp":
             attention = planned_module(block, index, block_plan.attention.module, feature)
             gather_in_backward_again(attention, local=bool(block_plan.attention.replicated))
@@ -203,6 +208,45 @@ def _whole_input(layout: Shard | Replicate, extra_args: int) -> PrepareModuleInp
     return PrepareModuleInput(
         input_layouts=(layout, *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True
     )
+
+
+@dataclass(frozen=True)
+class HeadGroups:
+    """This rank's whole head groups: the `rank`-th of `size` equal runs over `mesh` (model/hooks.py
+    `HeadGroupSplit`)."""
+
+    mesh: DeviceMesh
+    rank: int
+    size: int
+
+    def local_input(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (the shared replicated DTensor, or a plain whole tensor) as a local tensor whose gradient is `Partial`:
+        summed over the tensor group with the column projections' (the shared input's one reduction), or by its own
+        all-reduce for a plain input."""
+        if not is_dtensor(x):
+            x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        return x.to_local(grad_placements=[Partial()])
+
+
+class WholeParameters(ParallelStyle):
+    """A mixer's parameters that its column / row styles left plain (per-head norms, a depthwise conv, per-head decay
+    rates) become replicated DTensors, whole on every rank, seen as local tensors in its forward with `Partial`
+    gradients: each rank's part (its heads') is summed over the tensor group (`align_grads_in_backward`, or FSDP2's
+    redistribution). A `SplitsHeadGroups` mixer is told its rank's head groups, whose channels and rates it reads."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        replicate_parameters(module, device_mesh)
+        if isinstance(module, SplitsHeadGroups):
+            module.head_groups = HeadGroups(device_mesh, device_mesh.get_local_rank(), device_mesh.size())
+        forward = module.forward
+
+        @functools.wraps(forward)
+        def local_forward(*args, **kwargs):
+            with local_parameters(module, device_mesh):
+                return forward(*args, **kwargs)
+
+        module.forward = local_forward
+        return module
 
 
 class ReadWholeTail(ParallelStyle):

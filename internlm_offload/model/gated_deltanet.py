@@ -4,6 +4,12 @@ Per value head a dk x dv state S decays by alpha_t = exp(g_t) and is corrected t
 rule): S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T q_t. Training runs the chunked
 form (chunks of 64 tokens: a UT transform inside a chunk, a scan over chunks) with autograd for the backward.
 
+Over ranks it splits by whole key-head groups (key head j with its value heads r*j .. r*j+r-1): tensor parallel
+shards the fused projections' groups (`head_groups`, set by engine/tensor_parallel.py), isp exchanges the local
+sequence chunk of every group for the whole sequence of this rank's groups (`sequence_exchange`, Ulysses), so the
+conv and the recurrence always run on whole sequences; the conv's channels, A_log and dt_bias are taken for the
+groups this rank holds.
+
 Packed rows keep their documents apart: the causal conv's taps stop at a document's first token and the state
 restarts at zero, from `Documents` (position ids restarting at 0). The rule lays every document out on its own
 chunks (each padded to a multiple of the chunk size), so a chunk never straddles two documents and the state is
@@ -17,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from internlm_offload.model.attention import Documents
+from internlm_offload.model.hooks import ExchangesSequence, SplitsHeadGroups
 from internlm_offload.model.mlp import ParamInit, normal_init
 
 CHUNK_SIZE = 64
@@ -132,7 +139,7 @@ def chunk_gated_delta_rule(
     return torch.stack(outs, 1).reshape(H, N, dv)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(nn.Module, ExchangesSequence, SplitsHeadGroups):
     """Qwen3-Next / Qwen3.5 linear attention: projections to q, k, v, z, b, a; the causal conv over q, k, v; the
     chunked gated delta rule per value head (key heads shared by `n_value_heads / n_key_heads` consecutive value
     heads); the gated RMSNorm with z; the output projection.
@@ -179,29 +186,82 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x (B, T, C) -> qkv (B, T, 2 key_dim + value_dim) as [Q | K | V], z (B, T, Hv, dv), b and a (B, T, Hv)."""
+        """x (B, T, C) -> per key-head group q, k (B, T, h, dk), v, z (B, T, h * r, dv), b, a (B, T, h * r), h the
+        groups this rank's projections hold: all of them, or its tensor shard (the fused projections' rows split
+        evenly, -1 groups; the split in_proj_qkv's rows of its groups taken from the whole weight)."""
         B, T, _ = x.shape
-        Hk, r, dk, dv = self.n_key_heads, self.n_value_heads // self.n_key_heads, self.key_head_dim, self.value_head_dim
+        r, dk, dv = self.n_value_heads // self.n_key_heads, self.key_head_dim, self.value_head_dim
         if not self.fused:
-            z = self.in_proj_z(x).view(B, T, -1, dv)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
-        groups = self.in_proj_qkvz(x).view(B, T, Hk, 2 * dk + 2 * r * dv)
+            h, split = self.n_key_heads, self.head_groups
+            if split is None:
+                qkv = self.in_proj_qkv(x)
+            else:  # whole on every rank: this rank's rows [Q | K | V] of its groups, its input gradient summed
+                h = self.n_key_heads // split.size
+                qkv = F.linear(split.local_input(x), self.group_rows(self.in_proj_qkv.weight, split.rank * h, h))
+            q, k, v = qkv.split([h * dk, h * dk, h * r * dv], dim=-1)
+            z, b, a = self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+            return q.view(B, T, h, dk), k.view(B, T, h, dk), v.view(B, T, -1, dv), z.view(B, T, -1, dv), b, a
+        groups = self.in_proj_qkvz(x).view(B, T, -1, 2 * dk + 2 * r * dv)
+        h = groups.shape[2]
         q, k, v, z = groups.split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(B, T, Hk, 2 * r).split([r, r], dim=-1)
-        qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
-        return qkv, z.reshape(B, T, -1, dv), b.reshape(B, T, -1), a.reshape(B, T, -1)
+        b, a = self.in_proj_ba(x).view(B, T, h, 2 * r).split([r, r], dim=-1)
+        v, z = v.reshape(B, T, h * r, dv), z.reshape(B, T, h * r, dv)
+        return q, k, v, z, b.reshape(B, T, h * r), a.reshape(B, T, h * r)
+
+    def exchange_groups(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """isp: this rank's sequence chunk of every key-head group -> the whole sequence of its groups (one
+        all-to-all of the groups packed: q, k, v, z, b, a per key head)."""
+        q, k, v, z, b, a = tensors
+        B, S, Hk, _ = q.shape
+        r = self.n_value_heads // self.n_key_heads
+        per_group = (v, z, b.unsqueeze(-1), a.unsqueeze(-1))
+        packed = torch.cat([q, k, *(t.reshape(B, S, Hk, -1) for t in per_group)], dim=-1)
+        packed = self.sequence_exchange(packed, scatter_dim=2, gather_dim=1)
+        T, h = packed.shape[1], packed.shape[2]
+        dk, dv = self.key_head_dim, self.value_head_dim
+        q, k, v, z, b, a = packed.split([dk, dk, r * dv, r * dv, r, r], dim=-1)
+        v, z = v.reshape(B, T, h * r, dv), z.reshape(B, T, h * r, dv)
+        return q, k, v, z, b.reshape(B, T, h * r), a.reshape(B, T, h * r)
+
+    def own_groups(self, n_groups: int) -> int:
+        """The first key-head group this rank computes (`n_groups` of them): 0 when it holds them all, else its
+        tensor shard's or its isp rank's."""
+        if n_groups == self.n_key_heads:
+            return 0
+        split = self.sequence_exchange if self.sequence_exchange is not None else self.head_groups
+        if split is None or split.size * n_groups != self.n_key_heads:
+            raise ValueError(f"{n_groups} of {self.n_key_heads} key-head groups here without a split that says which")
+        return split.rank * n_groups
+
+    def group_rows(self, weight: torch.Tensor, first: int, n_groups: int) -> torch.Tensor:
+        """The rows of a [Q | K | V] weight (the conv's, Qwen3.5's in_proj_qkv) of key-head groups first ..
+        first + n_groups - 1: their Q, K and V rows."""
+        if n_groups == self.n_key_heads:
+            return weight
+        r, dk, dv = self.n_value_heads // self.n_key_heads, self.key_head_dim, self.value_head_dim
+        q, k, v = weight.split([self.key_dim, self.key_dim, self.value_dim])
+        keys = slice(first * dk, (first + n_groups) * dk)
+        return torch.cat([q[keys], k[keys], v[first * r * dv : (first + n_groups) * r * dv]])
 
     def forward(self, x: torch.Tensor, rope: object = None, documents: Documents | None = None) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C); `rope` is not read (a decoder block's mixer signature: linear attention has no
-        positions beyond its conv), `documents` keeps packed documents apart."""
-        B, T, _ = x.shape
-        qkv, z, b, a = self.project(x)
+        positions beyond its conv), `documents` (the whole sequence's) keeps packed documents apart."""
+        tensors = self.project(x)
+        if self.sequence_exchange is not None:  # isp: all tokens of this rank's groups
+            tensors = self.exchange_groups(tensors)
+        q, k, v, z, b, a = tensors
+        B, T, n_groups, _ = q.shape
+        first = self.own_groups(n_groups)
+        heads = slice(first * (self.n_value_heads // self.n_key_heads), None)
+        A_log, dt_bias = (t[heads][: v.shape[2]] for t in (self.A_log, self.dt_bias))
         if documents is None:
-            position_ids = torch.arange(T, device=x.device).expand(B, T)
+            position_ids = torch.arange(T, device=q.device).expand(B, T)
         else:
             position_ids = documents.position_ids
-        qkv = causal_conv(qkv, self.conv_weight, position_ids)
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)  # [Q | K | V]
+        qkv = causal_conv(qkv, self.group_rows(self.conv_weight, first, n_groups), position_ids)
+        key_width = n_groups * self.key_head_dim
+        q, k, v = qkv.split([key_width, key_width, qkv.shape[-1] - 2 * key_width], dim=-1)
         r = self.n_value_heads // self.n_key_heads
         # value heads r*j .. r*j+r-1 read key head j
         q = q.reshape(B * T, -1, self.key_head_dim).repeat_interleave(r, dim=1)
@@ -210,16 +270,18 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid().reshape(B * T, -1)
         # the decay and the rule in fp32 (or float64 in the tests): g = -e^A softplus(a + dt_bias) <= 0
         dtype = torch.promote_types(x.dtype, torch.float32)
-        g = (-self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias)).reshape(B * T, -1)
+        g = (-A_log.to(dtype).exp() * F.softplus(a.to(dtype) + dt_bias)).reshape(B * T, -1)
         # L2-normalised q and k, q scaled by dk^-1/2
         q = l2norm(q.to(dtype)) * self.key_head_dim**-0.5
         k = l2norm(k.to(dtype))
         layout = ChunkLayout(position_ids, self.chunk_size)
         q, k, v, g, beta = (layout.scatter(t.to(dtype)).transpose(0, 1) for t in (q, k, v, g, beta))
         out = chunk_gated_delta_rule(q, k, v, g, beta, layout.resets, self.chunk_size)
-        out = layout.gather(out.transpose(0, 1)).to(x.dtype).view(B, T, -1, self.value_head_dim)
+        out = layout.gather(out.transpose(0, 1)).to(z.dtype).view(B, T, -1, self.value_head_dim)
         out = self.norm(out, z)
-        return self.out_proj(out.reshape(B, T, -1))
+        if self.sequence_exchange is not None:  # back: this rank's tokens of every head
+            out = self.sequence_exchange(out, scatter_dim=1, gather_dim=2)
+        return self.out_proj(out.flatten(2))
 
     def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
         """normal(0, std) for the input projections and the conv, normal(0, out_std) for out_proj; dt_bias 1,

@@ -8,6 +8,8 @@
   builder/pipeline.py (the stages).
 - `ExchangesSequence` (each block's attention: `Attention`): isp, Ulysses' all-to-all between sequence and heads
   around attention. Set by engine/sequence_parallel.py.
+- `SplitsHeadGroups` (a mixer: `GatedDeltaNet`): tensor parallel, its rank's whole head groups. Set by
+  engine/tensor_parallel.py.
 - `DispatchesExperts` (a sparse block: `MoE`): expert parallel, its `experts` sharded over "ep" and its routed rows
   sent through the dispatch. Set by engine/expert_parallel.py; tensor parallel keeps the block whole, FSDP2 and DDP
   reduce its experts' gradients apart (engine/parallel.py).
@@ -51,6 +53,7 @@ __all__ = [
     "ExchangesSequence",
     "ExpertDispatchFn",
     "HasTensorPlan",
+    "HeadGroupSplit",
     "Hostable",
     "KeepsFp32Buffers",
     "PoolsRouterStats",
@@ -59,6 +62,7 @@ __all__ = [
     "SequenceChunk",
     "SequenceExchange",
     "ShardsSequence",
+    "SplitsHeadGroups",
 ]
 
 
@@ -73,7 +77,11 @@ class SequenceChunk(Protocol):
 
 
 class SequenceExchange(Protocol):
-    """isp's all-to-all (engine/sequence_parallel.py `sequence_all_to_all` over the tensor group)."""
+    """isp's all-to-all (engine/sequence_parallel.py `SequenceAllToAll` over the tensor group): this rank's place in
+    the group (`rank` of `size`), whose heads' whole sequences it receives."""
+
+    rank: int
+    size: int
 
     def __call__(self, x: torch.Tensor, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split `x` along `scatter_dim` over the ranks, gather what they send along `gather_dim`."""
@@ -122,6 +130,26 @@ class ExchangesSequence:
     whole sequence of H/T heads before attending, and the output back after (isp's Ulysses attention)."""
 
     sequence_exchange: SequenceExchange | None = None
+
+
+class HeadGroupSplit(Protocol):
+    """Which whole head groups a tensor rank holds: the `rank`-th of `size` equal runs (engine/tensor_parallel.py)."""
+
+    rank: int
+    size: int
+
+    def local_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The mixer's input as this rank's plain tensor, for a projection it computes from a whole weight's rows:
+        its gradient (this rank's heads' part) summed over the tensor group in backward."""
+        ...
+
+
+class SplitsHeadGroups:
+    """A mixer whose column projections tensor parallel splits by whole head groups, its other per-head parameters
+    (a conv's channels, per-head decay rates) whole on every rank: with a split it computes the groups of its rank
+    (Gated DeltaNet's key-head groups). Set by engine/tensor_parallel.py (`WholeParameters`)."""
+
+    head_groups: HeadGroupSplit | None = None
 
 
 class DispatchesExperts:

@@ -27,7 +27,9 @@ class Region:
     """A sub-module of a block that takes the residual stream as its first argument: column-parallel projections in
     (output dim sharded), row-parallel ones out (input dim sharded, outputs reduced). An attention with `replicated`
     modules ahead of its column ones takes its input whole as a plain tensor (gathered from the sequence under msp /
-    fsp), and each column projection sums its own input gradient over the tensor group."""
+    fsp), and each column projection sums its own input gradient over the tensor group. `whole_parameters`: what
+    its column and row projections leave, whole on every rank with summed gradients (per-head weights each rank
+    reads for its own heads)."""
 
     module: str
     column: tuple[str, ...] = ()
@@ -35,6 +37,10 @@ class Region:
     # positional arguments after the residual stream, passed on as they are (attention's rope and documents)
     extra_args: int = 0
     replicated: tuple[Replicated, ...] = ()
+    # its parameters outside the column / row projections (per-head norms, a conv, decay rates) whole on every rank,
+    # read locally in its forward and their gradients summed over the tensor group; a model/hooks.py
+    # `SplitsHeadGroups` module is told its rank's head groups (Gated DeltaNet)
+    whole_parameters: bool = False
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ def test_a_config_that_imports_the_stub_family_trains_it_as_the_native_family_tr
     assert sorted(stub_losses) == [1, 2, 3] and stub_losses == losses(tmp_path / "native")
 
 
-SPLITS = "splits model.type='deepseek_v3' / 'gpt_oss' / 'internlm2', not 'stub_llama'"  # the families with a plan
+SPLITS = "splits model.type='deepseek_v3' / 'gpt_oss' / 'internlm2' / 'qwen3_next', not 'stub_llama'"  # the families with a plan
 
 
 @pytest.mark.parametrize(

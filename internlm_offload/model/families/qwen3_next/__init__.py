@@ -4,8 +4,9 @@ gated full-attention block (per-head output gate, zero-centred q/k norms, partia
 mixtures of experts with a sigmoid-gated shared expert (softmax router, top-k renormalised).
 
 Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.hf_config`); docs/qwen3_next.md.
-`tools.export --hf` writes the folder back. Tensor, sequence and pipeline parallel, LoRA, a balancing loss and MTP
-are refused in one line (not built).
+`tools.export --hf` writes the folder back. Tensor parallel splits by whole DeltaNet key-head groups, isp exchanges
+them for whole sequences, a pipeline splits the stack (docs/qwen3_next.md, "Layouts"). LoRA, a balancing loss and
+MTP are refused in one line (not built).
 """
 
 from collections.abc import Sequence
@@ -100,7 +101,7 @@ FAMILY = register_family(
         name="qwen3_next",
         entry="internlm_offload.model.families.qwen3_next.build",
         summary="Qwen3-Next / Qwen3.5 text (Gated DeltaNet + gated attention, gated shared expert) from a Hugging Face folder",
-        capabilities=Capabilities(init_per_param=True, folder_export=True),
+        capabilities=Capabilities(tensor_parallel=True, pipeline=True, init_per_param=True, folder_export=True),
         check_section=check_section,
         routed_experts=routed_experts,
         experts_per_token=experts_per_token,

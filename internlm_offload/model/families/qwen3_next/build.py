@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from internlm_offload.config import ConfigError, ModelConfig
+from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.model.families.deepseek_v3.build import raw_config
 from internlm_offload.model.families.qwen3_next import CAUSAL_LMS
 from internlm_offload.model.families.qwen3_next.args import args_from_config
@@ -46,3 +46,25 @@ def folder_config(cfg: ModelConfig) -> Any:
     config = transformers_config(cfg)
     config.architectures = [CAUSAL_LMS[config.model_type]]
     return config
+
+
+def check_run(cfg: RunConfig) -> None:
+    """What is not built for Qwen3-Next, refused in one line: a tensor or isp group that does not divide the
+    DeltaNet's key heads (each rank runs whole key-head groups); a pipeline with the embedding tied to the head.
+    LoRA, a balancing loss and multi-token prediction are refused by the family's capabilities (the config's
+    checks)."""
+    config = transformers_config(cfg.model)
+    tensor = cfg.parallel.tensor
+    if tensor.size > 1:
+        where = f"parallel.tensor.size={tensor.size} (mode {tensor.mode!r})"
+        if config.linear_num_key_heads % tensor.size:
+            raise ConfigError(
+                f"{where}: the Gated DeltaNet's linear_num_key_heads={config.linear_num_key_heads} must be a multiple "
+                "of it (each rank runs whole key-head groups)"
+            )
+    pipe = cfg.parallel.pipeline.size
+    if pipe > 1 and config.tie_word_embeddings:
+        raise ConfigError(
+            f"parallel.pipeline.size={pipe} with the config's tie_word_embeddings=True: the embedding and the head "
+            "sit on different stages; not built"
+        )

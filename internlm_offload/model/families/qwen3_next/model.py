@@ -11,6 +11,7 @@ from internlm_offload.model.families.qwen3_next.args import LINEAR, Qwen3NextArg
 from internlm_offload.model.gated_deltanet import GatedDeltaNet
 from internlm_offload.model.mlp import FeedForward
 from internlm_offload.model.moe import MoE
+from internlm_offload.model.tensor_plan import BlockPlan, Region, TensorPlan
 
 
 def build_mixer(args: Qwen3NextArgs, i: int, attn_impl: str) -> nn.Module:
@@ -59,6 +60,46 @@ def build_feed_forward(args: Qwen3NextArgs, i: int) -> nn.Module:
     )
 
 
+def mixer_region(args: Qwen3NextArgs, i: int) -> Region:
+    """Block i's mixer by role (model/tensor_plan.py). Gated DeltaNet: the fused in_proj_qkvz / in_proj_ba column
+    parallel (their rows are grouped per key head, so an even split of the rows is one of whole key-head groups:
+    each rank's key heads with their value heads), out_proj row parallel, the conv, A_log, dt_bias and the gated
+    norm whole on every rank (each reads its groups' channels and heads); Qwen3.5's split in_proj_z / in_proj_b /
+    in_proj_a column parallel (rows by value head) and its in_proj_qkv whole, each rank multiplying by its groups'
+    rows of it. Gated attention: wq (each head's
+    [query | gate] rows) column parallel by whole heads, wo row parallel, the per-head q/k norms whole."""
+    if args.layer_types[i] != LINEAR:
+        return Region("attention", column=("attention.wq",), row=("attention.wo",), extra_args=2, whole_parameters=True)
+    if args.fused_projections:
+        column = ("attention.in_proj_qkvz", "attention.in_proj_ba")
+    else:  # Qwen3.5: in_proj_qkv's rows are [Q | K | V], not a run per group: whole, each rank reading its rows
+        column = ("attention.in_proj_z", "attention.in_proj_b", "attention.in_proj_a")
+    return Region("attention", column=column, row=("attention.out_proj",), extra_args=2, whole_parameters=True)
+
+
+def block_plan(args: Qwen3NextArgs, i: int) -> BlockPlan:
+    """Block i's roles: its mixer's (`mixer_region`), a dense SwiGLU column / row parallel or a sparse block whole
+    (its experts what expert parallel shards). A DeltaNet block states its key heads as its heads: the tensor size
+    must divide them."""
+    if args.sparse[i]:
+        feed_forward = Region("feed_forward")
+    else:
+        feed_forward = Region("feed_forward", column=("feed_forward.w1", "feed_forward.w3"), row=("feed_forward.w2",))
+    if args.layer_types[i] == LINEAR:
+        kv, kv_heads, heads = (), args.linear_num_key_heads, args.linear_num_key_heads
+    else:
+        kv, kv_heads, heads = ("attention.wk", "attention.wv"), args.num_key_value_heads, args.num_attention_heads
+    return BlockPlan(
+        attention=mixer_region(args, i),
+        kv=kv,
+        kv_heads=kv_heads,
+        feed_forward=feed_forward,
+        sparse=args.sparse[i],
+        norms=("attention_norm", "ffn_norm"),
+        heads=heads,
+    )
+
+
 class Qwen3Next(Decoder):
     """A Qwen3-Next / Qwen3.5 text model from `Qwen3NextArgs` (no auxiliary loss: transformers' forward returns none by default)."""
 
@@ -83,3 +124,8 @@ class Qwen3Next(Decoder):
         )
         self.args = args
         self.num_experts = args.num_experts
+
+    def tensor_plan(self) -> TensorPlan:
+        """Where tensor, sequence, expert parallel and the pipeline find this model's modules (model/tensor_plan.py)."""
+        blocks = tuple(block_plan(self.args, i) for i in range(self.args.num_layers))
+        return TensorPlan(embedding="tok_embeddings", final_norm="norm", head="output", blocks=blocks)

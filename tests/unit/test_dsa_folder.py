@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from folder_parity import assert_step_1_matches, next_token_loss, step_1_ids
 from safetensors.torch import load_file
 
 from internlm_offload.builder.model import build_model
@@ -46,27 +46,18 @@ def transformers_folder(family: str, folder: Path) -> torch.nn.Module:
     return model
 
 
-def grad_norm(model: torch.nn.Module) -> torch.Tensor:
-    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_step_1_loss_and_grad_norm_are_transformers_from_the_folder_alone(family, tmp_path):
     reference = transformers_folder(family, tmp_path / family)
     native = build_model(ModelConfig(type="deepseek_v3", hf_path=str(tmp_path / family)), torch.device("cpu"))
     assert sum(".indexer." in n for n, _ in native.named_parameters()) == (10 if family == "glm_moe_dsa" else 15)
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    want = reference(ids, labels=ids).loss
-    got = F.cross_entropy(native(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    want.backward()
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    torch.testing.assert_close(grad_norm(native), grad_norm(reference), rtol=0, atol=1e-5)
+    ids = step_1_ids(VOCAB, SEQ)
+    got = assert_step_1_matches(native, reference, ids)
     # the top-k matters at this length: with every key chosen the loss is another
     for layer in native.layers:
         layer.attention.topk = SEQ
     with torch.no_grad():
-        dense = F.cross_entropy(native(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        dense = next_token_loss(native, ids)
     assert (dense - got).abs() > 1e-4
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from folder_parity import assert_step_1_matches, step_1_ids
 from safetensors.torch import load_file, save_file
 
 from internlm_offload.builder.model import build_model, folder_layout
@@ -48,22 +48,12 @@ def native(folder: Path) -> torch.nn.Module:
     return build_model(ModelConfig(type="qwen3_next", hf_path=str(folder)), torch.device("cpu"))
 
 
-def grad_norm(model: torch.nn.Module) -> torch.Tensor:
-    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_step_1_loss_and_grad_norm_are_transformers_from_the_folder_alone(tmp_path, kind):
     """70 tokens a row: two chunks of the delta rule."""
     reference = transformers_folder(tmp_path / "q", kind=kind)
     model = native(tmp_path / "q")
-    ids = torch.randint(0, VOCAB, (2, 70), generator=torch.Generator().manual_seed(1))
-    want = reference(ids, labels=ids).loss
-    got = F.cross_entropy(model(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    want.backward()
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    torch.testing.assert_close(grad_norm(model), grad_norm(reference), rtol=0, atol=1e-5)
+    assert_step_1_matches(model, reference, step_1_ids(VOCAB, 70))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from folder_parity import assert_step_1_matches, step_1_ids
 from safetensors.torch import load_file, save_file
 

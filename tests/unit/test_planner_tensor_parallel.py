@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from internlm_offload.config import ConfigError, load_config_file, resolve_config
+from internlm_offload.config import load_config_file, resolve_config
 from internlm_offload.planner import cost
 from internlm_offload.planner.knobs import Setting, activation_settings, optimizer_settings, tensor_mode_settings
 from internlm_offload.planner.search import search_tensor_modes

@@ -11,8 +11,6 @@ import io
 import math
 import os
 import sys
-import threading
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +19,6 @@ import torch
 from runner import run_python
 from stream_gates import held_back
 
-import internlm_offload.optim.swap as swap_mod
 from internlm_offload.device import Accelerator, StreamError
 from internlm_offload.optim.records import ParamRecord
 from internlm_offload.optim.adamw_rule import ADAMW_STATE_KEYS as SWAPPED_KEYS

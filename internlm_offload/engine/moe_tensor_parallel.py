@@ -53,13 +53,13 @@ class WholeMoE(ParallelStyle):
         self.sequence_sharded = sequence_sharded
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        replicate_parameters(module, device_mesh)
+        slots = replicate_parameters(module, device_mesh)
         forward = module.forward
         sharded = self.sequence_sharded
 
         @functools.wraps(forward)
         def chunk_forward(x: torch.Tensor) -> torch.Tensor:
-            with local_parameters(module, device_mesh):
+            with local_parameters(slots, device_mesh):
                 if sharded:  # msp/fsp: this rank's chunk, the residual stream's layout between the blocks
                     return forward(x.to_local() if is_dtensor(x) else x)
                 chunk = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
@@ -70,31 +70,39 @@ class WholeMoE(ParallelStyle):
         return module
 
 
+Slot = tuple[nn.Module, str]  # a parameter's place: its module and its name there
+
+
 @torch.no_grad()
-def replicate_parameters(module: nn.Module, mesh: DeviceMesh) -> None:
+def replicate_parameters(module: nn.Module, mesh: DeviceMesh) -> list[Slot]:
     """Each parameter of `module` that is a plain tensor becomes a replicated DTensor over `mesh` (every rank built
-    the same whole weight; no communication). Expert parallel's DTensors stay on their own mesh."""
+    the same whole weight; no communication); returns their slots. DTensors (expert parallel's, a style's) stay."""
+    slots = []
     for sub in module.modules():
         for name, param in list(sub.named_parameters(recurse=False)):
             if is_dtensor(param):
                 continue
             whole = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
             setattr(sub, name, nn.Parameter(whole, requires_grad=param.requires_grad))
+            slots.append((sub, name))
+    return slots
 
 
 @contextlib.contextmanager
-def local_parameters(module: nn.Module, mesh: DeviceMesh) -> Iterator[None]:
-    """`module`'s replicated DTensor parameters over `mesh` seen as their local tensors during its forward, their gradients
-    `Partial` (each rank's chunk's part, summed over the tensor group later); the parameters are restored after."""
+def local_parameters(slots: list[Slot], mesh: DeviceMesh) -> Iterator[None]:
+    """The replicated DTensor parameters over `mesh` in `slots` (`replicate_parameters`') seen as their local tensors
+    during a forward, their gradients `Partial` (each rank's chunk's part, summed over the tensor group later);
+    restored after. Only those slots: a replicated DTensor a style made (a whole kv projection's) keeps its own
+    gradient rule."""
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     try:
-        for sub in module.modules():
-            for name, param in list(sub._parameters.items()):
-                if not is_dtensor(param) or param.device_mesh != mesh or param.placements != (Replicate(),):
-                    continue
-                swapped.append((sub, name, param))
-                # a plain tensor in the slot for this forward only (module.__setattr__ takes Parameters alone)
-                sub._parameters[name] = param.to_local(grad_placements=[Partial()])
+        for sub, name in slots:
+            param = sub._parameters[name]
+            if not is_dtensor(param) or param.device_mesh != mesh or param.placements != (Replicate(),):
+                continue
+            swapped.append((sub, name, param))
+            # a plain tensor in the slot for this forward only (module.__setattr__ takes Parameters alone)
+            sub._parameters[name] = param.to_local(grad_placements=[Partial()])
         yield
     finally:
         for sub, name, param in swapped:

@@ -235,14 +235,14 @@ class WholeParameters(ParallelStyle):
     redistribution). A `SplitsHeadGroups` mixer is told its rank's head groups, whose channels and rates it reads."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        replicate_parameters(module, device_mesh)
+        slots = replicate_parameters(module, device_mesh)
         if isinstance(module, SplitsHeadGroups):
             module.head_groups = HeadGroups(device_mesh, device_mesh.get_local_rank(), device_mesh.size())
         forward = module.forward
 
         @functools.wraps(forward)
         def local_forward(*args, **kwargs):
-            with local_parameters(module, device_mesh):
+            with local_parameters(slots, device_mesh):
                 return forward(*args, **kwargs)
 
         module.forward = local_forward

@@ -86,14 +86,18 @@ def test_tensor_parallel_follows_one_process(tmp_path, one_process, mode):
 
 def test_glm45_grouped_query_attention_under_msp_follows_one_process(tmp_path):
     """GLM-4.5's attention takes the native decoder's plan (wq, wk, wv column, wo row; its q/k norms per head whole
-    on every rank): msp at T=2 follows one process. Red with wk and wv planned over 1 kv head (each rank keeping kv
-    head 0: step 1's loss 0.061 off)."""
+    on every rank, their gradients summed over the tensor group): msp at T=2 follows one process, the grad norm
+    within 1e-5 too (its norms are the weights every rank's heads update). Red with wk and wv planned over 1 kv head
+    (each rank keeping kv head 0: step 1's loss 0.061 off), and with the q/k norms' gradients left to each rank's own
+    heads (the ranks' norms drift apart: the grad norm past 1e-5 within the 6 steps)."""
     config = tmp_path / "glm45.py"
     config.write_text(f"_base_ = [{str(DEEPSEEK)!r}]\nmodel = dict(hf_config=dict(_delete_=True, **{GLM45!r}))\n")
     one, msp = tmp_path / "one", tmp_path / "msp"
     train(one, *STEPS, config=config)
     train(msp, *STEPS, "parallel.tensor.size=2", "parallel.tensor.mode=msp", *COLUMN_ROW, config=config, nproc=2)
     assert_follows(one, msp)
+    got, want = ([r["grad_norm"] for r in metrics(path)] for path in (msp, one))
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
 
 
 def test_fsdp2_reads_a_folder_into_its_shards_and_starts_from_its_weights(tmp_path):

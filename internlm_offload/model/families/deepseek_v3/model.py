@@ -102,9 +102,16 @@ def attention_region(args: DeepseekV3Args) -> Region:
     """The attention's roles: MLA's query and kv up-projections column parallel by whole heads (their rows are
     head-major blocks, so an even split of the rows is one of heads), o_proj row parallel, the down-projections and
     their latent norms whole on every rank, the rope key's gradient summed over them (every head reads it); GLM-4.5's
-    wq column parallel and wo row parallel (wk, wv: the block's kv)."""
-    if not args.mla:
-        return Region("attention", column=("attention.wq",), row=("attention.wo",), extra_args=2)  # rope, documents
+    wq column parallel and wo row parallel (wk, wv: the block's kv), its per-head q/k norms whole with summed
+    gradients."""
+    if not args.mla:  # extra arguments: rope, documents
+        return Region(
+            "attention",
+            column=("attention.wq",),
+            row=("attention.wo",),
+            extra_args=2,
+            whole_parameters=args.use_qk_norm,
+        )
     if args.q_lora_rank is None:
         column, replicated = ("attention.q_proj",), ()
     else:

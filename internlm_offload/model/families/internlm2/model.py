@@ -22,14 +22,17 @@ from internlm_offload.model.router import RouterStats, dropless_aux_loss, global
 from internlm_offload.model.tensor_plan import BlockPlan, Region, TensorPlan
 
 
-def decoder_block_plan(kv_heads: int, sparse: bool) -> BlockPlan:
-    """A block's modules by tensor-parallel role (model/tensor_plan.py)."""
+def decoder_block_plan(kv_heads: int, sparse: bool, qk_norm: bool = False) -> BlockPlan:
+    """A block's modules by tensor-parallel role (model/tensor_plan.py); with `qk_norm`, the per-head q/k norms whole
+    on every rank, their gradients summed over the tensor group (each rank's heads give a part of it)."""
     if sparse:
         feed_forward = Region("feed_forward")
     else:
         feed_forward = Region("feed_forward", column=("feed_forward.w1", "feed_forward.w3"), row=("feed_forward.w2",))
     return BlockPlan(
-        attention=Region("attention", column=("attention.wq",), row=("attention.wo",), extra_args=2),  # rope, documents
+        attention=Region(
+            "attention", column=("attention.wq",), row=("attention.wo",), extra_args=2, whole_parameters=qk_norm
+        ),  # extra: rope, documents
         kv=("attention.wk", "attention.wv"),
         kv_heads=kv_heads,
         feed_forward=feed_forward,
@@ -95,7 +98,9 @@ class InternLM2(Decoder):
     def tensor_plan(self) -> TensorPlan:
         """Where tensor parallel, isp and expert parallel find this decoder's modules (model/tensor_plan.py)."""
         kv_heads = self.args.num_kv_attention_heads
-        blocks = tuple(decoder_block_plan(kv_heads, i in self.sparse_layers) for i in range(self.num_layers))
+        blocks = tuple(
+            decoder_block_plan(kv_heads, i in self.sparse_layers, self.args.qk_norm) for i in range(self.num_layers)
+        )
         return TensorPlan(embedding="tok_embeddings", final_norm="norm", head="output", blocks=blocks)
 
     def aux_losses(self, stats: list[RouterStats]) -> dict[str, torch.Tensor]:

@@ -26,7 +26,8 @@ The update is the update rule's step (`rule=`, optim/rules.py) over a chunk's pa
 states are those the rule names. AdamW's (the default) is torch's own kernel (`torch.optim.adam.adam` with
 the group's flags and `decoupled_weight_decay=True`); the kernels are elementwise, so params and states are
 bitwise those of `torch.optim.AdamW` with the same arguments. A param is never split across chunks, so a
-rule that needs whole parameters gets them (over a DTensor's shard it is refused).
+rule that needs whole parameters gets them; over DTensor shards it gets each as its DTensor, to gather from
+(Muon), and the chunks are then cut at the same params on every rank (its gathers are collectives).
 
 With `swap_params=True` the parameters themselves live on the host too (fp32 master weights of a
 low-precision model, as ZeRO-Offload keeps them): each parameter's `ParamRecord` (optim/records.py,

@@ -99,10 +99,10 @@ def uses_muon(optimizer: OptimizerConfig) -> bool:
 def muon_parallel_problem(
     optimizer: OptimizerConfig, mode: str, tensor_size: int, expert_size: int, offload_tier: str | None
 ) -> str | None:
-    """Muon orthogonalises whole matrices: the plain optimizer gathers a sharded (FSDP2, tensor or expert parallel)
-    parameter's matrices (optim/muon_sharded.py), the swap and hybrid tiers step local shards and do not (issue 51,
-    part 4): one line naming the keys, else None. `offload_tier`: `swap_optimizer` / `hybrid_optimizer`, or None."""
-    if not uses_muon(optimizer) or offload_tier is None:
+    """Muon orthogonalises whole matrices: the plain optimizer and the swap tier gather a sharded (FSDP2, tensor or
+    expert parallel) parameter's matrices (optim/muon_sharded.py), the hybrid tier steps local shards and does not:
+    one line naming the keys, else None. `offload_tier`: `swap_optimizer` / `hybrid_optimizer`, or None."""
+    if not uses_muon(optimizer) or offload_tier != "hybrid_optimizer":
         return None
     if mode == "fsdp2":
         key = "parallel.mode='fsdp2'"
@@ -115,5 +115,5 @@ def muon_parallel_problem(
     return (
         f"optimizer.type='muon' (or a `muon` rule) with {key} and {offload_tier}: the {offload_tier} tier steps "
         "each rank's shards and does not gather Muon's matrices yet; drop one of them (Muon without an offload tier "
-        "gathers them)"
+        "or with swap_optimizer gathers them)"
     )

@@ -55,7 +55,7 @@ class MuonRule(UpdateRule):
 
     name = "muon"
     whole_params = True  # Newton-Schulz reads a whole matrix: chunking tiers never split one, nor take a shard
-    # (the plain tier gathers a DTensor's matrices whole: optim/muon_sharded.py)
+    # (the plain and swap tiers hand it DTensors, whose matrices it gathers whole: optim/muon_sharded.py)
     update_bytes = 20  # elementwise part: read param, grad, buffer; write param, buffer (fp32); NS is extra
     # the planner counts its elements by the momentum update, one per parameter, whose first argument is the buffer
     # (shaped as the parameter); Newton-Schulz's matmuls are counted as FLOPs (planner/cost.py)

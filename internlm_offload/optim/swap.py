@@ -26,7 +26,8 @@ The update is the update rule's step (`rule=`, optim/rules.py) over a chunk's pa
 states are those the rule names. AdamW's (the default) is torch's own kernel (`torch.optim.adam.adam` with
 the group's flags and `decoupled_weight_decay=True`); the kernels are elementwise, so params and states are
 bitwise those of `torch.optim.AdamW` with the same arguments. A param is never split across chunks, so a
-rule that needs whole parameters gets them (over a DTensor's shard it is refused).
+rule that needs whole parameters gets them; over DTensor shards it gets each as its DTensor, to gather from
+(Muon), and the chunks are then cut at the same params on every rank (its gathers are collectives).
 
 With `swap_params=True` the parameters themselves live on the host too (fp32 master weights of a
 low-precision model, as ZeRO-Offload keeps them): each parameter's `ParamRecord` (optim/records.py,
@@ -75,10 +76,10 @@ from internlm_offload.device import (
 from internlm_offload.log import get_logger
 from internlm_offload.optim.adamw import consecutive_runs
 from internlm_offload.optim.adamw_rule import ADAMW
-from internlm_offload.optim.dtensor import laid_out_like, local_nbytes, local_shard
+from internlm_offload.optim.dtensor import is_dtensor, laid_out_like, local_nbytes, local_shard
 from internlm_offload.optim.interface import OffloadOptimizer, evaluate_closure
 from internlm_offload.optim.records import ParamRecord, records_by_master
-from internlm_offload.optim.rules import StateSpec, UpdateRule, fill_defaults, refuse_sharded_params, rule_for
+from internlm_offload.optim.rules import StateSpec, UpdateRule, fill_defaults, rule_for
 
 logger = get_logger(__name__)
 
@@ -235,16 +236,15 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         if key == self._layout_key:
             return
         self._finish_pending()
-        for group in self.param_groups:  # chunks hold whole local tensors: a DTensor's is a shard
-            refuse_sharded_params(self._rule(group), group["params"], "the swap optimizer")
         per_param = [(p, g, self._slot_specs(p, g)) for g in self.param_groups for p in g["params"] if p.requires_grad]
-        total = sum(
-            round_up(shape.numel() * dtype.itemsize, SLOT_ALIGNMENT)
-            for _, _, specs in per_param
-            for _, shape, dtype in specs
+        # chunks hold whole local tensors (a DTensor's is its shard). A rule gathering a DTensor's matrices (Muon)
+        # issues collectives in chunk order, so every rank must cut at the same params: sized from global shapes
+        gathering = any(
+            self._rule(g).whole_params and any(is_dtensor(p) for p in g["params"]) for g in self.param_groups
         )
-        self._budget = max(1, math.ceil(total / self.swap_optimizer_times))
-        self._chunks = _cut_chunks(per_param, target=max(1, self._budget // 2))
+        sizes = [_slots_size(p, specs, even=gathering) for p, _, specs in per_param]
+        self._budget = max(1, math.ceil(sum(sizes) / self.swap_optimizer_times))
+        self._chunks = _cut_chunks(per_param, sizes, target=max(1, self._budget // 2))
         self._build_arena()
         self._layout_key = key
         self._adopt_states()
@@ -449,10 +449,13 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         states = {key: [self.state[p][key] for p in chunk.stepped] for key in self._rule(group).host_states(group)}
         states.update({key: [views[id(p), key] for p in chunk.stepped] for key in self._rule(group).state_keys(group)})
         grads = [views[id(p), GRAD] if self.host_grads else local_shard(active[p]) for p in chunk.stepped]
-        self._rule(group).step(
-            targets,
-            grads,
-            states,
+        rule = self._rule(group)
+        # a rule stepping whole matrices (Muon) sees each shard as the DTensor it is part of, and gathers from it
+        layout = (lambda ts: [laid_out_like(t, p) for t, p in zip(ts, chunk.stepped)]) if rule.whole_params else list
+        rule.step(
+            layout(targets),
+            layout(grads),
+            {key: layout(tensors) for key, tensors in states.items()},
             group,
             has_complex=chunk.has_complex,
             grad_scale=getattr(self, "grad_scale", None),
@@ -544,14 +547,24 @@ class SwapAdamW(OffloadOptimizer, torch.optim.AdamW):
         return False
 
 
-def _cut_chunks(per_param: list[tuple[torch.Tensor, dict, list]], target: int) -> list[_Chunk]:
-    """Consecutive params of one group, up to `target` device bytes per chunk (a larger param alone)."""
+def _slots_size(param: torch.Tensor, specs: list, *, even: bool) -> int:
+    """A param's device bytes in a chunk (every slot starts aligned: the sum of its slots' padded sizes). `even`:
+    a DTensor's shard-shaped slots counted as an even split of the global tensor, the same on every rank."""
 
-    def size(item: tuple[torch.Tensor, dict, list]) -> int:
-        # Every slot starts aligned, so a chunk's size is the sum of its slots' padded sizes.
-        return sum(round_up(shape.numel() * dtype.itemsize, SLOT_ALIGNMENT) for _, shape, dtype in item[2])
+    def numel(shape: torch.Size) -> int:
+        if even and is_dtensor(param) and shape == local_shard(param).shape:
+            return math.ceil(param.numel() / param.device_mesh.size())
+        return shape.numel()
 
-    runs = consecutive_runs(per_param, group_of=lambda item: id(item[1]), size_of=size, target=target)
+    return sum(round_up(numel(shape) * dtype.itemsize, SLOT_ALIGNMENT) for _, shape, dtype in specs)
+
+
+def _cut_chunks(per_param: list[tuple[torch.Tensor, dict, list]], sizes: list[int], target: int) -> list[_Chunk]:
+    """Consecutive params of one group, up to `target` bytes (`sizes`, one per param) per chunk (a larger param
+    alone)."""
+    size = {id(param): size for (param, _, _), size in zip(per_param, sizes)}
+    runs = consecutive_runs(per_param, group_of=lambda item: id(item[1]), size_of=lambda item: size[id(item[0])],
+                            target=target)  # fmt: skip
     return [_layout_chunk(run[0][1], [(param, specs) for param, _, specs in run]) for run in runs]
 
 

@@ -18,7 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from internlm_offload.bench.muon_comm import Collectives
-from internlm_offload.optim import Muon
+from internlm_offload.device import Accelerator
+from internlm_offload.optim import Muon, SwapAdamW
+from internlm_offload.optim.muon_rule import MUON
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -35,6 +37,7 @@ def groups(params):
 gen = torch.Generator().manual_seed(0)
 initial = [torch.randn(shape, generator=gen) for shape, _, _ in CASES]
 counter = Collectives(2)
+acc = Accelerator("cpu")
 
 
 def padded(shape, dim):
@@ -47,14 +50,21 @@ for ns_dtype in (torch.bfloat16, torch.float32):  # Newton-Schulz's dtype, and t
     whole = [torch.nn.Parameter(t.clone()) for t in initial]
     sharded = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(dim)]))
                for t, (_, dim, _) in zip(initial, CASES)]
+    swapped = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(dim)]))
+               for t, (_, dim, _) in zip(initial, CASES)]
     ref = Muon(groups(whole), lr=0.02, adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype)
     opt = Muon(groups(sharded), lr=0.02, adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype)
+    # the swap tier: chunks of whole local shards, cut at the same params on every rank (the uneven shard)
+    hyper = {"lr": 0.02, "adjust_lr_fn": "match_rms_adamw", "weight_decay": 0.1, "ns_dtype": str(ns_dtype)}
+    swap = SwapAdamW([{**g, **hyper} for g in groups(swapped)], swap_optimizer_times=3, accelerator=acc, rule=MUON)
     for step in range(3):
         gen = torch.Generator().manual_seed(100 + step)
-        for p, q, (shape, dim, _) in zip(whole, sharded, CASES):
+        for p, q, r, (shape, dim, _) in zip(whole, sharded, swapped, CASES):
             grad = torch.randn(shape, generator=gen)
             p.grad, q.grad = grad, distribute_tensor(grad.clone(), mesh, [Shard(dim)])
+            r.grad = distribute_tensor(grad.clone(), mesh, [Shard(dim)])
         ref.step()
+        swap.step()
         with counter:
             opt.step()
         # one all-gather per matrix but the stack sharded by experts, in Newton-Schulz's dtype: N (W - 1) / W each
@@ -63,6 +73,11 @@ for ns_dtype in (torch.bfloat16, torch.float32):  # Newton-Schulz's dtype, and t
     for index, (p, q) in enumerate(zip(whole, sharded)):
         assert torch.equal(p.detach(), q.full_tensor()), f"{ns_dtype}: case {CASES[index]} differs"
         assert torch.equal(ref.state[p]["momentum_buffer"], opt.state[q]["momentum_buffer"].full_tensor())
+    swap.finish_copies()
+    assert len(swap._chunks) > 1
+    for index, (p, r) in enumerate(zip(whole, swapped)):
+        assert torch.equal(p.detach(), r.full_tensor()), f"swap {ns_dtype}: case {CASES[index]} differs"
+    swap.close()
 print(f"MUON-SHARDED-OK rank={rank}", flush=True)
 from internlm_offload.engine.runtime import shutdown_runtime
 

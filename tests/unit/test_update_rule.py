@@ -212,17 +212,15 @@ def test_swap_chunks_hold_whole_params_for_a_whole_param_rule(acc: Accelerator) 
     swap.close()
 
 
-@pytest.mark.parametrize("tier", ["swap", "hybrid"])
-def test_sharded_params_are_refused_for_a_whole_param_rule(
-    acc: Accelerator, tier: str, monkeypatch: pytest.MonkeyPatch
+def test_sharded_params_are_refused_for_a_whole_param_rule_by_the_hybrid_tier(
+    acc: Accelerator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The hybrid tier steps bare local shards: refused. (The swap tier hands a whole-param rule each shard as its
+    DTensor, as the plain optimizer does: tests/unit/test_muon_sharded.py.)"""
     monkeypatch.setattr(rules_mod, "is_dtensor", lambda tensor: True)  # as FSDP2's DTensor params would answer
     params, rule = make_params(), WholeMomentumSGD()
     with pytest.raises(ValueError, match="steps whole parameters.*DTensor"):
-        if tier == "swap":
-            SwapAdamW(params, lr=LR, accelerator=acc, rule=rule).step()
-        else:
-            HybridDeviceOptimizer(params, accelerator=acc, rule=rule, lr=LR)
+        HybridDeviceOptimizer(params, accelerator=acc, rule=rule, lr=LR)
 
 
 # ---------------------------------------------------------------- param groups choose their rule

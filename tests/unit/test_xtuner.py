@@ -207,8 +207,9 @@ def test_muon_config_maps_to_the_muon_switch_and_names_what_differs(tmp_path: Pa
     assert cfg.optimizer.muon.adjust_lr_fn == "match_rms_adamw" and cfg.optimizer.muon.clip_grad is False
     parallel = {"mode": t.config["parallel"]["mode"]}  # XTuner's FSDP (the CONFIG's tp_size: a tensor group here)
     assert resolve_config({"optimizer": t.config["optimizer"], "parallel": parallel})
-    with pytest.raises(ConfigError, match="parallel.mode='fsdp2' and swap_optimizer"):  # not gathered there yet
-        resolve_config({"optimizer": t.config["optimizer"], "parallel": parallel, "swap_optimizer": True})
+    assert resolve_config({"optimizer": t.config["optimizer"], "parallel": parallel, "swap_optimizer": True})
+    with pytest.raises(ConfigError, match="parallel.mode='fsdp2' and hybrid_optimizer"):  # not gathered there yet
+        resolve_config({"optimizer": t.config["optimizer"], "parallel": parallel, "hybrid_optimizer": {"enable": True}})
 
 
 def test_muon_config_with_an_lr_adjustment_not_built_here_is_refused(tmp_path: Path) -> None:

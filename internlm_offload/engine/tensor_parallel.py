@@ -110,7 +110,7 @@ def apply_tensor_parallel(
         parallelize_module(block, tp_mesh, _block_styles(block_mode, block_plan, tp_mesh.size()))
         if block_plan.attention.whole_parameters:
             attention = planned_module(block, index, block_plan.attention.module, feature)
-            WholeParameters()._apply(attention, tp_mesh)
+            parallelize_module(attention, tp_mesh, WholeParameters())
         if block_mode == "fsp":
             attention = planned_module(block, index, block_plan.attention.module, feature)
             gather_in_backward_again(attention, local=bool(block_plan.attention.replicated))

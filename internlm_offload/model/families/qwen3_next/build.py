@@ -50,8 +50,8 @@ def folder_config(cfg: ModelConfig) -> Any:
 
 def check_run(cfg: RunConfig) -> None:
     """What is not built for Qwen3-Next, refused in one line: LoRA; a tensor or isp group that does not divide the
-    DeltaNet's key heads (each rank runs whole key-head groups); a pipeline with the embedding tied to the head. A balancing
-    loss and multi-token prediction are refused by the family's capabilities (the config's checks)."""
+    DeltaNet's key heads (each rank runs whole key-head groups); a pipeline with the embedding tied to the head. A
+    balancing loss and multi-token prediction are refused by the family's capabilities (the config's checks)."""
     if cfg.model.lora is not None:
         raise ConfigError("model.lora with model.type='qwen3_next': adapters on Gated DeltaNet are not built")
     config = transformers_config(cfg.model)

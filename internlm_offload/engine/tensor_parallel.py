@@ -112,7 +112,7 @@ def apply_tensor_parallel(
             split_with_heads(block, name, tp_mesh)
         if block_plan.attention.whole_parameters:
             attention = planned_module(block, index, block_plan.attention.module, feature)
-            WholeParameters()._apply(attention, tp_mesh)
+            parallelize_module(attention, tp_mesh, WholeParameters())
         if block_mode == "fsp":
             attention = planned_module(block, index, block_plan.attention.module, feature)
             gather_in_backward_again(attention, local=bool(block_plan.attention.replicated))

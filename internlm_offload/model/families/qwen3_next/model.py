@@ -66,8 +66,8 @@ def mixer_region(args: Qwen3NextArgs, i: int) -> Region:
     each rank's key heads with their value heads), out_proj row parallel, the conv, A_log, dt_bias and the gated
     norm whole on every rank (each reads its groups' channels and heads); Qwen3.5's split in_proj_z / in_proj_b /
     in_proj_a column parallel (rows by value head) and its in_proj_qkv whole, each rank multiplying by its groups'
-    rows of it. Gated attention: wq (each head's
-    [query | gate] rows) column parallel by whole heads, wo row parallel, the per-head q/k norms whole."""
+    rows of it. Gated attention: wq (each head's [query | gate] rows) column parallel by whole heads, wo row parallel,
+    the per-head q/k norms whole with summed gradients."""
     if args.layer_types[i] != LINEAR:
         return Region("attention", column=("attention.wq",), row=("attention.wo",), extra_args=2, whole_parameters=True)
     if args.fused_projections:

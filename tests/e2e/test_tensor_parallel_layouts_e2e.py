@@ -149,13 +149,15 @@ def test_checkpoint_resumes_bitwise_and_continues_on_another_layout(tmp_path, dp
 def test_fsp_keeps_less_than_msp_and_msp_less_than_mtp(tmp_path):
     """Longer sequences, one micro-batch: the measured device peaks order as InternEvo's modes promise
     (msp shards the activations between the projections, fsp also drops the gathered inputs)."""
-    options = ["data.total_steps=3", "ckpt.enable_save_ckpt=False", "data.seq_len=1024", "model.hidden_size=256"]
+    # 2 steps: the second is the steady one (the first creates the optimizer states); a third peaked within 0.8 % of
+    # it, the modes 8 % and more apart (CI time)
+    options = ["data.total_steps=2", "ckpt.enable_save_ckpt=False", "data.seq_len=1024", "model.hidden_size=256"]
     options.append("data.micro_num=1")
     peaks = {}
     for mode in ("mtp", "msp", "fsp"):
         run = tmp_path / mode
         train(run, *options, *tensor(mode), nproc=2)
-        peaks[mode] = max(r["device_peak_mem_bytes"] for r in metrics(run)[1:])
+        peaks[mode] = metrics(run)[1]["device_peak_mem_bytes"]
     assert peaks["fsp"] < peaks["msp"] < peaks["mtp"], peaks
 
 

@@ -224,8 +224,10 @@ def test_bf16_offload_optimizer_resume_with_other_settings_is_bitwise(tmp_path, 
 def test_sigterm_or_ctrl_c_checkpoints_exits_0_and_resumes_bitwise(tmp_path, signum, nproc, layout):
     """Preemption: the signal finishes the step, writes a checkpoint, exits 0; --resume gives the full curve
     (under msp in fp16 the loss scaler's state and the DTensor shards included)."""
-    # 12 steps: the signal goes out as the third step's line appears, and lands within the step after it
-    options = ["data.total_steps=12", "ckpt.checkpoint_every=1000", "ckpt.keep_last=0", "monitor.progress_bar=off"]
+    # 8 steps: the signal goes out as the third step's line appears, and lands within the step after it; the resumed
+    # steps still hold a growth of the fp16 scale (every 3 steps: at 6), so the scaler's restored position counts
+    # (CI time: 12 steps added only steps of the same kind to the full and the resumed runs)
+    options = ["data.total_steps=8", "ckpt.checkpoint_every=1000", "ckpt.keep_last=0", "monitor.progress_bar=off"]
     options += layout
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     train(full, *options, nproc=nproc)
@@ -242,7 +244,7 @@ def test_sigterm_or_ctrl_c_checkpoints_exits_0_and_resumes_bitwise(tmp_path, sig
         assert proc.returncode == 0, stderr[-3000:]
         assert "Traceback" not in stderr and f"Stopped by {signal.Signals(signum).name}" in stderr
     stopped_at = len(metrics(stopped))
-    assert 3 <= stopped_at < 12
+    assert 3 <= stopped_at < 8
     assert (stopped / "checkpoints" / f"step_{stopped_at:08d}").is_dir()
     train(stopped, *options, nproc=nproc, resume=True)
     assert [(r["step"], r["loss"], r["grad_norm"], r.get("loss_scale")) for r in metrics(stopped)] == [

@@ -153,7 +153,7 @@ def test_search_space_covers_the_auto_knobs_only() -> None:
 
 def test_search_space_keeps_what_the_config_fixes() -> None:
     # The hybrid optimizer is fixed on: swap (which excludes it) is not tried, its fraction is.
-    _, optimizers = _spaces(("swap_optimizer", "hybrid_optimizer.offload_fraction"), hybrid_optimizer=dict(enable=True))
+    _, optimizers = _spaces(("swap_optimizer", "hybrid_optimizer.offload_fraction"), hybrid_optimizer={"enable": True})
     assert optimizers == [{"hybrid_optimizer.offload_fraction": 0.5}, {"hybrid_optimizer.offload_fraction": 1.0}]
     _, optimizers = _spaces(("hybrid_optimizer.enable",), swap_optimizer=True)
     assert optimizers == [{}]
@@ -163,11 +163,11 @@ def test_search_space_keeps_what_the_config_fixes() -> None:
 
     # FSDP2's CPU offload policy keeps the states on the host: neither swap nor hybrid is tried.
     auto = ("hybrid_optimizer.enable", "hybrid_optimizer.offload_fraction", "swap_optimizer")
-    _, optimizers = _spaces(auto, parallel=dict(mode="fsdp2", fsdp_cpu_offload=True))
+    _, optimizers = _spaces(auto, parallel={"mode": "fsdp2", "fsdp_cpu_offload": True})
     assert optimizers == [{}]
-    _, optimizers = _spaces(("parallel.fsdp_cpu_offload",), parallel=dict(mode="fsdp2"))
+    _, optimizers = _spaces(("parallel.fsdp_cpu_offload",), parallel={"mode": "fsdp2"})
     assert optimizers == [{"parallel.fsdp_cpu_offload": False}, {"parallel.fsdp_cpu_offload": True}]
-    _, optimizers = _spaces(("parallel.fsdp_cpu_offload",), parallel=dict(mode="fsdp2"), swap_optimizer=True)
+    _, optimizers = _spaces(("parallel.fsdp_cpu_offload",), parallel={"mode": "fsdp2"}, swap_optimizer=True)
     assert optimizers == [{}]  # a fixed swap optimizer excludes it
 
 
@@ -224,13 +224,14 @@ def test_smaller_micro_batches_keep_the_global_batch() -> None:
 
 def test_search_prefers_a_smaller_micro_batch_to_recomputation_at_equal_work(tmp_path) -> None:
     """Where the configured micro-batch (2 x 2) does not fit but 1 x 4 does, the same FLOPs in smaller
-    micro-batches win over checkpointing, which recomputes."""
+    micro-batches win over checkpointing, which recomputes (on two blocks, `SEARCHED`)."""
     out = tmp_path / "small.json"
-    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "data.micro_bsz=1", "--json", str(out)]) == 0
+    assert plan.main(["--config", TINY, "--cfg-options", *SEARCHED, "data.micro_bsz=1", "--json", str(out)]) == 0
     smaller = json.loads(out.read_text())
     out = tmp_path / "chosen.json"
     budget = str(smaller["device_peak_bytes"])
-    assert plan.main(["--config", TINY, "--cfg-options", *SMALL, "--device-memory", budget, "--json", str(out)]) == 0
+    argv = ["--config", TINY, "--cfg-options", *SEARCHED, "--device-memory", budget, "--json", str(out)]
+    assert plan.main(argv) == 0
     report = json.loads(out.read_text())
     assert "data.micro_bsz=1" in report["cfg_options"] and "model.checkpoint=0.0" in report["cfg_options"]
     assert report["step_time_s"] == pytest.approx(smaller["step_time_s"])
@@ -276,7 +277,7 @@ def test_search_refines_an_estimate_along_the_leanest_settings(monkeypatch, peak
     monkeypatch.setattr(search, "Tracer", Tracer)
     activations = [search.Setting("full", {"a": "full"}), search.Setting("lean", {"a": "lean"})]
     optimizers = [search.Setting("o0", {"o": "o0"}), search.Setting("o1", {"o": "o1"})]
-    chosen, candidates = search.search(lambda options: options, activations, optimizers, HARDWARE["h100"], 50, None)
+    chosen, _candidates = search.search(lambda options: options, activations, optimizers, HARDWARE["h100"], 50, None)
     assert chosen is not None and chosen.name == "lean + o1" and chosen.memory.device_peak_bytes == 20
     assert traced.count(("lean", "o1")) == 1  # traced for the estimate, and that trace is the one the choice checks
 

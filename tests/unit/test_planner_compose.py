@@ -135,9 +135,7 @@ def test_the_search_composes_and_traces_its_choice_whole():
     tracer = Tracer()
     activations = activation_settings(12)
     optimizers = optimizer_settings(config_for({}))
-    chosen, candidates = search(
-        config_for, activations, optimizers, HARDWARE["h100"], int(0.6 * base), None, tracer=tracer
-    )
+    chosen, _ = search(config_for, activations, optimizers, HARDWARE["h100"], int(0.6 * base), None, tracer=tracer)
     assert chosen is not None and chosen.verdict == "chosen"
     whole = trace_step(config_for(chosen.options), count_work=False)
     assert chosen.memory.device_peak_bytes == whole.device_peak_bytes <= int(0.6 * base)
@@ -172,12 +170,14 @@ def test_a_candidate_composed_approximately_is_traced_whole_within_its_margin():
 
 def test_the_mode_search_traces_whole_only_the_choices_that_could_win():
     """Each tensor mode's choice is traced whole before it counts; a mode whose candidates are all slower than
-    a choice already made is not tried, so no whole trace is spent on it."""
+    a choice already made is not tried, so no whole trace is spent on it. One candidate a mode (no recompute): mtp
+    and msp tie, fsp is slower (the checkpointed ones, slower still, were 15 more traces of 4 and 5 blocks; CI time:
+    test_planner_search_pruning.py crosses the modes with recompute)."""
     options = {**SHAPE, "parallel.tensor.size": 2, "parallel.tensor.mode": "mtp", "parallel.mode": "none"}
     config_for = candidate_configs(load_config_file(CONFIGS / "planner_validation.py", options), world_size=2)
     auto = ["parallel.tensor.mode", "model.checkpoint"]
     modes = tensor_mode_settings(config_for({}), auto)
-    activations, optimizers = activation_settings(12, auto), optimizer_settings(config_for({}), auto)
+    activations, optimizers = activation_settings(12, auto)[:1], optimizer_settings(config_for({}), auto)
     tracer = Tracer(2)
     chosen, candidates, _ = search_tensor_modes(
         config_for, modes, activations, optimizers, HARDWARE["h100"], None, None, 2, tracer=tracer

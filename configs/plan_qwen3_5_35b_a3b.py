@@ -3,7 +3,7 @@
 # model.hf_config, so nothing is read or downloaded; on the cluster, model.hf_path names a text folder instead and the
 # plan is the same. 40 blocks: 30 Gated DeltaNet (16 key heads, 32 value heads of 128) and 10 gated full attention
 # (16 heads, 2 kv heads of 256, RoPE on a quarter), every block 256 routed experts of 512 (top-8) beside a gated shared
-# expert of 512; about 35e9 parameters. Planned for one device (`device="cuda"`), bf16 with fp32 masters, one
+# expert of 512; 34.66e9 parameters. Planned for one device (`device="cuda"`), model.dtype bf16, one
 # sequence a micro-batch, 4 micro-batches a step, FSDP2 on one rank (so the planner may put the parameters on the host):
 #   python -m internlm_offload.tools.plan --config configs/plan_qwen3_5_35b_a3b.py --world-size 1 \
 #       --device-memory 80GiB --host-memory 512GiB --disk-memory 4TB --cfg-options data.seq_len=32768

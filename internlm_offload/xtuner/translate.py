@@ -9,7 +9,8 @@ native model, others train as `hf_causal_lm` (experts balanced by a router bias 
 it, `model.router_bias_update_speed`), except families XTuner trains in a way not built here (vision-language models,
 multi-token prediction outside the `deepseek_v3` family): those are fatal, named. XTuner's DeepSeek-V3 lineage (`DeepSeekV3Config` with `load_from`,
 or `get_model_config_from_hf` of a DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash folder) maps onto the native
-`deepseek_v3` family (`deepseek.py`), XTuner's GPT-OSS configs onto the native `gpt_oss` family (`gpt_oss.py`).
+`deepseek_v3` family (`deepseek.py`), XTuner's GPT-OSS configs onto the native `gpt_oss` family (`gpt_oss.py`), XTuner's
+Qwen3.5 classes (and `get_model_config_from_hf` of a Qwen3.5 / Qwen3-Next text folder) onto `qwen3_next` (`qwen3_5.py`).
 Without `load_from`, XTuner's Qwen3 / Qwen3-MoE model classes and
 `get_model_config_from_hf` map onto the native model, initialised at random (`models.py`).
 """

@@ -11,7 +11,8 @@ kernel probe's block built without the adapters), and expert parallel at EP=2 on
 per rank, the all-to-all's buffers at `memory_budget.expert_imbalance=1.0`: +2.1 %; proven red with rank 0's
 receive buffer sized for every row of both ranks: +17.5 %), and the DeepSeek-V3 lineage (model.type="deepseek_v3": MLA,
 2 dense-first blocks before 4 sparse ones of the bias router, half of them recomputed: -1.6 %; -8.0 % with the kernel
-probe skipped for a family without a one-block copy, as it was until the family named its blocks' kinds);
+probe skipped for a family without a one-block copy, as it was until the family named its blocks' kinds), and Qwen3-Next (model.type="qwen3_next": 6 Gated DeltaNet blocks and 2 gated attention ones, 8
+experts beside the gated shared expert, half of them recomputed: -1.9 %; -3.8 % before the family named its blocks' kinds);
 `tests/e2e/test_memory_budget.py` measures another (the planner's choice), and
 `python -m internlm_offload.bench.planner` runs them all. Gradient offload's two rows (with and without it). And `make train`'s own memory line, within the
 planner's documented 3 %.

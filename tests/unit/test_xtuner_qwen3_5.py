@@ -1,0 +1,60 @@
+"""XTuner's Qwen3.5 model configs onto model.type='qwen3_next' (xtuner/qwen3_5.py), through the stand-ins: the
+classes and get_model_config_from_hf with load_from, what is reported, what stops in one line."""
+
+from pathlib import Path
+
+from transformers import Qwen3_5MoeTextConfig
+
+from internlm_offload.xtuner.standins import load_trainer
+from internlm_offload.xtuner.translate import translate_trainer
+
+IMPORTS = """\
+from xtuner.v1.config import AdamWConfig
+from xtuner.v1.datasets import PretrainTokenizeFunctionConfig
+from xtuner.v1.datasets.config import DatasetConfig
+from xtuner.v1.model import Qwen3_5_VLMoE35BA3Config, Qwen3_5_VLTextMoE35BA3BConfig, get_model_config_from_hf
+from xtuner.v1.model.moe.moe import MTPConfig
+from xtuner.v1.train import TrainerConfig
+"""
+DATA = "[{'dataset': DatasetConfig(anno_path='/d.jsonl'), 'tokenize_fn': PretrainTokenizeFunctionConfig()}]"
+
+
+def folder(tmp_path: Path) -> Path:
+    path = tmp_path / "qwen3_5_moe"
+    Qwen3_5MoeTextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_experts=4).save_pretrained(path)
+    return path
+
+
+def translate(tmp_path: Path, lines: str, path: Path) -> object:
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(f"{IMPORTS}{lines}\ntrainer = TrainerConfig(model_cfg=model_cfg, load_from={str(path)!r}, "
+                   f"optim_cfg=AdamWConfig(), total_step=2, dataset_cfg={DATA})\n")  # fmt: skip
+    return translate_trainer(load_trainer(cfg), cfg)
+
+
+def test_the_text_class_maps_onto_the_family_and_reports_its_balancing_loss(tmp_path):
+    path = folder(tmp_path)
+    t = translate(tmp_path, "model_cfg = Qwen3_5_VLTextMoE35BA3BConfig()", path)
+    assert not t.fatal, t.fatal
+    assert t.config["model"]["type"] == "qwen3_next" and t.config["model"]["hf_path"] == str(path)
+    assert any("model.hf_path (model_type='qwen3_5_moe_text'" in line for line in t.carried)
+    assert [line for line in t.dropped if line.startswith("model_cfg.balancing_loss_cfg=BalancingLossConfig()")]
+
+
+def test_get_model_config_from_hf_and_the_vision_language_class(tmp_path):
+    path = folder(tmp_path)
+    t = translate(tmp_path, f"model_cfg = get_model_config_from_hf({str(path)!r})", path)
+    assert not t.fatal and t.config["model"]["type"] == "qwen3_next", t.fatal
+    assert not [line for line in t.dropped if "balancing" in line]  # set by nothing in the file
+    vl = "model_cfg = Qwen3_5_VLMoE35BA3Config(only_llm_forward=True)\nmodel_cfg.text_config.ep_size = 1"
+    t = translate(tmp_path, vl, path)
+    assert not t.fatal and any(line.startswith("model_cfg.only_llm_forward=True") for line in t.carried), t.fatal
+
+
+def test_multi_token_prediction_stops_in_one_line(tmp_path):
+    path = folder(tmp_path)
+    mtp = "model_cfg = Qwen3_5_VLTextMoE35BA3BConfig()\nmodel_cfg.mtp_config = MTPConfig(num_layers=2)"
+    t = translate(tmp_path, mtp, path)
+    assert len(t.fatal) == 1 and "mtp_config.num_layers=2: multi-token prediction is not built" in t.fatal[0]
+    none = "model_cfg = Qwen3_5_VLTextMoE35BA3BConfig()\nmodel_cfg.mtp_config = MTPConfig(num_layers=0)"
+    assert not translate(tmp_path, none, path).fatal

@@ -90,7 +90,8 @@ def test_a_sparse_block_keeps_its_moe_whole_and_replicated_over_the_tensor_group
         assert all(
             p.placements == (Replicate(),) and tuple(p.shape) == tuple(p.to_local().shape) for p in moe.parameters()
         )
-        with local_parameters(moe, tp):
+        slots = [(sub, name) for sub in moe.modules() for name, _ in sub.named_parameters(recurse=False)]
+        with local_parameters(slots, tp):
             local = moe.router.weight
             assert not isinstance(local, DTensor) and local.requires_grad
             assert local.grad_fn is not None  # to_local: its gradient comes back as a Partial DTensor

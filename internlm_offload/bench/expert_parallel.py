@@ -27,8 +27,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from internlm_offload.bench.timing import run_workers
 from internlm_offload.engine.expert_parallel import ExpertDispatch, apply_expert_parallel
 from internlm_offload.engine.runtime import expert_mesh
 from internlm_offload.model.moe import MoE
@@ -227,11 +226,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         worker(shape, args.out)
         return {}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
-    command += ["-m", "internlm_offload.bench.expert_parallel", "--worker", "--out", str(args.out)]
-    command += (["--quick"] if args.quick else []) + ([f"--steps={args.steps}"] if args.steps is not None else [])
-    env = {"OMP_NUM_THREADS": "1", **os.environ}
-    subprocess.run(command, check=True, env=env, cwd=REPO)
+    argv = ["--out", str(args.out), *(["--quick"] if args.quick else [])]
+    argv += [f"--steps={args.steps}"] if args.steps is not None else []
+    run_workers("internlm_offload.bench.expert_parallel", RANKS, argv, REPO)
     result = json.loads(args.out.read_text())
     summary = result["summary"]
     print(

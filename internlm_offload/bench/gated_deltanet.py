@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from internlm_offload.bench.timing import Variant, alternate, rel_err, summarize
+from internlm_offload.bench.timing import Variant, alternate, machine, rel_err, summarize
 from internlm_offload.model.gated_deltanet import GatedDeltaNet
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -107,17 +105,8 @@ def agreement(hf: Variant, native: Variant) -> dict[str, float]:
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
     """What the numbers depend on: versions, threads, cores, load, sizes."""
-    import transformers
-
     return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "loadavg_at_end": os.getloadavg(),
+        **machine(transformers=True),
         "shape": {k: getattr(args, k) for k in SHAPE_KEYS},
         "seqs": args.seqs,
         "dtype": args.dtype,

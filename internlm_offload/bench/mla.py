@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from internlm_offload.bench.timing import Variant, alternate, rel_err, summarize
+from internlm_offload.bench.timing import Variant, alternate, machine, rel_err, summarize
 from internlm_offload.model.decoder import DecoderLayer
 from internlm_offload.model.families.deepseek_v3.args import args_from_config
 from internlm_offload.model.families.deepseek_v3.hf_names import HF_MLA_MOE
@@ -215,17 +213,8 @@ def op_split(self_us: dict[str, float], steps: int) -> dict[str, Any]:
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
     """What the numbers depend on: versions, threads, cores, load, sizes."""
-    import transformers
-
     return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "loadavg_at_end": os.getloadavg(),
+        **machine(transformers=True),
         "shape": {k: getattr(args, k) for k in SHAPE_KEYS},
         "blocks": args.blocks,
         "dtype": args.dtype,

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from internlm_offload.bench.timing import Variant, alternate, rel_err, summarize
+from internlm_offload.bench.timing import Variant, alternate, machine, rel_err, summarize
 from internlm_offload.model.moe import MoE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -123,16 +121,8 @@ def profile_native(native: MoE, x: torch.Tensor, target: torch.Tensor, steps: in
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
     """What the numbers depend on: versions, threads, cores, load, sizes."""
-    import transformers
-
     return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "loadavg_at_end": os.getloadavg(),
+        **machine(transformers=True),
         "shape": {k: getattr(args, k) for k in ("tokens", "hidden", "intermediate", "experts", "top_k")},
         "dtype": args.dtype,
         "repeats": args.repeats,

@@ -27,8 +27,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -42,6 +40,7 @@ from torch.distributed.tensor import Placement, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from internlm_offload.bench.muon import ADAMW_HYPER, MUON_HYPER, block_shapes
+from internlm_offload.bench.timing import run_workers
 from internlm_offload.optim import Muon
 from internlm_offload.optim.adamw import AdamW
 
@@ -199,11 +198,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         worker(settings, args.out)
         return {}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
-    command += ["-m", "internlm_offload.bench.muon_comm", "--worker", "--out", str(args.out)]
-    command += (["--quick"] if args.quick else []) + ([f"--steps={args.steps}"] if args.steps is not None else [])
-    env = {"OMP_NUM_THREADS": "1", **os.environ}
-    subprocess.run(command, check=True, env=env, cwd=REPO)
+    argv = ["--out", str(args.out), *(["--quick"] if args.quick else [])]
+    argv += [f"--steps={args.steps}"] if args.steps is not None else []
+    run_workers("internlm_offload.bench.muon_comm", RANKS, argv, REPO)
     result = json.loads(args.out.read_text())
     print(table(result))  # a tool's report, not library logging
     return result

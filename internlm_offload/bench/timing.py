@@ -1,13 +1,19 @@
 """The block benches' shared timing: variants stepped alternately in one process (the first of each round rotating,
 so a slow spell of the shared machine falls on all of them), wall and process CPU time per step, medians and their
-ratios to a base variant. Not imported by the library."""
+ratios to a base variant; what the numbers depend on (`machine`); a bench's own processes under torchrun
+(`run_workers`). Not imported by the library."""
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,3 +67,29 @@ def summarize(v: Variant, base: Variant) -> dict[str, Any]:
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """|a - b| / |b| (Frobenius norms, in fp32)."""
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def machine(*, transformers: bool = False) -> dict[str, Any]:
+    """What every bench's numbers depend on: versions, the cpu, threads and the load at the end (a shared machine)."""
+    found = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "loadavg_at_end": os.getloadavg(),
+    }
+    if transformers:
+        import transformers as hf
+
+        found["transformers"] = hf.__version__
+    return found
+
+
+def run_workers(module: str, ranks: int, argv: list[str], cwd: Path) -> None:
+    """`python -m module --worker *argv` on `ranks` processes under torchrun (one thread each), which write the
+    results the caller then reads."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    command += ["-m", module, "--worker", *argv]
+    subprocess.run(command, check=True, env={"OMP_NUM_THREADS": "1", **os.environ}, cwd=cwd)

@@ -7,6 +7,7 @@ test process cannot flip them.
 
 import errno
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -81,14 +82,18 @@ def test_uint8_view_round_trip_like_the_offloader(acc: Accelerator) -> None:
     assert torch.equal(back.view(torch.float32), src)
 
 
-def test_no_files_left_behind(acc: Accelerator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    before = _our_shm_files()
-    bufs = [acc.host_empty((n * 4096,), torch.uint8) for n in (1, 7, 256)]
-    assert _our_shm_files() == before
-    monkeypatch.setattr(device_mod, "SHM_DIR", str(tmp_path))
-    bufs += [acc.host_empty((8192,), torch.float32)]
-    assert all(_is_shm(b) for b in bufs)
-    assert list(tmp_path.iterdir()) == []
+def test_no_files_left_behind(acc: Accelerator, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A private directory on the same tmpfs: other xdist workers' files never show in it, and the space check
+    # reads the tmpfs (a directory on the disk would fall back to ordinary memory once the disk is 3/4 full).
+    private = Path(tempfile.mkdtemp(prefix="test-host-tier-", dir=device_mod.SHM_DIR))
+    try:
+        monkeypatch.setattr(device_mod, "SHM_DIR", str(private))
+        bufs = [acc.host_empty((n * 4096,), torch.uint8) for n in (1, 7, 256)]
+        bufs += [acc.host_empty((8192,), torch.float32)]
+        assert all(_is_shm(b) for b in bufs)
+        assert list(private.iterdir()) == []
+    finally:
+        private.rmdir()
 
 
 def _ordinary(acc: Accelerator, shape: tuple[int, ...]) -> torch.Tensor:

@@ -15,7 +15,6 @@ import ctypes
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from internlm_offload.bench.timing import add_timing_arguments, machine, parse_timing_arguments
 from internlm_offload.device import Accelerator, host_alloc
 from internlm_offload.device.cpu_memory import PeakSampler, rss_anon_bytes
 from internlm_offload.model.families.internlm2.model import InternLM2
@@ -246,12 +246,7 @@ def summarize(case: Case, base: Case) -> dict[str, Any]:
 def environment(args: argparse.Namespace) -> dict[str, Any]:
     """What the numbers depend on: versions, threads, cores, sizes, host tier, allocator setting."""
     return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "loadavg_at_end": os.getloadavg(),
+        **machine(),
         "shm_dir": host_alloc.SHM_DIR,
         "shm_writable": os.access(host_alloc.SHM_DIR, os.W_OK),
         "memory_pass_malloc_mmap_threshold": MMAP_THRESHOLD,
@@ -294,27 +289,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per configuration")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration (>= 1)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--sample-interval", type=float, default=0.001, help="RssAnon sampling period (s)")
-    p.add_argument("--out", type=Path, default=Path("bench_results/activation.json"))
-    p.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
     p.add_argument("--memory-pass", action="store_true", help=argparse.SUPPRESS)  # the child process
-    args = p.parse_args(argv)
-    if args.quick:
-        p.set_defaults(**QUICK)
-        args = p.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 1:
-        p.error("--repeats and --warmup must be >= 1")
-    return args
+    add_timing_arguments(p, out="bench_results/activation.json", repeats=5, unit="configuration")
+    return parse_timing_arguments(p, argv, QUICK)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Time every configuration, sample its memory in a child process, write JSON + PNG, print a table."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     acc = Accelerator("cpu")
     cases = make_cases(args, acc)
     tokens = torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))

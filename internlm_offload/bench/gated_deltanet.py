@@ -25,7 +25,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from internlm_offload.bench.timing import Variant, alternate, machine, rel_err, summarize
+from internlm_offload.bench.timing import (
+    Variant,
+    add_timing_arguments,
+    alternate,
+    machine,
+    parse_timing_arguments,
+    rel_err,
+    summarize,
+)
 from internlm_offload.model.gated_deltanet import GatedDeltaNet
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -154,26 +162,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--value-dim", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--tolerance", type=float, default=1e-4, help="largest relative error allowed (fp32; bf16: 0.1)")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per variant")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant (>= 1)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--out", type=Path, default=Path("bench_results/gated_deltanet.json"))
     p.add_argument("--plot", type=Path, default=None, help="the PNG (default: --out with .png)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
-    args = p.parse_args(argv)
-    if args.quick:
-        p.set_defaults(**QUICK)
-        args = p.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 1:
-        p.error("--repeats and --warmup must be >= 1")
-    return args
+    add_timing_arguments(p, out="bench_results/gated_deltanet.json", repeats=5)
+    return parse_timing_arguments(p, argv, QUICK)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Check agreement, time every length's two layers alternated, write JSON + PNG, print a table."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     pairs = {seq: pair(args, seq) for seq in args.seqs}
     errors = {str(seq): agreement(hf, native) for seq, (hf, native) in pairs.items()}
     tolerance = args.tolerance if args.dtype == "float32" else 1e-1

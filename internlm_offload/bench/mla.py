@@ -32,7 +32,15 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from internlm_offload.bench.timing import Variant, alternate, machine, rel_err, summarize
+from internlm_offload.bench.timing import (
+    Variant,
+    add_timing_arguments,
+    alternate,
+    machine,
+    parse_timing_arguments,
+    rel_err,
+    summarize,
+)
 from internlm_offload.model.decoder import DecoderLayer
 from internlm_offload.model.families.deepseek_v3.args import args_from_config
 from internlm_offload.model.families.deepseek_v3.hf_names import HF_MLA_MOE
@@ -285,27 +293,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--tolerance", type=float, default=1e-5, help="largest relative error (output, gradients) allowed before timing"
     )
-    p.add_argument("--repeats", type=int, default=9, help="timed steps per block")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per block (>= 1)")
     p.add_argument("--profile-steps", type=int, default=3, help="profiled steps per block (>= 1)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--out", type=Path, default=Path("bench_results/mla.json"))
     p.add_argument("--plot", type=Path, default=None, help="the PNG (default: --out with .png)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
-    args = p.parse_args(argv)
-    if args.quick:
-        p.set_defaults(**QUICK)
-        args = p.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 1 or args.profile_steps < 1:
-        p.error("--repeats, --warmup and --profile-steps must be >= 1")
-    return args
+    add_timing_arguments(p, out="bench_results/mla.json", repeats=9, unit="block")
+    return parse_timing_arguments(p, argv, QUICK, at_least_one=("profile_steps",))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Check agreement, time each kind's two blocks alternated, profile them, write JSON + PNG, print a table."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     pairs = {kind: pair(args, kind) for kind in args.blocks}
     errors = {kind: agreement(hf, native, kind) for kind, (hf, native) in pairs.items()}
     tolerance = args.tolerance if args.dtype == "float32" else 1e-1

@@ -30,7 +30,15 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from internlm_offload.bench.timing import Variant, alternate, machine, rel_err, summarize
+from internlm_offload.bench.timing import (
+    Variant,
+    add_timing_arguments,
+    alternate,
+    machine,
+    parse_timing_arguments,
+    rel_err,
+    summarize,
+)
 from internlm_offload.model.moe import MoE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -165,26 +173,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--repeats", type=int, default=9, help="timed steps per block")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per block (>= 1)")
     p.add_argument("--profile-steps", type=int, default=2, help="profiled native steps (>= 1)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--out", type=Path, default=Path("bench_results/moe.json"))
-    p.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
-    args = p.parse_args(argv)
-    if args.quick:
-        p.set_defaults(**QUICK)
-        args = p.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 1 or args.profile_steps < 1:
-        p.error("--repeats, --warmup and --profile-steps must be >= 1")
-    return args
+    add_timing_arguments(p, out="bench_results/moe.json", repeats=9, unit="block")
+    return parse_timing_arguments(p, argv, QUICK, at_least_one=("profile_steps",))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Check agreement, time both blocks alternated, profile the native one, write JSON + PNG, print a table."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     # transformers' models pick "grouped_mm" where torch has it (so on cpu here); a standalone block built
     # without a model runs its "eager" loop over experts. Both are timed; ratios are against the first.
     hf = {impl: hf_block(args, impl) for impl in HF_IMPLEMENTATIONS}

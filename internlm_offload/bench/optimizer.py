@@ -21,7 +21,6 @@ import ctypes
 import gc
 import json
 import os
-import platform
 import queue
 import resource
 import statistics
@@ -34,6 +33,7 @@ from typing import Any
 
 import torch
 
+from internlm_offload.bench.timing import machine
 from internlm_offload.device import Accelerator, HostArena, aligned_offsets, host_alloc
 from internlm_offload.device.cpu_memory import rss_anon_bytes
 from internlm_offload.device.disk_buffers import DiskBuffer
@@ -384,11 +384,7 @@ def copy_floor(cases: list[Case], grads: list[torch.Tensor], repeats: int, acc: 
 def environment(args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
     """What the numbers depend on: versions, threads, cores, sizes, host tier."""
     return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
+        **machine(),
         "elements": sum(sizes),
         "tensors": len(sizes),
         "min_tensor": min(sizes),

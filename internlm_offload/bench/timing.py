@@ -5,6 +5,7 @@ ratios to a base variant; what the numbers depend on (`machine`); a bench's own 
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -85,6 +86,32 @@ def machine(*, transformers: bool = False) -> dict[str, Any]:
 
         found["transformers"] = hf.__version__
     return found
+
+
+def add_timing_arguments(p: argparse.ArgumentParser, *, out: str, repeats: int, unit: str = "variant") -> None:
+    """The options every block bench shares: timed and untimed steps, threads, the JSON path and `--quick`."""
+    p.add_argument("--repeats", type=int, default=repeats, help=f"timed steps per {unit}")
+    p.add_argument("--warmup", type=int, default=1, help=f"untimed steps per {unit} (>= 1)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--out", type=Path, default=Path(out))
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
+
+
+def parse_timing_arguments(
+    p: argparse.ArgumentParser, argv: list[str] | None, quick: dict[str, Any], at_least_one: tuple[str, ...] = ()
+) -> argparse.Namespace:
+    """Parse `argv`; `--quick` swaps in the `quick` defaults (explicit flags still win); --repeats, --warmup and
+    every option in `at_least_one` must be >= 1. Sets torch's threads when --threads is given."""
+    args = p.parse_args(argv)
+    if args.quick:
+        p.set_defaults(**quick)
+        args = p.parse_args(argv)
+    counted = ("repeats", "warmup", *at_least_one)
+    if any(getattr(args, name) < 1 for name in counted):
+        p.error(" and ".join(f"--{name.replace('_', '-')}" for name in counted) + " must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def run_workers(module: str, ranks: int, argv: list[str], cwd: Path) -> None:

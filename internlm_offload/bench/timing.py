@@ -108,7 +108,8 @@ def parse_timing_arguments(
         args = p.parse_args(argv)
     counted = ("repeats", "warmup", *at_least_one)
     if any(getattr(args, name) < 1 for name in counted):
-        p.error(" and ".join(f"--{name.replace('_', '-')}" for name in counted) + " must be >= 1")
+        flags = [f"--{name.replace('_', '-')}" for name in counted]
+        p.error(f"{', '.join(flags[:-1])} and {flags[-1]} must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     return args

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from internlm_offload.model.attention import Documents
+from internlm_offload.model.fla_kernels import fla_delta_rule, run_fla
 from internlm_offload.model.hooks import ExchangesSequence, SplitsHeadGroups
 from internlm_offload.model.mlp import ParamInit, normal_init
 
@@ -160,6 +161,7 @@ class GatedDeltaNet(nn.Module, ExchangesSequence, SplitsHeadGroups):
         norm_eps: float = 1e-6,
         fused: bool = True,
         chunk_size: int = CHUNK_SIZE,
+        attn_impl: str = "auto",
     ) -> None:
         super().__init__()
         if n_value_heads % n_key_heads:
@@ -169,6 +171,7 @@ class GatedDeltaNet(nn.Module, ExchangesSequence, SplitsHeadGroups):
         self.key_dim, self.value_dim = n_key_heads * key_head_dim, n_value_heads * value_head_dim
         self.fused = fused
         self.chunk_size = chunk_size
+        self.attn_impl = attn_impl  # "auto" / "flash": fla's kernels on cuda where installed; "sdpa": torch's ops
         conv_dim = 2 * self.key_dim + self.value_dim
         if fused:
             self.in_proj_qkvz = nn.Linear(hidden_size, conv_dim + self.value_dim, bias=False)
@@ -271,17 +274,34 @@ class GatedDeltaNet(nn.Module, ExchangesSequence, SplitsHeadGroups):
         # the decay and the rule in fp32 (or float64 in the tests): g = -e^A softplus(a + dt_bias) <= 0
         dtype = torch.promote_types(x.dtype, torch.float32)
         g = (-A_log.to(dtype).exp() * F.softplus(a.to(dtype) + dt_bias)).reshape(B * T, -1)
-        # L2-normalised q and k, q scaled by dk^-1/2
+        kernel = fla_delta_rule(self.attn_impl, x)
+        if kernel is not None:
+            out = run_fla(kernel, *(t.view(B, T, *t.shape[1:]) for t in (q, k, v, g, beta)), position_ids)
+        else:
+            out = self.torch_rule(q, k, v, g, beta, position_ids).view(B, T, -1, self.value_head_dim)
+        out = self.norm(out.to(z.dtype), z)
+        if self.sequence_exchange is not None:  # back: this rank's tokens of every head
+            out = self.sequence_exchange(out, scatter_dim=1, gather_dim=2)
+        return self.out_proj(out.flatten(2))
+
+    def torch_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        position_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The chunked rule in torch over (N, H, d) q, k, v and (N, H) g, beta, in g's dtype: q and k L2-normalised,
+        q scaled by dk^-1/2, each document on its own chunks. Returns (N, H, dv)."""
+        dtype = g.dtype
         q = l2norm(q.to(dtype)) * self.key_head_dim**-0.5
         k = l2norm(k.to(dtype))
         layout = ChunkLayout(position_ids, self.chunk_size)
         q, k, v, g, beta = (layout.scatter(t.to(dtype)).transpose(0, 1) for t in (q, k, v, g, beta))
         out = chunk_gated_delta_rule(q, k, v, g, beta, layout.resets, self.chunk_size)
-        out = layout.gather(out.transpose(0, 1)).to(z.dtype).view(B, T, -1, self.value_head_dim)
-        out = self.norm(out, z)
-        if self.sequence_exchange is not None:  # back: this rank's tokens of every head
-            out = self.sequence_exchange(out, scatter_dim=1, gather_dim=2)
-        return self.out_proj(out.flatten(2))
+        return layout.gather(out.transpose(0, 1))
 
     def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
         """normal(0, std) for the input projections and the conv, normal(0, out_std) for out_proj; dt_bias 1,

@@ -27,6 +27,7 @@ def build_mixer(args: Qwen3NextArgs, i: int, attn_impl: str) -> nn.Module:
             conv_kernel=args.linear_conv_kernel_dim,
             norm_eps=args.rms_norm_eps,
             fused=args.fused_projections,
+            attn_impl=attn_impl,
         )
     return Attention(
         args.hidden_size,

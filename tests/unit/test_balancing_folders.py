@@ -28,7 +28,7 @@ _QWEN = {"vocab_size": VOCAB, "hidden_size": 64, "moe_intermediate_size": 32, "s
 _GPT_OSS = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 32, "head_dim": 16, "num_attention_heads": 4,
             "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3,
             "sliding_window": 4, "max_position_embeddings": 256}  # fmt: skip
-# model.type, the causal LM, its config (Qwen3-Next with block 1 dense: its router logits are not in the loss), attention
+# model.type, the causal LM, its config (Qwen3-Next's block 1 dense: no router logits of it in the loss), attention
 KINDS = {
     "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
                    {**_QWEN, "intermediate_size": 48, "mlp_only_layers": [1]}, "sdpa"),

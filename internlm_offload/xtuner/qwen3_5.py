@@ -64,7 +64,10 @@ def family_model(model_cfg: Any, load_from: Any) -> FamilyModel:
     if name in VISION_CLASSES:
         out.carried.append(_only_llm(model_cfg))
     _no_mtp(text_cfg, out)
-    _carry_balancing(text_cfg, name, out)
+    if hf.get("model_type") == "qwen3_5_text":  # dense: no router to balance
+        out.carried.append("model_cfg.balancing_loss_cfg: the folder (qwen3_5_text) has no experts: no balancing loss")
+    else:
+        _carry_balancing(text_cfg, name, out)
     out.dropped.extend(_not_computed(text_cfg))
     out.dropped.extend(gpu_only_kernels(text_cfg))
     if text_cfg is not model_cfg and field(model_cfg, "compile_cfg") not in (None, False):

@@ -67,3 +67,14 @@ def test_multi_token_prediction_stops_in_one_line(tmp_path):
     assert len(t.fatal) == 1 and "mtp_config.num_layers=2: multi-token prediction is not built" in t.fatal[0]
     none = "model_cfg = Qwen3_5_VLTextMoE35BA3BConfig()\nmodel_cfg.mtp_config = MTPConfig(num_layers=0)"
     assert not translate(tmp_path, none, path).fatal
+
+
+def test_a_dense_folder_carries_no_balancing_loss(tmp_path):
+    """The class's default balancing loss on a dense `qwen3_5_text` folder: no router to balance, said in one line."""
+    from transformers import Qwen3_5TextConfig
+
+    path = tmp_path / "qwen3_5"
+    Qwen3_5TextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4).save_pretrained(path)
+    t = translate(tmp_path, "model_cfg = Qwen3_5_VLTextMoE35BA3BConfig()", path)
+    assert not t.fatal and "balancing_loss" not in t.config["model"], t.fatal
+    assert any("has no experts: no balancing loss" in line for line in t.carried)

@@ -97,6 +97,9 @@ class FamilySpec:
     # (planner/compose.py) and the kernel probe runs one block of each kind (engine/runtime_memory.py).
     block_kinds: Callable[[Any], tuple[str, ...]] | None = None
     with_blocks: Callable[[Any, Sequence[str]], Any] | None = None
+    # With `Capabilities.balancing_loss`: the `model.balancing_loss` values its model computes (model/balancing.py);
+    # by default the bias router's (DeepSeek-V3's).
+    balancing_losses: tuple[str, ...] = ("global_batch", "micro_batch", "sequence")
 
     def module(self) -> ModuleType:
         """The family's builder module, imported on first use (it imports torch)."""

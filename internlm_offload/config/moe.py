@@ -5,7 +5,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from internlm_offload.config.base import Section
-from internlm_offload.family import capabilities, families_with
+from internlm_offload.family import capabilities, families_with, family_spec
 
 MOE_TYPES = ("GShard", "Dropless")  # InternEvo's `moe_type`s built here (model/moe.py's too)
 # `moe_layer_kwargs` keys that exist for one moe_type only (InternEvo's layer constructors raise TypeError on the
@@ -157,9 +157,10 @@ def balancing_problem(cfg: Any) -> str | None:
         return None
     key = f"model.balancing_loss={kind!r}"
     if not capabilities(cfg.model.type).balancing_loss:
-        return (
-            f"{key} is the bias router's loss of model.type={families_with('balancing_loss')}; not {cfg.model.type!r}"
-        )
+        return f"{key} is built for model.type={families_with('balancing_loss')}; not {cfg.model.type!r}"
+    built = family_spec(cfg.model.type).balancing_losses
+    if kind not in built:
+        return f"{key}: model.type={cfg.model.type!r} computes {' / '.join(map(repr, built))}"
     if "moe_loss_coeff" not in cfg.loss.model_fields_set:
         # its default, 1.0, is InternEvo's per-layer loss's weight: 1000 times XTuner's alpha here
         return (

@@ -59,7 +59,7 @@ def virtual_chunks(mode: str, num_chunks: int) -> int:
 _NOT_UNDER_PIPELINE: tuple[tuple[str, Any, str], ...] = (
     ("parallel.expert.size", 1, "pipeline with expert parallel is not built yet; set parallel.expert.size=1"),
     ("model.tie_word_embeddings", False, "the embedding and the head sit on different stages; set False"),
-    ("model.balancing_loss", None, "the bias router's balancing loss is not split over stages yet; set None"),
+    ("model.balancing_loss", None, "the balancing loss is not split over stages yet; set None"),
     ("data.valid_folder", None, "validation runs the whole model on one rank; not built under a pipeline yet"),
 )
 

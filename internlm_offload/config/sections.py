@@ -161,18 +161,26 @@ class ModelConfig(Section):
         "checkpoint holds the adapters alone). `moe_maxvio` in metrics.jsonl: XTuner's max violation of those counts. "
         "No effect on other models.",
     )
-    balancing_loss: Literal["global_batch", "micro_batch", "sequence"] | None = Field(
+    balancing_loss: Literal["global_batch", "micro_batch", "sequence", "transformers"] | None = Field(
         None,
-        description="A load-balancing loss beside the router bias (model.type='deepseek_v3'; others refuse it), "
-        "weighted by `loss.moe_loss_coeff`, which must then be set, and logged as `moe_aux_loss`. None: no loss, as "
-        "transformers trains these folders (the bias alone balances). `global_batch`: XTuner's "
-        "`BalancingLossConfig(balancing_loss_global_average=True)`, the default of its `DeepSeekV3Config` with "
-        "alpha 0.001: per sparse block, E / (T k) * sum_e (choices of e) * (mean over tokens of the router weights "
-        "of e), the counts and means over every rank's micro-batch (all-reduced inside the loss, the weights' sum "
+        description="A load-balancing loss of the routers (model.type='deepseek_v3': beside the router bias, "
+        "global_batch / micro_batch / sequence; 'qwen3_next' (its experts) and 'gpt_oss': transformers / "
+        "global_batch / micro_batch; others refuse it), weighted by `loss.moe_loss_coeff`, which must then be set, "
+        "and logged as `moe_aux_loss`. None: deepseek_v3 none, as transformers trains these folders (the bias alone "
+        "balances); qwen3_next and gpt_oss transformers' own where config.json sets `output_router_logits` (weighted "
+        "by its `router_aux_loss_coef`, as transformers adds it; refused under a pipeline), else none. "
+        "`global_batch`: XTuner's `BalancingLossConfig(balancing_loss_global_average=True)`, the default of its MoE "
+        "configs with alpha 0.001: per sparse block, E / (T k) * sum_e (choices of e) * (mean over tokens of the "
+        "router weights of e: the bias router's biased scores normalised, a softmax router's softmax over all "
+        "experts), the counts and means over every rank's micro-batch (all-reduced inside the loss, the weights' sum "
         "with its gradient), summed over the blocks. `micro_batch`: the same over this rank's micro-batch "
         "(XTuner's `balancing_loss_global_average=False`). `sequence`: DeepSeek-V3's sequence-wise balance loss "
         "(alpha 0.0001 in its report), the same product per row of the micro-batch with the unbiased scores "
-        "normalised over the experts, averaged over the rows; it needs whole rows on a rank (no tensor parallel).",
+        "normalised over the experts, averaged over the rows; it needs whole rows on a rank (no tensor parallel). "
+        "`transformers`: transformers' `load_balancing_loss_func` (Qwen3-Next, Qwen3.5-MoE, GPT-OSS with "
+        "`output_router_logits`; their `router_aux_loss_coef` is 0.001), E * sum_e (choices of e / N) * (softmax "
+        "mass of e / N), both pooled over every sparse block and token of the micro-batch (N = blocks x tokens) "
+        "before the product. Under a pipeline every kind is refused (not split over stages yet).",
     )
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
     parallel_output: bool = Field(
@@ -571,8 +579,8 @@ class LossConfig(Section):
         1.0,
         ge=0,
         description="Mixture of experts: the load-balancing loss is multiplied by this and added to the training "
-        "loss (InternEvo's; its configs use 0.1 to 0.001; `deepseek_v3`: the loss `model.balancing_loss` names, "
-        "which needs this set); logged apart as `moe_aux_loss`, already multiplied.",
+        "loss (InternEvo's; its configs use 0.1 to 0.001; `deepseek_v3`, `qwen3_next`, `gpt_oss`: the loss "
+        "`model.balancing_loss` names, which needs this set); logged apart as `moe_aux_loss`, already multiplied.",
     )
 
 

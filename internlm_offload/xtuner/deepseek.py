@@ -151,9 +151,14 @@ def _carry_balancing(out: FamilyModel, model_cfg: Any, model_type: str | None) -
     """XTuner's balancing loss onto `model.balancing_loss` and `loss.moe_loss_coeff` (alpha 0: no loss, as XTuner
     returns 0)."""
     found = balancing_cfg(model_cfg, model_type)
-    if found is None:
-        return
-    balancing, source = found
+    if found is not None:
+        carry_balancing(out, *found)
+
+
+def carry_balancing(out: FamilyModel, balancing: Any, source: str) -> None:
+    """XTuner's `BalancingLossConfig` `balancing` (read from `source`) onto `model.balancing_loss` and
+    `loss.moe_loss_coeff`: `balancing_loss_global_average` True / False -> 'global_batch' / 'micro_batch',
+    `balancing_loss_alpha` -> the coefficient (0: no loss, as XTuner returns 0)."""
     alpha = field(balancing, "balancing_loss_alpha")
     alpha = BALANCING_ALPHA if alpha is None else float(alpha)
     global_average = field(balancing, "balancing_loss_global_average")

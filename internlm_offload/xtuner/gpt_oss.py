@@ -13,8 +13,10 @@ XTuner builds), `attention.{num_attention_heads, num_key_value_heads, head_dim, 
 XTuner's layer types are transformers' default (even blocks slide) and its greedy router (softmax over all, top-k,
 renormalised) picks and weighs as transformers' top-k-then-softmax does. What the family does not build is fatal, one
 line each: no sinks, q/k/v biases apart from o's, experts or router without biases, another activation or router.
-XTuner's balancing loss (on by default in every `MoEConfig`) is not computed by the family: reported, as are a
-z-loss and XTuner's GPU-only kernels.
+XTuner's balancing loss (on by default in every `MoEConfig`) carries as for the DeepSeek lineage:
+`balancing_loss_global_average` True / False -> `model.balancing_loss` 'global_batch' / 'micro_batch',
+`balancing_loss_alpha` -> `loss.moe_loss_coeff` (its router weights: the softmax over all experts of the biased logits,
+model/balancing.py). A z-loss and XTuner's GPU-only kernels are reported.
 """
 
 from pathlib import Path
@@ -23,7 +25,7 @@ from typing import Any
 from internlm_offload.errors import CheckpointError
 from internlm_offload.model.families.gpt_oss import MODEL_TYPE
 from internlm_offload.weights.hf_folder import read_config
-from internlm_offload.xtuner.deepseek import FamilyModel, gpu_only_kernels
+from internlm_offload.xtuner.deepseek import FamilyModel, carry_balancing, gpu_only_kernels
 from internlm_offload.xtuner.models import FROM_HF, ModelClassError
 from internlm_offload.xtuner.standins import field, kind
 
@@ -43,6 +45,7 @@ ROPE = {"rope_theta": 150000.0, "rope_type": "yarn", "beta_fast": 32.0, "beta_sl
 CLIP_ALPHA, CLIP_LIMIT = 1.702, 7.0  # GptOssConfig's moe_act_fn_cfg
 # XTuner field -> config.json key, where the names differ
 RENAMED = {"n_routed_experts": "num_local_experts", "moe_intermediate_size": "intermediate_size"}
+_UNSET = object()
 
 
 def names_gpt_oss(model_cfg: Any, load_from: Any) -> bool:
@@ -85,6 +88,7 @@ def gpt_oss_model(model_cfg: Any, load_from: Any) -> FamilyModel:
             f"{hf_config['num_local_experts']} experts, top-{hf_config['num_experts_per_tok']}), initialised at random"
         )
     check_built(model_cfg)
+    carry_balancing_loss(model_cfg, out)
     out.dropped.extend(not_computed(model_cfg))
     return out
 
@@ -139,19 +143,19 @@ def check_built(model_cfg: Any) -> None:
                 )
 
 
+def carry_balancing_loss(model_cfg: Any, out: FamilyModel) -> None:
+    """XTuner's balancing loss (`BalancingLossConfig`, every `MoEConfig`'s default) onto `model.balancing_loss` /
+    `loss.moe_loss_coeff` (XTuner's formula over the softmax of the biased router logits: model/balancing.py)."""
+    balancing = field(model_cfg, "balancing_loss_cfg", _UNSET)
+    if balancing is _UNSET:
+        carry_balancing(out, {}, "model_cfg.balancing_loss_cfg (unset: XTuner's default on every MoE config)")
+    elif balancing is not None:
+        carry_balancing(out, balancing, "model_cfg.balancing_loss_cfg")
+
+
 def not_computed(model_cfg: Any) -> list[str]:
     """What XTuner adds to the training that the family does not compute, one line each; then its GPU-only kernels."""
     lines = []
-    balancing = field(model_cfg, "balancing_loss_cfg", {})  # unset: MoEConfig's default, BalancingLossConfig()
-    if balancing is not None:
-        alpha = field(balancing, "balancing_loss_alpha", 0.001)
-        if alpha != 0:
-            lines.append(
-                f"model_cfg.balancing_loss_cfg (balancing_loss_alpha={alpha:g}, XTuner's default on every MoE "
-                "config): XTuner's balancing loss is not computed by model.type='gpt_oss' (transformers' model adds "
-                "none by default); the expert loads are logged. Set balancing_loss_cfg=None in XTuner for the same "
-                "training"
-            )
     if field(model_cfg, "z_loss_cfg") is not None:
         lines.append("model_cfg.z_loss_cfg: XTuner's router z-loss is not computed by model.type='gpt_oss'")
     return lines + gpu_only_kernels(model_cfg)

@@ -8,11 +8,12 @@ that folder (`model.hf_path`; XTuner's class values give way to config.json, as 
 config.json's architecture initialised at random (`model.hf_config`). A vision-language folder (`qwen3_5`,
 `qwen3_5_moe`) stops in one line, as the family refuses it.
 
-What XTuner adds that the family does not compute: its balancing loss (`BalancingLossConfig`, on by default in the
-Qwen3.5 MoE classes: reported, as the DeepSeek lineage reports a z-loss; transformers' Qwen3-Next adds none unless asked
-for router logits), a z-loss; multi-token prediction (`mtp_config` with `num_layers` > 0) is fatal (not built for this
-family: the folder's `mtp.*` tensors are dropped on the read). Its GPU-only kernel choices (FP8, the token dispatcher,
-torch.compile) are reported as for the DeepSeek lineage.
+XTuner's balancing loss (`BalancingLossConfig`, on by default in the Qwen3.5 MoE classes) carries as for the DeepSeek
+lineage: `balancing_loss_global_average` True / False -> `model.balancing_loss` 'global_batch' / 'micro_batch',
+`balancing_loss_alpha` -> `loss.moe_loss_coeff` (XTuner's formula over the softmax router: model/balancing.py). What
+XTuner adds that the family does not compute is reported: a z-loss. Multi-token prediction (`mtp_config` with
+`num_layers` > 0) is fatal (not built for this family: the folder's `mtp.*` tensors are dropped on the read). Its
+GPU-only kernel choices (FP8, the token dispatcher, torch.compile) are reported as for the DeepSeek lineage.
 """
 
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 from internlm_offload.errors import CheckpointError
 from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, VISION_LANGUAGE
 from internlm_offload.weights.hf_folder import read_config
-from internlm_offload.xtuner.deepseek import FamilyModel, gpu_only_kernels
+from internlm_offload.xtuner.deepseek import FamilyModel, carry_balancing, gpu_only_kernels
 from internlm_offload.xtuner.models import FROM_HF, ModelClassError
 from internlm_offload.xtuner.standins import field, kind
 
@@ -29,6 +30,7 @@ TEXT_CLASSES = ("Qwen3_5_VLTextMoE35BA3BConfig", "Qwen3_5_VLTextMoEConfig")
 VISION_CLASSES = ("Qwen3_5_VLMoE35BA3Config",)  # a vision tower around one of TEXT_CLASSES (`text_config`)
 MODEL_TYPES = tuple(CAUSAL_LMS)  # what model.type='qwen3_next' builds
 TYPE = "qwen3_next"
+_UNSET = object()
 
 
 def names_the_family(model_cfg: Any, load_from: Any) -> bool:
@@ -62,7 +64,11 @@ def family_model(model_cfg: Any, load_from: Any) -> FamilyModel:
     if name in VISION_CLASSES:
         out.carried.append(_only_llm(model_cfg))
     _no_mtp(text_cfg, out)
-    out.dropped.extend(_not_computed(text_cfg, name))
+    if hf.get("model_type") == "qwen3_5_text":  # dense: no router to balance
+        out.carried.append("model_cfg.balancing_loss_cfg: the folder (qwen3_5_text) has no experts: no balancing loss")
+    else:
+        _carry_balancing(text_cfg, name, out)
+    out.dropped.extend(_not_computed(text_cfg))
     out.dropped.extend(gpu_only_kernels(text_cfg))
     if text_cfg is not model_cfg and field(model_cfg, "compile_cfg") not in (None, False):
         out.dropped.append(
@@ -107,20 +113,22 @@ def _no_mtp(text_cfg: Any, out: FamilyModel) -> None:
     )
 
 
-def _not_computed(text_cfg: Any, name: str) -> list[str]:
+def _carry_balancing(text_cfg: Any, name: str, out: FamilyModel) -> None:
+    """XTuner's balancing loss (`BalancingLossConfig`, the Qwen3.5 MoE classes' default; set in the file for
+    `get_model_config_from_hf`) onto `model.balancing_loss` / `loss.moe_loss_coeff` (XTuner's formula over a softmax
+    router: model/balancing.py)."""
+    balancing = field(text_cfg, "balancing_loss_cfg", _UNSET)
+    if balancing is _UNSET and name != FROM_HF:
+        carry_balancing(out, {}, "model_cfg.balancing_loss_cfg (unset: the class's default BalancingLossConfig())")
+    elif balancing not in (None, _UNSET):
+        carry_balancing(out, balancing, "model_cfg.balancing_loss_cfg")
+
+
+def _not_computed(text_cfg: Any) -> list[str]:
     """XTuner's losses the family does not compute, one line each (as the DeepSeek lineage reports a z-loss)."""
-    lines = []
-    balancing = field(text_cfg, "balancing_loss_cfg", "default")
-    if balancing == "default" and name != FROM_HF:  # XTuner's Qwen3.5 MoE classes default to BalancingLossConfig()
-        balancing = "BalancingLossConfig() (the class's default)"
-    if balancing not in (None, "default"):
-        lines.append(
-            f"model_cfg.balancing_loss_cfg={balancing}: XTuner's balancing loss is not computed by model.type={TYPE!r} "
-            "(nor by transformers' Qwen3-Next without output_router_logits); the experts' loads are logged"
-        )
     if field(text_cfg, "z_loss_cfg") is not None:
-        lines.append(f"model_cfg.z_loss_cfg: XTuner's router z-loss is not computed by model.type={TYPE!r}")
-    return lines
+        return [f"model_cfg.z_loss_cfg: XTuner's router z-loss is not computed by model.type={TYPE!r}"]
+    return []
 
 
 def _folder_type(model_cfg: Any) -> str | None:

@@ -120,7 +120,8 @@ def recipe_env(folder: Path, sft: Path, **more: str) -> dict[str, str]:
 
 def test_xtuners_qwen3_5_recipe_translates_and_trains(folder_and_data, tmp_path):
     """NORMAL_MTP_LAYERS=0: the recipe translates (exit 0) onto model.type='qwen3_next' from the folder, the balancing
-    loss the class turns on, FP8 and torch.compile reported one line each; the output trains 2 steps."""
+    loss the class turns on carried (model.balancing_loss), FP8 and torch.compile reported one line each; the output
+    trains 2 steps (with the loss: moe_aux_loss logged)."""
     folder, sft = folder_and_data
     recipe = tmp_path / "sft_qwen3p5.py"
     recipe.write_text(QWEN3P5)
@@ -130,13 +131,15 @@ def test_xtuners_qwen3_5_recipe_translates_and_trains(folder_and_data, tmp_path)
     assert "model.type='qwen3_next', model.hf_path (model_type='qwen3_5_moe_text'" in proc.stderr
     assert "model_cfg.mtp_config=num_layers=0 -> no multi-token prediction" in proc.stderr
     dropped = [line for line in proc.stderr.splitlines() if line.startswith("dropped: ")]
-    for field in ("model_cfg.balancing_loss_cfg=", "model_cfg.float8_cfg=", "model_cfg.compile_cfg"):
+    for field in ("model_cfg.float8_cfg=", "model_cfg.compile_cfg"):
         assert any(line.startswith(f"dropped: {field}") for line in dropped), field
     text = out.read_text()
     assert "'type': 'qwen3_next'" in text and "'checkpoint': 1.0" in text
+    assert "'balancing_loss': 'global_batch'" in text and "'moe_loss_coeff': 0.001" in text
     train(tmp_path / "run", "monitor.progress_bar=off", config=out, fast=False)
     records = metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2] and all(r["loss"] > 0 for r in records)
+    assert all(0 < r["moe_aux_loss"] < 0.01 for r in records)  # alpha 0.001 times about 1 per sparse block
 
 
 def test_the_recipes_multi_token_prediction_stops_in_one_line(folder_and_data, tmp_path):

@@ -163,11 +163,13 @@ def test_what_is_not_built_is_refused_in_one_line(sections, fragment):
     assert fragment in message, message
 
 
-def test_the_config_refuses_a_balancing_loss():
+def test_the_config_refuses_a_balancing_loss_the_family_does_not_compute():
+    """DeepSeek-V3's sequence-wise loss reads the bias router's routing (tests/unit/test_balancing_folders.py: the
+    ones it computes)."""
     from internlm_offload.config import ConfigError, resolve_config
 
-    with pytest.raises(ConfigError, match="model.balancing_loss"):
-        resolve_config(gpt_oss(model={"balancing_loss": "global_batch"}))
+    with pytest.raises(ConfigError, match="model.balancing_loss='sequence': model.type='gpt_oss' computes"):
+        resolve_config(gpt_oss(model={"balancing_loss": "sequence"}, loss={"moe_loss_coeff": 1e-4}))
 
 
 @pytest.mark.parametrize(

@@ -296,8 +296,8 @@ def test_a_mixture_of_experts_and_multi_token_prediction_split():
 
 
 def test_a_balancing_loss_is_refused_under_a_pipeline():
-    """The bias router's balancing loss (`model.balancing_loss`) has no stage share yet: one line naming the key."""
+    """A balancing loss (`model.balancing_loss`) has no stage share yet: one line naming the key."""
     options = {"parallel.pipeline.size": 2, "data.micro_num": 4, "model.balancing_loss": "micro_batch"}
     options["loss.moe_loss_coeff"] = 0.001
-    with pytest.raises(ConfigError, match="model.balancing_loss='micro_batch': the bias router's balancing loss is"):
+    with pytest.raises(ConfigError, match="model.balancing_loss='micro_batch': the balancing loss is not split"):
         deepseek(2, options)

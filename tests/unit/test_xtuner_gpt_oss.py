@@ -1,7 +1,7 @@
 """XTuner v1's GPT-OSS configs onto the native `gpt_oss` family (xtuner/gpt_oss.py): the named classes with their
 overrides as config.json's keys (built at random), `get_model_config_from_hf` / `load_from` of a folder as the folder,
-what the family does not build one fatal line, XTuner's default balancing loss reported (no XTuner installed: the
-stand-ins record the file's calls)."""
+what the family does not build one fatal line, XTuner's balancing loss carried onto model.balancing_loss (no XTuner
+installed: the stand-ins record the file's calls)."""
 
 import json
 from pathlib import Path
@@ -30,7 +30,10 @@ DATA = "[{'dataset': DatasetConfig(anno_path='/d.jsonl'), 'tokenize_fn': Pretrai
 TINY = ("GptOss21BA3P6Config(vocab_size=259, num_hidden_layers=2, hidden_size=64, moe_intermediate_size=32, "
         "n_routed_experts=4, attention=MHAConfig(with_sink=True, num_attention_heads=4, num_key_value_heads=2, "
         "head_dim=16, sliding_window=8, qkv_bias=True, o_bias=True, rms_norm_eps=1e-5){extra})")  # fmt: skip
-BALANCING = "model_cfg.balancing_loss_cfg (balancing_loss_alpha=0.001, XTuner's default on every MoE config)"
+BALANCING = (
+    "model_cfg.balancing_loss_cfg (unset: XTuner's default on every MoE config) (balancing_loss_alpha=0.001, "
+    "balancing_loss_global_average=True) -> model.balancing_loss='global_batch', loss.moe_loss_coeff=0.001"
+)
 
 
 def translate(tmp_path: Path, model_cfg: str, trainer: str = ", tokenizer_path='/tok'") -> object:
@@ -44,7 +47,7 @@ def translate(tmp_path: Path, model_cfg: str, trainer: str = ", tokenizer_path='
 def test_the_named_classes_are_the_releases_at_random(tmp_path, name, blocks, experts):
     """A named class without load_from: config.json's keys of the release (gpt-oss-120b / 20b: 2880 wide, 64 query
     heads of 64 and 8 kv heads, 128-token windows, top-4, YaRN x32 from 4096, the clamped SwiGLU's 1.702 / 7) as
-    model.hf_config, built on meta; XTuner's default balancing loss reported, not carried."""
+    model.hf_config, built on meta; XTuner's default balancing loss carried (global batch, alpha 0.001)."""
     t = translate(tmp_path, f"{name}()")
     assert not t.fatal, t.fatal
     model = t.config["model"]
@@ -56,18 +59,34 @@ def test_the_named_classes_are_the_releases_at_random(tmp_path, name, blocks, ex
     assert (built.head_dim, built.sliding_window, built.vocab_size) == (64, 128, 201088)
     assert (built.swiglu_alpha, built.swiglu_limit, built.attention_bias) == (1.702, 7.0, True)
     assert built.rope_parameters["factor"] == 32.0 and built.rope_parameters["truncate"] is False
-    assert [line.split(":")[0] for line in t.dropped] == [BALANCING]
-    assert "balancing_loss" not in model and "moe_loss_coeff" not in t.config.get("loss", {})
+    assert not t.dropped and BALANCING in t.carried
+    assert model["balancing_loss"] == "global_batch" and t.config["loss"]["moe_loss_coeff"] == 0.001
+
+
+@pytest.mark.parametrize(
+    "balancing, kind, alpha",
+    [
+        ("BalancingLossConfig(balancing_loss_global_average=False, balancing_loss_alpha=0.01)", "micro_batch", 0.01),
+        ("BalancingLossConfig(balancing_loss_alpha=0.0)", None, None),
+        ("None", None, None),
+    ],
+    ids=["micro batch", "alpha 0", "none"],
+)
+def test_xtuners_balancing_loss_carries(tmp_path, balancing, kind, alpha):
+    t = translate(tmp_path, TINY.format(extra=f", balancing_loss_cfg={balancing}"))
+    assert not t.fatal and not t.dropped, (t.fatal, t.dropped)
+    assert t.config["model"].get("balancing_loss") == kind
+    assert t.config.get("loss", {}).get("moe_loss_coeff") == alpha
 
 
 def test_a_recipe_in_xtuners_shape_translates_and_validates(tmp_path, capsys):
     """`python -m internlm_offload.tools.from_xtuner recipe.py --out cfg.py` exits 0 on a GPT-OSS recipe (the 20b class
-    made tiny, its balancing loss off as the family computes none): the written config builds the overridden sizes."""
+    made tiny, XTuner's default balancing loss on): the written config builds the overridden sizes, names the loss."""
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"content": "hi"}) + "\n")
     recipe = tmp_path / "sft_gpt_oss.py"
     recipe.write_text(
-        f"{IMPORTS}model_cfg = {TINY.format(extra=', balancing_loss_cfg=None')}\n"
+        f"{IMPORTS}model_cfg = {TINY.format(extra='')}\n"
         f"data = [{{'dataset': DatasetConfig(anno_path={str(data)!r}), "
         "'tokenize_fn': PretrainTokenizeFunctionConfig()}]\n"
         "trainer = TrainerConfig(model_cfg=model_cfg, optim_cfg=AdamWConfig(), total_step=2, tokenizer_path='/tok', "
@@ -82,6 +101,7 @@ def test_a_recipe_in_xtuners_shape_translates_and_validates(tmp_path, capsys):
     built = build_model(ModelConfig(**names["model"]), torch.device("meta")).args
     assert (built.num_layers, built.hidden_size, built.intermediate_size, built.num_local_experts) == (2, 64, 32, 4)
     assert (built.num_attention_heads, built.num_key_value_heads, built.head_dim, built.sliding_window) == (4, 2, 16, 8)
+    assert names["model"]["balancing_loss"] == "global_batch" and names["loss"]["moe_loss_coeff"] == 0.001
 
 
 def test_a_folder_is_the_model(tmp_path):

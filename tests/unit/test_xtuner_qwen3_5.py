@@ -13,7 +13,7 @@ from xtuner.v1.config import AdamWConfig
 from xtuner.v1.datasets import PretrainTokenizeFunctionConfig
 from xtuner.v1.datasets.config import DatasetConfig
 from xtuner.v1.model import Qwen3_5_VLMoE35BA3Config, Qwen3_5_VLTextMoE35BA3BConfig, get_model_config_from_hf
-from xtuner.v1.model.moe.moe import MTPConfig
+from xtuner.v1.model.moe.moe import BalancingLossConfig, MTPConfig
 from xtuner.v1.train import TrainerConfig
 """
 DATA = "[{'dataset': DatasetConfig(anno_path='/d.jsonl'), 'tokenize_fn': PretrainTokenizeFunctionConfig()}]"
@@ -32,13 +32,21 @@ def translate(tmp_path: Path, lines: str, path: Path) -> object:
     return translate_trainer(load_trainer(cfg), cfg)
 
 
-def test_the_text_class_maps_onto_the_family_and_reports_its_balancing_loss(tmp_path):
+def test_the_text_class_maps_onto_the_family_and_carries_its_balancing_loss(tmp_path):
     path = folder(tmp_path)
     t = translate(tmp_path, "model_cfg = Qwen3_5_VLTextMoE35BA3BConfig()", path)
     assert not t.fatal, t.fatal
     assert t.config["model"]["type"] == "qwen3_next" and t.config["model"]["hf_path"] == str(path)
     assert any("model.hf_path (model_type='qwen3_5_moe_text'" in line for line in t.carried)
-    assert [line for line in t.dropped if line.startswith("model_cfg.balancing_loss_cfg=BalancingLossConfig()")]
+    assert not [line for line in t.dropped if "balancing" in line]
+    assert t.config["model"]["balancing_loss"] == "global_batch" and t.config["loss"]["moe_loss_coeff"] == 0.001
+    assert any(line.startswith("model_cfg.balancing_loss_cfg (unset: the class's default") for line in t.carried)
+    micro = ("model_cfg = Qwen3_5_VLTextMoE35BA3BConfig(balancing_loss_cfg=BalancingLossConfig("
+             "balancing_loss_alpha=0.01, balancing_loss_global_average=False))")  # fmt: skip
+    t = translate(tmp_path, micro, path)
+    assert t.config["model"]["balancing_loss"] == "micro_batch" and t.config["loss"]["moe_loss_coeff"] == 0.01
+    t = translate(tmp_path, "model_cfg = Qwen3_5_VLTextMoE35BA3BConfig(balancing_loss_cfg=None)", path)
+    assert "balancing_loss" not in t.config["model"] and "moe_loss_coeff" not in t.config.get("loss", {})
 
 
 def test_get_model_config_from_hf_and_the_vision_language_class(tmp_path):
@@ -46,6 +54,7 @@ def test_get_model_config_from_hf_and_the_vision_language_class(tmp_path):
     t = translate(tmp_path, f"model_cfg = get_model_config_from_hf({str(path)!r})", path)
     assert not t.fatal and t.config["model"]["type"] == "qwen3_next", t.fatal
     assert not [line for line in t.dropped if "balancing" in line]  # set by nothing in the file
+    assert "balancing_loss" not in t.config["model"]
     vl = "model_cfg = Qwen3_5_VLMoE35BA3Config(only_llm_forward=True)\nmodel_cfg.text_config.ep_size = 1"
     t = translate(tmp_path, vl, path)
     assert not t.fatal and any(line.startswith("model_cfg.only_llm_forward=True") for line in t.carried), t.fatal
@@ -58,3 +67,14 @@ def test_multi_token_prediction_stops_in_one_line(tmp_path):
     assert len(t.fatal) == 1 and "mtp_config.num_layers=2: multi-token prediction is not built" in t.fatal[0]
     none = "model_cfg = Qwen3_5_VLTextMoE35BA3BConfig()\nmodel_cfg.mtp_config = MTPConfig(num_layers=0)"
     assert not translate(tmp_path, none, path).fatal
+
+
+def test_a_dense_folder_carries_no_balancing_loss(tmp_path):
+    """The class's default balancing loss on a dense `qwen3_5_text` folder: no router to balance, said in one line."""
+    from transformers import Qwen3_5TextConfig
+
+    path = tmp_path / "qwen3_5"
+    Qwen3_5TextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4).save_pretrained(path)
+    t = translate(tmp_path, "model_cfg = Qwen3_5_VLTextMoE35BA3BConfig()", path)
+    assert not t.fatal and "balancing_loss" not in t.config["model"], t.fatal
+    assert any("has no experts: no balancing loss" in line for line in t.carried)

@@ -6,7 +6,9 @@ and whose experts have biases and GPT-OSS's clamped SwiGLU.
 Built from a Hugging Face folder alone (`model.hf_path`; its MXFP4 experts dequantised on load) or its config
 (`model.hf_config`); docs/gpt_oss.md. `tools.export --hf` writes the folder back in bf16 / fp32 (never MXFP4).
 Tensor parallel (mtp / msp / fsp: the sinks split with their heads; isp: each rank's attention keeps its heads'
-sinks), pipelines and LoRA on the attention's projections are built; a balancing loss is refused in one line.
+sinks), pipelines and LoRA on the attention's projections are built; a balancing loss: transformers' own where
+config.json sets `output_router_logits` (weighted by its `router_aux_loss_coef`), or `model.balancing_loss`
+(transformers' or XTuner's; model/balancing.py).
 """
 
 import json
@@ -21,6 +23,8 @@ DEFAULT_EXPERTS, DEFAULT_TOP_K, DEFAULT_BLOCKS = 128, 4, 36
 # LoRA's targets: the attention's projections, as transformers names them -> as the model does (the experts are
 # stacked tensors, not linears: they stay frozen, as the router does)
 MODULE_NAMES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo"}
+# `model.balancing_loss` of its softmax router: transformers' loss, XTuner's over the global batch or the micro-batch
+BALANCING_LOSSES = ("transformers", "global_batch", "micro_batch")
 
 
 def folder_config(model: Any) -> dict[str, Any]:
@@ -70,12 +74,13 @@ FAMILY = register_family(
         entry="internlm_offload.model.families.gpt_oss.build",
         summary="GPT-OSS (sinks, sliding windows, biased router and clamped-SwiGLU experts) from a Hugging Face folder",
         capabilities=Capabilities(
-            tensor_parallel=True, pipeline=True, init_per_param=True, folder_export=True, lora=True
+            tensor_parallel=True, pipeline=True, init_per_param=True, folder_export=True, lora=True, balancing_loss=True
         ),
         module_names=MODULE_NAMES,
         check_section=check_section,
         routed_experts=routed_experts,
         experts_per_token=experts_per_token,
         blocks=blocks,
+        balancing_losses=BALANCING_LOSSES,
     )
 )

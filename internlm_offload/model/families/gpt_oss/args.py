@@ -4,6 +4,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from internlm_offload.model.balancing import folder_coefficient
 from internlm_offload.model.families.gpt_oss import MODEL_TYPE
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' names of the layer types
@@ -22,6 +23,8 @@ class GptOssArgs:
     intermediate_size: int  # each expert's
     num_local_experts: int
     num_experts_per_tok: int
+    # transformers' balancing-loss weight where the config trains with it (`output_router_logits`), else None
+    router_aux_coef: float | None
     sliding_window: int
     layer_types: tuple[str, ...]
     swiglu_alpha: float
@@ -58,6 +61,7 @@ def args_from_config(config: Any) -> GptOssArgs:
         intermediate_size=config.intermediate_size,
         num_local_experts=config.num_local_experts,
         num_experts_per_tok=config.num_experts_per_tok,
+        router_aux_coef=folder_coefficient(config),
         sliding_window=config.sliding_window,
         layer_types=types,
         swiglu_alpha=config.swiglu_alpha,

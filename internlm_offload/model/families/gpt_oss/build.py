@@ -1,12 +1,20 @@
 """GPT-OSS from the `model` section: its config.json (a folder's, or `model.hf_config`), the model, the folder's
-weights under the native names (MXFP4 experts dequantised), and the config.json of its `--hf` export."""
+weights under the native names (MXFP4 experts dequantised), and the config.json of its `--hf` export; its balancing
+loss (`model.balancing_loss` weighted by `loss.moe_loss_coeff`, else transformers' own weighted by
+`router_aux_loss_coef` where config.json sets `output_router_logits`)."""
 
 from typing import Any
 
 import torch
 
-from internlm_offload.config import ConfigError, ModelConfig
+from internlm_offload.config import ConfigError, ModelConfig, RunConfig
 from internlm_offload.config.lora import native_targets
+from internlm_offload.model.balancing import (
+    chosen_loss,
+    folder_coefficient,
+    folder_loss_problem,
+    loss_coefficients,
+)
 from internlm_offload.model.families.deepseek_v3.build import raw_config
 from internlm_offload.model.families.gpt_oss.args import args_from_config
 from internlm_offload.model.families.gpt_oss.hf_names import HF_GPT_OSS, read_experts, write_experts
@@ -33,7 +41,9 @@ def build_model(cfg: ModelConfig, device: torch.device) -> GptOss:
     try:
         args = args_from_config(transformers_config(cfg))
         with torch.device(device):
-            return GptOss(args, attn_impl=cfg.attn_impl)
+            return GptOss(
+                args, attn_impl=cfg.attn_impl, balancing_loss=chosen_loss(cfg.balancing_loss, args.router_aux_coef)
+            )
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model.type='gpt_oss': {' '.join(str(exc).split())}") from None
 
@@ -64,3 +74,21 @@ def lora_targets(cfg: ModelConfig) -> list[str]:
     """`model.lora.target_modules` as the model names the attention's projections (transformers' names translated)."""
     assert cfg.lora is not None
     return native_targets(cfg.lora, cfg.type)
+
+
+def check_run(cfg: RunConfig) -> None:
+    """transformers' own balancing loss (config.json's `output_router_logits`) is refused under a pipeline in one line
+    (it pools every sparse block's statistics); `model.balancing_loss` is refused there by the config's checks."""
+    try:
+        config = transformers_config(cfg.model)
+    except ValueError:  # a missing or unreadable folder: the build names it in one line
+        return
+    problem = folder_loss_problem(cfg.model.balancing_loss, folder_coefficient(config), cfg.parallel.pipeline.size)
+    if problem:
+        raise ConfigError(problem)
+
+
+def aux_loss_coefficients(cfg: RunConfig, model: GptOss) -> dict[str, float]:
+    """`moe_aux`: `loss.moe_loss_coeff` for `model.balancing_loss`, the config's `router_aux_loss_coef` for
+    transformers' own loss; none without a loss."""
+    return loss_coefficients(cfg.model.balancing_loss, cfg.loss.moe_loss_coeff, model.args.router_aux_coef)

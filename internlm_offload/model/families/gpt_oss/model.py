@@ -1,13 +1,20 @@
 """GPT-OSS on the shared decoder: `Attention` with biases, sinks and (on sliding layers) a window; `MoE` with the
-biased top-k-then-softmax router and biased clamped-SwiGLU experts; YaRN RoPE (model/rope.py)."""
+biased top-k-then-softmax router and biased clamped-SwiGLU experts; YaRN RoPE (model/rope.py). Its balancing loss
+(`model.balancing_loss`, or transformers' own where config.json sets `output_router_logits`; model/balancing.py) comes
+back as `moe_aux`, unweighted, in training: its statistics are the softmax over all experts of the biased logits (what
+transformers' loss is fed: the router's logits) and the top-k chosen."""
 
+import torch
 from torch import nn
 
 from internlm_offload.model.attention import Attention
+from internlm_offload.model.balancing import balancing_loss
 from internlm_offload.model.decoder import Decoder, DecoderLayer
 from internlm_offload.model.experts import ClampedSwiGLU
 from internlm_offload.model.families.gpt_oss.args import GptOssArgs
+from internlm_offload.model.hooks import PoolsRouterStats
 from internlm_offload.model.moe import MoE
+from internlm_offload.model.output import MOE_AUX
 from internlm_offload.model.rope import rope_from_parameters
 from internlm_offload.model.tensor_plan import BlockPlan, Region, TensorPlan
 
@@ -49,10 +56,11 @@ def build_block(args: GptOssArgs, i: int, attn_impl: str) -> nn.Module:
     )
 
 
-class GptOss(Decoder):
-    """A GPT-OSS model from `GptOssArgs` (no auxiliary loss: transformers' forward returns none by default)."""
+class GptOss(Decoder, PoolsRouterStats):
+    """A GPT-OSS model from `GptOssArgs`; `balancing_loss` names its balancing loss (model/balancing.py
+    BALANCING_LOSSES; None: none, as transformers' forward without `output_router_logits`)."""
 
-    def __init__(self, args: GptOssArgs, attn_impl: str = "auto") -> None:
+    def __init__(self, args: GptOssArgs, attn_impl: str = "auto", balancing_loss: str | None = None) -> None:
         inv_freq_fn, attention_factor = rope_from_parameters(args.rope_parameters, args.max_position_embeddings)
         super().__init__(
             vocab_size=args.vocab_size,
@@ -69,6 +77,7 @@ class GptOss(Decoder):
         )
         self.args = args
         self.num_experts = args.num_local_experts
+        self.balancing_loss = balancing_loss
 
     def tensor_plan(self) -> TensorPlan:
         """Its modules by parallel role (model/tensor_plan.py): q/k/v column parallel with their biases, o row
@@ -88,3 +97,14 @@ class GptOss(Decoder):
         return TensorPlan(
             embedding="tok_embeddings", final_norm="norm", head="output", blocks=(block,) * self.args.num_layers
         )
+
+    def aux_losses(self, stats: list) -> dict[str, torch.Tensor]:
+        """`moe_aux`: the balancing loss of a training forward's routers, unweighted; none without one (a validation
+        forward's losses are not training's)."""
+        if self.balancing_loss is None or not self.training or not stats:
+            return {}
+        args = self.args
+        loss = balancing_loss(
+            self.balancing_loss, stats, args.num_local_experts, args.num_experts_per_tok, self.stats_pool
+        )
+        return {MOE_AUX: loss}

@@ -5,8 +5,9 @@ mixtures of experts with a sigmoid-gated shared expert (softmax router, top-k re
 
 Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.hf_config`); docs/qwen3_next.md.
 `tools.export --hf` writes the folder back. Tensor parallel splits by whole DeltaNet key-head groups, isp exchanges
-them for whole sequences, a pipeline splits the stack (docs/qwen3_next.md, "Layouts"). LoRA, a balancing loss and
-MTP are refused in one line (not built).
+them for whole sequences, a pipeline splits the stack (docs/qwen3_next.md, "Layouts"). A balancing loss: transformers'
+own where config.json sets `output_router_logits` (weighted by its `router_aux_loss_coef`), or `model.balancing_loss`
+(transformers' or XTuner's; model/balancing.py). LoRA and MTP are refused in one line (not built).
 """
 
 from collections.abc import Sequence
@@ -25,6 +26,8 @@ CAUSAL_LMS = {
 VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")  # the released folders: a vision tower around the text model
 # transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B) for keys a config.json leaves out
 DEFAULT_EXPERTS, DEFAULT_TOP_K, DEFAULT_BLOCKS = 512, 10, 48
+# `model.balancing_loss` of its softmax router: transformers' loss, XTuner's over the global batch or the micro-batch
+BALANCING_LOSSES = ("transformers", "global_batch", "micro_batch")
 
 
 def check_section(model: Any) -> None:
@@ -101,12 +104,15 @@ FAMILY = register_family(
         name="qwen3_next",
         entry="internlm_offload.model.families.qwen3_next.build",
         summary="Qwen3-Next / Qwen3.5 text (Gated DeltaNet + gated attention, gated shared expert) from a Hugging Face folder",
-        capabilities=Capabilities(tensor_parallel=True, pipeline=True, init_per_param=True, folder_export=True),
+        capabilities=Capabilities(
+            tensor_parallel=True, pipeline=True, init_per_param=True, folder_export=True, balancing_loss=True
+        ),
         check_section=check_section,
         routed_experts=routed_experts,
         experts_per_token=experts_per_token,
         blocks=blocks,
         block_kinds=block_kinds,
         with_blocks=with_blocks,
+        balancing_losses=BALANCING_LOSSES,
     )
 )

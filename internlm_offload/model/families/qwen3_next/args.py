@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 from typing import Any
 
+from internlm_offload.model.balancing import folder_coefficient
 from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, MODEL_TYPE
 
 LINEAR, FULL = "linear_attention", "full_attention"  # transformers' names of the layer types
@@ -38,6 +39,8 @@ class Qwen3NextArgs:
     num_experts_per_tok: int
     norm_topk_prob: bool
     sparse: tuple[bool, ...]
+    # transformers' balancing-loss weight where the config trains with it (`output_router_logits`), else None
+    router_aux_coef: float | None
     rms_norm_eps: float
     tie_word_embeddings: bool
     initializer_range: float
@@ -88,6 +91,7 @@ def args_from_config(config: Any) -> Qwen3NextArgs:
         num_experts_per_tok=getattr(config, "num_experts_per_tok", 0),
         norm_topk_prob=getattr(config, "norm_topk_prob", True),
         sparse=sparse,
+        router_aux_coef=folder_coefficient(config),
         rms_norm_eps=config.rms_norm_eps,
         tie_word_embeddings=config.tie_word_embeddings,
         initializer_range=config.initializer_range,

@@ -1,11 +1,19 @@
 """Qwen3-Next from the `model` section: its config.json (a folder's, or `model.hf_config`), the model, the folder's
-weights under the native names, and the config.json of its `--hf` export."""
+weights under the native names, and the config.json of its `--hf` export; its balancing loss (`model.balancing_loss`
+weighted by `loss.moe_loss_coeff`, else transformers' own weighted by `router_aux_loss_coef` where config.json sets
+`output_router_logits`)."""
 
 from typing import Any
 
 import torch
 
 from internlm_offload.config import ConfigError, ModelConfig, RunConfig
+from internlm_offload.model.balancing import (
+    chosen_loss,
+    folder_coefficient,
+    folder_loss_problem,
+    loss_coefficients,
+)
 from internlm_offload.model.families.deepseek_v3.build import raw_config
 from internlm_offload.model.families.qwen3_next import CAUSAL_LMS
 from internlm_offload.model.families.qwen3_next.args import args_from_config
@@ -27,7 +35,9 @@ def build_model(cfg: ModelConfig, device: torch.device) -> Qwen3Next:
     try:
         args = args_from_config(transformers_config(cfg))
         with torch.device(device):
-            return Qwen3Next(args, attn_impl=cfg.attn_impl)
+            return Qwen3Next(
+                args, attn_impl=cfg.attn_impl, balancing_loss=chosen_loss(cfg.balancing_loss, args.router_aux_coef)
+            )
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model.type='qwen3_next': {' '.join(str(exc).split())}") from None
 
@@ -51,9 +61,11 @@ def folder_config(cfg: ModelConfig) -> Any:
 def check_run(cfg: RunConfig) -> None:
     """What is not built for Qwen3-Next, refused in one line: a tensor or isp group that does not divide the
     DeltaNet's key heads (each rank runs whole key-head groups); a pipeline with the embedding tied to the head.
-    LoRA, a balancing loss and multi-token prediction are refused by the family's capabilities (the config's
-    checks)."""
+    A balancing loss of a model without experts (`qwen3_5_text`), or transformers' own (config.json's
+    `output_router_logits`) under a pipeline (`model.balancing_loss` is refused there by the config's checks). LoRA
+    and multi-token prediction are refused by the family's capabilities."""
     config = transformers_config(cfg.model)
+    check_balancing(cfg, config)
     tensor = cfg.parallel.tensor
     if tensor.size > 1:
         where = f"parallel.tensor.size={tensor.size} (mode {tensor.mode!r})"
@@ -68,3 +80,22 @@ def check_run(cfg: RunConfig) -> None:
             f"parallel.pipeline.size={pipe} with the config's tie_word_embeddings=True: the embedding and the head "
             "sit on different stages; not built"
         )
+
+
+def check_balancing(cfg: RunConfig, config: Any) -> None:
+    """`model.balancing_loss` needs experts; transformers' own loss, which pools every sparse block's statistics
+    before its product, does not split over pipeline stages."""
+    kind = cfg.model.balancing_loss
+    if kind is not None and not getattr(config, "num_experts", 0):
+        raise ConfigError(
+            f"model.balancing_loss={kind!r}: model_type={config.model_type!r} has no experts (a dense model); set None"
+        )
+    problem = folder_loss_problem(kind, folder_coefficient(config), cfg.parallel.pipeline.size)
+    if problem:
+        raise ConfigError(problem)
+
+
+def aux_loss_coefficients(cfg: RunConfig, model: Qwen3Next) -> dict[str, float]:
+    """`moe_aux`: `loss.moe_loss_coeff` for `model.balancing_loss`, the config's `router_aux_loss_coef` for
+    transformers' own loss; none without a loss."""
+    return loss_coefficients(cfg.model.balancing_loss, cfg.loss.moe_loss_coeff, model.args.router_aux_coef)

@@ -1,16 +1,21 @@
 """Qwen3-Next on the shared decoder: `GatedDeltaNet` mixers on its linear-attention layers, `Attention` with the
 per-head output gate, zero-centred q/k norms and partial RoPE on its full-attention layers; `MoE` with a softmax
 router and a sigmoid-gated shared expert (or a dense SwiGLU where the config says); every RMSNorm but the
-DeltaNet's output norm zero-centred."""
+DeltaNet's output norm zero-centred. Its balancing loss (`model.balancing_loss`, or transformers' own where config.json
+sets `output_router_logits`; model/balancing.py) comes back as `moe_aux`, unweighted, in training."""
 
+import torch
 from torch import nn
 
 from internlm_offload.model.attention import Attention
+from internlm_offload.model.balancing import balancing_loss
 from internlm_offload.model.decoder import Decoder, DecoderLayer
 from internlm_offload.model.families.qwen3_next.args import LINEAR, Qwen3NextArgs
 from internlm_offload.model.gated_deltanet import GatedDeltaNet
+from internlm_offload.model.hooks import PoolsRouterStats
 from internlm_offload.model.mlp import FeedForward
 from internlm_offload.model.moe import MoE
+from internlm_offload.model.output import MOE_AUX
 from internlm_offload.model.tensor_plan import BlockPlan, Region, TensorPlan
 
 
@@ -101,10 +106,11 @@ def block_plan(args: Qwen3NextArgs, i: int) -> BlockPlan:
     )
 
 
-class Qwen3Next(Decoder):
-    """A Qwen3-Next / Qwen3.5 text model from `Qwen3NextArgs` (no auxiliary loss: transformers' forward returns none by default)."""
+class Qwen3Next(Decoder, PoolsRouterStats):
+    """A Qwen3-Next / Qwen3.5 text model from `Qwen3NextArgs`; `balancing_loss` names its balancing loss
+    (model/balancing.py BALANCING_LOSSES; None: none, as transformers' forward without `output_router_logits`)."""
 
-    def __init__(self, args: Qwen3NextArgs, attn_impl: str = "auto") -> None:
+    def __init__(self, args: Qwen3NextArgs, attn_impl: str = "auto", balancing_loss: str | None = None) -> None:
         super().__init__(
             vocab_size=args.vocab_size,
             hidden_size=args.hidden_size,
@@ -125,8 +131,18 @@ class Qwen3Next(Decoder):
         )
         self.args = args
         self.num_experts = args.num_experts
+        self.balancing_loss = balancing_loss
 
     def tensor_plan(self) -> TensorPlan:
         """Where tensor, sequence, expert parallel and the pipeline find this model's modules (model/tensor_plan.py)."""
         blocks = tuple(block_plan(self.args, i) for i in range(self.args.num_layers))
         return TensorPlan(embedding="tok_embeddings", final_norm="norm", head="output", blocks=blocks)
+
+    def aux_losses(self, stats: list) -> dict[str, torch.Tensor]:
+        """`moe_aux`: the balancing loss of a training forward's routers, unweighted; none without one (a validation
+        forward's losses are not training's)."""
+        if self.balancing_loss is None or not self.training or not stats:
+            return {}
+        args = self.args
+        loss = balancing_loss(self.balancing_loss, stats, args.num_experts, args.num_experts_per_tok, self.stats_pool)
+        return {MOE_AUX: loss}

@@ -13,9 +13,10 @@ import torch
 from folder_parity import assert_step_1_matches, step_1_ids
 from safetensors.torch import load_file, save_file
 
-from internlm_offload.builder.model import build_model
+from internlm_offload.builder.model import build_model, folder_layout
 from internlm_offload.config import ModelConfig
 from internlm_offload.tools.export import export_family_folder
+from internlm_offload.weights.hf_folder import folder_pieces, read_folder
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,3 +103,18 @@ def test_the_hf_export_is_the_folder_with_its_vision_tower_copied_through(tmp_pa
 def test_a_vision_language_hf_config_is_refused_in_one_line():
     with pytest.raises(ValueError, match="a vision-language config is built from its folder"):
         ModelConfig(type="qwen3_next", hf_config={"model_type": "qwen3_5_moe", "text_config": {}})
+
+
+def test_the_piece_at_a_time_read_is_the_whole_read(tmp_path, caplog):
+    """FSDP2's meta build reads the folder a piece at a time (`folder_pieces`): the same tensors bit for bit, a fused
+    tensor one piece (both of its stacked halves), the vision tower not read and said once."""
+    vl_folder(tmp_path / "vl", "fused")
+    layout = folder_layout(hf_path(tmp_path / "vl"))
+    whole = read_folder(tmp_path / "vl", layout)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        pieces = list(folder_pieces(tmp_path / "vl", layout))
+    assert sum("vision tower" in r.getMessage() for r in caplog.records) == 1
+    read = {name: tensor for piece in pieces for name, tensor in piece.items()}
+    assert read.keys() == whole.keys() and all(torch.equal(read[k], whole[k]) for k in whole)
+    assert {"layers.0.feed_forward.experts.w1", "layers.0.feed_forward.experts.w3"} in [set(p) for p in pieces]

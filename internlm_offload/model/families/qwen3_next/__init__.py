@@ -5,8 +5,8 @@ mixtures of experts with a sigmoid-gated shared expert (softmax router, top-k re
 
 Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.hf_config`); docs/qwen3_next.md.
 A released Qwen3.5 vision-language folder builds its text model (the vision tower not read, said in one line).
-`tools.export --hf` writes the folder back (a vision tower copied through unchanged). Tensor parallel splits by whole DeltaNet key-head groups, isp exchanges
-them for whole sequences, a pipeline splits the stack (docs/qwen3_next.md, "Layouts"). LoRA, a balancing loss and
+`tools.export --hf` writes the folder back (a vision tower copied through unchanged). Tensor parallel splits by
+whole DeltaNet key-head groups, isp exchanges them for whole sequences, a pipeline splits the stack (docs/qwen3_next.md, "Layouts"). LoRA, a balancing loss and
 MTP are refused in one line (not built).
 """
 

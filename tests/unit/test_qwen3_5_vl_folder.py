@@ -83,19 +83,34 @@ def test_text_positions_in_three_equal_rows_are_the_text_models_rope(tmp_path):
     assert torch.equal(native_cos, cos) and torch.equal(native_sin, sin)
 
 
-@pytest.mark.parametrize(("layout", "dtype"), [("per_expert", torch.bfloat16), ("fused", torch.bfloat16),
-                                               ("fused", torch.float32)])  # fmt: skip
-def test_the_hf_export_is_the_folder_with_its_vision_tower_copied_through(tmp_path, layout, dtype):
-    vl_folder(tmp_path / "vl", layout, dtype)
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize(("layout", "stored", "dtype"), [("per_expert", BF16, BF16), ("fused", BF16, BF16),
+                                                         ("fused", BF16, FP32)])  # fmt: skip
+def test_the_hf_export_is_the_folder_with_its_vision_tower_copied_through(tmp_path, layout, stored, dtype):
+    """The text model in `dtype`, the vision tower as stored whatever `dtype`; config.json as the released files spell
+    it (transformers 4.57's `rope_scaling`, which 5.x rewrites as `rope_parameters` on a save) comes back as it was,
+    the export's dtype recorded."""
+    vl_folder(tmp_path / "vl", layout, stored)
+    config = json.loads((tmp_path / "vl" / "config.json").read_text())
+    rope = config["text_config"].pop("rope_parameters")
+    config["text_config"].update(rope_theta=rope.pop("rope_theta"), partial_rotary_factor=rope.pop("partial_rotary_factor"),
+                                 rope_scaling=rope)  # fmt: skip
+    (tmp_path / "vl" / "config.json").write_text(json.dumps(config, indent=2))
     cfg = hf_path(tmp_path / "vl")
     model = build_model(cfg, torch.device("cpu"))
+    assert model.args.rotary_dim == 8
     run = {"model": cfg.model_dump(), "data": {"tokenizer": "byte"}}
     export_family_folder(model.state_dict(), tmp_path / "out", dtype, run)
     want, have = load_file(tmp_path / "vl" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert have.keys() == want.keys()
-    assert all(have[k].dtype == dtype and torch.equal(have[k], want[k]) for k in want), "tensors differ"
-    source, written = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("vl", "out"))
-    assert written == source
+    tower = [k for k in want if k.startswith("model.visual.")]
+    assert tower and all(have[k].dtype == stored and torch.equal(have[k], want[k]) for k in tower), "the tower differs"
+    text = [k for k in want if k not in tower]
+    assert all(have[k].dtype == dtype and torch.equal(have[k].to(stored), want[k]) for k in text), "the text differs"
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written == {**config, "dtype": str(dtype).removeprefix("torch.")}
     loaded = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out")
     assert type(loaded).__name__ == "Qwen3_5MoeForConditionalGeneration"
 

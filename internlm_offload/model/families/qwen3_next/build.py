@@ -2,6 +2,8 @@
 folder's text model), the model, the folder's weights under the native names, and the config.json of its `--hf`
 export."""
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,6 +15,7 @@ from internlm_offload.model.families.qwen3_next.args import args_from_config
 from internlm_offload.model.families.qwen3_next.folder_layout import (
     VISION_PREFIX,
     FolderLayout,
+    SourceConfig,
     from_folder,
     read_layout,
 )
@@ -68,12 +71,9 @@ def folder_format(model: Qwen3Next) -> FolderFormat:
 
 def folder_config(cfg: ModelConfig) -> Any:
     """The config.json of its `--hf` export: the one the model was built by, its causal LM class named; a
-    vision-language folder's whole config (its vision tower's and its class, as the folder had them)."""
-    from transformers import AutoConfig
-
-    raw = raw_config(cfg)
-    if raw.get("model_type") in VISION_LANGUAGE:
-        return AutoConfig.for_model(**raw)
+    vision-language folder's config.json as it was (`SourceConfig`: its class and vision tower's config)."""
+    if raw_config(cfg).get("model_type") in VISION_LANGUAGE:
+        return SourceConfig(json.loads(Path(cfg.hf_path, "config.json").read_text()))
     config = transformers_config(cfg)
     config.architectures = [CAUSAL_LMS[config.model_type]]
     return config

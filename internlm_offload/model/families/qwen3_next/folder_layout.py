@@ -3,12 +3,14 @@
 the vision tower's `model.visual.*`, and the released files fuse each block's experts into `mlp.experts.gate_up_proj`
 [E, 2I, D] (gate rows, then up) and `mlp.experts.down_proj` [E, D, I] (transformers' in-memory layout), where
 transformers' save_pretrained writes one tensor per expert. A read takes either (`from_folder`); a write gives back the
-layout the folder had (`FolderLayout.to_folder`). Only renames, slices and stacks: a round trip is bit for bit."""
+layout the folder had (`FolderLayout.to_folder`). Only renames, slices and stacks: a round trip is bit for bit. A
+vision-language folder's config.json is written back as it was (`SourceConfig`)."""
 
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -97,3 +99,27 @@ def _tensor_names(folder: Path) -> list[str]:
         except (OSError, ValueError):
             continue  # a damaged file: the read names it
     return names
+
+
+class SourceConfig:
+    """A vision-language folder's config.json as an export writes it back: the file as it was (its class, its vision
+    config, its keys as spelled, which transformers and vLLM read alike), the export's dtype recorded where the file
+    records one (`hf_folder.set_dtype` sets `dtype`); the head's tie as the file says."""
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self.raw = raw
+        self.tie_word_embeddings = bool(raw.get("tie_word_embeddings", False))
+        self.dtype: Any = None
+
+    def save_pretrained(self, folder: str) -> None:
+        """config.json into `folder`."""
+        out = json.loads(json.dumps(self.raw))  # a deep copy
+        if self.dtype is not None:
+            name = str(self.dtype).removeprefix("torch.")
+            for section in (out, out.get("text_config")):
+                if isinstance(section, dict):
+                    keys = [k for k in ("dtype", "torch_dtype") if k in section] or (
+                        ["dtype"] if section is out else []
+                    )
+                    section.update(dict.fromkeys(keys, name))
+        Path(folder, "config.json").write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")

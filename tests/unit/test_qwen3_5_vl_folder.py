@@ -64,7 +64,7 @@ def test_the_text_model_gives_the_vision_language_class_step_1_and_says_the_visi
     reference = vl_folder(tmp_path / "vl", layout)
     with caplog.at_level(logging.WARNING):
         model = build_model(hf_path(tmp_path / "vl"), torch.device("cpu"))
-    assert model.folder_layout.fused_experts == (layout == "fused")
+    assert model.source_layout.fused_experts == (layout == "fused")
     assert_step_1_matches(model, reference, step_1_ids(VOCAB, 70))
     tower = [n for n in load_file(tmp_path / "vl" / "model.safetensors") if n.startswith("model.visual.")]
     lines = [r.getMessage() for r in caplog.records if "vision tower" in r.getMessage()]

@@ -14,8 +14,8 @@ from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, VISION_LANGUA
 from internlm_offload.model.families.qwen3_next.args import args_from_config
 from internlm_offload.model.families.qwen3_next.folder_layout import (
     VISION_PREFIX,
-    FolderLayout,
     SourceConfig,
+    SourceLayout,
     from_folder,
     read_layout,
 )
@@ -32,10 +32,10 @@ def transformers_config(cfg: ModelConfig) -> Any:
     return AutoConfig.for_model(**text_config(raw_config(cfg)))
 
 
-def source_layout(cfg: ModelConfig) -> FolderLayout:
+def source_layout(cfg: ModelConfig) -> SourceLayout:
     """How `model.hf_path` lays out the text model (folder_layout.py): the one an export writes back."""
     if cfg.hf_path is None:
-        return FolderLayout()
+        return SourceLayout()
     return read_layout(cfg.hf_path, vision_language=raw_config(cfg).get("model_type") in VISION_LANGUAGE)
 
 
@@ -46,17 +46,17 @@ def build_model(cfg: ModelConfig, device: torch.device) -> Qwen3Next:
         args = args_from_config(transformers_config(cfg))
         with torch.device(device):
             model = Qwen3Next(args, attn_impl=cfg.attn_impl)
-        model.folder_layout = source_layout(cfg)
+        model.source_layout = source_layout(cfg)
         return model
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model.type='qwen3_next': {' '.join(str(exc).split())}") from None
 
 
 def folder_format(model: Qwen3Next) -> FolderFormat:
-    """transformers' names (the experts stacked from one tensor each) in the folder's layout (`model.folder_layout`:
+    """transformers' names (the experts stacked from one tensor each) in the folder's layout (`model.source_layout`:
     a vision-language folder's `model.language_model.` prefix, fused experts), its vision tower not read and copied
     through on export; the folder's `mtp.*` tensors dropped on the way in (`drop_mtp`)."""
-    args, layout = model.args, model.folder_layout
+    args, layout = model.args, model.source_layout
     return FolderFormat(
         HF_QWEN3_NEXT,
         args.num_attention_heads,

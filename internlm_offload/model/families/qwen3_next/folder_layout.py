@@ -3,7 +3,7 @@
 the vision tower's `model.visual.*`, and the released files fuse each block's experts into `mlp.experts.gate_up_proj`
 [E, 2I, D] (gate rows, then up) and `mlp.experts.down_proj` [E, D, I] (transformers' in-memory layout), where
 transformers' save_pretrained writes one tensor per expert. A read takes either (`from_folder`); a write gives back the
-layout the folder had (`FolderLayout.to_folder`). Only renames, slices and stacks: a round trip is bit for bit. A
+layout the folder had (`SourceLayout.to_folder`). Only renames, slices and stacks: a round trip is bit for bit. A
 vision-language folder's config.json is written back as it was (`SourceConfig`)."""
 
 import json
@@ -21,7 +21,7 @@ _MAIN_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up
 
 
 @dataclass(frozen=True)
-class FolderLayout:
+class SourceLayout:
     """A folder's layout of the text model: under `model.language_model.` beside a vision tower, its experts fused."""
 
     vision_language: bool = False
@@ -78,12 +78,12 @@ def _prefixed(name: str) -> str:
     return TEXT_PREFIX + name.removeprefix("model.") if name.startswith("model.") else name
 
 
-def read_layout(folder: str, vision_language: bool) -> FolderLayout:
+def read_layout(folder: str, vision_language: bool) -> SourceLayout:
     """The layout of `folder`'s weights: fused experts where a main block holds `mlp.experts.gate_up_proj` (read off
     the safetensors index or headers, no tensor read)."""
     names = _tensor_names(Path(folder))
     fused_experts = any(n.endswith(GATE_UP) and not n.startswith("mtp.") for n in names)
-    return FolderLayout(vision_language=vision_language, fused_experts=fused_experts)
+    return SourceLayout(vision_language=vision_language, fused_experts=fused_experts)
 
 
 def _tensor_names(folder: Path) -> list[str]:

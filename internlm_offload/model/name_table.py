@@ -78,3 +78,7 @@ class FolderFormat:
     read_transform: Callable[[dict], dict] | None = None
     write_transform: Callable[[dict], dict] | None = None
     piece_key: Callable[[str], str] | None = None
+    # Folder tensors (by name prefix) of a part the model does not build, a vision-language folder's vision tower:
+    # not read (said in one line, `copied_what` naming them) and copied unchanged from `model.hf_path` into an export.
+    copied_through: tuple[str, ...] = ()
+    copied_what: str = ""

@@ -55,6 +55,7 @@ from internlm_offload.weights.convert import Heads, to_format
 from internlm_offload.weights.hf_folder import (
     blocks_beyond,
     copy_tokenizer,
+    read_copied_through,
     set_dtype,
     tensor_names,
     weight_files,
@@ -145,7 +146,8 @@ def export_family_folder(weights: dict[str, torch.Tensor], out_dir: Path, dtype:
     """The folder of a family that reads its own (`Capabilities.folder_export`): config.json from its
     `folder_config`, the tensors under the names of its `folder_format` (the table `model.hf_path` is read by; the
     multi-token-prediction layers the run trained at blocks L + k, with the copies of the shared embedding and head
-    where the run's folder held them), the run's tokenizer folder beside them. A multi-token-prediction block the
+    where the run's folder held them), the tensors of a part the run did not build (`FolderFormat.copied_through`: a
+    vision tower) copied unchanged from the run's folder, the run's tokenizer folder beside them. A multi-token-prediction block the
     folder had and the run did not build (left out on load) is not in it: said in one line."""
     model = native_model_config(run["model"])
     layout = folder_layout(model)
@@ -156,6 +158,7 @@ def export_family_folder(weights: dict[str, torch.Tensor], out_dir: Path, dtype:
         for k in range(layout.mtp_layers)
         for rest, _ in layout.mtp_copies
     }
+    copied = read_copied_through(Path(model.hf_path), layout) if model.hf_path else {}
     written = write_family_folder(
         weights,
         layout,
@@ -163,7 +166,12 @@ def export_family_folder(weights: dict[str, torch.Tensor], out_dir: Path, dtype:
         out_dir,
         dtype,
         mtp_copies=bool(copies) and copies <= set(source),
+        copied=copied,
     )
+    if copied:
+        logger.info(
+            "%d tensors of %s copied unchanged from %s (not trained)", len(copied), layout.copied_what, model.hf_path
+        )
     copy_tokenizer(run["data"]["tokenizer"], out_dir)
     left_out = blocks_beyond(source, built)
     if left_out:

@@ -8,10 +8,11 @@ Any family's folder is read by its `FolderFormat` (`read_folder`: the builder's,
 multi-token-prediction layers from the blocks after the stack (`model.layers.{L+k}.*`, as DeepSeek-V3 ships them).
 """
 
+import json
 import re
 import shutil
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,12 @@ def read_folder(folder: Path, layout: FolderFormat) -> dict[str, torch.Tensor]:
     """`folder`'s tensors under a family's own names (`layout`), its multi-token-prediction layers' among them (blocks
     `num_layers + k`, k < `mtp_layers`; their copies of the shared embedding and head not read); those of blocks past
     them (multi-token prediction the model does not build) are left out, said in one line."""
-    tensors = transformed(read_weights(weight_files(folder)), layout, folder)
+    files = weight_files(folder)
+    tensors = read_weights(files)
+    skipped = [name for name in tensors if name.startswith(layout.copied_through)]
+    say_not_read(folder, files, skipped, layout)
+    kept = {n: t for n, t in tensors.items() if not n.startswith(layout.copied_through)}
+    tensors = transformed(kept, layout, folder)
     built = layout.num_layers + layout.mtp_layers
     beyond = blocks_beyond(tensors, built)
     if beyond:
@@ -137,10 +143,12 @@ def folder_pieces(folder: Path, layout: FolderFormat) -> Iterator[dict[str, torc
             built,
             layout.mtp_layers,
         )
+    skipped = {name for name in files.where if name.startswith(layout.copied_through)}
+    say_not_read(folder, weight_files(folder), skipped, layout)
     groups: dict[str, list[str]] = defaultdict(list)
     key = layout.piece_key or stacked_name
     for name in files.where:
-        if not _block_at_least(name, built) and not _mtp_copy(name, layout):
+        if not _block_at_least(name, built) and not _mtp_copy(name, layout) and name not in skipped:
             groups[key(name)].append(name)
     files.expect(name for names in groups.values() for name in names)
     try:
@@ -152,6 +160,47 @@ def folder_pieces(folder: Path, layout: FolderFormat) -> Iterator[dict[str, torc
             if mtp:
                 native.update(to_native(mtp, layout.mtp_table, heads, str(folder)))
             yield native
+    finally:
+        files.close()
+
+
+def say_not_read(folder: Path, files: list[Path], names: Collection[str], layout: FolderFormat) -> None:
+    """One line for the folder's tensors of a part the model does not build (`layout.copied_through`): how many,
+    their bytes on disk, and that an export copies them through unchanged."""
+    if names:
+        logger.warning(
+            "%s: %d tensors of %s (%d bytes, %.1f MiB) are not read: it is not built or trained here; an --hf "
+            "export copies them unchanged from the folder",
+            folder,
+            len(names),
+            layout.copied_what or "a part the model does not build",
+            size := stored_bytes(files, names),
+            size / 2**20,
+        )
+
+
+def stored_bytes(files: list[Path], names: Collection[str]) -> int:
+    """The bytes the tensors `names` take in the folder's weight files (safetensors: read off the headers)."""
+    wanted, total = set(names), 0
+    for path in files:
+        if path.suffix == ".safetensors":
+            with path.open("rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k in wanted)
+        else:
+            total += sum(t.nbytes for k, t in load_model_file(path).items() if k in wanted)
+    return total
+
+
+def read_copied_through(folder: Path, layout: FolderFormat) -> dict[str, torch.Tensor]:
+    """The folder's tensors of `layout.copied_through`, as stored (an export writes them unchanged)."""
+    if not layout.copied_through:
+        return {}
+    files = TensorFiles(weight_files(folder))
+    names = [name for name in files.where if name.startswith(layout.copied_through)]
+    files.expect(names)
+    try:
+        return {name: files.read(name) for name in names}
     finally:
         files.close()
 
@@ -288,11 +337,13 @@ def write_family_folder(
     dtype: torch.dtype,
     *,
     mtp_copies: bool = False,
+    copied: dict[str, torch.Tensor] | None = None,
 ) -> int:
     """A family's own folder (`layout`, the names its `model.hf_path` is read by): `config` as config.json and
     `native` under the folder's names in `dtype` (those ending in `layout.keep_fp32` in fp32), multi-token prediction's
     layers as blocks `num_layers + k` (with `mtp_copies`, each with its copies of the shared embedding and head, as
-    DeepSeek-V3's files hold them); a tied head left out (transformers restores it from the embeddings). The number of
+    DeepSeek-V3's files hold them); a tied head left out (transformers restores it from the embeddings); `copied` (the
+    source folder's tensors of a part not built: `read_copied_through`) as they are, dtype included. The number of
     tensors written."""
     from safetensors.torch import save_file
 
@@ -314,10 +365,10 @@ def write_family_folder(
     set_dtype(config, dtype)
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))
+    tensors = {n: t.to(torch.float32 if n.endswith(layout.keep_fp32) else dtype) for n, t in tensors.items()}
+    tensors.update(copied or {})
     save_file(
-        {n: t.to(torch.float32 if n.endswith(layout.keep_fp32) else dtype).contiguous() for n, t in tensors.items()},
-        str(out / "model.safetensors"),
-        metadata={"format": "pt"},
+        {n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
     )
     return len(tensors)
 

@@ -2,11 +2,12 @@
 
 Mapped: XTuner's Qwen3.5 text config classes (`Qwen3_5_VLTextMoE35BA3BConfig`, `Qwen3_5_VLTextMoEConfig`) and its
 vision-language class `Qwen3_5_VLMoE35BA3Config` (its `text_config` is the text class; `only_llm_forward` trains the
-text model alone) with `load_from` a text folder of the family (config.json's model_type `qwen3_5_moe_text`,
-`qwen3_5_text` or `qwen3_next`), and `get_model_config_from_hf(folder)` of such a folder. With `load_from` the model is
-that folder (`model.hf_path`; XTuner's class values give way to config.json, as for every folder here); without it,
-config.json's architecture initialised at random (`model.hf_config`). A vision-language folder (`qwen3_5`,
-`qwen3_5_moe`) stops in one line, as the family refuses it.
+text model alone) with `load_from` a folder of the family (config.json's model_type `qwen3_5_moe_text`,
+`qwen3_5_text`, `qwen3_next`, or the released vision-language `qwen3_5_moe` / `qwen3_5`, whose text model the family
+builds), and `get_model_config_from_hf(folder)` of such a folder. With `load_from` the model is that folder
+(`model.hf_path`; XTuner's class values give way to config.json, as for every folder here; a vision-language folder's
+vision tower not read, copied through on export); without it, config.json's text model initialised at random
+(`model.hf_config`: a vision-language folder's `text_config`).
 
 XTuner's balancing loss (`BalancingLossConfig`, on by default in the Qwen3.5 MoE classes) carries as for the DeepSeek
 lineage: `balancing_loss_global_average` True / False -> `model.balancing_loss` 'global_batch' / 'micro_batch',
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from internlm_offload.errors import CheckpointError
-from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, VISION_LANGUAGE
+from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, VISION_LANGUAGE, text_config
 from internlm_offload.weights.hf_folder import read_config
 from internlm_offload.xtuner.deepseek import FamilyModel, carry_balancing, gpu_only_kernels
 from internlm_offload.xtuner.models import FROM_HF, ModelClassError
@@ -35,7 +36,7 @@ _UNSET = object()
 
 def names_the_family(model_cfg: Any, load_from: Any) -> bool:
     """Whether XTuner's model config is a Qwen3.5 one: a Qwen3.5 class with `load_from`, or `get_model_config_from_hf`
-    of a folder of the family's model_types (or of a Qwen3.5 vision-language folder, to refuse it in one line)."""
+    of a folder of the family's model_types (a Qwen3.5 vision-language folder among them: its text model)."""
     if kind(model_cfg) in (*TEXT_CLASSES, *VISION_CLASSES):
         return load_from is not None
     return kind(model_cfg) == FROM_HF and _folder_type(model_cfg) in (*MODEL_TYPES, *VISION_LANGUAGE)
@@ -49,17 +50,24 @@ def family_model(model_cfg: Any, load_from: Any) -> FamilyModel:
     if load_from is not None:
         hf = _text_folder(Path(str(load_from)), f"load_from={str(load_from)!r}", name)
         out = FamilyModel({"type": TYPE, "hf_path": str(load_from)})
+        tower = (
+            "; its text model trains, the vision tower is not read and an --hf export copies it through"
+            if hf["model_type"] in VISION_LANGUAGE
+            else ""
+        )
         out.carried.append(
             f"model_cfg={name}, load_from -> model.type={TYPE!r}, model.hf_path (model_type={hf['model_type']!r}: "
-            "the folder's architecture and weights)"
+            f"the folder's architecture and weights{tower})"
         )
     else:
         folder = Path(str(model_cfg.args[0] if model_cfg.args else field(model_cfg, "model_path")))
-        hf = _text_folder(folder, f"{FROM_HF}({str(folder)!r})", name)
+        raw = _text_folder(folder, f"{FROM_HF}({str(folder)!r})", name)
+        hf = text_config(raw)
         out = FamilyModel({"type": TYPE, "hf_config": hf})
+        of = f": the text_config of its {raw['model_type']!r}" if hf is not raw else ""
         out.carried.append(
             f"model_cfg={FROM_HF}({str(folder)!r}) -> model.type={TYPE!r}, model.hf_config (model_type="
-            f"{hf['model_type']!r}), initialised at random"
+            f"{hf['model_type']!r}{of}), initialised at random"
         )
     if name in VISION_CLASSES:
         out.carried.append(_only_llm(model_cfg))
@@ -78,15 +86,15 @@ def family_model(model_cfg: Any, load_from: Any) -> FamilyModel:
 
 
 def _text_folder(folder: Path, where: str, name: str) -> dict[str, Any]:
-    """config.json of a text folder of the family; ModelClassError naming what is built for any other."""
+    """config.json of a folder of the family (a vision-language folder's: its text model is what builds);
+    ModelClassError naming what is built for any other."""
     hf = read_config(folder)
     model_type = hf.get("model_type")
-    if model_type in MODEL_TYPES:
+    if model_type in (*MODEL_TYPES, *VISION_LANGUAGE):
         return hf
-    why = " (a vision-language folder: the vision tower is not built here)" if model_type in VISION_LANGUAGE else ""
     raise ModelClassError(
-        f"{where}: model_type={model_type!r}{why}; model_cfg={name} maps onto model.type={TYPE!r}, which builds the "
-        f"text folders {', '.join(MODEL_TYPES)}"
+        f"{where}: model_type={model_type!r}; model_cfg={name} maps onto model.type={TYPE!r}, which builds the "
+        f"folders {', '.join((*MODEL_TYPES, *VISION_LANGUAGE))} (of a vision-language one, its text model)"
     )
 
 
@@ -94,8 +102,8 @@ def _only_llm(model_cfg: Any) -> str:
     """The vision-language class's `only_llm_forward`: the text model alone either way here."""
     only_llm = field(model_cfg, "only_llm_forward")
     return (
-        f"model_cfg.only_llm_forward={only_llm!r}: the text model (text_config) alone trains here, from a text folder "
-        "(no vision tower is built)"
+        f"model_cfg.only_llm_forward={only_llm!r}: the text model (text_config) alone trains here (no vision tower is "
+        "built; a vision-language folder's is copied through on --hf export)"
     )
 
 

@@ -100,12 +100,3 @@ def test_what_is_not_built_is_refused_in_one_line():
     model = {"type": "qwen3_next", "hf_config": {"model_type": "qwen3_next"}, "lora": {"r": 8}}
     with pytest.raises(ConfigError, match="model.lora is built for model.type=.*; not 'qwen3_next'"):
         resolve_config({"model": model})
-
-
-def test_a_vision_language_folder_is_refused_in_one_line(tmp_path):
-    from internlm_offload.config import ConfigError
-
-    (tmp_path / "vl").mkdir()
-    (tmp_path / "vl" / "config.json").write_text('{"model_type": "qwen3_5_moe", "text_config": {}}')
-    with pytest.raises((ConfigError, ValueError), match="the vision-language folder"):
-        ModelConfig(type="qwen3_next", hf_path=str(tmp_path / "vl"))

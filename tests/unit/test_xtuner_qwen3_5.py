@@ -3,7 +3,7 @@ classes and get_model_config_from_hf with load_from, what is reported, what stop
 
 from pathlib import Path
 
-from transformers import Qwen3_5MoeTextConfig
+from transformers import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
 
 from internlm_offload.xtuner.standins import load_trainer
 from internlm_offload.xtuner.translate import translate_trainer
@@ -78,3 +78,23 @@ def test_a_dense_folder_carries_no_balancing_loss(tmp_path):
     t = translate(tmp_path, "model_cfg = Qwen3_5_VLTextMoE35BA3BConfig()", path)
     assert not t.fatal and "balancing_loss" not in t.config["model"], t.fatal
     assert any("has no experts: no balancing loss" in line for line in t.carried)
+
+
+def test_the_vision_language_class_maps_onto_the_text_model_of_a_vision_language_folder(tmp_path):
+    """The released folders are vision-language (`qwen3_5_moe`): `load_from` one is the model (its text model trains,
+    the vision tower copied through on export); get_model_config_from_hf of one is its `text_config`."""
+    path = tmp_path / "qwen3_5_moe_vl"
+    text = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4, "num_experts": 4}
+    Qwen3_5MoeConfig(text_config=text).save_pretrained(path)
+    vl = "model_cfg = Qwen3_5_VLMoE35BA3Config(only_llm_forward=True)"
+    t = translate(tmp_path, vl, path)
+    assert not t.fatal and t.config["model"]["hf_path"] == str(path), t.fatal
+    assert any("model_type='qwen3_5_moe'" in line and "vision tower is not read" in line for line in t.carried)
+    cfg = tmp_path / "from_hf.py"
+    cfg.write_text(f"{IMPORTS}model_cfg = get_model_config_from_hf({str(path)!r})\ntrainer = TrainerConfig("
+                   f"model_cfg=model_cfg, tokenizer_path={str(path)!r}, optim_cfg=AdamWConfig(), total_step=2, "
+                   f"dataset_cfg={DATA})\n")  # fmt: skip
+    t = translate_trainer(load_trainer(cfg), cfg)
+    assert not t.fatal, t.fatal
+    hf_config = t.config["model"]["hf_config"]
+    assert hf_config["model_type"] == "qwen3_5_moe_text" and hf_config["num_experts"] == 4

@@ -4,17 +4,19 @@ gated full-attention block (per-head output gate, zero-centred q/k norms, partia
 mixtures of experts with a sigmoid-gated shared expert (softmax router, top-k renormalised).
 
 Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.hf_config`); docs/qwen3_next.md.
-`tools.export --hf` writes the folder back. Tensor parallel splits by whole DeltaNet key-head groups, isp exchanges
-them for whole sequences, a pipeline splits the stack (docs/qwen3_next.md, "Layouts"). A balancing loss: transformers'
-own where config.json sets `output_router_logits` (weighted by its `router_aux_loss_coef`), or `model.balancing_loss`
-(transformers' or XTuner's; model/balancing.py). LoRA and MTP are refused in one line (not built).
+A released Qwen3.5 vision-language folder builds its text model (the vision tower not read, said in one line).
+`tools.export --hf` writes the folder back (a vision tower copied through unchanged). Tensor parallel splits by whole
+DeltaNet key-head groups, isp exchanges them for whole sequences, a pipeline splits the stack (docs/qwen3_next.md,
+"Layouts"). A balancing loss: transformers' own where config.json sets `output_router_logits` (weighted by its
+`router_aux_loss_coef`), or `model.balancing_loss` (transformers' or XTuner's; model/balancing.py). LoRA and MTP are
+refused in one line (not built).
 """
 
 from collections.abc import Sequence
 from typing import Any
 
 from internlm_offload.family import Capabilities, FamilySpec, register_family
-from internlm_offload.model.families.gpt_oss import folder_config
+from internlm_offload.model.families.gpt_oss import folder_config as config_json
 
 MODEL_TYPE = "qwen3_next"
 # config.json's model_type -> its causal LM class (the `--hf` export's architectures)
@@ -23,23 +25,44 @@ CAUSAL_LMS = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
-VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")  # the released folders: a vision tower around the text model
+# the released folders: a vision tower around the text model (its `text_config`), which is what builds and trains
+VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")
 # transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B) for keys a config.json leaves out
 DEFAULT_EXPERTS, DEFAULT_TOP_K, DEFAULT_BLOCKS = 512, 10, 48
 # `model.balancing_loss` of its softmax router: transformers' loss, XTuner's over the global batch or the micro-batch
 BALANCING_LOSSES = ("transformers", "global_batch", "micro_batch")
 
 
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json's text model: a vision-language folder's `text_config` (its model_type `<model_type>_text`, the
+    head's tie from the outer config, which transformers' vision-language class ties by); any other as it is."""
+    model_type = config.get("model_type")
+    if model_type not in VISION_LANGUAGE:
+        return config
+    text = {"model_type": f"{model_type}_text", **(config.get("text_config") or {})}
+    if "tie_word_embeddings" in config:
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return text
+
+
+def folder_config(model: Any) -> dict[str, Any]:
+    """The text model's config.json keys (`model.hf_config`, or the folder's; a vision-language folder's
+    `text_config`); {} where the folder's cannot be read (the build reports the folder)."""
+    return text_config(config_json(model))
+
+
 def check_section(model: Any) -> None:
-    """A Qwen3-Next or Qwen3.5 text folder or config; a vision-language folder refused (not built)."""
+    """A Qwen3-Next or Qwen3.5 text folder or config, or a Qwen3.5 vision-language folder (its text model built);
+    a vision-language `model.hf_config` refused (the vision tower an export copies comes from a folder)."""
     if (model.hf_path is None) == (model.hf_config is None):
         raise ValueError("model.type='qwen3_next' needs exactly one of model.hf_path and model.hf_config")
-    model_type = folder_config(model).get("model_type")
-    if model_type in VISION_LANGUAGE:
+    if model.hf_config is not None and model.hf_config.get("model_type") in VISION_LANGUAGE:
         raise ValueError(
-            f"model_type={model_type!r}: the vision-language folder (model.language_model.*, fused experts, a vision "
-            f"tower) is not built for model.type='qwen3_next'; its text model is ({', '.join(CAUSAL_LMS)})"
+            f"model.hf_config['model_type']={model.hf_config['model_type']!r}: a vision-language config is built from "
+            "its folder (model.hf_path: the text model trains, the vision tower is copied through on export); give "
+            "its text_config as model.hf_config to start its text model at random"
         )
+    model_type = folder_config(model).get("model_type")
     if model.hf_config is not None and model_type not in CAUSAL_LMS:
         raise ValueError(
             f"model.hf_config['model_type']={model_type!r}: model.type='qwen3_next' builds {', '.join(CAUSAL_LMS)}"

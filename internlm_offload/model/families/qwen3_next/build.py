@@ -1,8 +1,10 @@
-"""Qwen3-Next from the `model` section: its config.json (a folder's, or `model.hf_config`), the model, the folder's
-weights under the native names, and the config.json of its `--hf` export; its balancing loss (`model.balancing_loss`
-weighted by `loss.moe_loss_coeff`, else transformers' own weighted by `router_aux_loss_coef` where config.json sets
-`output_router_logits`)."""
+"""Qwen3-Next from the `model` section: its config.json (a folder's, or `model.hf_config`; a Qwen3.5 vision-language
+folder's text model), the model, the folder's weights under the native names, and the config.json of its `--hf`
+export; its balancing loss (`model.balancing_loss` weighted by `loss.moe_loss_coeff`, else transformers' own weighted
+by `router_aux_loss_coef` where config.json sets `output_router_logits`)."""
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,18 +17,33 @@ from internlm_offload.model.balancing import (
     loss_coefficients,
 )
 from internlm_offload.model.families.deepseek_v3.build import raw_config
-from internlm_offload.model.families.qwen3_next import CAUSAL_LMS
+from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, VISION_LANGUAGE, text_config
 from internlm_offload.model.families.qwen3_next.args import args_from_config
+from internlm_offload.model.families.qwen3_next.folder_layout import (
+    VISION_PREFIX,
+    SourceConfig,
+    SourceLayout,
+    from_folder,
+    read_layout,
+)
 from internlm_offload.model.families.qwen3_next.hf_names import HF_QWEN3_NEXT, drop_mtp
 from internlm_offload.model.families.qwen3_next.model import Qwen3Next
 from internlm_offload.model.name_table import FolderFormat
 
 
 def transformers_config(cfg: ModelConfig) -> Any:
-    """config.json (or `model.hf_config`) with transformers' defaults for the keys it leaves out."""
+    """The text model's config: config.json (or `model.hf_config`; a vision-language folder's `text_config`) with
+    transformers' defaults for the keys it leaves out."""
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(**raw_config(cfg))
+    return AutoConfig.for_model(**text_config(raw_config(cfg)))
+
+
+def source_layout(cfg: ModelConfig) -> SourceLayout:
+    """How `model.hf_path` lays out the text model (folder_layout.py): the one an export writes back."""
+    if cfg.hf_path is None:
+        return SourceLayout()
+    return read_layout(cfg.hf_path, vision_language=raw_config(cfg).get("model_type") in VISION_LANGUAGE)
 
 
 def build_model(cfg: ModelConfig, device: torch.device) -> Qwen3Next:
@@ -35,24 +52,37 @@ def build_model(cfg: ModelConfig, device: torch.device) -> Qwen3Next:
     try:
         args = args_from_config(transformers_config(cfg))
         with torch.device(device):
-            return Qwen3Next(
+            model = Qwen3Next(
                 args, attn_impl=cfg.attn_impl, balancing_loss=chosen_loss(cfg.balancing_loss, args.router_aux_coef)
             )
+        model.source_layout = source_layout(cfg)
+        return model
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model.type='qwen3_next': {' '.join(str(exc).split())}") from None
 
 
 def folder_format(model: Qwen3Next) -> FolderFormat:
-    """transformers' names (the experts stacked from one tensor each); the folder's `mtp.*` tensors dropped on the
-    way in (`drop_mtp`)."""
-    args = model.args
+    """transformers' names (the experts stacked from one tensor each) in the folder's layout (`model.source_layout`:
+    a vision-language folder's `model.language_model.` prefix, fused experts), its vision tower not read and copied
+    through on export; the folder's `mtp.*` tensors dropped on the way in (`drop_mtp`)."""
+    args, layout = model.args, model.source_layout
     return FolderFormat(
-        HF_QWEN3_NEXT, args.num_attention_heads, args.num_key_value_heads, args.num_layers, read_transform=drop_mtp
+        HF_QWEN3_NEXT,
+        args.num_attention_heads,
+        args.num_key_value_heads,
+        args.num_layers,
+        read_transform=lambda tensors: from_folder(drop_mtp(tensors)),
+        write_transform=layout.to_folder,
+        copied_through=(VISION_PREFIX,) if layout.vision_language else (),
+        copied_what=f"the vision tower ({VISION_PREFIX}*)",
     )
 
 
 def folder_config(cfg: ModelConfig) -> Any:
-    """The config.json of its `--hf` export: the one the model was built by, its causal LM class named."""
+    """The config.json of its `--hf` export: the one the model was built by, its causal LM class named; a
+    vision-language folder's config.json as it was (`SourceConfig`: its class and vision tower's config)."""
+    if raw_config(cfg).get("model_type") in VISION_LANGUAGE:
+        return SourceConfig(json.loads(Path(cfg.hf_path, "config.json").read_text()))
     config = transformers_config(cfg)
     config.architectures = [CAUSAL_LMS[config.model_type]]
     return config

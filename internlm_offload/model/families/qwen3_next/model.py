@@ -11,6 +11,7 @@ from internlm_offload.model.attention import Attention
 from internlm_offload.model.balancing import balancing_loss
 from internlm_offload.model.decoder import Decoder, DecoderLayer
 from internlm_offload.model.families.qwen3_next.args import LINEAR, Qwen3NextArgs
+from internlm_offload.model.families.qwen3_next.folder_layout import SourceLayout
 from internlm_offload.model.gated_deltanet import GatedDeltaNet
 from internlm_offload.model.hooks import PoolsRouterStats
 from internlm_offload.model.mlp import FeedForward
@@ -132,6 +133,7 @@ class Qwen3Next(Decoder, PoolsRouterStats):
         self.args = args
         self.num_experts = args.num_experts
         self.balancing_loss = balancing_loss
+        self.source_layout = SourceLayout()  # the build sets the folder's (what an --hf export writes back)
 
     def tensor_plan(self) -> TensorPlan:
         """Where tensor, sequence, expert parallel and the pipeline find this model's modules (model/tensor_plan.py)."""

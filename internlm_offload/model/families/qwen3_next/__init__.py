@@ -5,8 +5,10 @@ mixtures of experts with a sigmoid-gated shared expert (softmax router, top-k re
 
 Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.hf_config`); docs/qwen3_next.md.
 `tools.export --hf` writes the folder back. Tensor parallel splits by whole DeltaNet key-head groups, isp exchanges
-them for whole sequences, a pipeline splits the stack (docs/qwen3_next.md, "Layouts"). LoRA, a balancing loss and
-MTP are refused in one line (not built).
+them for whole sequences, a pipeline splits the stack (docs/qwen3_next.md, "Layouts"). Multi-token prediction
+(`model.mtp_config`, model/mtp.py, the DeepSeek-V3 family's) follows config.json's `mtp_num_hidden_layers` where the
+section is unset (`mtp_layers`); the folder's `mtp.*` tensors are read and exported. LoRA and a balancing loss are
+refused in one line (not built).
 """
 
 from collections.abc import Sequence
@@ -25,6 +27,9 @@ CAUSAL_LMS = {
 VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")  # the released folders: a vision tower around the text model
 # transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B) for keys a config.json leaves out
 DEFAULT_EXPERTS, DEFAULT_TOP_K, DEFAULT_BLOCKS = 512, 10, 48
+# config.json's multi-token-prediction layers (the released folders state 1; transformers' config classes have no
+# such key, so a config without it has none)
+MTP_LAYERS_KEY = "mtp_num_hidden_layers"
 
 
 def check_section(model: Any) -> None:
@@ -54,6 +59,11 @@ def routed_experts(model: Any) -> int:
     """config.json's `num_experts` (none in the dense `qwen3_5_text`)."""
     config = folder_config(model)
     return int(config.get("num_experts", 0 if config.get("model_type") == "qwen3_5_text" else DEFAULT_EXPERTS))
+
+
+def mtp_layers(model: Any) -> int:
+    """The multi-token-prediction depth config.json asks for: `mtp_num_hidden_layers` (0 where it has none)."""
+    return int(folder_config(model).get(MTP_LAYERS_KEY, 0))
 
 
 def experts_per_token(model: Any) -> int:
@@ -101,11 +111,18 @@ FAMILY = register_family(
         name="qwen3_next",
         entry="internlm_offload.model.families.qwen3_next.build",
         summary="Qwen3-Next / Qwen3.5 text (Gated DeltaNet + gated attention, gated shared expert) from a Hugging Face folder",
-        capabilities=Capabilities(tensor_parallel=True, pipeline=True, init_per_param=True, folder_export=True),
+        capabilities=Capabilities(
+            tensor_parallel=True,
+            pipeline=True,
+            init_per_param=True,
+            folder_export=True,
+            multi_token_prediction=True,
+        ),
         check_section=check_section,
         routed_experts=routed_experts,
         experts_per_token=experts_per_token,
         blocks=blocks,
+        mtp_layers=mtp_layers,
         block_kinds=block_kinds,
         with_blocks=with_blocks,
     )

@@ -1,15 +1,17 @@
-"""Qwen3-Next from the `model` section: its config.json (a folder's, or `model.hf_config`), the model, the folder's
-weights under the native names, and the config.json of its `--hf` export."""
+"""Qwen3-Next from the `model` section: its config.json (a folder's, or `model.hf_config`), the model (with
+multi-token prediction as `model.mtp_config` resolved it: the DeepSeek-V3 family's `mtp_settings`), the folder's
+weights under the native names (its `mtp.*` included), and the config.json of its `--hf` export."""
 
+from functools import partial
 from typing import Any
 
 import torch
 
 from internlm_offload.config import ConfigError, ModelConfig, RunConfig
-from internlm_offload.model.families.deepseek_v3.build import raw_config
-from internlm_offload.model.families.qwen3_next import CAUSAL_LMS
+from internlm_offload.model.families.deepseek_v3.build import check_detached_head, mtp_settings, raw_config
+from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, MTP_LAYERS_KEY
 from internlm_offload.model.families.qwen3_next.args import args_from_config
-from internlm_offload.model.families.qwen3_next.hf_names import HF_QWEN3_NEXT, drop_mtp
+from internlm_offload.model.families.qwen3_next.hf_names import HF_QWEN3_NEXT, HF_QWEN3_NEXT_MTP, mtp_in, mtp_out
 from internlm_offload.model.families.qwen3_next.model import Qwen3Next
 from internlm_offload.model.name_table import FolderFormat
 
@@ -25,19 +27,31 @@ def build_model(cfg: ModelConfig, device: torch.device) -> Qwen3Next:
     """The model in fp32 on `device`, every weight drawn from the seed; a folder's weights are read over them by the
     builder (`folder_format`)."""
     try:
-        args = args_from_config(transformers_config(cfg))
+        config = transformers_config(cfg)
+        args = args_from_config(config)
+        mtp = mtp_settings(cfg)
+        if mtp is not None and getattr(config, "mtp_use_dedicated_embeddings", False):
+            raise ValueError("mtp_use_dedicated_embeddings=True: MTP reads the shared embedding here (not built)")
         with torch.device(device):
-            return Qwen3Next(args, attn_impl=cfg.attn_impl)
+            return Qwen3Next(args, attn_impl=cfg.attn_impl, mtp=mtp)
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model.type='qwen3_next': {' '.join(str(exc).split())}") from None
 
 
 def folder_format(model: Qwen3Next) -> FolderFormat:
-    """transformers' names (the experts stacked from one tensor each); the folder's `mtp.*` tensors dropped on the
-    way in (`drop_mtp`)."""
+    """transformers' names (the experts stacked from one tensor each); the folder's `mtp.*` tensors read as the MTP
+    layer the model builds (renamed blocks past the stack on the way in, back on the way out: `mtp_in` / `mtp_out`),
+    left out in one line where it builds none."""
     args = model.args
     return FolderFormat(
-        HF_QWEN3_NEXT, args.num_attention_heads, args.num_key_value_heads, args.num_layers, read_transform=drop_mtp
+        HF_QWEN3_NEXT,
+        args.num_attention_heads,
+        args.num_key_value_heads,
+        args.num_layers,
+        mtp_layers=model.mtp.settings.physical if model.mtp is not None else 0,
+        mtp_table=HF_QWEN3_NEXT_MTP,
+        read_transform=partial(mtp_in, num_layers=args.num_layers),
+        write_transform=partial(mtp_out, num_layers=args.num_layers),
     )
 
 
@@ -45,15 +59,28 @@ def folder_config(cfg: ModelConfig) -> Any:
     """The config.json of its `--hf` export: the one the model was built by, its causal LM class named."""
     config = transformers_config(cfg)
     config.architectures = [CAUSAL_LMS[config.model_type]]
+    settings = mtp_settings(cfg)
+    physical = settings.physical if settings is not None else 0
+    if getattr(config, MTP_LAYERS_KEY, 0) != physical:  # the MTP layers the folder holds
+        setattr(config, MTP_LAYERS_KEY, physical)
     return config
 
 
 def check_run(cfg: RunConfig) -> None:
     """What is not built for Qwen3-Next, refused in one line: a tensor or isp group that does not divide the
-    DeltaNet's key heads (each rank runs whole key-head groups); a pipeline with the embedding tied to the head.
-    LoRA, a balancing loss and multi-token prediction are refused by the family's capabilities (the config's
-    checks)."""
+    DeltaNet's key heads (each rank runs whole key-head groups); a pipeline with the embedding tied to the head;
+    more than one physical MTP layer (the folder holds one `mtp.fc` and one set of its norms); the MTP head's detached
+    weight under a tensor mode that splits the head. LoRA and a balancing loss are refused by the family's
+    capabilities (the config's checks)."""
     config = transformers_config(cfg.model)
+    check_detached_head(cfg)
+    mtp = mtp_settings(cfg.model)
+    if mtp is not None and mtp.physical > 1:
+        raise ConfigError(
+            f"model.mtp_config.num_layers={mtp.depth} with share_weights=False: {mtp.physical} MTP layers, but a "
+            "Qwen3-Next folder holds one mtp.fc and one set of its norms; set share_weights=True (one layer at every "
+            "depth) or num_layers=1"
+        )
     tensor = cfg.parallel.tensor
     if tensor.size > 1:
         where = f"parallel.tensor.size={tensor.size} (mode {tensor.mode!r})"

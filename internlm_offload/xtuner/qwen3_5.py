@@ -10,18 +10,19 @@ config.json's architecture initialised at random (`model.hf_config`). A vision-l
 
 What XTuner adds that the family does not compute: its balancing loss (`BalancingLossConfig`, on by default in the
 Qwen3.5 MoE classes: reported, as the DeepSeek lineage reports a z-loss; transformers' Qwen3-Next adds none unless asked
-for router logits), a z-loss; multi-token prediction (`mtp_config` with `num_layers` > 0) is fatal (not built for this
-family: the folder's `mtp.*` tensors are dropped on the read). Its GPU-only kernel choices (FP8, the token dispatcher,
-torch.compile) are reported as for the DeepSeek lineage.
+for router logits), a z-loss. Multi-token prediction (`mtp_config`) carries onto `model.mtp_config` as the DeepSeek
+lineage's does (`mtp_section`: unset, none); more than one physical MTP layer (`num_layers` > 1 without
+`share_weights`) stops in one line, as the family builds one (the folder's `mtp.fc` and `mtp.layers.0`). Its GPU-only
+kernel choices (FP8, the token dispatcher, torch.compile) are reported as for the DeepSeek lineage.
 """
 
 from pathlib import Path
 from typing import Any
 
 from internlm_offload.errors import CheckpointError
-from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, VISION_LANGUAGE
+from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, MTP_LAYERS_KEY, VISION_LANGUAGE
 from internlm_offload.weights.hf_folder import read_config
-from internlm_offload.xtuner.deepseek import FamilyModel, gpu_only_kernels
+from internlm_offload.xtuner.deepseek import FamilyModel, gpu_only_kernels, mtp_section
 from internlm_offload.xtuner.models import FROM_HF, ModelClassError
 from internlm_offload.xtuner.standins import field, kind
 
@@ -61,7 +62,7 @@ def family_model(model_cfg: Any, load_from: Any) -> FamilyModel:
         )
     if name in VISION_CLASSES:
         out.carried.append(_only_llm(model_cfg))
-    _no_mtp(text_cfg, out)
+    _carry_mtp(text_cfg, out)
     out.dropped.extend(_not_computed(text_cfg, name))
     out.dropped.extend(gpu_only_kernels(text_cfg))
     if text_cfg is not model_cfg and field(model_cfg, "compile_cfg") not in (None, False):
@@ -93,18 +94,20 @@ def _only_llm(model_cfg: Any) -> str:
     )
 
 
-def _no_mtp(text_cfg: Any, out: FamilyModel) -> None:
-    """XTuner's multi-token prediction: none (or num_layers=0) carries; any depth is not built for this family."""
-    mtp = field(text_cfg, "mtp_config")
-    layers = field(mtp, "num_layers") if mtp is not None else 0
-    if layers:
+def _carry_mtp(text_cfg: Any, out: FamilyModel) -> None:
+    """XTuner's multi-token prediction onto `model.mtp_config` (`mtp_section`: unset, none); ModelClassError for more
+    than one physical layer (the family builds the folder's one)."""
+    section, carried, dropped = mtp_section(field(text_cfg, "mtp_config"), MTP_LAYERS_KEY)
+    layers = section["num_layers"]
+    if layers > 1 and not section.get("share_weights", False):
         raise ModelClassError(
-            f"model_cfg.mtp_config.num_layers={layers}: multi-token prediction is not built for model.type={TYPE!r} "
-            "(the folder's mtp.* tensors are dropped on the read); set NORMAL_MTP_LAYERS=0 / mtp_config=None"
+            f"model_cfg.mtp_config.num_layers={layers} with share_weights=False: {layers} MTP layers, but "
+            f"model.type={TYPE!r} builds one (a Qwen3.5 folder holds one mtp.fc and mtp.layers.0); set "
+            "share_weights=True (one layer at every depth) or num_layers=1"
         )
-    out.carried.append(
-        f"model_cfg.mtp_config={'unset' if mtp is None else 'num_layers=0'} -> no multi-token prediction"
-    )
+    out.model["mtp_config"] = section
+    out.carried.append(carried)
+    out.dropped.extend(dropped)
 
 
 def _not_computed(text_cfg: Any, name: str) -> list[str]:

@@ -24,7 +24,7 @@ from internlm_offload.model.attention import Attention, Documents
 from internlm_offload.model.families.qwen3_next import build as qwen_build
 from internlm_offload.model.moe import MoE
 from internlm_offload.model.output import MTP
-from internlm_offload.weights.hf_folder import write_family_folder
+from internlm_offload.weights.hf_folder import folder_pieces, read_folder, write_family_folder
 
 transformers = pytest.importorskip("transformers")
 
@@ -219,6 +219,26 @@ def test_without_mtp_the_folders_mtp_is_left_out_in_one_line(tmp_path, caplog):
     )
     assert not [n for n in load_file(tmp_path / "out" / "model.safetensors") if n.startswith("mtp.")]
     assert json.loads((tmp_path / "out" / "config.json").read_text())["mtp_num_hidden_layers"] == 0
+
+
+@pytest.mark.parametrize("depths", [1, 0])
+def test_a_read_a_piece_at_a_time_is_the_whole_read(tmp_path, caplog, depths):
+    """The sharded loader's read (`folder_pieces`: a tensor, or one stacked tensor's experts, at a time) gives the
+    whole read's tensors bit for bit, the MTP layer's stacked experts among them; without MTP the `mtp.*` tensors are
+    left out in one line after the pieces. Red with the line said before the pieces (from the folder's raw names,
+    which hold no block past the stack)."""
+    folder_with_mtp(tmp_path / "q", "qwen3_next", torch.float32)
+    cfg = ModelConfig(type="qwen3_next", hf_path=str(tmp_path / "q"), mtp_config={"num_layers": depths})
+    layout = folder_layout(cfg)
+    whole = read_folder(tmp_path / "q", layout)
+    caplog.clear()
+    pieces = {}
+    for piece in folder_pieces(tmp_path / "q", layout):
+        pieces.update(piece)
+    assert pieces.keys() == whole.keys() and all(torch.equal(pieces[k], whole[k]) for k in whole)
+    assert ("mtp.layers.0.block.feed_forward.experts.w1" in pieces) == bool(depths)
+    lines = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(lines) == (0 if depths else 1), lines
 
 
 @pytest.mark.parametrize(("size", "chunks", "v_shape"), [(2, 1, False), (2, 2, True)])

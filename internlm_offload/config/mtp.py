@@ -2,7 +2,8 @@
 
 The key is `mtp_config`, not `mtp`: InternEvo's `parallel.tensor.mode="mtp"` already means Megatron tensor parallel.
 The section is resolved once, in the model section's checks (`resolve_mtp`): unset, it follows the model's own config
-(a family's `FamilySpec.mtp_layers`: config.json's `num_nextn_predict_layers`) as XTuner's GLM-5.2 `from_hf` does,
+(a family's `FamilySpec.mtp_layers`: config.json's `num_nextn_predict_layers`, Qwen3-Next's `mtp_num_hidden_layers`)
+as XTuner's GLM-5.2 `from_hf` does,
 depth = that count with one physical block shared by every depth, the loss weighed by 0.1; the resolved values are what
 the run, its checkpoints and its exports read.
 """
@@ -24,7 +25,8 @@ class MtpConfig(Section):
         ge=0,
         description="Prediction depths D: depth k (1..D) predicts the token k+1 ahead of each position. 0: off. "
         "Default: the model's config.json `num_nextn_predict_layers` (transformers' default where it leaves it out: "
-        "1 for deepseek_v3 / kimi_k2 / glm4_moe, 0 for glm4_moe_lite).",
+        "1 for deepseek_v3 / kimi_k2 / glm4_moe, 0 for glm4_moe_lite); qwen3_next: `mtp_num_hidden_layers` (0 where "
+        "it leaves it out).",
     )
     share_weights: bool = Field(
         False,

@@ -205,9 +205,11 @@ class ModelConfig(Section):
     )
     mtp_config: MtpConfig | None = Field(
         None,
-        description="Multi-token prediction (docs/deepseek.md; `model.type='deepseek_v3'`): `dict(num_layers, "
+        description="Multi-token prediction (docs/deepseek.md; `model.type='deepseek_v3'` and 'qwen3_next', "
+        "docs/qwen3_next.md): `dict(num_layers, "
         "share_weights=False, loss_scaling_factor=0.1, detach_mtp_inputs=False, detach_mtp_lm_head_weight=False)`, "
-        "XTuner's `MTPConfig` names. None (unset): the model's config.json `num_nextn_predict_layers` depths sharing one "
+        "XTuner's `MTPConfig` names. None (unset): the model's config.json `num_nextn_predict_layers` (qwen3_next: "
+        "`mtp_num_hidden_layers`) depths sharing one "
         "block, λ 0.1, as XTuner's GLM-5.2 `from_hf`; off under `model.lora`. Resolved at start-up (the checkpoint's "
         "config holds the values). Other families: only None or `num_layers=0`.",
     )

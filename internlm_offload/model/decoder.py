@@ -130,7 +130,7 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
         the frequencies `inv_freq_fn(rope_dim, rope_base, device)` makes, its cos and sin times
         `rope_attention_factor` (a family's scaled rope, e.g. YaRN: model/rope.py `rope_from_parameters`). `mtp`:
         multi-token prediction's layers after the head, their blocks `block(num_layers + k)`. `zero_centred_norm`:
-        the final norm is (1 + w) (Qwen3-Next)."""
+        the final norm is (1 + w) (Qwen3-Next), and so are the MTP layers' norms."""
         super().__init__()
         self.num_layers = num_layers
         self.vocab_size = vocab_size
@@ -149,7 +149,9 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
             self.mtp = (
                 None
                 if mtp is None
-                else MultiTokenPrediction(mtp, hidden_size, norm_eps, lambda k: block(num_layers + k))
+                else MultiTokenPrediction(
+                    mtp, hidden_size, norm_eps, lambda k: block(num_layers + k), zero_centred=zero_centred_norm
+                )
             )
             # Non-persistent: derived from config, so checkpoints hold only parameters.
             self.register_buffer("inv_freq", inv_freq_fn(rope_dim, rope_base, None), persistent=False)

@@ -11,7 +11,8 @@ The concat order is [embedding, hidden] (transformers' and XTuner's; the paper w
 full decoder block of the family (its own router), `head_norm` is the checkpoints' `shared_head.norm`. The ids are
 rolled inside each packed document (positions restart at 0 where one begins): the slots past a document's end get
 id 0 and carry no loss (the engine rolls the labels the same way, filling -100). RoPE keeps the unshifted positions
-(relative, so the shift does not matter). With `share_weights` one physical layer runs at every depth.
+(relative, so the shift does not matter). With `share_weights` one physical layer runs at every depth. Qwen3-Next /
+Qwen3.5 build the same layer with zero-centred norms, (1 + w) (their folders' `mtp.pre_fc_norm_*`, `mtp.norm`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from internlm_offload.model.attention import Documents
 from internlm_offload.model.hooks import RecordsRouterStats
 from internlm_offload.model.mlp import ParamInit, normal_init
 from internlm_offload.model.norm import RMSNorm
+from internlm_offload.model.tensor_plan import BlockPlan, SideBlock
 
 # Where a decoder keeps its MTP layers (`Decoder.mtp`): the prefix of their parameters' names.
 MTP_PREFIX = "mtp."
@@ -47,6 +49,17 @@ class MtpSettings:
     def physical(self) -> int:
         """The MTP layers built: one shared by every depth, or one per depth."""
         return 1 if self.share_weights else self.depth
+
+
+def side_blocks(physical: int, plan: Callable[[int], BlockPlan]) -> tuple[SideBlock, ...]:
+    """The layers in a family's tensor plan: layer k's block planned by `plan(k)` (the family's block L + k), its
+    norms and eh_proj around it."""
+    sides = []
+    for k in range(physical):
+        layer = f"{MTP_PREFIX}layers.{k}"
+        norms = tuple(f"{layer}.{n}" for n in ("enorm", "hnorm", "head_norm"))
+        sides.append(SideBlock(f"{layer}.block", plan(k), norms=norms, projections=(f"{layer}.eh_proj",)))
+    return tuple(sides)
 
 
 def roll_in_documents(x: torch.Tensor, shift: int, position_ids: torch.Tensor | None, fill: float) -> torch.Tensor:
@@ -76,23 +89,23 @@ def embedded_inputs(
 
 class MtpLayer(nn.Module):
     """One depth's module: enorm and hnorm, eh_proj (Linear 2H -> H, no bias) on their concat, the decoder block,
-    head_norm."""
+    head_norm (the three norms (1 + w) with `zero_centred`)."""
 
-    def __init__(self, hidden_size: int, norm_eps: float, block: nn.Module) -> None:
+    def __init__(self, hidden_size: int, norm_eps: float, block: nn.Module, zero_centred: bool = False) -> None:
         super().__init__()
         # registered in this order: the parameters' order (state dicts, optimizer groups) follows it
-        self.enorm = RMSNorm(hidden_size, norm_eps)
-        self.hnorm = RMSNorm(hidden_size, norm_eps)
+        self.enorm = RMSNorm(hidden_size, norm_eps, zero_centred)
+        self.hnorm = RMSNorm(hidden_size, norm_eps, zero_centred)
         self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
         self.block = block
-        self.head_norm = RMSNorm(hidden_size, norm_eps)
+        self.head_norm = RMSNorm(hidden_size, norm_eps, zero_centred)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope: Rope, documents: Documents | None):
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
         return self.head_norm(self.block(x, rope, documents))
 
     def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:
-        """Norms to ones, eh_proj normal(0, std), the block as its own."""
+        """Norms to ones (zero-centred: zeros), eh_proj normal(0, std), the block as its own."""
         yield from self.enorm.param_inits()
         yield from self.hnorm.param_inits()
         yield self.eh_proj.weight, normal_init(std)
@@ -106,16 +119,24 @@ class MtpLayer(nn.Module):
 
 
 class MultiTokenPrediction(nn.Module):
-    """The D depths over `settings.physical` layers (`layers[k]` built by `block(k)`)."""
+    """The D depths over `settings.physical` layers (`layers[k]` built by `block(k)`; their norms (1 + w) with
+    `zero_centred`)."""
 
     def __init__(
-        self, settings: MtpSettings, hidden_size: int, norm_eps: float, block: Callable[[int], nn.Module]
+        self,
+        settings: MtpSettings,
+        hidden_size: int,
+        norm_eps: float,
+        block: Callable[[int], nn.Module],
+        zero_centred: bool = False,
     ) -> None:
         super().__init__()
         if settings.depth < 1:
             raise ValueError(f"multi-token prediction needs a depth >= 1, not {settings.depth}")
         self.settings = settings
-        self.layers = nn.ModuleList(MtpLayer(hidden_size, norm_eps, block(k)) for k in range(settings.physical))
+        self.layers = nn.ModuleList(
+            MtpLayer(hidden_size, norm_eps, block(k), zero_centred) for k in range(settings.physical)
+        )
 
     def forward(
         self,

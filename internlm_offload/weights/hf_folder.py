@@ -129,20 +129,11 @@ def folder_pieces(folder: Path, layout: FolderFormat) -> Iterator[dict[str, torc
     folder's tensors under the family's names (the experts of one stacked tensor together: `to_native` stacks them),
     read alone from its file (`TensorFiles`: a file mapped from its first tensor read to its last), so the host holds
     one piece above what the caller keeps. The same renames and re-layouts as `read_folder`: the same values bit for
-    bit."""
+    bit; the tensors left out said in one line once every piece is read."""
     heads = Heads(layout.n_heads, layout.n_kv_heads)
     built = layout.num_layers + layout.mtp_layers
     files = TensorFiles(weight_files(folder))
     beyond = blocks_beyond(files.where, built)
-    if beyond:
-        logger.warning(
-            "%s: %d tensors of blocks from %d on (multi-token prediction the model does not build: "
-            "model.mtp_config builds %d layers) are left out",
-            folder,
-            len(beyond),
-            built,
-            layout.mtp_layers,
-        )
     skipped = {name for name in files.where if name.startswith(layout.copied_through)}
     say_not_read(folder, weight_files(folder), skipped, layout)
     groups: dict[str, list[str]] = defaultdict(list)
@@ -154,6 +145,7 @@ def folder_pieces(folder: Path, layout: FolderFormat) -> Iterator[dict[str, torc
     try:
         for names in groups.values():
             tensors = transformed({name: files.read(name) for name in names}, layout, folder)
+            beyond += blocks_beyond(tensors, built)  # those a read_transform renames past them (Qwen3-Next's mtp.*)
             main = {n: t for n, t in tensors.items() if not _block_at_least(n, layout.num_layers)}
             native = to_native(main, layout.table, heads, str(folder)) if main else {}
             mtp = mtp_tensors(tensors, layout)
@@ -162,6 +154,15 @@ def folder_pieces(folder: Path, layout: FolderFormat) -> Iterator[dict[str, torc
             yield native
     finally:
         files.close()
+    if beyond:
+        logger.warning(
+            "%s: %d tensors of blocks from %d on (multi-token prediction the model does not build: "
+            "model.mtp_config builds %d layers) are left out",
+            folder,
+            len(beyond),
+            built,
+            layout.mtp_layers,
+        )
 
 
 def say_not_read(folder: Path, files: list[Path], names: Collection[str], layout: FolderFormat) -> None:

@@ -92,13 +92,14 @@ def family_model(model_cfg: Any, load_from: Any) -> FamilyModel:
     return out
 
 
-def mtp_section(mtp: Any) -> tuple[dict[str, Any], str, list[str]]:
+def mtp_section(mtp: Any, depth_key: str = "num_nextn_predict_layers") -> tuple[dict[str, Any], str, list[str]]:
     """`model.mtp_config` of XTuner's `mtp_config` (None: unset, no MTP), the carried line, and a dropped line for each
-    MTPConfig option not built here; ModelClassError for one without `num_layers` (XTuner requires it)."""
+    MTPConfig option not built here; ModelClassError for one without `num_layers` (XTuner requires it). `depth_key`:
+    config.json's MTP depth, which an unset one does not follow."""
     if mtp is None:
         unset = (
             "model_cfg.mtp_config unset -> model.mtp_config=dict(num_layers=0) (XTuner trains no multi-token "
-            "prediction without one, whatever the folder's num_nextn_predict_layers)"
+            f"prediction without one, whatever the folder's {depth_key})"
         )
         return {"num_layers": 0}, unset, []
     section = {name: field(mtp, name) for name in MTP_FIELDS if field(mtp, name) is not None}

@@ -12,18 +12,20 @@ vision tower not read, copied through on export); without it, config.json's text
 XTuner's balancing loss (`BalancingLossConfig`, on by default in the Qwen3.5 MoE classes) carries as for the DeepSeek
 lineage: `balancing_loss_global_average` True / False -> `model.balancing_loss` 'global_batch' / 'micro_batch',
 `balancing_loss_alpha` -> `loss.moe_loss_coeff` (XTuner's formula over the softmax router: model/balancing.py). What
-XTuner adds that the family does not compute is reported: a z-loss. Multi-token prediction (`mtp_config` with
-`num_layers` > 0) is fatal (not built for this family: the folder's `mtp.*` tensors are dropped on the read). Its
-GPU-only kernel choices (FP8, the token dispatcher, torch.compile) are reported as for the DeepSeek lineage.
+XTuner adds that the family does not compute is reported: a z-loss. Multi-token prediction (`mtp_config`) carries onto
+`model.mtp_config` as the DeepSeek lineage's does (`mtp_section`: unset, none); more than one physical MTP layer
+(`num_layers` > 1 without `share_weights`) stops in one line, as the family builds one (the folder's `mtp.fc` and
+`mtp.layers.0`). Its GPU-only kernel choices (FP8, the token dispatcher, torch.compile) are reported as for the
+DeepSeek lineage.
 """
 
 from pathlib import Path
 from typing import Any
 
 from internlm_offload.errors import CheckpointError
-from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, VISION_LANGUAGE, text_config
+from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, MTP_LAYERS_KEY, VISION_LANGUAGE, text_config
 from internlm_offload.weights.hf_folder import read_config
-from internlm_offload.xtuner.deepseek import FamilyModel, carry_balancing, gpu_only_kernels
+from internlm_offload.xtuner.deepseek import FamilyModel, carry_balancing, gpu_only_kernels, mtp_section
 from internlm_offload.xtuner.models import FROM_HF, ModelClassError
 from internlm_offload.xtuner.standins import field, kind
 
@@ -71,7 +73,7 @@ def family_model(model_cfg: Any, load_from: Any) -> FamilyModel:
         )
     if name in VISION_CLASSES:
         out.carried.append(_only_llm(model_cfg))
-    _no_mtp(text_cfg, out)
+    _carry_mtp(text_cfg, out)
     if hf.get("model_type") == "qwen3_5_text":  # dense: no router to balance
         out.carried.append("model_cfg.balancing_loss_cfg: the folder (qwen3_5_text) has no experts: no balancing loss")
     else:
@@ -107,18 +109,20 @@ def _only_llm(model_cfg: Any) -> str:
     )
 
 
-def _no_mtp(text_cfg: Any, out: FamilyModel) -> None:
-    """XTuner's multi-token prediction: none (or num_layers=0) carries; any depth is not built for this family."""
-    mtp = field(text_cfg, "mtp_config")
-    layers = field(mtp, "num_layers") if mtp is not None else 0
-    if layers:
+def _carry_mtp(text_cfg: Any, out: FamilyModel) -> None:
+    """XTuner's multi-token prediction onto `model.mtp_config` (`mtp_section`: unset, none); ModelClassError for more
+    than one physical layer (the family builds the folder's one)."""
+    section, carried, dropped = mtp_section(field(text_cfg, "mtp_config"), MTP_LAYERS_KEY)
+    layers = section["num_layers"]
+    if layers > 1 and not section.get("share_weights", False):
         raise ModelClassError(
-            f"model_cfg.mtp_config.num_layers={layers}: multi-token prediction is not built for model.type={TYPE!r} "
-            "(the folder's mtp.* tensors are dropped on the read); set NORMAL_MTP_LAYERS=0 / mtp_config=None"
+            f"model_cfg.mtp_config.num_layers={layers} with share_weights=False: {layers} MTP layers, but "
+            f"model.type={TYPE!r} builds one (a Qwen3.5 folder holds one mtp.fc and mtp.layers.0); set "
+            "share_weights=True (one layer at every depth) or num_layers=1"
         )
-    out.carried.append(
-        f"model_cfg.mtp_config={'unset' if mtp is None else 'num_layers=0'} -> no multi-token prediction"
-    )
+    out.model["mtp_config"] = section
+    out.carried.append(carried)
+    out.dropped.extend(dropped)
 
 
 def _carry_balancing(text_cfg: Any, name: str, out: FamilyModel) -> None:

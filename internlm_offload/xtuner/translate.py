@@ -222,8 +222,9 @@ def _not_built_here(hf: dict[str, Any], mtp: Any) -> str | None:
         reasons.append("it is a vision-language model (only text models are built here)")
     if mtp is not None:
         reasons.append(
-            "model_cfg.mtp_config trains multi-token prediction, built here for model.type='deepseek_v3' alone "
-            "(DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash folders), not for this one"
+            "model_cfg.mtp_config trains multi-token prediction, built here for model.type='deepseek_v3' "
+            "(DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-4.7-Flash folders) and 'qwen3_next' (Qwen3-Next / Qwen3.5 text "
+            "folders) alone, not for this one"
         )
     if not reasons:
         return None

@@ -26,3 +26,24 @@ def test_tiers_change_no_bits(tmp_path, reference_run):
     train(run, *STEPS, *TIERS, f"nvme_offload.path={nvme}", config=QWEN3_NEXT)
     assert metrics(run)[-1]["act_offload_offloaded_bytes"] > 0
     assert_same_metrics(baseline, run, KEYS)
+
+
+# two depths through one shared MTP layer (model/mtp.py: a gated full-attention block with its own experts after the
+# stack), λ 0.3
+MTP = [
+    "model.mtp_config.num_layers=2",
+    "model.mtp_config.share_weights=True",
+    "model.mtp_config.loss_scaling_factor=0.3",
+]
+
+
+def test_tiers_with_multi_token_prediction_change_no_bits(tmp_path, reference_run):
+    """The same tiers with multi-token prediction on (its layer after the offloaded and checkpointed blocks): the
+    MTP baseline's loss, mtp_loss, grad norm and expert loads bit for bit, mtp_loss logged every step."""
+    baseline = reference_run(*STEPS, *MTP, nproc=1, config=QWEN3_NEXT)
+    run, nvme = tmp_path / "run", tmp_path / "nvme"
+    nvme.mkdir()
+    train(run, *STEPS, *MTP, *TIERS, f"nvme_offload.path={nvme}", config=QWEN3_NEXT)
+    records = metrics(run)
+    assert records[-1]["act_offload_offloaded_bytes"] > 0 and all(r["mtp_loss"] > 0 for r in records)
+    assert_same_metrics(baseline, run, (*KEYS, "mtp_loss"))

@@ -52,3 +52,24 @@ def test_layout_follows_one_process(tmp_path, reference_run, layout):
     proc = train(run, *STEPS, *options, config=QWEN3_NEXT, nproc=nproc)
     assert said in proc.stderr
     assert_curves(one, run, NEAR)
+
+
+# test_qwen3_next_e2e.py's multi-token prediction: two depths through one shared layer, λ 0.3
+MTP = [
+    "model.mtp_config.num_layers=2",
+    "model.mtp_config.share_weights=True",
+    "model.mtp_config.loss_scaling_factor=0.3",
+]
+
+
+@pytest.mark.parametrize("layout", ["isp_ep_fsdp2", "msp_fsdp2", "pipeline_ddp"])
+def test_multi_token_prediction_follows_one_process(tmp_path, reference_run, layout):
+    """The same layouts with multi-token prediction on (its layer a side block of the tensor plan: its attention split
+    by heads under msp, exchanged under isp, its experts sharded by expert parallel; on the pipeline's last stage, the
+    depths' embeddings sent on from the first): loss, grad norm and mtp_loss within NEAR of one process with MTP."""
+    nproc, options, said = LAYOUTS[layout]
+    one = reference_run(*STEPS, *MTP, nproc=1, config=QWEN3_NEXT)
+    run = tmp_path / layout
+    proc = train(run, *STEPS, *MTP, *options, config=QWEN3_NEXT, nproc=nproc)
+    assert said in proc.stderr
+    assert_curves(one, run, {**NEAR, "mtp_loss": ["--rtol", "1e-5"]})

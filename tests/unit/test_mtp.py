@@ -233,7 +233,7 @@ def test_unset_the_section_follows_the_configs_depth_with_one_shared_layer():
         ({"model": model_section(depth=1)}, "model.mtp_config.depth"),
         (
             {"model": {"mtp_config": {"num_layers": 1}}},
-            "model.mtp_config: multi-token prediction is built for model.type='deepseek_v3', not 'internlm2'",
+            "model.mtp_config: multi-token prediction is built for model.type='deepseek_v3' / 'qwen3_next', not 'internlm2'",
         ),
         (
             {"model": {**model_section(num_layers=1), "lora": {"target_modules": ["q_b_proj"]}}},

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from folder_parity import assert_step_1_matches, step_1_ids
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from internlm_offload.builder.model import build_model, folder_layout
 from internlm_offload.config import ModelConfig
@@ -79,19 +79,6 @@ def test_the_hf_folder_is_written_back_bit_for_bit(tmp_path, kind, dtype):
     assert all(have[k].dtype == dtype and torch.equal(have[k], want[k]) for k in want), "tensors differ"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert type(loaded).__name__ == KINDS[kind][0]
-
-
-def test_the_folders_mtp_tensors_are_dropped_in_one_line(tmp_path, caplog):
-    """A released folder carries `mtp.*` (multi-token prediction, not built here; transformers does not read them
-    either): the model loads the rest, the same as without them, and says so."""
-    transformers_folder(tmp_path / "q")
-    plain = native(tmp_path / "q").state_dict()
-    tensors = load_file(tmp_path / "q" / "model.safetensors")
-    tensors["mtp.fc.weight"] = torch.ones(64, 128)
-    save_file(tensors, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
-    loaded = native(tmp_path / "q").state_dict()
-    assert all(torch.equal(loaded[k], plain[k]) for k in plain)
-    assert "1 mtp.* tensors of the folder are not read" in caplog.text
 
 
 def test_what_is_not_built_is_refused_in_one_line():

@@ -60,13 +60,23 @@ def test_get_model_config_from_hf_and_the_vision_language_class(tmp_path):
     assert not t.fatal and any(line.startswith("model_cfg.only_llm_forward=True") for line in t.carried), t.fatal
 
 
-def test_multi_token_prediction_stops_in_one_line(tmp_path):
+def test_multi_token_prediction_carries_its_depths(tmp_path):
+    """XTuner's MTPConfig onto model.mtp_config with the same values (the DeepSeek lineage's mapping); unset, none;
+    more than one physical layer stops in one line (the family builds the folder's one). Red with the depths
+    stopped as before, or with the physical-layer check skipped."""
     path = folder(tmp_path)
-    mtp = "model_cfg = Qwen3_5_VLTextMoE35BA3BConfig()\nmodel_cfg.mtp_config = MTPConfig(num_layers=2)"
-    t = translate(tmp_path, mtp, path)
-    assert len(t.fatal) == 1 and "mtp_config.num_layers=2: multi-token prediction is not built" in t.fatal[0]
-    none = "model_cfg = Qwen3_5_VLTextMoE35BA3BConfig()\nmodel_cfg.mtp_config = MTPConfig(num_layers=0)"
-    assert not translate(tmp_path, none, path).fatal
+    text = "model_cfg = Qwen3_5_VLTextMoE35BA3BConfig()\n"
+    shared = "model_cfg.mtp_config = MTPConfig(num_layers=4, share_weights=True, loss_scaling_factor=0.5)"
+    t = translate(tmp_path, text + shared, path)
+    assert not t.fatal, t.fatal
+    assert t.config["model"]["mtp_config"] == {"num_layers": 4, "share_weights": True, "loss_scaling_factor": 0.5}
+    assert not translate(tmp_path, text + "model_cfg.mtp_config = MTPConfig(num_layers=1)", path).fatal
+    t = translate(tmp_path, text.strip(), path)
+    assert t.config["model"]["mtp_config"] == {"num_layers": 0}
+    assert any("whatever the folder's mtp_num_hidden_layers" in line for line in t.carried)
+    t = translate(tmp_path, text + "model_cfg.mtp_config = MTPConfig(num_layers=2)", path)
+    assert len(t.fatal) == 1 and "mtp_config.num_layers=2 with share_weights=False: 2 MTP layers" in t.fatal[0]
+    assert "\n" not in t.fatal[0]
 
 
 def test_a_dense_folder_carries_no_balancing_loss(tmp_path):

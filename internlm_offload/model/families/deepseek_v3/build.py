@@ -142,6 +142,11 @@ def check_run(cfg: RunConfig) -> None:
             f"parallel.pipeline.size={pipe} with the config's tie_word_embeddings=True: the embedding and the head "
             "sit on different stages; not built"
         )
+    check_detached_head(cfg)
+
+
+def check_detached_head(cfg: RunConfig) -> None:
+    """`model.mtp_config.detach_mtp_lm_head_weight` needs the head whole on this rank: not under mtp / msp / fsp."""
     tensor = cfg.parallel.tensor
     mtp = cfg.model.mtp_config
     if (

@@ -68,15 +68,15 @@ _MTP_OWN = (
 MTP_COPIES = (("embed_tokens.weight", "tok_embeddings.weight"), ("shared_head.head.weight", "output.weight"))
 
 
-def mtp_table(table: NameTable) -> NameTable:
-    """The names of the multi-token-prediction layers of a model named by `table`: their own, and their decoder
-    block's as `table` names block i's (`layers.{i}.X` -> `mtp.layers.{i}.block.X`)."""
+def mtp_table(table: NameTable, own: tuple[tuple[str, str], ...] = _MTP_OWN) -> NameTable:
+    """The names of the multi-token-prediction layers of a model named by `table`: their `own` (DeepSeek-V3's by
+    default), and their decoder block's as `table` names block i's (`layers.{i}.X` -> `mtp.layers.{i}.block.X`)."""
     block = tuple(
         (foreign, f"{_MTP_LAYER}.block.{native.removeprefix('layers.{i}.')}")
         for foreign, native in table.rules
         if foreign.startswith(f"{_LAYER}.") and native.startswith("layers.{i}.")
     )
-    return NameTable(f"{table.format}, multi-token prediction", (*_MTP_OWN, *block))
+    return NameTable(f"{table.format}, multi-token prediction", (*own, *block))
 
 
 # What transformers keeps in fp32 in these models (`_keep_in_fp32_modules_strict`): the router's weight and its bias.

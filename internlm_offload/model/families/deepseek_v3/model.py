@@ -21,7 +21,7 @@ from internlm_offload.model.indexer import LightningIndexer
 from internlm_offload.model.mla import MultiLatentAttention
 from internlm_offload.model.mlp import FeedForward
 from internlm_offload.model.moe import MoE
-from internlm_offload.model.mtp import MTP_PREFIX, MtpSettings
+from internlm_offload.model.mtp import MtpSettings, side_blocks
 from internlm_offload.model.output import MOE_AUX
 from internlm_offload.model.rope import rope_from_parameters, softmax_mscale
 from internlm_offload.model.tensor_plan import BlockPlan, Region, Replicated, SideBlock, TensorPlan
@@ -149,13 +149,7 @@ def block_plan(args: DeepseekV3Args, i: int) -> BlockPlan:
 
 def mtp_side_blocks(args: DeepseekV3Args, physical: int) -> tuple[SideBlock, ...]:
     """Multi-token prediction's layers in the plan: each one's block as block L + k, its norms and eh_proj around it."""
-    sides = []
-    for k in range(physical):
-        layer = f"{MTP_PREFIX}layers.{k}"
-        norms = tuple(f"{layer}.{n}" for n in ("enorm", "hnorm", "head_norm"))
-        plan = block_plan(args, args.num_layers + k)
-        sides.append(SideBlock(f"{layer}.block", plan, norms=norms, projections=(f"{layer}.eh_proj",)))
-    return tuple(sides)
+    return side_blocks(physical, lambda k: block_plan(args, args.num_layers + k))
 
 
 class DeepseekV3(Decoder, PoolsRouterStats):

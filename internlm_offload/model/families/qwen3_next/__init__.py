@@ -7,8 +7,10 @@ Built from a Hugging Face folder alone (`model.hf_path`) or its config (`model.h
 A released Qwen3.5 vision-language folder builds its text model (the vision tower not read, said in one line).
 `tools.export --hf` writes the folder back (a vision tower copied through unchanged). Tensor parallel splits by whole
 DeltaNet key-head groups, isp exchanges them for whole sequences, a pipeline splits the stack (docs/qwen3_next.md,
-"Layouts"). A balancing loss: transformers' own where config.json sets `output_router_logits` (weighted by its
-`router_aux_loss_coef`), or `model.balancing_loss` (transformers' or XTuner's; model/balancing.py). LoRA and MTP are
+"Layouts"). Multi-token prediction (`model.mtp_config`, model/mtp.py, the DeepSeek-V3 family's) follows config.json's
+`mtp_num_hidden_layers` where the section is unset (`mtp_layers`); the folder's `mtp.*` tensors are read and exported.
+A balancing loss: transformers' own where config.json sets `output_router_logits` (weighted by its
+`router_aux_loss_coef`), or `model.balancing_loss` (transformers' or XTuner's; model/balancing.py). LoRA is
 refused in one line (not built).
 """
 
@@ -31,6 +33,9 @@ VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")
 DEFAULT_EXPERTS, DEFAULT_TOP_K, DEFAULT_BLOCKS = 512, 10, 48
 # `model.balancing_loss` of its softmax router: transformers' loss, XTuner's over the global batch or the micro-batch
 BALANCING_LOSSES = ("transformers", "global_batch", "micro_batch")
+# config.json's multi-token-prediction layers (the released folders state 1; transformers' config classes have no
+# such key, so a config without it has none)
+MTP_LAYERS_KEY = "mtp_num_hidden_layers"
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -49,6 +54,7 @@ def folder_config(model: Any) -> dict[str, Any]:
     """The text model's config.json keys (`model.hf_config`, or the folder's; a vision-language folder's
     `text_config`); {} where the folder's cannot be read (the build reports the folder)."""
     return text_config(config_json(model))
+
 
 
 def check_section(model: Any) -> None:
@@ -80,6 +86,11 @@ def routed_experts(model: Any) -> int:
     """config.json's `num_experts` (none in the dense `qwen3_5_text`)."""
     config = folder_config(model)
     return int(config.get("num_experts", 0 if config.get("model_type") == "qwen3_5_text" else DEFAULT_EXPERTS))
+
+
+def mtp_layers(model: Any) -> int:
+    """The multi-token-prediction depth config.json asks for: `mtp_num_hidden_layers` (0 where it has none)."""
+    return int(folder_config(model).get(MTP_LAYERS_KEY, 0))
 
 
 def experts_per_token(model: Any) -> int:
@@ -128,12 +139,18 @@ FAMILY = register_family(
         entry="internlm_offload.model.families.qwen3_next.build",
         summary="Qwen3-Next / Qwen3.5 text (Gated DeltaNet + gated attention, gated shared expert) from a Hugging Face folder",
         capabilities=Capabilities(
-            tensor_parallel=True, pipeline=True, init_per_param=True, folder_export=True, balancing_loss=True
+            tensor_parallel=True,
+            pipeline=True,
+            init_per_param=True,
+            folder_export=True,
+            balancing_loss=True,
+            multi_token_prediction=True,
         ),
         check_section=check_section,
         routed_experts=routed_experts,
         experts_per_token=experts_per_token,
         blocks=blocks,
+        mtp_layers=mtp_layers,
         block_kinds=block_kinds,
         with_blocks=with_blocks,
         balancing_losses=BALANCING_LOSSES,

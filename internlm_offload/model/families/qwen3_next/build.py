@@ -1,7 +1,8 @@
 """Qwen3-Next from the `model` section: its config.json (a folder's, or `model.hf_config`; a Qwen3.5 vision-language
-folder's text model), the model, the folder's weights under the native names, and the config.json of its `--hf`
-export; its balancing loss (`model.balancing_loss` weighted by `loss.moe_loss_coeff`, else transformers' own weighted
-by `router_aux_loss_coef` where config.json sets `output_router_logits`)."""
+folder's text model), the model (with multi-token prediction as `model.mtp_config` resolved it: the DeepSeek-V3
+family's `mtp_settings`), the folder's weights under the native names (its `mtp.*` included), and the config.json of
+its `--hf` export; its balancing loss (`model.balancing_loss` weighted by `loss.moe_loss_coeff`, else transformers'
+own weighted by `router_aux_loss_coef` where config.json sets `output_router_logits`)."""
 
 import json
 from pathlib import Path
@@ -16,8 +17,8 @@ from internlm_offload.model.balancing import (
     folder_loss_problem,
     loss_coefficients,
 )
-from internlm_offload.model.families.deepseek_v3.build import raw_config
-from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, VISION_LANGUAGE, text_config
+from internlm_offload.model.families.deepseek_v3.build import check_detached_head, mtp_settings, raw_config
+from internlm_offload.model.families.qwen3_next import CAUSAL_LMS, MTP_LAYERS_KEY, VISION_LANGUAGE, text_config
 from internlm_offload.model.families.qwen3_next.args import args_from_config
 from internlm_offload.model.families.qwen3_next.folder_layout import (
     VISION_PREFIX,
@@ -26,7 +27,7 @@ from internlm_offload.model.families.qwen3_next.folder_layout import (
     from_folder,
     read_layout,
 )
-from internlm_offload.model.families.qwen3_next.hf_names import HF_QWEN3_NEXT, drop_mtp
+from internlm_offload.model.families.qwen3_next.hf_names import HF_QWEN3_NEXT, HF_QWEN3_NEXT_MTP, mtp_in, mtp_out
 from internlm_offload.model.families.qwen3_next.model import Qwen3Next
 from internlm_offload.model.name_table import FolderFormat
 
@@ -50,10 +51,17 @@ def build_model(cfg: ModelConfig, device: torch.device) -> Qwen3Next:
     """The model in fp32 on `device`, every weight drawn from the seed; a folder's weights are read over them by the
     builder (`folder_format`)."""
     try:
-        args = args_from_config(transformers_config(cfg))
+        config = transformers_config(cfg)
+        args = args_from_config(config)
+        mtp = mtp_settings(cfg)
+        if mtp is not None and getattr(config, "mtp_use_dedicated_embeddings", False):
+            raise ValueError("mtp_use_dedicated_embeddings=True: MTP reads the shared embedding here (not built)")
         with torch.device(device):
             model = Qwen3Next(
-                args, attn_impl=cfg.attn_impl, balancing_loss=chosen_loss(cfg.balancing_loss, args.router_aux_coef)
+                args,
+                attn_impl=cfg.attn_impl,
+                balancing_loss=chosen_loss(cfg.balancing_loss, args.router_aux_coef),
+                mtp=mtp,
             )
         model.source_layout = source_layout(cfg)
         return model
@@ -64,15 +72,18 @@ def build_model(cfg: ModelConfig, device: torch.device) -> Qwen3Next:
 def folder_format(model: Qwen3Next) -> FolderFormat:
     """transformers' names (the experts stacked from one tensor each) in the folder's layout (`model.source_layout`:
     a vision-language folder's `model.language_model.` prefix, fused experts), its vision tower not read and copied
-    through on export; the folder's `mtp.*` tensors dropped on the way in (`drop_mtp`)."""
+    through on export; the folder's `mtp.*` tensors read as the MTP layer the model builds (renamed blocks past the
+    stack on the way in, back on the way out: `mtp_in` / `mtp_out`), left out in one line where it builds none."""
     args, layout = model.args, model.source_layout
     return FolderFormat(
         HF_QWEN3_NEXT,
         args.num_attention_heads,
         args.num_key_value_heads,
         args.num_layers,
-        read_transform=lambda tensors: from_folder(drop_mtp(tensors)),
-        write_transform=layout.to_folder,
+        mtp_layers=model.mtp.settings.physical if model.mtp is not None else 0,
+        mtp_table=HF_QWEN3_NEXT_MTP,
+        read_transform=lambda tensors: mtp_in(from_folder(tensors), num_layers=args.num_layers),
+        write_transform=lambda tensors: layout.to_folder(mtp_out(tensors, num_layers=args.num_layers)),
         copied_through=(VISION_PREFIX,) if layout.vision_language else (),
         copied_what=f"the vision tower ({VISION_PREFIX}*)",
     )
@@ -85,17 +96,30 @@ def folder_config(cfg: ModelConfig) -> Any:
         return SourceConfig(json.loads(Path(cfg.hf_path, "config.json").read_text()))
     config = transformers_config(cfg)
     config.architectures = [CAUSAL_LMS[config.model_type]]
+    settings = mtp_settings(cfg)
+    physical = settings.physical if settings is not None else 0
+    if getattr(config, MTP_LAYERS_KEY, 0) != physical:  # the MTP layers the folder holds
+        setattr(config, MTP_LAYERS_KEY, physical)
     return config
 
 
 def check_run(cfg: RunConfig) -> None:
     """What is not built for Qwen3-Next, refused in one line: a tensor or isp group that does not divide the
-    DeltaNet's key heads (each rank runs whole key-head groups); a pipeline with the embedding tied to the head.
-    A balancing loss of a model without experts (`qwen3_5_text`), or transformers' own (config.json's
-    `output_router_logits`) under a pipeline (`model.balancing_loss` is refused there by the config's checks). LoRA
-    and multi-token prediction are refused by the family's capabilities."""
+    DeltaNet's key heads (each rank runs whole key-head groups); a pipeline with the embedding tied to the head;
+    more than one physical MTP layer (the folder holds one `mtp.fc` and one set of its norms); the MTP head's detached
+    weight under a tensor mode that splits the head; a balancing loss of a model without experts (`qwen3_5_text`), or
+    transformers' own (config.json's `output_router_logits`) under a pipeline (`model.balancing_loss` is refused
+    there by the config's checks). LoRA is refused by the family's capabilities."""
     config = transformers_config(cfg.model)
     check_balancing(cfg, config)
+    check_detached_head(cfg)
+    mtp = mtp_settings(cfg.model)
+    if mtp is not None and mtp.physical > 1:
+        raise ConfigError(
+            f"model.mtp_config.num_layers={mtp.depth} with share_weights=False: {mtp.physical} MTP layers, but a "
+            "Qwen3-Next folder holds one mtp.fc and one set of its norms; set share_weights=True (one layer at every "
+            "depth) or num_layers=1"
+        )
     tensor = cfg.parallel.tensor
     if tensor.size > 1:
         where = f"parallel.tensor.size={tensor.size} (mode {tensor.mode!r})"

@@ -1,15 +1,17 @@
 """Qwen3-Next's Hugging Face names against the native ones (name_table.NameTable): the Gated DeltaNet's under
 their own names (its conv as `conv_weight`), the gated attention's, the router, the experts one tensor each on disk
-(stacked here) and the gated shared expert."""
+(stacked here) and the gated shared expert; the folder's multi-token prediction (`mtp.*`) by the DeepSeek-V3
+family's MTP names (`mtp_table`) once renamed blocks past the stack (`mtp_in` / `mtp_out`)."""
 
-import logging
+import re
 
 import torch
 
+from internlm_offload.model.families.deepseek_v3.hf_names import mtp_table
+from internlm_offload.model.mtp import MTP_PREFIX
 from internlm_offload.model.name_table import NameTable
 
-logger = logging.getLogger(__name__)
-MTP = "mtp."  # the released folders' multi-token-prediction layer, which transformers does not read either
+MTP = "mtp."  # the released folders' multi-token-prediction layers, which transformers does not read
 
 _SWIGLU = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
 _LAYER = "model.layers.{i}"
@@ -45,14 +47,50 @@ HF_QWEN3_NEXT = NameTable(
 )
 
 
-def drop_mtp(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A folder's tensors (or a piece of them) without the `mtp.*` ones, said in one line: multi-token prediction is
-    not built for this family (transformers ignores them too), so an export leaves them out."""
-    dropped = [name for name in tensors if name.startswith(MTP)]
-    if dropped:
-        logger.warning(
-            "%d mtp.* tensors of the folder are not read: multi-token prediction is not built for qwen3_next (an "
-            "--hf export leaves them out)",
-            len(dropped),
-        )
-    return {name: tensor for name, tensor in tensors.items() if not name.startswith(MTP)}
+# The folder's multi-token prediction (`mtp.*`, which transformers does not read): one `fc` and three norms around its
+# layers `mtp.layers.{k}`. On a read they are renamed blocks past the stack (`mtp_in`: layer k as block L + k, the
+# four around it in block L), which weights/hf_folder.py reads as MTP layer k (`HF_QWEN3_NEXT_MTP`); `mtp_out`
+# renames them back on a write.
+_MTP_OWN = {
+    "fc.weight": "eh_proj",
+    "pre_fc_norm_embedding.weight": "enorm",
+    "pre_fc_norm_hidden.weight": "hnorm",
+    "norm.weight": "head_norm",
+}
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+_BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
+HF_QWEN3_NEXT_MTP = mtp_table(
+    HF_QWEN3_NEXT,
+    own=tuple(
+        (f"{_LAYER}.{foreign}", f"{MTP_PREFIX}layers.{{i}}.{native}.weight") for foreign, native in _MTP_OWN.items()
+    ),
+)
+
+
+def mtp_in(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """A folder's tensors (or a piece of them) with its `mtp.*` ones renamed blocks past the stack: `mtp.layers.{k}.X`
+    as `model.layers.{L + k}.X`, `mtp.fc` and the three norms inside block L (an unknown `mtp.*` name kept: the read
+    names it)."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.startswith(MTP) and (rest := name[len(MTP) :]) in _MTP_OWN:
+            name = f"model.layers.{num_layers}.{rest}"
+        elif (m := _MTP_LAYER.match(name)) is not None:
+            name = f"model.layers.{num_layers + int(m.group(1))}.{name[m.end() :]}"
+        out[name] = tensor
+    return out
+
+
+def mtp_out(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """`mtp_in`'s inverse: blocks at or past L (the MTP layers an export writes) back under `mtp.`; ValueError for a
+    second layer's fc or norms (the folder holds one set: build.check_run refuses more than one physical layer)."""
+    out = {}
+    for name, tensor in tensors.items():
+        m = _BLOCK.match(name)
+        if m is not None and (k := int(m.group(1)) - num_layers) >= 0:
+            rest = name[m.end() :]
+            if rest in _MTP_OWN and k:
+                raise ValueError(f"{name}: a Qwen3-Next folder holds one mtp.{rest} (MTP layer 0's)")
+            name = f"{MTP}{rest}" if rest in _MTP_OWN else f"{MTP}layers.{k}.{rest}"
+        out[name] = tensor
+    return out

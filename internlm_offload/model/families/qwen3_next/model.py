@@ -1,8 +1,11 @@
 """Qwen3-Next on the shared decoder: `GatedDeltaNet` mixers on its linear-attention layers, `Attention` with the
 per-head output gate, zero-centred q/k norms and partial RoPE on its full-attention layers; `MoE` with a softmax
 router and a sigmoid-gated shared expert (or a dense SwiGLU where the config says); every RMSNorm but the
-DeltaNet's output norm zero-centred. Its balancing loss (`model.balancing_loss`, or transformers' own where config.json
-sets `output_router_logits`; model/balancing.py) comes back as `moe_aux`, unweighted, in training."""
+DeltaNet's output norm zero-centred. Multi-token prediction (model/mtp.py, zero-centred norms) runs its layers
+after the stack, each around one more block of the last block's kind with full attention (`mtp_block_kind`: the
+folders' `mtp.layers.{k}.self_attn`), its own router where the model has experts. Its balancing loss
+(`model.balancing_loss`, or transformers' own where config.json sets `output_router_logits`; model/balancing.py)
+comes back as `moe_aux`, unweighted, in training."""
 
 import torch
 from torch import nn
@@ -10,20 +13,33 @@ from torch import nn
 from internlm_offload.model.attention import Attention
 from internlm_offload.model.balancing import balancing_loss
 from internlm_offload.model.decoder import Decoder, DecoderLayer
-from internlm_offload.model.families.qwen3_next.args import LINEAR, Qwen3NextArgs
+from internlm_offload.model.families.qwen3_next.args import FULL, LINEAR, Qwen3NextArgs
 from internlm_offload.model.families.qwen3_next.folder_layout import SourceLayout
 from internlm_offload.model.gated_deltanet import GatedDeltaNet
 from internlm_offload.model.hooks import PoolsRouterStats
 from internlm_offload.model.mlp import FeedForward
 from internlm_offload.model.moe import MoE
+from internlm_offload.model.mtp import MtpSettings, side_blocks
 from internlm_offload.model.output import MOE_AUX
 from internlm_offload.model.tensor_plan import BlockPlan, Region, TensorPlan
+
+
+def layer_type(args: Qwen3NextArgs, i: int) -> str:
+    """Block i's mixer kind; a multi-token-prediction block (i >= num_layers) attends in full (the released folders'
+    `mtp.layers.{k}.self_attn`, XTuner's and vLLM's MTP layer)."""
+    return args.layer_types[i] if i < args.num_layers else FULL
+
+
+def sparse(args: Qwen3NextArgs, i: int) -> bool:
+    """Whether block i's feed-forward holds the experts; a multi-token-prediction block's is the last block's
+    (sparse in the MoE models, dense in `qwen3_5_text`)."""
+    return args.sparse[min(i, args.num_layers - 1)]
 
 
 def build_mixer(args: Qwen3NextArgs, i: int, attn_impl: str) -> nn.Module:
     """Block i's mixer: Gated DeltaNet (Qwen3-Next's fused projections, Qwen3.5's split ones) or the gated full
     attention."""
-    if args.layer_types[i] == LINEAR:
+    if layer_type(args, i) == LINEAR:
         return GatedDeltaNet(
             args.hidden_size,
             args.linear_num_key_heads,
@@ -52,7 +68,7 @@ def build_mixer(args: Qwen3NextArgs, i: int, attn_impl: str) -> nn.Module:
 def build_feed_forward(args: Qwen3NextArgs, i: int) -> nn.Module:
     """Block i's feed-forward: the experts (softmax over all, top-k, renormalised if `norm_topk_prob`) with one
     shared expert scaled by sigmoid(Linear(x)), or a dense SwiGLU."""
-    if not args.sparse[i]:
+    if not sparse(args, i):
         return FeedForward(args.hidden_size, args.intermediate_size)
     return MoE(
         args.hidden_size,
@@ -75,7 +91,7 @@ def mixer_region(args: Qwen3NextArgs, i: int) -> Region:
     in_proj_a column parallel (rows by value head) and its in_proj_qkv whole, each rank multiplying by its groups'
     rows of it. Gated attention: wq (each head's [query | gate] rows) column parallel by whole heads, wo row parallel,
     the per-head q/k norms whole with summed gradients."""
-    if args.layer_types[i] != LINEAR:
+    if layer_type(args, i) != LINEAR:
         return Region("attention", column=("attention.wq",), row=("attention.wo",), extra_args=2, whole_parameters=True)
     if args.fused_projections:
         column = ("attention.in_proj_qkvz", "attention.in_proj_ba")
@@ -88,11 +104,11 @@ def block_plan(args: Qwen3NextArgs, i: int) -> BlockPlan:
     """Block i's roles: its mixer's (`mixer_region`), a dense SwiGLU column / row parallel or a sparse block whole
     (its experts what expert parallel shards). A DeltaNet block states its key heads as its heads: the tensor size
     must divide them."""
-    if args.sparse[i]:
+    if sparse(args, i):
         feed_forward = Region("feed_forward")
     else:
         feed_forward = Region("feed_forward", column=("feed_forward.w1", "feed_forward.w3"), row=("feed_forward.w2",))
-    if args.layer_types[i] == LINEAR:
+    if layer_type(args, i) == LINEAR:
         kv, kv_heads, heads = (), args.linear_num_key_heads, args.linear_num_key_heads
     else:
         kv, kv_heads, heads = ("attention.wk", "attention.wv"), args.num_key_value_heads, args.num_attention_heads
@@ -101,7 +117,7 @@ def block_plan(args: Qwen3NextArgs, i: int) -> BlockPlan:
         kv=kv,
         kv_heads=kv_heads,
         feed_forward=feed_forward,
-        sparse=args.sparse[i],
+        sparse=sparse(args, i),
         norms=("attention_norm", "ffn_norm"),
         heads=heads,
     )
@@ -109,9 +125,16 @@ def block_plan(args: Qwen3NextArgs, i: int) -> BlockPlan:
 
 class Qwen3Next(Decoder, PoolsRouterStats):
     """A Qwen3-Next / Qwen3.5 text model from `Qwen3NextArgs`; `balancing_loss` names its balancing loss
-    (model/balancing.py BALANCING_LOSSES; None: none, as transformers' forward without `output_router_logits`)."""
+    (model/balancing.py BALANCING_LOSSES; None: none, as transformers' forward without `output_router_logits`); with
+    `mtp`, multi-token prediction after its stack."""
 
-    def __init__(self, args: Qwen3NextArgs, attn_impl: str = "auto", balancing_loss: str | None = None) -> None:
+    def __init__(
+        self,
+        args: Qwen3NextArgs,
+        attn_impl: str = "auto",
+        balancing_loss: str | None = None,
+        mtp: MtpSettings | None = None,
+    ) -> None:
         super().__init__(
             vocab_size=args.vocab_size,
             hidden_size=args.hidden_size,
@@ -129,6 +152,7 @@ class Qwen3Next(Decoder, PoolsRouterStats):
                 zero_centred_norms=True,
             ),
             zero_centred_norm=True,
+            mtp=mtp,
         )
         self.args = args
         self.num_experts = args.num_experts
@@ -137,8 +161,16 @@ class Qwen3Next(Decoder, PoolsRouterStats):
 
     def tensor_plan(self) -> TensorPlan:
         """Where tensor, sequence, expert parallel and the pipeline find this model's modules (model/tensor_plan.py)."""
-        blocks = tuple(block_plan(self.args, i) for i in range(self.args.num_layers))
-        return TensorPlan(embedding="tok_embeddings", final_norm="norm", head="output", blocks=blocks)
+        args = self.args
+        blocks = tuple(block_plan(args, i) for i in range(args.num_layers))
+        sides = (
+            ()
+            if self.mtp is None
+            else side_blocks(self.mtp.settings.physical, lambda k: block_plan(args, args.num_layers + k))
+        )
+        return TensorPlan(
+            embedding="tok_embeddings", final_norm="norm", head="output", blocks=blocks, side_blocks=sides
+        )
 
     def aux_losses(self, stats: list) -> dict[str, torch.Tensor]:
         """`moe_aux`: the balancing loss of a training forward's routers, unweighted; none without one (a validation

@@ -56,7 +56,6 @@ def folder_config(model: Any) -> dict[str, Any]:
     return text_config(config_json(model))
 
 
-
 def check_section(model: Any) -> None:
     """A Qwen3-Next or Qwen3.5 text folder or config, or a Qwen3.5 vision-language folder (its text model built);
     a vision-language `model.hf_config` refused (the vision tower an export copies comes from a folder)."""

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from internlm_offload.builder.model import build_model, folder_layout
 from internlm_offload.config import ModelConfig
+from internlm_offload.model.families.qwen3_next.folder_layout import TEXT_PREFIX
 from internlm_offload.tools.export import export_family_folder
 from internlm_offload.weights.hf_folder import folder_pieces, read_folder
 
@@ -133,3 +134,52 @@ def test_the_piece_at_a_time_read_is_the_whole_read(tmp_path, caplog):
     read = {name: tensor for piece in pieces for name, tensor in piece.items()}
     assert read.keys() == whole.keys() and all(torch.equal(read[k], whole[k]) for k in whole)
     assert {"layers.0.feed_forward.experts.w1", "layers.0.feed_forward.experts.w3"} in [set(p) for p in pieces]
+
+
+def released_mtp_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The released folders' `mtp.*` (outside the `model.language_model.` prefix, the experts one tensor each even
+    where the main experts are fused), random, shaped after the last (full-attention, sparse) block."""
+    g = torch.Generator().manual_seed(3)
+    last = f"{TEXT_PREFIX}layers.{TEXT['num_hidden_layers'] - 1}."
+    hidden, inner = TEXT["hidden_size"], TEXT["moe_intermediate_size"]
+    shapes = {"mtp.fc.weight": (hidden, 2 * hidden)}
+    shapes |= {f"mtp.{n}.weight": (hidden,) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    for name, t in tensors.items():
+        if name.startswith(last) and ".experts." not in name:
+            shapes["mtp.layers.0." + name.removeprefix(last)] = tuple(t.shape)
+    for e in range(TEXT["num_experts"]):
+        for proj, shape in (
+            ("gate_proj", (inner, hidden)),
+            ("up_proj", (inner, hidden)),
+            ("down_proj", (hidden, inner)),
+        ):
+            shapes[f"mtp.layers.0.mlp.experts.{e}.{proj}.weight"] = shape
+    dtype = tensors[f"{TEXT_PREFIX}norm.weight"].dtype
+    return {name: torch.randn(shape, generator=g).to(dtype) for name, shape in shapes.items()}
+
+
+def test_a_released_folder_trains_its_mtp_layer_and_exports_every_tensor_back(tmp_path, caplog):
+    """A fused vision-language folder with the released `mtp.*` and text_config's mtp_num_hidden_layers=1: the MTP
+    layer is read by name (nothing left out but the vision tower), and the export is the folder bit for bit: the
+    main experts fused under the prefix, the MTP experts one tensor each outside it, the vision tower copied."""
+    vl_folder(tmp_path / "vl", "fused", BF16)
+    want = load_file(tmp_path / "vl" / "model.safetensors")
+    want |= released_mtp_tensors(want)
+    save_file(want, tmp_path / "vl" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "vl" / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (tmp_path / "vl" / "config.json").write_text(json.dumps(config, indent=2))
+    cfg = hf_path(tmp_path / "vl")
+    with caplog.at_level(logging.WARNING):
+        model = build_model(cfg, torch.device("cpu"))
+    assert model.mtp is not None and "left out" not in caplog.text, caplog.text
+    layer = model.mtp.layers[0]
+    assert torch.equal(layer.eh_proj.weight, want["mtp.fc.weight"].float())
+    assert torch.equal(
+        layer.block.feed_forward.experts.w2[3], want["mtp.layers.0.mlp.experts.3.down_proj.weight"].float()
+    )
+    run = {"model": cfg.model_dump(), "data": {"tokenizer": "byte"}}
+    export_family_folder(model.state_dict(), tmp_path / "out", BF16, run)
+    have = load_file(tmp_path / "out" / "model.safetensors")
+    assert have.keys() == want.keys()
+    assert all(torch.equal(have[k], want[k]) for k in want), [k for k in want if not torch.equal(have[k], want[k])]

@@ -490,6 +490,7 @@ def apply_tensor_parallel_plan(cfg: RunConfig, ctx: RunContext, model: nn.Module
         mode=cfg.parallel.tensor.mode,
         parallel_output=cfg.model.parallel_output,
         gather_again_in={blocks[i] for i in plain},
+        split_experts=not cfg.parallel.expert.no_tp,
     )
 
 

@@ -29,7 +29,7 @@ from internlm_offload.builder.pipeline import (
     split_for_pipeline,
     trainer_reduction,
 )
-from internlm_offload.config import RunConfig
+from internlm_offload.config import RunConfig, experts_over_tensor
 from internlm_offload.config.mtp import mtp_depth
 from internlm_offload.data import StepLoader, build_tokenizer
 from internlm_offload.engine.checkpoint import CheckpointManager
@@ -46,7 +46,7 @@ from internlm_offload.engine.sequence_parallel import SequenceShard, apply_seque
 from internlm_offload.engine.start_plan import checkpoint_folder
 from internlm_offload.engine.tensor_parallel import align_grads_in_backward
 from internlm_offload.engine.trainer import Trainer, TrainerSettings
-from internlm_offload.family import capabilities, routed_experts
+from internlm_offload.family import capabilities
 from internlm_offload.features import MemoryFeature
 from internlm_offload.offload import ActivationOffloader
 from internlm_offload.offload.hosted_base import HostedBase
@@ -179,10 +179,11 @@ def trainer_settings(
 
 
 def aux_chunks(cfg: RunConfig) -> int:
-    """The tensor ranks that each add their own chunk's aux loss to one objective: mtp/msp/fsp's with experts
-    (engine/moe_tensor_parallel.py); isp's chunks are weighted by the wrapper's mean over every rank instead."""
+    """The tensor ranks that each add their own chunk's aux loss to one objective: mtp/msp/fsp's with whole experts
+    (engine/moe_tensor_parallel.py); isp's chunks are weighted by the wrapper's mean over every rank instead, and
+    experts split over the tensor group (no_tp=False) route every token on every rank: one whole aux loss."""
     tensor = cfg.parallel.tensor
-    return tensor.size if routed_experts(cfg.model) and tensor.mode != "isp" else 1
+    return tensor.size if experts_over_tensor(cfg) and tensor.mode != "isp" else 1
 
 
 def build_trainer(

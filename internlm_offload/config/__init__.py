@@ -8,6 +8,7 @@ from internlm_offload.config.resolve import (
     data_parallel_size,
     expert_ranks,
     experts_over_tensor,
+    experts_split_over_tensor,
     resolve_config,
     take_auto_knobs,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "data_parallel_size",
     "expert_ranks",
     "experts_over_tensor",
+    "experts_split_over_tensor",
     "chunked_loss",
     "resolve_config",
     "take_auto_knobs",

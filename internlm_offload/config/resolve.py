@@ -78,15 +78,25 @@ def resolve_config(raw: dict[str, Any], world_size: int = 1) -> RunConfig:
 def expert_ranks(cfg: RunConfig, world_size: int) -> int:
     """The ranks expert parallel is carved from, each routing tokens of its own: the data-parallel ranks, or with
     tensor parallel every rank (isp's and, with `parallel.expert.no_tp`, mtp/msp/fsp's tensor ranks route different
-    chunks of the sequences; InternEvo's orders too: its expert tensor size is 1 there)."""
+    chunks of the sequences; InternEvo's orders too: its expert tensor size is 1 there). With no_tp=False the
+    tensor ranks route the same tokens, each computing its slice of every expert: the data-parallel ranks."""
     return world_size if experts_over_tensor(cfg) else data_parallel_size(cfg, world_size)
 
 
 def experts_over_tensor(cfg: RunConfig) -> bool:
     """Whether each tensor rank routes a sequence chunk of its own: isp, or mtp/msp/fsp on a model with experts
-    (whole under `parallel.expert.no_tp`, which the schema requires there)."""
+    whole under `parallel.expert.no_tp` (with no_tp=False every tensor rank routes all the tokens, each computing
+    its slice of every expert: engine/expert_tensor_parallel.py)."""
     tensor = cfg.parallel.tensor
-    return tensor.mode == "isp" or (tensor.size > 1 and routed_experts(cfg.model) > 0)
+    whole = tensor.size > 1 and routed_experts(cfg.model) > 0 and cfg.parallel.expert.no_tp
+    return tensor.mode == "isp" or whole
+
+
+def experts_split_over_tensor(cfg: RunConfig) -> bool:
+    """Whether every routed expert is split over the tensor group: mtp/msp/fsp at tensor size > 1 on a model with
+    experts and InternEvo's `parallel.expert.no_tp=False`."""
+    tensor = cfg.parallel.tensor
+    return tensor.size > 1 and tensor.mode != "isp" and routed_experts(cfg.model) > 0 and not cfg.parallel.expert.no_tp
 
 
 def chunked_loss(cfg: RunConfig) -> bool:
@@ -97,8 +107,8 @@ def chunked_loss(cfg: RunConfig) -> bool:
 
 def _resolve_expert_parallel(cfg: RunConfig, ranks: int) -> None:
     """`parallel.expert.size` <= 0 as InternEvo's -1: min(`ranks`, experts) (said in the log); then what the expert
-    mesh over those ranks (`expert_ranks`) needs (one line each, exit 2). mtp/msp/fsp with experts split over the
-    tensor group (`no_tp=False`), which it is not built with, the schema refuses."""
+    mesh over those ranks (`expert_ranks`) needs (one line each, exit 2). Experts split over the tensor group
+    (`no_tp=False` under mtp/msp/fsp) are not built with expert parallel: refused above 1."""
     expert, weight, experts = cfg.parallel.expert, cfg.parallel.expert_weight, routed_experts(cfg.model)
     if expert.size <= 0:
         resolved = min(ranks, experts) if experts else 1
@@ -115,6 +125,13 @@ def _resolve_expert_parallel(cfg: RunConfig, ranks: int) -> None:
         return
     if not experts:
         raise ConfigError(f"parallel.expert.size={ep} needs a mixture-of-experts model (model.num_experts > 0)")
+    if experts_split_over_tensor(cfg):
+        tensor = cfg.parallel.tensor
+        raise ConfigError(
+            f"parallel.expert.size={ep} with parallel.expert.no_tp=False under parallel.tensor (size {tensor.size}, "
+            f"mode {tensor.mode!r}): expert parallel over experts split on the tensor group is not built; set "
+            "parallel.expert.size=1 or parallel.expert.no_tp=True (experts whole on every tensor rank)"
+        )
     for name, value in ((experts_key(cfg.model), experts), (f"the {_ranks_name(cfg)} size", ranks)):
         if value % ep:
             raise ConfigError(

@@ -40,7 +40,7 @@ from internlm_offload.config.sections import (
     Section,
     intermediate_size,
 )
-from internlm_offload.family import block_count, blocks_key, capabilities, experts_key, families_with, routed_experts
+from internlm_offload.family import block_count, blocks_key, capabilities, families_with, routed_experts
 
 
 class RunConfig(Section):
@@ -245,16 +245,10 @@ class RunConfig(Section):
                 f"got mode={tensor.mode!r}; set weight.size=1"
             )
         T, mode = tensor.size, tensor.mode
-        experts = routed_experts(model)
         # isp keeps the experts whole (its ranks route their own sequence chunks, as InternEvo's do); mtp/msp/fsp
-        # keep them whole with InternEvo's no_tp=True (engine/moe_tensor_parallel.py), its no_tp=False splits them
-        if experts and T > 1 and mode != "isp" and not self.parallel.expert.no_tp:
-            raise ValueError(
-                f"parallel.expert.no_tp=False with parallel.tensor (size {T}, mode {mode!r}) and "
-                f"{experts_key(model)}={experts}: experts split over the tensor group are not built; set "
-                "parallel.expert.no_tp=True (experts whole, each tensor rank routing its own sequence chunk) or "
-                "parallel.tensor.mode='isp'"
-            )
+        # keep them whole with InternEvo's no_tp=True (engine/moe_tensor_parallel.py) and split each expert over the
+        # tensor group with its no_tp=False (engine/expert_tensor_parallel.py)
+        experts = routed_experts(model)
         if not capabilities(model.type).tensor_parallel:
             raise ValueError(
                 f"parallel.tensor (size {T}, mode {mode!r}) splits model.type="
@@ -279,8 +273,8 @@ class RunConfig(Section):
             if own_dims:
                 width = intermediate_size(model.hidden_size, model.mlp_ratio, model.multiple_of)
                 divisible["the SwiGLU width (model.hidden_size * mlp_ratio rounded up to multiple_of)"] = width
-        # the modes that split the sequence; mtp too where the sparse blocks route a chunk each
-        if mode in ("msp", "fsp", "isp") or experts:
+        # the modes that split the sequence; mtp too where the sparse blocks route a chunk each (whole experts)
+        if mode in ("msp", "fsp", "isp") or (experts and self.parallel.expert.no_tp):
             divisible["data.seq_len"] = self.data.seq_len
         for name, value in divisible.items():
             if value % T:

@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from internlm_offload.config import ConfigError
+from internlm_offload.engine.expert_tensor_parallel import SplitMoE
 from internlm_offload.engine.model_plan import (
     check_model_names,
     check_names,
@@ -72,10 +73,13 @@ def apply_tensor_parallel(
     mode: str,
     parallel_output: bool,
     gather_again_in: Collection[int] | None = None,
+    split_experts: bool = False,
 ) -> None:
     """Shard `model` over `tp_mesh` in `mode`, module by module as its tensor plan says (refused without one).
 
     `gather_again_in`: the blocks fsp gathers again in backward (default all); the others run msp's plan.
+    `split_experts`: the sparse blocks' experts split over the tensor group (`SplitMoE`, InternEvo's no_tp=False),
+    else each sparse block whole on every rank (`WholeMoE`, no_tp=True).
     Activation offload and checkpointing save through saved-tensor hooks, which selective checkpointing's
     own saves bypass: the layer plan's offloaded and checkpointed blocks are left out."""
     if mode not in ("mtp", "msp", "fsp"):
@@ -107,7 +111,7 @@ def apply_tensor_parallel(
         block_mode = mode
         if mode == "fsp" and gather_again_in is not None and index not in gather_again_in:
             block_mode = "msp"
-        parallelize_module(block, tp_mesh, _block_styles(block_mode, block_plan, tp_mesh.size()))
+        parallelize_module(block, tp_mesh, _block_styles(block_mode, block_plan, tp_mesh.size(), split_experts))
         for name in block_plan.head_params:
             split_with_heads(block, name, tp_mesh)
         if block_plan.attention.whole_parameters:
@@ -116,7 +120,7 @@ def apply_tensor_parallel(
         if block_mode == "fsp":
             attention = planned_module(block, index, block_plan.attention.module, feature)
             gather_in_backward_again(attention, local=bool(block_plan.attention.replicated))
-            if not block_plan.sparse:  # a sparse block routes its own chunk: nothing to gather
+            if not block_plan.sparse:  # a sparse block gathers its own input (SplitMoE) or routes its chunk
                 gather_in_backward_again(planned_module(block, index, block_plan.feed_forward.module, feature))
     logger.info(
         "Applied tensor parallel %s over %d ranks (%s logits)",
@@ -156,9 +160,12 @@ def check_heads(index: int, plan: BlockPlan, tensor_size: int, feature: str) -> 
         )
 
 
-def _block_styles(mode: str, plan: BlockPlan, tensor_size: int) -> dict[str, ParallelStyle]:
+def _block_styles(
+    mode: str, plan: BlockPlan, tensor_size: int, split_experts: bool = False
+) -> dict[str, ParallelStyle]:
     """One decoder block's styles: column-parallel projections in, row-parallel out (torchtitan's shape); a sparse
-    block whole on every rank, routing this rank's sequence chunk (`WholeMoE`)."""
+    block with its experts split over the ranks (`SplitMoE`) or whole on every rank, routing this rank's sequence
+    chunk (`WholeMoE`)."""
     sequence = mode in SEQUENCE_SHARDED
     kv = ColwiseParallel() if plan.kv_heads % tensor_size == 0 else KVHeadReplicas(plan.kv_heads)
     attention, feed_forward = plan.attention, plan.feed_forward
@@ -167,7 +174,8 @@ def _block_styles(mode: str, plan: BlockPlan, tensor_size: int) -> dict[str, Par
     styles |= {r.module: ReadWholeTail(r.read_whole) for r in attention.replicated if r.read_whole}
     styles |= {name: _row(sequence) for name in attention.row}
     if plan.sparse:
-        styles[feed_forward.module] = WholeMoE(sequence_sharded=sequence)
+        moe_style = SplitMoE if split_experts else WholeMoE
+        styles[feed_forward.module] = moe_style(sequence_sharded=sequence)
     else:
         styles |= {name: ColwiseParallel() for name in feed_forward.column}
         styles |= {name: _row(sequence) for name in feed_forward.row}

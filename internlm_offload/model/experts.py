@@ -97,15 +97,21 @@ class GroupedExperts(nn.Module, Hostable):
         self.b1 = nn.Parameter(torch.empty(num_experts, intermediate_size)) if bias else None
         self.b3 = nn.Parameter(torch.empty(num_experts, intermediate_size)) if bias else None
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
+        # what this rank adds of b2: 1, or with the experts split over the tensor group (each rank's output a part of
+        # a sum) 1 on the first tensor rank and 0 on the others, so the sum holds it once and every rank's b2 still
+        # gets a gradient to sum (engine/expert_tensor_parallel.py)
+        self.b2_share = 1.0
 
     def _biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """This rank's b1, b3, b2 (None without biases): the local experts' under expert parallel."""
-        return tuple(None if b is None else local_shard(b) for b in (self.b1, self.b3, self.b2))
+        """This rank's b1, b3, b2 (None without biases): the local experts' under expert parallel, this tensor
+        rank's slice of b1 and b3 and its share of b2 with the experts split over the tensor group."""
+        b1, b3, b2 = (None if b is None else local_shard(b) for b in (self.b1, self.b3, self.b2))
+        return b1, b3, b2 if b2 is None or self.b2_share == 1.0 else b2 * self.b2_share
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
         """The grouped GEMM where the device has it for this dtype and every row stride is 16-byte aligned;
         else the loop over contiguous slices."""
-        intermediate, hidden = self.w1.shape[1:]
+        intermediate, hidden = local_shard(self.w1).shape[1:]  # this rank's slice of I with the tensor split
         return has_grouped_mm(x.device, x.dtype) and grouped_mm_aligned(x.dtype, hidden, intermediate)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, all_routed: bool = False) -> torch.Tensor:

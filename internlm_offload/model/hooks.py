@@ -52,6 +52,7 @@ __all__ = [
     "DispatchesExperts",
     "ExchangesSequence",
     "ExpertDispatchFn",
+    "ExpertSplitFn",
     "HasTensorPlan",
     "HeadGroupSplit",
     "Hostable",
@@ -98,6 +99,15 @@ class ExpertDispatchFn(Protocol):
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """The experts' outputs for `rows` sorted by global expert, `counts[e]` rows each, computed where they live."""
+        ...
+
+
+class ExpertSplitFn(Protocol):
+    """The experts split over the tensor group (engine/expert_tensor_parallel.py `PartialReaders`)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (whole on every tensor rank) as it is, for reads that make this rank's part of a summed output: in
+        backward their gradient, each rank's part, is summed over the tensor group."""
         ...
 
 
@@ -160,6 +170,9 @@ class DispatchesExperts:
     experts: nn.Module
     num_experts: int
     expert_dispatch: ExpertDispatchFn | None = None
+    # the experts split over the tensor group (each rank a slice of every expert, its output a partial sum): what
+    # the block reads into that partial output passes through it; None: nothing split
+    expert_split: ExpertSplitFn | None = None
 
 
 class RecordsRouterStats:

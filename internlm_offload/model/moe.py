@@ -9,7 +9,7 @@ A forward with a `stats_sink` appends to it what the load-balancing loss needs; 
 parallel) the routed rows go to the ranks holding their experts (model/hooks.py).
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -30,6 +30,11 @@ from internlm_offload.model.router import (
 )
 
 SHARED_EXPERT_GATES = ("softmax", "sigmoid", "none")
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """Nothing split: x as it is."""
+    return x
 
 
 def permute(x: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,14 +172,18 @@ class MoE(nn.Module, DispatchesExperts, RecordsRouterStats, KeepsFp32Buffers):
             expert_ids = torch.where(routing.kept, expert_ids, self.num_experts)  # dropped: sort last
         counts = expert_counts(expert_ids, self.num_experts)
         self.tokens_per_expert = counts.detach()
-        rows, order = permute(x, expert_ids)
+        # experts split over the tensor group: the output is this rank's part of a sum; what it reads gets its
+        # gradient summed (the router reads x whole, its gradient whole on every rank)
+        split = self.expert_split or _whole
+        read = split(x)  # once: the routed and shared experts' input gradients summed in one reduction
+        rows, order = permute(read, expert_ids)
         if self.expert_dispatch is None:
             routed = self.experts(rows, counts, all_routed=not self.drop_tokens)
         else:
             routed = self.expert_dispatch(rows, counts, self.experts)
-        out = unpermute(routed, order, routing.weights)
+        out = unpermute(routed, order, split(routing.weights))
         if self.shared_experts is not None:
-            out = self._mix_shared(x, out)
+            out = self._mix_shared(x, read, out, split)
         return out.view(shape)
 
     @property
@@ -205,13 +214,21 @@ class MoE(nn.Module, DispatchesExperts, RecordsRouterStats, KeepsFp32Buffers):
         load, self.load = self.load, None
         return load
 
-    def _mix_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_experts(x)
+    def _mix_shared(
+        self,
+        x: torch.Tensor,
+        read: torch.Tensor,
+        routed: torch.Tensor,
+        split: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """`routed` and the shared experts' output on `read` (`split(x)`) mixed by the gate; with a tensor `split`
+        (`forward`'s) both are this rank's parts, so the gate computed from x whole is read through it."""
+        shared = self.shared_experts(read)
         if self.shared_expert_gate == "none":
             return routed + shared
         if self.shared_expert_gate == "sigmoid":
-            return routed + torch.sigmoid(self.coefficient(x)) * shared
-        c = self.coefficient(x).softmax(-1)
+            return routed + split(torch.sigmoid(self.coefficient(x))) * shared
+        c = split(self.coefficient(x).softmax(-1))
         return routed * c[:, :1] + shared * c[:, 1:]
 
     def param_inits(self, std: float, out_std: float) -> Iterator[tuple[nn.Parameter, ParamInit]]:

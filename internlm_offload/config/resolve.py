@@ -108,8 +108,14 @@ def chunked_loss(cfg: RunConfig) -> bool:
 def _resolve_expert_parallel(cfg: RunConfig, ranks: int) -> None:
     """`parallel.expert.size` <= 0 as InternEvo's -1: min(`ranks`, experts) (said in the log); then what the expert
     mesh over those ranks (`expert_ranks`) needs (one line each, exit 2). Experts split over the tensor group
-    (`no_tp=False` under mtp/msp/fsp) are not built with expert parallel: refused above 1."""
+    (`no_tp=False` under mtp/msp/fsp) are not built with expert parallel: -1 resolves to 1 there (said in the log),
+    a size above 1 is refused."""
     expert, weight, experts = cfg.parallel.expert, cfg.parallel.expert_weight, routed_experts(cfg.model)
+    if expert.size <= 0 and experts_split_over_tensor(cfg):  # InternEvo's -1 as shipped with its default no_tp=False
+        resolved = 1
+        rule = "the experts are split over the tensor group (no_tp=False), which expert parallel is not built with"
+        cfg._derived.append(f"parallel.expert.size={expert.size} -> {resolved}: {rule}")
+        expert.size = resolved
     if expert.size <= 0:
         resolved = min(ranks, experts) if experts else 1
         rule = f"min({_ranks_name(cfg)} ranks {ranks}, {experts_key(cfg.model)} {experts}), InternEvo's rule for -1"

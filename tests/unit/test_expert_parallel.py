@@ -193,8 +193,8 @@ def test_expert_sizes_as_internevo_writes_them_resolve_and_are_logged():
         (
             ["parallel.expert.size=2", "parallel.tensor.size=2", "parallel.mode=fsdp2"],
             4,
-            "parallel.expert.no_tp=False with parallel.tensor (size 2, mode 'mtp') and model.num_experts=4: experts "
-            "split over the tensor group are not built; set parallel.expert.no_tp=True",
+            "parallel.expert.size=2 with parallel.expert.no_tp=False under parallel.tensor (size 2, mode 'mtp'): "
+            "expert parallel over experts split on the tensor group is not built",
         ),
     ],
 )

@@ -12,17 +12,13 @@ FSDP2 = ["model.dtype=torch.float32", "parallel.mode=fsdp2", "parallel.tensor.si
 
 
 @pytest.mark.parametrize("mode", ["mtp", "msp", "fsp"])
-def test_no_tp_false_is_refused_in_one_line_and_no_tp_true_carves_experts_from_every_rank(mode):
-    """InternEvo's no_tp=False (its default) would split each expert over the tensor group: refused naming the key,
-    its value and what to set. no_tp=True: each tensor rank routes its own chunk, so the expert dims are carved from
-    all 4 ranks (expert 2 x expert-data 2; -1 is min(world 4, experts 4)), as under isp."""
+def test_no_tp_true_carves_experts_from_every_rank(mode):
+    """no_tp=True: each tensor rank routes its own chunk, so the expert dims are carved from all 4 ranks (expert 2 x
+    expert-data 2; -1 is min(world 4, experts 4)), as under isp. (no_tp=False: test_expert_tensor_parallel.py.)"""
     from internlm_offload.builder.run import aux_chunks
     from internlm_offload.config import expert_ranks
 
     layout = [*FSDP2, f"parallel.tensor.mode={mode}"]
-    message = refused([*layout, "parallel.expert.size=2"], 4)
-    assert message.startswith(f"parallel.expert.no_tp=False with parallel.tensor (size 2, mode '{mode}')"), message
-    assert "set parallel.expert.no_tp=True" in message
     cfg = resolved([*layout, "parallel.expert.size=2", "parallel.expert.no_tp=True"], 4)
     assert (cfg.parallel.expert.size, expert_ranks(cfg, 4), aux_chunks(cfg)) == (2, 4, 2)
     cfg = resolved([*layout, "parallel.expert.size=-1", "parallel.expert.no_tp=True"], 4)

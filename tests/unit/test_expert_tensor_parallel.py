@@ -1,0 +1,116 @@
+"""mtp/msp/fsp with every expert split over the tensor group (InternEvo's `parallel.expert.no_tp=False`,
+engine/expert_tensor_parallel.py): the config rules and the sharding plan on a fake process group. The numbers
+(loss and grad norm against one process) are tests/e2e/test_expert_tensor_parallel_e2e.py's."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_expert_parallel import refused, resolved
+from torch.distributed.tensor import Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from internlm_offload.config import ConfigError
+
+FSDP2 = ["model.dtype=torch.float32", "parallel.mode=fsdp2", "parallel.tensor.size=2"]
+
+
+@pytest.mark.parametrize("mode", ["mtp", "msp", "fsp"])
+def test_split_experts_route_every_token_on_every_tensor_rank(mode):
+    """no_tp=False at 4 ranks, tensor 2: the tensor ranks route the same tokens, so expert parallel would be carved
+    from the 2 data-parallel ranks, the aux loss is one process's (no 1/T) and mtp needs no sequence split; InternEvo's
+    -1 resolves to 1 (said in the log), a size above 1 is refused in one line (not built over split experts)."""
+    from internlm_offload.builder.run import aux_chunks
+    from internlm_offload.config import expert_ranks, experts_over_tensor, experts_split_over_tensor
+
+    layout = [*FSDP2, f"parallel.tensor.mode={mode}"]
+    cfg = resolved([*layout, "parallel.expert.size=-1"], 4)
+    assert experts_split_over_tensor(cfg) and not experts_over_tensor(cfg)
+    assert (cfg.parallel.expert.size, expert_ranks(cfg, 4), aux_chunks(cfg)) == (1, 2, 1)
+    note = next(n for n in cfg.migration_notes()[0] if n.startswith("parallel.expert.size=-1"))
+    assert "-> 1: the experts are split over the tensor group (no_tp=False)" in note
+    message = refused([*layout, "parallel.expert.size=2"], 4)
+    assert message.startswith(
+        f"parallel.expert.size=2 with parallel.expert.no_tp=False under parallel.tensor (size 2, mode '{mode}')"
+    ), message
+    assert "set parallel.expert.size=1 or parallel.expert.no_tp=True" in message and "\n" not in message
+    if mode == "mtp":  # every rank routes the whole sequence: an odd length splits nothing
+        assert resolved([*layout, "data.seq_len=63"], 2).data.seq_len == 63
+
+
+def _fake_world(rank: int):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    from internlm_offload.engine.runtime import tensor_parallel_mesh
+
+    return tensor_parallel_mesh("cpu", 2, 2)["tp"]
+
+
+def test_a_sparse_block_holds_half_of_every_expert_and_of_the_shared_expert():
+    """The plan of a sparse block under msp with split experts: w1 / w3 sharded on their rows of the intermediate
+    dim, w2 on its columns, the shared expert column / row parallel as the dense MLP; the router and the softmax
+    coefficient stay plain whole weights (every rank computes their whole gradient)."""
+    from internlm_offload.engine.expert_tensor_parallel import PartialReaders
+    from internlm_offload.engine.tensor_parallel import apply_tensor_parallel
+    from internlm_offload.model.families.internlm2.model import InternLM2
+
+    tp = _fake_world(rank=1)
+    try:
+        with torch.device("meta"):
+            model = InternLM2(
+                num_layers=1, hidden_size=32, num_attention_heads=4, num_kv_attention_heads=2, vocab_size=64,
+                num_experts=4, top_k=2, num_shared_experts=1, multiple_of=16,
+            )  # fmt: skip
+        width = model.layers[0].feed_forward.experts.w1.shape[1]
+        apply_tensor_parallel(model, tp, mode="msp", parallel_output=True, split_experts=True)
+        moe = model.layers[0].feed_forward
+        experts, shared = moe.experts, moe.shared_experts
+        assert (experts.w1.placements, experts.w3.placements, experts.w2.placements) == ((Shard(1),),) * 2 + (
+            (Shard(2),),
+        )
+        assert tuple(experts.w1.to_local().shape) == (4, width // 2, 32)
+        assert tuple(experts.w2.to_local().shape) == (4, 32, width // 2)
+        assert shared.w1.weight.placements == shared.w3.weight.placements == (Shard(0),)
+        assert shared.w2.weight.placements == (Shard(1),)
+        assert not hasattr(moe.router.weight, "placements") and not hasattr(moe.coefficient.weight, "placements")
+        assert isinstance(moe.expert_split, PartialReaders)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_biased_experts_split_b1_b3_with_their_rows_and_add_b2_on_one_rank(rank):
+    """GPT-OSS's expert biases: b1 and b3 split with the rows of w1 and w3; b2 whole on every rank (a replicated
+    DTensor), added by the first tensor rank only, so the sum over the ranks holds it once."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from internlm_offload.engine.expert_tensor_parallel import SplitMoE
+    from internlm_offload.model.moe import MoE
+
+    tp = _fake_world(rank)
+    try:
+        with torch.device("meta"):
+            moe = MoE(16, 8, 4, 2, moe_type="Dropless", expert_bias=True, router_bias=True)
+        parallelize_module(moe, tp, SplitMoE(sequence_sharded=False))
+        experts = moe.experts
+        assert experts.b1.placements == experts.b3.placements == (Shard(1),)
+        assert tuple(experts.b1.to_local().shape) == (4, 4)
+        assert experts.b2.placements == (Replicate(),) and tuple(experts.b2.to_local().shape) == (4, 16)
+        assert experts.b2_share == (1.0 if rank == 0 else 0.0)
+        assert not hasattr(moe.router.weight, "placements")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_width_the_tensor_size_does_not_divide_is_one_line():
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from internlm_offload.engine.expert_tensor_parallel import SplitMoE
+    from internlm_offload.model.moe import MoE
+
+    tp = _fake_world(rank=0)
+    try:
+        with torch.device("meta"):
+            moe = MoE(16, 5, 4, 2, moe_type="Dropless")
+        with pytest.raises(ConfigError, match=r"splits the routed experts' intermediate size \(5\) over the tensor"):
+            parallelize_module(moe, tp, SplitMoE(sequence_sharded=True))
+    finally:
+        dist.destroy_process_group()

@@ -38,7 +38,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from internlm_offload.config import ConfigError, experts_over_tensor, load_config_file, resolve_config
+from internlm_offload.config import (
+    ConfigError,
+    experts_over_tensor,
+    experts_split_over_tensor,
+    load_config_file,
+    resolve_config,
+)
 from internlm_offload.config.file import add_cfg_options, merge_overrides
 from internlm_offload.device import get_accelerator
 from internlm_offload.errors import CheckpointError
@@ -378,8 +384,11 @@ def experts_assumption(cfg: Any) -> str:
     )
     ep = cfg.parallel.expert.size
     if ep == 1:
+        holds = "every expert"
+        if experts_split_over_tensor(cfg):  # no_tp=False: every rank routes all the tokens through its slices
+            holds = f"1/{cfg.parallel.tensor.size} of every expert's width (no_tp=False)"
         return (
-            f"{head} [assumed: one rank holds every expert, so its memory and FLOPs do not depend on how the router "
+            f"{head} [assumed: one rank holds {holds}, so its memory and FLOPs do not depend on how the router "
             "spreads the tokens; with expert parallel the busiest rank's share would]"
         )
     imbalance = min(cfg.memory_budget.expert_imbalance, ep)

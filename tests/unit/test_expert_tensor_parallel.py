@@ -114,3 +114,13 @@ def test_a_width_the_tensor_size_does_not_divide_is_one_line():
             parallelize_module(moe, tp, SplitMoE(sequence_sharded=True))
     finally:
         dist.destroy_process_group()
+
+
+def test_the_planner_states_every_token_routed_through_a_rank_s_slices():
+    """tools.plan's routing line with split experts: the tiny MoE's micro-batch of 512 tokens, top-2, is 1024 rows on
+    each tensor rank (the whole sequence, not a chunk), through its half of every expert."""
+    from internlm_offload.tools.plan import experts_assumption
+
+    line = experts_assumption(resolved([*FSDP2, "parallel.tensor.mode=msp"], 2))
+    assert "GShard: 1024 routed rows per sparse block per micro-batch through one grouped GEMM" in line
+    assert "[assumed: one rank holds 1/2 of every expert's width (no_tp=False)" in line

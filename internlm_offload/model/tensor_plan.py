@@ -53,7 +53,8 @@ class BlockPlan:
     must divide where the model's config section does not say them (0: the config checks); `feed_forward`: the MLP
     after it, or with
     `sparse` a sparse block (a model/hooks.py `DispatchesExperts`: whole on every tensor rank, its experts what
-    expert parallel shards), whose column and row are then empty; `norms`: replicated, sequence parallel under
+    expert parallel shards, or its experts split over the tensor group with `parallel.expert.no_tp=False`), whose
+    column and row are then empty; `norms`: replicated, sequence parallel under
     msp / fsp; `head_params`: parameters of the attention with one entry per query head on dim 0 (GPT-OSS's sinks,
     block-relative names such as "attention.sinks"), split with the heads under mtp / msp / fsp and cut to this
     rank's heads under isp (by the attention itself: model/hooks.py `SequenceExchange.own_heads`).

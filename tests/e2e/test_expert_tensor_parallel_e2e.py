@@ -24,7 +24,11 @@ def test_split_experts_follow_one_process_and_resume_on_another_layout(tmp_path,
     the tensor group (mtp: all-reduce; msp: the input gathered, the output reduce-scattered), b2 added by one rank.
     Loss and grad norm within 1e-5 (relative) of one process for 6 steps each. The mtp run's DCP checkpoint of step 3
     resumed on the same 2 ranks without tensor parallel (FSDP2 over both: DCP reassembles each expert's halves and
-    cuts FSDP2's shards of whole experts) goes on within 1e-5 of one process."""
+    cuts FSDP2's shards of whole experts) goes on within 1e-5 of one process. Red with b2 added on every tensor rank
+    (GPT-OSS mtp: the loss 2.6e-3 off at step 2, the grad norm 0.85 at step 1); by hand, on 4 steps of the same runs:
+    with the output's reduction left out (InternLM2 mtp: the loss off from step 1), with the gradient of what the
+    experts read not summed over "tp" (InternLM2 msp: the grad norm off from step 1, 0.067 at step 2), and with w2
+    split on its rows (a shape error in the grouped GEMM)."""
     moe_one = reference_run(*MOE)
     gpt_one = reference_run(*GPT_OSS_STEPS, nproc=1, config=GPT_OSS)
     saved = ["ckpt.enable_save_ckpt=True", "ckpt.checkpoint_every=3", "ckpt.keep_last=0"]

@@ -108,14 +108,8 @@ def chunked_loss(cfg: RunConfig) -> bool:
 def _resolve_expert_parallel(cfg: RunConfig, ranks: int) -> None:
     """`parallel.expert.size` <= 0 as InternEvo's -1: min(`ranks`, experts) (said in the log); then what the expert
     mesh over those ranks (`expert_ranks`) needs (one line each, exit 2). Experts split over the tensor group
-    (`no_tp=False` under mtp/msp/fsp) are not built with expert parallel: -1 resolves to 1 there (said in the log),
-    a size above 1 is refused."""
+    (`no_tp=False` under mtp/msp/fsp) take expert parallel over the data-parallel ranks, not expert weight groups."""
     expert, weight, experts = cfg.parallel.expert, cfg.parallel.expert_weight, routed_experts(cfg.model)
-    if expert.size <= 0 and experts_split_over_tensor(cfg):  # InternEvo's -1 as shipped with its default no_tp=False
-        resolved = 1
-        rule = "the experts are split over the tensor group (no_tp=False), which expert parallel is not built with"
-        cfg._derived.append(f"parallel.expert.size={expert.size} -> {resolved}: {rule}")
-        expert.size = resolved
     if expert.size <= 0:
         resolved = min(ranks, experts) if experts else 1
         rule = f"min({_ranks_name(cfg)} ranks {ranks}, {experts_key(cfg.model)} {experts}), InternEvo's rule for -1"
@@ -131,12 +125,12 @@ def _resolve_expert_parallel(cfg: RunConfig, ranks: int) -> None:
         return
     if not experts:
         raise ConfigError(f"parallel.expert.size={ep} needs a mixture-of-experts model (model.num_experts > 0)")
-    if experts_split_over_tensor(cfg):
+    if experts_split_over_tensor(cfg) and weight.size > 1:
         tensor = cfg.parallel.tensor
         raise ConfigError(
-            f"parallel.expert.size={ep} with parallel.expert.no_tp=False under parallel.tensor (size {tensor.size}, "
-            f"mode {tensor.mode!r}): expert parallel over experts split on the tensor group is not built; set "
-            "parallel.expert.size=1 or parallel.expert.no_tp=True (experts whole on every tensor rank)"
+            f"parallel.expert_weight.size={weight.size} with parallel.expert.no_tp=False under parallel.tensor (size "
+            f"{tensor.size}, mode {tensor.mode!r}): expert weight groups over experts split on the tensor group are "
+            "not built; set parallel.expert_weight.size=1 or parallel.expert.no_tp=True"
         )
     for name, value in ((experts_key(cfg.model), experts), (f"the {_ranks_name(cfg)} size", ranks)):
         if value % ep:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from internlm_offload.engine.model_plan import sparse_blocks
 from internlm_offload.engine.runtime import all_expert_data
@@ -107,6 +107,10 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Shard every sparse block's experts over `mesh["ep"]` (each rank keeps its slice of the whole weights it
     built from the seed) and route their rows through the all-to-all."""
     ep = mesh["ep"]
+    # experts split over "tp" too (no_tp=False): whole over "tp" here, each rank's slice cut by the tensor plan
+    # (engine/expert_tensor_parallel.py), so one DTensor over ("ep", "tp") holds both splits
+    over_tensor = "tp" in (mesh.mesh_dim_names or ())
+    placed, placements = (mesh["ep", "tp"], [Shard(0), Replicate()]) if over_tensor else (ep, [Shard(0)])
     blocks = sparse_blocks(model, f"parallel.expert.size={ep.size()}")
     dispatch = ExpertDispatch(group=ep.get_group(), size=ep.size())
     for moe in blocks:
@@ -115,7 +119,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         experts = moe.experts
         for name, weight in list(experts.named_parameters(recurse=False)):  # stacked over the experts on dim 0
             # src_data_rank=None: every rank built the same whole weight; each keeps its slice, no communication
-            shard = distribute_tensor(weight.detach(), ep, [Shard(0)], src_data_rank=None)
+            shard = distribute_tensor(weight.detach(), placed, placements, src_data_rank=None)
             setattr(experts, name, nn.Parameter(shard, requires_grad=weight.requires_grad))
         moe.expert_dispatch = dispatch
     logger.info(

@@ -24,8 +24,11 @@ The rule, from the data flow:
   the tensor region); the router reads the input as it is, its gradient whole on every rank. So the router and the
   gate keep plain weights whose gradients are the same on every tensor rank (as mtp's norms), each expert slice's
   gradient is its own, and b2's (a replicated DTensor read with a `Partial` gradient) is summed over "tp".
-- Expert parallel is carved from the data-parallel ranks only in this layout, InternEvo's expert-data group; this
-  module does not build it (config/resolve.py refuses it in one line).
+- Expert parallel is carved from the data-parallel ranks only in this layout (InternEvo's: its expert tensor
+  group is the tensor group): the expert mesh is ("edp", "ep", "tp") over the world (engine/runtime.py), and
+  engine/expert_parallel.py places each stacked weight over ("ep", "tp") as [Shard(0), Replicate()], whose "tp"
+  placement this module turns into the intermediate split; b2 stays [Shard(0), Replicate()]. The dispatch's
+  all-to-all runs within "ep", between ranks of one tensor rank, which hold the same slice of different experts.
 """
 
 from __future__ import annotations
@@ -80,14 +83,14 @@ class SplitMoE(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, DispatchesExperts):
             raise TypeError(f"{type(module).__name__} is no sparse block (model/hooks.py DispatchesExperts)")
-        slots = split_experts(module, device_mesh)
-        module.expert_split = PartialReaders(device_mesh)
+        module.expert_split = reader = PartialReaders(device_mesh)
+        slots = split_experts(module, device_mesh, reader)
         forward = module.forward
         sequence = self.sequence_sharded
 
         @functools.wraps(forward)
         def split_forward(x: torch.Tensor) -> torch.Tensor:
-            with local_views(slots):
+            with local_views(slots, reader):
                 out = forward(_whole_input(x, device_mesh, sequence))
             return _summed(out, device_mesh, sequence)
 
@@ -95,19 +98,21 @@ class SplitMoE(ParallelStyle):
         return module
 
 
-def split_experts(moe: DispatchesExperts, mesh: DeviceMesh) -> list[Slot]:
+def split_experts(moe: DispatchesExperts, mesh: DeviceMesh, reader: PartialReaders) -> list[Slot]:
     """Shard `moe`'s routed and shared experts over `mesh` (every rank built the same whole weights; each keeps its
-    slice, no communication); b2 replicated, added by the first rank. Returns the slots its forward reads locally."""
+    slice, no communication); b2 replicated, added by the first rank, read through `reader` by the experts' own
+    forward. Returns the slots the block's forward reads locally (the shared experts')."""
     size, experts, slots = mesh.size(), moe.experts, []
     for name, dim in ROUTED_SPLIT.items():
         if getattr(experts, name, None) is not None:
             _check_divides(getattr(experts, name).shape[dim], size, "the routed experts' intermediate size")
             _shard(experts, name, mesh, dim)
     if getattr(experts, "b2", None) is not None:
-        whole = DTensor.from_local(experts.b2.data, mesh, [Replicate()], run_check=False)
-        experts.b2 = nn.Parameter(whole, requires_grad=experts.b2.requires_grad)
+        if not is_dtensor(experts.b2):  # under expert parallel: sharded over "ep", whole over "tp" already
+            whole = DTensor.from_local(experts.b2.data, mesh, [Replicate()], run_check=False)
+            experts.b2 = nn.Parameter(whole, requires_grad=experts.b2.requires_grad)
         experts.b2_share = 1.0 if mesh.get_local_rank() == 0 else 0.0
-        slots.append((experts, "b2"))
+        read_locally(experts, [(experts, "b2")], reader)
     shared = getattr(moe, "shared_experts", None)
     if shared is not None:
         for name, dim in SHARED_SPLIT.items():
@@ -116,6 +121,20 @@ def split_experts(moe: DispatchesExperts, mesh: DeviceMesh) -> list[Slot]:
             _shard(linear, "weight", mesh, dim)
             slots.append((linear, "weight"))
     return slots
+
+
+def read_locally(module: nn.Module, slots: list[Slot], reader: PartialReaders) -> None:
+    """`module`'s forward reads `slots` as local tensors (`local_views`). Its own forward, not the block's: under
+    expert parallel the experts are an FSDP2 unit of their own, whose parameters FSDP2 puts in place (unsharded) just
+    before that forward runs."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def local_forward(*args, **kwargs):
+        with local_views(slots, reader):
+            return forward(*args, **kwargs)
+
+    module.forward = local_forward
 
 
 def _check_divides(width: int, size: int, what: str) -> None:
@@ -128,17 +147,26 @@ def _check_divides(width: int, size: int, what: str) -> None:
 
 @torch.no_grad()
 def _shard(module: nn.Module, name: str, mesh: DeviceMesh, dim: int) -> None:
-    """`module.name` sharded on `dim` over `mesh`; each rank cuts its part of the whole tensor it built."""
+    """`module.name` sharded on `dim` over `mesh`; each rank cuts its part of the whole tensor it built. Under expert
+    parallel a routed expert weight is a DTensor over ("ep", "tp") already, whole over "tp": its "tp" placement
+    becomes Shard(dim) (a local cut, no communication)."""
     param = getattr(module, name)
-    sharded = distribute_tensor(param.data, mesh, [Shard(dim)], src_data_rank=None)
+    if is_dtensor(param):
+        names = param.device_mesh.mesh_dim_names or ()
+        placements = [Shard(dim) if axis == "tp" else p for axis, p in zip(names, param.placements)]
+        sharded = param.data.redistribute(placements=placements)
+    else:
+        sharded = distribute_tensor(param.data, mesh, [Shard(dim)], src_data_rank=None)
     setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
 @contextlib.contextmanager
-def local_views(slots: list[Slot]) -> Iterator[None]:
+def local_views(slots: list[Slot], reader: PartialReaders) -> Iterator[None]:
     """The DTensor parameters in `slots` seen as their local tensors during a forward, restored after: a shard's
-    gradient is its own, a replicated one's (b2, which only the first rank adds) `Partial`, summed over the tensor
-    group where the tensor plan's sums run (`align_grads_in_backward`, or FSDP2's redistribution)."""
+    gradient is its own; one whole over "tp" (b2, which only the first rank adds: its gradients are each rank's part)
+    is read through `reader`, so its gradient is summed over the tensor group before it reaches the parameter, the
+    same on every tensor rank, as its layout says (a `Partial` gradient placement would leave that sum to the
+    wrapper, which FSDP2 does not make over a 2-D ("ep", "tp") DTensor)."""
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     try:
         for sub, name in slots:
@@ -146,9 +174,11 @@ def local_views(slots: list[Slot]) -> Iterator[None]:
             if not is_dtensor(param):
                 continue
             swapped.append((sub, name, param))
-            grads = [Partial() if p.is_replicate() else p for p in param.placements]
+            local = param.to_local()
+            # the slots' DTensors are sharded over "tp" but for b2, replicated over it (and sharded over "ep")
+            whole_over_tensor = any(p.is_replicate() for p in param.placements)
             # a plain tensor in the slot for this forward only (module.__setattr__ takes Parameters alone)
-            sub._parameters[name] = param.to_local(grad_placements=grads)
+            sub._parameters[name] = reader(local) if whole_over_tensor else local
         yield
     finally:
         for sub, name, param in swapped:

@@ -111,7 +111,9 @@ def init_runtime(
         dist.init_process_group(backend=accelerator.dist_backend)
     mesh, pipeline = parallel_meshes(accelerator.name, world_size, tensor_size, pipeline_size)
     ranks = world_size if experts_over_tensor else world_size // tensor_size
-    experts = None if expert_size == 1 else expert_mesh(accelerator.name, ranks, expert_size, expert_weight_size)
+    experts = None
+    if expert_size > 1:  # carved from the data-parallel ranks alone: the experts split over "tp" (no_tp=False)
+        experts = expert_mesh(accelerator.name, ranks, expert_size, expert_weight_size, world_size // ranks)
     return RunContext(
         rank, local_rank, world_size, accelerator, tensor_size, mesh, experts, pipeline_size, pipeline, chunked_loss
     )
@@ -146,14 +148,23 @@ def pipeline_mesh(device_type: str, world_size: int, pipeline_size: int) -> Devi
     return init_device_mesh(device_type, (pipeline_size, world_size // pipeline_size), mesh_dim_names=("pp", "dp"))
 
 
-def expert_mesh(device_type: str, data_parallel: int, expert_size: int, expert_weight: int = 1) -> DeviceMesh:
+def expert_mesh(
+    device_type: str, data_parallel: int, expert_size: int, expert_weight: int = 1, tensor: int = 1
+) -> DeviceMesh:
     """The ("edp", "ep") mesh over the data-parallel ranks, expert ranks innermost (InternEvo's order: the ranks
     of an expert group are contiguous, those holding the same experts at stride `expert_size`).
+
+    `tensor` T > 1: the experts are split over the tensor group too (`parallel.expert.no_tp=False`), so the expert
+    dims are carved from the data-parallel ranks of a ("edp", "ep", "tp") mesh over the world, tensor ranks innermost
+    as in the ("dp", "tp") mesh (InternEvo's expert tensor group is the tensor group): the ranks of an "ep" group
+    share a tensor rank and hold the same slice of different experts.
 
     `expert_weight` W between 1 and the expert-data size: ("edp_replicate", "edp_shard", "ep"), the expert-data
     ranks split into replicas of shard groups of W (at stride `expert_size`, "ep" stays innermost), with the two
     flattened back into "edp" (the expert-data group as a whole)."""
     expert_data = data_parallel // expert_size
+    if tensor > 1:  # expert weight groups with it are refused (config/resolve.py)
+        return init_device_mesh(device_type, (expert_data, expert_size, tensor), mesh_dim_names=("edp", "ep", "tp"))
     if expert_weight in (1, expert_data):
         return init_device_mesh(device_type, (expert_data, expert_size), mesh_dim_names=("edp", "ep"))
     shape = (expert_data // expert_weight, expert_weight, expert_size)

@@ -499,7 +499,8 @@ def _rank_context(
     pipeline its ("pp", "dp") mesh (("pp", "dp", "tp") with both, `parallel_meshes`)."""
     mesh, pipe_mesh = parallel_meshes("cpu", world_size, tensor_size, pipeline_size)
     expert_size, expert_weight, ranks = experts
-    experts_mesh = None if expert_size == 1 else expert_mesh("cpu", ranks, expert_size, expert_weight)
+    tensor = world_size // ranks  # T where the experts split over "tp" are carved from the data-parallel ranks
+    experts_mesh = None if expert_size == 1 else expert_mesh("cpu", ranks, expert_size, expert_weight, tensor)
     return RunContext(
         rank,
         rank,

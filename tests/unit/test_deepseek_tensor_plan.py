@@ -110,9 +110,8 @@ def test_the_config_checks_count_the_family_s_experts_not_the_native_keys():
     assert resolve(8, tensor).parallel.tensor.size == 8
     with pytest.raises(ConfigError, match=r"parallel.expert.size=3 must divide the config's n_routed_experts \(8\)"):
         resolve(3, {"parallel.mode": "ddp", "parallel.expert.size": 3})
-    split = {"parallel.mode": "fsdp2", "parallel.tensor.size": 2, "parallel.expert.size": 2}
-    with pytest.raises(ConfigError, match=r"parallel.expert.size=2 with parallel.expert.no_tp=False under"):
-        resolve(4, split)
+    split = {"parallel.mode": "fsdp2", "parallel.tensor.size": 2, "parallel.expert.size": -1}  # no_tp=False
+    assert resolve(4, split).parallel.expert.size == 2  # min(data-parallel ranks 2, 8 experts)
 
 
 def test_a_pipeline_takes_the_family_and_refuses_its_stage_tensor_groups_in_one_line():

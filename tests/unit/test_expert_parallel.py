@@ -191,10 +191,15 @@ def test_expert_sizes_as_internevo_writes_them_resolve_and_are_logged():
         ),
         (["parallel.expert.size=2", "model.num_experts=0"], 2, "needs a mixture-of-experts model"),
         (
-            ["parallel.expert.size=2", "parallel.tensor.size=2", "parallel.mode=fsdp2"],
-            4,
-            "parallel.expert.size=2 with parallel.expert.no_tp=False under parallel.tensor (size 2, mode 'mtp'): "
-            "expert parallel over experts split on the tensor group is not built",
+            [
+                "parallel.expert.size=2",
+                "parallel.expert_weight.size=2",
+                "parallel.tensor.size=2",
+                "parallel.mode=fsdp2",
+            ],
+            8,
+            "parallel.expert_weight.size=2 with parallel.expert.no_tp=False under parallel.tensor (size 2, mode 'mtp'): "
+            "expert weight groups over experts split on the tensor group are not built",
         ),
     ],
 )

@@ -16,23 +16,23 @@ FSDP2 = ["model.dtype=torch.float32", "parallel.mode=fsdp2", "parallel.tensor.si
 
 @pytest.mark.parametrize("mode", ["mtp", "msp", "fsp"])
 def test_split_experts_route_every_token_on_every_tensor_rank(mode):
-    """no_tp=False at 4 ranks, tensor 2: the tensor ranks route the same tokens, so expert parallel would be carved
-    from the 2 data-parallel ranks, the aux loss is one process's (no 1/T) and mtp needs no sequence split; InternEvo's
-    -1 resolves to 1 (said in the log), a size above 1 is refused in one line (not built over split experts)."""
+    """no_tp=False at 4 ranks, tensor 2: the tensor ranks route the same tokens, so expert parallel is carved from the
+    2 data-parallel ranks (InternEvo's -1: min(2, 4 experts), said in the log), the aux loss is one process's (no
+    1/T) and mtp needs no sequence split; expert weight groups over split experts are refused in one line."""
     from internlm_offload.builder.run import aux_chunks
     from internlm_offload.config import expert_ranks, experts_over_tensor, experts_split_over_tensor
 
     layout = [*FSDP2, f"parallel.tensor.mode={mode}"]
     cfg = resolved([*layout, "parallel.expert.size=-1"], 4)
     assert experts_split_over_tensor(cfg) and not experts_over_tensor(cfg)
-    assert (cfg.parallel.expert.size, expert_ranks(cfg, 4), aux_chunks(cfg)) == (1, 2, 1)
+    assert (cfg.parallel.expert.size, expert_ranks(cfg, 4), aux_chunks(cfg)) == (2, 2, 1)
     note = next(n for n in cfg.migration_notes()[0] if n.startswith("parallel.expert.size=-1"))
-    assert "-> 1: the experts are split over the tensor group (no_tp=False)" in note
-    message = refused([*layout, "parallel.expert.size=2"], 4)
+    assert "-> 2: min(data-parallel ranks 2, model.num_experts 4)" in note
+    message = refused([*layout, "parallel.expert.size=2", "parallel.expert_weight.size=2"], 8)
     assert message.startswith(
-        f"parallel.expert.size=2 with parallel.expert.no_tp=False under parallel.tensor (size 2, mode '{mode}')"
+        f"parallel.expert_weight.size=2 with parallel.expert.no_tp=False under parallel.tensor (size 2, mode '{mode}')"
     ), message
-    assert "set parallel.expert.size=1 or parallel.expert.no_tp=True" in message and "\n" not in message
+    assert "set parallel.expert_weight.size=1 or parallel.expert.no_tp=True" in message and "\n" not in message
     if mode == "mtp":  # every rank routes the whole sequence: an odd length splits nothing
         assert resolved([*layout, "data.seq_len=63"], 2).data.seq_len == 63
 

@@ -148,10 +148,6 @@ def gpt_oss(**sections: object) -> dict:
 @pytest.mark.parametrize(
     "sections, fragment",
     [
-        (
-            {"parallel": {"mode": "fsdp2", "tensor": {"size": 2, "mode": "msp"}, "expert": {"size": 2}}},
-            "parallel.expert.size=2 with parallel.expert.no_tp=False",
-        ),
         ({"model": {"lora": {"r": 4, "target_modules": ["gate_proj"]}}}, "'gate_proj' is not a linear of"),
         ({"model": {"attn_impl": "flash"}}, "model.attn_impl='flash'"),
         ({"ckpt": {"load_ckpt_info": {"path": "/x", "content": ("model",), "ckpt_type": "hf"}}}, "model.hf_path"),

@@ -177,12 +177,12 @@ def test_what_cannot_run_is_one_line(raw, part):
 @pytest.mark.parametrize("mode", ["mtp", "msp", "fsp"])
 def test_every_column_row_tensor_mode_with_moe_takes_either_no_tp(mode):
     """Tensor size 2 on an MoE model: mtp/msp/fsp with the config's no_tp=False split every expert over the tensor
-    group (expert size -1: 1, expert parallel is not built over split experts); with no_tp=True they stay whole, each
+    group (expert size -1: min(data-parallel ranks, 4 experts)); with no_tp=True they stay whole, each
     tensor rank routing its own sequence chunk (expert size -1: min(every rank, 4 experts)); isp keeps them whole
     either way (InternEvo's isp does the same)."""
     split = _with(MOE4, parallel__tensor=dict(size=2, mode=mode))
     split["parallel"]["zero1"] = dict(size=-1, fsdp=True)
-    assert resolve_config(split, world_size=4).parallel.expert.size == 1
+    assert resolve_config(split, world_size=4).parallel.expert.size == 2
     whole = _with(MOE4, parallel__tensor=dict(size=2, mode=mode), parallel__expert=dict(size=-1, no_tp=True))
     whole["parallel"]["zero1"] = dict(size=-1, fsdp=True)  # FSDP2: DDP takes no tensor-parallel DTensors
     assert resolve_config(whole, world_size=2).parallel.expert.size == 2

@@ -43,8 +43,7 @@ class ExpertParallelConfig(Section):
     size: int = Field(
         1,
         description="Expert parallel (docs/parallelism.md): each sparse block's routed experts split over groups of "
-        "this many data-parallel ranks (every rank under isp and under mtp/msp/fsp with `no_tp`; not built with "
-        "experts split over the tensor group, mtp/msp/fsp with `no_tp=False`; E / size experts "
+        "this many data-parallel ranks (every rank under isp and under mtp/msp/fsp with `no_tp`; E / size experts "
         "per rank, tokens sent to them by all-to-all; `parallel.mode` ddp or fsdp2). -1 (InternEvo's "
         "default) or <= 0: min(those ranks, model.num_experts), as InternEvo resolves -1; said in the log. "
         '`"auto"` (with `memory_budget`): the planner chooses among the sizes dividing both.',
@@ -55,8 +54,8 @@ class ExpertParallelConfig(Section):
         "rank routing its own sequence chunk. Under mtp/msp/fsp with tensor size > 1 on a model with experts: False "
         "(InternEvo's default) splits every routed expert's intermediate width over the tensor group (w1/w3/b1/b3 "
         "rows, w2 columns; the shared experts column/row parallel as the dense MLP), every tensor rank routing all "
-        "the tokens and the partial outputs summed over the group (expert parallel not built with it: size -1 "
-        "resolves to 1); True keeps each sparse block (router, routed and shared experts) whole on every tensor "
+        "the tokens and the partial outputs summed over the group (expert parallel carved from the data-parallel "
+        "ranks, no expert weight groups); True keeps each sparse block (router, routed and shared experts) whole on every tensor "
         "rank, each routing its own chunk of the sequence, expert parallel carved from every rank. "
         "docs/parallelism.md, Expert parallel.",
     )

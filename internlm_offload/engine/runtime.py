@@ -34,7 +34,8 @@ class RunContext:
     mesh: DeviceMesh | None = None
     # Expert parallel: the ("edp", "ep") mesh over the data-parallel ranks (every rank where the tensor ranks route
     # chunks of their own), ("edp_replicate", "edp_shard", "ep") with "edp" flattened under expert weight parallel
-    # (engine/expert_parallel.py); None without
+    # (engine/expert_parallel.py), ("edp", "ep", "tp") with the experts split over the tensor group (no_tp=False);
+    # None without
     expert_mesh: DeviceMesh | None = None
     # Pipeline parallel: the ("pp", "dp") mesh, stage ranks outermost (rank r is pipeline rank r // (W / P)); the
     # ranks of one stage read different micro-batches, those of one pipeline the same. None without a pipeline.

@@ -23,7 +23,8 @@ The rule, from the data flow:
   the shared gate) is read through `PartialReaders`, whose backward sums its gradient over "tp" (Megatron's copy to
   the tensor region); the router reads the input as it is, its gradient whole on every rank. So the router and the
   gate keep plain weights whose gradients are the same on every tensor rank (as mtp's norms), each expert slice's
-  gradient is its own, and b2's (a replicated DTensor read with a `Partial` gradient) is summed over "tp".
+  gradient is its own, and b2 (a DTensor whole over "tp") is read through `PartialReaders` too, inside the experts'
+  own forward, so its gradient is summed over "tp" before it reaches the parameter.
 - Expert parallel is carved from the data-parallel ranks only in this layout (InternEvo's: its expert tensor
   group is the tensor group): the expert mesh is ("edp", "ep", "tp") over the world (engine/runtime.py), and
   engine/expert_parallel.py places each stacked weight over ("ep", "tp") as [Shard(0), Replicate()], whose "tp"

@@ -124,3 +124,32 @@ def test_the_planner_states_every_token_routed_through_a_rank_s_slices():
     line = experts_assumption(resolved([*FSDP2, "parallel.tensor.mode=msp"], 2))
     assert "GShard: 1024 routed rows per sparse block per micro-batch through one grouped GEMM" in line
     assert "[assumed: one rank holds 1/2 of every expert's width (no_tp=False)" in line
+
+
+def test_the_expert_groups_are_the_data_parallel_groups_of_one_tensor_rank():
+    """Expert parallel over split experts at 4 ranks, tensor 2, expert 2: ("edp", "ep", "tp"), tensor innermost as in
+    ("dp", "tp"), so rank 1's expert group is {1, 3} (its data-parallel group: both hold tensor rank 1's slice) and a
+    stacked weight placed by expert parallel is whole over "tp" until the tensor plan cuts its slice."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from internlm_offload.engine.expert_parallel import apply_expert_parallel
+    from internlm_offload.engine.expert_tensor_parallel import SplitMoE
+    from internlm_offload.engine.runtime import expert_mesh, tensor_parallel_mesh
+    from internlm_offload.model.moe import MoE
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        mesh, experts = tensor_parallel_mesh("cpu", 4, 2), expert_mesh("cpu", 2, 2, tensor=2)
+        assert experts.mesh_dim_names == ("edp", "ep", "tp")
+        assert experts["ep"].mesh.tolist() == mesh["dp"].mesh.tolist() == [1, 3]
+        assert experts["tp"].mesh.tolist() == mesh["tp"].mesh.tolist() == [0, 1]
+        with torch.device("meta"):
+            moe = MoE(16, 8, 4, 2, moe_type="Dropless", expert_bias=True)
+        apply_expert_parallel(moe, experts)
+        assert moe.experts.w1.placements == (Shard(0), Replicate())
+        parallelize_module(moe, mesh["tp"], SplitMoE(sequence_sharded=False))
+        assert moe.experts.w1.placements == (Shard(0), Shard(1)) and moe.experts.w2.placements == (Shard(0), Shard(2))
+        assert tuple(moe.experts.w1.to_local().shape) == (2, 4, 16)
+        assert moe.experts.b2.placements == (Shard(0), Replicate()) and moe.experts.b2_share == 0.0
+    finally:
+        dist.destroy_process_group()

@@ -25,11 +25,11 @@ def test_split_experts_follow_one_process_and_resume_on_another_layout(tmp_path,
     every token of its micro-batches and sums its part of the output over the tensor group (mtp: all-reduce; msp:
     the input gathered, the output reduce-scattered), b2 added by one rank. InternLM2 under mtp with InternEvo's
     `expert.size=-1` (expert parallel over the 2 data-parallel ranks: 2 experts each, every expert's half on each
-    tensor rank) and under msp without expert parallel; GPT-OSS under mtp without and under msp with expert parallel
-    2. Loss and grad norm within 1e-5 (relative) of one process for 6 steps each. The InternLM2 mtp run's DCP
+    tensor rank); GPT-OSS under msp with expert parallel 2 (mtp and msp without expert parallel, and GPT-OSS under
+    mtp, were run by hand: docs/parallelism.md; left out of CI to keep this launch short). Loss and grad norm within 1e-5 (relative) of one process for 6 steps each. The InternLM2 mtp run's DCP
     checkpoint of step 3 resumed on the 4 ranks under FSDP2 without tensor or expert parallel (DCP reassembles each
-    expert's quarters) goes on within 1e-5 of one process. Red with b2 added on every tensor rank (GPT-OSS mtp on 2
-    ranks: the loss 2.6e-3 off at step 2, the grad norm 0.85 at step 1); by hand, on 4 steps of the same models:
+    expert's quarters) goes on within 1e-5 of one process. Red with b2 added on every tensor rank (GPT-OSS msp with
+    expert parallel here; GPT-OSS mtp on 2 ranks by hand: the loss 2.6e-3 off at step 2, the grad norm 0.85 at step 1); by hand, on 4 steps of the same models:
     with the output's reduction left out (InternLM2 mtp: the loss off from step 1), with the gradient of what the
     experts read not summed over "tp" (InternLM2 msp: the grad norm off from step 1, 0.067 at step 2), with w2
     split on its rows (a shape error in the grouped GEMM), and with b2 read through the tensor sum in the block's
@@ -41,8 +41,6 @@ def test_split_experts_follow_one_process_and_resume_on_another_layout(tmp_path,
     saved = ["ckpt.enable_save_ckpt=True", "ckpt.checkpoint_every=3", "ckpt.keep_last=0"]
     runs = {
         "moe_mtp_ep": ([*MOE, *SPLIT, "parallel.tensor.mode=mtp", "parallel.expert.size=-1", *saved], tiny),
-        "moe_msp": ([*MOE, *SPLIT, "parallel.tensor.mode=msp"], tiny),
-        "gpt_mtp": ([*GPT_OSS_STEPS, *SPLIT, "parallel.tensor.mode=mtp"], GPT_OSS),
         "gpt_msp_ep": ([*GPT_OSS_STEPS, *SPLIT, "parallel.tensor.mode=msp", "parallel.expert.size=2"], GPT_OSS),
     }
     step_3 = tmp_path / "moe_mtp_ep" / "checkpoints" / "step_00000003"
@@ -53,7 +51,7 @@ def test_split_experts_follow_one_process_and_resume_on_another_layout(tmp_path,
         argv += [THEN] * bool(index) + train_argv(tmp_path / name, *options, config=config)
     proc = run_python(argv)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stderr.count("Applied tensor parallel mtp over 2 ranks") == 2
+    assert proc.stderr.count("Applied tensor parallel mtp over 2 ranks") == 1
     assert "parallel.expert.size=-1 -> 2: min(data-parallel ranks 2, model.num_experts 4)" in proc.stderr
     assert "Applied FSDP2 to the experts over 1 expert-data ranks (w1 here: (2, 64, 128))" in proc.stderr
     for name, (_, config) in runs.items():

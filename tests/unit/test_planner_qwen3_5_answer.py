@@ -6,7 +6,7 @@ against a parameter count worked out by hand from the config.
 
 The model's 30 DeltaNet and 10 attention blocks are traced as one run of each (30 then 10, `family.with_blocks`), so
 the step composes from three reduced models of 4 and 5 blocks (`compose.py`): interleaved (3 DeltaNet, 1 attention),
-every run is at most 3 blocks long and the model is traced whole: 19 CPU s against 11 (imports included). What the host holds at its
+every run is at most 3 blocks long and the model is traced whole (about twice the CPU time). What the host holds at its
 peak (the parameters, gradients and states, the optimizer step's) does not depend on the blocks' order: the search's
 host peak for the interleaved model, 556604008448 bytes, is this one's to the byte."""
 

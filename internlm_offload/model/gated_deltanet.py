@@ -25,6 +25,7 @@ from torch import nn
 from internlm_offload.model.attention import Documents
 from internlm_offload.model.fla_kernels import fla_delta_rule, run_fla
 from internlm_offload.model.hooks import ExchangesSequence, SplitsHeadGroups
+from internlm_offload.model.meta_trace import count_skipped_work, traced_queries
 from internlm_offload.model.mlp import ParamInit, normal_init
 
 CHUNK_SIZE = 64
@@ -110,7 +111,7 @@ def chunk_gated_delta_rule(
 ) -> torch.Tensor:
     """The gated delta rule over (H, N, d) fp32 inputs (g, beta: (H, N)), N a multiple of `chunk_size`, q and k
     L2-normalised and q scaled; the state restarts at zero on every chunk `resets` marks. Returns (H, N, dv)."""
-    H, N, dk = k.shape
+    H, N, _ = k.shape
     dv = v.shape[-1]
     n_chunks = N // chunk_size
     q, k, v = (t.reshape(H, n_chunks, chunk_size, t.shape[-1]) for t in (q, k, v))
@@ -129,15 +130,80 @@ def chunk_gated_delta_rule(
     q_decayed = q * gamma.exp().unsqueeze(-1)
     k_decayed = k * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
     chunk_decay = gamma[..., -1].exp()[..., None, None]  # (H, n_chunks, 1, 1)
-    state = q.new_zeros(H, dk, dv)
-    outs = []
-    for i in range(n_chunks):
-        if resets[i]:
-            state = torch.zeros_like(state)  # a document starts: nothing of the previous one carries over
-        v_new = u[:, i] - w[:, i] @ state
-        outs.append(q_decayed[:, i] @ state + attn[:, i] @ v_new)
-        state = state * chunk_decay[:, i] + k_decayed[:, i].transpose(-1, -2) @ v_new
-    return torch.stack(outs, 1).reshape(H, N, dv)
+    out = DeltaScan.apply(u, w, q_decayed, attn, k_decayed, chunk_decay, resets)
+    return out.reshape(H, N, dv)
+
+
+def _scan_flops(H: int, c: int, dk: int, dv: int) -> tuple[int, int]:
+    """The matmul FLOPs of one chunk of `DeltaScan`: its forward (W S, Q S, A V, Kᵀ V) and its backward (Aᵀ dO,
+    K dS, dO Vᵀ, dO Sᵀ, V dSᵀ, dV Sᵀ, Qᵀ dO, Wᵀ dV)."""
+    forward = 2 * H * (c * dk * dv * 3 + c * c * dv)
+    backward = 2 * H * (c * dk * dv * 6 + c * c * dv * 2)
+    return forward, backward
+
+
+class DeltaScan(torch.autograd.Function):
+    """The scan over chunks, per chunk i (S_i the state it starts from, zero where `resets[i]`):
+    V_i = U_i - W_i S_i, O_i = Qd_i S_i + A_i V_i, S_i+1 = c_i S_i + Kd_iᵀ V_i. Returns O (H, n, c, dv).
+
+    One autograd node for the whole scan (autograd through the loop kept one node per chunk and op, each input's
+    chunk gradient a zero-filled copy of the whole input): the states and V_i go into buffers allocated before
+    the loop and saved, the gradients into buffers allocated before the backward's loop, so each chunk allocates
+    only its own transients, the same for every chunk. On meta (the planner's trace) both loops therefore run their
+    first `meta_trace.TRACED_CHUNKS` chunks and count the rest's matmuls in one stand-in op (model/meta_trace.py)."""
+
+    @staticmethod
+    def forward(ctx, u, w, q_decayed, attn, k_decayed, chunk_decay, resets: list[bool]):
+        H, n, c, dv = u.shape
+        dk = w.shape[-1]
+        states = u.new_zeros(H, n, dk, dv)  # S_i, each chunk's start
+        v_new = torch.empty_like(u)
+        out = torch.empty_like(u)
+        traced = traced_queries(u, n, 1)  # on meta the first chunks
+        for i in range(traced):
+            state = states[:, i]
+            if resets[i]:
+                state.zero_()  # a document starts: nothing of the previous one carries over
+            v_new[:, i] = u[:, i] - w[:, i] @ state
+            out[:, i] = q_decayed[:, i] @ state + attn[:, i] @ v_new[:, i]
+            if i + 1 < n:
+                states[:, i + 1] = state * chunk_decay[:, i] + k_decayed[:, i].transpose(-1, -2) @ v_new[:, i]
+        forward, _ = _scan_flops(H, c, dk, dv)
+        count_skipped_work(u, forward * (n - traced) - 2 * H * dk * c * dv * (traced < n))  # no S_n after the last
+        ctx.save_for_backward(w, q_decayed, attn, k_decayed, chunk_decay, states, v_new)
+        ctx.resets = resets
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        w, q_decayed, attn, k_decayed, chunk_decay, states, v_new = ctx.saved_tensors
+        H, n, c, dv = v_new.shape
+        dk = w.shape[-1]
+        grad_u = torch.empty_like(v_new)  # dU_i = dV_i
+        grad_w, grad_q, grad_k = torch.empty_like(w), torch.empty_like(q_decayed), torch.empty_like(k_decayed)
+        grad_attn = torch.empty_like(attn)
+        grad_decay = torch.empty_like(chunk_decay)
+        grad_state = states.new_zeros(H, dk, dv)  # dS_i+1, carried backwards (S_n is not an output)
+        traced = traced_queries(v_new, n, 1)
+        for i in range(n - 1, n - 1 - traced, -1):
+            state, d_out, v_i = states[:, i], grad_out[:, i], v_new[:, i]
+            d_v = attn[:, i].transpose(-1, -2) @ d_out + k_decayed[:, i] @ grad_state
+            grad_u[:, i] = d_v
+            grad_attn[:, i] = d_out @ v_i.transpose(-1, -2)
+            grad_q[:, i] = d_out @ state.transpose(-1, -2)
+            grad_k[:, i] = v_i @ grad_state.transpose(-1, -2)
+            grad_w[:, i] = -(d_v @ state.transpose(-1, -2))
+            grad_decay[:, i] = (state * grad_state).sum((-1, -2), keepdim=True)
+            grad_state = (
+                grad_state * chunk_decay[:, i]
+                + q_decayed[:, i].transpose(-1, -2) @ d_out
+                - w[:, i].transpose(-1, -2) @ d_v
+            )
+            if ctx.resets[i]:
+                grad_state.zero_()  # S_i was zero: nothing flows into the previous document
+        _, backward = _scan_flops(H, c, dk, dv)
+        count_skipped_work(v_new, backward * (n - traced))
+        return grad_u, grad_w, grad_q, grad_attn, grad_k, grad_decay, None
 
 
 class GatedDeltaNet(nn.Module, ExchangesSequence, SplitsHeadGroups):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from internlm_offload.model.attention import Documents
-from internlm_offload.model.gated_deltanet import ChunkLayout, GatedDeltaNet, chunk_gated_delta_rule
+from internlm_offload.model.gated_deltanet import ChunkLayout, DeltaScan, GatedDeltaNet, chunk_gated_delta_rule
 
 HIDDEN, HK, HV, DK, DV = 32, 2, 4, 8, 6
 
@@ -44,6 +44,41 @@ def test_the_chunked_rule_is_the_recurrence():
     beta = torch.rand(H, N, generator=g_)
     out = chunk_gated_delta_rule(q, k, v, g, beta, [True, False], chunk_size=8)
     torch.testing.assert_close(out, recurrent_rule(q, k, v, g, beta), rtol=0, atol=1e-5)
+
+
+def autograd_scan(u, w, q_decayed, attn, k_decayed, chunk_decay, resets):
+    """The scan over chunks as plain ops under autograd (one node per chunk and op): `DeltaScan`'s reference."""
+    state = u.new_zeros(u.shape[0], w.shape[-1], u.shape[-1])
+    outs = []
+    for i in range(u.shape[1]):
+        if resets[i]:
+            state = torch.zeros_like(state)
+        v_new = u[:, i] - w[:, i] @ state
+        outs.append(q_decayed[:, i] @ state + attn[:, i] @ v_new)
+        state = state * chunk_decay[:, i] + k_decayed[:, i].transpose(-1, -2) @ v_new
+    return torch.stack(outs, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_scan_and_its_backward_are_autograd_s(dtype):
+    """`DeltaScan` (hand-written backward, buffers allocated before its loops) against autograd through the loop:
+    5 chunks of 8, two documents (a reset at chunk 3); the output and every input's gradient bit for bit."""
+    g_ = torch.Generator().manual_seed(0)
+    H, n, c, dk, dv = 3, 5, 8, 5, 4
+    shapes = [(H, n, c, dv), (H, n, c, dk), (H, n, c, dk), (H, n, c, c), (H, n, c, dk), (H, n, 1, 1)]
+    inputs = [torch.randn(shape, generator=g_, dtype=dtype) * 0.5 for shape in shapes]
+    inputs[-1] = inputs[-1].sigmoid()
+    resets = [True, False, False, True, False]
+    ours = [t.clone().requires_grad_() for t in inputs]
+    ref = [t.clone().requires_grad_() for t in inputs]
+    out = DeltaScan.apply(*ours, resets)
+    expected = autograd_scan(*ref, resets)
+    assert torch.equal(out, expected)
+    grad = torch.randn(out.shape, generator=g_, dtype=dtype)
+    out.backward(grad)
+    expected.backward(grad)
+    for name, a, b in zip(("u", "w", "q_decayed", "attn", "k_decayed", "chunk_decay"), ours, ref, strict=True):
+        assert torch.equal(a.grad, b.grad), name
 
 
 def test_the_layout_pads_each_document_to_whole_chunks():

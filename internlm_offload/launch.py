@@ -332,6 +332,8 @@ def write_run_files(cfg: RunConfig, work_dir: Path, *, fresh: bool) -> None:
     work_dir.mkdir(parents=True, exist_ok=True)
     resolved = cfg.model_dump()
     (work_dir / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
-    Config(resolved).dump(str(work_dir / "config.py"))
+    # mmengine's layout (a key per line) without its yapf pass: the same loadable file, and yapf cost every run
+    # about 50 ms of CPU (5 % of a tiny run's)
+    Config(resolved, format_python_code=False).dump(str(work_dir / "config.py"))
     if fresh:
         (work_dir / "metrics.jsonl").unlink(missing_ok=True)

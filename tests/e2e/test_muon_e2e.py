@@ -85,7 +85,8 @@ def test_fsdp2_follows_one_process_and_its_checkpoint_continues_on_one(tmp_path,
     """FSDP2 over 2 processes (every matrix gathered whole, optim/muon_sharded.py) against one process for 20 steps
     within 1e-5 on the loss (measured 1.1e-7; 7.1e-6 with bf16 Newton-Schulz). Given the same gradients the
     sharded step is bitwise one process's in either dtype (tests/unit/test_muon_sharded.py). The swap tier over the
-    same shards trains the FSDP2 curve bitwise (red with the rule given the bare shards). Its step-15 checkpoint
+    same shards trains the FSDP2 curve bitwise, its first 8 steps (red with the rule given the bare shards: off from
+    step 2). Its step-15 checkpoint
     (momentum buffers as DTensor shards) continues on one process along its curve. Red with Newton-Schulz on each
     rank's shard (the loss off from step 2, 0.062 at step 8), with the update gathered in bf16 under fp32
     Newton-Schulz (the gradient norm 2.1e-4 off at step 8) and with bf16 Newton-Schulz (the norm 1.2e-4 off at
@@ -95,11 +96,15 @@ def test_fsdp2_follows_one_process_and_its_checkpoint_continues_on_one(tmp_path,
     save = ["ckpt.enable_save_ckpt=True", "ckpt.checkpoint_every=15", "ckpt.keep_last=0"]
     train(run, *on("fsdp2"), *save, nproc=2, config=MUON)
     assert_near(one, run)
-    # the swap tier over the shards: chunks of whole local shards, each matrix gathered whole as the plain step does
+    # the swap tier over the shards: chunks of whole local shards, each matrix gathered whole as the plain step does.
+    # A bitwise twin runs the first 8 steps of the same schedule (the convention of the tensor-parallel files): a
+    # shard-wise rule is off from step 2 (CI time: 12 more steps on two processes added no other kind of step)
     swap = tmp_path / "swap"
-    train(swap, *on("fsdp2"), "swap_optimizer=True", "swap_optimizer_times=4", nproc=2, config=MUON)
+    first_8 = ["data.total_steps=8", "lr_scheduler.total_steps=20", NO_CKPT]  # the later total_steps wins
+    train(swap, *on("fsdp2"), "swap_optimizer=True", "swap_optimizer_times=4", *first_8, nproc=2, config=MUON)
+    assert [r["step"] for r in metrics(swap)] == list(range(1, 9))
     for metric in ("loss", "grad_norm"):
-        compared = loss_compare(str(run), str(swap), "--exact", "--quiet", "--metric", metric)
+        compared = loss_compare(str(run), str(swap), "--exact", "--quiet", "--metric", metric, "--steps", ":8")
         assert compared.returncode == 0, (metric, compared.stdout)
     shutil.copytree(run / "checkpoints" / "step_00000015", resumed / "checkpoints" / "step_00000015")
     train(resumed, *on("none"), NO_CKPT, config=MUON, resume=True)

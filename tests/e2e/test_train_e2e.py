@@ -1,9 +1,11 @@
 """End to end through train.py: determinism, resume, parallel modes, the default config."""
 
+import json
 import math
 import shutil
 
 import pytest
+from mmengine.config import Config
 from runner import BASELINE_NPROC, REPO, baseline_options, losses, metrics, train
 
 pytestmark = pytest.mark.e2e
@@ -73,7 +75,9 @@ def test_default_config_trains_with_falling_loss(tmp_path):
     assert last < 0.7 * first, (first, last)
     assert {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "step_time_s"} <= records[0].keys()
     assert {"device_mem_bytes", "device_peak_mem_bytes", "host_rss_bytes"} <= records[0].keys()
-    assert (work_dir / "config.py").is_file() and (work_dir / "config.json").is_file()
+    # the resolved config twice: as JSON, and as a Python config that loads back to the same values
+    resolved = json.loads((work_dir / "config.json").read_text())
+    assert json.loads(json.dumps(Config.fromfile(work_dir / "config.py").to_dict())) == resolved  # tuples as lists
     assert "Layer plan" in proc.stderr
 
 

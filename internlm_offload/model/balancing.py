@@ -57,6 +57,21 @@ def balancing_loss(
     return xtuner_balance_loss(counts, shares, tokens, num_experts, top_k)
 
 
+def training_aux_losses(
+    kind: str | None,
+    stats: list[RouterStats],
+    num_experts: int,
+    top_k: int,
+    pool: RouterStatsPoolFn | None,
+    training: bool,
+) -> dict[str, torch.Tensor]:
+    """A family's `aux_losses`: `moe_aux`, the `kind` balancing loss of a training forward's routers, unweighted;
+    none without a kind, without routers, or in a validation forward (its losses are not training's)."""
+    if kind is None or not training or not stats:
+        return {}
+    return {MOE_AUX: balancing_loss(kind, stats, num_experts, top_k, pool)}
+
+
 def choice_statistics(stats: list[RouterStats]) -> tuple[torch.Tensor, torch.Tensor]:
     """(L, E) top-k choices per expert (no gradient) and (L, E) sums over the tokens of XTuner's router weights: the
     bias router's `choice_shares`, a softmax router's softmax over all experts (`prob_sum`)."""

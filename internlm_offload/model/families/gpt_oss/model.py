@@ -8,13 +8,12 @@ import torch
 from torch import nn
 
 from internlm_offload.model.attention import Attention
-from internlm_offload.model.balancing import balancing_loss
+from internlm_offload.model.balancing import training_aux_losses
 from internlm_offload.model.decoder import Decoder, DecoderLayer
 from internlm_offload.model.experts import ClampedSwiGLU
 from internlm_offload.model.families.gpt_oss.args import GptOssArgs
 from internlm_offload.model.hooks import PoolsRouterStats
 from internlm_offload.model.moe import MoE
-from internlm_offload.model.output import MOE_AUX
 from internlm_offload.model.rope import rope_from_parameters
 from internlm_offload.model.tensor_plan import BlockPlan, Region, TensorPlan
 
@@ -101,10 +100,7 @@ class GptOss(Decoder, PoolsRouterStats):
     def aux_losses(self, stats: list) -> dict[str, torch.Tensor]:
         """`moe_aux`: the balancing loss of a training forward's routers, unweighted; none without one (a validation
         forward's losses are not training's)."""
-        if self.balancing_loss is None or not self.training or not stats:
-            return {}
         args = self.args
-        loss = balancing_loss(
-            self.balancing_loss, stats, args.num_local_experts, args.num_experts_per_tok, self.stats_pool
+        return training_aux_losses(
+            self.balancing_loss, stats, args.num_local_experts, args.num_experts_per_tok, self.stats_pool, self.training
         )
-        return {MOE_AUX: loss}

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from internlm_offload.model.attention import Attention
-from internlm_offload.model.balancing import balancing_loss
+from internlm_offload.model.balancing import training_aux_losses
 from internlm_offload.model.decoder import Decoder, DecoderLayer
 from internlm_offload.model.families.qwen3_next.args import FULL, LINEAR, Qwen3NextArgs
 from internlm_offload.model.families.qwen3_next.folder_layout import SourceLayout
@@ -20,7 +20,6 @@ from internlm_offload.model.hooks import PoolsRouterStats
 from internlm_offload.model.mlp import FeedForward
 from internlm_offload.model.moe import MoE
 from internlm_offload.model.mtp import MtpSettings, side_blocks
-from internlm_offload.model.output import MOE_AUX
 from internlm_offload.model.tensor_plan import BlockPlan, Region, TensorPlan
 
 
@@ -175,8 +174,7 @@ class Qwen3Next(Decoder, PoolsRouterStats):
     def aux_losses(self, stats: list) -> dict[str, torch.Tensor]:
         """`moe_aux`: the balancing loss of a training forward's routers, unweighted; none without one (a validation
         forward's losses are not training's)."""
-        if self.balancing_loss is None or not self.training or not stats:
-            return {}
         args = self.args
-        loss = balancing_loss(self.balancing_loss, stats, args.num_experts, args.num_experts_per_tok, self.stats_pool)
-        return {MOE_AUX: loss}
+        return training_aux_losses(
+            self.balancing_loss, stats, args.num_experts, args.num_experts_per_tok, self.stats_pool, self.training
+        )

@@ -22,7 +22,6 @@ library.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -39,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from internlm_offload.bench.timing import run_workers
+from internlm_offload.bench.timing import parse_worker_arguments, run_distributed
 from internlm_offload.engine.expert_parallel import ExpertDispatch, apply_expert_parallel
 from internlm_offload.engine.runtime import expert_mesh
 from internlm_offload.model.moe import MoE
@@ -208,28 +207,12 @@ def report(shape: dict[str, int], records: dict[str, dict[str, Any]]) -> dict[st
     }
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny shapes, one step (checks the script, times nothing)")
-    p.add_argument("--steps", type=int, help=f"timed steps per variant (default {FULL['steps']})")
-    p.add_argument("--out", type=Path, default=REPO / "bench_results" / "expert_parallel.json")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the launch below
-    return p.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    shape = dict(QUICK if args.quick else FULL)
-    if args.steps is not None:
-        shape["steps"] = args.steps
+    out = REPO / "bench_results" / "expert_parallel.json"
+    args = parse_worker_arguments(argv, description=__doc__.split("\n")[0], out=out, full_steps=FULL["steps"])
+    result = run_distributed(args, "internlm_offload.bench.expert_parallel", RANKS, (QUICK, FULL), worker, REPO)
     if args.worker:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        worker(shape, args.out)
-        return {}
-    argv = ["--out", str(args.out), *(["--quick"] if args.quick else [])]
-    argv += [f"--steps={args.steps}"] if args.steps is not None else []
-    run_workers("internlm_offload.bench.expert_parallel", RANKS, argv, REPO)
-    result = json.loads(args.out.read_text())
+        return result
     summary = result["summary"]
     print(
         f"EP=2 on gloo: all-to-all {summary['all_to_all_bytes_per_step'] / 2**20:.2f} MiB sent per step in "

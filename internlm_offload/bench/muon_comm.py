@@ -22,7 +22,6 @@ Muon). Writes JSON; no timing is asserted anywhere (the machine is shared). Not 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -40,7 +39,7 @@ from torch.distributed.tensor import Placement, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from internlm_offload.bench.muon import ADAMW_HYPER, MUON_HYPER, block_shapes
-from internlm_offload.bench.timing import run_workers
+from internlm_offload.bench.timing import parse_worker_arguments, run_distributed
 from internlm_offload.optim import Muon
 from internlm_offload.optim.adamw import AdamW
 
@@ -180,28 +179,12 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny matrices, one step (checks the script, times nothing)")
-    p.add_argument("--steps", type=int, help=f"timed steps per variant (default {FULL['steps']})")
-    p.add_argument("--out", type=Path, default=REPO / "bench_results" / "muon_comm.json")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the launch below
-    return p.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    settings = dict(QUICK if args.quick else FULL)
-    if args.steps is not None:
-        settings["steps"] = args.steps
+    out = REPO / "bench_results" / "muon_comm.json"
+    args = parse_worker_arguments(argv, description=__doc__.split("\n")[0], out=out, full_steps=FULL["steps"])
+    result = run_distributed(args, "internlm_offload.bench.muon_comm", RANKS, (QUICK, FULL), worker, REPO)
     if args.worker:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        worker(settings, args.out)
-        return {}
-    argv = ["--out", str(args.out), *(["--quick"] if args.quick else [])]
-    argv += [f"--steps={args.steps}"] if args.steps is not None else []
-    run_workers("internlm_offload.bench.muon_comm", RANKS, argv, REPO)
-    result = json.loads(args.out.read_text())
+        return result
     print(table(result))  # a tool's report, not library logging
     return result
 

@@ -6,6 +6,7 @@ ratios to a base variant; what the numbers depend on (`machine`); a bench's own 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -121,3 +122,39 @@ def run_workers(module: str, ranks: int, argv: list[str], cwd: Path) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     command += ["-m", module, "--worker", *argv]
     subprocess.run(command, check=True, env={"OMP_NUM_THREADS": "1", **os.environ}, cwd=cwd)
+
+
+def parse_worker_arguments(
+    argv: list[str] | None, *, description: str, out: Path, full_steps: int
+) -> argparse.Namespace:
+    """The torchrun benches' options: --quick, --steps, --out, and the --worker their launch sets."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one step (checks the script, times nothing)")
+    p.add_argument("--steps", type=int, help=f"timed steps per variant (default {full_steps})")
+    p.add_argument("--out", type=Path, default=out)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by `run_distributed`
+    return p.parse_args(argv)
+
+
+def run_distributed(
+    args: argparse.Namespace,
+    module: str,
+    ranks: int,
+    sizes: tuple[dict[str, Any], dict[str, Any]],
+    worker: Callable[[dict[str, Any], Path], None],
+    cwd: Path,
+) -> dict[str, Any]:
+    """A torchrun bench's two sides: in a worker (`--worker`), `worker(settings, args.out)` on OMP_NUM_THREADS
+    threads and {}, the settings `sizes`' (quick, full) one as --quick says with --steps over it; in the launching
+    process, `ranks` workers with the same --quick / --steps / --out, then the JSON they wrote."""
+    if args.worker:
+        settings = dict(sizes[0] if args.quick else sizes[1])
+        if args.steps is not None:
+            settings["steps"] = args.steps
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        worker(settings, args.out)
+        return {}
+    argv = ["--out", str(args.out), *(["--quick"] if args.quick else [])]
+    argv += [f"--steps={args.steps}"] if args.steps is not None else []
+    run_workers(module, ranks, argv, cwd)
+    return json.loads(args.out.read_text())

@@ -20,11 +20,12 @@ from torch import nn
 from internlm_offload.model.attention import Documents
 from internlm_offload.model.hooks import HasTensorPlan, RecordsRouterStats, ShardsSequence
 from internlm_offload.model.mlp import ParamInit, normal_init
-from internlm_offload.model.mtp import MtpSettings, MultiTokenPrediction
+from internlm_offload.model.mtp import MtpSettings, MultiTokenPrediction, side_blocks
 from internlm_offload.model.norm import RMSNorm
 from internlm_offload.model.output import ModelOutput
 from internlm_offload.model.rope import InvFreqFn, float32_inv_freq, rope_cos_sin, rope_inv_freq
 from internlm_offload.model.router import RouterStats
+from internlm_offload.model.tensor_plan import BlockPlan, SideBlock
 
 # What `Decoder.init_weights` does with each (parameter, init): by default `init(parameter)`.
 ApplyInit = Callable[[nn.Parameter, ParamInit], None]
@@ -232,6 +233,13 @@ class Decoder(nn.Module, HasTensorPlan, ShardsSequence):
                 )
                 mtp_logits = tuple(self.mtp.logits(d, self.output) for d in depths)
         return ModelOutput(logits, self.aux_losses(stats), mtp_logits)
+
+    def mtp_side_blocks(self, block_plan: Callable[[int], BlockPlan]) -> tuple[SideBlock, ...]:
+        """Multi-token prediction's layers for the tensor plan (none without them): layer k's block planned as the
+        family's block `num_layers + k` (`block_plan(i)`), its norms and eh_proj around it."""
+        if self.mtp is None:
+            return ()
+        return side_blocks(self.mtp.settings.physical, lambda k: block_plan(self.num_layers + k))
 
     def aux_losses(self, stats: list[RouterStats]) -> dict[str, torch.Tensor]:
         """The auxiliary losses by name (model/output.py) of this forward's router statistics; none by default."""

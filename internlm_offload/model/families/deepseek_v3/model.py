@@ -21,9 +21,9 @@ from internlm_offload.model.indexer import LightningIndexer
 from internlm_offload.model.mla import MultiLatentAttention
 from internlm_offload.model.mlp import FeedForward
 from internlm_offload.model.moe import MoE
-from internlm_offload.model.mtp import MtpSettings, side_blocks
+from internlm_offload.model.mtp import MtpSettings
 from internlm_offload.model.rope import rope_from_parameters, softmax_mscale
-from internlm_offload.model.tensor_plan import BlockPlan, Region, Replicated, SideBlock, TensorPlan
+from internlm_offload.model.tensor_plan import BlockPlan, Region, Replicated, TensorPlan
 
 
 def build_attention(args: DeepseekV3Args, attn_impl: str, i: int) -> nn.Module:
@@ -146,11 +146,6 @@ def block_plan(args: DeepseekV3Args, i: int) -> BlockPlan:
     )
 
 
-def mtp_side_blocks(args: DeepseekV3Args, physical: int) -> tuple[SideBlock, ...]:
-    """Multi-token prediction's layers in the plan: each one's block as block L + k, its norms and eh_proj around it."""
-    return side_blocks(physical, lambda k: block_plan(args, args.num_layers + k))
-
-
 class DeepseekV3(Decoder, PoolsRouterStats):
     """A model of the lineage from `DeepseekV3Args`; with `mtp`, multi-token prediction after its stack;
     `balancing_loss` names its balancing loss (model/balancing.py BALANCING_LOSSES; None: none)."""
@@ -187,7 +182,7 @@ class DeepseekV3(Decoder, PoolsRouterStats):
     def tensor_plan(self) -> TensorPlan:
         """Where tensor parallel and expert parallel find this model's modules (model/tensor_plan.py)."""
         blocks = tuple(block_plan(self.args, i) for i in range(self.args.num_layers))
-        sides = mtp_side_blocks(self.args, self.mtp.settings.physical) if self.mtp is not None else ()
+        sides = self.mtp_side_blocks(lambda i: block_plan(self.args, i))
         return TensorPlan(
             embedding="tok_embeddings", final_norm="norm", head="output", blocks=blocks, side_blocks=sides
         )

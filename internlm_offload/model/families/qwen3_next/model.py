@@ -19,7 +19,7 @@ from internlm_offload.model.gated_deltanet import GatedDeltaNet
 from internlm_offload.model.hooks import PoolsRouterStats
 from internlm_offload.model.mlp import FeedForward
 from internlm_offload.model.moe import MoE
-from internlm_offload.model.mtp import MtpSettings, side_blocks
+from internlm_offload.model.mtp import MtpSettings
 from internlm_offload.model.tensor_plan import BlockPlan, Region, TensorPlan
 
 
@@ -162,11 +162,7 @@ class Qwen3Next(Decoder, PoolsRouterStats):
         """Where tensor, sequence, expert parallel and the pipeline find this model's modules (model/tensor_plan.py)."""
         args = self.args
         blocks = tuple(block_plan(args, i) for i in range(args.num_layers))
-        sides = (
-            ()
-            if self.mtp is None
-            else side_blocks(self.mtp.settings.physical, lambda k: block_plan(args, args.num_layers + k))
-        )
+        sides = self.mtp_side_blocks(lambda i: block_plan(args, i))
         return TensorPlan(
             embedding="tok_embeddings", final_norm="norm", head="output", blocks=blocks, side_blocks=sides
         )

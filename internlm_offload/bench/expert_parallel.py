@@ -23,8 +23,6 @@ library.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -38,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from internlm_offload.bench.timing import parse_worker_arguments, run_distributed
+from internlm_offload.bench.timing import machine, parse_worker_arguments, run_distributed
 from internlm_offload.engine.expert_parallel import ExpertDispatch, apply_expert_parallel
 from internlm_offload.engine.runtime import expert_mesh
 from internlm_offload.model.moe import MoE
@@ -181,11 +179,7 @@ def report(shape: dict[str, int], records: dict[str, dict[str, Any]]) -> dict[st
     compute = ep2["step_s_median"] - ep2["all_to_all_s_median"] - ep2["count_exchange_s_median"]
     return {
         "env": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "threads": torch.get_num_threads(),
-            "cpus": os.cpu_count(),
-            "load_average": os.getloadavg(),
+            **machine(),
             "ranks": RANKS,
             "backend": "gloo",
             "shape": {k: shape[k] for k in ("tokens", "hidden", "intermediate", "experts", "top_k")},

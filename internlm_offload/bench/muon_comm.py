@@ -23,8 +23,6 @@ Muon). Writes JSON; no timing is asserted anywhere (the machine is shared). Not 
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 import time
 from collections import Counter
@@ -39,7 +37,7 @@ from torch.distributed.tensor import Placement, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from internlm_offload.bench.muon import ADAMW_HYPER, MUON_HYPER, block_shapes
-from internlm_offload.bench.timing import parse_worker_arguments, run_distributed
+from internlm_offload.bench.timing import machine, parse_worker_arguments, run_distributed
 from internlm_offload.optim import Muon
 from internlm_offload.optim.adamw import AdamW
 
@@ -151,11 +149,7 @@ def report(settings: dict[str, int], shapes: list[tuple[int, int]], records: dic
         row["vs_adamw"] = row["step_s_median"] / rows[key.split("/")[0] + "/adamw"]["step_s_median"]
     return {
         "env": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "threads": torch.get_num_threads(),
-            "cpus": os.cpu_count(),
-            "load_average": os.getloadavg(),
+            **machine(),
             "ranks": RANKS,
             "backend": "gloo",
             "settings": settings,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from test_mla import ThreadExchange
 
 from internlm_offload.model.attention import Documents
 from internlm_offload.model.gated_deltanet import GatedDeltaNet
@@ -80,20 +81,6 @@ def test_tensor_ranks_of_whole_key_head_groups_add_up_to_the_whole_layer(fused, 
     for name, dim in (*((f"{n}.weight", 0) for n in COLUMN[fused]), ("out_proj.weight", 1)):
         got = torch.cat([g[name] for g in local_grads], dim=dim)
         torch.testing.assert_close(got, grads[name], rtol=0, atol=1e-12)
-
-
-class ThreadExchange:
-    """isp's all-to-all between threads standing in for ranks: each sends chunk j of `scatter_dim` to rank j."""
-
-    def __init__(self, box: dict, barrier: threading.Barrier, rank: int, size: int) -> None:
-        self.box, self.barrier, self.rank, self.size = box, barrier, rank, size
-
-    def __call__(self, x: torch.Tensor, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-        self.box[self.rank] = x.chunk(self.size, dim=scatter_dim)
-        self.barrier.wait()
-        out = torch.cat([self.box[src][self.rank] for src in range(self.size)], dim=gather_dim)
-        self.barrier.wait()  # every rank has read before the next call overwrites
-        return out
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["qwen3_next", "qwen3_5"])

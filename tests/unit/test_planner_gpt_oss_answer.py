@@ -6,6 +6,7 @@ AdamW's two states, which a 2 TiB node holds and a 1 TiB node does not. Held whe
 from pathlib import Path
 
 import pytest
+from test_planner_671b_answer import ON_DEVICE, ON_HOST  # the search's two leanest ways to hold the states
 
 from internlm_offload.config import load_config_file, resolve_config
 from internlm_offload.planner.compose import Tracer
@@ -16,14 +17,6 @@ pytestmark = pytest.mark.usefixtures("shared_traces")
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "plan_gpt_oss_120b.py"
 GiB = 2**30
-ON_DEVICE = {  # the leanest way to keep them on the device: the fp32 shards as masters, the states on NVMe
-    "swap_optimizer": True,
-    "grad_offload": True,
-    "nvme_offload.enable": True,
-    "nvme_offload.path": "/local_nvme",
-    "model.checkpoint": 1.0,
-}
-ON_HOST = {"parallel.fsdp_cpu_offload": True, "model.checkpoint": 1.0}  # shards, gradients and states on the host
 
 
 def parameters() -> int:
